@@ -1,0 +1,253 @@
+package mtls
+
+import (
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"math/big"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// CA is a certificate authority that can issue csibroker certificates. It is
+// meant for development, tests and the local demo; production clusters use
+// cert-manager (see deploy/).
+type CA struct {
+	Cert    *x509.Certificate
+	Key     crypto.Signer
+	CertPEM []byte
+	KeyPEM  []byte
+}
+
+// NewCA makes a self-signed CA valid from notBefore to notAfter.
+func NewCA(commonName string, notBefore, notAfter time.Time) (*CA, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, fmt.Errorf("generate CA key: %w", err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          serial(),
+		Subject:               pkix.Name{CommonName: commonName, Organization: []string{"csibroker"}},
+		NotBefore:             notBefore,
+		NotAfter:              notAfter,
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	if err != nil {
+		return nil, fmt.Errorf("create CA certificate: %w", err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		return nil, err
+	}
+	keyPEM, err := encodeKey(key)
+	if err != nil {
+		return nil, err
+	}
+	return &CA{Cert: cert, Key: key, CertPEM: encodeCert(der), KeyPEM: keyPEM}, nil
+}
+
+// LoadCA reads a CA certificate and key written by WriteDevCerts.
+func LoadCA(certFile, keyFile string) (*CA, error) {
+	certPEM, err := os.ReadFile(certFile)
+	if err != nil {
+		return nil, err
+	}
+	keyPEM, err := os.ReadFile(keyFile)
+	if err != nil {
+		return nil, err
+	}
+	cb, _ := pem.Decode(certPEM)
+	kb, _ := pem.Decode(keyPEM)
+	if cb == nil || kb == nil {
+		return nil, fmt.Errorf("load CA %s: not PEM", certFile)
+	}
+	cert, err := x509.ParseCertificate(cb.Bytes)
+	if err != nil {
+		return nil, fmt.Errorf("load CA %s: %w", certFile, err)
+	}
+	k, err := x509.ParsePKCS8PrivateKey(kb.Bytes)
+	if err != nil {
+		return nil, fmt.Errorf("load CA key %s: %w", keyFile, err)
+	}
+	signer, ok := k.(crypto.Signer)
+	if !ok {
+		return nil, errors.New("load CA: key is not a signer")
+	}
+	return &CA{Cert: cert, Key: signer, CertPEM: certPEM, KeyPEM: keyPEM}, nil
+}
+
+// Leaf describes a certificate to issue.
+type Leaf struct {
+	ID        string // spiffe:// URI SAN; empty for none (tests of refusals)
+	DNSNames  []string
+	IPs       []net.IP
+	NotBefore time.Time
+	NotAfter  time.Time
+}
+
+// Issue signs a leaf certificate usable both as a TLS client and server.
+func (ca *CA) Issue(l Leaf) (certPEM, keyPEM []byte, err error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, nil, fmt.Errorf("generate key: %w", err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: serial(),
+		Subject:      pkix.Name{CommonName: l.ID, Organization: []string{"csibroker"}},
+		NotBefore:    l.NotBefore,
+		NotAfter:     l.NotAfter,
+		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		DNSNames:     l.DNSNames,
+		IPAddresses:  l.IPs,
+	}
+	if l.ID != "" {
+		u, err := url.Parse(l.ID)
+		if err != nil {
+			return nil, nil, fmt.Errorf("issue %q: %w", l.ID, err)
+		}
+		tmpl.URIs = []*url.URL{u}
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, key.Public(), ca.Key)
+	if err != nil {
+		return nil, nil, fmt.Errorf("issue %q: %w", l.ID, err)
+	}
+	keyPEM, err = encodeKey(key)
+	if err != nil {
+		return nil, nil, err
+	}
+	return encodeCert(der), keyPEM, nil
+}
+
+// IssueMaterial issues a leaf and returns it as Material trusting this CA.
+func (ca *CA) IssueMaterial(l Leaf) (*Material, error) {
+	c, k, err := ca.Issue(l)
+	if err != nil {
+		return nil, err
+	}
+	return ParseMaterial(c, k, ca.CertPEM, l.NotBefore.Add(time.Second))
+}
+
+// DevCertsOptions says what WriteDevCerts mints.
+type DevCertsOptions struct {
+	Dir         string
+	TrustDomain string
+	Drivers     []string // one controller-proxy certificate each
+	Nodes       []string // with Drivers: one node-proxy certificate per driver and node
+	Validity    time.Duration
+}
+
+// WriteDevCerts writes ca.crt/ca.key, broker.crt/broker.key and, per driver,
+// proxy-<driver>.crt/.key (plus proxy-<driver>-<node>.crt/.key per node) into
+// Dir. An existing CA in Dir is reused so certificates can be re-minted.
+func WriteDevCerts(o DevCertsOptions) ([]string, error) {
+	if o.TrustDomain == "" {
+		return nil, errors.New("trust domain is required")
+	}
+	if o.Validity <= 0 {
+		o.Validity = 30 * 24 * time.Hour
+	}
+	if err := os.MkdirAll(o.Dir, 0o755); err != nil {
+		return nil, err
+	}
+	now := time.Now().Add(-time.Minute)
+	caCert, caKey := filepath.Join(o.Dir, "ca.crt"), filepath.Join(o.Dir, "ca.key")
+	ca, err := LoadCA(caCert, caKey)
+	if err != nil {
+		if ca, err = NewCA("csibroker dev CA", now, now.Add(10*365*24*time.Hour)); err != nil {
+			return nil, err
+		}
+		if err := writeFile(caCert, ca.CertPEM, 0o644); err != nil {
+			return nil, err
+		}
+		if err := writeFile(caKey, ca.KeyPEM, 0o600); err != nil {
+			return nil, err
+		}
+	}
+	written := []string{caCert}
+	issue := func(base, id string) error {
+		c, k, err := ca.Issue(Leaf{ID: id, DNSNames: []string{"localhost"}, IPs: []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}, NotBefore: now, NotAfter: now.Add(o.Validity)})
+		if err != nil {
+			return err
+		}
+		if err := writeFile(filepath.Join(o.Dir, base+".crt"), c, 0o644); err != nil {
+			return err
+		}
+		written = append(written, filepath.Join(o.Dir, base+".crt"))
+		return writeFile(filepath.Join(o.Dir, base+".key"), k, 0o600)
+	}
+	if err := issue("broker", BrokerID(o.TrustDomain)); err != nil {
+		return nil, err
+	}
+	for _, d := range o.Drivers {
+		if err := issue("proxy-"+d, DriverID(o.TrustDomain, d)); err != nil {
+			return nil, err
+		}
+		for _, n := range o.Nodes {
+			if err := issue("proxy-"+d+"-"+n, NodeDriverID(o.TrustDomain, d, n)); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return written, nil
+}
+
+// writeFile replaces path atomically so a watcher never reads half a file.
+func writeFile(path string, data []byte, mode os.FileMode) error {
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".tmp-"+filepath.Base(path))
+	if err != nil {
+		return err
+	}
+	if _, err := tmp.Write(data); err != nil {
+		tmp.Close()
+		os.Remove(tmp.Name())
+		return err
+	}
+	if err := tmp.Chmod(mode); err != nil {
+		tmp.Close()
+		os.Remove(tmp.Name())
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		os.Remove(tmp.Name())
+		return err
+	}
+	return os.Rename(tmp.Name(), path)
+}
+
+// WriteFileAtomic is writeFile for callers (tests rotating certificates).
+func WriteFileAtomic(path string, data []byte, mode os.FileMode) error {
+	return writeFile(path, data, mode)
+}
+
+func serial() *big.Int {
+	n, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 127))
+	if err != nil {
+		panic(err) // crypto/rand never fails on Linux
+	}
+	return n
+}
+
+func encodeCert(der []byte) []byte {
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
+}
+
+func encodeKey(k *ecdsa.PrivateKey) ([]byte, error) {
+	der, err := x509.MarshalPKCS8PrivateKey(k)
+	if err != nil {
+		return nil, err
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), nil
+}

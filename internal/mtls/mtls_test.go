@@ -1,0 +1,263 @@
+package mtls
+
+import (
+	"crypto/tls"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseID(t *testing.T) {
+	cases := []struct {
+		name, in string
+		want     Identity
+		wantErr  bool
+	}{
+		{"broker", "spiffe://td/csibroker/broker", Identity{TrustDomain: "td", Role: RoleBroker}, false},
+		{"driver", "spiffe://td/csibroker/driver/d.example.org", Identity{TrustDomain: "td", Role: RoleDriver, Driver: "d.example.org"}, false},
+		{"node", "spiffe://td/csibroker/driver/d/node/n1", Identity{TrustDomain: "td", Role: RoleDriver, Driver: "d", Node: "n1"}, false},
+		{"wrong scheme", "https://td/csibroker/broker", Identity{}, true},
+		{"no csibroker", "spiffe://td/other/broker", Identity{}, true},
+		{"empty driver", "spiffe://td/csibroker/driver/", Identity{}, true},
+		{"node without name", "spiffe://td/csibroker/driver/d/node", Identity{}, true},
+		{"broker with suffix", "spiffe://td/csibroker/broker/x", Identity{}, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			got, err := ParseID(c.in)
+			if (err != nil) != c.wantErr {
+				t.Fatalf("err = %v, wantErr %v", err, c.wantErr)
+			}
+			if got != c.want {
+				t.Fatalf("got %+v, want %+v", got, c.want)
+			}
+			if !c.wantErr && got.String() != c.in {
+				t.Fatalf("String() = %q, want %q", got.String(), c.in)
+			}
+		})
+	}
+}
+
+func TestAuthorizeOneOfFailsClosed(t *testing.T) {
+	if err := AuthorizeOneOf()("spiffe://td/csibroker/broker"); err == nil {
+		t.Fatal("empty allow-list admitted a peer")
+	}
+	a := AuthorizeOneOf(BrokerID("td"))
+	if err := a(BrokerID("td")); err != nil {
+		t.Fatal(err)
+	}
+	if err := a(DriverID("td", "x")); err == nil || !strings.Contains(err.Error(), "want spiffe://td/csibroker/broker") {
+		t.Fatalf("err = %v", err)
+	}
+}
+
+// handshake runs a real TLS handshake over loopback TCP and returns the
+// client's and the server's errors.
+func handshake(t *testing.T, server, client *tls.Config) (clientErr, serverErr error) {
+	t.Helper()
+	lis, err := tls.Listen("tcp", "127.0.0.1:0", server)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lis.Close()
+	srvErr := make(chan error, 1)
+	go func() {
+		c, err := lis.Accept()
+		if err != nil {
+			srvErr <- err
+			return
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		if err := c.(*tls.Conn).Handshake(); err != nil {
+			srvErr <- err
+			return
+		}
+		_, err = c.Write([]byte("ok"))
+		srvErr <- err
+	}()
+	c, err := tls.DialWithDialer(&net.Dialer{Timeout: 5 * time.Second}, "tcp", lis.Addr().String(), client)
+	if err == nil {
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		// TLS 1.3: the server's verdict on our certificate arrives with the first read.
+		_, err = io.ReadFull(c, make([]byte, 2))
+		c.Close()
+	}
+	return err, <-srvErr
+}
+
+func TestHandshakes(t *testing.T) {
+	now := time.Now()
+	ca, err := NewCA("test CA", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := NewCA("other CA", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mat := func(ca *CA, id string, nb, na time.Time) *Material {
+		c, k, err := ca.Issue(Leaf{ID: id, NotBefore: nb, NotAfter: na})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Parse as of a time when the certificate was valid so expired ones can be built.
+		m, err := ParseMaterial(c, k, ca.CertPEM, nb.Add(time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	valid := func(ca *CA, id string) *Material { return mat(ca, id, now.Add(-time.Minute), now.Add(time.Hour)) }
+	broker := valid(ca, BrokerID("td"))
+	proxyD1 := valid(ca, DriverID("td", "d1"))
+
+	proxySrv := ServerConfig(StaticSource{proxyD1}, AuthorizeOneOf(BrokerID("td")))
+	brokerTo := func(driver string, m *Material) *tls.Config {
+		return ClientConfig(StaticSource{m}, AuthorizeOneOf(DriverID("td", driver)))
+	}
+
+	t.Run("ok", func(t *testing.T) {
+		cErr, sErr := handshake(t, proxySrv, brokerTo("d1", broker))
+		if cErr != nil || sErr != nil {
+			t.Fatalf("client %v, server %v", cErr, sErr)
+		}
+	})
+	t.Run("proxy names another driver", func(t *testing.T) {
+		cErr, _ := handshake(t, proxySrv, brokerTo("d2", broker))
+		if cErr == nil || !strings.Contains(cErr.Error(), "peer identity spiffe://td/csibroker/driver/d1 is not authorized: want spiffe://td/csibroker/driver/d2") {
+			t.Fatalf("client err = %v", cErr)
+		}
+	})
+	t.Run("client from unknown CA", func(t *testing.T) {
+		c, k, err := other.Issue(Leaf{ID: BrokerID("td"), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := ParseMaterial(c, k, ca.CertPEM, now) // trusts the right CA, signed by the wrong one
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, sErr := handshake(t, proxySrv, brokerTo("d1", m))
+		if sErr == nil || !strings.Contains(sErr.Error(), "unknown authority") {
+			t.Fatalf("server err = %v", sErr)
+		}
+	})
+	t.Run("server from unknown CA", func(t *testing.T) {
+		c, k, err := other.Issue(Leaf{ID: DriverID("td", "d1"), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := ParseMaterial(c, k, ca.CertPEM, now)
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := ServerConfig(StaticSource{m}, AuthorizeOneOf(BrokerID("td")))
+		cErr, _ := handshake(t, srv, brokerTo("d1", broker))
+		if cErr == nil || !strings.Contains(cErr.Error(), "unknown authority") {
+			t.Fatalf("client err = %v", cErr)
+		}
+	})
+	t.Run("expired client certificate", func(t *testing.T) {
+		expired := mat(ca, BrokerID("td"), now.Add(-2*time.Hour), now.Add(-time.Hour))
+		_, sErr := handshake(t, proxySrv, brokerTo("d1", expired))
+		if sErr == nil || !strings.Contains(sErr.Error(), "expired") {
+			t.Fatalf("server err = %v", sErr)
+		}
+	})
+	t.Run("client without certificate", func(t *testing.T) {
+		noCert := &tls.Config{InsecureSkipVerify: true, NextProtos: []string{"h2"}}
+		_, sErr := handshake(t, proxySrv, noCert)
+		if sErr == nil || !strings.Contains(sErr.Error(), "certificate") {
+			t.Fatalf("server err = %v", sErr)
+		}
+	})
+	t.Run("a driver may not pose as the broker's peer", func(t *testing.T) {
+		_, sErr := handshake(t, proxySrv, brokerTo("d1", valid(ca, DriverID("td", "d2"))))
+		if sErr == nil || !strings.Contains(sErr.Error(), "not authorized") {
+			t.Fatalf("server err = %v", sErr)
+		}
+	})
+}
+
+func TestFileSourceReload(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"d1"}}); err != nil {
+		t.Fatal(err)
+	}
+	certF, keyF, caF := filepath.Join(dir, "broker.crt"), filepath.Join(dir, "broker.key"), filepath.Join(dir, "ca.crt")
+	src, err := NewFileSource(certF, keyF, caF, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := src.Current()
+	if first.ID != BrokerID("td") {
+		t.Fatalf("id = %s", first.ID)
+	}
+	if swapped, err := src.Reload(); swapped || err != nil {
+		t.Fatalf("unchanged files: swapped=%v err=%v", swapped, err)
+	}
+
+	// A garbage certificate is refused and the old one stays.
+	if err := os.WriteFile(certF, []byte("garbage"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := src.Reload(); err == nil {
+		t.Fatal("garbage certificate accepted")
+	}
+	if src.Current() != first || src.Failures() != 1 {
+		t.Fatalf("old material not kept (failures=%d)", src.Failures())
+	}
+
+	// A new valid certificate is picked up.
+	ca, err := LoadCA(caF, filepath.Join(dir, "ca.key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, k, err := ca.Issue(Leaf{ID: BrokerID("td"), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := WriteFileAtomic(keyF, k, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := WriteFileAtomic(certF, c, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if swapped, err := src.Reload(); !swapped || err != nil {
+		t.Fatalf("swapped=%v err=%v", swapped, err)
+	}
+	if src.Current() == first || src.Current().Leaf.SerialNumber.Cmp(first.Leaf.SerialNumber) == 0 || src.Reloads() != 1 {
+		t.Fatal("new certificate not in use")
+	}
+
+	// An expired certificate is refused.
+	c, k, err = ca.Issue(Leaf{ID: BrokerID("td"), NotBefore: time.Now().Add(-2 * time.Hour), NotAfter: time.Now().Add(-time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cur := src.Current()
+	WriteFileAtomic(keyF, k, 0o600)
+	WriteFileAtomic(certF, c, 0o644)
+	if _, err := src.Reload(); err == nil || !strings.Contains(err.Error(), "expired") {
+		t.Fatalf("err = %v", err)
+	}
+	if src.Current() != cur {
+		t.Fatal("expired certificate replaced a valid one")
+	}
+	// A mismatched key is refused.
+	_, k2, _ := ca.Issue(Leaf{ID: BrokerID("td"), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour)})
+	c3, _, _ := ca.Issue(Leaf{ID: BrokerID("td"), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour)})
+	WriteFileAtomic(keyF, k2, 0o600)
+	WriteFileAtomic(certF, c3, 0o644)
+	if _, err := src.Reload(); err == nil {
+		t.Fatal("mismatched key accepted")
+	}
+	if src.Current() != cur {
+		t.Fatal("mismatched pair replaced a valid one")
+	}
+}

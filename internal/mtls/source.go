@@ -1,0 +1,158 @@
+package mtls
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Material is one consistent set of our certificate, its key and the CA pool
+// that peers' certificates must chain to.
+type Material struct {
+	Cert *tls.Certificate
+	Leaf *x509.Certificate
+	ID   string // our own spiffe:// identity
+	Pool *x509.CertPool
+}
+
+// Source hands out the current Material.
+type Source interface {
+	Current() *Material
+}
+
+// StaticSource is a Source whose material never changes (tests, tools).
+type StaticSource struct{ M *Material }
+
+// Current returns the fixed material.
+func (s StaticSource) Current() *Material { return s.M }
+
+// FileSource reads a certificate, its key and a CA bundle from files and
+// re-reads them when their contents change. A reload that fails keeps the
+// previous material.
+type FileSource struct {
+	certFile, keyFile, caFile string
+	log                       *slog.Logger
+	now                       func() time.Time
+
+	cur atomic.Pointer[Material]
+
+	mu       sync.Mutex // serializes reloads
+	lastRead [3][]byte
+	reloads  atomic.Int64
+	failures atomic.Int64
+}
+
+// NewFileSource loads the files once; it fails if they are not a valid set.
+func NewFileSource(certFile, keyFile, caFile string, log *slog.Logger) (*FileSource, error) {
+	if certFile == "" || keyFile == "" || caFile == "" {
+		return nil, errors.New("mtls: certificate, key and CA files are all required")
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	s := &FileSource{certFile: certFile, keyFile: keyFile, caFile: caFile, log: log, now: time.Now}
+	if _, err := s.Reload(); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// Current returns the material in use.
+func (s *FileSource) Current() *Material { return s.cur.Load() }
+
+// Reloads and Failures count successful swaps and refused new files.
+func (s *FileSource) Reloads() int64  { return s.reloads.Load() }
+func (s *FileSource) Failures() int64 { return s.failures.Load() }
+
+// Reload reads the files and swaps in their material if it changed and is
+// valid. It reports whether a swap happened.
+func (s *FileSource) Reload() (bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var raw [3][]byte
+	for i, f := range []string{s.certFile, s.keyFile, s.caFile} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return false, s.refuse(fmt.Errorf("mtls: read %s: %w", f, err))
+		}
+		raw[i] = b
+	}
+	if s.cur.Load() != nil && bytes.Equal(raw[0], s.lastRead[0]) && bytes.Equal(raw[1], s.lastRead[1]) && bytes.Equal(raw[2], s.lastRead[2]) {
+		return false, nil
+	}
+	m, err := ParseMaterial(raw[0], raw[1], raw[2], s.now())
+	if err != nil {
+		// Remember nothing: a later complete write must be re-examined.
+		return false, s.refuse(fmt.Errorf("mtls: %s, %s, %s: %w", s.certFile, s.keyFile, s.caFile, err))
+	}
+	s.lastRead = raw
+	first := s.cur.Load() == nil
+	s.cur.Store(m)
+	if !first {
+		s.reloads.Add(1)
+		s.log.Info("mtls: certificate reloaded", "identity", m.ID, "not_after", m.Leaf.NotAfter.UTC().Format(time.RFC3339), "serial", m.Leaf.SerialNumber.String())
+	}
+	return true, nil
+}
+
+func (s *FileSource) refuse(err error) error {
+	if s.cur.Load() != nil {
+		s.failures.Add(1)
+		s.log.Error("mtls: new certificate files refused, keeping the previous ones", "err", err)
+	}
+	return err
+}
+
+// Run polls the files every interval until ctx is done. Kubernetes secret
+// volumes and cert-manager replace files by renaming symlinks, which polling
+// the contents handles without special cases.
+func (s *FileSource) Run(ctx context.Context, interval time.Duration) {
+	if interval <= 0 {
+		interval = time.Second
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			_, _ = s.Reload() // logged inside
+		}
+	}
+}
+
+// ParseMaterial validates and parses PEM certificate, key and CA bundle.
+func ParseMaterial(certPEM, keyPEM, caPEM []byte, now time.Time) (*Material, error) {
+	cert, err := tls.X509KeyPair(certPEM, keyPEM)
+	if err != nil {
+		return nil, fmt.Errorf("certificate and key: %w", err)
+	}
+	leaf := cert.Leaf
+	if leaf == nil {
+		if leaf, err = x509.ParseCertificate(cert.Certificate[0]); err != nil {
+			return nil, fmt.Errorf("parse certificate: %w", err)
+		}
+		cert.Leaf = leaf
+	}
+	if now.After(leaf.NotAfter) {
+		return nil, fmt.Errorf("certificate expired at %s", leaf.NotAfter.UTC().Format(time.RFC3339))
+	}
+	id, err := PeerID(leaf)
+	if err != nil {
+		return nil, err
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(caPEM) {
+		return nil, errors.New("CA bundle holds no PEM certificate")
+	}
+	return &Material{Cert: &cert, Leaf: leaf, ID: id, Pool: pool}, nil
+}
