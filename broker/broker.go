@@ -1,0 +1,381 @@
+package broker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/keepalive"
+
+	"github.com/csibroker/csibroker/internal/mtls"
+	"github.com/csibroker/csibroker/internal/telemetry"
+)
+
+// Sentinel errors; callers test them with errors.Is.
+var (
+	ErrUnknownDriver = errors.New("unknown driver")
+	ErrNoProxy       = errors.New("no proxy for this call")
+)
+
+// Options configure a Broker.
+type Options struct {
+	// TrustDomain of the SPIFFE IDs proxies must present.
+	TrustDomain string
+	// TLS is the broker's own certificate and CA pool.
+	TLS mtls.Source
+	// MaxMsgSize bounds a message in either direction.
+	MaxMsgSize int
+
+	Logger         *slog.Logger
+	TracerProvider trace.TracerProvider
+	Propagator     propagation.TextMapPropagator
+	Registerer     prometheus.Registerer
+}
+
+// Broker holds the registered drivers and their proxy connections.
+type Broker struct {
+	opts    Options
+	log     *slog.Logger
+	tracer  trace.Tracer
+	metrics *Metrics
+
+	mu      sync.RWMutex
+	drivers map[string]*Driver
+}
+
+// New makes an empty broker; add drivers with SetDriver.
+func New(opts Options) (*Broker, error) {
+	if opts.TrustDomain == "" {
+		return nil, errors.New("broker: trust domain is required")
+	}
+	if opts.TLS == nil {
+		return nil, errors.New("broker: TLS source is required: proxies are reached over mTLS only")
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	if opts.TracerProvider == nil {
+		opts.TracerProvider = noop.NewTracerProvider()
+	}
+	if opts.Propagator == nil {
+		opts.Propagator = telemetry.Propagator()
+	}
+	if opts.MaxMsgSize <= 0 {
+		opts.MaxMsgSize = 64 << 20
+	}
+	b := &Broker{
+		opts:    opts,
+		log:     opts.Logger.With("component", "broker"),
+		tracer:  opts.TracerProvider.Tracer("github.com/csibroker/csibroker/broker"),
+		drivers: map[string]*Driver{},
+	}
+	b.metrics = newMetrics()
+	b.metrics.b = b
+	if opts.Registerer != nil {
+		if err := opts.Registerer.Register(b.metrics); err != nil {
+			return nil, fmt.Errorf("broker: register metrics: %w", err)
+		}
+	}
+	return b, nil
+}
+
+// SetDriver adds a driver or replaces its configuration. Connections to
+// proxies whose address and node did not change are kept.
+func (b *Broker) SetDriver(cfg DriverConfig) error {
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	cfg = cfg.withDefaults()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	old := b.drivers[cfg.Name]
+	d := &Driver{name: cfg.Name, cfg: cfg, b: b, nodes: map[string]*proxyConn{}}
+	if old != nil {
+		d.stats = old.stats
+	} else {
+		d.stats = &driverStats{}
+	}
+	reuse := func(pc ProxyConfig) (*proxyConn, error) {
+		if old != nil {
+			var prev *proxyConn
+			if pc.Node == "" {
+				prev = old.controller
+			} else {
+				prev = old.nodes[pc.Node]
+			}
+			if prev != nil && prev.cfg == pc && prev.retry == cfg.Retry {
+				prev.driverCfg.Store(&d.cfg)
+				return prev, nil
+			}
+		}
+		return b.dial(d, pc)
+	}
+	var made []*proxyConn
+	fail := func(err error) error {
+		for _, pc := range made {
+			pc.conn.Close()
+		}
+		return err
+	}
+	if cfg.Controller != nil {
+		pc, err := reuse(ProxyConfig{Address: cfg.Controller.Address})
+		if err != nil {
+			return fail(err)
+		}
+		d.controller = pc
+		made = append(made, pc)
+	}
+	for _, n := range cfg.Nodes {
+		pc, err := reuse(n)
+		if err != nil {
+			return fail(err)
+		}
+		d.nodes[n.Node] = pc
+		made = append(made, pc)
+	}
+	if old != nil {
+		keep := map[*proxyConn]bool{}
+		for _, pc := range made {
+			keep[pc] = true
+		}
+		for _, pc := range old.all() {
+			if !keep[pc] {
+				pc.conn.Close()
+			}
+		}
+	}
+	b.drivers[cfg.Name] = d
+	b.log.Info("driver registered", "driver", cfg.Name, "controller", cfg.Controller != nil, "node_proxies", len(cfg.Nodes), "node_local", cfg.NodeLocal)
+	return nil
+}
+
+// RemoveDriver forgets a driver and closes its connections.
+func (b *Broker) RemoveDriver(name string) {
+	b.mu.Lock()
+	d := b.drivers[name]
+	delete(b.drivers, name)
+	b.mu.Unlock()
+	if d != nil {
+		for _, pc := range d.all() {
+			pc.conn.Close()
+		}
+		b.log.Info("driver removed", "driver", name)
+	}
+}
+
+// Driver returns a registered driver.
+func (b *Broker) Driver(name string) (*Driver, error) {
+	b.mu.RLock()
+	d := b.drivers[name]
+	b.mu.RUnlock()
+	if d == nil {
+		return nil, fmt.Errorf("%w %q (registered: %v)", ErrUnknownDriver, name, b.DriverNames())
+	}
+	return d, nil
+}
+
+// DriverNames lists the registered drivers, sorted.
+func (b *Broker) DriverNames() []string {
+	b.mu.RLock()
+	defer b.mu.RUnlock()
+	names := make([]string, 0, len(b.drivers))
+	for n := range b.drivers {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// Close closes every connection.
+func (b *Broker) Close() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, d := range b.drivers {
+		for _, pc := range d.all() {
+			pc.conn.Close()
+		}
+	}
+	b.drivers = map[string]*Driver{}
+}
+
+// dial opens the connection to one proxy with the client chain.
+func (b *Broker) dial(d *Driver, pc ProxyConfig) (*proxyConn, error) {
+	want := mtls.DriverID(b.opts.TrustDomain, d.name)
+	if pc.Node != "" {
+		want = mtls.NodeDriverID(b.opts.TrustDomain, d.name, pc.Node)
+	}
+	p := &proxyConn{cfg: pc, driver: d.name, want: want, retry: d.cfg.Retry}
+	p.driverCfg.Store(&d.cfg)
+	tlsCfg := mtls.ClientConfig(b.opts.TLS, mtls.AuthorizeOneOf(want))
+	otelOpts := []otelgrpc.Option{otelgrpc.WithTracerProvider(b.opts.TracerProvider), otelgrpc.WithPropagators(b.opts.Propagator)}
+	conn, err := grpc.NewClient("passthrough:///"+pc.Address,
+		grpc.WithTransportCredentials(credentials.NewTLS(tlsCfg)),
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
+			MinConnectTimeout: 5 * time.Second,
+		}),
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 30 * time.Second, Timeout: 10 * time.Second, PermitWithoutStream: true}),
+		grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelOpts...)),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(b.opts.MaxMsgSize), grpc.MaxCallSendMsgSize(b.opts.MaxMsgSize)),
+		grpc.WithChainUnaryInterceptor(b.unaryChain(p)...),
+		grpc.WithChainStreamInterceptor(b.streamChain(p)...),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("driver %q: proxy %s: %w", d.name, pc.Address, err)
+	}
+	p.conn = conn
+	conn.Connect()
+	return p, nil
+}
+
+// Driver is one registered driver and its proxies.
+type Driver struct {
+	name       string
+	cfg        DriverConfig
+	b          *Broker
+	controller *proxyConn
+	nodes      map[string]*proxyConn
+	stats      *driverStats
+}
+
+type driverStats struct {
+	total, failed, inflight atomic.Int64
+}
+
+// Name is the driver's CSI name.
+func (d *Driver) Name() string { return d.name }
+
+// Config is the driver's effective configuration.
+func (d *Driver) Config() DriverConfig { return d.cfg }
+
+// Controller returns the connection to the driver's controller proxy.
+func (d *Driver) Controller() (grpc.ClientConnInterface, error) {
+	if d.controller == nil {
+		return nil, fmt.Errorf("driver %q: %w: no controller proxy registered", d.name, ErrNoProxy)
+	}
+	return d.controller.conn, nil
+}
+
+// Node returns the connection to the driver's proxy on node.
+func (d *Driver) Node(node string) (grpc.ClientConnInterface, error) {
+	pc := d.nodes[node]
+	if pc == nil {
+		return nil, fmt.Errorf("driver %q: %w: no node proxy registered for node %q", d.name, ErrNoProxy, node)
+	}
+	return pc.conn, nil
+}
+
+// Nodes lists the nodes that have a proxy of this driver, sorted.
+func (d *Driver) Nodes() []string {
+	out := make([]string, 0, len(d.nodes))
+	for n := range d.nodes {
+		out = append(out, n)
+	}
+	sort.Strings(out)
+	return out
+}
+
+func (d *Driver) all() []*proxyConn {
+	var out []*proxyConn
+	if d.controller != nil {
+		out = append(out, d.controller)
+	}
+	for _, n := range d.Nodes() {
+		out = append(out, d.nodes[n])
+	}
+	return out
+}
+
+// proxyConn is the connection to one proxy.
+type proxyConn struct {
+	cfg       ProxyConfig
+	driver    string
+	want      string // identity required of the proxy
+	retry     RetryConfig
+	driverCfg atomic.Pointer[DriverConfig]
+	conn      *grpc.ClientConn
+}
+
+type proxyState struct{ driver, node, address, state, want string }
+
+func (b *Broker) proxyStates() []proxyState {
+	b.mu.RLock()
+	defer b.mu.RUnlock()
+	var out []proxyState
+	for _, d := range b.drivers {
+		for _, pc := range d.all() {
+			out = append(out, proxyState{driver: d.name, node: pc.cfg.Node, address: pc.cfg.Address, state: pc.conn.GetState().String(), want: pc.want})
+		}
+	}
+	return out
+}
+
+// DriverStatus is a snapshot for the status API.
+type DriverStatus struct {
+	Name                    string
+	Proxies                 []ProxyStatus
+	Inflight, Total, Failed int64
+}
+
+// ProxyStatus is one proxy connection's state.
+type ProxyStatus struct{ Address, Node, State, ExpectedIdentity string }
+
+// Status snapshots every driver.
+func (b *Broker) Status() []DriverStatus {
+	b.mu.RLock()
+	defer b.mu.RUnlock()
+	var out []DriverStatus
+	for _, name := range sortedKeys(b.drivers) {
+		d := b.drivers[name]
+		ds := DriverStatus{Name: name, Inflight: d.stats.inflight.Load(), Total: d.stats.total.Load(), Failed: d.stats.failed.Load()}
+		for _, pc := range d.all() {
+			ds.Proxies = append(ds.Proxies, ProxyStatus{Address: pc.cfg.Address, Node: pc.cfg.Node, State: pc.conn.GetState().String(), ExpectedIdentity: pc.want})
+		}
+		out = append(out, ds)
+	}
+	return out
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// WaitReady blocks until every proxy connection of every driver is READY or
+// ctx is done (tests, start-up logging).
+func (b *Broker) WaitReady(ctx context.Context) error {
+	for {
+		notReady := ""
+		for _, ps := range b.proxyStates() {
+			if ps.state != "READY" {
+				notReady = fmt.Sprintf("driver %s proxy %s is %s", ps.driver, ps.address, ps.state)
+				break
+			}
+		}
+		if notReady == "" {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s: %w", notReady, ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}

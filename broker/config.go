@@ -1,0 +1,144 @@
+package broker
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// RegistryConfig is the static driver registry file of a standalone broker.
+//
+//	drivers:
+//	  - name: sample.csi.example.org
+//	    controller: {address: 127.0.0.1:7001}
+//	    nodes:
+//	      - {node: node-1, address: 10.0.0.5:7002}
+//	    timeout: 30s
+//	    methodTimeouts: {CreateVolume: 2m}
+//	    retry: {maxAttempts: 4, intervalStart: 100ms, intervalMax: 2s}
+type RegistryConfig struct {
+	Drivers []DriverConfig `yaml:"drivers"`
+}
+
+// DriverConfig says where one driver's proxies are and how to call it.
+type DriverConfig struct {
+	Name       string        `yaml:"name"`
+	Controller *ProxyConfig  `yaml:"controller,omitempty"`
+	Nodes      []ProxyConfig `yaml:"nodes,omitempty"`
+	// NodeLocal drivers keep volumes on one node: CreateVolume, DeleteVolume
+	// and GetCapacity go to the proxy of the selected node.
+	NodeLocal bool `yaml:"nodeLocal,omitempty"`
+	// Timeout bounds each CSI call (all its retries included) unless
+	// MethodTimeouts names the method.
+	Timeout        time.Duration            `yaml:"timeout,omitempty"`
+	MethodTimeouts map[string]time.Duration `yaml:"methodTimeouts,omitempty"`
+	Retry          RetryConfig              `yaml:"retry,omitempty"`
+}
+
+// ProxyConfig is one proxy of a driver.
+type ProxyConfig struct {
+	Address string `yaml:"address"`
+	Node    string `yaml:"node,omitempty"`
+}
+
+// RetryConfig bounds the retries of one call. Only transport failures and
+// Unavailable are retried, never ResourceExhausted or a client stream.
+type RetryConfig struct {
+	// MaxAttempts counts the first attempt; 1 disables retries.
+	MaxAttempts   int           `yaml:"maxAttempts,omitempty"`
+	IntervalStart time.Duration `yaml:"intervalStart,omitempty"`
+	IntervalMax   time.Duration `yaml:"intervalMax,omitempty"`
+}
+
+// Defaults used where a DriverConfig leaves a value unset.
+const (
+	DefaultTimeout       = 30 * time.Second
+	DefaultMaxAttempts   = 4
+	DefaultIntervalStart = 100 * time.Millisecond
+	DefaultIntervalMax   = 2 * time.Second
+)
+
+// withDefaults returns c with unset values filled.
+func (c DriverConfig) withDefaults() DriverConfig {
+	if c.Timeout <= 0 {
+		c.Timeout = DefaultTimeout
+	}
+	if c.Retry.MaxAttempts <= 0 {
+		c.Retry.MaxAttempts = DefaultMaxAttempts
+	}
+	if c.Retry.IntervalStart <= 0 {
+		c.Retry.IntervalStart = DefaultIntervalStart
+	}
+	if c.Retry.IntervalMax <= 0 {
+		c.Retry.IntervalMax = DefaultIntervalMax
+	}
+	return c
+}
+
+// Validate reports what is wrong with one driver's configuration.
+func (c DriverConfig) Validate() error {
+	var errs []error
+	if c.Name == "" {
+		errs = append(errs, errors.New("name is required"))
+	}
+	if strings.ContainsAny(c.Name, "/ ") {
+		errs = append(errs, fmt.Errorf("name %q must not contain '/' or spaces", c.Name))
+	}
+	if c.Controller == nil && len(c.Nodes) == 0 {
+		errs = append(errs, errors.New("needs a controller proxy or at least one node proxy"))
+	}
+	if c.Controller != nil && c.Controller.Address == "" {
+		errs = append(errs, errors.New("controller.address is required"))
+	}
+	seen := map[string]bool{}
+	for i, n := range c.Nodes {
+		if n.Node == "" || n.Address == "" {
+			errs = append(errs, fmt.Errorf("nodes[%d]: node and address are required", i))
+		}
+		if seen[n.Node] {
+			errs = append(errs, fmt.Errorf("nodes[%d]: node %q listed twice", i, n.Node))
+		}
+		seen[n.Node] = true
+	}
+	if c.Retry.MaxAttempts < 0 || c.Retry.IntervalStart < 0 || c.Retry.IntervalMax < 0 || c.Timeout < 0 {
+		errs = append(errs, errors.New("timeouts and retry values must not be negative"))
+	}
+	for m, d := range c.MethodTimeouts {
+		if d <= 0 {
+			errs = append(errs, fmt.Errorf("methodTimeouts[%s] must be positive", m))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("driver %q: %w", c.Name, err)
+	}
+	return nil
+}
+
+// LoadRegistryConfig reads and validates a registry file.
+func LoadRegistryConfig(path string) (*RegistryConfig, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("driver registry: %w", err)
+	}
+	var rc RegistryConfig
+	dec := yaml.NewDecoder(strings.NewReader(string(b)))
+	dec.KnownFields(true)
+	if err := dec.Decode(&rc); err != nil {
+		return nil, fmt.Errorf("driver registry %s: %w", path, err)
+	}
+	seen := map[string]bool{}
+	for _, d := range rc.Drivers {
+		if err := d.Validate(); err != nil {
+			return nil, fmt.Errorf("driver registry %s: %w", path, err)
+		}
+		if seen[d.Name] {
+			return nil, fmt.Errorf("driver registry %s: driver %q listed twice", path, d.Name)
+		}
+		seen[d.Name] = true
+	}
+	return &rc, nil
+}
