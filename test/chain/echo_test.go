@@ -1,0 +1,96 @@
+package chain
+
+import (
+	"context"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/csibroker/csibroker/internal/chaintest"
+)
+
+// echoDriver is a real CSI gRPC server on a unix socket whose CreateVolume
+// does what the request's parameters say: fail with a given code, message and
+// details, set headers and trailers, or wait until its context ends. It makes
+// passthrough fidelity observable end to end.
+type echoDriver struct {
+	csi.UnimplementedIdentityServer
+	csi.UnimplementedControllerServer
+
+	calls     atomic.Int64
+	mu        sync.Mutex
+	lastMD    metadata.MD
+	deadline  time.Duration // remaining time seen by the last call, 0 if none
+	cancelled chan struct{} // receives when a waiting call sees its context end
+}
+
+func (e *echoDriver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
+	return &csi.GetPluginInfoResponse{Name: "echo.csi.test", VendorVersion: "1"}, nil
+}
+
+func (e *echoDriver) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+	return &csi.ProbeResponse{}, nil
+}
+
+func (e *echoDriver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+	e.calls.Add(1)
+	md, _ := metadata.FromIncomingContext(ctx)
+	e.mu.Lock()
+	e.lastMD = md
+	if dl, ok := ctx.Deadline(); ok {
+		e.deadline = time.Until(dl)
+	} else {
+		e.deadline = 0
+	}
+	e.mu.Unlock()
+	p := req.GetParameters()
+	grpc.SetHeader(ctx, metadata.Pairs("x-test-header", "h-"+req.GetName()))
+	grpc.SetTrailer(ctx, metadata.Pairs("x-test-trailer", "t-"+req.GetName()))
+	if p["wait"] == "true" {
+		<-ctx.Done()
+		e.cancelled <- struct{}{}
+		return nil, status.FromContextError(ctx.Err()).Err()
+	}
+	if c, ok := p["code"]; ok {
+		n, _ := strconv.Atoi(c)
+		if n != 0 {
+			st, err := status.New(codes.Code(n), "driver says "+codes.Code(n).String()+" for "+req.GetName()).
+				WithDetails(&errdetails.ErrorInfo{Reason: "REASON_" + c, Domain: "echo.csi.test", Metadata: map[string]string{"k": "v"}})
+			if err != nil {
+				return nil, err
+			}
+			return nil, st.Err()
+		}
+	}
+	return &csi.CreateVolumeResponse{Volume: &csi.Volume{VolumeId: "id-" + req.GetName(), CapacityBytes: 42, VolumeContext: map[string]string{"echo": "yes"}}}, nil
+}
+
+// startEcho serves an echoDriver on a temp unix socket.
+func startEcho(t testing.TB) (*echoDriver, string) {
+	t.Helper()
+	dir := chaintest.ShortTempDir(t)
+	path := filepath.Join(dir, "echo.sock")
+	lis, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &echoDriver{cancelled: make(chan struct{}, 16)}
+	srv := grpc.NewServer()
+	csi.RegisterIdentityServer(srv, e)
+	csi.RegisterControllerServer(srv, e)
+	go srv.Serve(lis)
+	t.Cleanup(func() { srv.Stop(); os.Remove(path) })
+	return e, "unix://" + path
+}
