@@ -1,0 +1,40 @@
+// Package sampledriver is csibroker's own small but real CSI driver, used by
+// the project's tests and demo in place of the hostpath driver (which is not
+// installable here). It passes csi-sanity on its own.
+//
+// What it owns:
+//
+//   - Identity, Controller and Node services of CSI spec v1.13 over a unix
+//     socket (or any net.Listener handed to Serve).
+//   - Volumes are directories under <StateDir>/volumes/<volume-id>; a clone
+//     copies the source directory, a snapshot copies the volume into
+//     <StateDir>/snapshots/<snapshot-id>. Capacity is accounted, not enforced
+//     on disk: the pool is Config.CapacityBytes and GetCapacity reports what
+//     volumes have not claimed.
+//   - State (volumes, attachments, snapshots, this node's stage and publish
+//     mounts) lives in <StateDir>/state.json, rewritten atomically (temp
+//     file, fsync, rename, fsync of the directory) before a call that changed
+//     it returns, so a new Driver on the same StateDir sees everything. A lock
+//     file keeps two live drivers off one StateDir.
+//   - The node side uses real bind mounts: NodeStageVolume binds the volume
+//     directory onto the staging path, NodePublishVolume binds the staging
+//     path onto the target (created if missing, removed on unpublish,
+//     remounted read-only when asked). Mount state is checked against
+//     /proc/self/mountinfo and by comparing inodes, so calls are idempotent
+//     and survive a driver restart.
+//   - Fault injection (latency, error rate and code, fail the first N calls,
+//     exit the process after N calls) is a gRPC unary server interceptor
+//     configured by Config.Faults; see ParseFault for the flag syntax.
+//
+// What it must not do: log a request or response other than through
+// protosanitizer.StripSecrets (secrets never reach a log), import anything
+// from the rest of csibroker (it stands for an untrusted third-party driver),
+// or touch paths other than its StateDir and the staging and target paths a
+// CO hands it.
+//
+// Several instances can play one driver: a controller instance and node
+// instances, each with its own StateDir and NodeID. A node instance finds the
+// volume directory from the publish context ("devicePath") or the volume
+// context ("path") that the controller returned, so they must share a
+// filesystem (one machine, as in the project's tests).
+package sampledriver

@@ -1,0 +1,365 @@
+package sampledriver
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/kubernetes-csi/csi-lib-utils/protosanitizer"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
+)
+
+// gracePeriod bounds how long Serve waits for calls in flight once its
+// context is done before it cuts them off.
+const gracePeriod = 5 * time.Second
+
+// Driver is one instance of the sample CSI driver. Create it with New, serve
+// it with Serve or Run, and Close it to release its StateDir.
+type Driver struct {
+	cfg   Config
+	log   *slog.Logger
+	inj   *injector
+	calls callCounter
+
+	volumesDir   string
+	snapshotsDir string
+	statePath    string
+	lock         *os.File
+
+	mu sync.Mutex // guards st and every change on disk or to mounts
+	st *state
+}
+
+// New validates cfg, applies defaults, takes the StateDir lock and loads the
+// state left there by a previous instance.
+func New(cfg Config) (*Driver, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("sample driver config: %w", err)
+	}
+	cfg = cfg.withDefaults()
+	dir, err := filepath.Abs(cfg.StateDir)
+	if err != nil {
+		return nil, fmt.Errorf("state dir: %w", err)
+	}
+	cfg.StateDir = dir
+	d := &Driver{
+		cfg:          cfg,
+		log:          cfg.Logger.With("driver", cfg.Name, "node", cfg.NodeID),
+		inj:          newInjector(cfg.Faults),
+		volumesDir:   filepath.Join(dir, "volumes"),
+		snapshotsDir: filepath.Join(dir, "snapshots"),
+		statePath:    filepath.Join(dir, "state.json"),
+	}
+	for _, p := range []string{d.volumesDir, d.snapshotsDir} {
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			return nil, fmt.Errorf("create %s: %w", p, err)
+		}
+	}
+	if d.lock, err = lockDir(dir); err != nil {
+		return nil, err
+	}
+	if d.st, err = loadState(d.statePath); err != nil {
+		d.Close()
+		return nil, err
+	}
+	d.log.Info("sample driver state loaded", "state_dir", dir, "volumes", len(d.st.Volumes),
+		"snapshots", len(d.st.Snapshots), "staged", len(d.st.Staged), "published", len(d.st.Published))
+	return d, nil
+}
+
+// Close releases the StateDir lock. Mounts stay (see UnmountAll).
+func (d *Driver) Close() error {
+	if d.lock == nil {
+		return nil
+	}
+	err := d.lock.Close()
+	d.lock = nil
+	return err
+}
+
+// Config returns the effective configuration (with defaults applied).
+func (d *Driver) Config() Config { return d.cfg }
+
+// Serve serves CSI on lis until ctx is done, then stops gracefully (calls in
+// flight get gracePeriod to finish). It returns nil after a stop caused by
+// ctx, or the listener's error.
+func (d *Driver) Serve(ctx context.Context, lis net.Listener) error {
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(d.logInterceptor, d.faultInterceptor))
+	s := &server{Driver: d}
+	csi.RegisterIdentityServer(srv, s)
+	csi.RegisterControllerServer(srv, s)
+	csi.RegisterNodeServer(srv, s)
+
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(lis) }()
+	d.log.Info("serving CSI", "address", lis.Addr().String())
+	select {
+	case err := <-errc:
+		return fmt.Errorf("serve CSI: %w", err)
+	case <-ctx.Done():
+	}
+	stopped := make(chan struct{})
+	go func() {
+		srv.GracefulStop()
+		close(stopped)
+	}()
+	t := time.NewTimer(gracePeriod)
+	defer t.Stop()
+	select {
+	case <-stopped:
+	case <-t.C:
+		d.log.Warn("calls still in flight after grace period; stopping hard")
+		srv.Stop()
+		<-stopped
+	}
+	<-errc
+	d.log.Info("stopped serving CSI")
+	return nil
+}
+
+// Run listens on Config.Endpoint (removing a stale socket file first) and
+// serves until ctx is done.
+func (d *Driver) Run(ctx context.Context) error {
+	if d.cfg.Endpoint == "" {
+		return errors.New("sample driver: no endpoint configured")
+	}
+	path, err := SocketPath(d.cfg.Endpoint)
+	if err != nil {
+		return err
+	}
+	if err := removeStaleSocket(path); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return fmt.Errorf("create socket dir: %w", err)
+	}
+	lis, err := net.Listen("unix", path)
+	if err != nil {
+		return fmt.Errorf("listen on %s: %w", path, err)
+	}
+	defer os.Remove(path)
+	return d.Serve(ctx, lis)
+}
+
+func removeStaleSocket(path string) error {
+	fi, err := os.Lstat(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if fi.Mode()&os.ModeSocket == 0 {
+		return fmt.Errorf("endpoint %s exists and is not a socket", path)
+	}
+	if err := os.Remove(path); err != nil {
+		return fmt.Errorf("remove stale socket: %w", err)
+	}
+	return nil
+}
+
+// logInterceptor logs every call through protosanitizer, never raw.
+func (d *Driver) logInterceptor(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	start := time.Now()
+	method := shortMethod(info.FullMethod)
+	if d.log.Enabled(ctx, slog.LevelDebug) {
+		d.log.Debug("csi request", "method", method, "request", protosanitizer.StripSecrets(req).String())
+	}
+	resp, err := handler(ctx, req)
+	if err != nil {
+		st := status.Convert(err)
+		d.log.Info("csi call failed", "method", method, "code", st.Code().String(), "error", st.Message(), "duration", time.Since(start))
+	} else if d.log.Enabled(ctx, slog.LevelDebug-4) {
+		d.log.Log(ctx, slog.LevelDebug-4, "csi response", "method", method, "response", protosanitizer.StripSecrets(resp).String(), "duration", time.Since(start))
+	}
+	return resp, err
+}
+
+// save persists d.st; on failure it reloads the last durable state so memory
+// never runs ahead of disk. Callers hold d.mu.
+func (d *Driver) save() error {
+	b, err := json.MarshalIndent(d.st, "", "  ")
+	if err == nil {
+		err = writeFileAtomic(d.statePath, b, 0o600)
+	}
+	if err != nil {
+		if st, lerr := loadState(d.statePath); lerr == nil {
+			d.st = st
+		}
+		return fmt.Errorf("save state: %w", err)
+	}
+	return nil
+}
+
+func (d *Driver) volumeDir(id string) string   { return filepath.Join(d.volumesDir, id) }
+func (d *Driver) snapshotDir(id string) string { return filepath.Join(d.snapshotsDir, id) }
+
+func newID(prefix string) string {
+	b := make([]byte, 8)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return prefix + hex.EncodeToString(b)
+}
+
+// VolumeInfo describes a volume of this driver's controller side.
+type VolumeInfo struct {
+	ID                string
+	Name              string
+	CapacityBytes     int64
+	Path              string // the volume directory
+	Parameters        map[string]string
+	MutableParameters map[string]string
+	Topology          map[string]string
+	SourceVolumeID    string
+	SourceSnapshotID  string
+	PublishedNodes    []string // sorted node IDs from ControllerPublishVolume
+	Created           time.Time
+}
+
+// Volumes returns the driver's volumes sorted by ID, e.g. to check that none
+// leaked.
+func (d *Driver) Volumes() []VolumeInfo {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	out := make([]VolumeInfo, 0, len(d.st.Volumes))
+	for _, v := range d.st.Volumes {
+		out = append(out, VolumeInfo{
+			ID:                v.ID,
+			Name:              v.Name,
+			CapacityBytes:     v.CapacityBytes,
+			Path:              d.volumeDir(v.ID),
+			Parameters:        cloneMap(v.Parameters),
+			MutableParameters: cloneMap(v.MutableParameters),
+			Topology:          cloneMap(v.Topology),
+			SourceVolumeID:    v.SourceVolumeID,
+			SourceSnapshotID:  v.SourceSnapshotID,
+			PublishedNodes:    sortedKeys(v.Attachments),
+			Created:           v.Created,
+		})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+// SnapshotInfo describes a snapshot.
+type SnapshotInfo struct {
+	ID             string
+	Name           string
+	SourceVolumeID string
+	SizeBytes      int64
+	Path           string
+	Created        time.Time
+}
+
+// Snapshots returns the driver's snapshots sorted by ID.
+func (d *Driver) Snapshots() []SnapshotInfo {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	out := make([]SnapshotInfo, 0, len(d.st.Snapshots))
+	for _, s := range d.st.Snapshots {
+		out = append(out, SnapshotInfo{ID: s.ID, Name: s.Name, SourceVolumeID: s.SourceVolumeID,
+			SizeBytes: s.SizeBytes, Path: d.snapshotDir(s.ID), Created: s.Created})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+// Mount kinds in NodeMount.
+const (
+	MountStage   = "stage"
+	MountPublish = "publish"
+)
+
+// NodeMount is a bind mount this driver's node side made.
+type NodeMount struct {
+	VolumeID string
+	Kind     string // MountStage or MountPublish
+	Path     string // staging or target path
+	Readonly bool
+}
+
+// NodeMounts returns this node's stage and publish mounts, sorted by path.
+func (d *Driver) NodeMounts() []NodeMount {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var out []NodeMount
+	for _, s := range d.st.Staged {
+		out = append(out, NodeMount{VolumeID: s.VolumeID, Kind: MountStage, Path: s.Path})
+	}
+	for _, p := range d.st.Published {
+		out = append(out, NodeMount{VolumeID: p.VolumeID, Kind: MountPublish, Path: p.TargetPath, Readonly: p.Readonly})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Path < out[j].Path })
+	return out
+}
+
+// UnmountAll undoes every publish and stage mount this node recorded (and
+// removes the targets it created), as a node drain would. Tests use it to
+// clean up after a CO that did not.
+func (d *Driver) UnmountAll() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var errs []error
+	for t := range d.st.Published {
+		if err := unmount(t); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if err := os.Remove(t); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			errs = append(errs, err)
+		}
+		delete(d.st.Published, t)
+	}
+	for id, s := range d.st.Staged {
+		if err := unmount(s.Path); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		delete(d.st.Staged, id)
+	}
+	if err := d.save(); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// Calls returns the number of calls received per CSI method name
+// ("CreateVolume", ...), including calls that failed or were faulted.
+func (d *Driver) Calls() map[string]int64 { return d.calls.snapshot() }
+
+// CallCount returns the number of calls received for one method.
+func (d *Driver) CallCount(method string) int64 { return d.calls.get(method) }
+
+func sortedKeys[V any](m map[string]V) []string {
+	if len(m) == 0 {
+		return nil
+	}
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// server implements the CSI services on top of a Driver.
+type server struct {
+	csi.UnimplementedIdentityServer
+	csi.UnimplementedControllerServer
+	csi.UnimplementedNodeServer
+	*Driver
+}

@@ -1,0 +1,223 @@
+package sampledriver
+
+// Pure decisions over request data, table-tested in logic_test.go.
+
+import (
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+)
+
+// Sentinel errors of the pure checks; the gRPC edge maps them to codes.
+var (
+	errInvalid    = errors.New("invalid argument")
+	errOutOfRange = errors.New("out of range")
+	errBadToken   = errors.New("invalid starting token")
+)
+
+// checkCapability reports why cap is not supported, or nil. Volumes are
+// directories: mount access with any access mode, no block.
+func checkCapability(c *csi.VolumeCapability) error {
+	if c == nil {
+		return fmt.Errorf("%w: nil volume capability", errInvalid)
+	}
+	switch c.GetAccessType().(type) {
+	case *csi.VolumeCapability_Mount:
+	case *csi.VolumeCapability_Block:
+		return fmt.Errorf("%w: block access is not supported (volumes are directories)", errInvalid)
+	default:
+		return fmt.Errorf("%w: volume capability has no access type", errInvalid)
+	}
+	switch c.GetAccessMode().GetMode() {
+	case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY,
+		csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY,
+		csi.VolumeCapability_AccessMode_MULTI_NODE_SINGLE_WRITER,
+		csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER:
+		return nil
+	case csi.VolumeCapability_AccessMode_UNKNOWN:
+		if c.GetAccessMode() == nil {
+			return fmt.Errorf("%w: volume capability has no access mode", errInvalid)
+		}
+		return fmt.Errorf("%w: access mode UNKNOWN", errInvalid)
+	default:
+		return fmt.Errorf("%w: unknown access mode %d", errInvalid, c.GetAccessMode().GetMode())
+	}
+}
+
+// checkCapabilities requires at least one capability and checks each.
+func checkCapabilities(caps []*csi.VolumeCapability) error {
+	if len(caps) == 0 {
+		return fmt.Errorf("%w: volume capabilities are required", errInvalid)
+	}
+	for _, c := range caps {
+		if err := checkCapability(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func singleNode(m csi.VolumeCapability_AccessMode_Mode) bool {
+	switch m {
+	case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER:
+		return true
+	}
+	return false
+}
+
+func readerOnly(m csi.VolumeCapability_AccessMode_Mode) bool {
+	return m == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY ||
+		m == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY
+}
+
+// pickSize chooses a new volume's size from its capacity range: the required
+// bytes, else the default size capped by the limit. minBytes (a clone
+// source's size) raises a size chosen without required bytes.
+func pickSize(cr *csi.CapacityRange, minBytes int64) (int64, error) {
+	req, lim := cr.GetRequiredBytes(), cr.GetLimitBytes()
+	if req < 0 || lim < 0 {
+		return 0, fmt.Errorf("%w: negative capacity range", errInvalid)
+	}
+	if lim > 0 && req > lim {
+		return 0, fmt.Errorf("%w: required bytes %d exceed limit bytes %d", errInvalid, req, lim)
+	}
+	size := req
+	if size == 0 {
+		size = DefaultVolumeSize
+		if minBytes > size {
+			size = minBytes
+		}
+		if lim > 0 && size > lim {
+			size = lim
+		}
+	}
+	if size < minBytes {
+		return 0, fmt.Errorf("%w: size %d is smaller than the source's %d bytes", errOutOfRange, size, minBytes)
+	}
+	return size, nil
+}
+
+// sizeFits reports whether an existing size satisfies a capacity range.
+func sizeFits(size int64, cr *csi.CapacityRange) bool {
+	if size < cr.GetRequiredBytes() {
+		return false
+	}
+	return cr.GetLimitBytes() == 0 || size <= cr.GetLimitBytes()
+}
+
+// topologyMatches reports whether a segment set (ours) lies in topology t:
+// every segment of t has the same value in ours.
+func topologyMatches(ours map[string]string, t *csi.Topology) bool {
+	for k, v := range t.GetSegments() {
+		if got, ok := ours[k]; !ok || got != v {
+			return false
+		}
+	}
+	return true
+}
+
+// topologyAllows reports whether a volume accessible from ours satisfies
+// the requirement: with requisite topologies, one must match; preferred
+// ones only order choices, which a single-segment driver does not have.
+func topologyAllows(ours map[string]string, req *csi.TopologyRequirement) bool {
+	if len(ours) == 0 || len(req.GetRequisite()) == 0 {
+		return true
+	}
+	for _, t := range req.GetRequisite() {
+		if topologyMatches(ours, t) {
+			return true
+		}
+	}
+	return false
+}
+
+// Supported mutable parameters (ControllerModifyVolume, CreateVolume).
+const (
+	MutableIOPS = "iops" // a positive integer
+	MutableTier = "tier" // "standard" or "premium"
+)
+
+// checkMutableParameters rejects unknown keys and bad values.
+func checkMutableParameters(p map[string]string) error {
+	for k, v := range p {
+		switch k {
+		case MutableIOPS:
+			if n, err := strconv.ParseInt(v, 10, 64); err != nil || n <= 0 {
+				return fmt.Errorf("%w: mutable parameter %s=%q: want a positive integer", errInvalid, k, v)
+			}
+		case MutableTier:
+			if v != "standard" && v != "premium" {
+				return fmt.Errorf("%w: mutable parameter %s=%q: want standard or premium", errInvalid, k, v)
+			}
+		default:
+			return fmt.Errorf("%w: mutable parameter %q is not supported (supported: %s, %s)", errInvalid, k, MutableIOPS, MutableTier)
+		}
+	}
+	return nil
+}
+
+const tokenPrefix = "sd1."
+
+// encodeToken makes a page token that resumes listing at key (inclusive).
+func encodeToken(key string) string {
+	return tokenPrefix + base64.RawURLEncoding.EncodeToString([]byte(key))
+}
+
+// decodeToken returns the key a token resumes at; "" is the start.
+func decodeToken(tok string) (string, error) {
+	if tok == "" {
+		return "", nil
+	}
+	rest, ok := strings.CutPrefix(tok, tokenPrefix)
+	if !ok {
+		return "", fmt.Errorf("%w %q", errBadToken, tok)
+	}
+	b, err := base64.RawURLEncoding.DecodeString(rest)
+	if err != nil || len(b) == 0 {
+		return "", fmt.Errorf("%w %q", errBadToken, tok)
+	}
+	return string(b), nil
+}
+
+// page selects from sorted keys the ones starting at the token's key, at
+// most max (0: all), and the token of the next page ("" when done).
+func page(sorted []string, tok string, max int32) (keys []string, next string, err error) {
+	if max < 0 {
+		return nil, "", fmt.Errorf("%w: max_entries %d is negative", errInvalid, max)
+	}
+	start, err := decodeToken(tok)
+	if err != nil {
+		return nil, "", err
+	}
+	i := 0
+	for i < len(sorted) && sorted[i] < start {
+		i++
+	}
+	rest := sorted[i:]
+	if max > 0 && len(rest) > int(max) {
+		return rest[:max], encodeToken(rest[max]), nil
+	}
+	return rest, "", nil
+}
+
+func mapsEqual(a, b map[string]string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if w, ok := b[k]; !ok || w != v {
+			return false
+		}
+	}
+	return true
+}
