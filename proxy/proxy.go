@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -131,7 +132,7 @@ func New(cfg Config) (*Proxy, error) {
 		}
 	}
 	p.server = grpc.NewServer(
-		grpc.Creds(credentials.NewTLS(cfg.TLS)),
+		grpc.Creds(credentials.NewTLS(p.logRefusals(cfg.TLS))),
 		rawgrpc.ServerOption(),
 		grpc.UnknownServiceHandler(p.forward),
 		grpc.StatsHandler(otelgrpc.NewServerHandler(otelOpts...)),
@@ -143,6 +144,26 @@ func New(cfg Config) (*Proxy, error) {
 	)
 	proxyinfov1.RegisterProxyInfoServer(p.server, infoServer{p: p})
 	return p, nil
+}
+
+// logRefusals makes every refused peer certificate a log line: gRPC itself
+// only drops the connection.
+func (p *Proxy) logRefusals(cfg *tls.Config) *tls.Config {
+	cfg = cfg.Clone()
+	verify := cfg.VerifyPeerCertificate
+	cfg.VerifyPeerCertificate = func(raw [][]byte, chains [][]*x509.Certificate) error {
+		var err error
+		if verify != nil {
+			err = verify(raw, chains)
+		} else if len(raw) == 0 {
+			err = errors.New("peer presented no certificate")
+		}
+		if err != nil {
+			p.log.Warn("proxy refused a peer", "err", err)
+		}
+		return err
+	}
+	return cfg
 }
 
 // forward copies one CSI call to the driver without decoding it.

@@ -7,6 +7,8 @@ package chaintest
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"log/slog"
 	"net"
@@ -46,6 +48,13 @@ type Options struct {
 	BrokerMaterial *mtls.Material
 	// NoWait skips waiting for the broker's connection to become READY.
 	NoWait bool
+	// Tracer and Spans, when set, are used instead of new ones (so the test's
+	// driver can record its spans into the same recorder).
+	Tracer *sdktrace.TracerProvider
+	Spans  *tracetest.SpanRecorder
+	// BrokerReload, when positive, makes the broker poll its certificate
+	// files at this interval.
+	BrokerReload time.Duration
 }
 
 // Chain is a running front end → broker → proxy path.
@@ -63,8 +72,80 @@ type Chain struct {
 	Logs        *SyncBuffer // broker and proxy log lines
 	BrokerFiles struct{ Cert, Key, CA string }
 
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	// BrokerSource is the broker's certificate file source (nil when
+	// Options.BrokerMaterial was given).
+	BrokerSource *mtls.FileSource
+
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+	proxyLis *trackingListener
+	peerMu   sync.Mutex
+	peers    map[string]int // serial of each broker certificate the proxy accepted
+}
+
+// recordPeers wraps a server config so the chain can tell which broker
+// certificates the proxy accepted.
+func (c *Chain) recordPeers(cfg *tls.Config) *tls.Config {
+	verify := cfg.VerifyPeerCertificate
+	cfg.VerifyPeerCertificate = func(raw [][]byte, chains [][]*x509.Certificate) error {
+		if err := verify(raw, chains); err != nil {
+			return err
+		}
+		if cert, err := x509.ParseCertificate(raw[0]); err == nil {
+			c.peerMu.Lock()
+			if c.peers == nil {
+				c.peers = map[string]int{}
+			}
+			c.peers[cert.SerialNumber.String()]++
+			c.peerMu.Unlock()
+		}
+		return nil
+	}
+	return cfg
+}
+
+// PeerSerials returns how many handshakes the proxy accepted per broker
+// certificate serial.
+func (c *Chain) PeerSerials() map[string]int {
+	c.peerMu.Lock()
+	defer c.peerMu.Unlock()
+	out := map[string]int{}
+	for k, v := range c.peers {
+		out[k] = v
+	}
+	return out
+}
+
+// DropProxyConnections closes every connection the proxy accepted, as a
+// network blip or a proxy restart would; the broker reconnects by itself.
+func (c *Chain) DropProxyConnections() int { return c.proxyLis.dropAll() }
+
+type trackingListener struct {
+	net.Listener
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+}
+
+func (l *trackingListener) Accept() (net.Conn, error) {
+	conn, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	l.mu.Lock()
+	l.conns[conn] = struct{}{}
+	l.mu.Unlock()
+	return conn, nil
+}
+
+func (l *trackingListener) dropAll() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := len(l.conns)
+	for conn := range l.conns {
+		conn.Close()
+		delete(l.conns, conn)
+	}
+	return n
 }
 
 // SyncBuffer is a goroutine-safe log sink.
@@ -97,11 +178,33 @@ func ShortTempDir(t testing.TB) string {
 	return d
 }
 
+var (
+	sharedOnce sync.Once
+	sharedCA   *mtls.CA
+	sharedErr  error
+)
+
+// SharedCA is the CA every chain of this test binary trusts, so a test can
+// mint special certificates before it starts a chain.
+func SharedCA(t testing.TB) *mtls.CA {
+	sharedOnce.Do(func() {
+		now := time.Now()
+		sharedCA, sharedErr = mtls.NewCA("chaintest CA", now.Add(-time.Hour), now.Add(48*time.Hour))
+	})
+	if sharedErr != nil {
+		t.Fatal(sharedErr)
+	}
+	return sharedCA
+}
+
 // Start builds the chain; everything is stopped at t.Cleanup.
 func Start(t testing.TB, o Options) *Chain {
 	t.Helper()
 	c := &Chain{Dir: ShortTempDir(t), Spans: tracetest.NewSpanRecorder(), Registry: prometheus.NewRegistry(), Logs: &SyncBuffer{}}
 	c.Tracer = sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(c.Spans))
+	if o.Tracer != nil {
+		c.Tracer, c.Spans = o.Tracer, o.Spans
+	}
 	c.Propagator = telemetry.Propagator()
 	if o.LogLevel == 0 {
 		o.LogLevel = slog.LevelDebug
@@ -109,10 +212,7 @@ func Start(t testing.TB, o Options) *Chain {
 	log := slog.New(slog.NewJSONHandler(c.Logs, &slog.HandlerOptions{Level: o.LogLevel}))
 
 	now := time.Now()
-	ca, err := mtls.NewCA("chaintest CA", now.Add(-time.Hour), now.Add(24*time.Hour))
-	if err != nil {
-		t.Fatal(err)
-	}
+	ca := SharedCA(t)
 	c.CA = ca
 	// The broker reads its certificate from files so rotation can be tested.
 	certPEM, keyPEM, err := ca.Issue(mtls.Leaf{ID: mtls.BrokerID(TrustDomain), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
@@ -134,6 +234,7 @@ func Start(t testing.TB, o Options) *Chain {
 			t.Fatal(err)
 		}
 		brokerSrc = fs
+		c.BrokerSource = fs
 	}
 	proxyMat := o.ProxyMaterial
 	if proxyMat == nil {
@@ -144,13 +245,17 @@ func Start(t testing.TB, o Options) *Chain {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	c.cancel = cancel
+	if o.BrokerReload > 0 && c.BrokerSource != nil {
+		c.wg.Add(1)
+		go func() { defer c.wg.Done(); c.BrokerSource.Run(ctx, o.BrokerReload) }()
+	}
 
 	// Proxy.
 	p, err := proxy.New(proxy.Config{
 		DriverEndpoint: o.DriverEndpoint,
 		Version:        "test",
 		Identity:       proxyMat.ID,
-		TLS:            mtls.ServerConfig(mtls.StaticSource{M: proxyMat}, mtls.AuthorizeOneOf(mtls.BrokerID(TrustDomain))),
+		TLS:            c.recordPeers(mtls.ServerConfig(mtls.StaticSource{M: proxyMat}, mtls.AuthorizeOneOf(mtls.BrokerID(TrustDomain)))),
 		Logger:         log,
 		TracerProvider: c.Tracer,
 		Propagator:     c.Propagator,
@@ -160,10 +265,12 @@ func Start(t testing.TB, o Options) *Chain {
 		t.Fatal(err)
 	}
 	c.Proxy = p
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	tcp, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
+	lis := &trackingListener{Listener: tcp, conns: map[net.Conn]struct{}{}}
+	c.proxyLis = lis
 	c.ProxyAddr = lis.Addr().String()
 	c.wg.Add(1)
 	go func() { defer c.wg.Done(); _ = p.Serve(ctx, lis) }()

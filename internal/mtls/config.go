@@ -14,8 +14,11 @@ func ServerConfig(src Source, authz Authorizer) *tls.Config {
 	return &tls.Config{
 		MinVersion: tls.VersionTLS12,
 		// Verification happens in VerifyPeerCertificate against the pool
-		// current at handshake time, so a rotated CA applies at once.
-		ClientAuth: tls.RequireAnyClientCert,
+		// current at handshake time, so a rotated CA applies at once. It is
+		// also called when the client sends no certificate, and refuses that
+		// with a clear error (RequireAnyClientCert would refuse it before any
+		// callback could say so).
+		ClientAuth: tls.RequestClientCert,
 		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
 			return src.Current().Cert, nil
 		},

@@ -1,0 +1,248 @@
+package chain
+
+import (
+	"context"
+	"crypto/tls"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/status"
+
+	"github.com/csibroker/csibroker/broker"
+	"github.com/csibroker/csibroker/internal/chaintest"
+	"github.com/csibroker/csibroker/internal/mtls"
+)
+
+const echoName = "echo.csi.test"
+
+func issue(t *testing.T, ca *mtls.CA, trust *mtls.CA, id string, notBefore, notAfter time.Time) *mtls.Material {
+	t.Helper()
+	c, k, err := ca.Issue(mtls.Leaf{ID: id, NotBefore: notBefore, NotAfter: notAfter})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := mtls.ParseMaterial(c, k, trust.CertPEM, notBefore.Add(time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// TestMTLSRefusals checks that each bad certificate is refused with an error
+// that says what is wrong, both to the caller and in the proxy's log.
+func TestMTLSRefusals(t *testing.T) {
+	now := time.Now()
+	// One CA for the whole test: chaintest makes its own, so certificates
+	// for the chain are minted after it starts, from c.CA.
+	other, err := mtls.NewCA("unknown CA", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	noRetry := broker.RetryConfig{MaxAttempts: 1}
+
+	call := func(t *testing.T, c *chaintest.Chain) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_, err := csi.NewIdentityClient(chaintest.Dial(t, c.Front)).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{}, grpc.WaitForReady(false))
+		return err
+	}
+	// The broker reports a handshake failure as Unavailable; wait for the
+	// connection attempt to have failed once so the message is the TLS one.
+	waitFailure := func(t *testing.T, c *chaintest.Chain) error {
+		var err error
+		for i := 0; i < 100; i++ {
+			if err = call(t, c); err != nil && strings.Contains(err.Error(), "handshake") {
+				return err
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		return err
+	}
+
+	t.Run("proxy certificate from an unknown CA", func(t *testing.T) {
+		_, ep := startEcho(t)
+		c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Retry: noRetry, NoWait: true,
+			ProxyMaterial: issueFor(t, other, mtls.DriverID(chaintest.TrustDomain, echoName), now.Add(-time.Minute), now.Add(time.Hour))})
+		err := waitFailure(t, c)
+		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "certificate signed by unknown authority") {
+			t.Fatalf("err = %v", err)
+		}
+	})
+	t.Run("expired proxy certificate", func(t *testing.T) {
+		_, ep := startEcho(t)
+		c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Retry: noRetry, NoWait: true,
+			ProxyMaterial: issueFor(t, nil, mtls.DriverID(chaintest.TrustDomain, echoName), now.Add(-2*time.Hour), now.Add(-time.Hour))})
+		err := waitFailure(t, c)
+		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "expired") {
+			t.Fatalf("err = %v", err)
+		}
+	})
+	t.Run("proxy whose identity names another driver", func(t *testing.T) {
+		_, ep := startEcho(t)
+		c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Retry: noRetry, NoWait: true,
+			ProxyMaterial: issueFor(t, nil, mtls.DriverID(chaintest.TrustDomain, "other.csi.test"), now.Add(-time.Minute), now.Add(time.Hour))})
+		err := waitFailure(t, c)
+		want := "peer identity spiffe://test.csibroker/csibroker/driver/other.csi.test is not authorized: want spiffe://test.csibroker/csibroker/driver/echo.csi.test"
+		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), want) {
+			t.Fatalf("err = %v", err)
+		}
+	})
+	t.Run("expired broker certificate", func(t *testing.T) {
+		_, ep := startEcho(t)
+		c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Retry: noRetry, NoWait: true,
+			BrokerMaterial: issueFor(t, nil, mtls.BrokerID(chaintest.TrustDomain), now.Add(-2*time.Hour), now.Add(-time.Hour))})
+		if err := waitFailureAny(t, func() error { return call(t, c) }); status.Code(err) != codes.Unavailable {
+			t.Fatalf("err = %v", err)
+		}
+		waitLog(t, c, "proxy refused a peer", "expired")
+	})
+	t.Run("client without a certificate", func(t *testing.T) {
+		_, ep := startEcho(t)
+		c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+		conn, err := grpc.NewClient("passthrough:///"+c.ProxyAddr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{InsecureSkipVerify: true})))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_, err = csi.NewIdentityClient(conn).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
+		if status.Code(err) != codes.Unavailable {
+			t.Fatalf("a client without a certificate got %v", err)
+		}
+		waitLog(t, c, "proxy refused a peer", "peer presented no certificate")
+	})
+	t.Run("a driver's certificate cannot call another proxy", func(t *testing.T) {
+		_, ep := startEcho(t)
+		c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Retry: noRetry, NoWait: true,
+			BrokerMaterial: issueFor(t, nil, mtls.DriverID(chaintest.TrustDomain, "evil.csi.test"), now.Add(-time.Minute), now.Add(time.Hour))})
+		if err := waitFailureAny(t, func() error { return call(t, c) }); status.Code(err) != codes.Unavailable {
+			t.Fatalf("err = %v", err)
+		}
+		waitLog(t, c, "proxy refused a peer", "evil.csi.test is not authorized: want spiffe://test.csibroker/csibroker/broker")
+	})
+}
+
+// issueFor mints from ca (nil: the chains' shared CA) a certificate that
+// trusts the chains' shared CA.
+func issueFor(t *testing.T, ca *mtls.CA, id string, nb, na time.Time) *mtls.Material {
+	t.Helper()
+	if ca == nil {
+		ca = chaintest.SharedCA(t)
+	}
+	return issue(t, ca, chaintest.SharedCA(t), id, nb, na)
+}
+
+func waitFailureAny(t *testing.T, f func() error) error {
+	var err error
+	for i := 0; i < 100; i++ {
+		if err = f(); err != nil {
+			return err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return err
+}
+
+func waitLog(t *testing.T, c *chaintest.Chain, parts ...string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		for _, line := range strings.Split(c.Logs.String(), "\n") {
+			ok := true
+			for _, p := range parts {
+				ok = ok && strings.Contains(line, p)
+			}
+			if ok {
+				return
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Fatalf("no log line with %q in:\n%s", parts, c.Logs.String())
+}
+
+// TestCertificateRotationUnderLoad rotates the broker's certificate files
+// while calls flow, and forces reconnections so the new certificates are
+// used in real handshakes: no call may fail.
+func TestCertificateRotationUnderLoad(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, BrokerReload: 20 * time.Millisecond,
+		Retry: broker.RetryConfig{MaxAttempts: 10, IntervalStart: 10 * time.Millisecond, IntervalMax: 200 * time.Millisecond}})
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+
+	var ok, failed atomic.Int64
+	var firstErr atomic.Value
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for w := 0; w < 4; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			for i := 0; i < 100000; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "rot"})
+				cancel()
+				if err != nil {
+					failed.Add(1)
+					firstErr.CompareAndSwap(nil, err.Error())
+				} else {
+					ok.Add(1)
+				}
+			}
+		}(w)
+	}
+	const rotations = 5
+	for r := 0; r < rotations; r++ {
+		time.Sleep(100 * time.Millisecond)
+		now := time.Now()
+		cert, key, err := c.CA.Issue(mtls.Leaf{ID: mtls.BrokerID(chaintest.TrustDomain), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Key first, then certificate, as a careless writer would: the
+		// mismatched moment in between must be refused, not used.
+		if err := mtls.WriteFileAtomic(c.BrokerFiles.Key, key, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(30 * time.Millisecond)
+		if err := mtls.WriteFileAtomic(c.BrokerFiles.Cert, cert, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(5 * time.Second)
+		for c.BrokerSource.Reloads() < int64(r+1) && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+		c.DropProxyConnections()
+	}
+	time.Sleep(200 * time.Millisecond)
+	close(stop)
+	wg.Wait()
+
+	serials := c.PeerSerials()
+	t.Logf("calls ok=%d failed=%d; reloads=%d refused=%d; broker certificates seen by the proxy: %d", ok.Load(), failed.Load(), c.BrokerSource.Reloads(), c.BrokerSource.Failures(), len(serials))
+	if failed.Load() != 0 {
+		t.Fatalf("%d calls failed during rotation; first: %v", failed.Load(), firstErr.Load())
+	}
+	if c.BrokerSource.Reloads() != rotations {
+		t.Fatalf("reloads = %d, want %d", c.BrokerSource.Reloads(), rotations)
+	}
+	if len(serials) != rotations+1 {
+		t.Fatalf("proxy accepted %d distinct broker certificates, want %d (the first and each rotation)", len(serials), rotations+1)
+	}
+	if ok.Load() == 0 {
+		t.Fatal("no call went through")
+	}
+}
