@@ -1,0 +1,148 @@
+package chain
+
+import (
+	"context"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"google.golang.org/grpc"
+
+	"github.com/csibroker/csibroker/internal/chaintest"
+	"github.com/csibroker/csibroker/internal/telemetry"
+)
+
+// startTracedEcho serves the echo driver with an otelgrpc server handler, as
+// an instrumented driver would, recording into tp.
+func startTracedEcho(t *testing.T, tp *sdktrace.TracerProvider) (*echoDriver, string) {
+	t.Helper()
+	dir := chaintest.ShortTempDir(t)
+	path := filepath.Join(dir, "echo.sock")
+	lis, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &echoDriver{cancelled: make(chan struct{}, 16)}
+	srv := grpc.NewServer(grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(tp), otelgrpc.WithPropagators(telemetry.Propagator()))))
+	csi.RegisterIdentityServer(srv, e)
+	csi.RegisterControllerServer(srv, e)
+	go srv.Serve(lis)
+	t.Cleanup(func() { srv.Stop(); os.Remove(path) })
+	return e, "unix://" + path
+}
+
+// TestOneTracePerCall checks that a call through the front end makes one
+// trace holding the front end's, broker's, proxy's and driver's spans.
+func TestOneTracePerCall(t *testing.T) {
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	_, ep := startTracedEcho(t, tp)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Tracer: tp, Spans: spans})
+
+	// The CSI client has its own span, as a sidecar or k8sbridge would.
+	ctx, root := tp.Tracer("test").Start(context.Background(), "provision ns/claim")
+	conn := chaintest.Dial(t, c.Front, grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelgrpc.WithTracerProvider(tp), otelgrpc.WithPropagators(telemetry.Propagator()))))
+	_, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "traced"})
+	root.End()
+	if err != nil {
+		t.Fatal(err)
+	}
+	traceID := root.SpanContext().TraceID()
+	byName := map[string]int{}
+	var names []string
+	for _, s := range spans.Ended() {
+		if s.SpanContext().TraceID() != traceID {
+			// Readiness probes and connection set-up are not part of the call.
+			if strings.Contains(s.Name(), "CreateVolume") {
+				t.Errorf("span %q (%s) is in another trace", s.Name(), s.SpanKind())
+			}
+			continue
+		}
+		key := s.Name() + "/" + s.SpanKind().String()
+		byName[key]++
+		names = append(names, key)
+	}
+	t.Logf("spans in trace %s: %v", traceID, names)
+	// Caller's client span, front-end server span, broker's logical-call span,
+	// broker → proxy client span, proxy server span, proxy → driver client
+	// span, driver server span.
+	want := map[string]int{
+		"csi.v1.Controller/CreateVolume/server":           3, // front end, proxy, driver
+		"broker /csi.v1.Controller/CreateVolume/internal": 1,
+		"csi.v1.Controller/CreateVolume/client":           3, // caller → front end, broker → proxy, proxy → driver
+		"provision ns/claim/internal":                     1,
+	}
+	for k, n := range want {
+		if byName[k] != n {
+			t.Errorf("%d spans %q in the trace, want %d", byName[k], k, n)
+		}
+	}
+}
+
+// TestCanarySecretNeverLeaks sends a canary secret in CreateVolume (and in a
+// failing call) at the highest log verbosity, then looks for it in every log
+// line, span attribute and event, and every metric.
+func TestCanarySecretNeverLeaks(t *testing.T) {
+	const canary = "CANARY-7f3a9c-do-not-leak"
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	_, ep := startTracedEcho(t, tp)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Tracer: tp, Spans: spans, LogLevel: -8})
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	secrets := map[string]string{"password": canary, "token": canary}
+	if _, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "canary", Secrets: secrets}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "canary-fail", Secrets: secrets, Parameters: map[string]string{"code": "9"}}); err == nil {
+		t.Fatal("the failing call succeeded")
+	}
+	if _, err := client.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "x", Secrets: secrets}); err == nil {
+		t.Fatal("DeleteVolume on the echo driver should be unimplemented")
+	}
+
+	logs := c.Logs.String()
+	if !strings.Contains(logs, `"csi request"`) || !strings.Contains(logs, "***stripped***") {
+		t.Fatalf("debug logging did not log the sanitized request; the check below would prove nothing:\n%s", logs)
+	}
+	if strings.Contains(logs, canary) {
+		t.Fatalf("canary in logs:\n%s", logs)
+	}
+	for _, s := range spans.Ended() {
+		check := func(where string, kvs []attribute.KeyValue) {
+			for _, kv := range kvs {
+				if strings.Contains(kv.Value.Emit(), canary) || strings.Contains(string(kv.Key), canary) {
+					t.Errorf("canary in span %q %s attribute %s", s.Name(), where, kv.Key)
+				}
+			}
+		}
+		check("", s.Attributes())
+		for _, ev := range s.Events() {
+			check("event "+ev.Name, ev.Attributes)
+		}
+		if strings.Contains(s.Status().Description, canary) {
+			t.Errorf("canary in span %q status", s.Name())
+		}
+	}
+	if len(spans.Ended()) == 0 {
+		t.Fatal("no spans recorded")
+	}
+	mfs, err := c.Registry.Gather()
+	if err != nil || len(mfs) == 0 {
+		t.Fatalf("metrics: %d families, %v", len(mfs), err)
+	}
+	for _, mf := range mfs {
+		if strings.Contains(mf.String(), canary) {
+			t.Fatalf("canary in metric %s", mf.GetName())
+		}
+	}
+}
