@@ -1,0 +1,155 @@
+package policy
+
+import (
+	"errors"
+	"fmt"
+	"reflect"
+	"strings"
+	"sync"
+
+	"cel.dev/cel-go/cel"
+	"cel.dev/cel-go/checker"
+	"cel.dev/cel-go/common/types"
+	"cel.dev/cel-go/ext"
+	"cel.dev/cel-go/interpreter"
+)
+
+// CEL limits.
+const (
+	// DefaultCostLimit is the runtime cost budget of one condition
+	// evaluation, in CEL cost units (about one per operation: a field access,
+	// a comparison, one comprehension step). A typical condition costs under
+	// 20; this budget is a few tens of microseconds of CPU at most. A
+	// condition that runs over it is treated as an evaluation error.
+	DefaultCostLimit uint64 = 10_000
+	// MaxConditionLength is the longest condition accepted, in code points.
+	MaxConditionLength = 4096
+	// maxConditionDepth bounds the parser's recursion.
+	maxConditionDepth = 64
+)
+
+var (
+	celEnvOnce sync.Once
+	celEnv     *cel.Env
+	celEnvErr  error
+)
+
+// conditionEnv is the one CEL environment for grant conditions: the standard
+// library and a single variable `request` of type policy.Request, whose
+// fields are named by the JSON tags (request.driver, request.secret.name,
+// request.requester.namespaceLabels...). Conditions are type-checked against
+// it, so a misspelt field is a compile error, not a runtime deny.
+func conditionEnv() (*cel.Env, error) {
+	celEnvOnce.Do(func() {
+		celEnv, celEnvErr = cel.NewEnv(
+			ext.NativeTypes(reflect.TypeFor[Request](), ext.ParseStructTag("json")),
+			cel.Variable("request", cel.ObjectType("policy.Request")),
+			cel.ParserExpressionSizeLimit(MaxConditionLength),
+			cel.ParserRecursionLimit(maxConditionDepth),
+		)
+	})
+	return celEnv, celEnvErr
+}
+
+// condition is a compiled grant condition. cel.Program is safe for
+// concurrent use.
+type condition struct {
+	text      string
+	costLimit uint64
+	prg       cel.Program
+}
+
+// compileCondition parses, type-checks and plans text. It fails when the
+// expression is not a bool, or when even its cheapest evaluation would run
+// over costLimit (such a condition could never be true).
+func compileCondition(text string, costLimit uint64) (*condition, error) {
+	env, err := conditionEnv()
+	if err != nil {
+		return nil, fmt.Errorf("CEL environment: %w", err)
+	}
+	if n := len([]rune(text)); n > MaxConditionLength {
+		return nil, fmt.Errorf("%d characters, more than the limit of %d", n, MaxConditionLength)
+	}
+	ast, iss := env.Compile(text)
+	if iss.Err() != nil {
+		return nil, errors.New(oneLine(iss.Err().Error()))
+	}
+	if !ast.OutputType().IsExactType(cel.BoolType) {
+		return nil, fmt.Errorf("must evaluate to bool, not %s", ast.OutputType())
+	}
+	if est, err := env.EstimateCost(ast, noSizeHints{}); err == nil && est.Min > costLimit {
+		return nil, fmt.Errorf("costs at least %d to evaluate, more than the limit of %d", est.Min, costLimit)
+	}
+	prg, err := env.Program(ast,
+		cel.CostLimit(costLimit),
+		cel.OptimizeRegex(interpreter.MatchesRegexOptimization),
+	)
+	if err != nil {
+		return nil, errors.New(oneLine(err.Error()))
+	}
+	return &condition{text: text, costLimit: costLimit, prg: prg}, nil
+}
+
+// eval runs the condition. An error (no such key, cost limit exceeded, a
+// non-bool result) is returned as such; the caller decides what it means.
+func (c *condition) eval(act *requestActivation) (bool, error) {
+	out, _, err := c.prg.Eval(act)
+	if err != nil {
+		return false, errors.New(truncate(oneLine(err.Error()), 200))
+	}
+	b, ok := out.(types.Bool)
+	if !ok {
+		return false, fmt.Errorf("evaluated to %s, not bool", out.Type())
+	}
+	return bool(b), nil
+}
+
+// requestActivation binds `request` without building a map per evaluation.
+type requestActivation struct{ req *Request }
+
+func (a *requestActivation) ResolveName(name string) (any, bool) {
+	if name == "request" {
+		return a.req, true
+	}
+	return nil, false
+}
+
+func (a *requestActivation) Parent() interpreter.Activation { return nil }
+
+// noSizeHints gives the cost estimator nothing: sizes of request fields are
+// unknown, so only the minimum cost of an estimate is meaningful.
+type noSizeHints struct{}
+
+func (noSizeHints) EstimateSize(checker.AstNode) *checker.SizeEstimate { return nil }
+func (noSizeHints) EstimateCallCost(string, string, *checker.AstNode, []checker.AstNode) *checker.CallEstimate {
+	return nil
+}
+
+// oneLine folds CEL's multi-line error rendering into one line for a status
+// message: it keeps the messages and drops the source excerpt and caret
+// lines (" | request.drvier", " | .......^").
+func oneLine(s string) string {
+	var parts []string
+	for _, line := range strings.Split(s, "\n") {
+		if strings.HasPrefix(strings.TrimSpace(line), "|") {
+			continue
+		}
+		line = strings.TrimPrefix(strings.TrimSpace(line), "ERROR: ")
+		line = strings.TrimPrefix(line, "<input>:")
+		if line = strings.Join(strings.Fields(line), " "); line != "" {
+			parts = append(parts, line)
+		}
+	}
+	return strings.Join(parts, "; ")
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	r := []rune(s)
+	if len(r) <= n {
+		return s
+	}
+	return string(r[:n]) + "..."
+}

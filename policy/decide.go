@@ -1,0 +1,195 @@
+package policy
+
+import "strings"
+
+// Decide answers req in the rule set's mode. It never blocks and is safe for
+// concurrent use. A nil rule set admits nobody.
+//
+// Order of evaluation (the first that applies decides; see the package
+// documentation):
+//
+//  1. mode off: allowed, nothing evaluated;
+//  2. a malformed request: denied (RuleInvalidRequest);
+//  3. an invalid Deny grant in the secret's namespace: denied (fail closed);
+//  4. a matching Deny grant: denied, whatever the Allow grants say; a Deny
+//     grant whose condition fails to evaluate counts as matching;
+//  5. a matching Allow grant: allowed (the first by name decides the Rule);
+//  6. an Allow grant whose condition failed to evaluate: denied, naming it;
+//  7. otherwise denied (RuleDefaultDeny).
+//
+// Only grants in the secret's own namespace are consulted. In audit mode a
+// deny becomes an allow with WouldDeny set.
+func (rs *RuleSet) Decide(req Request) Decision {
+	if rs == nil {
+		rs = emptyRuleSet
+	}
+	if rs.mode == ModeOff {
+		return offDecision(&req)
+	}
+	return decisionFor(rs.mode, &req, rs.evaluate(&req))
+}
+
+// evaluate decides req as enforce mode would.
+func (rs *RuleSet) evaluate(req *Request) verdict {
+	if err := req.validate(); err != nil {
+		return verdict{rule: RuleInvalidRequest, reason: "invalid request, denied: " + err.Error()}
+	}
+	ns := rs.byNS[req.Secret.Namespace]
+	if ns == nil {
+		return defaultDeny(req)
+	}
+	if l := ns.lock; l != nil {
+		return verdict{rule: l.Key(), reason: "grant " + l.Key() + " is an invalid Deny grant, so every secret in namespace " +
+			l.Namespace + " is denied until it is fixed (" + truncate(l.Message, 200) + "); denied " + describe(req)}
+	}
+
+	// Candidate lists: grants naming this driver or "*", and this secret
+	// name exactly or by pattern. Each list is in grant order.
+	var cands [4]*ruleLists
+	n := 0
+	for _, d := range [2]string{req.Driver, Wildcard} {
+		b := ns.byDriver[d]
+		if b == nil {
+			continue
+		}
+		if l := b.exact[req.Secret.Name]; l != nil {
+			cands[n] = l
+			n++
+		}
+		if len(b.wild.allow) > 0 || len(b.wild.deny) > 0 {
+			cands[n] = &b.wild
+			n++
+		}
+	}
+	if n == 0 {
+		return defaultDeny(req)
+	}
+	opBit := req.Operation.bit()
+	var act *requestActivation // built on the first condition evaluated
+
+	// Deny grants first: one match decides.
+	var deny *rule
+	var denyErr error
+	for _, l := range cands[:n] {
+		for _, r := range l.deny {
+			if deny != nil && r.idx >= deny.idx {
+				break
+			}
+			if !r.matches(req, opBit) {
+				continue
+			}
+			if r.cond != nil {
+				if act == nil {
+					act = newActivation(req)
+				}
+				ok, err := r.cond.eval(act)
+				if err == nil && !ok {
+					continue
+				}
+				denyErr = err // an erroring Deny condition fails closed
+			}
+			deny = r
+			break
+		}
+	}
+	if deny != nil {
+		reason := "deny grant " + deny.key + " denies " + describe(req)
+		if denyErr != nil {
+			reason += "; its condition failed to evaluate, which counts as a match (fail closed): " + denyErr.Error()
+		}
+		return verdict{rule: deny.key, reason: reason}
+	}
+
+	// Allow grants: the first match (by grant name) decides.
+	var allow, errRule *rule
+	var condErr error
+	for _, l := range cands[:n] {
+		for _, r := range l.allow {
+			if allow != nil && r.idx >= allow.idx {
+				break
+			}
+			if !r.matches(req, opBit) {
+				continue
+			}
+			if r.cond != nil {
+				if act == nil {
+					act = newActivation(req)
+				}
+				ok, err := r.cond.eval(act)
+				if err != nil {
+					if errRule == nil || r.idx < errRule.idx {
+						errRule, condErr = r, err
+					}
+					continue
+				}
+				if !ok {
+					continue
+				}
+			}
+			allow = r
+			break
+		}
+	}
+	switch {
+	case allow != nil:
+		return verdict{allowed: true, rule: allow.key, reason: "grant " + allow.key + " allows " + describe(req)}
+	case errRule != nil:
+		return verdict{rule: errRule.key, reason: "no grant allows " + describe(req) +
+			"; the condition of grant " + errRule.key + " failed to evaluate: " + condErr.Error()}
+	}
+	return defaultDeny(req)
+}
+
+func defaultDeny(req *Request) verdict {
+	return verdict{rule: RuleDefaultDeny, reason: "no grant in namespace " + req.Secret.Namespace + " allows " + describe(req)}
+}
+
+// newActivation copies req so that only requests reaching a CEL condition
+// pay for a heap copy.
+func newActivation(req *Request) *requestActivation {
+	cp := *req
+	return &requestActivation{req: &cp}
+}
+
+// matches checks every field but the condition. The index already chose
+// grants by namespace, driver and secret name; they are checked again here so
+// that no indexing mistake can ever admit a secret a grant does not name.
+func (r *rule) matches(req *Request, opBit uint32) bool {
+	if r.ops&opBit == 0 || r.namespace != req.Secret.Namespace {
+		return false
+	}
+	if !r.anyDriver && !contains(r.drivers, req.Driver) {
+		return false
+	}
+	if !r.anySecret {
+		if _, ok := r.secretNames[req.Secret.Name]; !ok && !r.matchesPrefix(req.Secret.Name) {
+			return false
+		}
+	}
+	rq := &req.Requester
+	if !r.anyRequester {
+		if rq.Namespace == "" {
+			return false
+		}
+		_, listed := r.namespaces[rq.Namespace]
+		if !listed && (r.nsSelector == nil || !r.nsSelector.matches(rq.NamespaceLabels)) {
+			return false
+		}
+	}
+	if r.storageClass != nil && !contains(r.storageClass, rq.StorageClass) {
+		return false
+	}
+	if r.nodes != nil && !contains(r.nodes, rq.Node) {
+		return false
+	}
+	return true
+}
+
+func (r *rule) matchesPrefix(name string) bool {
+	for _, p := range r.prefixes {
+		if strings.HasPrefix(name, p) {
+			return true
+		}
+	}
+	return false
+}

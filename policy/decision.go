@@ -1,0 +1,138 @@
+package policy
+
+import "fmt"
+
+// Mode says how decisions are applied.
+type Mode string
+
+// Modes, in the order an administrator rolls policy out: off, audit, enforce.
+const (
+	// ModeEnforce: a deny is a deny. The default, and deny by default: an
+	// empty rule set admits nobody.
+	ModeEnforce Mode = "enforce"
+	// ModeAudit: rules are evaluated, and a request they would deny is
+	// allowed with Decision.WouldDeny set, so it can be logged and counted.
+	ModeAudit Mode = "audit"
+	// ModeOff: nothing is evaluated, everything is allowed, and the decision
+	// says so.
+	ModeOff Mode = "off"
+)
+
+// ParseMode parses a --policy-mode style value. The empty string is enforce.
+func ParseMode(s string) (Mode, error) {
+	switch Mode(s) {
+	case "", ModeEnforce:
+		return ModeEnforce, nil
+	case ModeAudit, ModeOff:
+		return Mode(s), nil
+	}
+	return "", fmt.Errorf("policy mode %q: want %q, %q or %q", s, ModeEnforce, ModeAudit, ModeOff)
+}
+
+// Rule names used in Decision.Rule when no grant decided.
+const (
+	// RuleDefaultDeny: no grant allowed the request.
+	RuleDefaultDeny = "default-deny"
+	// RuleModeOff: policy is off; nothing was evaluated.
+	RuleModeOff = "mode-off"
+	// RuleInvalidRequest: the request itself was malformed (unknown
+	// operation, empty driver or secret name...).
+	RuleInvalidRequest = "invalid-request"
+	// RuleExternal: the external decision point decided.
+	RuleExternal = "external"
+)
+
+// Result values, for a metric's decision label (see Decision.Result).
+const (
+	ResultAllow     = "allow"
+	ResultDeny      = "deny"
+	ResultWouldDeny = "would-deny"
+)
+
+// Decision is the answer to a Request. It carries the request's driver,
+// operation and secret reference so a caller can count and report it
+// without keeping the request around. It never holds secret content.
+type Decision struct {
+	// Allowed: the caller may fetch the secret and make the CSI call.
+	Allowed bool
+	// Mode the decision was made in.
+	Mode Mode
+	// WouldDeny: audit mode allowed a request that enforce mode would deny.
+	WouldDeny bool
+	// Rule is "namespace/name" of the grant that decided, or one of
+	// RuleDefaultDeny, RuleModeOff, RuleInvalidRequest, RuleExternal.
+	Rule string
+	// Reason is for humans (logs, Events): it names the secret reference,
+	// the driver, the operation, the requester and the rule.
+	Reason string
+
+	Driver    string
+	Operation Operation
+	Secret    SecretRef
+}
+
+// Result is "allow", "deny" or "would-deny" (audit mode): the value of a
+// metric's decision label. Mode says whether an allow was evaluated at all.
+func (d Decision) Result() string {
+	switch {
+	case !d.Allowed:
+		return ResultDeny
+	case d.WouldDeny:
+		return ResultWouldDeny
+	default:
+		return ResultAllow
+	}
+}
+
+// verdict is a decision before the mode is applied.
+type verdict struct {
+	allowed bool
+	rule    string
+	reason  string
+}
+
+// decisionFor applies mode to v.
+func decisionFor(mode Mode, req *Request, v verdict) Decision {
+	d := Decision{
+		Allowed:   v.allowed,
+		Mode:      mode,
+		Rule:      v.rule,
+		Reason:    v.reason,
+		Driver:    req.Driver,
+		Operation: req.Operation,
+		Secret:    req.Secret,
+	}
+	if mode == ModeAudit && !v.allowed {
+		d.Allowed = true
+		d.WouldDeny = true
+		d.Reason = "audit mode, allowed but would deny: " + v.reason
+	}
+	return d
+}
+
+// offDecision is the decision of ModeOff.
+func offDecision(req *Request) Decision {
+	return Decision{
+		Allowed:   true,
+		Mode:      ModeOff,
+		Rule:      RuleModeOff,
+		Reason:    "policy mode is off: not evaluated, " + describeQuoted(req) + " allowed",
+		Driver:    req.Driver,
+		Operation: req.Operation,
+		Secret:    req.Secret,
+	}
+}
+
+// describe renders a validated request for reasons: driver, secret,
+// operation, requester.
+func describe(req *Request) string {
+	return "driver " + req.Driver + " receiving secret " + req.Secret.String() +
+		" for " + string(req.Operation) + " on behalf of " + req.Requester.String()
+}
+
+// describeQuoted renders a request that was not validated, quoting every
+// field so nothing odd reaches a log line or an Event unescaped.
+func describeQuoted(req *Request) string {
+	return fmt.Sprintf("driver %q receiving secret %q/%q for %q on behalf of %q",
+		req.Driver, req.Secret.Namespace, req.Secret.Name, req.Operation, req.Requester.String())
+}
