@@ -1,0 +1,35 @@
+package broker
+
+import (
+	"context"
+
+	brokerstatusv1 "github.com/csibroker/csibroker/proto/brokerstatus/v1"
+)
+
+// StatusServer serves the broker status API read by `csibroker status`.
+type StatusServer struct {
+	brokerstatusv1.UnimplementedBrokerStatusServer
+	B       *Broker
+	Version string
+	// Leader reports whether this replica leads and who does; nil means no
+	// leader election (always leader).
+	Leader func() (bool, string)
+	// Sockets maps driver names to their front-end socket paths.
+	Sockets map[string]string
+}
+
+// GetStatus snapshots drivers, proxies and leadership.
+func (s *StatusServer) GetStatus(context.Context, *brokerstatusv1.GetStatusRequest) (*brokerstatusv1.GetStatusResponse, error) {
+	out := &brokerstatusv1.GetStatusResponse{Version: s.Version, Leader: true}
+	if s.Leader != nil {
+		out.Leader, out.LeaderIdentity = s.Leader()
+	}
+	for _, d := range s.B.Status() {
+		ds := &brokerstatusv1.DriverStatus{Name: d.Name, InflightCalls: d.Inflight, TotalCalls: d.Total, FailedCalls: d.Failed, Socket: s.Sockets[d.Name]}
+		for _, p := range d.Proxies {
+			ds.Proxies = append(ds.Proxies, &brokerstatusv1.ProxyStatus{Address: p.Address, Node: p.Node, State: p.State, ExpectedIdentity: p.ExpectedIdentity})
+		}
+		out.Drivers = append(out.Drivers, ds)
+	}
+	return out, nil
+}

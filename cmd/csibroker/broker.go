@@ -1,0 +1,192 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+
+	"github.com/csibroker/csibroker/broker"
+	"github.com/csibroker/csibroker/internal/mtls"
+	"github.com/csibroker/csibroker/internal/telemetry"
+	brokerstatusv1 "github.com/csibroker/csibroker/proto/brokerstatus/v1"
+)
+
+func init() {
+	register("broker", "run the broker: driver registry, proxy connections, CSI front ends", runBroker)
+}
+
+// BrokerCommandConfig holds the broker subcommand's flags.
+type BrokerCommandConfig struct {
+	RegistryFile  string
+	SocketDir     string
+	Listen        string
+	StatusSocket  string
+	HTTPEndpoint  string
+	MetricsPath   string
+	Timeout       time.Duration
+	RetryAttempts int
+	RetryStart    time.Duration
+	RetryMax      time.Duration
+	TLS           tlsFlags
+	Log           logFlags
+}
+
+// Validate checks the flags.
+func (c *BrokerCommandConfig) Validate() error {
+	var errs []error
+	if c.RegistryFile == "" {
+		errs = append(errs, errors.New("--driver-registry is required"))
+	}
+	if c.Timeout <= 0 {
+		errs = append(errs, errors.New("--timeout must be positive"))
+	}
+	if c.RetryAttempts < 1 {
+		errs = append(errs, errors.New("--csi-retry-attempts must be at least 1"))
+	}
+	if c.RetryStart <= 0 || c.RetryMax < c.RetryStart {
+		errs = append(errs, errors.New("--csi-retry-interval-start must be positive and at most --csi-retry-interval-max"))
+	}
+	errs = append(errs, c.TLS.validate(), c.Log.validate())
+	return errors.Join(errs...)
+}
+
+func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
+	cfg := BrokerCommandConfig{}
+	fs := flag.NewFlagSet("broker", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&cfg.RegistryFile, "driver-registry", "", "YAML file listing drivers and their proxies (see deploy/examples/registry.yaml)")
+	fs.StringVar(&cfg.SocketDir, "socket-dir", "/run/csibroker", "directory for the per-driver CSI front-end sockets <dir>/<driver>.sock (empty: none)")
+	fs.StringVar(&cfg.Listen, "listen", "", "address of the shared mTLS CSI front end, where x-csibroker-driver metadata names the driver (empty: off)")
+	fs.StringVar(&cfg.StatusSocket, "status-socket", "", "unix socket for the status API read by 'csibroker status' (default <socket-dir>/csibroker-status.sock)")
+	fs.StringVar(&cfg.HTTPEndpoint, "http-endpoint", "", "address for /healthz, /readyz and metrics (empty: off)")
+	fs.StringVar(&cfg.MetricsPath, "metrics-path", "/metrics", "path of the Prometheus metrics on --http-endpoint")
+	fs.DurationVar(&cfg.Timeout, "timeout", broker.DefaultTimeout, "default timeout of one CSI call, retries included (a driver's registry entry may override it per method)")
+	fs.IntVar(&cfg.RetryAttempts, "csi-retry-attempts", broker.DefaultMaxAttempts, "attempts per CSI call on transport failures and Unavailable (1: no retry)")
+	fs.DurationVar(&cfg.RetryStart, "csi-retry-interval-start", broker.DefaultIntervalStart, "first backoff between attempts of one CSI call (jittered, doubling)")
+	fs.DurationVar(&cfg.RetryMax, "csi-retry-interval-max", broker.DefaultIntervalMax, "largest backoff between attempts of one CSI call")
+	cfg.TLS.register(fs)
+	cfg.Log.register(fs)
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	log := cfg.Log.logger(stderr)
+	reg, err := broker.LoadRegistryConfig(cfg.RegistryFile)
+	if err != nil {
+		return err
+	}
+	src, err := cfg.TLS.source(log)
+	if err != nil {
+		return err
+	}
+	if id, err := mtls.ParseID(src.Current().ID); err != nil || id.Role != mtls.RoleBroker || id.TrustDomain != cfg.TLS.TrustDomain {
+		return fmt.Errorf("--tls-cert: identity %s is not %s: proxies would refuse it", src.Current().ID, mtls.BrokerID(cfg.TLS.TrustDomain))
+	}
+	tp, err := telemetry.NewTracerProvider(ctx, "csibroker-broker")
+	if err != nil {
+		return fmt.Errorf("tracing: %w", err)
+	}
+	defer tp.Shutdown(context.WithoutCancel(ctx))
+	promReg := prometheus.NewRegistry()
+	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+
+	b, err := broker.New(broker.Options{TrustDomain: cfg.TLS.TrustDomain, TLS: src, Logger: log, TracerProvider: tp, Registerer: promReg})
+	if err != nil {
+		return err
+	}
+	defer b.Close()
+	sockets := map[string]string{}
+	for _, d := range reg.Drivers {
+		if d.Timeout == 0 {
+			d.Timeout = cfg.Timeout
+		}
+		if d.Retry == (broker.RetryConfig{}) {
+			d.Retry = broker.RetryConfig{MaxAttempts: cfg.RetryAttempts, IntervalStart: cfg.RetryStart, IntervalMax: cfg.RetryMax}
+		}
+		if err := b.SetDriver(d); err != nil {
+			return err
+		}
+		if cfg.SocketDir != "" {
+			sockets[d.Name] = filepath.Join(cfg.SocketDir, d.Name+".sock")
+		}
+	}
+
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { src.Run(ctx, cfg.TLS.ReloadInterval); return nil })
+	for name, path := range sockets {
+		g.Go(func() error { return b.ServeSocket(ctx, name, path) })
+	}
+	if cfg.Listen != "" {
+		lis, err := net.Listen("tcp", cfg.Listen)
+		if err != nil {
+			return fmt.Errorf("--listen: %w", err)
+		}
+		// Front-end callers are orchestrators and tools: any identity from
+		// the trust domain's CA except a driver's.
+		g.Go(func() error { return b.ServeTCP(ctx, lis, mtls.ServerConfig(src, notADriver(cfg.TLS.TrustDomain))) })
+	}
+	statusPath := cfg.StatusSocket
+	if statusPath == "" && cfg.SocketDir != "" {
+		statusPath = filepath.Join(cfg.SocketDir, "csibroker-status.sock")
+	}
+	if statusPath != "" {
+		g.Go(func() error {
+			return serveStatus(ctx, statusPath, &broker.StatusServer{B: b, Version: version, Sockets: sockets})
+		})
+	}
+	if cfg.HTTPEndpoint != "" {
+		mux := http.NewServeMux()
+		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
+		mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
+		mux.Handle(cfg.MetricsPath, promhttp.HandlerFor(promReg, promhttp.HandlerOpts{}))
+		g.Go(func() error { return serveHTTP(ctx, cfg.HTTPEndpoint, mux, log) })
+	}
+	return g.Wait()
+}
+
+func notADriver(trustDomain string) mtls.Authorizer {
+	return func(id string) error {
+		parsed, err := mtls.ParseID(id)
+		if err != nil {
+			return err
+		}
+		if parsed.TrustDomain != trustDomain {
+			return fmt.Errorf("peer identity %s is not in trust domain %s", id, trustDomain)
+		}
+		if parsed.Role == mtls.RoleDriver {
+			return fmt.Errorf("peer identity %s is a driver's: drivers never call the broker", id)
+		}
+		return nil
+	}
+}
+
+func serveStatus(ctx context.Context, path string, s *broker.StatusServer) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	_ = os.Remove(path)
+	lis, err := net.Listen("unix", path)
+	if err != nil {
+		return fmt.Errorf("status socket: %w", err)
+	}
+	defer os.Remove(path)
+	srv := grpc.NewServer()
+	brokerstatusv1.RegisterBrokerStatusServer(srv, s)
+	go func() { <-ctx.Done(); srv.GracefulStop() }()
+	return srv.Serve(lis)
+}
