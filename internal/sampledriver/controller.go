@@ -611,6 +611,9 @@ func (s *server) csiSnapshot(sn *snapshot) *csi.Snapshot {
 		CreationTime:   timestamppb.New(sn.Created),
 		ReadyToUse:     true,
 	}
+	// accessible_topology is optional and left out: csi-sanity v5.6.0
+	// compares it with gomega's Equal, i.e. reflect.DeepEqual on protobuf
+	// messages, which fails on their internal state even when equal.
 	return out
 }
 
@@ -620,6 +623,9 @@ func (s *server) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 		return nil, invalid("name is required")
 	case req.GetSourceVolumeId() == "":
 		return nil, invalid("source volume ID is required")
+	}
+	if !topologyAllows(s.cfg.Topology, req.GetAccessibilityRequirements()) {
+		return nil, status.Errorf(codes.ResourceExhausted, "cannot snapshot in the requisite topologies: this driver serves %s", FormatTopology(s.cfg.Topology))
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -642,6 +648,7 @@ func (s *server) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 		SourceVolumeID: v.ID,
 		SizeBytes:      v.CapacityBytes,
 		Parameters:     cloneMap(req.GetParameters()),
+		Topology:       cloneMap(v.Topology),
 		Created:        time.Now().UTC(),
 	}
 	dir := s.snapshotDir(sn.ID)

@@ -23,7 +23,9 @@ func (s *server) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 		}}},
 	}
 	if len(s.cfg.Topology) > 0 {
-		caps = append(caps, serviceCap(csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS))
+		caps = append(caps,
+			serviceCap(csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS),
+			serviceCap(csi.PluginCapability_Service_SNAPSHOT_ACCESSIBILITY_CONSTRAINTS))
 	}
 	return &csi.GetPluginCapabilitiesResponse{Capabilities: caps}, nil
 }

@@ -81,8 +81,8 @@ func readerOnly(m csi.VolumeCapability_AccessMode_Mode) bool {
 }
 
 // pickSize chooses a new volume's size from its capacity range: the required
-// bytes, else the default size capped by the limit. minBytes (a clone
-// source's size) raises a size chosen without required bytes.
+// bytes, else the content source's size minBytes, else the default size
+// capped by the limit. A size below minBytes is out of range.
 func pickSize(cr *csi.CapacityRange, minBytes int64) (int64, error) {
 	req, lim := cr.GetRequiredBytes(), cr.GetLimitBytes()
 	if req < 0 || lim < 0 {
@@ -92,14 +92,18 @@ func pickSize(cr *csi.CapacityRange, minBytes int64) (int64, error) {
 		return 0, fmt.Errorf("%w: required bytes %d exceed limit bytes %d", errInvalid, req, lim)
 	}
 	size := req
-	if size == 0 {
+	switch {
+	case size > 0:
+	case minBytes > 0:
+		size = minBytes
+	default:
 		size = DefaultVolumeSize
-		if minBytes > size {
-			size = minBytes
-		}
 		if lim > 0 && size > lim {
 			size = lim
 		}
+	}
+	if lim > 0 && size > lim {
+		return 0, fmt.Errorf("%w: the source's %d bytes exceed limit bytes %d", errOutOfRange, size, lim)
 	}
 	if size < minBytes {
 		return 0, fmt.Errorf("%w: size %d is smaller than the source's %d bytes", errOutOfRange, size, minBytes)

@@ -47,6 +47,7 @@ type snapshot struct {
 	SourceVolumeID string            `json:"sourceVolumeId"`
 	SizeBytes      int64             `json:"sizeBytes"`
 	Parameters     map[string]string `json:"parameters,omitempty"`
+	Topology       map[string]string `json:"topology,omitempty"`
 	Created        time.Time         `json:"created"`
 }
 
