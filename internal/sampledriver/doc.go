@@ -11,6 +11,14 @@
 //     <StateDir>/snapshots/<snapshot-id>. Capacity is accounted, not enforced
 //     on disk: the pool is Config.CapacityBytes and GetCapacity reports what
 //     volumes have not claimed.
+//   - Controller capabilities: create/delete (idempotent by name), publish
+//     (attachments per node, read-only, MaxVolumesPerNode, access-mode
+//     rules), list with paging and published nodes, get volume, capacity,
+//     clone, snapshots (create/delete/list/get), expansion (grow only, node
+//     expansion required), modify (mutable parameters "iops" and "tier")
+//     and volume health; DisablePublish drops the publish step. Node:
+//     stage/unstage, publish/unpublish, stats, expansion, health,
+//     SINGLE_NODE_MULTI_WRITER. Not implemented: group snapshots.
 //   - State (volumes, attachments, snapshots, this node's stage and publish
 //     mounts) lives in <StateDir>/state.json, rewritten atomically (temp
 //     file, fsync, rename, fsync of the directory) before a call that changed

@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -795,4 +796,18 @@ func (l lockedWriter) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.w.Write(p)
+}
+
+// BenchmarkCreateDelete measures a CreateVolume and DeleteVolume pair, each
+// a durable state write (fsync of the file and the directory).
+func BenchmarkCreateDelete(b *testing.B) {
+	ep, _ := StartTest(b, Config{})
+	c := dial(b, ep)
+	ctx := ctxT(b)
+	for i := 0; b.Loop(); i++ {
+		v := mustCreate(b, c, "bench-"+strconv.Itoa(i), 1<<20)
+		if _, err := c.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()}); err != nil {
+			b.Fatal(err)
+		}
+	}
 }

@@ -35,7 +35,8 @@ type Fault struct {
 	Rate float64
 	// First makes the first N calls of the method fail with Code.
 	First int64
-	// Code is the injected error's code (default Unavailable).
+	// Code is the injected error's code (OK, the zero value, means
+	// Unavailable).
 	Code codes.Code
 	// After injects the error after the call was handled, so its effect
 	// is kept but the caller sees a failure (a lost reply).
@@ -75,9 +76,6 @@ func (f Faults) Validate() error {
 		}
 		if ft.Latency < 0 || ft.First < 0 || ft.ExitAfter < 0 {
 			errs = append(errs, fmt.Errorf("fault %s: negative latency or count", m))
-		}
-		if ft.Code == codes.OK && ft.failing() {
-			errs = append(errs, fmt.Errorf("fault %s: code OK is not an error", m))
 		}
 		if ft.Code > codes.Unauthenticated {
 			errs = append(errs, fmt.Errorf("fault %s: unknown code %d", m, ft.Code))
@@ -172,6 +170,9 @@ func ParseFault(spec string) (method string, f Fault, err error) {
 			f.First, perr = strconv.ParseInt(v, 10, 64)
 		case "code":
 			f.Code, perr = ParseCode(v)
+			if perr == nil && f.Code == codes.OK {
+				perr = errors.New("OK is not an error")
+			}
 			codeSet = true
 		case "after":
 			f.After = true
@@ -359,7 +360,11 @@ func (d *Driver) faultInterceptor(ctx context.Context, req any, info *grpc.Unary
 	}
 	fail := ok && d.inj.shouldFail(f, n)
 	injected := func() error {
-		return status.Errorf(f.Code, "sample driver: injected fault in %s (call %d)", method, n)
+		code := f.Code
+		if code == codes.OK {
+			code = codes.Unavailable
+		}
+		return status.Errorf(code, "sample driver: injected fault in %s (call %d)", method, n)
 	}
 	if fail && !f.After {
 		return nil, injected()

@@ -57,12 +57,14 @@ func TestFaultLatency(t *testing.T) {
 }
 
 func TestFaultErrors(t *testing.T) {
-	ep, d := StartTest(t, Config{Faults: faults(t,
+	f := faults(t,
 		"DeleteVolume=code:Internal",
 		"CreateVolume=first:2,code:Unavailable",
 		"*=rate:1,code:PermissionDenied",
 		"ListVolumes=latency:1ms", // its own entry: the wildcard does not apply
-	)})
+	)
+	f.Methods["GetCapacity"] = Fault{First: 1} // no code: Unavailable
+	ep, d := StartTest(t, Config{Faults: f})
 	c := dial(t, ep)
 	ctx := ctxT(t)
 	for i := 1; i <= 2; i++ {
@@ -77,10 +79,12 @@ func TestFaultErrors(t *testing.T) {
 	wantCode(t, "DeleteVolume", err, codes.Internal)
 	_, err = c.Probe(ctx, &csi.ProbeRequest{})
 	wantCode(t, "Probe under the wildcard", err, codes.PermissionDenied)
+	_, err = c.GetCapacity(ctx, &csi.GetCapacityRequest{})
+	wantCode(t, "fault without a code", err, codes.Unavailable)
 	if _, err := c.ListVolumes(ctx, &csi.ListVolumesRequest{}); err != nil {
 		t.Fatalf("ListVolumes has its own entry: %v", err)
 	}
-	want := map[string]int64{"CreateVolume": 3, "DeleteVolume": 1, "Probe": 1, "ListVolumes": 1}
+	want := map[string]int64{"CreateVolume": 3, "DeleteVolume": 1, "Probe": 1, "ListVolumes": 1, "GetCapacity": 1}
 	got := d.Calls()
 	for m, n := range want {
 		if got[m] != n || d.CallCount(m) != n {

@@ -342,7 +342,7 @@ func TestConfigValidate(t *testing.T) {
 		{"fault rate above 1", func(c *Config) {
 			c.Faults.Methods = map[string]Fault{"Probe": {Rate: 1.5, Code: codes.Internal}}
 		}, false},
-		{"fault with code OK", func(c *Config) { c.Faults.Methods = map[string]Fault{"Probe": {Rate: 1}} }, false},
+		{"fault without a code fails with Unavailable", func(c *Config) { c.Faults.Methods = map[string]Fault{"Probe": {Rate: 1}} }, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := ok
