@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"time"
 
@@ -45,6 +46,7 @@ func (b *Broker) newFrontEndServer(fe *frontEnd, extra ...grpc.ServerOption) *gr
 		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(b.opts.TracerProvider), otelgrpc.WithPropagators(b.opts.Propagator))),
 		grpc.MaxRecvMsgSize(b.opts.MaxMsgSize),
 		grpc.MaxSendMsgSize(b.opts.MaxMsgSize),
+		grpc.NumStreamWorkers(uint32(4 * runtime.GOMAXPROCS(0))),
 	}, extra...)
 	return grpc.NewServer(opts...)
 }

@@ -1,0 +1,182 @@
+// Package bench measures the CSI path side by side: the same calls to a
+// sample driver directly on its socket, and through front end → broker →
+// proxy (mTLS) → driver, in one run, reported as figures and ratios.
+//
+//	go test -run='^$' -bench=. -benchtime=2000x -count=3 ./test/bench/
+package bench
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"google.golang.org/grpc"
+
+	"github.com/csibroker/csibroker/internal/chaintest"
+	"github.com/csibroker/csibroker/internal/sampledriver"
+)
+
+// side is one way of reaching a driver.
+type side struct {
+	name   string
+	conn   *grpc.ClientConn
+	seq    atomic.Int64
+	prefix string
+}
+
+// setup starts two sample drivers with their own state, one reached directly
+// and one through the chain, so that both see the same state growth.
+func setup(b *testing.B) (direct, chain *side) {
+	b.Helper()
+	quiet := slog.New(slog.DiscardHandler)
+	epDirect, _ := sampledriver.StartTest(b, sampledriver.Config{Logger: quiet})
+	epChain, _ := sampledriver.StartTest(b, sampledriver.Config{Logger: quiet})
+	// Tracing as in production without an OTEL exporter configured: spans
+	// are made (trace IDs reach Events and logs) and sampled, not recorded.
+	tp := sdktrace.NewTracerProvider()
+	b.Cleanup(func() { tp.Shutdown(context.Background()) })
+	c := chaintest.Start(b, chaintest.Options{Driver: sampledriver.DefaultName, DriverEndpoint: epChain, LogLevel: slog.LevelWarn, Tracer: tp})
+	direct = &side{name: "direct", conn: chaintest.Dial(b, epDirect[len("unix://"):]), prefix: "d"}
+	chain = &side{name: "chain", conn: chaintest.Dial(b, c.Front), prefix: "c"}
+	return direct, chain
+}
+
+var capab = []*csi.VolumeCapability{{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}}, AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}}
+
+type method struct {
+	name string
+	call func(ctx context.Context, s *side) error
+}
+
+var methods = []method{
+	{"Probe", func(ctx context.Context, s *side) error {
+		_, err := csi.NewIdentityClient(s.conn).Probe(ctx, &csi.ProbeRequest{})
+		return err
+	}},
+	{"CreateVolume", func(ctx context.Context, s *side) error {
+		n := s.seq.Add(1)
+		_, err := csi.NewControllerClient(s.conn).CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: fmt.Sprintf("%s-%d", s.prefix, n), VolumeCapabilities: capab, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 20}})
+		return err
+	}},
+}
+
+func quantile(d []time.Duration, q float64) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	s := append([]time.Duration(nil), d...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	return s[int(q*float64(len(s)-1))]
+}
+
+func us(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
+
+// BenchmarkLatencyC1 alternates one direct call and one chain call, b.N
+// times each, at concurrency 1, and reports both sides' p50/p99, the added
+// p50 and the ratio.
+func BenchmarkLatencyC1(b *testing.B) {
+	for _, m := range methods {
+		b.Run(m.name, func(b *testing.B) {
+			direct, chain := setup(b)
+			ctx := context.Background()
+			// Warm both paths (connections, TLS, caches).
+			for i := 0; i < 20; i++ {
+				if err := m.call(ctx, direct); err != nil {
+					b.Fatal(err)
+				}
+				if err := m.call(ctx, chain); err != nil {
+					b.Fatal(err)
+				}
+			}
+			dl := make([]time.Duration, 0, b.N)
+			cl := make([]time.Duration, 0, b.N)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				t0 := time.Now()
+				if err := m.call(ctx, direct); err != nil {
+					b.Fatal(err)
+				}
+				t1 := time.Now()
+				if err := m.call(ctx, chain); err != nil {
+					b.Fatal(err)
+				}
+				t2 := time.Now()
+				dl = append(dl, t1.Sub(t0))
+				cl = append(cl, t2.Sub(t1))
+			}
+			b.StopTimer()
+			dp50, dp99, cp50, cp99 := quantile(dl, .5), quantile(dl, .99), quantile(cl, .5), quantile(cl, .99)
+			b.ReportMetric(us(dp50), "direct-p50-µs")
+			b.ReportMetric(us(dp99), "direct-p99-µs")
+			b.ReportMetric(us(cp50), "chain-p50-µs")
+			b.ReportMetric(us(cp99), "chain-p99-µs")
+			b.ReportMetric(us(cp50-dp50), "added-p50-µs")
+			b.ReportMetric(float64(cp50)/float64(dp50), "chain/direct-p50")
+			b.ReportMetric(0, "ns/op") // the per-op figure mixes both sides; the metrics above are the result
+		})
+	}
+}
+
+// run makes n calls with c workers and returns calls per second.
+func run(ctx context.Context, b *testing.B, m method, s *side, n, c int) float64 {
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	var failed atomic.Value
+	start := time.Now()
+	for w := 0; w < c; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for next.Add(1) <= int64(n) {
+				if err := m.call(ctx, s); err != nil {
+					failed.CompareAndSwap(nil, err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if err := failed.Load(); err != nil {
+		b.Fatalf("%s %s: %v", s.name, m.name, err)
+	}
+	return float64(n) / time.Since(start).Seconds()
+}
+
+// BenchmarkThroughputC32 makes b.N calls with 32 concurrent callers on each
+// side, alternating the sides in eight rounds so both meet the same machine
+// noise and the same driver state size, and reports calls/s and the ratio.
+func BenchmarkThroughputC32(b *testing.B) {
+	const conc, rounds = 32, 8
+	for _, m := range methods {
+		b.Run(m.name, func(b *testing.B) {
+			direct, chain := setup(b)
+			ctx := context.Background()
+			run(ctx, b, m, direct, 64, conc)
+			run(ctx, b, m, chain, 64, conc)
+			per := b.N / rounds
+			if per < 1 {
+				per = 1
+			}
+			var dSum, cSum float64
+			b.ResetTimer()
+			for r := 0; r < rounds; r++ {
+				dSum += run(ctx, b, m, direct, per, conc)
+				cSum += run(ctx, b, m, chain, per, conc)
+			}
+			b.StopTimer()
+			d, c := dSum/rounds, cSum/rounds
+			b.ReportMetric(d, "direct-calls/s")
+			b.ReportMetric(c, "chain-calls/s")
+			b.ReportMetric(c/d, "chain/direct-throughput")
+			b.ReportMetric(0, "ns/op")
+		})
+	}
+}
