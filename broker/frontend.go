@@ -178,6 +178,14 @@ func forwardUnary(ctx context.Context, srv grpc.ServerStream, conn grpc.ClientCo
 // drivers send CreateVolume, DeleteVolume and GetCapacity to the named node.
 // Everything else goes to the controller proxy.
 func (d *Driver) Route(method, node string) (grpc.ClientConnInterface, error) {
+	pc, err := d.route(method, node)
+	if err != nil {
+		return nil, err
+	}
+	return pc.conn, nil
+}
+
+func (d *Driver) route(method, node string) (*proxyConn, error) {
 	service := strings.TrimPrefix(method, "/")
 	if i := strings.IndexByte(service, '/'); i >= 0 {
 		service = service[:i]
@@ -187,30 +195,35 @@ func (d *Driver) Route(method, node string) (grpc.ClientConnInterface, error) {
 	if d.cfg.NodeLocal && (short == "CreateVolume" || short == "DeleteVolume" || short == "GetCapacity") {
 		nodeCall = true
 	}
+	byNode := func() (*proxyConn, error) {
+		if pc := d.nodes[node]; pc != nil {
+			return pc, nil
+		}
+		return nil, fmt.Errorf("driver %q: %w: no node proxy registered for node %q", d.name, ErrNoProxy, node)
+	}
 	if !nodeCall {
-		if d.controller != nil {
-			return d.controller.conn, nil
-		}
-		if len(d.nodes) == 1 && node == "" {
+		switch {
+		case d.controller != nil:
+			return d.controller, nil
+		case node != "":
+			return byNode()
+		case len(d.nodes) == 1:
 			for _, pc := range d.nodes {
-				return pc.conn, nil
+				return pc, nil
 			}
-		}
-		if node != "" {
-			return d.Node(node)
 		}
 		return nil, fmt.Errorf("driver %q: %w: %s needs a controller proxy", d.name, ErrNoProxy, short)
 	}
 	if node != "" {
-		return d.Node(node)
+		return byNode()
 	}
 	switch {
 	case len(d.nodes) == 1:
 		for _, pc := range d.nodes {
-			return pc.conn, nil
+			return pc, nil
 		}
 	case len(d.nodes) == 0 && d.controller != nil:
-		return d.controller.conn, nil
+		return d.controller, nil
 	}
 	return nil, fmt.Errorf("driver %q: %w: %s must name one of nodes %v with the %s metadata key", d.name, ErrNoProxy, short, d.Nodes(), MetadataNode)
 }

@@ -40,6 +40,7 @@ type Options struct {
 	DriverEndpoint string // the driver's unix socket, already served by the caller
 	Retry          broker.RetryConfig
 	Timeout        time.Duration
+	MethodTimeouts map[string]time.Duration
 	// LogLevel for the broker's and proxy's loggers (default: debug, the most verbose).
 	LogLevel slog.Level
 	// ProxyCert overrides the proxy's certificate (refusal tests).
@@ -281,7 +282,7 @@ func Start(t testing.TB, o Options) *Chain {
 		t.Fatal(err)
 	}
 	c.Broker = b
-	if err := b.SetDriver(broker.DriverConfig{Name: o.Driver, Controller: &broker.ProxyConfig{Address: c.ProxyAddr}, Retry: o.Retry, Timeout: o.Timeout}); err != nil {
+	if err := b.SetDriver(broker.DriverConfig{Name: o.Driver, Controller: &broker.ProxyConfig{Address: c.ProxyAddr}, Retry: o.Retry, Timeout: o.Timeout, MethodTimeouts: o.MethodTimeouts}); err != nil {
 		t.Fatal(err)
 	}
 	c.Front = filepath.Join(c.Dir, "front.sock")

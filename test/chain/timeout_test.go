@@ -1,0 +1,69 @@
+package chain
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/csibroker/csibroker/broker"
+	"github.com/csibroker/csibroker/internal/chaintest"
+)
+
+// TestPerMethodTimeout: a driver's registry entry bounds CreateVolume with its
+// own timeout even when the caller sets none, and other methods keep the
+// driver's default.
+func TestPerMethodTimeout(t *testing.T) {
+	echo, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Timeout: time.Minute,
+		MethodTimeouts: map[string]time.Duration{"CreateVolume": 300 * time.Millisecond}})
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	start := time.Now()
+	_, err := client.CreateVolume(context.Background(), &csi.CreateVolumeRequest{Name: "slow", Parameters: map[string]string{"wait": "true"}})
+	took := time.Since(start)
+	if status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("err = %v", err)
+	}
+	if took < 300*time.Millisecond || took > 5*time.Second {
+		t.Fatalf("call took %v with a 300ms method timeout", took)
+	}
+	select {
+	case <-echo.cancelled:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the driver never saw the timeout")
+	}
+	echo.mu.Lock()
+	seen := echo.deadline
+	echo.mu.Unlock()
+	if seen <= 0 || seen > 300*time.Millisecond {
+		t.Fatalf("driver saw deadline %v, want ≤300ms", seen)
+	}
+}
+
+// TestRetriesStayInsideCallerDeadline: a driver that is always Unavailable,
+// a generous retry budget, and a caller with 400ms: the call ends by the
+// caller's deadline, not after the budget.
+func TestRetriesStayInsideCallerDeadline(t *testing.T) {
+	echo, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep,
+		Retry: broker.RetryConfig{MaxAttempts: 100, IntervalStart: 100 * time.Millisecond, IntervalMax: 100 * time.Millisecond}})
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	ctx, cancel := context.WithTimeout(context.Background(), 400*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "u", Parameters: map[string]string{"code": "14"}})
+	took := time.Since(start)
+	if c := status.Code(err); c != codes.DeadlineExceeded && c != codes.Unavailable {
+		t.Fatalf("err = %v", err)
+	}
+	if took > 2*time.Second {
+		t.Fatalf("call took %v with a 400ms deadline", took)
+	}
+	if n := echo.calls.Load(); n < 2 || n > 6 {
+		t.Fatalf("driver called %d times in 400ms with 100ms backoff", n)
+	}
+	t.Logf("%d attempts in %v", echo.calls.Load(), took.Round(time.Millisecond))
+}
