@@ -39,8 +39,8 @@ func (rs *RuleSet) evaluate(req *Request) verdict {
 		return defaultDeny(req)
 	}
 	if l := ns.lock; l != nil {
-		return verdict{rule: l.Key(), reason: "grant " + l.Key() + " is an invalid Deny grant, so every secret in namespace " +
-			l.Namespace + " is denied until it is fixed (" + truncate(l.Message, 200) + "); denied " + describe(req)}
+		return verdict{rule: l.Key(), reason: reasonf(req, "grant ", l.Key(), " is an invalid Deny grant, so every secret in namespace ",
+			l.Namespace, " is denied until it is fixed (", truncate(l.Message, 200), "); denied ", reqDesc)}
 	}
 
 	// Candidate lists: grants naming this driver or "*", and this secret
@@ -93,11 +93,11 @@ func (rs *RuleSet) evaluate(req *Request) verdict {
 		}
 	}
 	if deny != nil {
-		reason := "deny grant " + deny.key + " denies " + describe(req)
 		if denyErr != nil {
-			reason += "; its condition failed to evaluate, which counts as a match (fail closed): " + denyErr.Error()
+			return verdict{rule: deny.key, reason: reasonf(req, "deny grant ", deny.key, " denies ", reqDesc,
+				"; its condition failed to evaluate, which counts as a match (fail closed): ", denyErr.Error())}
 		}
-		return verdict{rule: deny.key, reason: reason}
+		return verdict{rule: deny.key, reason: reasonf(req, "deny grant ", deny.key, " denies ", reqDesc)}
 	}
 
 	// Allow grants: the first match (by grant name) decides.
@@ -132,16 +132,16 @@ func (rs *RuleSet) evaluate(req *Request) verdict {
 	}
 	switch {
 	case allow != nil:
-		return verdict{allowed: true, rule: allow.key, reason: "grant " + allow.key + " allows " + describe(req)}
+		return verdict{allowed: true, rule: allow.key, reason: reasonf(req, "grant ", allow.key, " allows ", reqDesc)}
 	case errRule != nil:
-		return verdict{rule: errRule.key, reason: "no grant allows " + describe(req) +
-			"; the condition of grant " + errRule.key + " failed to evaluate: " + condErr.Error()}
+		return verdict{rule: errRule.key, reason: reasonf(req, "no grant allows ", reqDesc,
+			"; the condition of grant ", errRule.key, " failed to evaluate: ", condErr.Error())}
 	}
 	return defaultDeny(req)
 }
 
 func defaultDeny(req *Request) verdict {
-	return verdict{rule: RuleDefaultDeny, reason: "no grant in namespace " + req.Secret.Namespace + " allows " + describe(req)}
+	return verdict{rule: RuleDefaultDeny, reason: reasonf(req, "no grant in namespace ", req.Secret.Namespace, " allows ", reqDesc)}
 }
 
 // newActivation copies req so that only requests reaching a CEL condition

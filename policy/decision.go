@@ -1,6 +1,9 @@
 package policy
 
-import "fmt"
+import (
+	"fmt"
+	"strings"
+)
 
 // Mode says how decisions are applied.
 type Mode string
@@ -125,9 +128,44 @@ func offDecision(req *Request) Decision {
 
 // describe renders a validated request for reasons: driver, secret,
 // operation, requester.
-func describe(req *Request) string {
-	return "driver " + req.Driver + " receiving secret " + req.Secret.String() +
-		" for " + string(req.Operation) + " on behalf of " + req.Requester.String()
+func describe(req *Request) string { return reasonf(req, reqDesc) }
+
+// reqDesc, as a reasonf part, stands for the request's description.
+const reqDesc = "\x00request\x00"
+
+// reasonf concatenates parts, replacing reqDesc by the description of a
+// validated request, with a single allocation: reasons are built on every
+// decision.
+func reasonf(req *Request, parts ...string) string {
+	rq := &req.Requester
+	n := 0
+	for _, p := range parts {
+		if p == reqDesc {
+			n += 64 + len(req.Driver) + len(req.Secret.Namespace) + len(req.Secret.Name) + len(req.Operation) +
+				len(rq.Kind) + len(rq.Namespace) + len(rq.Name)
+		} else {
+			n += len(p)
+		}
+	}
+	var b strings.Builder
+	b.Grow(n)
+	for _, p := range parts {
+		if p != reqDesc {
+			b.WriteString(p)
+			continue
+		}
+		b.WriteString("driver ")
+		b.WriteString(req.Driver)
+		b.WriteString(" receiving secret ")
+		b.WriteString(req.Secret.Namespace)
+		b.WriteByte('/')
+		b.WriteString(req.Secret.Name)
+		b.WriteString(" for ")
+		b.WriteString(string(req.Operation))
+		b.WriteString(" on behalf of ")
+		rq.writeTo(&b)
+	}
+	return b.String()
 }
 
 // describeQuoted renders a request that was not validated, quoting every

@@ -213,7 +213,7 @@ func (e *External) verdict(ctx context.Context, req *Request) verdict {
 	switch {
 	case err != nil:
 		return verdict{rule: RuleExternal, reason: "external decision point " + e.url +
-			" could not decide, denied (fail closed) " + describe(req) + ": " + err.Error()}
+			" could not decide on " + describe(req) + ", denied (fail closed): " + err.Error()}
 	case !allowed:
 		v := verdict{rule: RuleExternal, reason: "external decision point " + e.url + " denies " + describe(req)}
 		if reason != "" {

@@ -1,6 +1,9 @@
 package policy
 
-import "fmt"
+import (
+	"fmt"
+	"strings"
+)
 
 // Operation is the CSI RPC a secret is wanted for. The values are the CSI
 // method names of the RPCs whose requests carry a secrets map.
@@ -133,19 +136,33 @@ type Requester struct {
 // String describes the requester for reasons, e.g.
 // "PersistentVolumeClaim team-a/data".
 func (r Requester) String() string {
+	var b strings.Builder
+	r.writeTo(&b)
+	return b.String()
+}
+
+func (r *Requester) writeTo(b *strings.Builder) {
 	kind := r.Kind
 	if kind == "" {
 		kind = "requester"
 	}
 	switch {
 	case r.Namespace != "" && r.Name != "":
-		return kind + " " + r.Namespace + "/" + r.Name
+		b.WriteString(kind)
+		b.WriteByte(' ')
+		b.WriteString(r.Namespace)
+		b.WriteByte('/')
+		b.WriteString(r.Name)
 	case r.Name != "":
-		return kind + " " + r.Name
+		b.WriteString(kind)
+		b.WriteByte(' ')
+		b.WriteString(r.Name)
 	case r.Namespace != "":
-		return kind + " in namespace " + r.Namespace
+		b.WriteString(kind)
+		b.WriteString(" in namespace ")
+		b.WriteString(r.Namespace)
 	default:
-		return "unknown requester"
+		b.WriteString("unknown requester")
 	}
 }
 
