@@ -1,0 +1,321 @@
+package k8sbridge
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+)
+
+// Intent is one in-flight CreateVolume, recorded on the API server before the
+// call so that a volume the driver made is never forgotten: if the broker dies
+// or the claim disappears before the PV exists, the next leader re-issues the
+// same request (CreateVolume is idempotent by name) to learn the volume's ID
+// and deletes it.
+type Intent struct {
+	// VolumeName is the CSI name of the volume (also the PV name).
+	VolumeName string `json:"volumeName"`
+	Driver     string `json:"driver"`
+	// Claim the volume is for.
+	ClaimNamespace string `json:"claimNamespace"`
+	ClaimName      string `json:"claimName"`
+	ClaimUID       string `json:"claimUID"`
+	StorageClass   string `json:"storageClass,omitempty"`
+	// Request is the CreateVolumeRequest without secrets, protobuf-encoded,
+	// so it can be re-issued exactly.
+	Request []byte `json:"request"`
+	// ProvisionerSecret is the resolved provisioner secret reference (never
+	// its content), needed to re-issue and delete.
+	ProvisionerSecret *corev1.SecretReference `json:"provisionerSecret,omitempty"`
+	// Node is the selected node for node-local drivers.
+	Node    string      `json:"node,omitempty"`
+	Created metav1.Time `json:"created"`
+}
+
+// IntentStore keeps the in-flight intents of all drivers in one ConfigMap and
+// writes it in batches: every Add waits for the next write, and one write
+// carries every Add and Remove queued since the last one. Under load that is
+// one API write for many claims instead of one per claim.
+type IntentStore struct {
+	client    kubernetes.Interface
+	namespace string
+	name      string
+	log       *slog.Logger
+	// MaxEntries bounds the record (a ConfigMap holds at most 1 MiB).
+	maxEntries int
+	// linger lets a write wait this long for more changes to batch; Removes
+	// alone wait removeDelay, since nothing waits for them.
+	linger      time.Duration
+	removeDelay time.Duration
+
+	mu       sync.Mutex
+	cond     chan struct{} // closed and replaced when work is queued
+	adds     map[string]*pendingAdd
+	removes  map[string]bool
+	cache    *corev1.ConfigMap // last written or read copy
+	writes   int64
+	loaded   bool
+	firstRem time.Time
+}
+
+type pendingAdd struct {
+	intent Intent
+	done   chan error
+}
+
+// ErrIntentStoreFull means too many volumes are being created at once; the
+// caller backs off and tries again.
+var ErrIntentStoreFull = errors.New("intent record is full: too many volumes being created at once")
+
+// NewIntentStore uses ConfigMap namespace/name (created when missing).
+func NewIntentStore(client kubernetes.Interface, namespace, name string, log *slog.Logger) *IntentStore {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &IntentStore{
+		client: client, namespace: namespace, name: name, log: log,
+		maxEntries: 1500, linger: 5 * time.Millisecond, removeDelay: time.Second,
+		cond: make(chan struct{}), adds: map[string]*pendingAdd{}, removes: map[string]bool{},
+	}
+}
+
+// Writes is how many API writes the store made.
+func (s *IntentStore) Writes() int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.writes
+}
+
+// Add records intent and returns once it is durable on the API server.
+func (s *IntentStore) Add(ctx context.Context, in Intent) error {
+	p := &pendingAdd{intent: in, done: make(chan error, 1)}
+	s.mu.Lock()
+	s.adds[in.VolumeName] = p
+	delete(s.removes, in.VolumeName)
+	s.signal()
+	s.mu.Unlock()
+	select {
+	case err := <-p.done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Remove forgets an intent; it is written with the next batch.
+func (s *IntentStore) Remove(volumeName string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p, ok := s.adds[volumeName]; ok {
+		delete(s.adds, volumeName)
+		p.done <- errors.New("intent removed before it was written")
+	}
+	if len(s.removes) == 0 {
+		s.firstRem = time.Now()
+	}
+	s.removes[volumeName] = true
+	s.signal()
+}
+
+func (s *IntentStore) signal() {
+	close(s.cond)
+	s.cond = make(chan struct{})
+}
+
+// List reads the record from the API server (the source of truth at
+// start-up and for recovery).
+func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
+	cm, err := s.get(ctx)
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	s.cache, s.loaded = cm, true
+	s.mu.Unlock()
+	return decodeIntents(cm, s.log), nil
+}
+
+func decodeIntents(cm *corev1.ConfigMap, log *slog.Logger) []Intent {
+	var out []Intent
+	for k, v := range cm.Data {
+		var in Intent
+		if err := json.Unmarshal([]byte(v), &in); err != nil {
+			log.Error("intent record: unreadable entry, keeping it for an admin", "configmap", cm.Namespace+"/"+cm.Name, "key", k, "err", err)
+			continue
+		}
+		out = append(out, in)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].VolumeName < out[j].VolumeName })
+	return out
+}
+
+func (s *IntentStore) get(ctx context.Context) (*corev1.ConfigMap, error) {
+	cm, err := s.client.CoreV1().ConfigMaps(s.namespace).Get(ctx, s.name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		cm, err = s.client.CoreV1().ConfigMaps(s.namespace).Create(ctx, &corev1.ConfigMap{
+			ObjectMeta: metav1.ObjectMeta{Name: s.name, Namespace: s.namespace, Labels: map[string]string{"app.kubernetes.io/managed-by": "csibroker"},
+				Annotations: map[string]string{"csibroker.io/purpose": "volumes being created; entries are removed when their PV exists or the volume is deleted"}},
+		}, metav1.CreateOptions{})
+		if apierrors.IsAlreadyExists(err) {
+			cm, err = s.client.CoreV1().ConfigMaps(s.namespace).Get(ctx, s.name, metav1.GetOptions{})
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("intent record %s/%s: %w", s.namespace, s.name, err)
+	}
+	return cm, nil
+}
+
+// Run writes batches until ctx is done.
+func (s *IntentStore) Run(ctx context.Context) {
+	for {
+		s.mu.Lock()
+		wait := s.cond
+		nAdds, nRems, first := len(s.adds), len(s.removes), s.firstRem
+		s.mu.Unlock()
+		switch {
+		case nAdds > 0:
+			// Let concurrent Adds join this write.
+			if !sleepCtx(ctx, s.linger) {
+				s.failAll(ctx.Err())
+				return
+			}
+			s.flush(ctx)
+			continue
+		case nRems > 0:
+			if d := s.removeDelay - time.Since(first); d > 0 {
+				timer := time.NewTimer(d)
+				select {
+				case <-ctx.Done():
+					timer.Stop()
+					s.failAll(ctx.Err())
+					return
+				case <-wait:
+					timer.Stop()
+					continue
+				case <-timer.C:
+				}
+			}
+			s.flush(ctx)
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			s.failAll(ctx.Err())
+			return
+		case <-wait:
+		}
+	}
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+func (s *IntentStore) failAll(err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for k, p := range s.adds {
+		p.done <- err
+		delete(s.adds, k)
+	}
+}
+
+// flush writes every queued change in one update (re-reading on conflict).
+func (s *IntentStore) flush(ctx context.Context) {
+	s.mu.Lock()
+	adds, removes := s.adds, s.removes
+	s.adds, s.removes = map[string]*pendingAdd{}, map[string]bool{}
+	cached, loaded := s.cache, s.loaded
+	s.mu.Unlock()
+
+	finish := func(err error) {
+		for _, p := range adds {
+			p.done <- err
+		}
+	}
+	var err error
+	for attempt := 0; attempt < 5; attempt++ {
+		if !loaded || cached == nil {
+			if cached, err = s.get(ctx); err != nil {
+				break
+			}
+			loaded = true
+		}
+		cm := cached.DeepCopy()
+		if cm.Data == nil {
+			cm.Data = map[string]string{}
+		}
+		for k := range removes {
+			delete(cm.Data, k)
+		}
+		var full []string
+		for k, p := range adds {
+			if _, exists := cm.Data[k]; !exists && len(cm.Data) >= s.maxEntries {
+				full = append(full, k)
+				continue
+			}
+			b, merr := json.Marshal(p.intent)
+			if merr != nil {
+				p.done <- merr
+				delete(adds, k)
+				continue
+			}
+			cm.Data[k] = string(b)
+		}
+		for _, k := range full {
+			adds[k].done <- ErrIntentStoreFull
+			delete(adds, k)
+		}
+		var updated *corev1.ConfigMap
+		updated, err = s.client.CoreV1().ConfigMaps(s.namespace).Update(ctx, cm, metav1.UpdateOptions{})
+		s.mu.Lock()
+		s.writes++
+		s.mu.Unlock()
+		if err == nil {
+			s.mu.Lock()
+			s.cache, s.loaded = updated, true
+			s.mu.Unlock()
+			finish(nil)
+			return
+		}
+		if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
+			loaded, cached = false, nil
+			continue
+		}
+		break
+	}
+	err = fmt.Errorf("write intent record %s/%s: %w", s.namespace, s.name, err)
+	s.log.Error("intent record write failed", "err", err)
+	// Removes are retried with the next batch; Adds fail so their callers
+	// back off (nothing was called yet).
+	s.mu.Lock()
+	for k := range removes {
+		s.removes[k] = true
+	}
+	if len(s.removes) > 0 && s.firstRem.IsZero() {
+		s.firstRem = time.Now()
+	}
+	s.loaded = false
+	s.mu.Unlock()
+	finish(err)
+}
