@@ -441,3 +441,13 @@ func TestStoreSwapAndUpdate(t *testing.T) {
 		t.Fatal("Swap(nil) must install the deny-all rule set")
 	}
 }
+
+func TestInvalidRequestReasonIsBounded(t *testing.T) {
+	huge := strings.Repeat("x\n", 1<<20)
+	for _, rs := range []*RuleSet{mustCompile(t, nil), mustCompile(t, nil, WithMode(ModeOff))} {
+		d := rs.Decide(baseReq(func(r *Request) { r.Driver = huge; r.Requester.Name = huge }))
+		if len(d.Reason) > 1000 || strings.ContainsAny(d.Reason, "\n\r") {
+			t.Errorf("mode %s: reason of %d bytes: %.200q", rs.Mode(), len(d.Reason), d.Reason)
+		}
+	}
+}

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"fmt"
+	"strconv"
 	"strings"
 )
 
@@ -168,9 +169,12 @@ func reasonf(req *Request, parts ...string) string {
 	return b.String()
 }
 
-// describeQuoted renders a request that was not validated, quoting every
-// field so nothing odd reaches a log line or an Event unescaped.
+// describeQuoted renders a request that was not validated, quoting (and
+// bounding) every field so nothing odd reaches a log line or an Event.
 func describeQuoted(req *Request) string {
-	return fmt.Sprintf("driver %q receiving secret %q/%q for %q on behalf of %q",
-		req.Driver, req.Secret.Namespace, req.Secret.Name, req.Operation, req.Requester.String())
+	return "driver " + quote(req.Driver) + " receiving secret " + quote(req.Secret.Namespace) + "/" + quote(req.Secret.Name) +
+		" for " + quote(string(req.Operation)) + " on behalf of " + quote(req.Requester.String())
 }
+
+// quote quotes s, cut to 100 characters, for messages about bad input.
+func quote(s string) string { return strconv.Quote(truncate(s, 100)) }

@@ -97,15 +97,21 @@ func (c ExternalConfig) withDefaults() ExternalConfig {
 // Validate reports a configuration that cannot work.
 func (c ExternalConfig) Validate() error {
 	u, err := url.Parse(c.URL)
+	if err != nil {
+		// The url.Error quotes the whole URL, credentials included: drop it.
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err
+		}
+		return fmt.Errorf("external decision point URL cannot be parsed: %w", err)
+	}
 	switch {
-	case err != nil:
-		return fmt.Errorf("external decision point URL: %w", err)
-	case u.Scheme != "http" && u.Scheme != "https":
-		return fmt.Errorf("external decision point URL %q: scheme must be http or https", c.URL)
-	case u.Host == "":
-		return fmt.Errorf("external decision point URL %q: no host", c.URL)
 	case u.User != nil:
 		return errors.New("external decision point URL: must not carry user info (use Header)")
+	case u.Scheme != "http" && u.Scheme != "https":
+		return fmt.Errorf("external decision point URL %q: scheme must be http or https", u.Redacted())
+	case u.Host == "":
+		return fmt.Errorf("external decision point URL %q: no host", u.Redacted())
 	case u.RawQuery != "" || u.Fragment != "":
 		return fmt.Errorf("external decision point URL %q: must not carry a query or fragment", u.Redacted())
 	}

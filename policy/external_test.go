@@ -318,15 +318,17 @@ func TestDecisionCacheBounded(t *testing.T) {
 
 func TestExternalConfigValidate(t *testing.T) {
 	for name, cfg := range map[string]ExternalConfig{
-		"no URL":         {Path: "p"},
-		"bad scheme":     {URL: "ftp://h", Path: "p"},
-		"no host":        {URL: "http://", Path: "p"},
-		"user info":      {URL: "http://u:secret@h", Path: "p"},
-		"query":          {URL: "http://h?x=1", Path: "p"},
-		"no path":        {URL: "http://h"},
-		"dot-dot path":   {URL: "http://h", Path: "a/../b"},
-		"negative":       {URL: "http://h", Path: "p", Timeout: -1},
-		"negative tries": {URL: "http://h", Path: "p", MaxAttempts: -1},
+		"no URL":                    {Path: "p"},
+		"bad scheme":                {URL: "ftp://h", Path: "p"},
+		"no host":                   {URL: "http://", Path: "p"},
+		"user info":                 {URL: "http://u:secret@h", Path: "p"},
+		"user info, bad scheme":     {URL: "ftp://u:secret@h", Path: "p"},
+		"unparsable with user info": {URL: "http://u:secret@h\x7f", Path: "p"},
+		"query":                     {URL: "http://h?x=1", Path: "p"},
+		"no path":                   {URL: "http://h"},
+		"dot-dot path":              {URL: "http://h", Path: "a/../b"},
+		"negative":                  {URL: "http://h", Path: "p", Timeout: -1},
+		"negative tries":            {URL: "http://h", Path: "p", MaxAttempts: -1},
 	} {
 		if _, err := NewExternal(cfg); err == nil {
 			t.Errorf("%s: accepted", name)

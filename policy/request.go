@@ -183,19 +183,19 @@ type Request struct {
 // is confused, and its strings must not reach an Event unescaped.
 func (r *Request) validate() error {
 	if !validCSIDriverName(r.Driver) {
-		return fmt.Errorf("driver name %q is not a valid CSI driver name", r.Driver)
+		return fmt.Errorf("driver name %s is not a valid CSI driver name", quote(r.Driver))
 	}
 	if !r.Operation.Valid() {
-		return fmt.Errorf("operation %q is not a known CSI operation with secrets", r.Operation)
+		return fmt.Errorf("operation %s is not a known CSI operation with secrets", quote(string(r.Operation)))
 	}
 	if !safeName(r.Secret.Namespace, 63) || !safeName(r.Secret.Name, 253) {
-		return fmt.Errorf("secret reference %q/%q is not a valid namespace/name", r.Secret.Namespace, r.Secret.Name)
+		return fmt.Errorf("secret reference %s/%s is not a valid namespace/name", quote(r.Secret.Namespace), quote(r.Secret.Name))
 	}
 	rq := &r.Requester
 	if !optSafeName(rq.Kind, 63) || !optSafeName(rq.Namespace, 63) || !optSafeName(rq.Name, 253) ||
 		!optSafeName(rq.StorageClass, 253) || !optSafeName(rq.Node, 253) {
-		return fmt.Errorf("requester %q %q/%q (storage class %q, node %q) has an invalid name",
-			rq.Kind, rq.Namespace, rq.Name, rq.StorageClass, rq.Node)
+		return fmt.Errorf("requester %s %s/%s (storage class %s, node %s) has an invalid name",
+			quote(rq.Kind), quote(rq.Namespace), quote(rq.Name), quote(rq.StorageClass), quote(rq.Node))
 	}
 	return nil
 }
