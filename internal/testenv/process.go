@@ -72,7 +72,7 @@ func (c *component) exited() (bool, error) {
 	select {
 	case <-c.done:
 		if c.waitErr == nil {
-			return true, errors.New("exited with status 0")
+			return true, errors.New("exit status 0")
 		}
 		return true, c.waitErr
 	default:

@@ -193,6 +193,8 @@ func start(ctx context.Context, opts Options) (_ *Env, err error) {
 			err = fmt.Errorf("testenv: %w%s", err, e.logTails(40))
 			if e.stop() {
 				err = fmt.Errorf("%w\n(logs kept in %s)", err, e.Dir)
+			} else {
+				err = fmt.Errorf("%w\n(%s removed; set %s=1 to keep it)", err, e.Dir, KeepEnv)
 			}
 		}
 	}()
@@ -224,6 +226,9 @@ func start(ctx context.Context, opts Options) (_ *Env, err error) {
 		"--initial-advertise-peer-urls=" + peerURL,
 		"--initial-cluster=default=" + peerURL,
 		"--unsafe-no-fsync", // a test cluster need not survive a power cut
+		// One member on loopback: elect it at once instead of after ~0.6s.
+		"--heartbeat-interval=10",
+		"--election-timeout=100",
 		"--log-level=warn",
 	}, opts.EtcdFlags...))
 	if err != nil {
@@ -377,7 +382,7 @@ func waitReady(ctx context.Context, c *component, url string, prepare func(*http
 			if portTaken(c) {
 				return fmt.Errorf("%s: %w", c.name, errPortTaken)
 			}
-			return fmt.Errorf("%s %s before it was ready", c.name, werr)
+			return fmt.Errorf("%s exited before it was ready: %w", c.name, werr)
 		}
 		last = probe(ctx, url, prepare)
 		if last == nil {

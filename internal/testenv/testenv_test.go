@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -30,6 +31,32 @@ func TestMissingBinariesFailWithHowToFix(t *testing.T) {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error %q does not mention %q", err, want)
 		}
+	}
+}
+
+func TestStartFailureShowsLogsAndCleansUp(t *testing.T) {
+	_, err := Start(t.Context(), Options{APIServerFlags: []string{"--no-such-flag"}, Logf: t.Logf})
+	if err == nil {
+		t.Fatal("Start with a bad apiserver flag succeeded")
+	}
+	for _, want := range []string{"kube-apiserver exited", "kube-apiserver.log", "unknown flag: --no-such-flag", "etcd.log"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error does not mention %q:\n%v", want, err)
+		}
+	}
+	// Other test processes may have directories of their own: check this one.
+	m := regexp.MustCompile(`\((\S+) removed; set `).FindStringSubmatch(err.Error())
+	if m == nil {
+		t.Fatalf("error does not say which directory it removed:\n%v", err)
+	}
+	if _, err := os.Stat(m[1]); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s left behind (%v)", m[1], err)
+	}
+	live.Lock()
+	n := len(live.components)
+	live.Unlock()
+	if n != 0 {
+		t.Errorf("%d components still registered after a failed start", n)
 	}
 }
 
