@@ -199,6 +199,35 @@ func (b *Broker) DriverNames() []string {
 	return names
 }
 
+// ControllerConn returns the connection to driver's controller proxy (or its
+// only proxy); k8sbridge uses the broker through this and NodeConn.
+func (b *Broker) ControllerConn(driver string) (grpc.ClientConnInterface, error) {
+	d, err := b.Driver(driver)
+	if err != nil {
+		return nil, err
+	}
+	pc, err := d.route("/csi.v1.Controller/ControllerGetCapabilities", "")
+	if err != nil {
+		return nil, err
+	}
+	return pc.conn, nil
+}
+
+// NodeConn returns the connection to driver's proxy on node.
+func (b *Broker) NodeConn(driver, node string) (grpc.ClientConnInterface, error) {
+	d, err := b.Driver(driver)
+	if err != nil {
+		return nil, err
+	}
+	return d.Node(node)
+}
+
+// NodeLocal reports whether driver is registered as node-local.
+func (b *Broker) NodeLocal(driver string) bool {
+	d, err := b.Driver(driver)
+	return err == nil && d.cfg.NodeLocal
+}
+
 // Close closes every connection.
 func (b *Broker) Close() {
 	b.mu.Lock()

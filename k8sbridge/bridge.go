@@ -1,0 +1,339 @@
+package k8sbridge
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	storagelisters "k8s.io/client-go/listers/storage/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/leaderelection"
+	"k8s.io/client-go/tools/leaderelection/resourcelock"
+	"k8s.io/client-go/tools/record"
+
+	"github.com/csibroker/csibroker/policy"
+)
+
+// SecretPolicy decides whether a driver may receive a secret; policy.Authorizer
+// satisfies it.
+type SecretPolicy interface {
+	Decide(ctx context.Context, req policy.Request) policy.Decision
+}
+
+// Config is everything the bridge needs; cmd/ fills it from flags.
+type Config struct {
+	// Client is the rate-limited client for objects (--kube-api-qps/-burst).
+	Client kubernetes.Interface
+	// EventClient has a budget of its own so Events are never starved by
+	// object writes; LeaseClient the same for leader election.
+	EventClient kubernetes.Interface
+	LeaseClient kubernetes.Interface
+
+	Drivers Drivers
+	Policy  SecretPolicy
+
+	// Namespace holds the broker's Lease and intent record.
+	Namespace string
+	// Identity of this replica (pod name) for the Lease and Events.
+	Identity string
+
+	LeaderElection         bool
+	LeaderElectionLease    time.Duration
+	LeaderElectionRenew    time.Duration
+	LeaderElectionRetry    time.Duration
+	LeaderElectionLockName string
+
+	VolumeNamePrefix     string
+	VolumeNameUUIDLength int
+	ExtraCreateMetadata  bool
+	StrictTopology       bool
+	ImmediateTopology    bool
+
+	WorkerThreads int
+	// PerDriverWorkers bounds concurrent operations per driver so a slow
+	// driver cannot take every worker.
+	PerDriverWorkers   int
+	RetryIntervalStart time.Duration
+	RetryIntervalMax   time.Duration
+	// Timeout bounds one CreateVolume/DeleteVolume call (the broker's client
+	// chain retries inside it).
+	Timeout time.Duration
+	// RecoveryInterval is how often leaked-volume recovery runs (it also
+	// runs when a claim being provisioned is deleted).
+	RecoveryInterval time.Duration
+	ResyncPeriod     time.Duration
+
+	Logger         *slog.Logger
+	TracerProvider trace.TracerProvider
+	Registerer     prometheus.Registerer
+}
+
+// Validate checks the configuration and fills defaults.
+func (c *Config) Validate() error {
+	var errs []error
+	if c.Client == nil {
+		errs = append(errs, errors.New("kubernetes client is required"))
+	}
+	if c.Drivers == nil {
+		errs = append(errs, errors.New("drivers are required"))
+	}
+	if c.Policy == nil {
+		errs = append(errs, errors.New("a secret policy is required (use policy mode off to allow everything)"))
+	}
+	if c.Namespace == "" {
+		errs = append(errs, errors.New("namespace is required"))
+	}
+	if c.VolumeNamePrefix == "" {
+		c.VolumeNamePrefix = "pvc"
+	}
+	if c.EventClient == nil {
+		c.EventClient = c.Client
+	}
+	if c.LeaseClient == nil {
+		c.LeaseClient = c.Client
+	}
+	if c.Identity == "" {
+		c.Identity = "csibroker"
+	}
+	if c.LeaderElectionLease <= 0 {
+		c.LeaderElectionLease = 4 * time.Second
+	}
+	if c.LeaderElectionRenew <= 0 {
+		c.LeaderElectionRenew = 3 * time.Second
+	}
+	if c.LeaderElectionRetry <= 0 {
+		c.LeaderElectionRetry = time.Second
+	}
+	if c.LeaderElectionRenew >= c.LeaderElectionLease {
+		errs = append(errs, errors.New("leader election renew deadline must be shorter than the lease duration"))
+	}
+	if c.LeaderElectionLockName == "" {
+		c.LeaderElectionLockName = "csibroker-leader"
+	}
+	if c.WorkerThreads <= 0 {
+		c.WorkerThreads = 100
+	}
+	if c.PerDriverWorkers <= 0 {
+		c.PerDriverWorkers = c.WorkerThreads
+	}
+	if c.RetryIntervalStart <= 0 {
+		c.RetryIntervalStart = time.Second
+	}
+	if c.RetryIntervalMax <= 0 {
+		c.RetryIntervalMax = 5 * time.Minute
+	}
+	if c.Timeout <= 0 {
+		c.Timeout = time.Minute
+	}
+	if c.RecoveryInterval <= 0 {
+		c.RecoveryInterval = time.Minute
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.TracerProvider == nil {
+		c.TracerProvider = noop.NewTracerProvider()
+	}
+	return errors.Join(errs...)
+}
+
+// Bridge runs the Kubernetes side of csibroker: one set of informers for all
+// drivers, and the controllers, under one leader election.
+type Bridge struct {
+	cfg     Config
+	log     *slog.Logger
+	tracer  trace.Tracer
+	metrics *metrics
+
+	factory     informers.SharedInformerFactory
+	claims      corelisters.PersistentVolumeClaimLister
+	volumes     corelisters.PersistentVolumeLister
+	classes     storagelisters.StorageClassLister
+	nodes       corelisters.NodeLister
+	csiNodes    storagelisters.CSINodeLister
+	attachments storagelisters.VolumeAttachmentLister
+	namespaces  corelisters.NamespaceLister
+	synced      []cache.InformerSynced
+
+	recorder    record.EventRecorder
+	broadcaster record.EventBroadcaster
+	caps        *capsCache
+	intents     *IntentStore
+
+	prov *provisioner
+	del  *deleter
+
+	leaderMu sync.Mutex
+	leading  bool
+	leader   string
+}
+
+// New builds the bridge and its informers (nothing runs until Run).
+func New(cfg Config) (*Bridge, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("k8sbridge config: %w", err)
+	}
+	b := &Bridge{cfg: cfg, log: cfg.Logger.With("component", "k8sbridge"), tracer: cfg.TracerProvider.Tracer("github.com/csibroker/csibroker/k8sbridge")}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, err
+	}
+	b.metrics = m
+	b.factory = informers.NewSharedInformerFactoryWithOptions(cfg.Client, cfg.ResyncPeriod, informers.WithTransform(stripBulk))
+	claims := b.factory.Core().V1().PersistentVolumeClaims()
+	volumes := b.factory.Core().V1().PersistentVolumes()
+	classes := b.factory.Storage().V1().StorageClasses()
+	nodes := b.factory.Core().V1().Nodes()
+	csiNodes := b.factory.Storage().V1().CSINodes()
+	attachments := b.factory.Storage().V1().VolumeAttachments()
+	namespaces := b.factory.Core().V1().Namespaces()
+	b.claims, b.volumes, b.classes = claims.Lister(), volumes.Lister(), classes.Lister()
+	b.nodes, b.csiNodes, b.attachments, b.namespaces = nodes.Lister(), csiNodes.Lister(), attachments.Lister(), namespaces.Lister()
+	b.synced = []cache.InformerSynced{claims.Informer().HasSynced, volumes.Informer().HasSynced, classes.Informer().HasSynced,
+		nodes.Informer().HasSynced, csiNodes.Informer().HasSynced, attachments.Informer().HasSynced, namespaces.Informer().HasSynced}
+
+	b.broadcaster = record.NewBroadcaster(record.WithContext(context.Background()))
+	b.recorder = b.broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "csibroker", Host: cfg.Identity})
+	b.caps = &capsCache{drivers: cfg.Drivers}
+	b.intents = NewIntentStore(cfg.Client, cfg.Namespace, "csibroker-intents", b.log)
+
+	b.prov = newProvisioner(b)
+	b.del = newDeleter(b)
+	if _, err := claims.Informer().AddEventHandler(b.prov.claimHandler()); err != nil {
+		return nil, err
+	}
+	if _, err := volumes.Informer().AddEventHandler(b.del.volumeHandler()); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// stripBulk drops what the controllers never read from cached objects.
+func stripBulk(obj any) (any, error) {
+	if acc, ok := obj.(metav1.ObjectMetaAccessor); ok {
+		acc.GetObjectMeta().SetManagedFields(nil)
+	}
+	return obj, nil
+}
+
+// Leader reports whether this replica leads and who does.
+func (b *Bridge) Leader() (bool, string) {
+	b.leaderMu.Lock()
+	defer b.leaderMu.Unlock()
+	return b.leading, b.leader
+}
+
+// Intents exposes the intent record (tests, status).
+func (b *Bridge) Intents() *IntentStore { return b.intents }
+
+// Run starts the informers (standby replicas keep warm caches too), waits for
+// them, then runs the controllers while this replica holds the lease.
+func (b *Bridge) Run(ctx context.Context) error {
+	b.broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: b.cfg.EventClient.CoreV1().Events("")})
+	defer b.broadcaster.Shutdown()
+	b.factory.Start(ctx.Done())
+	defer b.factory.Shutdown()
+	start := time.Now()
+	if !cache.WaitForCacheSync(ctx.Done(), b.synced...) {
+		return fmt.Errorf("informer caches did not sync: %w", ctx.Err())
+	}
+	b.log.Info("informer caches synced", "took", time.Since(start).Round(time.Millisecond))
+	if !b.cfg.LeaderElection {
+		b.setLeader(true, b.cfg.Identity)
+		b.lead(ctx)
+		return nil
+	}
+	lock := &resourcelock.LeaseLock{
+		LeaseMeta:  metav1.ObjectMeta{Name: b.cfg.LeaderElectionLockName, Namespace: b.cfg.Namespace},
+		Client:     b.cfg.LeaseClient.CoordinationV1(),
+		LockConfig: resourcelock.ResourceLockConfig{Identity: b.cfg.Identity, EventRecorder: b.recorder},
+	}
+	for ctx.Err() == nil {
+		le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
+			Lock:            lock,
+			LeaseDuration:   b.cfg.LeaderElectionLease,
+			RenewDeadline:   b.cfg.LeaderElectionRenew,
+			RetryPeriod:     b.cfg.LeaderElectionRetry,
+			ReleaseOnCancel: true,
+			Name:            b.cfg.LeaderElectionLockName,
+			Callbacks: leaderelection.LeaderCallbacks{
+				OnStartedLeading: func(ctx context.Context) {
+					b.log.Info("became leader", "identity", b.cfg.Identity)
+					b.setLeader(true, b.cfg.Identity)
+					b.lead(ctx)
+				},
+				OnStoppedLeading: func() {
+					b.log.Info("stopped leading", "identity", b.cfg.Identity)
+					b.setLeader(false, "")
+				},
+				OnNewLeader: func(id string) {
+					b.leaderMu.Lock()
+					b.leader = id
+					b.leaderMu.Unlock()
+					if id != b.cfg.Identity {
+						b.log.Info("leader is another replica", "leader", id)
+					}
+				},
+			},
+		})
+		if err != nil {
+			return err
+		}
+		le.Run(ctx)
+	}
+	return nil
+}
+
+func (b *Bridge) setLeader(leading bool, id string) {
+	b.leaderMu.Lock()
+	b.leading = leading
+	if id != "" {
+		b.leader = id
+	}
+	b.leaderMu.Unlock()
+	v := 0.0
+	if leading {
+		v = 1
+	}
+	b.metrics.leader.Set(v)
+}
+
+// lead runs every controller until ctx ends (the lease is lost or the
+// process stops), then waits for them.
+func (b *Bridge) lead(ctx context.Context) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	run := func(f func(context.Context)) {
+		wg.Add(1)
+		go func() { defer wg.Done(); f(ctx) }()
+	}
+	run(b.intents.Run)
+	run(b.prov.run)
+	run(b.del.run)
+	run(b.prov.recoveryLoop)
+	<-ctx.Done()
+	wg.Wait()
+}
+
+// event records an Event on obj with the trace ID of ctx's span, if any.
+func (b *Bridge) event(ctx context.Context, obj corev1.ObjectReference, eventType, reason, format string, args ...any) {
+	msg := fmt.Sprintf(format, args...)
+	if sc := trace.SpanContextFromContext(ctx); sc.IsValid() {
+		msg += " (trace " + sc.TraceID().String() + ")"
+	}
+	b.recorder.Event(&obj, eventType, reason, msg)
+}

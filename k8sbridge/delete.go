@@ -1,0 +1,204 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"sync"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/csibroker/csibroker/policy"
+)
+
+// deleter deletes the volumes of Released PVs whose reclaim policy is Delete,
+// then the PVs.
+type deleter struct {
+	b     *Bridge
+	queue workqueue.TypedRateLimitingInterface[string]
+}
+
+func newDeleter(b *Bridge) *deleter {
+	d := &deleter{b: b, queue: workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
+		workqueue.TypedRateLimitingQueueConfig[string]{Name: "delete"})}
+	b.metrics.queueDepth("delete", d.queue.Len)
+	return d
+}
+
+func (d *deleter) volumeHandler() cache.ResourceEventHandler {
+	return cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { d.enqueue(obj) },
+		UpdateFunc: func(_, obj any) { d.enqueue(obj) },
+	}
+}
+
+func (d *deleter) ours(pv *corev1.PersistentVolume) bool {
+	if pv.Spec.CSI == nil || pv.Annotations[annProvisionedBy] != pv.Spec.CSI.Driver {
+		return false
+	}
+	for _, n := range d.b.cfg.Drivers.DriverNames() {
+		if n == pv.Spec.CSI.Driver {
+			return true
+		}
+	}
+	return false
+}
+
+func (d *deleter) enqueue(obj any) {
+	pv, ok := obj.(*corev1.PersistentVolume)
+	if !ok || !d.ours(pv) || !needsDelete(pv) {
+		return
+	}
+	d.queue.Add(pv.Name)
+}
+
+func needsDelete(pv *corev1.PersistentVolume) bool {
+	return pv.Spec.PersistentVolumeReclaimPolicy == corev1.PersistentVolumeReclaimDelete &&
+		(pv.Status.Phase == corev1.VolumeReleased || pv.Status.Phase == corev1.VolumeFailed)
+}
+
+func (d *deleter) run(ctx context.Context) {
+	defer d.queue.ShutDown()
+	if pvs, err := d.b.volumes.List(labels.Everything()); err == nil {
+		for _, pv := range pvs {
+			d.enqueue(pv)
+		}
+	}
+	var wg sync.WaitGroup
+	for i := 0; i < d.b.cfg.WorkerThreads; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for d.processNext(ctx) {
+			}
+		}()
+	}
+	<-ctx.Done()
+	d.queue.ShutDown()
+	wg.Wait()
+}
+
+func (d *deleter) processNext(ctx context.Context) bool {
+	key, quit := d.queue.Get()
+	if quit {
+		return false
+	}
+	defer d.queue.Done(key)
+	if err := d.sync(ctx, key); err != nil {
+		d.queue.AddRateLimited(key)
+	} else {
+		d.queue.Forget(key)
+	}
+	return true
+}
+
+func pvRef(pv *corev1.PersistentVolume) corev1.ObjectReference {
+	return corev1.ObjectReference{Kind: "PersistentVolume", APIVersion: "v1", Name: pv.Name, UID: pv.UID, ResourceVersion: pv.ResourceVersion}
+}
+
+func (d *deleter) sync(ctx context.Context, name string) error {
+	pv, err := d.b.volumes.Get(name)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if !d.ours(pv) || !needsDelete(pv) {
+		return nil
+	}
+	driver := pv.Spec.CSI.Driver
+	ctx, span := d.b.tracer.Start(ctx, "delete "+name, trace.WithAttributes(attribute.String("csi.driver", driver), attribute.String("k8s.pv.name", name)))
+	defer span.End()
+
+	// Never delete a volume that is still attached somewhere.
+	vas, err := d.b.attachments.List(labels.Everything())
+	if err != nil {
+		return err
+	}
+	for _, va := range vas {
+		if src := va.Spec.Source.PersistentVolumeName; src != nil && *src == name {
+			d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", "persistentvolume %s is still attached to node %s (VolumeAttachment %s); waiting for detach", name, va.Spec.NodeName, va.Name)
+			d.b.metrics.deletions.WithLabelValues(driver, "blocked").Inc()
+			return fmt.Errorf("pv %s still attached by %s", name, va.Name)
+		}
+	}
+
+	var secretRef *corev1.SecretReference
+	if n, ns := pv.Annotations[annDeletionSecretName], pv.Annotations[annDeletionSecretNS]; n != "" || ns != "" {
+		secretRef = &corev1.SecretReference{Name: n, Namespace: ns}
+	}
+	requester := policy.Requester{Kind: policy.KindPersistentVolume, Name: pv.Name, StorageClass: pv.Spec.StorageClassName}
+	if cr := pv.Spec.ClaimRef; cr != nil {
+		requester.Namespace = cr.Namespace
+	}
+	node := ""
+	if d.b.cfg.Drivers.NodeLocal(driver) {
+		node = pvNode(pv)
+	}
+	if err := d.b.prov.deleteVolume(ctx, driver, node, pv.Spec.CSI.VolumeHandle, secretRef, requester); err != nil {
+		d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", "%v", err)
+		d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
+		return err
+	}
+	// Two writes at most, as external-provisioner: drop our finalizer,
+	// then delete the object (or only the former if a user deleted it).
+	if hasFinalizer(pv, finalizerVolume) {
+		cp := pv.DeepCopy()
+		cp.Finalizers = removeString(cp.Finalizers, finalizerVolume)
+		if _, err := d.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("remove finalizer from pv %s: %w", name, err)
+		}
+	}
+	if pv.DeletionTimestamp == nil {
+		uid := pv.UID
+		err := d.b.cfg.Client.CoreV1().PersistentVolumes().Delete(ctx, name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
+		if err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("delete pv %s: %w", name, err)
+		}
+	}
+	d.b.metrics.deletions.WithLabelValues(driver, "success").Inc()
+	d.b.log.Info("volume deleted", "pv", name, "driver", driver, "volume_id", pv.Spec.CSI.VolumeHandle)
+	return nil
+}
+
+// pvNode is the single node a node-local PV's affinity names, if any.
+func pvNode(pv *corev1.PersistentVolume) string {
+	if pv.Spec.NodeAffinity == nil || pv.Spec.NodeAffinity.Required == nil {
+		return ""
+	}
+	for _, t := range pv.Spec.NodeAffinity.Required.NodeSelectorTerms {
+		for _, e := range t.MatchExpressions {
+			if e.Key == "kubernetes.io/hostname" && len(e.Values) == 1 {
+				return e.Values[0]
+			}
+		}
+	}
+	return ""
+}
+
+func hasFinalizer(pv *corev1.PersistentVolume, f string) bool {
+	for _, x := range pv.Finalizers {
+		if x == f {
+			return true
+		}
+	}
+	return false
+}
+
+func removeString(in []string, s string) []string {
+	out := in[:0:0]
+	for _, x := range in {
+		if x != s {
+			out = append(out, x)
+		}
+	}
+	return out
+}

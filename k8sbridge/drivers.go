@@ -1,0 +1,105 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+)
+
+// Drivers is what k8sbridge needs from the broker: connections to a driver's
+// controller and node proxies (with the broker's client chain in them).
+type Drivers interface {
+	ControllerConn(driver string) (grpc.ClientConnInterface, error)
+	NodeConn(driver, node string) (grpc.ClientConnInterface, error)
+	// NodeLocal reports whether the driver's volumes live on one node, so
+	// CreateVolume/DeleteVolume/GetCapacity go to the selected node's proxy.
+	NodeLocal(driver string) bool
+	DriverNames() []string
+}
+
+// driverCaps are the capabilities provisioning needs, learned from the driver.
+type driverCaps struct {
+	createDelete          bool
+	clone                 bool
+	singleNodeMultiWriter bool
+	publishUnpublish      bool
+	expand                bool
+	getCapacity           bool
+	accessibility         bool // VOLUME_ACCESSIBILITY_CONSTRAINTS
+	fetched               time.Time
+}
+
+// capsCache asks each driver once a minute for its capabilities.
+type capsCache struct {
+	drivers Drivers
+	mu      sync.Mutex
+	m       map[string]driverCaps
+}
+
+func (c *capsCache) get(ctx context.Context, driver string) (driverCaps, error) {
+	c.mu.Lock()
+	caps, ok := c.m[driver]
+	c.mu.Unlock()
+	if ok && time.Since(caps.fetched) < time.Minute {
+		return caps, nil
+	}
+	conn, err := c.drivers.ControllerConn(driver)
+	if err != nil {
+		return driverCaps{}, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	pc, err := csi.NewIdentityClient(conn).GetPluginCapabilities(ctx, &csi.GetPluginCapabilitiesRequest{})
+	if err != nil {
+		return driverCaps{}, fmt.Errorf("driver %s: GetPluginCapabilities: %w", driver, err)
+	}
+	caps = driverCaps{fetched: time.Now()}
+	hasController := false
+	for _, cp := range pc.GetCapabilities() {
+		switch cp.GetService().GetType() {
+		case csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS:
+			caps.accessibility = true
+		case csi.PluginCapability_Service_CONTROLLER_SERVICE:
+			hasController = true
+		}
+	}
+	if hasController {
+		cc, err := csi.NewControllerClient(conn).ControllerGetCapabilities(ctx, &csi.ControllerGetCapabilitiesRequest{})
+		if err != nil {
+			return driverCaps{}, fmt.Errorf("driver %s: ControllerGetCapabilities: %w", driver, err)
+		}
+		for _, cp := range cc.GetCapabilities() {
+			switch cp.GetRpc().GetType() {
+			case csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME:
+				caps.createDelete = true
+			case csi.ControllerServiceCapability_RPC_CLONE_VOLUME:
+				caps.clone = true
+			case csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER:
+				caps.singleNodeMultiWriter = true
+			case csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME:
+				caps.publishUnpublish = true
+			case csi.ControllerServiceCapability_RPC_EXPAND_VOLUME:
+				caps.expand = true
+			case csi.ControllerServiceCapability_RPC_GET_CAPACITY:
+				caps.getCapacity = true
+			}
+		}
+	}
+	c.mu.Lock()
+	if c.m == nil {
+		c.m = map[string]driverCaps{}
+	}
+	c.m[driver] = caps
+	c.mu.Unlock()
+	return caps, nil
+}
+
+func (c *capsCache) forget(driver string) {
+	c.mu.Lock()
+	delete(c.m, driver)
+	c.mu.Unlock()
+}

@@ -1,0 +1,257 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"google.golang.org/grpc"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/csibroker/csibroker/internal/chaintest"
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/policy"
+)
+
+// testDrivers reaches each sample driver through its own real chain (broker
+// client chain → proxy over mTLS → driver socket).
+type testDrivers struct {
+	mu        sync.Mutex
+	chains    map[string]*chaintest.Chain
+	drivers   map[string]*sampledriver.Driver
+	nodeLocal map[string]bool
+}
+
+func (t *testDrivers) ControllerConn(d string) (grpc.ClientConnInterface, error) {
+	t.mu.Lock()
+	c := t.chains[d]
+	t.mu.Unlock()
+	if c == nil {
+		return nil, fmt.Errorf("unknown driver %q", d)
+	}
+	return c.Broker.ControllerConn(d)
+}
+
+func (t *testDrivers) NodeConn(d, node string) (grpc.ClientConnInterface, error) {
+	return t.ControllerConn(d)
+}
+
+func (t *testDrivers) NodeLocal(d string) bool { return t.nodeLocal[d] }
+
+func (t *testDrivers) DriverNames() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []string
+	for n := range t.chains {
+		out = append(out, n)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// addDriver starts a sample driver behind a proxy and a broker.
+func (t *testDrivers) addDriver(tb testing.TB, cfg sampledriver.Config) *sampledriver.Driver {
+	tb.Helper()
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	ep, d := sampledriver.StartTest(tb, cfg)
+	c := chaintest.Start(tb, chaintest.Options{Driver: cfg.Name, DriverEndpoint: ep, LogLevel: slog.LevelWarn, Timeout: 30 * time.Second})
+	t.mu.Lock()
+	if t.chains == nil {
+		t.chains, t.drivers, t.nodeLocal = map[string]*chaintest.Chain{}, map[string]*sampledriver.Driver{}, map[string]bool{}
+	}
+	t.chains[cfg.Name], t.drivers[cfg.Name] = c, d
+	t.mu.Unlock()
+	return d
+}
+
+// bridgeRun is a running Bridge for one test.
+type bridgeRun struct {
+	b      *Bridge
+	spans  *tracetest.SpanRecorder
+	reg    *prometheus.Registry
+	logs   *chaintest.SyncBuffer
+	cancel context.CancelFunc
+	done   chan error
+}
+
+type bridgeOpts struct {
+	policy       SecretPolicy
+	identity     string
+	leader       bool
+	timeout      time.Duration
+	strict       bool
+	configureCfg func(*Config)
+}
+
+func startBridge(t *testing.T, env *testenv.Env, ns string, drivers Drivers, o bridgeOpts) *bridgeRun {
+	t.Helper()
+	if o.policy == nil {
+		st := policy.NewStore(nil)
+		st.SetMode(policy.ModeOff)
+		o.policy = &policy.Authorizer{Rules: st}
+	}
+	if o.identity == "" {
+		o.identity = "broker-0"
+	}
+	r := &bridgeRun{spans: tracetest.NewSpanRecorder(), reg: prometheus.NewRegistry(), logs: &chaintest.SyncBuffer{}, done: make(chan error, 1)}
+	cfg := Config{
+		Client: env.Client(), Drivers: drivers, Policy: o.policy, Namespace: ns, Identity: o.identity,
+		LeaderElection: o.leader, WorkerThreads: 8, RetryIntervalStart: 100 * time.Millisecond, RetryIntervalMax: 2 * time.Second,
+		Timeout: o.timeout, StrictTopology: o.strict, RecoveryInterval: 2 * time.Second,
+		Logger:         slog.New(slog.NewTextHandler(r.logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(r.spans)),
+		Registerer:     r.reg,
+	}
+	if o.configureCfg != nil {
+		o.configureCfg(&cfg)
+	}
+	b, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.b = b
+	ctx, cancel := context.WithCancel(context.Background())
+	r.cancel = cancel
+	go func() { r.done <- b.Run(ctx) }()
+	t.Cleanup(func() {
+		r.stop()
+		if t.Failed() {
+			t.Logf("bridge %s log:\n%s", o.identity, tail(r.logs.String(), 60))
+		}
+	})
+	return r
+}
+
+func (r *bridgeRun) stop() {
+	if r.cancel == nil {
+		return
+	}
+	r.cancel()
+	select {
+	case <-r.done:
+	case <-time.After(20 * time.Second):
+	}
+	r.cancel = nil
+}
+
+func tail(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// clusterName makes cluster-scoped names unique per test namespace.
+func clusterName(ns, s string) string { return ns + "-" + s }
+
+func makeClass(t *testing.T, c kubernetes.Interface, name, driver string, mode storagev1.VolumeBindingMode, reclaim corev1.PersistentVolumeReclaimPolicy, params map[string]string) *storagev1.StorageClass {
+	t.Helper()
+	sc := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Provisioner: driver, VolumeBindingMode: &mode, ReclaimPolicy: &reclaim, Parameters: params}
+	sc, err := c.StorageV1().StorageClasses().Create(context.Background(), sc, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.StorageV1().StorageClasses().Delete(context.Background(), name, metav1.DeleteOptions{}) })
+	return sc
+}
+
+func makeClaim(t *testing.T, c kubernetes.Interface, ns, name, class, size string) *corev1.PersistentVolumeClaim {
+	t.Helper()
+	pvc := &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{"app": "test"}},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			StorageClassName: &class,
+			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(size)}},
+		},
+	}
+	pvc, err := c.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), pvc, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pvc
+}
+
+func makePod(t *testing.T, c kubernetes.Interface, ns, name, claim string) {
+	t.Helper()
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: corev1.PodSpec{
+			Containers: []corev1.Container{{Name: "c", Image: "busybox", Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("10m")}},
+				VolumeMounts: []corev1.VolumeMount{{Name: "v", MountPath: "/data"}}}},
+			Volumes: []corev1.Volume{{Name: "v", VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}},
+		},
+	}
+	if _, err := c.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func waitBound(t *testing.T, c kubernetes.Interface, ns, name string, timeout time.Duration) *corev1.PersistentVolumeClaim {
+	t.Helper()
+	var pvc *corev1.PersistentVolumeClaim
+	err := testenv.WaitFor(context.Background(), timeout, "claim "+ns+"/"+name+" Bound", func(ctx context.Context) (bool, string, error) {
+		var err error
+		pvc, err = c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return pvc.Status.Phase == corev1.ClaimBound, string(pvc.Status.Phase) + " " + fmt.Sprint(pvc.Annotations), nil
+	})
+	if err != nil {
+		t.Fatalf("%v\nevents: %s", err, eventsOf(c, ns, name))
+	}
+	return pvc
+}
+
+func eventsOf(c kubernetes.Interface, ns, name string) string {
+	evs, err := c.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{FieldSelector: "involvedObject.name=" + name})
+	if err != nil {
+		return err.Error()
+	}
+	var b strings.Builder
+	for _, e := range evs.Items {
+		fmt.Fprintf(&b, "\n  %s %s: %s", e.Type, e.Reason, e.Message)
+	}
+	return b.String()
+}
+
+// waitEvent waits for an Event with reason on object name whose message contains want.
+func waitEvent(t *testing.T, c kubernetes.Interface, ns, name, reason, want string) corev1.Event {
+	t.Helper()
+	var found corev1.Event
+	err := testenv.WaitFor(context.Background(), 30*time.Second, fmt.Sprintf("event %s on %s containing %q", reason, name, want), func(ctx context.Context) (bool, string, error) {
+		evs, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + name})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		for _, e := range evs.Items {
+			if e.Reason == reason && strings.Contains(e.Message, want) {
+				found = e
+				return true, "", nil
+			}
+		}
+		return false, eventsOf(c, ns, name), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return found
+}
+

@@ -1,0 +1,581 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"go.opentelemetry.io/otel/attribute"
+	otelcodes "go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/csibroker/csibroker/policy"
+)
+
+// Annotations and finalizers shared with external-provisioner, so that claims
+// and volumes move between the sidecar and the broker without changes.
+const (
+	annStorageProvisioner     = "volume.kubernetes.io/storage-provisioner"
+	annBetaStorageProvisioner = "volume.beta.kubernetes.io/storage-provisioner"
+	annSelectedNode           = "volume.kubernetes.io/selected-node"
+	annProvisionedBy          = "pv.kubernetes.io/provisioned-by"
+	annDeletionSecretName     = "volume.kubernetes.io/provisioner-deletion-secret-name"
+	annDeletionSecretNS       = "volume.kubernetes.io/provisioner-deletion-secret-namespace"
+	finalizerVolume           = "external-provisioner.volume.kubernetes.io/finalizer"
+)
+
+// provisioner turns pending claims of registered drivers into volumes and PVs.
+type provisioner struct {
+	b     *Bridge
+	queue workqueue.TypedRateLimitingInterface[string]
+
+	mu       sync.Mutex
+	perDrv   map[string]int       // operations in flight per driver
+	inflight map[string]bool      // volume names being provisioned here
+	started  map[string]time.Time // first pick-up of a claim, for the duration metric
+	recover  chan struct{}        // nudges the recovery loop
+}
+
+func newProvisioner(b *Bridge) *provisioner {
+	p := &provisioner{
+		b: b,
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
+			workqueue.NewTypedItemExponentialFailureRateLimiter[string](b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "provision"}),
+		perDrv:   map[string]int{},
+		inflight: map[string]bool{},
+		started:  map[string]time.Time{},
+		recover:  make(chan struct{}, 1),
+	}
+	b.metrics.queueDepth("provision", p.queue.Len)
+	return p
+}
+
+func (p *provisioner) claimHandler() cache.ResourceEventHandler {
+	return cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { p.enqueueClaim(obj) },
+		UpdateFunc: func(_, obj any) { p.enqueueClaim(obj) },
+		DeleteFunc: func(obj any) {
+			// A claim deleted while its volume is being made: recovery
+			// deletes the volume if it exists.
+			p.nudgeRecovery()
+			if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+				p.queue.Forget(key)
+			}
+		},
+	}
+}
+
+func (p *provisioner) enqueueClaim(obj any) {
+	claim, ok := obj.(*corev1.PersistentVolumeClaim)
+	if !ok || claim.Spec.VolumeName != "" || p.claimDriver(claim) == "" {
+		return
+	}
+	if key, err := cache.MetaNamespaceKeyFunc(claim); err == nil {
+		p.queue.Add(key)
+	}
+}
+
+func (p *provisioner) nudgeRecovery() {
+	select {
+	case p.recover <- struct{}{}:
+	default:
+	}
+}
+
+// claimDriver is the registered driver the PV controller asked to provision
+// the claim, or "".
+func (p *provisioner) claimDriver(claim *corev1.PersistentVolumeClaim) string {
+	d := claim.Annotations[annStorageProvisioner]
+	if d == "" {
+		d = claim.Annotations[annBetaStorageProvisioner]
+	}
+	if d == "" {
+		return ""
+	}
+	for _, n := range p.b.cfg.Drivers.DriverNames() {
+		if n == d {
+			return d
+		}
+	}
+	return ""
+}
+
+func (p *provisioner) run(ctx context.Context) {
+	defer p.queue.ShutDown()
+	// Claims that arrived while another replica led are in the cache already.
+	if claims, err := p.b.claims.List(labels.Everything()); err == nil {
+		for _, c := range claims {
+			p.enqueueClaim(c)
+		}
+	}
+	var wg sync.WaitGroup
+	for i := 0; i < p.b.cfg.WorkerThreads; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for p.processNext(ctx) {
+			}
+		}()
+	}
+	<-ctx.Done()
+	p.queue.ShutDown()
+	wg.Wait()
+}
+
+func (p *provisioner) processNext(ctx context.Context) bool {
+	key, quit := p.queue.Get()
+	if quit {
+		return false
+	}
+	defer p.queue.Done(key)
+	requeue, err := p.sync(ctx, key)
+	switch {
+	case err != nil:
+		p.queue.AddRateLimited(key)
+	case requeue > 0:
+		p.queue.AddAfter(key, requeue)
+	default:
+		p.queue.Forget(key)
+	}
+	return true
+}
+
+// acquire takes a per-driver slot; false means the driver is at its limit.
+func (p *provisioner) acquire(driver, volume string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.perDrv[driver] >= p.b.cfg.PerDriverWorkers || p.inflight[volume] {
+		return false
+	}
+	p.perDrv[driver]++
+	p.inflight[volume] = true
+	return true
+}
+
+func (p *provisioner) release(driver, volume string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.perDrv[driver]--
+	delete(p.inflight, volume)
+}
+
+func (p *provisioner) isInflight(volume string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.inflight[volume]
+}
+
+func claimRef(c *corev1.PersistentVolumeClaim) corev1.ObjectReference {
+	return corev1.ObjectReference{Kind: "PersistentVolumeClaim", APIVersion: "v1", Namespace: c.Namespace, Name: c.Name, UID: c.UID, ResourceVersion: c.ResourceVersion}
+}
+
+// sync provisions one claim. A returned duration asks for a plain requeue
+// (waiting, not failing); an error requeues with the claim's backoff.
+func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, error) {
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil {
+		return 0, nil
+	}
+	claim, err := p.b.claims.PersistentVolumeClaims(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	if claim.Spec.VolumeName != "" || claim.DeletionTimestamp != nil {
+		return 0, nil
+	}
+	driver := p.claimDriver(claim)
+	if driver == "" {
+		return 0, nil
+	}
+	className := ""
+	if claim.Spec.StorageClassName != nil {
+		className = *claim.Spec.StorageClassName
+	}
+	pvName := VolumeName(p.b.cfg.VolumeNamePrefix, claim.UID, p.b.cfg.VolumeNameUUIDLength)
+	if _, err := p.b.volumes.Get(pvName); err == nil {
+		return 0, nil // provisioned; the PV controller binds it
+	}
+	class, err := p.b.classes.Get(className)
+	if err != nil {
+		p.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "ProvisioningFailed", "storageclass %q not found", className)
+		return 0, fmt.Errorf("claim %s: storageclass %q: %w", key, className, err)
+	}
+	if class.Provisioner != driver {
+		return 0, nil
+	}
+	selectedNode := claim.Annotations[annSelectedNode]
+	if class.VolumeBindingMode != nil && *class.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer && selectedNode == "" {
+		return 0, nil // the scheduler has not picked a node yet
+	}
+	if !p.acquire(driver, pvName) {
+		return 200 * time.Millisecond, nil
+	}
+	defer p.release(driver, pvName)
+	p.mu.Lock()
+	if _, ok := p.started[key]; !ok {
+		p.started[key] = time.Now()
+	}
+	p.mu.Unlock()
+
+	ctx, span := p.b.tracer.Start(ctx, "provision "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
+		attribute.String("csi.driver", driver), attribute.String("k8s.pvc.namespace", ns), attribute.String("k8s.pvc.name", name),
+		attribute.String("k8s.storageclass", className), attribute.String("k8s.pv.name", pvName), attribute.String("k8s.node", selectedNode)))
+	defer span.End()
+	result, err := p.provision(ctx, claim, class, driver, pvName, selectedNode)
+	p.b.metrics.provisions.WithLabelValues(driver, className, result).Inc()
+	if err != nil {
+		span.SetStatus(otelcodes.Error, result)
+		return 0, err
+	}
+	if result == "success" {
+		p.mu.Lock()
+		if t, ok := p.started[key]; ok {
+			p.b.metrics.provisionTime.WithLabelValues(driver, className).Observe(time.Since(t).Seconds())
+			delete(p.started, key)
+		}
+		p.mu.Unlock()
+	}
+	return 0, nil
+}
+
+// provision runs one attempt and returns its result label.
+func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string) (string, error) {
+	ref := claimRef(claim)
+	fail := func(format string, args ...any) (string, error) {
+		err := fmt.Errorf(format, args...)
+		p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: %v", class.Name, err)
+		p.b.log.Warn("provisioning failed", "claim", claim.Namespace+"/"+claim.Name, "driver", driver, "err", err)
+		return "failed", err
+	}
+	caps, err := p.b.caps.get(ctx, driver)
+	if err != nil {
+		p.b.caps.forget(driver)
+		return fail("driver %s is not reachable: %v", driver, err)
+	}
+	if !caps.createDelete {
+		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
+	}
+	req, provSecretRef, err := p.buildRequest(ctx, claim, class, driver, pvName, selectedNode, caps)
+	if err != nil {
+		return fail("%v", err)
+	}
+	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name, Labels: claim.Labels, StorageClass: class.Name}
+	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpCreateVolume, ref: provSecretRef, source: policySource(SecretProvisioner, class.Parameters), requester: requester})
+	if err != nil {
+		return fail("%v", err)
+	}
+
+	// Durable intent before the call: from here on the volume is never forgotten.
+	stored := proto.Clone(req).(*csi.CreateVolumeRequest)
+	stored.Secrets = nil
+	raw, err := proto.Marshal(stored)
+	if err != nil {
+		return fail("encode request: %v", err)
+	}
+	node := ""
+	if p.b.cfg.Drivers.NodeLocal(driver) {
+		node = selectedNode
+	}
+	if err := p.b.intents.Add(ctx, Intent{VolumeName: pvName, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID),
+		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, Created: metav1.Now()}); err != nil {
+		// Nothing was called yet: back off and try again.
+		return "failed", fmt.Errorf("record intent for %s: %w", pvName, err)
+	}
+	p.b.event(ctx, ref, corev1.EventTypeNormal, "Provisioning", "External provisioner is provisioning volume for claim %q", claim.Namespace+"/"+claim.Name)
+
+	conn, err := p.conn(driver, node)
+	if err != nil {
+		return fail("%v", err)
+	}
+	callCtx, cancel := context.WithTimeout(ctx, p.b.cfg.Timeout)
+	req.Secrets = secrets
+	resp, err := csi.NewControllerClient(conn).CreateVolume(callCtx, req)
+	cancel()
+	req.Secrets = nil
+	if err != nil {
+		switch ClassifyCreateError(err, selectedNode != "") {
+		case CreateInProgress:
+			// The volume may still appear: keep the intent and re-issue
+			// the same request later.
+			p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: %s (may still be in progress; retrying with the same name)", class.Name, statusText(err))
+			return "in_progress", err
+		case CreateReschedule:
+			p.b.intents.Remove(pvName)
+			p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: %s; asking the scheduler for another node", class.Name, statusText(err))
+			if rerr := p.reschedule(ctx, claim); rerr != nil {
+				return "rescheduled", rerr
+			}
+			return "rescheduled", nil
+		default:
+			p.b.intents.Remove(pvName)
+			p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: %s", class.Name, statusText(err))
+			return "failed", err
+		}
+	}
+
+	// The claim may have gone while the driver worked: delete the volume
+	// now instead of leaving a PV for nobody.
+	if cur, gerr := p.b.cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{}); apierrors.IsNotFound(gerr) || (gerr == nil && (cur.UID != claim.UID || cur.DeletionTimestamp != nil)) {
+		p.b.log.Info("claim deleted during provisioning; deleting its volume", "claim", claim.Namespace+"/"+claim.Name, "volume", resp.GetVolume().GetVolumeId())
+		if derr := p.deleteVolume(ctx, driver, node, resp.GetVolume().GetVolumeId(), provSecretRef, policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name, StorageClass: class.Name}); derr != nil {
+			p.b.metrics.leaked.WithLabelValues(driver, "failed").Inc()
+			return "failed", derr // intent kept: recovery retries
+		}
+		p.b.metrics.leaked.WithLabelValues(driver, "deleted").Inc()
+		p.b.intents.Remove(pvName)
+		return "claim_deleted", nil
+	}
+
+	pv, err := p.buildPV(claim, class, driver, pvName, resp.GetVolume(), req, provSecretRef)
+	if err != nil {
+		return fail("%v", err)
+	}
+	if _, err := p.b.cfg.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		// Intent kept: the next attempt re-issues CreateVolume (same
+		// name, same volume) and tries the PV again.
+		p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "volume %s was created but saving PersistentVolume %s failed: %v (retrying)", resp.GetVolume().GetVolumeId(), pvName, err)
+		return "failed", err
+	}
+	p.b.intents.Remove(pvName)
+	p.b.event(ctx, ref, corev1.EventTypeNormal, "ProvisioningSucceeded", "Successfully provisioned volume %s", pvName)
+	return "success", nil
+}
+
+func statusText(err error) string {
+	st := status.Convert(err)
+	return fmt.Sprintf("rpc error: code = %s desc = %s", st.Code(), st.Message())
+}
+
+// conn picks the driver's controller proxy, or for a node-local driver the
+// proxy on the volume's node.
+func (p *provisioner) conn(driver, node string) (grpc.ClientConnInterface, error) {
+	if node != "" {
+		return p.b.cfg.Drivers.NodeConn(driver, node)
+	}
+	return p.b.cfg.Drivers.ControllerConn(driver)
+}
+
+// buildRequest makes the CreateVolumeRequest (without secrets) and resolves
+// the provisioner secret reference. Its errors are the claim's or class's
+// fault and say which field is wrong.
+func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps driverCaps) (*csi.CreateVolumeRequest, *corev1.SecretReference, error) {
+	params, fsType, err := CreateParameters(class.Parameters, p.b.cfg.ExtraCreateMetadata, pvName, claim)
+	if err != nil {
+		return nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
+	}
+	volCaps, err := VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
+	if err != nil {
+		return nil, nil, err
+	}
+	capRange, err := CapacityRange(claim)
+	if err != nil {
+		return nil, nil, err
+	}
+	secretRef, err := SecretRef(SecretProvisioner, class.Parameters, pvName, claim)
+	if err != nil {
+		return nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
+	}
+	// Every other secret named by the class must resolve now, so a typo is
+	// reported at provisioning rather than at attach or mount time.
+	for _, k := range []SecretKind{SecretControllerPublish, SecretNodeStage, SecretNodePublish, SecretControllerExpand, SecretNodeExpand} {
+		if _, err := SecretRef(k, class.Parameters, pvName, claim); err != nil {
+			return nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
+		}
+	}
+	req := &csi.CreateVolumeRequest{Name: pvName, Parameters: params, VolumeCapabilities: volCaps, CapacityRange: capRange}
+	if caps.accessibility {
+		in := TopologyInput{Driver: driver, ClaimName: claim.Name, AllowedTopologies: class.AllowedTopologies,
+			StrictTopology: p.b.cfg.StrictTopology, ImmediateTopology: p.b.cfg.ImmediateTopology}
+		nodes, err := p.topologyNodes(driver)
+		if err != nil {
+			return nil, nil, err
+		}
+		in.Nodes = nodes
+		if selectedNode != "" {
+			found := false
+			for i := range nodes {
+				if nodes[i].Name == selectedNode {
+					n := nodes[i]
+					in.SelectedNode = &n
+					found = true
+				}
+			}
+			if !found {
+				return nil, nil, fmt.Errorf("selected node %q not found", selectedNode)
+			}
+		}
+		tr, err := AccessibilityRequirements(in)
+		if err != nil {
+			return nil, nil, fmt.Errorf("topology: %w", err)
+		}
+		req.AccessibilityRequirements = tr
+	}
+	if ds := claim.Spec.DataSource; ds != nil {
+		src, err := p.contentSource(claim, driver, capRange, caps)
+		if err != nil {
+			return nil, nil, err
+		}
+		req.VolumeContentSource = src
+	}
+	return req, secretRef, nil
+}
+
+// topologyNodes lists every node with the driver's topology keys from its CSINode.
+func (p *provisioner) topologyNodes(driver string) ([]TopologyNode, error) {
+	nodes, err := p.b.nodes.List(labels.Everything())
+	if err != nil {
+		return nil, err
+	}
+	out := make([]TopologyNode, 0, len(nodes))
+	for _, n := range nodes {
+		tn := TopologyNode{Name: n.Name, Labels: n.Labels}
+		if cn, err := p.b.csiNodes.Get(n.Name); err == nil {
+			for _, d := range cn.Spec.Drivers {
+				if d.Name == driver {
+					tn.DriverKeys = append([]string{}, d.TopologyKeys...)
+				}
+			}
+		}
+		out = append(out, tn)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, nil
+}
+
+// contentSource supports cloning from a bound claim of the same driver in
+// the same namespace.
+func (p *provisioner) contentSource(claim *corev1.PersistentVolumeClaim, driver string, capRange *csi.CapacityRange, caps driverCaps) (*csi.VolumeContentSource, error) {
+	ds := claim.Spec.DataSource
+	if ds.Kind != "PersistentVolumeClaim" || (ds.APIGroup != nil && *ds.APIGroup != "") {
+		return nil, fmt.Errorf("data source %s %q is not supported (only PersistentVolumeClaim clones)", ds.Kind, ds.Name)
+	}
+	if !caps.clone {
+		return nil, fmt.Errorf("driver %s does not support cloning (no CLONE_VOLUME capability)", driver)
+	}
+	src, err := p.b.claims.PersistentVolumeClaims(claim.Namespace).Get(ds.Name)
+	if err != nil {
+		return nil, fmt.Errorf("clone source claim %s/%s: %w", claim.Namespace, ds.Name, err)
+	}
+	if src.Status.Phase != corev1.ClaimBound || src.Spec.VolumeName == "" {
+		return nil, fmt.Errorf("clone source claim %s/%s is not bound", claim.Namespace, ds.Name)
+	}
+	pv, err := p.b.volumes.Get(src.Spec.VolumeName)
+	if err != nil {
+		return nil, fmt.Errorf("clone source volume %s: %w", src.Spec.VolumeName, err)
+	}
+	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != driver {
+		return nil, fmt.Errorf("clone source claim %s/%s belongs to another driver", claim.Namespace, ds.Name)
+	}
+	if q, ok := pv.Spec.Capacity[corev1.ResourceStorage]; ok && capRange != nil && q.Value() > capRange.RequiredBytes {
+		return nil, fmt.Errorf("clone source claim %s/%s (%s) is larger than the requested size", claim.Namespace, ds.Name, q.String())
+	}
+	return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: pv.Spec.CSI.VolumeHandle}}}, nil
+}
+
+// buildPV makes the PersistentVolume for a created volume.
+func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName string, vol *csi.Volume, req *csi.CreateVolumeRequest, provSecret *corev1.SecretReference) (*corev1.PersistentVolume, error) {
+	size := vol.GetCapacityBytes()
+	if size == 0 {
+		size = req.GetCapacityRange().GetRequiredBytes()
+	}
+	reclaim := corev1.PersistentVolumeReclaimDelete
+	if class.ReclaimPolicy != nil {
+		reclaim = *class.ReclaimPolicy
+	}
+	fsType := ""
+	for _, c := range req.GetVolumeCapabilities() {
+		if m := c.GetMount(); m != nil {
+			fsType = m.GetFsType()
+		}
+	}
+	src := &corev1.CSIPersistentVolumeSource{Driver: driver, VolumeHandle: vol.GetVolumeId(), FSType: fsType, VolumeAttributes: vol.GetVolumeContext()}
+	for _, k := range []struct {
+		kind SecretKind
+		dst  **corev1.SecretReference
+	}{
+		{SecretControllerPublish, &src.ControllerPublishSecretRef},
+		{SecretNodeStage, &src.NodeStageSecretRef},
+		{SecretNodePublish, &src.NodePublishSecretRef},
+		{SecretControllerExpand, &src.ControllerExpandSecretRef},
+		{SecretNodeExpand, &src.NodeExpandSecretRef},
+	} {
+		ref, err := SecretRef(k.kind, class.Parameters, pvName, claim)
+		if err != nil {
+			return nil, err
+		}
+		*k.dst = ref
+	}
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: pvName, Annotations: map[string]string{annProvisionedBy: driver}},
+		Spec: corev1.PersistentVolumeSpec{
+			AccessModes:                   claim.Spec.AccessModes,
+			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: *resource.NewQuantity(size, resource.BinarySI)},
+			PersistentVolumeSource:        corev1.PersistentVolumeSource{CSI: src},
+			PersistentVolumeReclaimPolicy: reclaim,
+			StorageClassName:              class.Name,
+			MountOptions:                  class.MountOptions,
+			VolumeMode:                    claim.Spec.VolumeMode,
+			ClaimRef:                      &corev1.ObjectReference{Kind: "PersistentVolumeClaim", APIVersion: "v1", Namespace: claim.Namespace, Name: claim.Name, UID: claim.UID},
+			NodeAffinity:                  NodeAffinity(vol.GetAccessibleTopology()),
+		},
+	}
+	if reclaim == corev1.PersistentVolumeReclaimDelete {
+		pv.Finalizers = []string{finalizerVolume}
+	}
+	if provSecret != nil {
+		pv.Annotations[annDeletionSecretName] = provSecret.Name
+		pv.Annotations[annDeletionSecretNS] = provSecret.Namespace
+	}
+	return pv, nil
+}
+
+// reschedule removes the selected-node annotation so the scheduler picks
+// another node (the driver said this one has no room).
+func (p *provisioner) reschedule(ctx context.Context, claim *corev1.PersistentVolumeClaim) error {
+	patch := []byte(`{"metadata":{"annotations":{"` + annSelectedNode + `":null}}}`)
+	_, err := p.b.cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Patch(ctx, claim.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("remove %s from claim %s/%s: %w", annSelectedNode, claim.Namespace, claim.Name, err)
+	}
+	return nil
+}
+
+// deleteVolume deletes a volume with its provisioner secret (through policy).
+func (p *provisioner) deleteVolume(ctx context.Context, driver, node, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester) error {
+	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpDeleteVolume, ref: secretRef, source: policy.Source{Kind: policy.SourcePVField, Key: "provisioner secret"}, requester: requester})
+	if err != nil {
+		return err
+	}
+	conn, err := p.conn(driver, node)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, p.b.cfg.Timeout)
+	defer cancel()
+	_, err = csi.NewControllerClient(conn).DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: volumeID, Secrets: secrets})
+	if err != nil && status.Code(err) != codes.NotFound {
+		return fmt.Errorf("DeleteVolume %s on driver %s: %s", volumeID, driver, statusText(err))
+	}
+	return nil
+}
+

@@ -1,0 +1,136 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+)
+
+// TestProvisionTwoDriversImmediateAndWFFC: one broker provisions Immediate
+// and WaitForFirstConsumer claims for two drivers at once; the PVs carry what
+// external-provisioner would write; deleting the claims deletes the volumes
+// (reclaim Delete) or keeps them (Retain).
+func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	nodeName := clusterName(ns, "node")
+	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: nodeName, Zone: "z1"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), nodeName, metav1.DeleteOptions{}) })
+
+	drvA, drvB := clusterName(ns, "a.csi.test"), clusterName(ns, "b.csi.test")
+	drivers := &testDrivers{}
+	a := drivers.addDriver(t, sampledriver.Config{Name: drvA, NodeID: nodeName})
+	b := drivers.addDriver(t, sampledriver.Config{Name: drvB, NodeID: nodeName})
+	for _, d := range []string{drvA, drvB} {
+		if err := env.AddCSINode(ctx, nodeName, d, nodeName, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	classA := makeClass(t, c, clusterName(ns, "a"), drvA, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{"color": "blue"})
+	classB := makeClass(t, c, clusterName(ns, "b"), drvB, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimRetain, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	claimA := makeClaim(t, c, ns, "claim-a", classA.Name, "1Gi")
+	claimB := makeClaim(t, c, ns, "claim-b", classB.Name, "2Gi")
+	makePod(t, c, ns, "pod-b", "claim-b")
+
+	boundA := waitBound(t, c, ns, "claim-a", 60*time.Second)
+	boundB := waitBound(t, c, ns, "claim-b", 60*time.Second)
+	if boundB.Annotations[annSelectedNode] != nodeName {
+		t.Fatalf("claim-b selected node = %q", boundB.Annotations[annSelectedNode])
+	}
+
+	pvA, err := c.CoreV1().PersistentVolumes().Get(ctx, boundA.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "pvc-" + string(claimA.UID); pvA.Name != want {
+		t.Errorf("PV name %s, want %s", pvA.Name, want)
+	}
+	src := pvA.Spec.CSI
+	switch {
+	case src == nil || src.Driver != drvA || src.VolumeHandle == "":
+		t.Errorf("PV CSI source %+v", src)
+	case pvA.Annotations[annProvisionedBy] != drvA:
+		t.Errorf("provisioned-by = %q", pvA.Annotations[annProvisionedBy])
+	case pvA.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete || !hasFinalizer(pvA, finalizerVolume):
+		t.Errorf("reclaim %s finalizers %v", pvA.Spec.PersistentVolumeReclaimPolicy, pvA.Finalizers)
+	case pvA.Spec.ClaimRef == nil || pvA.Spec.ClaimRef.UID != claimA.UID:
+		t.Errorf("claimRef %+v", pvA.Spec.ClaimRef)
+	case pvA.Spec.StorageClassName != classA.Name:
+		t.Errorf("storage class %q", pvA.Spec.StorageClassName)
+	}
+	if q := pvA.Spec.Capacity[corev1.ResourceStorage]; q.Value() != 1<<30 {
+		t.Errorf("capacity %s", q.String())
+	}
+	vols := a.Volumes()
+	if len(vols) != 1 || vols[0].ID != src.VolumeHandle || vols[0].Parameters["color"] != "blue" {
+		t.Fatalf("driver A volumes %+v", vols)
+	}
+	if len(b.Volumes()) != 1 {
+		t.Fatalf("driver B volumes %+v", b.Volumes())
+	}
+	waitEvent(t, c, ns, "claim-a", "ProvisioningSucceeded", "Successfully provisioned volume "+pvA.Name)
+	ev := waitEvent(t, c, ns, "claim-a", "Provisioning", "(trace ")
+	if !strings.Contains(ev.Message, "trace ") {
+		t.Fatalf("event without trace ID: %s", ev.Message)
+	}
+
+	// Reclaim Delete: claim deleted → volume deleted → PV gone.
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "claim-a", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 60*time.Second, "PV "+pvA.Name+" deleted", func(ctx context.Context) (bool, string, error) {
+		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvA.Name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, "", nil
+		}
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return false, fmt.Sprintf("phase %s finalizers %v", pv.Status.Phase, pv.Finalizers), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(a.Volumes()); n != 0 {
+		t.Fatalf("driver A still has %d volumes", n)
+	}
+
+	// Reclaim Retain: the PV and the volume stay.
+	if err := c.CoreV1().Pods(ns).Delete(ctx, "pod-b", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "claim-b", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 60*time.Second, "PV of claim-b Released", func(ctx context.Context) (bool, string, error) {
+		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, boundB.Spec.VolumeName, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return pv.Status.Phase == corev1.VolumeReleased, string(pv.Status.Phase), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second) // give a wrong deletion the chance to happen
+	if n := len(b.Volumes()); n != 1 {
+		t.Fatalf("Retain: driver B has %d volumes, want 1", n)
+	}
+	_ = claimB
+}

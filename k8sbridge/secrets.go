@@ -1,0 +1,74 @@
+package k8sbridge
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/csibroker/csibroker/policy"
+)
+
+// errSecretDenied marks a policy denial; the caller makes it an Event.
+var errSecretDenied = errors.New("secret access denied by policy")
+
+// secretUse is one wish to hand a secret to a driver.
+type secretUse struct {
+	driver    string
+	op        policy.Operation
+	ref       *corev1.SecretReference
+	source    policy.Source
+	requester policy.Requester
+}
+
+// fetchSecret asks the policy, and only on an allow GETs the secret (no
+// Secret informer: the broker never lists or watches Secrets). The returned
+// map goes into the CSI request and nowhere else.
+func (b *Bridge) fetchSecret(ctx context.Context, u secretUse) (map[string]string, error) {
+	if u.ref == nil {
+		return nil, nil
+	}
+	if u.requester.Namespace != "" && u.requester.NamespaceLabels == nil {
+		if ns, err := b.namespaces.Get(u.requester.Namespace); err == nil {
+			u.requester.NamespaceLabels = ns.Labels
+			if u.requester.NamespaceLabels == nil {
+				u.requester.NamespaceLabels = map[string]string{}
+			}
+		}
+	}
+	req := policy.Request{Driver: u.driver, Operation: u.op, Secret: policy.SecretRef{Namespace: u.ref.Namespace, Name: u.ref.Name}, Source: u.source, Requester: u.requester}
+	d := b.cfg.Policy.Decide(ctx, req)
+	b.metrics.secretDecision.WithLabelValues(u.driver, string(u.op), d.Result()).Inc()
+	policy.Audit(b.log, req, d)
+	if !d.Allowed {
+		return nil, fmt.Errorf("%w: %s", errSecretDenied, d.Reason)
+	}
+	s, err := b.cfg.Client.CoreV1().Secrets(u.ref.Namespace).Get(ctx, u.ref.Name, metav1.GetOptions{})
+	if err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil, fmt.Errorf("secret %s/%s for %s of driver %s not found", u.ref.Namespace, u.ref.Name, u.op, u.driver)
+		}
+		// The API error names the object, never its content.
+		return nil, fmt.Errorf("get secret %s/%s: %w", u.ref.Namespace, u.ref.Name, err)
+	}
+	out := make(map[string]string, len(s.Data)+len(s.StringData))
+	for k, v := range s.Data {
+		out[k] = string(v)
+	}
+	return out, nil
+}
+
+// policySource says where a reference came from, for the policy and its audit.
+func policySource(kind SecretKind, params map[string]string) policy.Source {
+	nameKey, nsKey := SecretParamKeys(kind)
+	src := policy.Source{Kind: policy.SourceStorageClassParameter, Key: nameKey}
+	if v := params[nameKey] + params[nsKey]; strings.Contains(v, "${") {
+		src.Kind = policy.SourceTemplate
+		src.Template = params[nsKey] + "/" + params[nameKey]
+	}
+	return src
+}
