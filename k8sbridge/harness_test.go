@@ -254,4 +254,3 @@ func waitEvent(t *testing.T, c kubernetes.Interface, ns, name, reason, want stri
 	}
 	return found
 }
-

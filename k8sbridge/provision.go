@@ -578,4 +578,3 @@ func (p *provisioner) deleteVolume(ctx context.Context, driver, node, volumeID s
 	}
 	return nil
 }
-
