@@ -96,6 +96,7 @@ type bridgeOpts struct {
 	timeout      time.Duration
 	strict       bool
 	configureCfg func(*Config)
+	configure    func(*Bridge)
 }
 
 func startBridge(t *testing.T, env *testenv.Env, ns string, drivers Drivers, o bridgeOpts) *bridgeRun {
@@ -125,6 +126,9 @@ func startBridge(t *testing.T, env *testenv.Env, ns string, drivers Drivers, o b
 		t.Fatal(err)
 	}
 	r.b = b
+	if o.configure != nil {
+		o.configure(b)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	r.cancel = cancel
 	go func() { r.done <- b.Run(ctx) }()

@@ -50,6 +50,10 @@ type provisioner struct {
 	inflight map[string]bool      // volume names being provisioned here
 	started  map[string]time.Time // first pick-up of a claim, for the duration metric
 	recover  chan struct{}        // nudges the recovery loop
+
+	// afterCreate, when set (tests), runs after CreateVolume succeeded and
+	// before anything else: a broker dying there must leak nothing.
+	afterCreate func(ctx context.Context, volumeName string)
 }
 
 func newProvisioner(b *Bridge) *provisioner {
@@ -330,6 +334,13 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			p.b.intents.Remove(pvName)
 			p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: %s", class.Name, statusText(err))
 			return "failed", err
+		}
+	}
+
+	if p.afterCreate != nil {
+		p.afterCreate(ctx, pvName)
+		if ctx.Err() != nil {
+			return "failed", ctx.Err()
 		}
 	}
 

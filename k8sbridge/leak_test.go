@@ -1,0 +1,140 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+)
+
+// noLeaks waits until every volume of the driver is referenced by a PV and
+// the intent record is empty.
+func noLeaks(t *testing.T, env *testenv.Env, ns string, d *sampledriver.Driver, driver string) {
+	t.Helper()
+	c := env.Client()
+	err := testenv.WaitFor(context.Background(), 60*time.Second, "no leaked volume of "+driver, func(ctx context.Context) (bool, string, error) {
+		pvs, err := c.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		used := map[string]bool{}
+		for _, pv := range pvs.Items {
+			if pv.Spec.CSI != nil && pv.Spec.CSI.Driver == driver {
+				used[pv.Spec.CSI.VolumeHandle] = true
+			}
+		}
+		var leaked []string
+		for _, v := range d.Volumes() {
+			if !used[v.ID] {
+				leaked = append(leaked, v.ID+" ("+v.Name+")")
+			}
+		}
+		intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return len(leaked) == 0 && len(intents) == 0, fmt.Sprintf("leaked %v, %d intents", leaked, len(intents)), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestClaimDeletedWhileCreateVolumeIsSlow: the driver takes 2s to create;
+// the claim is deleted meanwhile; the volume it then makes is deleted.
+func TestClaimDeletedWhileCreateVolumeIsSlow(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "slow.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {Latency: 2 * time.Second}}}})
+	class := makeClass(t, c, clusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	makeClaim(t, c, ns, "doomed", class.Name, "1Gi")
+	err := testenv.WaitFor(ctx, 30*time.Second, "CreateVolume in flight", func(context.Context) (bool, string, error) {
+		return d.CallCount("CreateVolume") > 0, "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "doomed", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// The driver finishes the volume after the claim is gone...
+	err = testenv.WaitFor(ctx, 30*time.Second, "the slow CreateVolume to finish", func(context.Context) (bool, string, error) {
+		return d.CallCount("DeleteVolume") > 0, fmt.Sprint(d.Calls()), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// ...and nothing is left behind: no volume, no PV, no intent.
+	noLeaks(t, env, ns, d, drv)
+	pvs, _ := c.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+	for _, pv := range pvs.Items {
+		if pv.Spec.CSI != nil && pv.Spec.CSI.Driver == drv {
+			t.Fatalf("PV %s made for a deleted claim", pv.Name)
+		}
+	}
+}
+
+// TestBrokerKilledAfterCreateVolume: the broker dies right after
+// CreateVolume returned, before the PV is written. A new leader finds the
+// intent: for a claim that still exists it finishes the job (same volume,
+// no duplicate); for a claim deleted meanwhile it deletes the volume.
+func TestBrokerKilledAfterCreateVolume(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "crash.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "crash"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+
+	died := make(chan string, 4)
+	var first *bridgeRun
+	first = startBridge(t, env, ns, drivers, bridgeOpts{identity: "doomed-broker", leader: true, configure: func(b *Bridge) {
+		b.prov.afterCreate = func(ctx context.Context, vol string) {
+			died <- vol
+			<-ctx.Done() // the process is gone: nothing after this point runs
+		}
+	}})
+	makeClaim(t, c, ns, "keep", class.Name, "1Gi")
+	makeClaim(t, c, ns, "gone", class.Name, "1Gi")
+	for i := 0; i < 2; i++ {
+		select {
+		case <-died:
+		case <-time.After(30 * time.Second):
+			t.Fatal("CreateVolume never returned")
+		}
+	}
+	first.stop() // the broker is killed (its lease is released; a SIGKILL only adds the lease timeout)
+	if n := len(d.Volumes()); n != 2 {
+		t.Fatalf("driver has %d volumes, want 2 made before the crash", n)
+	}
+	intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+	if err != nil || len(intents) != 2 {
+		t.Fatalf("intent record holds %d entries (%v), want 2", len(intents), err)
+	}
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "gone", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	startBridge(t, env, ns, drivers, bridgeOpts{identity: "new-leader", leader: true})
+	bound := waitBound(t, c, ns, "keep", 60*time.Second)
+	noLeaks(t, env, ns, d, drv)
+	vols := d.Volumes()
+	if len(vols) != 1 || vols[0].Name != bound.Spec.VolumeName {
+		t.Fatalf("driver volumes %+v, want only %s", vols, bound.Spec.VolumeName)
+	}
+}
