@@ -40,7 +40,7 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	classA := makeClass(t, c, clusterName(ns, "a"), drvA, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{"color": "blue"})
+	classA := makeClass(t, c, clusterName(ns, "a"), drvA, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{"label": "blue"})
 	classB := makeClass(t, c, clusterName(ns, "b"), drvB, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimRetain, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 
@@ -78,7 +78,7 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 		t.Errorf("capacity %s", q.String())
 	}
 	vols := a.Volumes()
-	if len(vols) != 1 || vols[0].ID != src.VolumeHandle || vols[0].Parameters["color"] != "blue" {
+	if len(vols) != 1 || vols[0].ID != src.VolumeHandle || vols[0].Parameters["label"] != "blue" {
 		t.Fatalf("driver A volumes %+v", vols)
 	}
 	if len(b.Volumes()) != 1 {

@@ -158,6 +158,9 @@ func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := checkMutableParameters(req.GetMutableParameters()); err != nil {
 		return nil, toStatus(err)
 	}
+	if err := checkParameters(req.GetParameters()); err != nil {
+		return nil, toStatus(err)
+	}
 	if _, err := pickSize(req.GetCapacityRange(), 0); err != nil {
 		return nil, toStatus(err)
 	}

@@ -250,7 +250,7 @@ func TestCreateVolumeSemantics(t *testing.T) {
 	_, err := c.CreateVolume(ctx, createReq("pvc-1", 5<<20))
 	wantCode(t, "same name, bigger size", err, codes.AlreadyExists)
 	req := createReq("pvc-1", 4<<20)
-	req.Parameters = map[string]string{"type": "fast"}
+	req.Parameters = map[string]string{"tier": "premium"}
 	_, err = c.CreateVolume(ctx, req)
 	wantCode(t, "same name, other parameters", err, codes.AlreadyExists)
 
@@ -809,5 +809,29 @@ func BenchmarkCreateDelete(b *testing.B) {
 		if _, err := c.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()}); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+func TestCreateVolumeRejectsUnknownParameters(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		params map[string]string
+		ok     bool
+	}{
+		{"none", nil, true},
+		{"label and tier", map[string]string{ParamLabel: "x", ParamTier: "standard"}, true},
+		{"extra create metadata", map[string]string{ParamPVCName: "c", ParamPVCNamespace: "n", ParamPVName: "p"}, true},
+		{"unknown key", map[string]string{"colour": "red"}, false},
+		{"bad tier", map[string]string{ParamTier: "gold"}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			err := checkParameters(c.params)
+			if (err == nil) != c.ok {
+				t.Fatalf("err = %v, ok %v", err, c.ok)
+			}
+			if err != nil && !strings.Contains(err.Error(), "parameter") {
+				t.Fatalf("err %v does not name the parameter", err)
+			}
+		})
 	}
 }

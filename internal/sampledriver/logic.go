@@ -170,6 +170,35 @@ func checkMutableParameters(p map[string]string) error {
 	return nil
 }
 
+// Supported CreateVolume parameters. Anything else is refused with
+// InvalidArgument naming the key, as a real driver refuses what it does not
+// understand.
+const (
+	ParamLabel = "label" // free text, stored with the volume
+	ParamTier  = "tier"  // "standard" or "premium"
+	// The keys external-provisioner (and the broker) add with
+	// --extra-create-metadata.
+	ParamPVCName      = "csi.storage.k8s.io/pvc/name"
+	ParamPVCNamespace = "csi.storage.k8s.io/pvc/namespace"
+	ParamPVName       = "csi.storage.k8s.io/pv/name"
+)
+
+// checkParameters rejects unknown keys and bad values.
+func checkParameters(p map[string]string) error {
+	for k, v := range p {
+		switch k {
+		case ParamLabel, ParamPVCName, ParamPVCNamespace, ParamPVName:
+		case ParamTier:
+			if v != "standard" && v != "premium" {
+				return fmt.Errorf("%w: parameter %s=%q: want standard or premium", errInvalid, k, v)
+			}
+		default:
+			return fmt.Errorf("%w: unknown parameter %q (supported: %s, %s)", errInvalid, k, ParamLabel, ParamTier)
+		}
+	}
+	return nil
+}
+
 const tokenPrefix = "sd1."
 
 // encodeToken makes a page token that resumes listing at key (inclusive).
