@@ -79,6 +79,19 @@ func (t *testDrivers) addDriver(tb testing.TB, cfg sampledriver.Config) *sampled
 	return d
 }
 
+// addDeadDriver registers a driver whose proxy fronts a socket nobody serves.
+func (t *testDrivers) addDeadDriver(tb testing.TB, name string) {
+	tb.Helper()
+	dir := chaintest.ShortTempDir(tb)
+	c := chaintest.Start(tb, chaintest.Options{Driver: name, DriverEndpoint: "unix://" + dir + "/gone.sock", LogLevel: slog.LevelWarn, Timeout: 5 * time.Second})
+	t.mu.Lock()
+	if t.chains == nil {
+		t.chains, t.drivers, t.nodeLocal = map[string]*chaintest.Chain{}, map[string]*sampledriver.Driver{}, map[string]bool{}
+	}
+	t.chains[name] = c
+	t.mu.Unlock()
+}
+
 // bridgeRun is a running Bridge for one test.
 type bridgeRun struct {
 	b      *Bridge
@@ -257,4 +270,40 @@ func waitEvent(t *testing.T, c kubernetes.Interface, ns, name, reason, want stri
 		t.Fatal(err)
 	}
 	return found
+}
+
+// metricValue sums the samples of a counter or gauge whose labels include want.
+func (r *bridgeRun) metricValue(t *testing.T, name string, want map[string]string) float64 {
+	t.Helper()
+	mfs, err := r.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	next:
+		for _, m := range mf.GetMetric() {
+			for k, v := range want {
+				found := false
+				for _, lp := range m.GetLabel() {
+					if lp.GetName() == k && lp.GetValue() == v {
+						found = true
+					}
+				}
+				if !found {
+					continue next
+				}
+			}
+			switch {
+			case m.GetCounter() != nil:
+				sum += m.GetCounter().GetValue()
+			case m.GetGauge() != nil:
+				sum += m.GetGauge().GetValue()
+			}
+		}
+	}
+	return sum
 }

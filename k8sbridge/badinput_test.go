@@ -1,0 +1,113 @@
+package k8sbridge
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/policy"
+)
+
+const canarySecret = "CANARY-secret-value-9d1e"
+
+// TestBadInputGetsClearEvents: each kind of bad input ends as a
+// ProvisioningFailed Event that says what is wrong, nothing is created, and
+// a good claim next to them is provisioned; the canary secret value appears
+// in no Event, log line or span.
+func TestBadInputGetsClearEvents(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv, down := clusterName(ns, "ok.csi.test"), clusterName(ns, "down.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	// A second driver registered with the broker whose process is gone.
+	drivers.addDeadDriver(t, down)
+
+	// Secrets: "allowed" is granted to the driver, "forbidden" exists but is not.
+	for _, name := range []string{"allowed", "forbidden"} {
+		if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+			StringData: map[string]string{"password": canarySecret}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rs, errs := policy.Compile([]policy.Grant{{Namespace: ns, Name: "grant-ok", Spec: policy.GrantSpec{
+		Drivers: []string{drv}, SecretNames: []string{"allowed", "missing"}, Operations: []policy.Operation{policy.OpCreateVolume, policy.OpDeleteVolume},
+		Requesters: policy.Requesters{Namespaces: []string{ns}}}}})
+	if len(errs) != 0 {
+		t.Fatal(errs)
+	}
+	r := startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}})
+
+	secretParams := func(name string) map[string]string {
+		return map[string]string{"csi.storage.k8s.io/provisioner-secret-name": name, "csi.storage.k8s.io/provisioner-secret-namespace": ns}
+	}
+	imm, del := storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete
+	cases := []struct {
+		claim, driver string
+		params        map[string]string
+		want          []string
+	}{
+		{"unknown-secret", drv, secretParams("missing"), []string{"secret " + ns + "/missing", "not found"}},
+		{"denied-secret", drv, secretParams("forbidden"), []string{"denied by policy", ns + "/forbidden", drv, "CreateVolume"}},
+		{"bad-template", drv, map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "${pvc.annotations['x']}", "csi.storage.k8s.io/provisioner-secret-namespace": ns}, []string{"csi.storage.k8s.io/provisioner-secret-name", "pvc.annotations"}},
+		{"unknown-csi-key", drv, map[string]string{"csi.storage.k8s.io/frobnicate": "1"}, []string{"csi.storage.k8s.io/frobnicate"}},
+		{"driver-rejects", drv, map[string]string{"colour": "red"}, []string{"InvalidArgument", `unknown parameter "colour"`}},
+		{"driver-down", down, nil, []string{"driver " + down + " is not reachable", "Unavailable"}},
+	}
+	for _, tc := range cases {
+		class := makeClass(t, c, clusterName(ns, tc.claim), tc.driver, imm, del, tc.params)
+		makeClaim(t, c, ns, tc.claim, class.Name, "1Gi")
+	}
+	goodClass := makeClass(t, c, clusterName(ns, "good"), drv, imm, del, secretParams("allowed"))
+	makeClaim(t, c, ns, "good", goodClass.Name, "1Gi")
+
+	for _, tc := range cases {
+		t.Run(tc.claim, func(t *testing.T) {
+			ev := waitEvent(t, c, ns, tc.claim, "ProvisioningFailed", tc.want[0])
+			for _, w := range tc.want[1:] {
+				if !strings.Contains(ev.Message, w) {
+					t.Errorf("event %q does not say %q", ev.Message, w)
+				}
+			}
+			t.Logf("%s: %s", tc.claim, ev.Message)
+		})
+	}
+	bound := waitBound(t, c, ns, "good", 60*time.Second)
+	vols := d.Volumes()
+	if len(vols) != 1 || vols[0].Name != bound.Spec.VolumeName {
+		t.Fatalf("driver volumes %+v: only the good claim's volume should exist", vols)
+	}
+	// The good claim used the allowed secret; the forbidden one was never read.
+	if got := r.metricValue(t, "csibroker_secret_policy_decisions_total", map[string]string{"decision": "deny"}); got < 1 {
+		t.Fatalf("deny decisions counted: %v", got)
+	}
+
+	evs, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range evs.Items {
+		if strings.Contains(e.Message, canarySecret) {
+			t.Fatalf("canary in event %s: %s", e.Reason, e.Message)
+		}
+	}
+	if strings.Contains(r.logs.String(), canarySecret) {
+		t.Fatal("canary in the bridge's log")
+	}
+	for _, s := range r.spans.Ended() {
+		for _, a := range s.Attributes() {
+			if strings.Contains(a.Value.Emit(), canarySecret) {
+				t.Fatalf("canary in span %s", s.Name())
+			}
+		}
+	}
+}
