@@ -55,6 +55,8 @@ type Config struct {
 	LeaderElectionRenew    time.Duration
 	LeaderElectionRetry    time.Duration
 	LeaderElectionLockName string
+	// LeaderElectionNamespace holds the Lease (default Namespace).
+	LeaderElectionNamespace string
 
 	VolumeNamePrefix     string
 	VolumeNameUUIDLength int
@@ -119,6 +121,9 @@ func (c *Config) Validate() error {
 	}
 	if c.LeaderElectionRenew >= c.LeaderElectionLease {
 		errs = append(errs, errors.New("leader election renew deadline must be shorter than the lease duration"))
+	}
+	if c.LeaderElectionNamespace == "" {
+		c.LeaderElectionNamespace = c.Namespace
 	}
 	if c.LeaderElectionLockName == "" {
 		c.LeaderElectionLockName = "csibroker-leader"
@@ -257,7 +262,7 @@ func (b *Bridge) Run(ctx context.Context) error {
 		return nil
 	}
 	lock := &resourcelock.LeaseLock{
-		LeaseMeta:  metav1.ObjectMeta{Name: b.cfg.LeaderElectionLockName, Namespace: b.cfg.Namespace},
+		LeaseMeta:  metav1.ObjectMeta{Name: b.cfg.LeaderElectionLockName, Namespace: b.cfg.LeaderElectionNamespace},
 		Client:     b.cfg.LeaseClient.CoordinationV1(),
 		LockConfig: resourcelock.ResourceLockConfig{Identity: b.cfg.Identity, EventRecorder: b.recorder},
 	}

@@ -42,6 +42,7 @@ type BrokerCommandConfig struct {
 	RetryMax      time.Duration
 	TLS           tlsFlags
 	Log           logFlags
+	Kube          kubeFlags
 }
 
 // Validate checks the flags.
@@ -59,7 +60,7 @@ func (c *BrokerCommandConfig) Validate() error {
 	if c.RetryStart <= 0 || c.RetryMax < c.RetryStart {
 		errs = append(errs, errors.New("--csi-retry-interval-start must be positive and at most --csi-retry-interval-max"))
 	}
-	errs = append(errs, c.TLS.validate(), c.Log.validate())
+	errs = append(errs, c.TLS.validate(), c.Log.validate(), c.Kube.validate())
 	return errors.Join(errs...)
 }
 
@@ -79,6 +80,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.DurationVar(&cfg.RetryMax, "csi-retry-interval-max", broker.DefaultIntervalMax, "largest backoff between attempts of one CSI call")
 	cfg.TLS.register(fs)
 	cfg.Log.register(fs)
+	cfg.Kube.register(fs)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -86,6 +88,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		return err
 	}
 	log := cfg.Log.logger(stderr)
+	kubeOn, _ := cfg.Kube.enabled()
 	reg, err := broker.LoadRegistryConfig(cfg.RegistryFile)
 	if err != nil {
 		return err
@@ -128,6 +131,25 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { src.Run(ctx, cfg.TLS.ReloadInterval); return nil })
+	var leader func() (bool, string)
+	if kubeOn {
+		authz, store, err := cfg.Kube.authorizer(log)
+		if err != nil {
+			return err
+		}
+		bridge, restCfg, err := cfg.Kube.bridge(b, authz, cfg.Timeout, log, tp, promReg)
+		if err != nil {
+			return err
+		}
+		leader = bridge.Leader
+		g.Go(func() error { return bridge.Run(ctx) })
+		g.Go(func() error { cfg.Kube.watchPolicyFile(ctx, store, log); return nil })
+		if cfg.Kube.PolicyCRDs {
+			if err := startGrantController(ctx, g, restCfg, store, bridge, log); err != nil {
+				return err
+			}
+		}
+	}
 	for name, path := range sockets {
 		g.Go(func() error { return b.ServeSocket(ctx, name, path) })
 	}
@@ -146,7 +168,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	if statusPath != "" {
 		g.Go(func() error {
-			return serveStatus(ctx, statusPath, &broker.StatusServer{B: b, Version: version, Sockets: sockets})
+			return serveStatus(ctx, statusPath, &broker.StatusServer{B: b, Version: version, Sockets: sockets, Leader: leader})
 		})
 	}
 	if cfg.HTTPEndpoint != "" {

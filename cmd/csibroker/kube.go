@@ -1,0 +1,230 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+
+	"github.com/csibroker/csibroker/k8sbridge"
+	"github.com/csibroker/csibroker/policy"
+)
+
+// kubeFlags are the broker's Kubernetes flags, named as in the CSI sidecars
+// where the meaning is the same.
+type kubeFlags struct {
+	Mode                 string
+	Kubeconfig           string
+	QPS                  float64
+	Burst                int
+	EventsQPS            float64
+	EventsBurst          int
+	Namespace            string
+	Identity             string
+	LeaderElection       bool
+	LeaderNamespace      string
+	LeaseDuration        time.Duration
+	RenewDeadline        time.Duration
+	RetryPeriod          time.Duration
+	VolumeNamePrefix     string
+	VolumeNameUUIDLength int
+	ExtraCreateMetadata  bool
+	StrictTopology       bool
+	ImmediateTopology    bool
+	WorkerThreads        int
+	PerDriverWorkers     int
+	RetryIntervalStart   time.Duration
+	RetryIntervalMax     time.Duration
+
+	PolicyMode     string
+	PolicyFile     string
+	PolicyCRDs     bool
+	PolicyURL      string
+	PolicyPath     string
+	PolicyInterval time.Duration
+}
+
+func (f *kubeFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&f.Mode, "kubernetes", "auto", "run the Kubernetes controllers: on, off, or auto (on when --kubeconfig is set or running in a pod)")
+	fs.StringVar(&f.Kubeconfig, "kubeconfig", "", "kubeconfig file (empty: in-cluster configuration)")
+	fs.Float64Var(&f.QPS, "kube-api-qps", 5, "QPS of the client for Kubernetes objects")
+	fs.IntVar(&f.Burst, "kube-api-burst", 10, "burst of the client for Kubernetes objects")
+	fs.Float64Var(&f.EventsQPS, "events-qps", 20, "QPS of the separate client for Events, so they are never starved by object writes")
+	fs.IntVar(&f.EventsBurst, "events-burst", 50, "burst of the Events client")
+	fs.StringVar(&f.Namespace, "namespace", envOr("POD_NAMESPACE", "csibroker"), "namespace of the broker's intent record (and default for leader election)")
+	fs.StringVar(&f.Identity, "identity", envOr("POD_NAME", hostname()), "identity of this replica for leader election and Events")
+	fs.BoolVar(&f.LeaderElection, "leader-election", false, "elect one leader among replicas (one Lease for all drivers and controllers)")
+	fs.StringVar(&f.LeaderNamespace, "leader-election-namespace", "", "namespace of the leader Lease (default --namespace)")
+	fs.DurationVar(&f.LeaseDuration, "leader-election-lease-duration", 4*time.Second, "how long a standby waits before taking over a leader that stopped renewing")
+	fs.DurationVar(&f.RenewDeadline, "leader-election-renew-deadline", 3*time.Second, "how long the leader tries to renew before it gives up leading")
+	fs.DurationVar(&f.RetryPeriod, "leader-election-retry-period", time.Second, "how often to try to acquire or renew the Lease")
+	fs.StringVar(&f.VolumeNamePrefix, "volume-name-prefix", "pvc", "prefix of volume (and PV) names: <prefix>-<claim UID>")
+	fs.IntVar(&f.VolumeNameUUIDLength, "volume-name-uuid-length", -1, "truncate the claim UID in volume names to this many characters (-1: whole)")
+	fs.BoolVar(&f.ExtraCreateMetadata, "extra-create-metadata", false, "pass csi.storage.k8s.io/pvc/name, /pvc/namespace and /pv/name to CreateVolume")
+	fs.BoolVar(&f.StrictTopology, "strict-topology", false, "send only the selected node's topology (late binding)")
+	fs.BoolVar(&f.ImmediateTopology, "immediate-topology", true, "send cluster topology for Immediate claims without allowedTopologies")
+	fs.IntVar(&f.WorkerThreads, "worker-threads", 100, "concurrent operations per controller")
+	fs.IntVar(&f.PerDriverWorkers, "per-driver-workers", 0, "concurrent operations per driver (0: --worker-threads), so one slow driver cannot take every worker")
+	fs.DurationVar(&f.RetryIntervalStart, "retry-interval-start", time.Second, "first backoff of a failed claim or volume (doubles per failure)")
+	fs.DurationVar(&f.RetryIntervalMax, "retry-interval-max", 5*time.Minute, "largest backoff of a failed claim or volume")
+	fs.StringVar(&f.PolicyMode, "policy-mode", "enforce", "secret policy mode: enforce (deny by default), audit (log and count would-be denials, allow), off")
+	fs.StringVar(&f.PolicyFile, "policy-file", "", "YAML/JSON file of SecretGrant objects (re-read every --policy-reload-interval)")
+	fs.BoolVar(&f.PolicyCRDs, "policy-crds", true, "read SecretGrant objects (policy.csibroker.io) from the cluster")
+	fs.StringVar(&f.PolicyURL, "policy-opa-url", "", "external decision point with OPA's data API, asked after the local grants allow (e.g. http://127.0.0.1:8181)")
+	fs.StringVar(&f.PolicyPath, "policy-opa-path", "csibroker/allow", "data document path of the external decision point")
+	fs.DurationVar(&f.PolicyInterval, "policy-reload-interval", 10*time.Second, "how often --policy-file is re-read")
+}
+
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}
+
+func hostname() string {
+	h, err := os.Hostname()
+	if err != nil {
+		return "csibroker"
+	}
+	return h
+}
+
+func (f *kubeFlags) enabled() (bool, error) {
+	switch f.Mode {
+	case "on":
+		return true, nil
+	case "off":
+		return false, nil
+	case "auto":
+		return f.Kubeconfig != "" || os.Getenv("KUBERNETES_SERVICE_HOST") != "", nil
+	}
+	return false, fmt.Errorf("--kubernetes %q: want on, off or auto", f.Mode)
+}
+
+func (f *kubeFlags) validate() error {
+	var errs []error
+	if _, err := f.enabled(); err != nil {
+		errs = append(errs, err)
+	}
+	if _, err := policy.ParseMode(f.PolicyMode); err != nil {
+		errs = append(errs, fmt.Errorf("--policy-mode: %w", err))
+	}
+	if f.QPS <= 0 || f.Burst <= 0 || f.EventsQPS <= 0 || f.EventsBurst <= 0 {
+		errs = append(errs, errors.New("--kube-api-qps/-burst and --events-qps/-burst must be positive"))
+	}
+	if f.RenewDeadline >= f.LeaseDuration {
+		errs = append(errs, errors.New("--leader-election-renew-deadline must be shorter than --leader-election-lease-duration"))
+	}
+	return errors.Join(errs...)
+}
+
+func (f *kubeFlags) restConfig(qps float64, burst int, agent string) (*rest.Config, error) {
+	var cfg *rest.Config
+	var err error
+	if f.Kubeconfig != "" {
+		cfg, err = clientcmd.BuildConfigFromFlags("", f.Kubeconfig)
+	} else {
+		cfg, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client configuration: %w", err)
+	}
+	cfg.QPS, cfg.Burst = float32(qps), burst
+	cfg.UserAgent = "csibroker/" + version + " (" + agent + ")"
+	return cfg, nil
+}
+
+// policyStore builds the secret policy from the flags (file and/or CRDs,
+// optional external decision point).
+func (f *kubeFlags) authorizer(log *slog.Logger) (*policy.Authorizer, *policy.Store, error) {
+	mode, _ := policy.ParseMode(f.PolicyMode)
+	store := policy.NewStore(nil)
+	store.SetMode(mode)
+	if f.PolicyFile != "" {
+		errs, err := store.LoadFile(f.PolicyFile)
+		if err != nil {
+			return nil, nil, err
+		}
+		for _, e := range errs {
+			log.Error("policy file: invalid grant not applied", "grant", e.Key(), "err", e.Message)
+		}
+	}
+	a := &policy.Authorizer{Rules: store}
+	if f.PolicyURL != "" {
+		ext, err := policy.NewExternal(policy.ExternalConfig{URL: f.PolicyURL, Path: f.PolicyPath, Logger: log})
+		if err != nil {
+			return nil, nil, fmt.Errorf("--policy-opa-url: %w", err)
+		}
+		a.External = ext
+	}
+	log.Info("secret policy", "mode", string(mode), "file", f.PolicyFile, "crds", f.PolicyCRDs, "external", f.PolicyURL)
+	return a, store, nil
+}
+
+func (f *kubeFlags) watchPolicyFile(ctx context.Context, store *policy.Store, log *slog.Logger) {
+	if f.PolicyFile == "" {
+		return
+	}
+	t := time.NewTicker(f.PolicyInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if _, err := store.LoadFile(f.PolicyFile); err != nil {
+				log.Error("policy file unreadable; keeping the previous rules", "file", f.PolicyFile, "err", err)
+			}
+		}
+	}
+}
+
+// bridge builds the Kubernetes side.
+func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, timeout time.Duration, log *slog.Logger, tp trace.TracerProvider, reg prometheus.Registerer) (*k8sbridge.Bridge, *rest.Config, error) {
+	klog.SetSlogLogger(log.With("component", "client-go"))
+	objCfg, err := f.restConfig(f.QPS, f.Burst, "objects")
+	if err != nil {
+		return nil, nil, err
+	}
+	evCfg, _ := f.restConfig(f.EventsQPS, f.EventsBurst, "events")
+	leaseCfg, _ := f.restConfig(5, 10, "leader-election")
+	client, err := kubernetes.NewForConfig(objCfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	evClient, err := kubernetes.NewForConfig(evCfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	leaseClient, err := kubernetes.NewForConfig(leaseCfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	ns := f.Namespace
+	b, err := k8sbridge.New(k8sbridge.Config{
+		Client: client, EventClient: evClient, LeaseClient: leaseClient,
+		Drivers: drivers, Policy: authz, Namespace: ns, Identity: f.Identity,
+		LeaderElection: f.LeaderElection, LeaderElectionLease: f.LeaseDuration, LeaderElectionRenew: f.RenewDeadline, LeaderElectionRetry: f.RetryPeriod,
+		LeaderElectionNamespace: f.LeaderNamespace,
+		VolumeNamePrefix:        f.VolumeNamePrefix, VolumeNameUUIDLength: f.VolumeNameUUIDLength, ExtraCreateMetadata: f.ExtraCreateMetadata,
+		StrictTopology: f.StrictTopology, ImmediateTopology: f.ImmediateTopology,
+		Timeout:       timeout,
+		WorkerThreads: f.WorkerThreads, PerDriverWorkers: f.PerDriverWorkers, RetryIntervalStart: f.RetryIntervalStart, RetryIntervalMax: f.RetryIntervalMax,
+		Logger: log, TracerProvider: tp, Registerer: reg,
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	return b, objCfg, nil
+}
