@@ -111,13 +111,13 @@ func (c *Config) Validate() error {
 		c.Identity = "csibroker"
 	}
 	if c.LeaderElectionLease <= 0 {
-		c.LeaderElectionLease = 4 * time.Second
+		c.LeaderElectionLease = 3 * time.Second
 	}
 	if c.LeaderElectionRenew <= 0 {
-		c.LeaderElectionRenew = 3 * time.Second
+		c.LeaderElectionRenew = 2500 * time.Millisecond
 	}
 	if c.LeaderElectionRetry <= 0 {
-		c.LeaderElectionRetry = time.Second
+		c.LeaderElectionRetry = 500 * time.Millisecond
 	}
 	if c.LeaderElectionRenew >= c.LeaderElectionLease {
 		errs = append(errs, errors.New("leader election renew deadline must be shorter than the lease duration"))
@@ -184,6 +184,10 @@ type Bridge struct {
 	leaderMu sync.Mutex
 	leading  bool
 	leader   string
+
+	// keepLeaseOnStop (tests) makes a stop look like a crash: the Lease is
+	// not released, so a standby must wait for it to expire.
+	keepLeaseOnStop bool
 }
 
 // New builds the bridge and its informers (nothing runs until Run).
@@ -272,7 +276,7 @@ func (b *Bridge) Run(ctx context.Context) error {
 			LeaseDuration:   b.cfg.LeaderElectionLease,
 			RenewDeadline:   b.cfg.LeaderElectionRenew,
 			RetryPeriod:     b.cfg.LeaderElectionRetry,
-			ReleaseOnCancel: true,
+			ReleaseOnCancel: !b.keepLeaseOnStop,
 			Name:            b.cfg.LeaderElectionLockName,
 			Callbacks: leaderelection.LeaderCallbacks{
 				OnStartedLeading: func(ctx context.Context) {

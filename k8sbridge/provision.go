@@ -317,7 +317,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	cancel()
 	req.Secrets = nil
 	if err != nil {
-		switch ClassifyCreateError(err, selectedNode != "") {
+		switch ClassifyCreateError(err, caps.accessibility && selectedNode != "") {
 		case CreateInProgress:
 			// The volume may still appear: keep the intent and re-issue
 			// the same request later.

@@ -1,0 +1,99 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+)
+
+// TestLeaderFailover: two replicas, one Lease for everything. The leader dies
+// (without releasing its Lease, as a crash would) while claims are pending;
+// the standby, whose caches are warm, takes over after the Lease expires and
+// finishes every claim, leaking nothing. The take-over time is reported.
+func TestLeaderFailover(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "ha.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {Latency: 300 * time.Millisecond}}}})
+	class := makeClass(t, c, clusterName(ns, "ha"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+
+	crash := func(b *Bridge) { b.keepLeaseOnStop = true }
+	first := startBridge(t, env, ns, drivers, bridgeOpts{identity: "replica-a", leader: true, configure: crash, configureCfg: func(c *Config) { c.WorkerThreads = 2 }})
+	if err := testenv.WaitFor(ctx, 30*time.Second, "replica-a leading", func(context.Context) (bool, string, error) {
+		ok, _ := first.b.Leader()
+		return ok, "", nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	second := startBridge(t, env, ns, drivers, bridgeOpts{identity: "replica-b", leader: true, configureCfg: func(c *Config) { c.WorkerThreads = 2 }})
+
+	const n = 12
+	for i := 0; i < n; i++ {
+		makeClaim(t, c, ns, fmt.Sprintf("claim-%02d", i), class.Name, "1Gi")
+	}
+	countPVs := func() int {
+		pvs, err := c.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return -1
+		}
+		k := 0
+		for _, pv := range pvs.Items {
+			if pv.Spec.CSI != nil && pv.Spec.CSI.Driver == drv {
+				k++
+			}
+		}
+		return k
+	}
+	if err := testenv.WaitFor(ctx, 30*time.Second, "a few PVs from replica-a", func(context.Context) (bool, string, error) {
+		k := countPVs()
+		return k >= 2, fmt.Sprint(k), nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _ := second.b.Leader(); ok {
+		t.Fatal("replica-b leads while replica-a holds the Lease")
+	}
+	before := countPVs()
+	if before >= n {
+		t.Fatal("every claim was done before the crash: nothing was pending")
+	}
+	killed := time.Now()
+	first.stop()
+	afterKill := countPVs()
+
+	var tookOver, nextPV time.Duration
+	err := testenv.WaitFor(ctx, 60*time.Second, "replica-b to create a PV", func(context.Context) (bool, string, error) {
+		if ok, _ := second.b.Leader(); ok && tookOver == 0 {
+			tookOver = time.Since(killed)
+		}
+		k := countPVs()
+		if k > afterKill {
+			nextPV = time.Since(killed)
+			return true, "", nil
+		}
+		return false, fmt.Sprintf("%d PVs", k), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("leader killed with %d of %d claims provisioned; standby leading after %v, next PV after %v (lease duration %v)",
+		before, n, tookOver.Round(10*time.Millisecond), nextPV.Round(10*time.Millisecond), second.b.cfg.LeaderElectionLease)
+	for i := 0; i < n; i++ {
+		waitBound(t, c, ns, fmt.Sprintf("claim-%02d", i), 60*time.Second)
+	}
+	noLeaks(t, env, ns, d, drv)
+	if got := len(d.Volumes()); got != n {
+		t.Fatalf("driver has %d volumes for %d claims", got, n)
+	}
+}
