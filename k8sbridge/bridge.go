@@ -245,6 +245,9 @@ func (b *Bridge) Leader() (bool, string) {
 	return b.leading, b.leader
 }
 
+// Client is the bridge's rate-limited Kubernetes client.
+func (b *Bridge) Client() kubernetes.Interface { return b.cfg.Client }
+
 // Intents exposes the intent record (tests, status).
 func (b *Bridge) Intents() *IntentStore { return b.intents }
 

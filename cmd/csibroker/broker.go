@@ -21,6 +21,7 @@ import (
 	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/telemetry"
+	"github.com/csibroker/csibroker/k8sbridge"
 	brokerstatusv1 "github.com/csibroker/csibroker/proto/brokerstatus/v1"
 )
 
@@ -48,8 +49,8 @@ type BrokerCommandConfig struct {
 // Validate checks the flags.
 func (c *BrokerCommandConfig) Validate() error {
 	var errs []error
-	if c.RegistryFile == "" {
-		errs = append(errs, errors.New("--driver-registry is required"))
+	if c.RegistryFile == "" && c.Kube.DiscoverProxies == "" {
+		errs = append(errs, errors.New("--driver-registry or --discover-proxies is required: the broker must know where drivers' proxies are"))
 	}
 	if c.Timeout <= 0 {
 		errs = append(errs, errors.New("--timeout must be positive"))
@@ -89,9 +90,12 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	log := cfg.Log.logger(stderr)
 	kubeOn, _ := cfg.Kube.enabled()
-	reg, err := broker.LoadRegistryConfig(cfg.RegistryFile)
-	if err != nil {
-		return err
+	var err error
+	reg := &broker.RegistryConfig{}
+	if cfg.RegistryFile != "" {
+		if reg, err = broker.LoadRegistryConfig(cfg.RegistryFile); err != nil {
+			return err
+		}
 	}
 	src, err := cfg.TLS.source(log)
 	if err != nil {
@@ -143,6 +147,18 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		}
 		leader = bridge.Leader
 		g.Go(func() error { return bridge.Run(ctx) })
+		if cfg.Kube.DiscoverProxies != "" {
+			var static []string
+			for _, d := range reg.Drivers {
+				static = append(static, d.Name)
+			}
+			template := broker.DriverConfig{Timeout: cfg.Timeout, Retry: broker.RetryConfig{MaxAttempts: cfg.RetryAttempts, IntervalStart: cfg.RetryStart, IntervalMax: cfg.RetryMax}}
+			disc, err := k8sbridge.NewDiscovery(bridge.Client(), cfg.Kube.DiscoverProxies, b, template, static, log)
+			if err != nil {
+				return err
+			}
+			g.Go(func() error { return disc.Run(ctx) })
+		}
 		g.Go(func() error { cfg.Kube.watchPolicyFile(ctx, store, log); return nil })
 		if cfg.Kube.PolicyCRDs {
 			if err := startGrantController(ctx, g, restCfg, store, bridge, log); err != nil {

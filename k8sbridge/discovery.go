@@ -1,0 +1,216 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"reflect"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/csibroker/csibroker/broker"
+)
+
+// Pod annotations that make a pod a proxy of a driver. The pods are found by
+// a label selector (--discover-proxies); a proxy never calls in.
+const (
+	AnnDriver    = "csibroker.io/driver"
+	AnnProxyPort = "csibroker.io/proxy-port"
+	// AnnNodeProxy "true": the pod fronts the driver's node plugin on its node.
+	AnnNodeProxy = "csibroker.io/node-proxy"
+	// AnnNodeLocal "true": the driver's volumes live on one node.
+	AnnNodeLocal = "csibroker.io/node-local"
+	// DefaultProxyPort is used when a pod does not name its port.
+	DefaultProxyPort = 7443
+)
+
+// Registry is the part of the broker that discovery updates.
+type Registry interface {
+	SetDriver(cfg broker.DriverConfig) error
+	RemoveDriver(name string)
+}
+
+// Discovery turns proxy pods into driver registrations. Drivers named in the
+// static registry are left alone.
+type Discovery struct {
+	client   kubernetes.Interface
+	selector string
+	registry Registry
+	template broker.DriverConfig // timeouts and retries for discovered drivers
+	static   map[string]bool
+	log      *slog.Logger
+
+	factory informers.SharedInformerFactory
+	pods    corelisters.PodLister
+	synced  cache.InformerSynced
+	kick    chan struct{}
+
+	mu      sync.Mutex
+	current map[string]broker.DriverConfig
+}
+
+// NewDiscovery watches pods matching selector in all namespaces.
+func NewDiscovery(client kubernetes.Interface, selector string, registry Registry, template broker.DriverConfig, static []string, log *slog.Logger) (*Discovery, error) {
+	if _, err := labels.Parse(selector); err != nil {
+		return nil, fmt.Errorf("proxy discovery selector %q: %w", selector, err)
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	d := &Discovery{client: client, selector: selector, registry: registry, template: template, static: map[string]bool{}, log: log.With("component", "discovery"),
+		kick: make(chan struct{}, 1), current: map[string]broker.DriverConfig{}}
+	for _, s := range static {
+		d.static[s] = true
+	}
+	d.factory = informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }), informers.WithTransform(stripBulk))
+	pods := d.factory.Core().V1().Pods()
+	d.pods, d.synced = pods.Lister(), pods.Informer().HasSynced
+	if _, err := pods.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: func(any) { d.nudge() }, UpdateFunc: func(_, _ any) { d.nudge() }, DeleteFunc: func(any) { d.nudge() },
+	}); err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+func (d *Discovery) nudge() {
+	select {
+	case d.kick <- struct{}{}:
+	default:
+	}
+}
+
+// HasSynced reports whether the pod cache is filled.
+func (d *Discovery) HasSynced() bool { return d.synced() }
+
+// Run keeps the registry in step with the proxy pods until ctx is done.
+func (d *Discovery) Run(ctx context.Context) error {
+	d.factory.Start(ctx.Done())
+	defer d.factory.Shutdown()
+	if !cache.WaitForCacheSync(ctx.Done(), d.synced) {
+		return ctx.Err()
+	}
+	for {
+		d.sync()
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-d.kick:
+			// Coalesce a burst of pod changes (a rollout) into one update.
+			if !sleepCtx(ctx, 100*time.Millisecond) {
+				return nil
+			}
+		}
+	}
+}
+
+// DriversFromPods computes driver configurations from proxy pods: the
+// first ready pod (by name) that is not a node proxy is the controller
+// proxy; node proxies are keyed by their pod's node. Pods without an IP,
+// being deleted, or not Ready are skipped.
+func DriversFromPods(pods []*corev1.Pod, template broker.DriverConfig) (map[string]broker.DriverConfig, []string) {
+	sort.Slice(pods, func(i, j int) bool { return pods[i].Namespace+"/"+pods[i].Name < pods[j].Namespace+"/"+pods[j].Name })
+	out := map[string]broker.DriverConfig{}
+	var problems []string
+	for _, p := range pods {
+		name := p.Annotations[AnnDriver]
+		if name == "" {
+			problems = append(problems, fmt.Sprintf("pod %s/%s matches the proxy selector but has no %s annotation", p.Namespace, p.Name, AnnDriver))
+			continue
+		}
+		if p.DeletionTimestamp != nil || p.Status.PodIP == "" || !podReady(p) {
+			continue
+		}
+		port := DefaultProxyPort
+		if s := p.Annotations[AnnProxyPort]; s != "" {
+			n, err := strconv.Atoi(s)
+			if err != nil || n <= 0 || n > 65535 {
+				problems = append(problems, fmt.Sprintf("pod %s/%s: %s %q is not a port", p.Namespace, p.Name, AnnProxyPort, s))
+				continue
+			}
+			port = n
+		}
+		addr := net.JoinHostPort(p.Status.PodIP, strconv.Itoa(port))
+		cfg, ok := out[name]
+		if !ok {
+			cfg = template
+			cfg.Name = name
+			cfg.Controller, cfg.Nodes, cfg.NodeLocal = nil, nil, false
+		}
+		if p.Annotations[AnnNodeLocal] == "true" {
+			cfg.NodeLocal = true
+		}
+		if p.Annotations[AnnNodeProxy] == "true" {
+			if p.Spec.NodeName == "" {
+				continue
+			}
+			dup := false
+			for _, n := range cfg.Nodes {
+				dup = dup || n.Node == p.Spec.NodeName
+			}
+			if !dup {
+				cfg.Nodes = append(cfg.Nodes, broker.ProxyConfig{Node: p.Spec.NodeName, Address: addr})
+			}
+		} else if cfg.Controller == nil {
+			cfg.Controller = &broker.ProxyConfig{Address: addr}
+		}
+		out[name] = cfg
+	}
+	return out, problems
+}
+
+func podReady(p *corev1.Pod) bool {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+func (d *Discovery) sync() {
+	pods, err := d.pods.List(labels.Everything())
+	if err != nil {
+		d.log.Error("list proxy pods", "err", err)
+		return
+	}
+	want, problems := DriversFromPods(pods, d.template)
+	for _, p := range problems {
+		d.log.Warn("proxy discovery", "problem", p)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for name, cfg := range want {
+		if d.static[name] {
+			d.log.Warn("proxy pods name a driver of the static registry; the static entry wins", "driver", name)
+			continue
+		}
+		if prev, ok := d.current[name]; ok && reflect.DeepEqual(prev, cfg) {
+			continue
+		}
+		if err := d.registry.SetDriver(cfg); err != nil {
+			d.log.Error("register discovered driver", "driver", name, "err", err)
+			continue
+		}
+		d.current[name] = cfg
+		d.log.Info("driver discovered", "driver", name, "controller", cfg.Controller != nil, "node_proxies", len(cfg.Nodes))
+	}
+	for name := range d.current {
+		if _, ok := want[name]; !ok {
+			d.registry.RemoveDriver(name)
+			delete(d.current, name)
+			d.log.Info("driver gone: no ready proxy pod left", "driver", name)
+		}
+	}
+}
