@@ -126,7 +126,7 @@ func startBridge(t *testing.T, env *testenv.Env, ns string, drivers Drivers, o b
 	cfg := Config{
 		Client: env.Client(), Drivers: drivers, Policy: o.policy, Namespace: ns, Identity: o.identity,
 		LeaderElection: o.leader, WorkerThreads: 8, RetryIntervalStart: 100 * time.Millisecond, RetryIntervalMax: 2 * time.Second,
-		Timeout: o.timeout, StrictTopology: o.strict, RecoveryInterval: 2 * time.Second,
+		Timeout: o.timeout, StrictTopology: o.strict, ImmediateTopology: true, RecoveryInterval: 2 * time.Second,
 		Logger:         slog.New(slog.NewTextHandler(r.logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(r.spans)),
 		Registerer:     r.reg,

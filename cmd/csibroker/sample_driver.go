@@ -54,6 +54,29 @@ func (f topologyFlag) Set(s string) error {
 	return nil
 }
 
+// segmentsFlag is a repeatable key=value,... flag.
+type segmentsFlag struct{ l *[]map[string]string }
+
+func (f segmentsFlag) String() string {
+	if f.l == nil {
+		return ""
+	}
+	var out []string
+	for _, m := range *f.l {
+		out = append(out, sampledriver.FormatTopology(m))
+	}
+	return strings.Join(out, ";")
+}
+
+func (f segmentsFlag) Set(s string) error {
+	m, err := sampledriver.ParseTopology(s)
+	if err != nil {
+		return err
+	}
+	*f.l = append(*f.l, m)
+	return nil
+}
+
 // sampleDriverConfig parses the sample-driver flags into a Config.
 func sampleDriverConfig(args []string, stderr io.Writer) (sampledriver.Config, error) {
 	cfg := sampledriver.Config{
@@ -67,6 +90,7 @@ func sampleDriverConfig(args []string, stderr io.Writer) (sampledriver.Config, e
 	fs.StringVar(&cfg.Name, "name", cfg.Name, "CSI driver name (GetPluginInfo)")
 	fs.StringVar(&cfg.NodeID, "node-id", "", "this instance's node ID (required)")
 	fs.StringVar(&cfg.StateDir, "state-dir", "", "directory for state.json and the volume directories (required)")
+	fs.Var(segmentsFlag{&cfg.ControllerSegments}, "controller-segment", "a segment the controller can place volumes in, key=value[,...]; repeatable (a multi-zone storage system); default: --topology")
 	fs.Var(topologyFlag{&cfg.Topology}, "topology", "accessible segment of this instance, key=value[,key=value...] (e.g. topology.kubernetes.io/zone=z1); empty: no topology")
 	fs.Var(sizeFlag{&cfg.CapacityBytes}, "capacity", "total capacity of the pool, in bytes or with a suffix (Ki, Mi, Gi, Ti; k, M, G, T)")
 	fs.Int64Var(&cfg.MaxVolumesPerNode, "max-volumes-per-node", 0, "volumes one node may have published (NodeGetInfo; 0: no limit)")

@@ -42,6 +42,10 @@ type Config struct {
 	// from this segment only and CreateVolume fails with ResourceExhausted
 	// when the requisite topologies exclude it.
 	Topology map[string]string
+	// ControllerSegments are the segments the controller can place volumes
+	// in (a multi-zone storage system). CreateVolume picks the first
+	// preferred one, then the first requisite one. Empty: Topology only.
+	ControllerSegments []map[string]string
 	// CapacityBytes is the total pool; GetCapacity reports what is free.
 	CapacityBytes int64
 	// MaxVolumesPerNode is reported by NodeGetInfo and enforced by

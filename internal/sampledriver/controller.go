@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -149,6 +150,7 @@ func (s *server) contentSource(src *csi.VolumeContentSource) (dir string, size i
 }
 
 func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+	s.record(req)
 	if req.GetName() == "" {
 		return nil, invalid("name is required")
 	}
@@ -164,8 +166,17 @@ func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if _, err := pickSize(req.GetCapacityRange(), 0); err != nil {
 		return nil, toStatus(err)
 	}
-	if !topologyAllows(s.cfg.Topology, req.GetAccessibilityRequirements()) {
-		return nil, status.Errorf(codes.ResourceExhausted, "cannot provision in the requisite topologies: this driver serves %s", FormatTopology(s.cfg.Topology))
+	segments := s.cfg.ControllerSegments
+	if len(segments) == 0 && len(s.cfg.Topology) > 0 {
+		segments = []map[string]string{s.cfg.Topology}
+	}
+	placed, ok := pickSegment(segments, req.GetAccessibilityRequirements())
+	if !ok {
+		var served []string
+		for _, seg := range segments {
+			served = append(served, FormatTopology(seg))
+		}
+		return nil, status.Errorf(codes.ResourceExhausted, "cannot provision in the requisite topologies: this driver serves %s", strings.Join(served, "; "))
 	}
 
 	s.mu.Lock()
@@ -209,7 +220,7 @@ func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		CapacityBytes:     size,
 		Parameters:        cloneMap(req.GetParameters()),
 		MutableParameters: cloneMap(req.GetMutableParameters()),
-		Topology:          cloneMap(s.cfg.Topology),
+		Topology:          cloneMap(placed),
 		SourceVolumeID:    srcVol,
 		SourceSnapshotID:  srcSnap,
 		Created:           time.Now().UTC(),

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"google.golang.org/protobuf/proto"
 	"io/fs"
 	"log/slog"
 	"net"
@@ -41,6 +42,31 @@ type Driver struct {
 
 	mu sync.Mutex // guards st and every change on disk or to mounts
 	st *state
+
+	reqMu    sync.Mutex
+	requests []*csi.CreateVolumeRequest // last CreateVolume requests, secrets stripped
+}
+
+// maxRecorded bounds the CreateVolume requests kept for inspection.
+const maxRecorded = 1000
+
+func (d *Driver) record(req *csi.CreateVolumeRequest) {
+	cp := proto.Clone(req).(*csi.CreateVolumeRequest)
+	cp.Secrets = nil
+	d.reqMu.Lock()
+	defer d.reqMu.Unlock()
+	if len(d.requests) >= maxRecorded {
+		d.requests = d.requests[1:]
+	}
+	d.requests = append(d.requests, cp)
+}
+
+// CreateVolumeRequests returns the last CreateVolume requests the driver
+// received (at most 1000), without their secrets, oldest first.
+func (d *Driver) CreateVolumeRequests() []*csi.CreateVolumeRequest {
+	d.reqMu.Lock()
+	defer d.reqMu.Unlock()
+	return append([]*csi.CreateVolumeRequest(nil), d.requests...)
 }
 
 // New validates cfg, applies defaults, takes the StateDir lock and loads the

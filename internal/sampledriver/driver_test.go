@@ -835,3 +835,28 @@ func TestCreateVolumeRejectsUnknownParameters(t *testing.T) {
 		})
 	}
 }
+
+func TestPickSegment(t *testing.T) {
+	z := func(v string) map[string]string { return map[string]string{"zone": v} }
+	tp := func(v string) *csi.Topology { return &csi.Topology{Segments: z(v)} }
+	segs := []map[string]string{z("a"), z("b"), z("c")}
+	for _, c := range []struct {
+		name string
+		req  *csi.TopologyRequirement
+		want string
+		ok   bool
+	}{
+		{"no requirement", nil, "a", true},
+		{"preferred first", &csi.TopologyRequirement{Requisite: []*csi.Topology{tp("a"), tp("b"), tp("c")}, Preferred: []*csi.Topology{tp("c"), tp("a")}}, "c", true},
+		{"requisite only", &csi.TopologyRequirement{Requisite: []*csi.Topology{tp("b")}}, "b", true},
+		{"preferred outside requisite is ignored", &csi.TopologyRequirement{Requisite: []*csi.Topology{tp("b")}, Preferred: []*csi.Topology{tp("a")}}, "b", true},
+		{"requisite elsewhere", &csi.TopologyRequirement{Requisite: []*csi.Topology{tp("x")}}, "", false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			got, ok := pickSegment(segs, c.req)
+			if ok != c.ok || (ok && got["zone"] != c.want) {
+				t.Fatalf("got %v %v, want %s %v", got, ok, c.want, c.ok)
+			}
+		})
+	}
+}

@@ -22,7 +22,7 @@ func (s *server) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 			Type: csi.PluginCapability_VolumeExpansion_ONLINE,
 		}}},
 	}
-	if len(s.cfg.Topology) > 0 {
+	if len(s.cfg.Topology) > 0 || len(s.cfg.ControllerSegments) > 0 {
 		caps = append(caps,
 			serviceCap(csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS),
 			serviceCap(csi.PluginCapability_Service_SNAPSHOT_ACCESSIBILITY_CONSTRAINTS))

@@ -145,6 +145,35 @@ func topologyAllows(ours map[string]string, req *csi.TopologyRequirement) bool {
 	return false
 }
 
+// pickSegment chooses where a volume goes among the segments the controller
+// can place volumes in: the first preferred topology that one of them
+// matches, else the first requisite one, else the first segment. ok is false
+// when requisite topologies exclude every segment.
+func pickSegment(segments []map[string]string, req *csi.TopologyRequirement) (map[string]string, bool) {
+	if len(segments) == 0 {
+		return nil, true
+	}
+	allowed := func(seg map[string]string) bool { return topologyAllows(seg, req) }
+	for _, t := range req.GetPreferred() {
+		for _, seg := range segments {
+			if topologyMatches(seg, t) && allowed(seg) {
+				return seg, true
+			}
+		}
+	}
+	for _, t := range req.GetRequisite() {
+		for _, seg := range segments {
+			if topologyMatches(seg, t) {
+				return seg, true
+			}
+		}
+	}
+	if len(req.GetRequisite()) > 0 {
+		return nil, false
+	}
+	return segments[0], true
+}
+
 // Supported mutable parameters (ControllerModifyVolume, CreateVolume).
 const (
 	MutableIOPS = "iops" // a positive integer

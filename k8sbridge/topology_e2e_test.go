@@ -1,0 +1,112 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+)
+
+func zonesOf(ts []*csi.Topology) []string {
+	var out []string
+	for _, t := range ts {
+		out = append(out, t.GetSegments()[testenv.LabelZone])
+	}
+	return out
+}
+
+// TestTopologyThreeZones checks the CreateVolume requests the driver saw for
+// Immediate, WaitForFirstConsumer and allowedTopologies claims in a
+// three-zone cluster, and the PVs' node affinity.
+func TestTopologyThreeZones(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "zonal.csi.test")
+	zones := []string{"z1", "z2", "z3"}
+	var segs []map[string]string
+	for _, z := range zones {
+		node := clusterName(ns, "node-"+z)
+		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: z, Region: "r1"}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+		if err := env.AddCSINode(ctx, node, drv, node, []string{testenv.LabelZone}); err != nil {
+			t.Fatal(err)
+		}
+		segs = append(segs, map[string]string{testenv.LabelZone: z})
+	}
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: segs})
+	imm, wffc, del := storagev1.VolumeBindingImmediate, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
+	immClass := makeClass(t, c, clusterName(ns, "imm"), drv, imm, del, nil)
+	wffcClass := makeClass(t, c, clusterName(ns, "wffc"), drv, wffc, del, nil)
+	allowed := makeClass(t, c, clusterName(ns, "allowed"), drv, imm, del, nil)
+	allowed.AllowedTopologies = []corev1.TopologySelectorTerm{{MatchLabelExpressions: []corev1.TopologySelectorLabelRequirement{{Key: testenv.LabelZone, Values: []string{"z2"}}}}}
+	// allowedTopologies is immutable: recreate the class with it.
+	if err := c.StorageV1().StorageClasses().Delete(ctx, allowed.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	allowed.ResourceVersion = ""
+	if _, err := c.StorageV1().StorageClasses().Create(ctx, allowed, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	makeClaim(t, c, ns, "imm", immClass.Name, "1Gi")
+	makeClaim(t, c, ns, "wffc", wffcClass.Name, "1Gi")
+	makePod(t, c, ns, "pod", "wffc")
+	makeClaim(t, c, ns, "allowed", allowed.Name, "1Gi")
+	claims := map[string]*corev1.PersistentVolumeClaim{}
+	for _, n := range []string{"imm", "wffc", "allowed"} {
+		claims[n] = waitBound(t, c, ns, n, 60*time.Second)
+	}
+	reqs := map[string]*csi.CreateVolumeRequest{}
+	for _, r := range d.CreateVolumeRequests() {
+		reqs[r.GetName()] = r
+	}
+	check := func(claim string, wantRequisite []string, wantFirst string) {
+		t.Helper()
+		pvName := claims[claim].Spec.VolumeName
+		r := reqs[pvName]
+		if r == nil {
+			t.Fatalf("%s: the driver saw no CreateVolume for %s", claim, pvName)
+		}
+		req := zonesOf(r.GetAccessibilityRequirements().GetRequisite())
+		sort.Strings(req)
+		pref := zonesOf(r.GetAccessibilityRequirements().GetPreferred())
+		t.Logf("%s: requisite %v preferred %v", claim, req, pref)
+		if fmt.Sprint(req) != fmt.Sprint(wantRequisite) {
+			t.Errorf("%s: requisite %v, want %v", claim, req, wantRequisite)
+		}
+		if len(pref) == 0 || (wantFirst != "" && pref[0] != wantFirst) {
+			t.Errorf("%s: preferred %v, want %s first", claim, pref, wantFirst)
+		}
+		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		terms := pv.Spec.NodeAffinity.Required.NodeSelectorTerms
+		if len(terms) != 1 || terms[0].MatchExpressions[0].Key != testenv.LabelZone || terms[0].MatchExpressions[0].Values[0] != pref[0] {
+			t.Errorf("%s: PV node affinity %+v, want zone %s", claim, terms, pref[0])
+		}
+	}
+	check("imm", zones, "")
+	node := claims["wffc"].Annotations[annSelectedNode]
+	n, err := c.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("wffc", zones, n.Labels[testenv.LabelZone])
+	check("allowed", []string{"z2"}, "z2")
+}
