@@ -1,0 +1,98 @@
+package k8sbridge
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+)
+
+// TestDeletionBlockedByAttachment: a Released PV whose volume is still
+// attached is not deleted (an Event says why); once detached it is.
+func TestDeletionBlockedByAttachment(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "att.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "att"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	pvName := claim.Spec.VolumeName
+
+	vaName := clusterName(ns, "va")
+	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: vaName},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: "some-node", Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
+	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.StorageV1().VolumeAttachments().Delete(context.Background(), vaName, metav1.DeleteOptions{}) })
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitEvent(t, c, "default", pvName, "VolumeFailedDelete", "still attached to node some-node")
+	if len(d.Volumes()) != 1 || d.CallCount("DeleteVolume") != 0 {
+		t.Fatalf("volume deleted while attached: %+v", d.Calls())
+	}
+	if err := c.StorageV1().VolumeAttachments().Delete(ctx, vaName, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := testenv.WaitFor(ctx, 60*time.Second, "PV deleted after detach", func(ctx context.Context) (bool, string, error) {
+		_, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(d.Volumes()); n != 0 {
+		t.Fatalf("%d volumes left", n)
+	}
+}
+
+// TestCloneFromClaim: a claim whose dataSource is a bound claim of the same
+// driver gets a volume cloned from the source volume.
+func TestCloneFromClaim(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "clone.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "clone"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	src := waitBound(t, c, ns, makeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
+	srcPV, err := c.CoreV1().PersistentVolumes().Get(context.Background(), src.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	clone := &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "copy", Namespace: ns},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce}, StorageClassName: &class.Name,
+			Resources:  corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: src.Spec.Resources.Requests[corev1.ResourceStorage]}},
+			DataSource: &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: "src"},
+		},
+	}
+	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), clone, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	bound := waitBound(t, c, ns, "copy", 60*time.Second)
+	for _, r := range d.CreateVolumeRequests() {
+		if r.GetName() == bound.Spec.VolumeName {
+			if got := r.GetVolumeContentSource().GetVolume().GetVolumeId(); got != srcPV.Spec.CSI.VolumeHandle {
+				t.Fatalf("clone source %q, want %q", got, srcPV.Spec.CSI.VolumeHandle)
+			}
+			return
+		}
+	}
+	t.Fatal("the driver saw no CreateVolume for the clone")
+}
