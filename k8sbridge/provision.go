@@ -345,8 +345,11 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	}
 
 	// The claim may have gone while the driver worked: delete the volume
-	// now instead of leaving a PV for nobody.
-	if cur, gerr := p.b.cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{}); apierrors.IsNotFound(gerr) || (gerr == nil && (cur.UID != claim.UID || cur.DeletionTimestamp != nil)) {
+	// now instead of leaving a PV for nobody. The informer cache is asked,
+	// not the API server (a read costs a token of the client's QPS budget);
+	// a deletion it has not seen yet leaves a PV whose claim is gone, which
+	// the PV controller releases and the deleter then deletes.
+	if cur, gerr := p.b.claims.PersistentVolumeClaims(claim.Namespace).Get(claim.Name); apierrors.IsNotFound(gerr) || (gerr == nil && (cur.UID != claim.UID || cur.DeletionTimestamp != nil)) {
 		p.b.log.Info("claim deleted during provisioning; deleting its volume", "claim", claim.Namespace+"/"+claim.Name, "volume", resp.GetVolume().GetVolumeId())
 		if derr := p.deleteVolume(ctx, driver, node, resp.GetVolume().GetVolumeId(), provSecretRef, policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name, StorageClass: class.Name}); derr != nil {
 			p.b.metrics.leaked.WithLabelValues(driver, "failed").Inc()
