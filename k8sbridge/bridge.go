@@ -155,6 +155,17 @@ func (c *Config) Validate() error {
 	return errors.Join(errs...)
 }
 
+// controller is one loop that runs while this replica leads.
+type controller interface {
+	run(ctx context.Context)
+}
+
+// extraControllers are built by New after the provisioner and deleter; each
+// controller's file adds its constructor from init, so controllers can be
+// added without touching this file. A constructor registers its informer
+// handlers on b.factory.
+var extraControllers []func(b *Bridge) (controller, error)
+
 // Bridge runs the Kubernetes side of csibroker: one set of informers for all
 // drivers, and the controllers, under one leader election.
 type Bridge struct {
@@ -178,8 +189,9 @@ type Bridge struct {
 	caps        *capsCache
 	intents     *IntentStore
 
-	prov *provisioner
-	del  *deleter
+	prov  *provisioner
+	del   *deleter
+	extra []controller
 
 	leaderMu sync.Mutex
 	leading  bool
@@ -226,6 +238,15 @@ func New(cfg Config) (*Bridge, error) {
 	}
 	if _, err := volumes.Informer().AddEventHandler(b.del.volumeHandler()); err != nil {
 		return nil, err
+	}
+	for _, mk := range extraControllers {
+		c, err := mk(b)
+		if err != nil {
+			return nil, err
+		}
+		if c != nil {
+			b.extra = append(b.extra, c)
+		}
 	}
 	return b, nil
 }
@@ -337,6 +358,9 @@ func (b *Bridge) lead(ctx context.Context) {
 	run(b.prov.run)
 	run(b.del.run)
 	run(b.prov.recoveryLoop)
+	for _, c := range b.extra {
+		run(c.run)
+	}
 	<-ctx.Done()
 	wg.Wait()
 }
