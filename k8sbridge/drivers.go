@@ -29,6 +29,7 @@ type driverCaps struct {
 	publishUnpublish      bool
 	expand                bool
 	getCapacity           bool
+	listPublishedNodes    bool // LIST_VOLUMES with LIST_VOLUMES_PUBLISHED_NODES
 	accessibility         bool // VOLUME_ACCESSIBILITY_CONSTRAINTS
 	fetched               time.Time
 }
@@ -86,6 +87,8 @@ func (c *capsCache) get(ctx context.Context, driver string) (driverCaps, error) 
 				caps.expand = true
 			case csi.ControllerServiceCapability_RPC_GET_CAPACITY:
 				caps.getCapacity = true
+			case csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES:
+				caps.listPublishedNodes = true
 			}
 		}
 	}

@@ -10,6 +10,7 @@ type metrics struct {
 	deletions      *prometheus.CounterVec
 	secretDecision *prometheus.CounterVec
 	leaked         *prometheus.CounterVec
+	attach         *prometheus.CounterVec
 	leader         prometheus.Gauge
 	reg            prometheus.Registerer
 }
@@ -37,6 +38,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: "csibroker", Name: "recovered_volumes_total",
 			Help: "Volumes created for claims that vanished (or by a broker that died) and deleted by recovery, by driver and result.",
 		}, []string{"driver", "result"}),
+		attach: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "csibroker", Name: "attach_operations_total",
+			Help: "Attach and detach operations by driver, operation (attach, detach) and result (success, failed).",
+		}, []string{"driver", "operation", "result"}),
 		leader: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: "csibroker", Name: "leader",
 			Help: "1 while this replica holds the leader lease.",
@@ -44,7 +49,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		reg: reg,
 	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.provisions, m.provisionTime, m.deletions, m.secretDecision, m.leaked, m.leader} {
+		for _, c := range []prometheus.Collector{m.provisions, m.provisionTime, m.deletions, m.secretDecision, m.leaked, m.attach, m.leader} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}

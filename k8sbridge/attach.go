@@ -1,0 +1,545 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/csibroker/csibroker/policy"
+)
+
+// Names shared with external-attacher, so attachments move between the
+// sidecar and the broker unchanged.
+const (
+	annVANodeID         = "csi.alpha.kubernetes.io/node-id"
+	annNodeIDs          = "csi.volume.kubernetes.io/nodeid"
+	attacherFinalizerPf = "external-attacher/"
+)
+
+// attachReconcileInterval is how often attached volumes are checked against
+// the driver's ListVolumes published nodes (drivers that report them).
+var attachReconcileInterval = 5 * time.Minute
+
+func attacherFinalizer(driver string) string {
+	return attacherFinalizerPf + strings.ReplaceAll(driver, "/", "-")
+}
+
+func init() { extraControllers = append(extraControllers, newAttacher) }
+
+// attacher is external-attacher for every registered driver: it publishes
+// volumes to nodes for VolumeAttachments and unpublishes them on deletion.
+type attacher struct {
+	b     *Bridge
+	queue workqueue.TypedRateLimitingInterface[string]
+}
+
+func newAttacher(b *Bridge) (controller, error) {
+	a := &attacher{b: b, queue: workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
+		workqueue.TypedRateLimitingQueueConfig[string]{Name: "attach"})}
+	b.metrics.queueDepth("attach", a.queue.Len)
+	if _, err := b.factory.Storage().V1().VolumeAttachments().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { a.enqueueVA(obj) },
+		UpdateFunc: func(_, obj any) { a.enqueueVA(obj) },
+		DeleteFunc: func(obj any) {
+			// A detached attachment may free its PV's finalizer.
+			if va, ok := obj.(*storagev1.VolumeAttachment); ok && va.Spec.Source.PersistentVolumeName != nil {
+				a.queue.Add("pv/" + *va.Spec.Source.PersistentVolumeName)
+			}
+		},
+	}); err != nil {
+		return nil, err
+	}
+	if _, err := b.factory.Core().V1().PersistentVolumes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		UpdateFunc: func(_, obj any) {
+			if pv, ok := obj.(*corev1.PersistentVolume); ok && pv.DeletionTimestamp != nil && pv.Spec.CSI != nil && hasFinalizer(pv, attacherFinalizer(pv.Spec.CSI.Driver)) {
+				a.queue.Add("pv/" + pv.Name)
+			}
+		},
+	}); err != nil {
+		return nil, err
+	}
+	return a, nil
+}
+
+func (a *attacher) registered(driver string) bool {
+	for _, n := range a.b.cfg.Drivers.DriverNames() {
+		if n == driver {
+			return true
+		}
+	}
+	return false
+}
+
+func (a *attacher) enqueueVA(obj any) {
+	if va, ok := obj.(*storagev1.VolumeAttachment); ok && a.registered(va.Spec.Attacher) {
+		a.queue.Add("va/" + va.Name)
+	}
+}
+
+func (a *attacher) run(ctx context.Context) {
+	defer a.queue.ShutDown()
+	if vas, err := a.b.attachments.List(labels.Everything()); err == nil {
+		for _, va := range vas {
+			a.enqueueVA(va)
+		}
+	}
+	var wg sync.WaitGroup
+	for i := 0; i < a.b.cfg.WorkerThreads; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for a.processNext(ctx) {
+			}
+		}()
+	}
+	wg.Add(1)
+	go func() { defer wg.Done(); a.reconcileLoop(ctx) }()
+	<-ctx.Done()
+	a.queue.ShutDown()
+	wg.Wait()
+}
+
+func (a *attacher) processNext(ctx context.Context) bool {
+	key, quit := a.queue.Get()
+	if quit {
+		return false
+	}
+	defer a.queue.Done(key)
+	var err error
+	switch {
+	case strings.HasPrefix(key, "va/"):
+		err = a.syncVA(ctx, strings.TrimPrefix(key, "va/"))
+	case strings.HasPrefix(key, "pv/"):
+		err = a.syncPV(ctx, strings.TrimPrefix(key, "pv/"))
+	}
+	if err != nil {
+		a.queue.AddRateLimited(key)
+	} else {
+		a.queue.Forget(key)
+	}
+	return true
+}
+
+func vaRef(va *storagev1.VolumeAttachment) corev1.ObjectReference {
+	return corev1.ObjectReference{Kind: "VolumeAttachment", APIVersion: "storage.k8s.io/v1", Name: va.Name, UID: va.UID, ResourceVersion: va.ResourceVersion}
+}
+
+// attachSource is what a VolumeAttachment attaches.
+type attachSource struct {
+	pv  *corev1.PersistentVolume // nil for an inline volume
+	csi *corev1.CSIPersistentVolumeSource
+	// For the capability: access modes, volume mode and mount options.
+	accessModes  []corev1.PersistentVolumeAccessMode
+	volumeMode   *corev1.PersistentVolumeMode
+	mountOptions []string
+}
+
+func (a *attacher) source(va *storagev1.VolumeAttachment) (*attachSource, error) {
+	if n := va.Spec.Source.PersistentVolumeName; n != nil {
+		pv, err := a.b.volumes.Get(*n)
+		if err != nil {
+			return nil, fmt.Errorf("persistentvolume %s: %w", *n, err)
+		}
+		if pv.Spec.CSI == nil {
+			return nil, fmt.Errorf("persistentvolume %s is not a CSI volume", *n)
+		}
+		return &attachSource{pv: pv, csi: pv.Spec.CSI, accessModes: pv.Spec.AccessModes, volumeMode: pv.Spec.VolumeMode, mountOptions: pv.Spec.MountOptions}, nil
+	}
+	if spec := va.Spec.Source.InlineVolumeSpec; spec != nil && spec.CSI != nil {
+		return &attachSource{csi: spec.CSI, accessModes: spec.AccessModes, volumeMode: spec.VolumeMode, mountOptions: spec.MountOptions}, nil
+	}
+	return nil, fmt.Errorf("volumeattachment %s names no CSI volume", va.Name)
+}
+
+// nodeID is the driver's ID of a node: from the CSINode, else from the
+// node annotation node-driver-registrar also writes.
+func (a *attacher) nodeID(driver, node string) (string, error) {
+	if cn, err := a.b.csiNodes.Get(node); err == nil {
+		for _, d := range cn.Spec.Drivers {
+			if d.Name == driver {
+				return d.NodeID, nil
+			}
+		}
+	}
+	if n, err := a.b.nodes.Get(node); err == nil {
+		if id := jsonField(n.Annotations[annNodeIDs], driver); id != "" {
+			return id, nil
+		}
+	}
+	return "", fmt.Errorf("node %s has no ID for driver %s: its CSINode does not list the driver (is the node plugin registered there?)", node, driver)
+}
+
+// jsonField reads {"driver":"id",...} without allocating a map.
+func jsonField(s, key string) string {
+	i := strings.Index(s, `"`+key+`":"`)
+	if i < 0 {
+		return ""
+	}
+	rest := s[i+len(key)+4:]
+	if j := strings.IndexByte(rest, '"'); j >= 0 {
+		return rest[:j]
+	}
+	return ""
+}
+
+// capability builds the CSI capability of an attached volume.
+func capability(src *attachSource, singleNodeMultiWriter bool) *csi.VolumeCapability {
+	mode := csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER
+	if len(src.accessModes) > 0 {
+		switch src.accessModes[0] {
+		case corev1.ReadOnlyMany:
+			mode = csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY
+		case corev1.ReadWriteMany:
+			mode = csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER
+		case corev1.ReadWriteOncePod:
+			if singleNodeMultiWriter {
+				mode = csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER
+			}
+		}
+	}
+	c := &csi.VolumeCapability{AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode}}
+	if src.volumeMode != nil && *src.volumeMode == corev1.PersistentVolumeBlock {
+		c.AccessType = &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}
+	} else {
+		c.AccessType = &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: src.csi.FSType, MountFlags: src.mountOptions}}
+	}
+	return c
+}
+
+func (a *attacher) syncVA(ctx context.Context, name string) error {
+	va, err := a.b.attachments.Get(name)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	driver := va.Spec.Attacher
+	if !a.registered(driver) {
+		return nil
+	}
+	ctx, span := a.b.tracer.Start(ctx, "attach "+name, trace.WithAttributes(attribute.String("csi.driver", driver),
+		attribute.String("k8s.node", va.Spec.NodeName), attribute.Bool("detach", va.DeletionTimestamp != nil)))
+	defer span.End()
+	if va.DeletionTimestamp != nil {
+		return a.detach(ctx, va)
+	}
+	if va.Status.Attached {
+		return nil
+	}
+	return a.attach(ctx, va)
+}
+
+// attachFailed records the error in the attachment's status and as an Event.
+func (a *attacher) attachFailed(ctx context.Context, va *storagev1.VolumeAttachment, detach bool, err error) error {
+	a.b.metrics.attach.WithLabelValues(va.Spec.Attacher, map[bool]string{false: "attach", true: "detach"}[detach], "failed").Inc()
+	ve := &storagev1.VolumeError{Time: metav1.Now(), Message: err.Error()}
+	if st, ok := status.FromError(unwrapStatus(err)); ok && st.Code() != codes.OK {
+		c := int32(st.Code())
+		ve.ErrorCode = &c
+	}
+	cp := va.DeepCopy()
+	reason := "AttachFailed"
+	if detach {
+		cp.Status.DetachError = ve
+		reason = "DetachFailed"
+	} else {
+		cp.Status.AttachError = ve
+	}
+	if _, uerr := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, cp, metav1.UpdateOptions{}); uerr != nil && !apierrors.IsNotFound(uerr) && !apierrors.IsConflict(uerr) {
+		a.b.log.Error("record attachment error", "volumeattachment", va.Name, "err", uerr)
+	}
+	a.b.event(ctx, vaRef(va), corev1.EventTypeWarning, reason, "%v", err)
+	return err
+}
+
+// unwrapStatus finds a gRPC status in a wrapped error chain.
+func unwrapStatus(err error) error {
+	for e := err; e != nil; {
+		if _, ok := status.FromError(e); ok {
+			return e
+		}
+		u, ok := e.(interface{ Unwrap() error })
+		if !ok {
+			break
+		}
+		e = u.Unwrap()
+	}
+	return err
+}
+
+func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) error {
+	driver, node := va.Spec.Attacher, va.Spec.NodeName
+	caps, err := a.b.caps.get(ctx, driver)
+	if err != nil {
+		a.b.caps.forget(driver)
+		return a.attachFailed(ctx, va, false, fmt.Errorf("driver %s is not reachable: %w", driver, err))
+	}
+	if !caps.publishUnpublish {
+		// Trivial attach: the driver has no controller publish step.
+		cp := va.DeepCopy()
+		cp.Status.Attached, cp.Status.AttachError = true, nil
+		if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, cp, metav1.UpdateOptions{}); err != nil {
+			return err
+		}
+		a.b.metrics.attach.WithLabelValues(driver, "attach", "success").Inc()
+		return nil
+	}
+	src, err := a.source(va)
+	if err != nil {
+		return a.attachFailed(ctx, va, false, err)
+	}
+	nodeID, err := a.nodeID(driver, node)
+	if err != nil {
+		return a.attachFailed(ctx, va, false, err)
+	}
+	// Finalizer and node ID in one write, so a detach never lacks either.
+	fin := attacherFinalizer(driver)
+	if !containsString(va.Finalizers, fin) || va.Annotations[annVANodeID] != nodeID {
+		cp := va.DeepCopy()
+		if !containsString(cp.Finalizers, fin) {
+			cp.Finalizers = append(cp.Finalizers, fin)
+		}
+		if cp.Annotations == nil {
+			cp.Annotations = map[string]string{}
+		}
+		cp.Annotations[annVANodeID] = nodeID
+		if va, err = a.b.cfg.Client.StorageV1().VolumeAttachments().Update(ctx, cp, metav1.UpdateOptions{}); err != nil {
+			return err
+		}
+	}
+	if src.pv != nil && !hasFinalizer(src.pv, fin) {
+		cp := src.pv.DeepCopy()
+		cp.Finalizers = append(cp.Finalizers, fin)
+		if _, err := a.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil {
+			return err
+		}
+	}
+	requester := a.requester(va, src)
+	secrets, err := a.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpControllerPublishVolume, ref: src.csi.ControllerPublishSecretRef,
+		source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: requester})
+	if err != nil {
+		return a.attachFailed(ctx, va, false, err)
+	}
+	conn, err := a.b.cfg.Drivers.ControllerConn(driver)
+	if err != nil {
+		return a.attachFailed(ctx, va, false, err)
+	}
+	callCtx, cancel := context.WithTimeout(ctx, a.b.cfg.Timeout)
+	resp, err := csi.NewControllerClient(conn).ControllerPublishVolume(callCtx, &csi.ControllerPublishVolumeRequest{
+		VolumeId: src.csi.VolumeHandle, NodeId: nodeID, VolumeCapability: capability(src, caps.singleNodeMultiWriter),
+		Readonly: src.csi.ReadOnly, VolumeContext: src.csi.VolumeAttributes, Secrets: secrets,
+	})
+	cancel()
+	if err != nil {
+		return a.attachFailed(ctx, va, false, fmt.Errorf("ControllerPublishVolume %s to node %s (ID %s): %w", src.csi.VolumeHandle, node, nodeID, err))
+	}
+	cp := va.DeepCopy()
+	cp.Status.Attached, cp.Status.AttachmentMetadata, cp.Status.AttachError = true, resp.GetPublishContext(), nil
+	if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, cp, metav1.UpdateOptions{}); err != nil {
+		return err
+	}
+	a.b.metrics.attach.WithLabelValues(driver, "attach", "success").Inc()
+	a.b.log.Info("volume attached", "volumeattachment", va.Name, "driver", driver, "node", node, "volume", src.csi.VolumeHandle)
+	return nil
+}
+
+func (a *attacher) requester(va *storagev1.VolumeAttachment, src *attachSource) policy.Requester {
+	r := policy.Requester{Kind: policy.KindVolumeAttachment, Name: va.Name, Node: va.Spec.NodeName}
+	if src != nil && src.pv != nil {
+		r.StorageClass = src.pv.Spec.StorageClassName
+		if cr := src.pv.Spec.ClaimRef; cr != nil {
+			r.Namespace = cr.Namespace
+		}
+	}
+	return r
+}
+
+func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) error {
+	driver, node := va.Spec.Attacher, va.Spec.NodeName
+	fin := attacherFinalizer(driver)
+	if !containsString(va.Finalizers, fin) {
+		return nil
+	}
+	caps, err := a.b.caps.get(ctx, driver)
+	if err != nil {
+		a.b.caps.forget(driver)
+		return a.attachFailed(ctx, va, true, fmt.Errorf("driver %s is not reachable: %w", driver, err))
+	}
+	if caps.publishUnpublish {
+		src, err := a.source(va)
+		if err != nil {
+			return a.attachFailed(ctx, va, true, err)
+		}
+		nodeID := va.Annotations[annVANodeID]
+		if nodeID == "" {
+			if nodeID, err = a.nodeID(driver, node); err != nil {
+				return a.attachFailed(ctx, va, true, err)
+			}
+		}
+		secrets, err := a.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpControllerUnpublishVolume, ref: src.csi.ControllerPublishSecretRef,
+			source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: a.requester(va, src)})
+		if err != nil {
+			return a.attachFailed(ctx, va, true, err)
+		}
+		conn, err := a.b.cfg.Drivers.ControllerConn(driver)
+		if err != nil {
+			return a.attachFailed(ctx, va, true, err)
+		}
+		callCtx, cancel := context.WithTimeout(ctx, a.b.cfg.Timeout)
+		_, err = csi.NewControllerClient(conn).ControllerUnpublishVolume(callCtx, &csi.ControllerUnpublishVolumeRequest{VolumeId: src.csi.VolumeHandle, NodeId: nodeID, Secrets: secrets})
+		cancel()
+		if err != nil && status.Code(err) != codes.NotFound {
+			return a.attachFailed(ctx, va, true, fmt.Errorf("ControllerUnpublishVolume %s from node %s (ID %s): %w", src.csi.VolumeHandle, node, nodeID, err))
+		}
+	}
+	cp := va.DeepCopy()
+	cp.Finalizers = removeString(cp.Finalizers, fin)
+	if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		return err
+	}
+	a.b.metrics.attach.WithLabelValues(driver, "detach", "success").Inc()
+	a.b.log.Info("volume detached", "volumeattachment", va.Name, "driver", driver, "node", node)
+	if pv := va.Spec.Source.PersistentVolumeName; pv != nil {
+		a.queue.Add("pv/" + *pv)
+	}
+	return nil
+}
+
+// syncPV drops the attacher finalizer from a PV being deleted once no
+// attachment uses it.
+func (a *attacher) syncPV(ctx context.Context, name string) error {
+	pv, err := a.b.volumes.Get(name)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil || pv.Spec.CSI == nil || pv.DeletionTimestamp == nil {
+		return err
+	}
+	fin := attacherFinalizer(pv.Spec.CSI.Driver)
+	if !hasFinalizer(pv, fin) {
+		return nil
+	}
+	vas, err := a.b.attachments.List(labels.Everything())
+	if err != nil {
+		return err
+	}
+	for _, va := range vas {
+		if src := va.Spec.Source.PersistentVolumeName; src != nil && *src == name {
+			return nil // still used; the attachment's deletion requeues us
+		}
+	}
+	cp := pv.DeepCopy()
+	cp.Finalizers = removeString(cp.Finalizers, fin)
+	if _, err := a.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		return err
+	}
+	return nil
+}
+
+// reconcileLoop checks attached volumes against what drivers report as
+// published; an attachment the driver does not know is marked detached so
+// it is attached again.
+func (a *attacher) reconcileLoop(ctx context.Context) {
+	t := time.NewTicker(attachReconcileInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			a.reconcile(ctx)
+		}
+	}
+}
+
+func (a *attacher) reconcile(ctx context.Context) {
+	vas, err := a.b.attachments.List(labels.Everything())
+	if err != nil {
+		return
+	}
+	byDriver := map[string][]*storagev1.VolumeAttachment{}
+	for _, va := range vas {
+		if va.Status.Attached && va.DeletionTimestamp == nil && a.registered(va.Spec.Attacher) && va.Spec.Source.PersistentVolumeName != nil {
+			byDriver[va.Spec.Attacher] = append(byDriver[va.Spec.Attacher], va)
+		}
+	}
+	for driver, list := range byDriver {
+		caps, err := a.b.caps.get(ctx, driver)
+		if err != nil || !caps.listPublishedNodes || !caps.publishUnpublish {
+			continue
+		}
+		published, err := a.listPublished(ctx, driver)
+		if err != nil {
+			a.b.log.Warn("attach reconcile: ListVolumes failed", "driver", driver, "err", err)
+			continue
+		}
+		for _, va := range list {
+			src, err := a.source(va)
+			if err != nil {
+				continue
+			}
+			if published[src.csi.VolumeHandle][va.Annotations[annVANodeID]] {
+				continue
+			}
+			a.b.log.Warn("attach reconcile: driver does not report the volume as published; attaching again", "volumeattachment", va.Name, "volume", src.csi.VolumeHandle, "node", va.Spec.NodeName)
+			cp := va.DeepCopy()
+			cp.Status.Attached = false
+			if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, cp, metav1.UpdateOptions{}); err != nil {
+				a.b.log.Error("attach reconcile: mark detached", "volumeattachment", va.Name, "err", err)
+			}
+		}
+	}
+}
+
+func (a *attacher) listPublished(ctx context.Context, driver string) (map[string]map[string]bool, error) {
+	conn, err := a.b.cfg.Drivers.ControllerConn(driver)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]map[string]bool{}
+	token := ""
+	for {
+		callCtx, cancel := context.WithTimeout(ctx, a.b.cfg.Timeout)
+		resp, err := csi.NewControllerClient(conn).ListVolumes(callCtx, &csi.ListVolumesRequest{StartingToken: token, MaxEntries: 500})
+		cancel()
+		if err != nil {
+			return nil, err
+		}
+		for _, e := range resp.GetEntries() {
+			m := map[string]bool{}
+			for _, n := range e.GetStatus().GetPublishedNodeIds() {
+				m[n] = true
+			}
+			out[e.GetVolume().GetVolumeId()] = m
+		}
+		if token = resp.GetNextToken(); token == "" {
+			return out, nil
+		}
+	}
+}
+
+func containsString(l []string, s string) bool {
+	for _, x := range l {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,159 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+)
+
+func makeCSIDriver(t *testing.T, c kubernetes.Interface, name string, attach bool) {
+	t.Helper()
+	d := &storagev1.CSIDriver{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: storagev1.CSIDriverSpec{AttachRequired: &attach}}
+	if _, err := c.StorageV1().CSIDrivers().Create(context.Background(), d, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.StorageV1().CSIDrivers().Delete(context.Background(), name, metav1.DeleteOptions{}) })
+}
+
+// vaFor waits for the attach/detach controller's VolumeAttachment of pv.
+func vaFor(t *testing.T, c kubernetes.Interface, pv string, cond func(*storagev1.VolumeAttachment) bool, what string) *storagev1.VolumeAttachment {
+	t.Helper()
+	var found *storagev1.VolumeAttachment
+	err := testenv.WaitFor(context.Background(), 60*time.Second, what, func(ctx context.Context) (bool, string, error) {
+		vas, err := c.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		for i := range vas.Items {
+			va := &vas.Items[i]
+			if va.Spec.Source.PersistentVolumeName != nil && *va.Spec.Source.PersistentVolumeName == pv {
+				found = va
+				return cond(va), fmt.Sprintf("attached=%v error=%v finalizers=%v", va.Status.Attached, va.Status.AttachError, va.Finalizers), nil
+			}
+		}
+		return false, "no VolumeAttachment yet", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return found
+}
+
+// TestAttachDetach: a pod with a claim on a fake node gets its volume
+// attached through the broker (publish context in the VolumeAttachment);
+// deleting the pod detaches it and removes the finalizers. A driver without
+// PUBLISH_UNPUBLISH is attached without a CSI call; a failing publish shows
+// in the attachment's status.
+func TestAttachDetach(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	node := clusterName(ns, "node")
+	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: "z1"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+
+	pub, triv, bad := clusterName(ns, "pub.csi.test"), clusterName(ns, "triv.csi.test"), clusterName(ns, "bad.csi.test")
+	drivers := &testDrivers{}
+	dPub := drivers.addDriver(t, sampledriver.Config{Name: pub, NodeID: node})
+	dTriv := drivers.addDriver(t, sampledriver.Config{Name: triv, NodeID: node, DisablePublish: true})
+	drivers.addDriver(t, sampledriver.Config{Name: bad, NodeID: node, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
+		"ControllerPublishVolume": {Rate: 1, Code: codes.FailedPrecondition}}}})
+	for _, d := range []string{pub, triv, bad} {
+		makeCSIDriver(t, c, d, true)
+		if err := env.AddCSINode(ctx, node, d, node, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	imm, del := storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete
+	for _, d := range []string{pub, triv, bad} {
+		makeClass(t, c, d+"-class", d, imm, del, nil)
+	}
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	pvOf := map[string]string{}
+	for _, d := range []struct{ claim, driver string }{{"pub", pub}, {"triv", triv}, {"bad", bad}} {
+		makeClaim(t, c, ns, d.claim, d.driver+"-class", "1Gi")
+		pvOf[d.claim] = waitBound(t, c, ns, d.claim, 60*time.Second).Spec.VolumeName
+		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "pod-" + d.claim, Namespace: ns}, Spec: corev1.PodSpec{NodeName: node,
+			Containers: []corev1.Container{{Name: "c", Image: "busybox"}},
+			Volumes:    []corev1.Volume{{Name: "v", VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: d.claim}}}}}}
+		if _, err := c.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	va := vaFor(t, c, pvOf["pub"], func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "pub attached")
+	if va.Status.AttachmentMetadata[sampledriver.PublishContextDevicePath] == "" {
+		t.Fatalf("publish context %v", va.Status.AttachmentMetadata)
+	}
+	fin := attacherFinalizer(pub)
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvOf["pub"], metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !containsString(va.Finalizers, fin) || !hasFinalizer(pv, fin) || va.Annotations[annVANodeID] != node {
+		t.Fatalf("finalizers VA %v PV %v, node ID %q", va.Finalizers, pv.Finalizers, va.Annotations[annVANodeID])
+	}
+	if dPub.CallCount("ControllerPublishVolume") == 0 {
+		t.Fatal("the driver was never asked to publish")
+	}
+
+	vaFor(t, c, pvOf["triv"], func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "trivial attach")
+	if n := dTriv.CallCount("ControllerPublishVolume"); n != 0 {
+		t.Fatalf("trivial driver got %d ControllerPublishVolume calls", n)
+	}
+
+	badVA := vaFor(t, c, pvOf["bad"], func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error recorded")
+	if e := badVA.Status.AttachError; !strings.Contains(e.Message, "FailedPrecondition") || e.ErrorCode == nil || *e.ErrorCode != int32(codes.FailedPrecondition) || badVA.Status.Attached {
+		t.Fatalf("attach error %+v", e)
+	}
+
+	// Pod gone → the attach/detach controller deletes the attachment → the
+	// broker unpublishes and drops its finalizers.
+	if err := c.CoreV1().Pods(ns).Delete(ctx, "pod-pub", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 60*time.Second, "attachment of pub gone", func(ctx context.Context) (bool, string, error) {
+		_, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dPub.CallCount("ControllerUnpublishVolume") == 0 {
+		t.Fatal("the driver was never asked to unpublish")
+	}
+	// The PV keeps the attacher finalizer until it is deleted; deleting the
+	// claim (reclaim Delete) must then end with the PV gone.
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "pub", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 60*time.Second, "PV of pub deleted", func(ctx context.Context) (bool, string, error) {
+		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvOf["pub"], metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, "", nil
+		}
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return false, fmt.Sprintf("phase %s finalizers %v", pv.Status.Phase, pv.Finalizers), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
