@@ -2,9 +2,11 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 
 	"golang.org/x/sync/errgroup"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/rest"
 
 	"github.com/csibroker/csibroker/k8sbridge"
@@ -12,13 +14,17 @@ import (
 )
 
 // startGrantController keeps store in step with the cluster's SecretGrant
-// objects on every replica; only the leader writes their status.
+// objects on every replica (standbys decide with warm rules); only the
+// leader writes their status.
 func startGrantController(ctx context.Context, g *errgroup.Group, cfg *rest.Config, store *policy.Store, b *k8sbridge.Bridge, log *slog.Logger) error {
-	_ = ctx
-	_ = g
-	_ = cfg
-	_ = store
-	_ = b
-	log.Warn("SecretGrant objects are not watched yet in this build; use --policy-file")
+	dyn, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		return fmt.Errorf("SecretGrant controller: %w", err)
+	}
+	gc := k8sbridge.NewGrantController(dyn, store, log, func() bool {
+		leading, _ := b.Leader()
+		return leading
+	})
+	g.Go(func() error { return gc.Run(ctx) })
 	return nil
 }
