@@ -208,6 +208,11 @@ func (b *Broker) ControllerConn(driver string) (grpc.ClientConnInterface, error)
 	}
 	pc, err := d.route("/csi.v1.Controller/ControllerGetCapabilities", "")
 	if err != nil {
+		// A node-local driver may have node proxies only: any of them
+		// answers capability questions.
+		if nodes := d.Nodes(); len(nodes) > 0 {
+			return d.nodes[nodes[0]].conn, nil
+		}
 		return nil, err
 	}
 	return pc.conn, nil
@@ -220,6 +225,15 @@ func (b *Broker) NodeConn(driver, node string) (grpc.ClientConnInterface, error)
 		return nil, err
 	}
 	return d.Node(node)
+}
+
+// DriverNodes lists the nodes that have a proxy of driver.
+func (b *Broker) DriverNodes(driver string) []string {
+	d, err := b.Driver(driver)
+	if err != nil {
+		return nil
+	}
+	return d.Nodes()
 }
 
 // NodeLocal reports whether driver is registered as node-local.

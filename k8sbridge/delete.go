@@ -142,6 +142,14 @@ func (d *deleter) sync(ctx context.Context, name string) error {
 	node := ""
 	if d.b.cfg.Drivers.NodeLocal(driver) {
 		node = pvNode(pv)
+		if _, err := d.b.nodes.Get(node); apierrors.IsNotFound(err) {
+			// Nobody can reach the volume: leave the PV to an administrator
+			// instead of retrying forever.
+			d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete",
+				"node %s of node-local volume %s no longer exists; the PersistentVolume is left for an administrator (delete it once the volume is dealt with)", node, pv.Spec.CSI.VolumeHandle)
+			d.b.metrics.deletions.WithLabelValues(driver, "node_gone").Inc()
+			return nil
+		}
 	}
 	if err := d.b.prov.deleteVolume(ctx, driver, node, pv.Spec.CSI.VolumeHandle, secretRef, requester); err != nil {
 		d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", "%v", err)

@@ -18,6 +18,8 @@ type Drivers interface {
 	// NodeLocal reports whether the driver's volumes live on one node, so
 	// CreateVolume/DeleteVolume/GetCapacity go to the selected node's proxy.
 	NodeLocal(driver string) bool
+	// DriverNodes lists the nodes with a proxy of the driver.
+	DriverNodes(driver string) []string
 	DriverNames() []string
 }
 

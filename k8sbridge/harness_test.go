@@ -33,6 +33,8 @@ type testDrivers struct {
 	chains    map[string]*chaintest.Chain
 	drivers   map[string]*sampledriver.Driver
 	nodeLocal map[string]bool
+	// nodeChains[driver][node] for node-local drivers.
+	nodeChains map[string]map[string]*chaintest.Chain
 }
 
 func (t *testDrivers) ControllerConn(d string) (grpc.ClientConnInterface, error) {
@@ -46,10 +48,56 @@ func (t *testDrivers) ControllerConn(d string) (grpc.ClientConnInterface, error)
 }
 
 func (t *testDrivers) NodeConn(d, node string) (grpc.ClientConnInterface, error) {
-	return t.ControllerConn(d)
+	t.mu.Lock()
+	c := t.nodeChains[d][node]
+	t.mu.Unlock()
+	if c == nil {
+		return t.ControllerConn(d)
+	}
+	return c.Broker.NodeConn(d, node)
+}
+
+// addNodeDriver starts one node-local driver instance on node behind a node
+// proxy (whose identity names the node).
+func (t *testDrivers) addNodeDriver(tb testing.TB, cfg sampledriver.Config, node string) *sampledriver.Driver {
+	tb.Helper()
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	cfg.NodeID = node
+	ep, d := sampledriver.StartTest(tb, cfg)
+	c := chaintest.Start(tb, chaintest.Options{Driver: cfg.Name, DriverEndpoint: ep, LogLevel: slog.LevelWarn, Timeout: 30 * time.Second, Node: node})
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.chains == nil {
+		t.chains, t.drivers, t.nodeLocal = map[string]*chaintest.Chain{}, map[string]*sampledriver.Driver{}, map[string]bool{}
+	}
+	if t.nodeChains == nil {
+		t.nodeChains = map[string]map[string]*chaintest.Chain{}
+	}
+	if t.nodeChains[cfg.Name] == nil {
+		t.nodeChains[cfg.Name] = map[string]*chaintest.Chain{}
+	}
+	t.nodeChains[cfg.Name][node] = c
+	t.nodeLocal[cfg.Name] = true
+	if _, ok := t.chains[cfg.Name]; !ok {
+		t.chains[cfg.Name] = c // controller-level calls (capabilities) go to any node
+	}
+	return d
 }
 
 func (t *testDrivers) NodeLocal(d string) bool { return t.nodeLocal[d] }
+
+func (t *testDrivers) DriverNodes(d string) []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []string
+	for k := range t.nodeChains[d] {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}
 
 func (t *testDrivers) DriverNames() []string {
 	t.mu.Lock()

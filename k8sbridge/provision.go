@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -279,6 +280,14 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if !caps.createDelete {
 		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
 	}
+	if p.b.cfg.Drivers.NodeLocal(driver) && selectedNode == "" {
+		// Immediate claim of a node-local driver: the broker places it.
+		node, err := p.placeOnNode(ctx, claim, class, driver, caps)
+		if err != nil {
+			return fail("%v", err)
+		}
+		selectedNode = node
+	}
 	req, provSecretRef, err := p.buildRequest(ctx, claim, class, driver, pvName, selectedNode, caps)
 	if err != nil {
 		return fail("%v", err)
@@ -364,6 +373,11 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if err != nil {
 		return fail("%v", err)
 	}
+	if node != "" && pv.Spec.NodeAffinity == nil {
+		// A node-local volume is reachable from its node only.
+		pv.Spec.NodeAffinity = &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
+			MatchExpressions: []corev1.NodeSelectorRequirement{{Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpIn, Values: []string{node}}}}}}}
+	}
 	if _, err := p.b.cfg.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		// Intent kept: the next attempt re-issues CreateVolume (same
 		// name, same volume) and tries the PV again.
@@ -387,6 +401,55 @@ func (p *provisioner) conn(driver, node string) (grpc.ClientConnInterface, error
 		return p.b.cfg.Drivers.NodeConn(driver, node)
 	}
 	return p.b.cfg.Drivers.ControllerConn(driver)
+}
+
+// placeOnNode picks the node with the most free capacity among the
+// driver's node proxies for a node-local volume.
+func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver string, caps driverCaps) (string, error) {
+	nodes := p.b.cfg.Drivers.DriverNodes(driver)
+	if len(nodes) == 0 {
+		return "", fmt.Errorf("node-local driver %s has no node proxy registered", driver)
+	}
+	capRange, err := CapacityRange(claim)
+	if err != nil {
+		return "", err
+	}
+	if !caps.getCapacity {
+		return nodes[0], nil
+	}
+	params, fsType, err := CreateParameters(class.Parameters, false, "", claim)
+	if err != nil {
+		return "", fmt.Errorf("storageclass %q: %w", class.Name, err)
+	}
+	volCaps, err := VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
+	if err != nil {
+		return "", err
+	}
+	best, bestFree := "", int64(-1)
+	var seen []string
+	for _, n := range nodes {
+		conn, err := p.b.cfg.Drivers.NodeConn(driver, n)
+		if err != nil {
+			seen = append(seen, fmt.Sprintf("%s: %v", n, err))
+			continue
+		}
+		callCtx, cancel := context.WithTimeout(ctx, p.b.cfg.Timeout)
+		resp, err := csi.NewControllerClient(conn).GetCapacity(callCtx, &csi.GetCapacityRequest{Parameters: params, VolumeCapabilities: volCaps})
+		cancel()
+		if err != nil {
+			seen = append(seen, fmt.Sprintf("%s: %s", n, statusText(err)))
+			continue
+		}
+		free := resp.GetAvailableCapacity()
+		seen = append(seen, fmt.Sprintf("%s: %d bytes free", n, free))
+		if free >= capRange.GetRequiredBytes() && free > bestFree {
+			best, bestFree = n, free
+		}
+	}
+	if best == "" {
+		return "", fmt.Errorf("no node of node-local driver %s has %d bytes free (%s)", driver, capRange.GetRequiredBytes(), strings.Join(seen, "; "))
+	}
+	return best, nil
 }
 
 // buildRequest makes the CreateVolumeRequest (without secrets) and resolves

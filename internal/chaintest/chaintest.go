@@ -53,6 +53,9 @@ type Options struct {
 	// driver can record its spans into the same recorder).
 	Tracer *sdktrace.TracerProvider
 	Spans  *tracetest.SpanRecorder
+	// Node makes the proxy a node plugin's proxy on that node (its identity
+	// names the node) and registers the driver as node-local with it.
+	Node string
 	// BrokerReload, when positive, makes the broker poll its certificate
 	// files at this interval.
 	BrokerReload time.Duration
@@ -239,7 +242,11 @@ func Start(t testing.TB, o Options) *Chain {
 	}
 	proxyMat := o.ProxyMaterial
 	if proxyMat == nil {
-		if proxyMat, err = ca.IssueMaterial(mtls.Leaf{ID: mtls.DriverID(TrustDomain, o.Driver), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)}); err != nil {
+		id := mtls.DriverID(TrustDomain, o.Driver)
+		if o.Node != "" {
+			id = mtls.NodeDriverID(TrustDomain, o.Driver, o.Node)
+		}
+		if proxyMat, err = ca.IssueMaterial(mtls.Leaf{ID: id, NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -254,6 +261,7 @@ func Start(t testing.TB, o Options) *Chain {
 	// Proxy.
 	p, err := proxy.New(proxy.Config{
 		DriverEndpoint: o.DriverEndpoint,
+		Node:           o.Node,
 		Version:        "test",
 		Identity:       proxyMat.ID,
 		TLS:            c.recordPeers(mtls.ServerConfig(mtls.StaticSource{M: proxyMat}, mtls.AuthorizeOneOf(mtls.BrokerID(TrustDomain)))),
@@ -282,7 +290,12 @@ func Start(t testing.TB, o Options) *Chain {
 		t.Fatal(err)
 	}
 	c.Broker = b
-	if err := b.SetDriver(broker.DriverConfig{Name: o.Driver, Controller: &broker.ProxyConfig{Address: c.ProxyAddr}, Retry: o.Retry, Timeout: o.Timeout, MethodTimeouts: o.MethodTimeouts}); err != nil {
+	dc := broker.DriverConfig{Name: o.Driver, Controller: &broker.ProxyConfig{Address: c.ProxyAddr}, Retry: o.Retry, Timeout: o.Timeout, MethodTimeouts: o.MethodTimeouts}
+	if o.Node != "" {
+		dc.Controller, dc.NodeLocal = nil, true
+		dc.Nodes = []broker.ProxyConfig{{Node: o.Node, Address: c.ProxyAddr}}
+	}
+	if err := b.SetDriver(dc); err != nil {
 		t.Fatal(err)
 	}
 	c.Front = filepath.Join(c.Dir, "front.sock")
