@@ -1,6 +1,7 @@
 # csibroker — build, test, benchmark, run.
 #
-#   make run      build and run the local demo (sample driver → proxy → broker)
+#   make run      build what is missing and run the local demo: a real control plane,
+#                 two sample drivers behind proxies, the broker, claims, a policy denial
 #   make test     everything CI runs: format, vet, the control plane build (cached),
 #                 and every test with the race detector
 #   make bench    CSI path benchmarks and policy benchmarks (see BENCHMARKS.md)
@@ -59,7 +60,7 @@ proto:
 		--go-grpc_out=. --go-grpc_opt=module=github.com/csibroker/csibroker \
 		$$(find proto -name '*.proto')
 
-run: build
+run: control-plane build
 	$(BIN) demo
 
 demo: run

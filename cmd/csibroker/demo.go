@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -12,20 +13,32 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strings"
 	"syscall"
+	"text/tabwriter"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"go.yaml.in/yaml/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/csibroker/csibroker/internal/mtls"
+	"github.com/csibroker/csibroker/internal/testenv"
 	brokerstatusv1 "github.com/csibroker/csibroker/proto/brokerstatus/v1"
 )
 
 func init() {
-	register("demo", "start a local sample driver, proxy and broker and show CSI calls going through", runDemo)
+	register("demo", "run a local cluster with two sample drivers behind proxies and the broker, and show what it does", runDemo)
 }
 
 // DemoConfig holds the demo subcommand's flags.
@@ -34,26 +47,39 @@ type DemoConfig struct {
 	Keep        bool
 	Wait        bool
 	TrustDomain string
-	Driver      string
+	DeployDir   string
+	Timeout     time.Duration
 }
+
+const (
+	demoAlpha  = "alpha.csibroker.io"
+	demoBeta   = "beta.csibroker.io"
+	demoNS     = "demo"
+	brokerNS   = "csibroker-system"
+	demoSecret = "demo-secret-value-never-logged"
+)
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	cfg := DemoConfig{}
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&cfg.Dir, "dir", "", "work directory for certificates, sockets, state and logs (default: a new temporary directory)")
+	fs.StringVar(&cfg.Dir, "dir", "", "work directory for certificates, sockets, state and logs (default: a new temporary directory, removed afterwards)")
 	fs.BoolVar(&cfg.Keep, "keep", false, "keep the work directory afterwards")
-	fs.BoolVar(&cfg.Wait, "wait", false, "after the demo calls, keep everything running until Ctrl-C (point csc or csi-sanity at the front-end socket)")
+	fs.BoolVar(&cfg.Wait, "wait", false, "after the demo, keep everything running until Ctrl-C (kubeconfig and sockets are printed)")
 	fs.StringVar(&cfg.TrustDomain, "trust-domain", "csibroker.local", "SPIFFE trust domain")
-	fs.StringVar(&cfg.Driver, "driver", "sample.csibroker.io", "name of the sample driver")
+	fs.StringVar(&cfg.DeployDir, "deploy-dir", "deploy", "the repository's deploy/ directory (for the SecretGrant CRD)")
+	fs.DurationVar(&cfg.Timeout, "timeout", 3*time.Minute, "how long to wait for the claims and the denial")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	d := &demo{cfg: cfg, out: stdout}
 	defer d.stopAll()
 	if err := d.run(ctx); err != nil {
-		fmt.Fprintf(stdout, "\ndemo failed: %v\nlogs are in %s\n", err, filepath.Join(d.dir, "logs"))
-		d.cfg.Keep = true
+		fmt.Fprintf(stdout, "\ndemo failed: %v\n", err)
+		if d.dir != "" {
+			fmt.Fprintf(stdout, "logs are in %s\n", filepath.Join(d.dir, "logs"))
+			d.cfg.Keep = true
+		}
 		return err
 	}
 	return nil
@@ -63,6 +89,8 @@ type demo struct {
 	cfg   DemoConfig
 	out   io.Writer
 	dir   string
+	exe   string
+	env   *testenv.Env
 	procs []*demoProc
 }
 
@@ -78,9 +106,13 @@ func (d *demo) step(format string, a ...any) {
 }
 
 func (d *demo) run(ctx context.Context) error {
-	exe, err := os.Executable()
-	if err != nil {
+	var err error
+	if d.exe, err = os.Executable(); err != nil {
 		return err
+	}
+	crdPath := filepath.Join(d.cfg.DeployDir, "crds", "policy.csibroker.io_secretgrants.yaml")
+	if _, err := os.Stat(crdPath); err != nil {
+		return fmt.Errorf("SecretGrant CRD: %w (run the demo from the repository root, or pass --deploy-dir)", err)
 	}
 	d.dir = d.cfg.Dir
 	if d.dir == "" {
@@ -88,177 +120,358 @@ func (d *demo) run(ctx context.Context) error {
 			return err
 		}
 	}
-	for _, sub := range []string{"certs", "sockets", "state", "logs"} {
+	for _, sub := range []string{"certs", "sockets", "state", "logs", "traces"} {
 		if err := os.MkdirAll(filepath.Join(d.dir, sub), 0o755); err != nil {
 			return err
 		}
 	}
 	d.step("work directory %s", d.dir)
 
-	certs := filepath.Join(d.dir, "certs")
-	if _, err := mtls.WriteDevCerts(mtls.DevCertsOptions{Dir: certs, TrustDomain: d.cfg.TrustDomain, Drivers: []string{d.cfg.Driver}, Validity: 24 * time.Hour}); err != nil {
-		return err
-	}
-	d.step("minted a dev CA and certificates for %s and %s", mtls.BrokerID(d.cfg.TrustDomain), mtls.DriverID(d.cfg.TrustDomain, d.cfg.Driver))
-
-	driverSock := filepath.Join(d.dir, "sockets", "driver.sock")
-	if err := d.start(ctx, exe, "sample-driver", "--endpoint", "unix://"+driverSock, "--name", d.cfg.Driver,
-		"--node-id", "demo-node", "--state-dir", filepath.Join(d.dir, "state"), "--capacity", "100Gi",
-		"--topology", "topology.kubernetes.io/zone=zone-a"); err != nil {
-		return err
-	}
-	if err := d.waitFile(ctx, driverSock, "sample-driver"); err != nil {
-		return err
-	}
-	proxyAddr, err := freeAddr()
+	d.step("starting a local control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler")
+	d.env, err = testenv.Start(ctx, testenv.Options{ControllerManager: true, Scheduler: true,
+		Logf: func(f string, a ...any) { fmt.Fprintf(d.out, "    "+f+"\n", a...) }})
 	if err != nil {
 		return err
 	}
-	proxyHTTP, err := freeAddr()
+	c := d.env.Client()
+	if err := d.cluster(ctx, c, crdPath); err != nil {
+		return err
+	}
+	front, status, metricsURL, err := d.components(ctx)
 	if err != nil {
 		return err
 	}
-	if err := d.start(ctx, exe, "proxy", "--driver-endpoint", "unix://"+driverSock, "--listen", proxyAddr, "--http-endpoint", proxyHTTP,
-		"--trust-domain", d.cfg.TrustDomain, "--tls-cert", filepath.Join(certs, "proxy-"+d.cfg.Driver+".crt"),
-		"--tls-key", filepath.Join(certs, "proxy-"+d.cfg.Driver+".key"), "--tls-ca", filepath.Join(certs, "ca.crt")); err != nil {
+	if err := d.objects(ctx, c); err != nil {
 		return err
 	}
-	if err := d.waitHTTP(ctx, "http://"+proxyHTTP+"/readyz", "proxy"); err != nil {
-		return err
-	}
-	registry := filepath.Join(d.dir, "registry.yaml")
-	if err := os.WriteFile(registry, []byte(fmt.Sprintf("drivers:\n  - name: %s\n    controller: {address: %q}\n", d.cfg.Driver, proxyAddr)), 0o644); err != nil {
-		return err
-	}
-	brokerHTTP, err := freeAddr()
+	ok, err := d.watch(ctx, c)
 	if err != nil {
 		return err
 	}
-	sockets := filepath.Join(d.dir, "sockets", "front")
-	status := filepath.Join(d.dir, "sockets", "status.sock")
-	if err := d.start(ctx, exe, "broker", "--driver-registry", registry, "--socket-dir", sockets, "--status-socket", status,
-		"--http-endpoint", brokerHTTP, "--trust-domain", d.cfg.TrustDomain, "--v", "4",
-		"--tls-cert", filepath.Join(certs, "broker.crt"), "--tls-key", filepath.Join(certs, "broker.key"), "--tls-ca", filepath.Join(certs, "ca.crt")); err != nil {
+	d.csiCall(ctx, front)
+	if err := d.showStatus(ctx, status); err != nil {
 		return err
 	}
-	front := filepath.Join(sockets, d.cfg.Driver+".sock")
-	if err := d.waitFile(ctx, front, "broker front end"); err != nil {
+	if err := d.showMetrics(ctx, metricsURL); err != nil {
 		return err
 	}
-	if err := d.waitHTTP(ctx, "http://"+brokerHTTP+"/healthz", "broker"); err != nil {
-		return err
-	}
-	d.step("sample driver → proxy (mTLS on %s) → broker; CSI front end at %s", proxyAddr, front)
-
-	if err := d.calls(ctx, front); err != nil {
-		return err
+	if err := d.showTrace(ctx, c); err != nil {
+		fmt.Fprintf(d.out, "    (no trace: %v)\n", err)
 	}
 	if err := d.checkNoSecret(); err != nil {
 		return err
 	}
-	if err := d.showStatus(ctx, status); err != nil {
-		return err
-	}
-	if err := d.showMetrics(ctx, "http://"+brokerHTTP+"/metrics"); err != nil {
-		return err
+	if !ok {
+		return errors.New("not every claim was Bound, or the denial did not happen")
 	}
 	if d.cfg.Wait {
-		d.step("running; the front end is %s, status: csibroker status --socket %s; Ctrl-C stops everything", front, status)
+		d.step("running; kubeconfig %s; front end %s; status: csibroker status --socket %s; Ctrl-C stops everything", d.env.Kubeconfig, front, status)
 		select {
 		case <-ctx.Done():
 		case <-d.anyExited():
 			return errors.New("a component exited; see the logs")
 		}
 	}
-	d.step("done: the CSI calls went through the broker and the proxy; stopping")
+	d.step("done: every claim is Bound and the forbidden secret was refused; stopping")
 	return nil
 }
 
-func (d *demo) calls(ctx context.Context, front string) error {
+// cluster makes what kubelet and node-driver-registrar would: nodes and their
+// CSINodes; and installs the SecretGrant CRD.
+func (d *demo) cluster(ctx context.Context, c kubernetes.Interface, crdPath string) error {
+	d.step("registering two nodes in zones zone-a and zone-b, with both drivers on each")
+	for _, n := range []struct{ name, zone string }{{"node-a", "zone-a"}, {"node-b", "zone-b"}} {
+		if _, err := d.env.AddNodes(ctx, testenv.NodeSpec{Name: n.name, Zone: n.zone, Region: "local"}); err != nil {
+			return err
+		}
+		if err := d.env.AddCSINode(ctx, n.name, demoAlpha, n.name, nil); err != nil {
+			return err
+		}
+		if err := d.env.AddCSINode(ctx, n.name, demoBeta, n.name, []string{testenv.LabelZone}); err != nil {
+			return err
+		}
+	}
+	d.step("installing the SecretGrant CRD from %s", crdPath)
+	raw, err := os.ReadFile(crdPath)
+	if err != nil {
+		return err
+	}
+	obj, err := yamlObject(raw)
+	if err != nil {
+		return fmt.Errorf("%s: %w", crdPath, err)
+	}
+	dyn, err := dynamic.NewForConfig(d.env.RESTConfig())
+	if err != nil {
+		return err
+	}
+	crdRes := schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+	if _, err := dyn.Resource(crdRes).Create(ctx, obj, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create CRD: %w", err)
+	}
+	return testenv.WaitFor(ctx, 30*time.Second, "SecretGrant CRD established", func(ctx context.Context) (bool, string, error) {
+		u, err := dyn.Resource(crdRes).Get(ctx, obj.GetName(), metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		conds, _, _ := unstructured.NestedSlice(u.Object, "status", "conditions")
+		for _, cd := range conds {
+			if m, ok := cd.(map[string]any); ok && m["type"] == "Established" && m["status"] == "True" {
+				return true, "", nil
+			}
+		}
+		return false, "not established", nil
+	})
+}
+
+func yamlObject(raw []byte) (*unstructured.Unstructured, error) {
+	var v any
+	if err := yaml.Unmarshal(raw, &v); err != nil {
+		return nil, err
+	}
+	b, err := json.Marshal(v)
+	if err != nil {
+		return nil, err
+	}
+	var m map[string]any
+	if err := json.Unmarshal(b, &m); err != nil {
+		return nil, err
+	}
+	return &unstructured.Unstructured{Object: m}, nil
+}
+
+// components starts the drivers, their proxies and the broker as processes.
+func (d *demo) components(ctx context.Context) (front, status, metricsURL string, err error) {
+	certs := filepath.Join(d.dir, "certs")
+	if _, err := mtls.WriteDevCerts(mtls.DevCertsOptions{Dir: certs, TrustDomain: d.cfg.TrustDomain, Drivers: []string{demoAlpha, demoBeta}, Validity: 24 * time.Hour}); err != nil {
+		return "", "", "", err
+	}
+	d.step("minted a dev CA and the broker's and proxies' certificates (SPIFFE IDs in trust domain %s)", d.cfg.TrustDomain)
+	registry := "drivers:\n"
+	for _, drv := range []struct{ name, extra string }{
+		{demoAlpha, ""},
+		{demoBeta, "--controller-segment=topology.kubernetes.io/zone=zone-a --controller-segment=topology.kubernetes.io/zone=zone-b"},
+	} {
+		short := strings.SplitN(drv.name, ".", 2)[0]
+		sock := filepath.Join(d.dir, "sockets", short+".sock")
+		args := []string{"sample-driver", "--endpoint", "unix://" + sock, "--name", drv.name, "--node-id", "node-a", "--nodes", "*",
+			"--state-dir", filepath.Join(d.dir, "state", short), "--capacity", "100Gi"}
+		if drv.extra != "" {
+			args = append(args, strings.Fields(drv.extra)...)
+		}
+		if err := d.start(short+"-driver", nil, args...); err != nil {
+			return "", "", "", err
+		}
+		if err := d.waitFile(ctx, sock, short+" driver"); err != nil {
+			return "", "", "", err
+		}
+		addr, err := freeAddr()
+		if err != nil {
+			return "", "", "", err
+		}
+		health, err := freeAddr()
+		if err != nil {
+			return "", "", "", err
+		}
+		if err := d.start(short+"-proxy", d.traceEnv("csibroker-proxy-"+short), "proxy", "--driver-endpoint", "unix://"+sock, "--listen", addr, "--http-endpoint", health,
+			"--trust-domain", d.cfg.TrustDomain, "--tls-cert", filepath.Join(certs, "proxy-"+drv.name+".crt"),
+			"--tls-key", filepath.Join(certs, "proxy-"+drv.name+".key"), "--tls-ca", filepath.Join(certs, "ca.crt")); err != nil {
+			return "", "", "", err
+		}
+		if err := d.waitHTTP(ctx, "http://"+health+"/readyz", short+" proxy"); err != nil {
+			return "", "", "", err
+		}
+		registry += fmt.Sprintf("  - name: %s\n    controller: {address: %q}\n", drv.name, addr)
+	}
+	regFile := filepath.Join(d.dir, "registry.yaml")
+	if err := os.WriteFile(regFile, []byte(registry), 0o644); err != nil {
+		return "", "", "", err
+	}
+	if _, err := d.env.Client().CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: brokerNS}}, metav1.CreateOptions{}); err != nil {
+		return "", "", "", err
+	}
+	httpAddr, err := freeAddr()
+	if err != nil {
+		return "", "", "", err
+	}
+	sockets := filepath.Join(d.dir, "sockets", "front")
+	status = filepath.Join(d.dir, "sockets", "status.sock")
+	if err := d.start("broker", d.traceEnv("csibroker-broker"), "broker", "--driver-registry", regFile, "--socket-dir", sockets, "--status-socket", status,
+		"--http-endpoint", httpAddr, "--trust-domain", d.cfg.TrustDomain, "--v", "0",
+		"--tls-cert", filepath.Join(certs, "broker.crt"), "--tls-key", filepath.Join(certs, "broker.key"), "--tls-ca", filepath.Join(certs, "ca.crt"),
+		"--kubernetes", "on", "--kubeconfig", d.env.Kubeconfig, "--namespace", brokerNS, "--leader-election", "--identity", "broker-0",
+		"--policy-mode", "enforce", "--retry-interval-start", "500ms", "--retry-interval-max", "5s"); err != nil {
+		return "", "", "", err
+	}
+	front = filepath.Join(sockets, demoAlpha+".sock")
+	if err := d.waitFile(ctx, front, "broker front end"); err != nil {
+		return "", "", "", err
+	}
+	if err := d.waitHTTP(ctx, "http://"+httpAddr+"/healthz", "broker"); err != nil {
+		return "", "", "", err
+	}
+	d.step("broker running: two drivers, each behind its proxy over mTLS; leader election, secret policy enforced")
+	return front, status, "http://" + httpAddr + "/metrics", nil
+}
+
+// traceEnv makes a component print its spans (JSON) to standard output,
+// which the demo reads back to show a trace.
+func (d *demo) traceEnv(service string) []string {
+	return []string{"OTEL_TRACES_EXPORTER=console", "OTEL_SERVICE_NAME=" + service, "OTEL_BSP_SCHEDULE_DELAY=200"}
+}
+
+// objects applies what a cluster admin and a user would.
+func (d *demo) objects(ctx context.Context, c kubernetes.Interface) error {
+	d.step("applying: namespace %s, a secret, a SecretGrant for %s only, three StorageClasses, four claims and a pod", demoNS, demoAlpha)
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: demoNS}}, metav1.CreateOptions{}); err != nil {
+		return err
+	}
+	if _, err := c.CoreV1().ServiceAccounts(demoNS).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}}, metav1.CreateOptions{}); err != nil && !strings.Contains(err.Error(), "already exists") {
+		return err
+	}
+	if _, err := c.CoreV1().Secrets(demoNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "alpha-creds"},
+		StringData: map[string]string{"password": demoSecret}}, metav1.CreateOptions{}); err != nil {
+		return err
+	}
+	dyn, err := dynamic.NewForConfig(d.env.RESTConfig())
+	if err != nil {
+		return err
+	}
+	grant := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "policy.csibroker.io/v1alpha1", "kind": "SecretGrant",
+		"metadata": map[string]any{"name": "alpha-may-use-alpha-creds", "namespace": demoNS},
+		"spec": map[string]any{"drivers": []any{demoAlpha}, "secretNames": []any{"alpha-creds"},
+			"operations": []any{"CreateVolume", "DeleteVolume"}, "requesters": map[string]any{"namespaces": []any{demoNS}}},
+	}}
+	if _, err := dyn.Resource(schema.GroupVersionResource{Group: "policy.csibroker.io", Version: "v1alpha1", Resource: "secretgrants"}).Namespace(demoNS).Create(ctx, grant, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create SecretGrant: %w", err)
+	}
+	imm, wffc, del := storagev1.VolumeBindingImmediate, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
+	creds := map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "alpha-creds", "csi.storage.k8s.io/provisioner-secret-namespace": demoNS}
+	for _, sc := range []storagev1.StorageClass{
+		{ObjectMeta: metav1.ObjectMeta{Name: "alpha-fast"}, Provisioner: demoAlpha, VolumeBindingMode: &imm, ReclaimPolicy: &del, Parameters: creds},
+		{ObjectMeta: metav1.ObjectMeta{Name: "beta-zonal"}, Provisioner: demoBeta, VolumeBindingMode: &wffc, ReclaimPolicy: &del, Parameters: map[string]string{"tier": "premium"}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "beta-borrows-alpha-creds"}, Provisioner: demoBeta, VolumeBindingMode: &imm, ReclaimPolicy: &del, Parameters: creds},
+	} {
+		if _, err := c.StorageV1().StorageClasses().Create(ctx, &sc, metav1.CreateOptions{}); err != nil {
+			return err
+		}
+	}
+	for _, cl := range []struct{ name, class string }{{"alpha-1", "alpha-fast"}, {"alpha-2", "alpha-fast"}, {"beta-1", "beta-zonal"}, {"beta-denied", "beta-borrows-alpha-creds"}} {
+		class := cl.class
+		pvc := &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: cl.name, Namespace: demoNS}, Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce}, StorageClassName: &class,
+			Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}}}}
+		if _, err := c.CoreV1().PersistentVolumeClaims(demoNS).Create(ctx, pvc, metav1.CreateOptions{}); err != nil {
+			return err
+		}
+	}
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "app", Namespace: demoNS}, Spec: corev1.PodSpec{
+		Containers: []corev1.Container{{Name: "app", Image: "busybox", Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("10m")}}}},
+		Volumes:    []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "beta-1"}}}}}}
+	_, err = c.CoreV1().Pods(demoNS).Create(ctx, pod, metav1.CreateOptions{})
+	return err
+}
+
+// watch shows the claims' progress until all expected outcomes happened.
+func (d *demo) watch(ctx context.Context, c kubernetes.Interface) (bool, error) {
+	d.step("waiting for the claims (alpha-1, alpha-2 Immediate; beta-1 WaitForFirstConsumer, used by pod app) and for the refusal of beta-denied")
+	deadline := time.Now().Add(d.cfg.Timeout)
+	last := ""
+	for {
+		pvcs, err := c.CoreV1().PersistentVolumeClaims(demoNS).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		bound := 0
+		var line []string
+		for _, p := range pvcs.Items {
+			line = append(line, fmt.Sprintf("%s=%s", p.Name, p.Status.Phase))
+			if p.Status.Phase == corev1.ClaimBound {
+				bound++
+			}
+		}
+		sort.Strings(line)
+		denial := d.denialEvent(ctx, c)
+		state := strings.Join(line, " ")
+		if denial != "" {
+			state += " beta-denied:refused"
+		}
+		if state != last {
+			fmt.Fprintf(d.out, "    %s  %s\n", time.Now().Format("15:04:05"), state)
+			last = state
+		}
+		if bound == 3 && denial != "" {
+			d.step("claims")
+			d.printClaims(ctx, c, pvcs.Items)
+			d.step("the refused claim's Event")
+			fmt.Fprintf(d.out, "    %s\n", denial)
+			return true, nil
+		}
+		if time.Now().After(deadline) {
+			d.printClaims(ctx, c, pvcs.Items)
+			return false, nil
+		}
+		select {
+		case <-ctx.Done():
+			return false, ctx.Err()
+		case <-d.anyExited():
+			return false, errors.New("a component exited; see the logs")
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+}
+
+func (d *demo) denialEvent(ctx context.Context, c kubernetes.Interface) string {
+	evs, err := c.CoreV1().Events(demoNS).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=beta-denied"})
+	if err != nil {
+		return ""
+	}
+	for _, e := range evs.Items {
+		if e.Reason == "ProvisioningFailed" && strings.Contains(e.Message, "denied by policy") {
+			return e.Type + " " + e.Reason + ": " + e.Message
+		}
+	}
+	return ""
+}
+
+func (d *demo) printClaims(ctx context.Context, c kubernetes.Interface, claims []corev1.PersistentVolumeClaim) {
+	tw := tabwriter.NewWriter(d.out, 2, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "    CLAIM\tSTATUS\tVOLUME\tDRIVER\tVOLUME ID\tNODE AFFINITY")
+	for _, p := range claims {
+		drv, id, aff := "", "", ""
+		if p.Spec.VolumeName != "" {
+			if pv, err := c.CoreV1().PersistentVolumes().Get(ctx, p.Spec.VolumeName, metav1.GetOptions{}); err == nil && pv.Spec.CSI != nil {
+				drv, id = pv.Spec.CSI.Driver, pv.Spec.CSI.VolumeHandle
+				if na := pv.Spec.NodeAffinity; na != nil && na.Required != nil {
+					for _, t := range na.Required.NodeSelectorTerms {
+						for _, e := range t.MatchExpressions {
+							aff += e.Key + "=" + strings.Join(e.Values, ",") + " "
+						}
+					}
+				}
+			}
+		}
+		fmt.Fprintf(tw, "    %s\t%s\t%s\t%s\t%s\t%s\n", p.Name, p.Status.Phase, p.Spec.VolumeName, drv, id, strings.TrimSpace(aff))
+	}
+	tw.Flush()
+}
+
+// csiCall shows that the broker's front end serves ordinary CSI clients too.
+func (d *demo) csiCall(ctx context.Context, front string) {
 	conn, err := grpc.NewClient("unix://"+front, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
-		return err
+		return
 	}
 	defer conn.Close()
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	ident, ctrl := csi.NewIdentityClient(conn), csi.NewControllerClient(conn)
-	timed := func(what string, f func() (string, error)) error {
-		start := time.Now()
-		res, err := f()
-		if err != nil {
-			return fmt.Errorf("%s: %w", what, err)
-		}
-		fmt.Fprintf(d.out, "    %-28s %8s  %s\n", what, time.Since(start).Round(10*time.Microsecond), res)
-		return nil
-	}
-	d.step("CSI calls through the broker's front-end socket")
-	var volID string
-	steps := []struct {
-		what string
-		f    func() (string, error)
-	}{
-		{"GetPluginInfo", func() (string, error) {
-			r, err := ident.GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
-			return fmt.Sprintf("name=%s version=%s", r.GetName(), r.GetVendorVersion()), err
-		}},
-		{"Probe", func() (string, error) {
-			r, err := ident.Probe(ctx, &csi.ProbeRequest{})
-			return fmt.Sprintf("ready=%v", r.GetReady().GetValue()), err
-		}},
-		{"CreateVolume (with a secret)", func() (string, error) {
-			r, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{
-				Name:               "demo-volume",
-				CapacityRange:      &csi.CapacityRange{RequiredBytes: 1 << 30},
-				VolumeCapabilities: []*csi.VolumeCapability{{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}}, AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}},
-				Secrets:            map[string]string{"password": demoSecret},
-			})
-			volID = r.GetVolume().GetVolumeId()
-			return fmt.Sprintf("id=%s bytes=%d topology=%v", volID, r.GetVolume().GetCapacityBytes(), r.GetVolume().GetAccessibleTopology()), err
-		}},
-		{"ListVolumes", func() (string, error) {
-			r, err := ctrl.ListVolumes(ctx, &csi.ListVolumesRequest{})
-			return fmt.Sprintf("%d volume(s)", len(r.GetEntries())), err
-		}},
-		{"GetCapacity", func() (string, error) {
-			r, err := ctrl.GetCapacity(ctx, &csi.GetCapacityRequest{})
-			return fmt.Sprintf("available=%d bytes", r.GetAvailableCapacity()), err
-		}},
-		{"DeleteVolume", func() (string, error) {
-			_, err := ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: volID})
-			return "deleted " + volID, err
-		}},
-	}
-	for _, s := range steps {
-		if err := timed(s.what, s.f); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// demoSecret is sent in CreateVolume; it must appear in no log file, though the
-// broker runs at debug verbosity and logs every request.
-const demoSecret = "demo-secret-never-logged"
-
-func (d *demo) checkNoSecret() error {
-	files, err := filepath.Glob(filepath.Join(d.dir, "logs", "*.log"))
+	start := time.Now()
+	r, err := csi.NewControllerClient(conn).ListVolumes(ctx, &csi.ListVolumesRequest{})
 	if err != nil {
-		return err
+		fmt.Fprintf(d.out, "==> ListVolumes through the front end failed: %v\n", err)
+		return
 	}
-	lines := 0
-	for _, f := range files {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			return err
-		}
-		if strings.Contains(string(b), demoSecret) {
-			return fmt.Errorf("the secret sent in CreateVolume appears in %s", f)
-		}
-		lines += strings.Count(string(b), "\n")
-	}
-	d.step("the secret sent in CreateVolume appears in none of the %d log lines (the broker logs at debug verbosity)", lines)
-	return nil
+	d.step("an ordinary CSI client on the broker's front-end socket %s: ListVolumes → %d volume(s) of %s in %v", front, len(r.GetEntries()), demoAlpha, time.Since(start).Round(10*time.Microsecond))
 }
 
 func (d *demo) showStatus(ctx context.Context, socket string) error {
@@ -287,33 +500,166 @@ func (d *demo) showMetrics(ctx context.Context, url string) error {
 		return fmt.Errorf("metrics: %w", err)
 	}
 	defer resp.Body.Close()
-	d.step("broker metrics (csi_sidecar_operations_seconds_count)")
+	d.step("broker metrics (%s, selected)", url)
 	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
-		if line := sc.Text(); strings.HasPrefix(line, "csi_sidecar_operations_seconds_count") {
-			fmt.Fprintln(d.out, "    "+line)
+		line := sc.Text()
+		for _, p := range []string{"csibroker_provision_operations_total{", "csibroker_secret_policy_decisions_total{", "csibroker_leader ", "csi_sidecar_operations_seconds_count{"} {
+			if strings.HasPrefix(line, p) {
+				fmt.Fprintln(d.out, "    "+line)
+			}
 		}
 	}
 	return sc.Err()
 }
 
-func (d *demo) start(ctx context.Context, exe string, args ...string) error {
-	name := args[0]
+// span is the part of the console exporter's JSON the demo reads.
+type span struct {
+	Name        string
+	SpanContext struct{ TraceID, SpanID string }
+	Parent      struct{ SpanID string }
+	SpanKind    int
+	StartTime   time.Time
+	EndTime     time.Time
+	Resource    []struct {
+		Key   string
+		Value struct{ Value any }
+	}
+}
+
+func (s span) service() string {
+	for _, r := range s.Resource {
+		if r.Key == "service.name" {
+			return fmt.Sprint(r.Value.Value)
+		}
+	}
+	return "?"
+}
+
+// showTrace prints the trace of alpha-1's provisioning (its ID is in the
+// claim's Events) as a tree, from the spans the broker and proxies printed.
+func (d *demo) showTrace(ctx context.Context, c kubernetes.Interface) error {
+	evs, err := c.CoreV1().Events(demoNS).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=alpha-1"})
+	if err != nil {
+		return err
+	}
+	traceID := ""
+	for _, e := range evs.Items {
+		if e.Reason == "ProvisioningSucceeded" {
+			if i := strings.LastIndex(e.Message, "(trace "); i >= 0 {
+				traceID = strings.TrimSuffix(e.Message[i+len("(trace "):], ")")
+			}
+		}
+	}
+	if traceID == "" {
+		return errors.New("no trace ID in alpha-1's Events")
+	}
+	var spans []span
+	for end := time.Now().Add(5 * time.Second); ; {
+		spans = spans[:0]
+		files, _ := filepath.Glob(filepath.Join(d.dir, "logs", "*.stdout"))
+		for _, f := range files {
+			fh, err := os.Open(f)
+			if err != nil {
+				continue
+			}
+			dec := json.NewDecoder(fh)
+			for {
+				var s span
+				if err := dec.Decode(&s); err != nil {
+					break
+				}
+				if s.SpanContext.TraceID == traceID {
+					spans = append(spans, s)
+				}
+			}
+			fh.Close()
+		}
+		if len(spans) >= 5 || time.Now().After(end) {
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if len(spans) == 0 {
+		return fmt.Errorf("no span of trace %s was exported", traceID)
+	}
+	d.step("trace %s: provisioning of %s/alpha-1, %d spans from broker and proxy", traceID, demoNS, len(spans))
+	children := map[string][]span{}
+	ids := map[string]bool{}
+	for _, s := range spans {
+		ids[s.SpanContext.SpanID] = true
+	}
+	var roots []span
+	for _, s := range spans {
+		if s.Parent.SpanID == "" || s.Parent.SpanID == "0000000000000000" || !ids[s.Parent.SpanID] {
+			roots = append(roots, s)
+		} else {
+			children[s.Parent.SpanID] = append(children[s.Parent.SpanID], s)
+		}
+	}
+	kinds := map[int]string{1: "internal", 2: "server", 3: "client"}
+	var walk func(s span, depth int)
+	walk = func(s span, depth int) {
+		fmt.Fprintf(d.out, "    %s%-*s %-24s %-8s %9s\n", strings.Repeat("  ", depth), 52-2*depth, s.Name, s.service(), kinds[s.SpanKind], s.EndTime.Sub(s.StartTime).Round(10*time.Microsecond))
+		kids := children[s.SpanContext.SpanID]
+		sort.Slice(kids, func(i, j int) bool { return kids[i].StartTime.Before(kids[j].StartTime) })
+		for _, k := range kids {
+			walk(k, depth+1)
+		}
+	}
+	sort.Slice(roots, func(i, j int) bool { return roots[i].StartTime.Before(roots[j].StartTime) })
+	for _, r := range roots {
+		walk(r, 0)
+	}
+	return nil
+}
+
+func (d *demo) checkNoSecret() error {
+	files, err := filepath.Glob(filepath.Join(d.dir, "logs", "*"))
+	if err != nil {
+		return err
+	}
+	lines := 0
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return err
+		}
+		if strings.Contains(string(b), demoSecret) {
+			return fmt.Errorf("the secret's value appears in %s", f)
+		}
+		lines += strings.Count(string(b), "\n")
+	}
+	d.step("the secret's value appears in none of the %d lines of logs and exported spans", lines)
+	return nil
+}
+
+// start runs a subcommand of this binary; stderr goes to logs/<name>.log and
+// stdout (exported spans) to logs/<name>.stdout.
+func (d *demo) start(name string, env []string, args ...string) error {
 	logf, err := os.Create(filepath.Join(d.dir, "logs", name+".log"))
 	if err != nil {
 		return err
 	}
-	cmd := exec.Command(exe, args...)
-	cmd.Stdout, cmd.Stderr = logf, logf
+	outf, err := os.Create(filepath.Join(d.dir, "logs", name+".stdout"))
+	if err != nil {
+		logf.Close()
+		return err
+	}
+	cmd := exec.Command(d.exe, args...)
+	cmd.Stdout, cmd.Stderr = outf, logf
+	cmd.Env = append(os.Environ(), env...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		logf.Close()
+		outf.Close()
 		return fmt.Errorf("start %s: %w", name, err)
 	}
 	p := &demoProc{name: name, cmd: cmd, done: make(chan struct{})}
-	go func() { p.err = cmd.Wait(); logf.Close(); close(p.done) }()
+	go func() { p.err = cmd.Wait(); logf.Close(); outf.Close(); close(p.done) }()
 	d.procs = append(d.procs, p)
-	d.step("started %s (pid %d), log %s", name, cmd.Process.Pid, logf.Name())
+	fmt.Fprintf(d.out, "    started %s (pid %d)\n", name, cmd.Process.Pid)
 	return nil
 }
 
@@ -332,7 +678,8 @@ func (d *demo) anyExited() <-chan struct{} {
 	return ch
 }
 
-// stopAll stops the children in reverse order: SIGTERM, then SIGKILL after 10s.
+// stopAll stops the children in reverse order (SIGTERM, then SIGKILL after
+// 10s), then the control plane.
 func (d *demo) stopAll() {
 	for i := len(d.procs) - 1; i >= 0; i-- {
 		p := d.procs[i]
@@ -343,6 +690,9 @@ func (d *demo) stopAll() {
 			_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
 			<-p.done
 		}
+	}
+	if d.env != nil {
+		d.env.Stop()
 	}
 	if !d.cfg.Keep && d.cfg.Dir == "" && d.dir != "" {
 		os.RemoveAll(d.dir)
@@ -365,7 +715,7 @@ func (d *demo) waitHTTP(ctx context.Context, url, what string) error {
 }
 
 func (d *demo) waitFor(ctx context.Context, what string, ok func() bool) error {
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(30 * time.Second)
 	for !ok() {
 		for _, p := range d.procs {
 			select {
@@ -375,7 +725,7 @@ func (d *demo) waitFor(ctx context.Context, what string, ok func() bool) error {
 			}
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("%s not ready after 20s", what)
+			return fmt.Errorf("%s not ready after 30s", what)
 		}
 		select {
 		case <-ctx.Done():
