@@ -1,0 +1,896 @@
+package k8sbridge
+
+// Storage capacity (external-provisioner's --enable-capacity, done once for
+// every driver): one CSIStorageCapacity object per (driver, StorageClass,
+// topology segment), kept equal to what the driver's GetCapacity reports, so
+// that the scheduler only picks nodes whose segment has room for a
+// WaitForFirstConsumer volume.
+//
+// What exists is decided from the informer caches (pure, cheap):
+//
+//   - drivers: the registered ones (Drivers.DriverNames) whose capabilities
+//     include GET_CAPACITY;
+//   - classes: every StorageClass whose provisioner is the driver;
+//   - segments: the distinct values of the driver's topology keys over the
+//     nodes whose CSINode lists the driver (a driver without topology keys
+//     gets no objects: as upstream, capacity needs topology). A node-local
+//     driver gets one segment per node that runs it, keyed by
+//     kubernetes.io/hostname, and its GetCapacity goes to that node's proxy.
+//
+// Each (driver, class, segment) is a key of one rate-limited workqueue; a
+// worker asks the driver (class parameters without csi.storage.k8s.io/ keys,
+// a generic mount capability, the segment as accessible topology) and
+// creates, updates (only when capacity, maximum volume size, labels or owner
+// differ) or deletes the object. Keys are queued when the caches change
+// (classes, CSINodes, node labels), when the set of registered drivers
+// changes, and every capacityPollInterval. An object whose key is no longer
+// wanted (class deleted, segment gone, driver unregistered or without
+// GET_CAPACITY) is deleted; an object is never deleted because GetCapacity
+// failed: it keeps its last value and the key is retried with backoff, as
+// upstream does (a missing object makes the scheduler refuse every node of
+// the segment, a stale one at worst costs one rescheduling).
+//
+// Objects live in the broker's namespace, labelled csibroker.io/driver and
+// app.kubernetes.io/managed-by=csibroker, and are owned by the intent
+// ConfigMap (csibroker-intents) of the same namespace: a namespaced object can
+// only be owned by an object of its own namespace; the ConfigMap is the one
+// object every broker installation has there, it outlives any one replica
+// (a Pod owner would take the objects with it on every leader change) and it
+// is found or created by the broker itself (no RBAC on Deployments or
+// ReplicaSets, no downward API). Deleting the namespace, or the ConfigMap
+// once the broker is uninstalled, lets the garbage collector remove the
+// objects. (A running broker recreates a deleted ConfigMap, as the intent
+// record does, and then its objects under the new one.)
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+	otelcodes "go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/time/rate"
+	"google.golang.org/grpc"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+)
+
+// capacityPollInterval is how often every capacity object is refreshed from
+// its driver (external-provisioner's --capacity-poll-interval, same
+// default). Capacity changes the broker cannot see (volumes made by others,
+// a pool grown) show after at most this long. Tests lower it.
+var capacityPollInterval = time.Minute
+
+// capacityRegistryInterval is how often the set of registered drivers is
+// compared with the last one seen (an in-memory check, no API call), so a
+// driver registered or removed by proxy discovery gets or loses its objects
+// without waiting for a poll.
+var capacityRegistryInterval = 5 * time.Second
+
+// capacityWorkers is how many keys are refreshed at once (one key is never
+// refreshed twice at the same time).
+const capacityWorkers = 4
+
+// Labels of the capacity objects; the managed-by label selects what the
+// controller watches and may delete.
+const (
+	capacityLabelDriver    = "csibroker.io/driver"
+	capacityLabelManagedBy = "app.kubernetes.io/managed-by"
+	capacityManagedBy      = "csibroker"
+	capacityGenerateName   = "csisc-"
+	capacityIndex          = "capacityKey"
+	// capacityBadSegment is the segment of an object whose nodeTopology this
+	// controller would not have written; such objects are never wanted.
+	capacityBadSegment = "!unrecognised"
+)
+
+func init() { extraControllers = append(extraControllers, newCapacityController) }
+
+// capacityKey names one CSIStorageCapacity object.
+type capacityKey struct {
+	driver, class string
+	// segment is the canonical form of the topology segment (topoTerm.String).
+	segment string
+}
+
+func (k capacityKey) String() string { return k.driver + "\x00" + k.class + "\x00" + k.segment }
+
+func parseCapacityKey(s string) (capacityKey, bool) {
+	parts := strings.Split(s, "\x00")
+	if len(parts) != 3 {
+		return capacityKey{}, false
+	}
+	return capacityKey{driver: parts[0], class: parts[1], segment: parts[2]}, true
+}
+
+// capacitySegment is one topology segment of a driver.
+type capacitySegment struct {
+	// term is the segment: the object's nodeTopology matches exactly its
+	// labels.
+	term topoTerm
+	// request is the accessible topology sent with GetCapacity: term, or for
+	// a node-local driver the node's values of the driver's own topology keys
+	// when its CSINode lists some (the keys the driver understands).
+	request topoTerm
+	// node is the node whose proxy answers GetCapacity (node-local drivers).
+	node string
+}
+
+// capacitySegments returns the topology segments a driver's capacity is
+// tracked for, sorted, from its view of every node (NewTopologyNode).
+//
+// A node that does not run the driver (nil DriverKeys) gives nothing. For a
+// central driver each node that lists topology keys and carries a label for
+// each of them gives the segment of those labels; equal segments are merged;
+// a driver whose nodes list no keys has no segments. For a node-local driver
+// every node that runs it and has a kubernetes.io/hostname label is a segment
+// of its own.
+func capacitySegments(nodes []TopologyNode, nodeLocal bool) []capacitySegment {
+	seen := map[string]bool{}
+	var out []capacitySegment
+	for _, n := range nodes {
+		if n.DriverKeys == nil {
+			continue
+		}
+		var seg capacitySegment
+		if nodeLocal {
+			host := n.Labels[corev1.LabelHostname]
+			if host == "" || n.Name == "" {
+				continue
+			}
+			seg = capacitySegment{term: topoTerm{{corev1.LabelHostname, host}}, node: n.Name}
+			seg.request = seg.term
+			if len(n.DriverKeys) > 0 {
+				if own, missing := topoTermFromLabels(n.Labels, n.DriverKeys); len(missing) == 0 {
+					seg.request = own
+				}
+			}
+		} else {
+			if len(n.DriverKeys) == 0 {
+				continue
+			}
+			term, missing := topoTermFromLabels(n.Labels, n.DriverKeys)
+			if len(missing) > 0 {
+				continue
+			}
+			seg = capacitySegment{term: term, request: term}
+		}
+		if s := seg.term.String(); !seen[s] {
+			seen[s] = true
+			out = append(out, seg)
+		}
+	}
+	slices.SortFunc(out, func(a, b capacitySegment) int { return cmp.Compare(a.term.String(), b.term.String()) })
+	return out
+}
+
+// CapacityRequest is what the driver is asked for one class and segment:
+// the class's parameters without the csi.storage.k8s.io/ keys (they are the
+// provisioner's, not the driver's), one generic mount capability (the
+// class's fstype and mount options, single-node writer: capacity is assumed
+// not to depend on the access mode, and the spec requires a capability), and
+// the segment as accessible topology.
+func CapacityRequest(class *storagev1.StorageClass, segment map[string]string) *csi.GetCapacityRequest {
+	params := map[string]string{}
+	for k, v := range class.Parameters {
+		if !strings.HasPrefix(k, ParameterPrefix) {
+			params[k] = v
+		}
+	}
+	req := &csi.GetCapacityRequest{
+		Parameters: params,
+		VolumeCapabilities: []*csi.VolumeCapability{{
+			AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{
+				FsType: class.Parameters[ParamFSType], MountFlags: slices.Clone(class.MountOptions)}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+		}},
+	}
+	if len(segment) > 0 {
+		req.AccessibleTopology = &csi.Topology{Segments: maps.Clone(segment)}
+	}
+	return req
+}
+
+func (t topoTerm) labels() map[string]string {
+	m := make(map[string]string, len(t))
+	for _, s := range t {
+		m[s.key] = s.value
+	}
+	return m
+}
+
+// capacityKeyOf is the key an existing object stands for.
+func capacityKeyOf(csc *storagev1.CSIStorageCapacity) capacityKey {
+	k := capacityKey{driver: csc.Labels[capacityLabelDriver], class: csc.StorageClassName, segment: capacityBadSegment}
+	if sel := csc.NodeTopology; sel != nil && len(sel.MatchExpressions) == 0 && len(sel.MatchLabels) > 0 {
+		t := make(topoTerm, 0, len(sel.MatchLabels))
+		for key, v := range sel.MatchLabels {
+			t = append(t, topoSegment{key, v})
+		}
+		t.sort()
+		k.segment = t.String()
+	}
+	return k
+}
+
+// capacityItem is a wanted object and how to ask for its value.
+type capacityItem struct {
+	segment  capacitySegment
+	nodeLoc  bool
+	selector map[string]string
+	// classUID tells a class deleted and created again under the same name
+	// (maybe with other parameters) from the one the object was made for.
+	classUID types.UID
+}
+
+// sameRequest reports whether a and b ask the driver the same question.
+func (a capacityItem) sameRequest(b capacityItem) bool {
+	return a.classUID == b.classUID && a.nodeLoc == b.nodeLoc && a.segment.node == b.segment.node &&
+		a.segment.request.compare(b.segment.request) == 0
+}
+
+// capacityController keeps the CSIStorageCapacity objects. Its informer,
+// queue and bookkeeping exist only while this replica leads.
+type capacityController struct {
+	b   *Bridge
+	log *slog.Logger
+	// changed is nudged by informer handlers (while standing by too).
+	changed chan struct{}
+	// nodeCaps asks a node-local driver with no controller proxy for its
+	// capabilities through one of its node proxies.
+	nodeCaps *capsCache
+
+	refreshes *prometheus.CounterVec
+	writes    *prometheus.CounterVec
+
+	mu      sync.Mutex
+	queue   workqueue.TypedRateLimitingInterface[capacityKey]
+	indexer cache.Indexer
+	desired map[capacityKey]capacityItem
+	// written holds objects as this controller last wrote them until the
+	// informer shows that version, so a refresh never acts on a cache that
+	// has not seen the last write (no duplicate creates).
+	written map[capacityKey]*storagev1.CSIStorageCapacity
+	// deleting holds the UIDs this controller deleted and the informer has
+	// not yet reported gone.
+	deleting map[types.UID]bool
+	owner    *metav1.OwnerReference
+}
+
+func newCapacityController(b *Bridge) (controller, error) {
+	c := &capacityController{
+		b:       b,
+		log:     b.log.With("controller", "capacity"),
+		changed: make(chan struct{}, 1),
+		refreshes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "csibroker", Name: "capacity_refreshes_total",
+			Help: "CSIStorageCapacity refreshes by driver and result (unchanged, created, updated, removed, unsupported, failed).",
+		}, []string{"driver", "result"}),
+		writes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "csibroker", Name: "capacity_api_writes_total",
+			Help: "API writes made for CSIStorageCapacity objects, by operation (create, update, delete).",
+		}, []string{"operation"}),
+	}
+	c.nodeCaps = &capsCache{drivers: capacityNodeRouted{Drivers: b.cfg.Drivers, c: c}}
+	if reg := b.cfg.Registerer; reg != nil {
+		for _, col := range []prometheus.Collector{c.refreshes, c.writes} {
+			if err := reg.Register(col); err != nil {
+				return nil, fmt.Errorf("capacity metrics: %w", err)
+			}
+		}
+	}
+	b.metrics.queueDepth("capacity", c.queueLen)
+
+	nudge := func(any) { c.nudge() }
+	if _, err := b.factory.Storage().V1().StorageClasses().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		// Provisioner and parameters are immutable: only adds and deletes matter.
+		AddFunc: nudge, DeleteFunc: nudge,
+	}); err != nil {
+		return nil, err
+	}
+	if _, err := b.factory.Storage().V1().CSINodes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: nudge, DeleteFunc: nudge,
+		UpdateFunc: func(oldObj, newObj any) {
+			o, ok1 := oldObj.(*storagev1.CSINode)
+			n, ok2 := newObj.(*storagev1.CSINode)
+			if !ok1 || !ok2 || o.ResourceVersion != n.ResourceVersion {
+				c.nudge()
+			}
+		},
+	}); err != nil {
+		return nil, err
+	}
+	if _, err := b.factory.Core().V1().Nodes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: nudge, DeleteFunc: nudge,
+		// Nodes change all the time (heartbeats, conditions); only their
+		// labels make segments.
+		UpdateFunc: func(oldObj, newObj any) {
+			o, ok1 := oldObj.(*corev1.Node)
+			n, ok2 := newObj.(*corev1.Node)
+			if !ok1 || !ok2 || !maps.Equal(o.Labels, n.Labels) {
+				c.nudge()
+			}
+		},
+	}); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *capacityController) nudge() {
+	select {
+	case c.changed <- struct{}{}:
+	default:
+	}
+}
+
+func (c *capacityController) queueLen() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.queue == nil {
+		return 0
+	}
+	return c.queue.Len()
+}
+
+// run keeps the objects while ctx lasts (this replica leads).
+func (c *capacityController) run(ctx context.Context) {
+	// Only the broker's own objects are watched: its namespace, its label.
+	factory := informers.NewSharedInformerFactoryWithOptions(c.b.cfg.Client, c.b.cfg.ResyncPeriod,
+		informers.WithNamespace(c.b.cfg.Namespace),
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.LabelSelector = capacityLabelManagedBy + "=" + capacityManagedBy
+		}),
+		informers.WithTransform(stripBulk))
+	inf := factory.Storage().V1().CSIStorageCapacities().Informer()
+	if err := inf.AddIndexers(cache.Indexers{capacityIndex: func(obj any) ([]string, error) {
+		if csc, ok := obj.(*storagev1.CSIStorageCapacity); ok {
+			return []string{capacityKeyOf(csc).String()}, nil
+		}
+		return nil, nil
+	}}); err != nil {
+		c.log.Error("capacity informer index", "err", err)
+		return
+	}
+	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    c.onObjectSeen,
+		UpdateFunc: func(_, obj any) { c.onObjectSeen(obj) },
+		DeleteFunc: c.onObjectDeleted,
+	}); err != nil {
+		c.log.Error("capacity informer handler", "err", err)
+		return
+	}
+	queue := workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.NewTypedMaxOfRateLimiter(
+			workqueue.NewTypedItemExponentialFailureRateLimiter[capacityKey](c.b.cfg.RetryIntervalStart, c.b.cfg.RetryIntervalMax),
+			&workqueue.TypedBucketRateLimiter[capacityKey]{Limiter: rate.NewLimiter(rate.Limit(10), 100)}),
+		workqueue.TypedRateLimitingQueueConfig[capacityKey]{Name: "capacity"})
+	c.mu.Lock()
+	c.queue, c.indexer = queue, inf.GetIndexer()
+	c.desired, c.written, c.deleting, c.owner = map[capacityKey]capacityItem{}, map[capacityKey]*storagev1.CSIStorageCapacity{}, map[types.UID]bool{}, nil
+	c.mu.Unlock()
+
+	var wg sync.WaitGroup
+	defer func() {
+		queue.ShutDown()
+		wg.Wait()
+		factory.Shutdown() // ctx is done: the informer stops
+		c.mu.Lock()
+		c.queue, c.indexer, c.desired, c.written, c.deleting, c.owner = nil, nil, nil, nil, nil, nil
+		c.mu.Unlock()
+	}()
+	factory.Start(ctx.Done())
+	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+		return
+	}
+	registry := c.registryState()
+	c.reconcile()
+	for range capacityWorkers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for c.processNext(ctx, queue) {
+			}
+		}()
+	}
+	poll := time.NewTicker(capacityPollInterval)
+	defer poll.Stop()
+	regCheck := time.NewTicker(capacityRegistryInterval)
+	defer regCheck.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-c.changed:
+			c.reconcile()
+		case <-regCheck.C:
+			if s := c.registryState(); s != registry {
+				registry = s
+				c.log.Info("registered drivers changed", "drivers", s)
+				c.reconcile()
+			}
+		case <-poll.C:
+			c.reconcile()
+			c.mu.Lock()
+			for k := range c.desired {
+				queue.Add(k)
+			}
+			c.mu.Unlock()
+		}
+	}
+}
+
+// registryState is the set of registered drivers and their routing mode.
+func (c *capacityController) registryState() string {
+	var b strings.Builder
+	for _, d := range c.b.cfg.Drivers.DriverNames() {
+		fmt.Fprintf(&b, "%s(node-local=%t) ", d, c.b.cfg.Drivers.NodeLocal(d))
+	}
+	return strings.TrimSpace(b.String())
+}
+
+// desiredItems computes from the caches which objects should exist.
+func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
+	out := map[capacityKey]capacityItem{}
+	classes, err := c.b.classes.List(labels.Everything())
+	if err != nil {
+		return out
+	}
+	csiNodes, err := c.b.csiNodes.List(labels.Everything())
+	if err != nil {
+		return out
+	}
+	slices.SortFunc(csiNodes, func(a, b *storagev1.CSINode) int { return cmp.Compare(a.Name, b.Name) })
+	for _, driver := range c.b.cfg.Drivers.DriverNames() {
+		var driverClasses []*storagev1.StorageClass
+		for _, sc := range classes {
+			if sc.Provisioner == driver {
+				driverClasses = append(driverClasses, sc)
+			}
+		}
+		if len(driverClasses) == 0 {
+			continue
+		}
+		if errs := validation.IsValidLabelValue(driver); len(errs) > 0 {
+			c.log.Error("driver name cannot be a label value: no capacity objects", "driver", driver, "problem", strings.Join(errs, "; "))
+			continue
+		}
+		var nodes []TopologyNode
+		for _, cn := range csiNodes {
+			node, err := c.b.nodes.Get(cn.Name)
+			if err != nil {
+				continue // no Node (yet): no labels to make a segment of
+			}
+			nodes = append(nodes, NewTopologyNode(node, cn, driver))
+		}
+		nodeLocal := c.b.cfg.Drivers.NodeLocal(driver)
+		for _, seg := range capacitySegments(nodes, nodeLocal) {
+			for _, sc := range driverClasses {
+				out[capacityKey{driver: driver, class: sc.Name, segment: seg.term.String()}] = capacityItem{segment: seg, nodeLoc: nodeLocal, selector: seg.term.labels(), classUID: sc.UID}
+			}
+		}
+	}
+	return out
+}
+
+// reconcile recomputes the wanted keys and queues every key that appeared or
+// went away, and the keys of objects nobody wants (left by a previous leader,
+// or by a driver since unregistered).
+func (c *capacityController) reconcile() {
+	desired := c.desiredItems()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.queue == nil {
+		return
+	}
+	old := c.desired
+	c.desired = desired
+	for k, item := range desired {
+		if prev, ok := old[k]; !ok || !prev.sameRequest(item) {
+			c.queue.Add(k)
+		}
+	}
+	for k := range old {
+		if _, ok := desired[k]; !ok {
+			c.queue.Add(k)
+		}
+	}
+	for _, s := range c.indexer.ListIndexFuncValues(capacityIndex) {
+		if k, ok := parseCapacityKey(s); ok {
+			if _, want := desired[k]; !want {
+				c.queue.Add(k)
+			}
+		}
+	}
+}
+
+func (c *capacityController) onObjectSeen(obj any) {
+	csc, ok := obj.(*storagev1.CSIStorageCapacity)
+	if !ok {
+		return
+	}
+	key := capacityKeyOf(csc)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if w := c.written[key]; w != nil && w.UID == csc.UID && w.ResourceVersion == csc.ResourceVersion {
+		delete(c.written, key) // the cache has caught up
+	}
+}
+
+func (c *capacityController) onObjectDeleted(obj any) {
+	if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = tomb.Obj
+	}
+	csc, ok := obj.(*storagev1.CSIStorageCapacity)
+	if !ok {
+		return
+	}
+	key := capacityKeyOf(csc)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if w := c.written[key]; w != nil && w.UID == csc.UID {
+		delete(c.written, key)
+	}
+	if c.deleting[csc.UID] {
+		delete(c.deleting, csc.UID)
+		return
+	}
+	// Someone else deleted it: an admin, or the garbage collector because
+	// the owner went away. Look the owner up again and recreate the object
+	// if it is still wanted.
+	c.owner = nil
+	if _, want := c.desired[key]; want && c.queue != nil {
+		c.log.Info("capacity object deleted by someone else; recreating it", "name", csc.Name, "driver", key.driver, "storage_class", key.class, "segment", key.segment)
+		c.queue.Add(key)
+	}
+}
+
+func (c *capacityController) processNext(ctx context.Context, queue workqueue.TypedRateLimitingInterface[capacityKey]) bool {
+	key, quit := queue.Get()
+	if quit {
+		return false
+	}
+	defer queue.Done(key)
+	if err := c.sync(ctx, key); err != nil {
+		if ctx.Err() == nil {
+			c.log.Warn("capacity refresh failed; retrying with backoff", "driver", key.driver, "storage_class", key.class, "segment", key.segment,
+				"failures", queue.NumRequeues(key)+1, "err", err)
+		}
+		queue.AddRateLimited(key)
+		return true
+	}
+	queue.Forget(key)
+	return true
+}
+
+// sync brings the object of key in line with the driver (or removes it).
+func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
+	c.mu.Lock()
+	item, want := c.desired[key]
+	c.mu.Unlock()
+	if !want {
+		return c.remove(ctx, key)
+	}
+	class, err := c.b.classes.Get(key.class)
+	if apierrors.IsNotFound(err) {
+		return c.remove(ctx, key) // the class event will drop the key too
+	}
+	if err != nil {
+		return err
+	}
+	caps, err := c.capabilities(ctx, key.driver)
+	if err != nil {
+		c.refreshes.WithLabelValues(key.driver, "failed").Inc()
+		return err
+	}
+	if !caps.getCapacity {
+		c.refreshes.WithLabelValues(key.driver, "unsupported").Inc()
+		c.log.Debug("driver has no GET_CAPACITY capability: no capacity objects", "driver", key.driver)
+		return c.remove(ctx, key)
+	}
+	resp, err := c.getCapacity(ctx, key.driver, item, CapacityRequest(class, item.segment.request.labels()))
+	if err != nil {
+		// Keep the object with its last value: stale beats missing.
+		c.refreshes.WithLabelValues(key.driver, "failed").Inc()
+		return err
+	}
+	c.mu.Lock()
+	_, want = c.desired[key]
+	c.mu.Unlock()
+	if !want {
+		return c.remove(ctx, key) // went away while the driver answered
+	}
+
+	current, extras := c.objects(key)
+	for _, x := range extras {
+		// Two objects for one key (a create raced by a previous leader):
+		// keep the oldest.
+		if err := c.delete(ctx, key, x); err != nil {
+			return err
+		}
+	}
+	owner, err := c.ownerRef(ctx)
+	if err != nil {
+		return err
+	}
+	capacity := resource.NewQuantity(resp.GetAvailableCapacity(), resource.BinarySI)
+	var maxSize *resource.Quantity
+	if resp.GetMaximumVolumeSize() != nil {
+		maxSize = resource.NewQuantity(resp.GetMaximumVolumeSize().GetValue(), resource.BinarySI)
+	}
+	wantLabels := map[string]string{capacityLabelDriver: key.driver, capacityLabelManagedBy: capacityManagedBy}
+	client := c.b.cfg.Client.StorageV1().CSIStorageCapacities(c.b.cfg.Namespace)
+
+	if current == nil {
+		obj := &storagev1.CSIStorageCapacity{
+			ObjectMeta: metav1.ObjectMeta{
+				GenerateName:    capacityGenerateName,
+				Namespace:       c.b.cfg.Namespace,
+				Labels:          wantLabels,
+				OwnerReferences: []metav1.OwnerReference{owner},
+			},
+			StorageClassName:  key.class,
+			NodeTopology:      &metav1.LabelSelector{MatchLabels: item.selector},
+			Capacity:          capacity,
+			MaximumVolumeSize: maxSize,
+		}
+		created, err := client.Create(ctx, obj, metav1.CreateOptions{})
+		c.writes.WithLabelValues("create").Inc()
+		if err != nil {
+			c.refreshes.WithLabelValues(key.driver, "failed").Inc()
+			return fmt.Errorf("create CSIStorageCapacity for driver %s, class %s, segment %s: %w", key.driver, key.class, key.segment, err)
+		}
+		c.remember(key, created)
+		c.refreshes.WithLabelValues(key.driver, "created").Inc()
+		c.log.Info("capacity object created", "name", created.Name, "driver", key.driver, "storage_class", key.class, "segment", key.segment, "capacity", capacity.String())
+		return nil
+	}
+
+	same := quantityEqual(current.Capacity, capacity) && quantityEqual(current.MaximumVolumeSize, maxSize) &&
+		hasLabels(current.Labels, wantLabels) && slices.ContainsFunc(current.OwnerReferences, func(r metav1.OwnerReference) bool { return r.UID == owner.UID })
+	if same {
+		c.refreshes.WithLabelValues(key.driver, "unchanged").Inc()
+		return nil
+	}
+	obj := current.DeepCopy()
+	obj.Capacity, obj.MaximumVolumeSize = capacity, maxSize
+	if obj.Labels == nil {
+		obj.Labels = map[string]string{}
+	}
+	maps.Copy(obj.Labels, wantLabels)
+	// Replace a reference to an earlier intent ConfigMap (deleted and
+	// recreated) so the garbage collector does not take the object.
+	obj.OwnerReferences = slices.DeleteFunc(obj.OwnerReferences, func(r metav1.OwnerReference) bool {
+		return r.APIVersion == "v1" && r.Kind == "ConfigMap" && r.Name == owner.Name
+	})
+	obj.OwnerReferences = append(obj.OwnerReferences, owner)
+	updated, err := client.Update(ctx, obj, metav1.UpdateOptions{})
+	c.writes.WithLabelValues("update").Inc()
+	if err != nil {
+		c.forget(key)
+		c.refreshes.WithLabelValues(key.driver, "failed").Inc()
+		return fmt.Errorf("update CSIStorageCapacity %s: %w", current.Name, err)
+	}
+	c.remember(key, updated)
+	c.refreshes.WithLabelValues(key.driver, "updated").Inc()
+	c.log.Debug("capacity object updated", "name", updated.Name, "driver", key.driver, "storage_class", key.class, "segment", key.segment, "capacity", capacity.String())
+	return nil
+}
+
+// objects returns the object of key (as last written, else the oldest in
+// the cache) and any other objects of the same key.
+func (c *capacityController) objects(key capacityKey) (*storagev1.CSIStorageCapacity, []*storagev1.CSIStorageCapacity) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var cached []*storagev1.CSIStorageCapacity
+	if c.indexer != nil {
+		objs, _ := c.indexer.ByIndex(capacityIndex, key.String())
+		for _, o := range objs {
+			if csc, ok := o.(*storagev1.CSIStorageCapacity); ok && !c.deleting[csc.UID] {
+				cached = append(cached, csc)
+			}
+		}
+	}
+	slices.SortFunc(cached, func(a, b *storagev1.CSIStorageCapacity) int {
+		return cmp.Or(a.CreationTimestamp.Compare(b.CreationTimestamp.Time), cmp.Compare(a.Name, b.Name))
+	})
+	current := c.written[key]
+	if current == nil && len(cached) > 0 {
+		current = cached[0]
+	}
+	var extras []*storagev1.CSIStorageCapacity
+	for _, o := range cached {
+		if current == nil || o.UID != current.UID {
+			extras = append(extras, o)
+		}
+	}
+	return current, extras
+}
+
+func (c *capacityController) remember(key capacityKey, obj *storagev1.CSIStorageCapacity) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.written != nil {
+		c.written[key] = obj
+	}
+}
+
+func (c *capacityController) forget(key capacityKey) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.written, key)
+}
+
+// remove deletes every object of key.
+func (c *capacityController) remove(ctx context.Context, key capacityKey) error {
+	current, extras := c.objects(key)
+	if current != nil {
+		extras = append(extras, current)
+	}
+	for _, o := range extras {
+		if err := c.delete(ctx, key, o); err != nil {
+			return err
+		}
+	}
+	if len(extras) > 0 {
+		c.refreshes.WithLabelValues(key.driver, "removed").Inc()
+	}
+	return nil
+}
+
+func (c *capacityController) delete(ctx context.Context, key capacityKey, obj *storagev1.CSIStorageCapacity) error {
+	c.mu.Lock()
+	if c.deleting != nil {
+		c.deleting[obj.UID] = true
+	}
+	if w := c.written[key]; w != nil && w.UID == obj.UID {
+		delete(c.written, key)
+	}
+	c.mu.Unlock()
+	uid := obj.UID
+	err := c.b.cfg.Client.StorageV1().CSIStorageCapacities(obj.Namespace).Delete(ctx, obj.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
+	c.writes.WithLabelValues("delete").Inc()
+	switch {
+	case err == nil:
+		c.log.Info("obsolete capacity object deleted", "name", obj.Name, "driver", key.driver, "storage_class", key.class, "segment", key.segment)
+		return nil
+	case apierrors.IsNotFound(err) || apierrors.IsConflict(err):
+		// Gone already, or replaced by an object of the same name.
+		return nil
+	default:
+		c.mu.Lock()
+		delete(c.deleting, uid)
+		c.mu.Unlock()
+		return fmt.Errorf("delete CSIStorageCapacity %s/%s: %w", obj.Namespace, obj.Name, err)
+	}
+}
+
+// ownerRef is the reference to the intent ConfigMap, found (or created) once
+// per term and again after an object was deleted by someone else.
+func (c *capacityController) ownerRef(ctx context.Context) (metav1.OwnerReference, error) {
+	c.mu.Lock()
+	if o := c.owner; o != nil {
+		c.mu.Unlock()
+		return *o, nil
+	}
+	c.mu.Unlock()
+	cm, err := c.b.intents.get(ctx)
+	if err != nil {
+		return metav1.OwnerReference{}, fmt.Errorf("owner of capacity objects: %w", err)
+	}
+	o := metav1.OwnerReference{APIVersion: "v1", Kind: "ConfigMap", Name: cm.Name, UID: cm.UID}
+	c.mu.Lock()
+	c.owner = &o
+	c.mu.Unlock()
+	return o, nil
+}
+
+// capabilities are the driver's, asked through its controller proxy or, for
+// a node-local driver without one, through one of its node proxies.
+func (c *capacityController) capabilities(ctx context.Context, driver string) (driverCaps, error) {
+	caps, err := c.b.caps.get(ctx, driver)
+	if err == nil || !c.b.cfg.Drivers.NodeLocal(driver) {
+		return caps, err
+	}
+	caps, nerr := c.nodeCaps.get(ctx, driver)
+	if nerr != nil {
+		return driverCaps{}, errors.Join(err, nerr)
+	}
+	return caps, nil
+}
+
+func (c *capacityController) getCapacity(ctx context.Context, driver string, item capacityItem, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+	var (
+		conn grpc.ClientConnInterface
+		err  error
+	)
+	if item.nodeLoc {
+		conn, err = c.b.cfg.Drivers.NodeConn(driver, item.segment.node)
+	} else {
+		conn, err = c.b.cfg.Drivers.ControllerConn(driver)
+	}
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, c.b.cfg.Timeout)
+	defer cancel()
+	ctx, span := c.b.tracer.Start(ctx, "capacity refresh", trace.WithAttributes(
+		attribute.String("csi.driver", driver), attribute.String("csi.topology", item.segment.request.String())))
+	defer span.End()
+	resp, err := csi.NewControllerClient(conn).GetCapacity(ctx, req)
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(otelcodes.Error, "GetCapacity failed")
+		where := "controller"
+		if item.nodeLoc {
+			where = "node " + item.segment.node
+		}
+		return nil, fmt.Errorf("driver %s (%s): GetCapacity: %w", driver, where, err)
+	}
+	return resp, nil
+}
+
+// capacityNodeRouted sends what capsCache asks of a "controller" to the
+// first node (by name) whose CSINode lists the driver and has a proxy.
+type capacityNodeRouted struct {
+	Drivers
+	c *capacityController
+}
+
+func (r capacityNodeRouted) ControllerConn(driver string) (grpc.ClientConnInterface, error) {
+	csiNodes, err := r.c.b.csiNodes.List(labels.Everything())
+	if err != nil {
+		return nil, err
+	}
+	slices.SortFunc(csiNodes, func(a, b *storagev1.CSINode) int { return cmp.Compare(a.Name, b.Name) })
+	var errs []error
+	for _, cn := range csiNodes {
+		if !slices.ContainsFunc(cn.Spec.Drivers, func(d storagev1.CSINodeDriver) bool { return d.Name == driver }) {
+			continue
+		}
+		conn, err := r.Drivers.NodeConn(driver, cn.Name)
+		if err == nil {
+			return conn, nil
+		}
+		errs = append(errs, err)
+	}
+	if len(errs) == 0 {
+		return nil, fmt.Errorf("driver %s: no node runs it", driver)
+	}
+	return nil, errors.Join(errs...)
+}
+
+func quantityEqual(a, b *resource.Quantity) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return a.Cmp(*b) == 0
+}
+
+func hasLabels(have, want map[string]string) bool {
+	for k, v := range want {
+		if have[k] != v {
+			return false
+		}
+	}
+	return true
+}

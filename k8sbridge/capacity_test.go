@@ -1,0 +1,590 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"sort"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/csibroker/csibroker/broker"
+	"github.com/csibroker/csibroker/internal/chaintest"
+	"github.com/csibroker/csibroker/internal/mtls"
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+)
+
+const gib = int64(1) << 30
+
+// fastCapacityPolls makes the capacity controller of bridges started by this
+// test poll every 500ms and notice (un)registered drivers within 200ms.
+func fastCapacityPolls(t *testing.T) {
+	t.Helper()
+	poll, reg := capacityPollInterval, capacityRegistryInterval
+	capacityPollInterval, capacityRegistryInterval = 500*time.Millisecond, 200*time.Millisecond
+	t.Cleanup(func() { capacityPollInterval, capacityRegistryInterval = poll, reg })
+}
+
+func TestCapacitySegments(t *testing.T) {
+	const zone, rack, host = testenv.LabelZone, "example.com/rack", corev1.LabelHostname
+	node := func(name string, keys []string, labels ...string) TopologyNode {
+		l := map[string]string{}
+		for i := 0; i+1 < len(labels); i += 2 {
+			l[labels[i]] = labels[i+1]
+		}
+		return TopologyNode{Name: name, Labels: l, DriverKeys: keys}
+	}
+	type seg struct{ term, request, node string }
+	for _, tc := range []struct {
+		name      string
+		nodeLocal bool
+		nodes     []TopologyNode
+		want      []seg
+	}{
+		{
+			name: "central driver: one segment per distinct zone, sorted",
+			nodes: []TopologyNode{
+				node("n3", []string{zone}, zone, "z2", host, "n3"),
+				node("n1", []string{zone}, zone, "z1", host, "n1"),
+				node("n2", []string{zone}, zone, "z1", host, "n2"),
+			},
+			want: []seg{{term: "{" + zone + "=z1}", request: "{" + zone + "=z1}"}, {term: "{" + zone + "=z2}", request: "{" + zone + "=z2}"}},
+		},
+		{
+			name: "central driver: several keys make one segment",
+			nodes: []TopologyNode{
+				node("n1", []string{zone, rack}, zone, "z1", rack, "r1"),
+				node("n2", []string{rack, zone}, zone, "z1", rack, "r2"),
+			},
+			want: []seg{
+				{term: "{" + rack + "=r1," + zone + "=z1}", request: "{" + rack + "=r1," + zone + "=z1}"},
+				{term: "{" + rack + "=r2," + zone + "=z1}", request: "{" + rack + "=r2," + zone + "=z1}"},
+			},
+		},
+		{
+			name: "nodes not running the driver or missing a key label give nothing",
+			nodes: []TopologyNode{
+				node("n1", nil, zone, "z9"),
+				node("n2", []string{zone}, rack, "r1"),
+				node("n3", []string{zone}, zone, "z1"),
+			},
+			want: []seg{{term: "{" + zone + "=z1}", request: "{" + zone + "=z1}"}},
+		},
+		{
+			name: "central driver without topology keys: no segments",
+			nodes: []TopologyNode{
+				node("n1", []string{}, zone, "z1"),
+				node("n2", []string{}, zone, "z2"),
+			},
+		},
+		{
+			name:      "node-local driver: one segment per node, asked in its own keys",
+			nodeLocal: true,
+			nodes: []TopologyNode{
+				node("n2", []string{rack}, host, "n2", rack, "r1"),
+				node("n1", []string{host}, host, "n1"),
+			},
+			want: []seg{
+				{term: "{" + host + "=n1}", request: "{" + host + "=n1}", node: "n1"},
+				{term: "{" + host + "=n2}", request: "{" + rack + "=r1}", node: "n2"},
+			},
+		},
+		{
+			name:      "node-local driver without topology keys still gets per-node segments",
+			nodeLocal: true,
+			nodes: []TopologyNode{
+				node("n1", []string{}, host, "n1"),
+				node("n2", nil, host, "n2"),
+				node("n3", []string{}, zone, "z1"), // no hostname label
+			},
+			want: []seg{{term: "{" + host + "=n1}", request: "{" + host + "=n1}", node: "n1"}},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var got []seg
+			for _, s := range capacitySegments(tc.nodes, tc.nodeLocal) {
+				got = append(got, seg{term: s.term.String(), request: s.request.String(), node: s.node})
+			}
+			if !slices.Equal(got, tc.want) {
+				t.Errorf("segments\n got %v\nwant %v", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestCapacityRequest(t *testing.T) {
+	class := &storagev1.StorageClass{
+		Parameters: map[string]string{
+			"label":     "blue",
+			ParamFSType: "xfs",
+			ParameterPrefix + "provisioner-secret-name": "s",
+		},
+		MountOptions: []string{"noatime"},
+	}
+	req := CapacityRequest(class, map[string]string{testenv.LabelZone: "z1"})
+	if !maps.Equal(req.GetParameters(), map[string]string{"label": "blue"}) {
+		t.Errorf("parameters %v: want the class's without csi.storage.k8s.io/ keys", req.GetParameters())
+	}
+	caps := req.GetVolumeCapabilities()
+	if len(caps) != 1 || caps[0].GetMount().GetFsType() != "xfs" || !slices.Equal(caps[0].GetMount().GetMountFlags(), []string{"noatime"}) ||
+		caps[0].GetAccessMode().GetMode() != csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER {
+		t.Errorf("capabilities %v", caps)
+	}
+	if got := req.GetAccessibleTopology().GetSegments(); !maps.Equal(got, map[string]string{testenv.LabelZone: "z1"}) {
+		t.Errorf("accessible topology %v", got)
+	}
+	if r := CapacityRequest(&storagev1.StorageClass{}, nil); r.GetAccessibleTopology() != nil || r.GetParameters() == nil {
+		t.Errorf("no segment: %v", r)
+	}
+}
+
+// capacityObjects lists the broker's capacity objects of driver in ns, keyed
+// by "class segment-labels".
+func capacityObjects(ctx context.Context, c kubernetes.Interface, ns, driver string) (map[string]storagev1.CSIStorageCapacity, error) {
+	list, err := c.StorageV1().CSIStorageCapacities(ns).List(ctx, metav1.ListOptions{LabelSelector: capacityLabelDriver + "=" + driver})
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]storagev1.CSIStorageCapacity{}
+	for _, o := range list.Items {
+		k := o.StorageClassName + " " + capacityKeyOf(&o).segment
+		if _, dup := out[k]; dup {
+			k += " (duplicate " + o.Name + ")"
+		}
+		out[k] = o
+	}
+	return out, nil
+}
+
+func describeCapacities(objs map[string]storagev1.CSIStorageCapacity) string {
+	var lines []string
+	for k, o := range objs {
+		maxSize := "-"
+		if o.MaximumVolumeSize != nil {
+			maxSize = o.MaximumVolumeSize.String()
+		}
+		lines = append(lines, fmt.Sprintf("%s: %s capacity %s max %s", k, o.Name, o.Capacity.String(), maxSize))
+	}
+	sort.Strings(lines)
+	return "[" + strings.Join(lines, "; ") + "]"
+}
+
+// waitCapacities waits until the driver's objects are exactly want ("class
+// segment" → bytes of capacity and of maximum volume size) and returns them.
+func waitCapacities(t *testing.T, c kubernetes.Interface, ns, driver string, want map[string]int64) map[string]storagev1.CSIStorageCapacity {
+	t.Helper()
+	var got map[string]storagev1.CSIStorageCapacity
+	err := testenv.WaitFor(context.Background(), 60*time.Second, fmt.Sprintf("capacity objects of %s to be %v", driver, want), func(ctx context.Context) (bool, string, error) {
+		var err error
+		if got, err = capacityObjects(ctx, c, ns, driver); err != nil {
+			return false, err.Error(), nil
+		}
+		if len(got) != len(want) {
+			return false, describeCapacities(got), nil
+		}
+		for k, bytes := range want {
+			o, ok := got[k]
+			if !ok || o.Capacity == nil || o.Capacity.Value() != bytes || o.MaximumVolumeSize == nil || o.MaximumVolumeSize.Value() != bytes {
+				return false, describeCapacities(got), nil
+			}
+		}
+		return true, "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+func segmentKey(class, key, value string) string { return class + " {" + key + "=" + value + "}" }
+
+// TestCapacityZonalDriverTwoClasses: a driver serving two zones and two of
+// its classes give one CSIStorageCapacity per class and zone with what
+// GetCapacity reports, owned by the intent ConfigMap; a volume provisioned
+// through the broker shows after a poll; a refresh that finds nothing
+// changed writes nothing; a deleted class loses its objects; the garbage
+// collector removes objects whose owner is deleted, and the broker makes
+// them again under the new owner.
+func TestCapacityZonalDriverTwoClasses(t *testing.T) {
+	fastCapacityPolls(t)
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "zonal.csi.test")
+	var segs []map[string]string
+	for _, z := range []string{"z1", "z2"} {
+		node := clusterName(ns, "node-"+z)
+		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: z}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+		if err := env.AddCSINode(ctx, node, drv, node, []string{testenv.LabelZone}); err != nil {
+			t.Fatal(err)
+		}
+		segs = append(segs, map[string]string{testenv.LabelZone: z})
+	}
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: segs, CapacityBytes: 10 * gib})
+	wffc, del := storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
+	classA := makeClass(t, c, clusterName(ns, "a"), drv, wffc, del, nil)
+	classB := makeClass(t, c, clusterName(ns, "b"), drv, wffc, del, map[string]string{"label": "blue", ParamFSType: "ext4"})
+	run := startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	all := func(bytes int64) map[string]int64 {
+		return map[string]int64{
+			segmentKey(classA.Name, testenv.LabelZone, "z1"): bytes, segmentKey(classA.Name, testenv.LabelZone, "z2"): bytes,
+			segmentKey(classB.Name, testenv.LabelZone, "z1"): bytes, segmentKey(classB.Name, testenv.LabelZone, "z2"): bytes,
+		}
+	}
+	objs := waitCapacities(t, c, ns, drv, all(10*gib))
+	cm, err := c.CoreV1().ConfigMaps(ns).Get(ctx, "csibroker-intents", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, o := range objs {
+		switch {
+		case len(o.OwnerReferences) != 1 || o.OwnerReferences[0].Kind != "ConfigMap" || o.OwnerReferences[0].UID != cm.UID:
+			t.Errorf("%s: owners %+v, want the intent ConfigMap %s", k, o.OwnerReferences, cm.UID)
+		case o.Labels[capacityLabelManagedBy] != capacityManagedBy || !strings.HasPrefix(o.Name, capacityGenerateName):
+			t.Errorf("%s: name %s labels %v", k, o.Name, o.Labels)
+		case o.NodeTopology == nil || len(o.NodeTopology.MatchLabels) != 1 || len(o.NodeTopology.MatchExpressions) != 0:
+			t.Errorf("%s: node topology %+v", k, o.NodeTopology)
+		}
+	}
+	// The driver saw the class parameters without csi.storage.k8s.io/ keys
+	// (the sample driver would answer 0 for a capability it cannot serve).
+	if n := d.CallCount("GetCapacity"); n < 4 {
+		t.Fatalf("GetCapacity called %d times", n)
+	}
+
+	// A volume provisioned through the broker: free space drops in both
+	// zones (one pool serves both).
+	makeClaim(t, c, ns, "claim", classA.Name, "1Gi")
+	makePod(t, c, ns, "pod", "claim")
+	waitBound(t, c, ns, "claim", 60*time.Second)
+	objs = waitCapacities(t, c, ns, drv, all(9*gib))
+
+	// Nothing changes: refreshes write nothing. Two full polls (every key
+	// refreshed twice, found unchanged) make no create, update or delete.
+	writes := func() float64 { return run.metricValue(t, "csibroker_capacity_api_writes_total", nil) }
+	unchanged := func() float64 {
+		return run.metricValue(t, "csibroker_capacity_refreshes_total", map[string]string{"driver": drv, "result": "unchanged"})
+	}
+	w0, u0 := writes(), unchanged()
+	err = testenv.WaitFor(ctx, 60*time.Second, "two polls without change", func(context.Context) (bool, string, error) {
+		u := unchanged()
+		return u >= u0+8, fmt.Sprintf("%v unchanged refreshes", u-u0), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := writes(); w != w0 {
+		t.Fatalf("%v API writes during refreshes that found nothing changed", w-w0)
+	}
+	t.Logf("API writes so far: %v (4 creates, 4 updates after the volume)", w0)
+
+	// A deleted class loses its objects; the other class keeps its own
+	// (same objects, not recreated).
+	if err := c.StorageV1().StorageClasses().Delete(ctx, classB.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	left := waitCapacities(t, c, ns, drv, map[string]int64{
+		segmentKey(classA.Name, testenv.LabelZone, "z1"): 9 * gib, segmentKey(classA.Name, testenv.LabelZone, "z2"): 9 * gib,
+	})
+	for k, o := range left {
+		if o.UID != objs[k].UID {
+			t.Errorf("%s was recreated (%s → %s)", k, objs[k].Name, o.Name)
+		}
+	}
+
+	// The owner goes: the garbage collector (kube-controller-manager)
+	// removes the objects; the broker recreates the ConfigMap and the
+	// objects under it.
+	if err := c.CoreV1().ConfigMaps(ns).Delete(ctx, cm.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 60*time.Second, "objects collected with their owner and made again under the new one", func(ctx context.Context) (bool, string, error) {
+		got, err := capacityObjects(ctx, c, ns, drv)
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		cm2, err := c.CoreV1().ConfigMaps(ns).Get(ctx, cm.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, "intent ConfigMap: " + err.Error(), nil
+		}
+		if cm2.UID == cm.UID || len(got) != 2 {
+			return false, describeCapacities(got), nil
+		}
+		for k, o := range got {
+			if o.UID == left[k].UID || len(o.OwnerReferences) != 1 || o.OwnerReferences[0].UID != cm2.UID || o.Capacity.Value() != 9*gib {
+				return false, fmt.Sprintf("%s: %s owners %+v", k, o.Name, o.OwnerReferences), nil
+			}
+		}
+		return true, "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// switchDrivers makes a registered driver unreachable (its connections go
+// to a port nobody serves) or unregistered, on demand.
+type switchDrivers struct {
+	*testDrivers
+	down, gone atomic.Bool
+	dead       *grpc.ClientConn
+}
+
+func (s *switchDrivers) ControllerConn(d string) (grpc.ClientConnInterface, error) {
+	if s.down.Load() {
+		return s.dead, nil
+	}
+	return s.testDrivers.ControllerConn(d)
+}
+
+func (s *switchDrivers) DriverNames() []string {
+	if s.gone.Load() {
+		return nil
+	}
+	return s.testDrivers.DriverNames()
+}
+
+// TestCapacityDriverDownKeepsObjectsUnregisteredRemoves: while GetCapacity
+// fails the objects keep their last value (retried with backoff, never
+// deleted); once the driver answers again they follow it; when the driver is
+// unregistered its objects are deleted.
+func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
+	fastCapacityPolls(t)
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "down.csi.test")
+	node := clusterName(ns, "node")
+	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: "z1"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+	if err := env.AddCSINode(ctx, node, drv, node, []string{testenv.LabelZone}); err != nil {
+		t.Fatal(err)
+	}
+	// A closed port: calls fail with Unavailable.
+	dead, err := grpc.NewClient("passthrough:///127.0.0.1:1", grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dead.Close() })
+	drivers := &switchDrivers{testDrivers: &testDrivers{}, dead: dead}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 8 * gib})
+	class := makeClass(t, c, clusterName(ns, "c"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	run := startBridge(t, env, ns, drivers, bridgeOpts{})
+	key := segmentKey(class.Name, testenv.LabelZone, "z1")
+	before := waitCapacities(t, c, ns, drv, map[string]int64{key: 8 * gib})
+
+	drivers.down.Store(true)
+	failed := func() float64 {
+		return run.metricValue(t, "csibroker_capacity_refreshes_total", map[string]string{"driver": drv, "result": "failed"})
+	}
+	err = testenv.WaitFor(ctx, 60*time.Second, "three failed refreshes", func(context.Context) (bool, string, error) {
+		f := failed()
+		return f >= 3, fmt.Sprintf("%v failed", f), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	during, err := capacityObjects(ctx, c, ns, drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o, ok := during[key]; !ok || o.UID != before[key].UID || o.Capacity.Value() != 8*gib {
+		t.Fatalf("while the driver is down: %s, want %s kept with its last value", describeCapacities(during), before[key].Name)
+	}
+	if !strings.Contains(run.logs.String(), "retrying with backoff") {
+		t.Errorf("no warning logged for the failed refreshes")
+	}
+
+	// The driver is back and has less room: the same object follows.
+	conn, err := drivers.testDrivers.ControllerConn(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{
+		Name:               "made-elsewhere",
+		CapacityRange:      &csi.CapacityRange{RequiredBytes: 3 * gib},
+		VolumeCapabilities: CapacityRequest(class, nil).GetVolumeCapabilities(),
+	}); err != nil {
+		t.Fatal(err)
+	}
+	drivers.down.Store(false)
+	after := waitCapacities(t, c, ns, drv, map[string]int64{key: 5 * gib})
+	if after[key].UID != before[key].UID {
+		t.Errorf("object recreated instead of updated")
+	}
+	if len(d.Volumes()) != 1 {
+		t.Fatalf("driver volumes %+v", d.Volumes())
+	}
+
+	// Unregistered: its objects go.
+	drivers.gone.Store(true)
+	waitCapacities(t, c, ns, drv, map[string]int64{})
+}
+
+// nodeProxy starts a sample driver for node behind its own real proxy whose
+// certificate names the node (spiffe://.../driver/<driver>/node/<node>).
+func nodeProxy(t *testing.T, driver, node string, capacity int64) (*sampledriver.Driver, *chaintest.Chain) {
+	t.Helper()
+	ep, d := sampledriver.StartTest(t, sampledriver.Config{Name: driver, NodeID: node, Topology: map[string]string{corev1.LabelHostname: node},
+		CapacityBytes: capacity, Logger: slog.New(slog.DiscardHandler)})
+	now := time.Now()
+	mat, err := chaintest.SharedCA(t).IssueMaterial(mtls.Leaf{ID: mtls.NodeDriverID(chaintest.TrustDomain, driver, node), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The chain's own broker expects a controller proxy and is not used:
+	// the test's broker below dials this proxy as the node's.
+	return d, chaintest.Start(t, chaintest.Options{Driver: driver, DriverEndpoint: ep, ProxyMaterial: mat, NoWait: true, LogLevel: slog.LevelError})
+}
+
+// TestCapacityNodeLocalTwoNodes: a node-local driver with an instance (and
+// a node proxy) on each of two nodes, registered in a real broker with node
+// proxies only: one object per node with what that node's instance reports,
+// a change on one node follows; kube-scheduler uses the objects (a claim
+// too big for one node's free space lands on the other, is provisioned by
+// that node's instance and its object follows; a claim too big for both is
+// not placed).
+func TestCapacityNodeLocalTwoNodes(t *testing.T) {
+	fastCapacityPolls(t)
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "local.csi.test")
+	nodeA, nodeB := clusterName(ns, "node-a"), clusterName(ns, "node-b")
+	for _, n := range []string{nodeA, nodeB} {
+		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: n}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), n, metav1.DeleteOptions{}) })
+		if err := env.AddCSINode(ctx, n, drv, n, []string{corev1.LabelHostname}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dA, chainA := nodeProxy(t, drv, nodeA, 4*gib)
+	dB, chainB := nodeProxy(t, drv, nodeB, 6*gib)
+	br, err := broker.New(broker.Options{TrustDomain: chaintest.TrustDomain, TLS: chainA.BrokerSource})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(br.Close)
+	if err := br.SetDriver(broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second, Nodes: []broker.ProxyConfig{
+		{Node: nodeA, Address: chainA.ProxyAddr}, {Node: nodeB, Address: chainB.ProxyAddr},
+	}}); err != nil {
+		t.Fatal(err)
+	}
+	// The scheduler checks capacity for this driver's claims.
+	csiDriver := &storagev1.CSIDriver{ObjectMeta: metav1.ObjectMeta{Name: drv}, Spec: storagev1.CSIDriverSpec{AttachRequired: new(false), StorageCapacity: new(true)}}
+	if _, err := c.StorageV1().CSIDrivers().Create(ctx, csiDriver, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.StorageV1().CSIDrivers().Delete(context.Background(), drv, metav1.DeleteOptions{}) })
+	class := makeClass(t, c, clusterName(ns, "local"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, br, bridgeOpts{})
+
+	keyA, keyB := segmentKey(class.Name, corev1.LabelHostname, nodeA), segmentKey(class.Name, corev1.LabelHostname, nodeB)
+	objs := waitCapacities(t, c, ns, drv, map[string]int64{keyA: 4 * gib, keyB: 6 * gib})
+	if dA.CallCount("GetCapacity") == 0 || dB.CallCount("GetCapacity") == 0 {
+		t.Fatalf("GetCapacity calls: node A %d, node B %d", dA.CallCount("GetCapacity"), dB.CallCount("GetCapacity"))
+	}
+
+	// 1 GiB used on node A (a volume made through the broker's node
+	// route): only node A's object follows.
+	conn, err := br.NodeConn(drv, nodeA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{
+		Name:               "on-a",
+		CapacityRange:      &csi.CapacityRange{RequiredBytes: gib},
+		VolumeCapabilities: CapacityRequest(class, nil).GetVolumeCapabilities(),
+	}); err != nil {
+		t.Fatal(err)
+	}
+	after := waitCapacities(t, c, ns, drv, map[string]int64{keyA: 3 * gib, keyB: 6 * gib})
+	for k, o := range after {
+		if o.UID != objs[k].UID {
+			t.Errorf("%s recreated instead of updated", k)
+		}
+	}
+	if len(dA.Volumes()) != 1 || len(dB.Volumes()) != 0 {
+		t.Fatalf("volumes: node A %d, node B %d", len(dA.Volumes()), len(dB.Volumes()))
+	}
+
+	// A 5 GiB claim fits only node B: the scheduler, reading the objects,
+	// selects it.
+	makeClaim(t, c, ns, "big", class.Name, "5Gi")
+	makePod(t, c, ns, "pod", "big")
+	err = testenv.WaitFor(ctx, 60*time.Second, "the scheduler to select node B for the 5Gi claim", func(ctx context.Context) (bool, string, error) {
+		pvc, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "big", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		sel := pvc.Annotations[annSelectedNode]
+		if sel != "" && sel != nodeB {
+			return false, "", fmt.Errorf("selected node %s, which has 3Gi free", sel)
+		}
+		pod, err := c.CoreV1().Pods(ns).Get(ctx, "pod", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return sel == nodeB, fmt.Sprintf("selected %q, pod conditions %+v", sel, pod.Status.Conditions), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// It is provisioned by node B's instance, through node B's proxy, and
+	// node B's object follows.
+	waitBound(t, c, ns, "big", 60*time.Second)
+	if len(dA.Volumes()) != 1 || len(dB.Volumes()) != 1 {
+		t.Fatalf("volumes: node A %d, node B %d; want the claim's on node B", len(dA.Volumes()), len(dB.Volumes()))
+	}
+	waitCapacities(t, c, ns, drv, map[string]int64{keyA: 3 * gib, keyB: 1 * gib})
+
+	// A claim larger than either node's free space is not placed at all,
+	// and the scheduler says why: it read the objects.
+	makeClaim(t, c, ns, "huge", class.Name, "4Gi")
+	makePod(t, c, ns, "pod-huge", "huge")
+	err = testenv.WaitFor(ctx, 60*time.Second, "the scheduler to refuse the 4Gi claim for lack of storage", func(ctx context.Context) (bool, string, error) {
+		pod, err := c.CoreV1().Pods(ns).Get(ctx, "pod-huge", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		if pod.Spec.NodeName != "" {
+			return false, "", fmt.Errorf("pod placed on %s", pod.Spec.NodeName)
+		}
+		for _, cond := range pod.Status.Conditions {
+			if cond.Type == corev1.PodScheduled && cond.Status == corev1.ConditionFalse && strings.Contains(cond.Message, "enough free storage") {
+				return true, "", nil
+			}
+		}
+		return false, fmt.Sprintf("pod conditions %+v", pod.Status.Conditions), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+var _ Drivers = (*broker.Broker)(nil)
