@@ -1,0 +1,452 @@
+package deploy
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+)
+
+// metricDef is an exported metric: whether it is a histogram (queried
+// through _bucket, _sum and _count) and its labels.
+type metricDef struct {
+	histogram bool
+	labels    []string
+}
+
+// exported lists what the broker and the proxy export, with their labels
+// (broker/metrics.go, k8sbridge/metrics.go; the proxy's go-grpc-middleware
+// server metrics). Another test checks the list against a live /metrics.
+var exported = map[string]metricDef{
+	"csibroker_csi_call_duration_seconds":     {true, []string{"driver", "method", "code"}},
+	"csi_sidecar_operations_seconds":          {true, []string{"driver_name", "method_name", "grpc_status_code"}},
+	"csibroker_csi_retries_total":             {false, []string{"driver", "method", "code"}},
+	"csibroker_csi_inflight_calls":            {false, []string{"driver", "method"}},
+	"csibroker_proxy_connection_state":        {false, []string{"driver", "node", "address", "state"}},
+	"csibroker_provision_operations_total":    {false, []string{"driver", "storage_class", "result"}},
+	"csibroker_provision_duration_seconds":    {true, []string{"driver", "storage_class"}},
+	"csibroker_delete_operations_total":       {false, []string{"driver", "result"}},
+	"csibroker_secret_policy_decisions_total": {false, []string{"driver", "operation", "decision"}},
+	"csibroker_recovered_volumes_total":       {false, []string{"driver", "result"}},
+	"csibroker_leader":                        {false, nil},
+	"csibroker_workqueue_depth":               {false, []string{"queue"}},
+	// The proxy's, plus the target labels the PodMonitor adds (proxyTargetLabels).
+	"grpc_server_handled_total":    {false, []string{"grpc_type", "grpc_service", "grpc_method", "grpc_code", "driver", "node"}},
+	"grpc_server_handling_seconds": {true, []string{"grpc_type", "grpc_service", "grpc_method", "driver", "node"}},
+}
+
+// proxyTargetLabels are set on every proxy series by the PodMonitor's
+// relabelings (from the pod's csibroker.io/driver annotation and its node).
+var proxyTargetLabels = []string{"driver", "node"}
+
+// targetLabels are the labels Prometheus (via the Prometheus Operator) adds
+// to every scraped series.
+var targetLabels = []string{"job", "instance", "namespace", "pod", "container", "service", "endpoint"}
+
+var (
+	metricRE   = regexp.MustCompile(`\b(?:csibroker|csi_sidecar|grpc_server)_[A-Za-z0-9_]*`)
+	groupingRE = regexp.MustCompile(`\b(?:by|without)\s*\(([^)]*)\)`)
+	legendRE   = regexp.MustCompile(`\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}`)
+	alertVarRE = regexp.MustCompile(`\$labels\.([A-Za-z_][A-Za-z0-9_]*)`)
+	matcherRE  = regexp.MustCompile(`^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*$`)
+)
+
+// queryCheck is what checkQuery learnt about one PromQL expression.
+type queryCheck struct {
+	metrics []string        // exported metrics it reads (base names)
+	labels  map[string]bool // labels its result may carry
+	errs    []string
+}
+
+// checkQuery checks a PromQL expression without a PromQL parser: brackets
+// and quotes balance; every csibroker_*, csi_sidecar_* and grpc_server_*
+// identifier is an exported metric (histograms only through _bucket, _sum
+// or _count, other metrics only by their name); label matchers and by()/
+// without() name labels those metrics have (or that scraping adds).
+func checkQuery(expr string) queryCheck {
+	qc := queryCheck{labels: map[string]bool{}}
+	errf := func(format string, args ...any) { qc.errs = append(qc.errs, fmt.Sprintf(format, args...)) }
+	if err := balanced(expr); err != nil {
+		errf("%v", err)
+		return qc
+	}
+	for _, l := range targetLabels {
+		qc.labels[l] = true
+	}
+	bucket := false
+	for _, loc := range metricRE.FindAllStringIndex(expr, -1) {
+		name := expr[loc[0]:loc[1]]
+		base, suffix := name, ""
+		if _, ok := exported[name]; !ok {
+			for _, s := range []string{"_bucket", "_sum", "_count"} {
+				if _, ok := exported[strings.TrimSuffix(name, s)]; ok && strings.HasSuffix(name, s) {
+					base, suffix = strings.TrimSuffix(name, s), s
+				}
+			}
+		}
+		def, ok := exported[base]
+		if !ok {
+			errf("%s is not a metric the broker or proxy exports", name)
+			continue
+		}
+		switch {
+		case def.histogram && suffix == "":
+			errf("%s is a histogram: query %s_bucket, _sum or _count", name, name)
+		case !def.histogram && suffix != "":
+			errf("%s: %s is not a histogram, it has no %s series", name, base, suffix)
+		}
+		if suffix == "_bucket" {
+			bucket = true
+		}
+		if !slices.Contains(qc.metrics, base) {
+			qc.metrics = append(qc.metrics, base)
+		}
+		own := map[string]bool{}
+		for _, l := range append(slices.Clone(def.labels), targetLabels...) {
+			own[l], qc.labels[l] = true, true
+		}
+		if suffix == "_bucket" {
+			own["le"] = true
+		}
+		rest := strings.TrimLeft(expr[loc[1]:], " ")
+		if strings.HasPrefix(rest, "{") {
+			end := closing(rest)
+			for _, m := range splitMatchers(rest[1:end]) {
+				sm := matcherRE.FindStringSubmatch(m)
+				if sm == nil {
+					errf("%s: malformed label matcher %q", name, m)
+					continue
+				}
+				if !own[sm[1]] {
+					errf("%s has no label %q", name, sm[1])
+				}
+			}
+		}
+	}
+	if bucket {
+		qc.labels["le"] = true
+	}
+	for _, m := range groupingRE.FindAllStringSubmatch(expr, -1) {
+		for _, l := range strings.Split(m[1], ",") {
+			if l = strings.TrimSpace(l); l != "" && !qc.labels[l] {
+				errf("grouping by %q, a label none of %v has", l, qc.metrics)
+			}
+		}
+	}
+	return qc
+}
+
+// balanced checks (), [] and {} nesting and double quotes.
+func balanced(expr string) error {
+	var stack []rune
+	pairs := map[rune]rune{')': '(', ']': '[', '}': '{'}
+	inQuote, escaped := false, false
+	for _, r := range expr {
+		switch {
+		case inQuote && escaped:
+			escaped = false
+		case inQuote && r == '\\':
+			escaped = true
+		case r == '"':
+			inQuote = !inQuote
+		case inQuote:
+		case r == '(' || r == '[' || r == '{':
+			stack = append(stack, r)
+		case pairs[r] != 0:
+			if len(stack) == 0 || stack[len(stack)-1] != pairs[r] {
+				return fmt.Errorf("unbalanced %q", r)
+			}
+			stack = stack[:len(stack)-1]
+		}
+	}
+	if inQuote || len(stack) > 0 {
+		return fmt.Errorf("unclosed %q", string(stack))
+	}
+	return nil
+}
+
+// closing returns the index of the '}' closing s[0] == '{' (quotes respected).
+func closing(s string) int {
+	inQuote, escaped := false, false
+	for i, r := range s {
+		switch {
+		case inQuote && escaped:
+			escaped = false
+		case inQuote && r == '\\':
+			escaped = true
+		case r == '"':
+			inQuote = !inQuote
+		case !inQuote && r == '}':
+			return i
+		}
+	}
+	return len(s)
+}
+
+// splitMatchers splits a selector body at the commas outside quotes.
+func splitMatchers(s string) []string {
+	var out []string
+	inQuote, escaped, start := false, false, 0
+	for i, r := range s {
+		switch {
+		case inQuote && escaped:
+			escaped = false
+		case inQuote && r == '\\':
+			escaped = true
+		case r == '"':
+			inQuote = !inQuote
+		case !inQuote && r == ',':
+			out = append(out, s[start:i])
+			start = i + 1
+		}
+	}
+	if strings.TrimSpace(s[start:]) != "" {
+		out = append(out, s[start:])
+	}
+	return out
+}
+
+// The checker itself catches what it is meant to.
+func TestCheckQuery(t *testing.T) {
+	for _, tc := range []struct {
+		expr string
+		ok   bool
+	}{
+		{`sum by (driver, method, code) (rate(csibroker_csi_call_duration_seconds_count{driver=~"$driver"}[5m]))`, true},
+		{`histogram_quantile(0.99, sum by (le, driver) (rate(csibroker_csi_call_duration_seconds_bucket[5m])))`, true},
+		{`max by (pod) (csibroker_leader)`, true},
+		{`rate(csibroker_csi_calls_total[5m])`, false},                                 // not exported
+		{`csibroker_csi_call_duration_seconds`, false},                                 // histogram without suffix
+		{`rate(csibroker_csi_retries_total_count[5m])`, false},                         // counter as histogram
+		{`sum by (driver_name) (rate(csibroker_csi_retries_total[5m]))`, false},        // label of another metric
+		{`rate(csibroker_csi_retries_total{driver_name="x"}[5m])`, false},              // matcher on a missing label
+		{`sum by (le) (rate(csibroker_provision_operations_total[5m]))`, false},        // le without buckets
+		{`sum(rate(csibroker_csi_retries_total{driver="a,b", code!="OK"}[5m])`, false}, // unbalanced
+		{`sum by (driver, grpc_method) (rate(grpc_server_handled_total{grpc_code!="OK"}[5m]))`, true},
+	} {
+		qc := checkQuery(tc.expr)
+		if (len(qc.errs) == 0) != tc.ok {
+			t.Errorf("%s: errors %q, want ok=%v", tc.expr, qc.errs, tc.ok)
+		}
+	}
+}
+
+// The Grafana dashboard parses, is provisionable (datasource variable, unique
+// panel ids, every panel queried), queries only exported metrics with their
+// real labels, and shows every metric the broker and proxy export.
+func TestDashboardMetrics(t *testing.T) {
+	data, err := os.ReadFile(deployDir(t, filepath.Join("monitoring", "grafana-dashboard.json")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash struct {
+		UID           string `json:"uid"`
+		Title         string `json:"title"`
+		SchemaVersion int    `json:"schemaVersion"`
+		Templating    struct {
+			List []struct {
+				Name       string          `json:"name"`
+				Type       string          `json:"type"`
+				Query      json.RawMessage `json:"query"`
+				Definition string          `json:"definition"`
+			} `json:"list"`
+		} `json:"templating"`
+		Panels []json.RawMessage `json:"panels"`
+	}
+	if err := json.Unmarshal(data, &dash); err != nil {
+		t.Fatalf("grafana-dashboard.json: %v", err)
+	}
+	if dash.UID == "" || dash.Title == "" || dash.SchemaVersion == 0 {
+		t.Errorf("dashboard needs uid, title and schemaVersion: %q %q %d", dash.UID, dash.Title, dash.SchemaVersion)
+	}
+
+	type target struct {
+		Expr         string `json:"expr"`
+		LegendFormat string `json:"legendFormat"`
+		Datasource   struct {
+			UID string `json:"uid"`
+		} `json:"datasource"`
+	}
+	type panel struct {
+		ID      int               `json:"id"`
+		Type    string            `json:"type"`
+		Title   string            `json:"title"`
+		Panels  []json.RawMessage `json:"panels"`
+		Targets []target          `json:"targets"`
+		GridPos *struct {
+			H, W, X, Y int
+		} `json:"gridPos"`
+	}
+	var panels []panel
+	var flatten func(raw []json.RawMessage)
+	flatten = func(raw []json.RawMessage) {
+		for _, r := range raw {
+			var p panel
+			if err := json.Unmarshal(r, &p); err != nil {
+				t.Fatalf("panel: %v", err)
+			}
+			panels = append(panels, p)
+			flatten(p.Panels)
+		}
+	}
+	flatten(dash.Panels)
+
+	vars := map[string]bool{}
+	for _, v := range dash.Templating.List {
+		vars[v.Name] = true
+	}
+	if !vars["datasource"] {
+		t.Error("no datasource variable: the dashboard would be tied to one Grafana's data source UID")
+	}
+
+	used := map[string]bool{}
+	ids := map[int]string{}
+	var titles []string
+	check := func(where, expr, legend string) {
+		if strings.TrimSpace(expr) == "" {
+			t.Errorf("%s: empty query", where)
+			return
+		}
+		qc := checkQuery(expr)
+		for _, e := range qc.errs {
+			t.Errorf("%s: %s\n\tin %s", where, e, expr)
+		}
+		for _, m := range qc.metrics {
+			used[m] = true
+		}
+		for _, m := range legendRE.FindAllStringSubmatch(legend, -1) {
+			if !qc.labels[m[1]] {
+				t.Errorf("%s: legend {{%s}}: no such label in %s", where, m[1], expr)
+			}
+		}
+		for _, m := range regexp.MustCompile(`\$([a-z_]+)`).FindAllStringSubmatch(expr, -1) {
+			if !vars[m[1]] && !strings.HasPrefix(m[1], "__") {
+				t.Errorf("%s: $%s is not a dashboard variable", where, m[1])
+			}
+		}
+	}
+	for _, p := range panels {
+		where := fmt.Sprintf("panel %d %q", p.ID, p.Title)
+		if prev, dup := ids[p.ID]; dup {
+			t.Errorf("%s: id %d also used by %q", where, p.ID, prev)
+		}
+		ids[p.ID] = p.Title
+		if p.GridPos == nil || p.GridPos.W == 0 || p.GridPos.H == 0 {
+			t.Errorf("%s: no gridPos", where)
+		}
+		if p.Type == "row" {
+			continue
+		}
+		titles = append(titles, p.Title)
+		if len(p.Targets) == 0 {
+			t.Errorf("%s: no query", where)
+		}
+		for _, tg := range p.Targets {
+			if tg.Datasource.UID != "${datasource}" {
+				t.Errorf("%s: datasource %q, want ${datasource}", where, tg.Datasource.UID)
+			}
+			check(where, tg.Expr, tg.LegendFormat)
+		}
+	}
+	for _, v := range dash.Templating.List {
+		if v.Type != "query" {
+			continue
+		}
+		var q struct {
+			Query string `json:"query"`
+		}
+		if err := json.Unmarshal(v.Query, &q); err != nil {
+			t.Errorf("variable %s: query %s: %v", v.Name, v.Query, err)
+		}
+		check("variable "+v.Name, q.Query, "")
+	}
+
+	var missing []string
+	for m := range exported {
+		if !used[m] {
+			missing = append(missing, m)
+		}
+	}
+	sort.Strings(missing)
+	if len(missing) > 0 {
+		t.Errorf("exported metrics no panel shows: %v", missing)
+	}
+
+	// The panels the operators asked for.
+	for _, want := range []string{
+		"CSI operations rate by driver, method and code", "latency p50", "latency p99", "retries",
+		"In-flight", "Proxy connection state", "Provisioning rate", "Provisioning failures",
+		"Provisioning duration", "Secret policy", "Work queue depth", "Leader",
+	} {
+		if !slices.ContainsFunc(titles, func(s string) bool { return strings.Contains(strings.ToLower(s), strings.ToLower(want)) }) {
+			t.Errorf("no panel about %q", want)
+		}
+	}
+}
+
+// The alert rules query only exported metrics with their real labels, name
+// only labels their result has in annotations, and cover what an operator
+// must be woken for.
+func TestPrometheusRules(t *testing.T) {
+	rule := find(t, build(t, "monitoring"), "PrometheusRule", brokerNamespace, "csibroker")
+	groups, _, _ := unstructured.NestedSlice(rule.Object, "spec", "groups")
+	alerts := map[string]bool{}
+	for _, g := range groups {
+		rules, _ := g.(map[string]any)["rules"].([]any)
+		for _, r := range rules {
+			r := r.(map[string]any)
+			name, _ := r["alert"].(string)
+			if name == "" {
+				name, _ = r["record"].(string)
+			}
+			expr, _ := r["expr"].(string)
+			qc := checkQuery(expr)
+			for _, e := range qc.errs {
+				t.Errorf("%s: %s\n\tin %s", name, e, expr)
+			}
+			if len(qc.metrics) == 0 && !strings.Contains(expr, "up{") {
+				t.Errorf("%s: queries no csibroker metric: %s", name, expr)
+			}
+			if _, ok := r["alert"]; !ok {
+				continue
+			}
+			alerts[name] = true
+			labels, _ := r["labels"].(map[string]any)
+			if s, _ := labels["severity"].(string); !slices.Contains([]string{"critical", "warning", "info"}, s) {
+				t.Errorf("%s: severity %q", name, s)
+			}
+			if f, ok := r["for"].(string); ok {
+				if _, err := time.ParseDuration(f); err != nil {
+					t.Errorf("%s: for %q: %v", name, f, err)
+				}
+			}
+			ann, _ := r["annotations"].(map[string]any)
+			if ann["summary"] == nil || ann["description"] == nil {
+				t.Errorf("%s: needs summary and description annotations", name)
+			}
+			for _, a := range ann {
+				for _, m := range alertVarRE.FindAllStringSubmatch(a.(string), -1) {
+					if !qc.labels[m[1]] {
+						t.Errorf("%s: annotation uses $labels.%s, which %s does not have", name, m[1], expr)
+					}
+				}
+			}
+		}
+	}
+	for _, want := range []string{
+		"CSIBrokerHighCSIErrorRatio", "CSIBrokerSecretPolicyDenies", "CSIBrokerProxyNotReady",
+		"CSIBrokerNoLeader", "CSIBrokerWorkQueueGrowing",
+	} {
+		if !alerts[want] {
+			t.Errorf("no alert %s", want)
+		}
+	}
+}
