@@ -1,0 +1,806 @@
+package k8sbridge
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/kubernetes-csi/csi-lib-utils/accessmodes"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+	otelcodes "go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/strategicpatch"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/csibroker/csibroker/policy"
+)
+
+// Volume expansion, as external-resizer does it with the
+// RecoverVolumeExpansionFailure semantics that are GA since Kubernetes 1.34:
+//
+//   - a bound claim whose request is above its status capacity, bound to a CSI
+//     PV of a registered driver, is expanded: the claim is marked (condition
+//     Resizing, allocatedResources = the size being expanded to,
+//     allocatedResourceStatuses[storage] = ControllerResizeInProgress), then
+//     ControllerExpandVolume is called with the PV's controller-expand secret
+//     (through policy) and its volume capability, then the PV's capacity is
+//     set to what the driver reports, then the claim is marked
+//     NodeResizePending with condition FileSystemResizePending (the kubelet
+//     finishes) or, when the driver needs no node step, finished (status
+//     capacity set, resize conditions and status cleared);
+//   - a final error (anything but Canceled, DeadlineExceeded, Unavailable,
+//     ResourceExhausted, Aborted) is recorded as a ControllerResizeError
+//     condition, and InvalidArgument, OutOfRange and NotFound mark the
+//     expansion ControllerResizeInfeasible, so the user may lower the request
+//     again; other errors leave it ControllerResizeInProgress (the driver may
+//     still be working on it) and the same size is retried. Every failure is
+//     a VolumeResizeFailed Event with the driver's code and message, and is
+//     retried with the claim's backoff;
+//   - a driver without the EXPAND_VOLUME controller capability whose plugin
+//     answers NodeGetCapabilities with EXPAND_VOLUME is expanded on the node
+//     only (external-resizer's trivial resizer): no CSI call, PV capacity set,
+//     node expansion pending.
+//
+// API writes: three per expansion (claim status, PV capacity, claim status),
+// as upstream, all claim writes through the status subresource; a failed
+// expansion costs one (transient error) or two (final error). A status write
+// that would change nothing is not sent, so retrying a failure of the same
+// size costs no write at all (upstream sends its status patches on every
+// retry, changed or not). Secrets, capabilities and the volume capability
+// are settled before the claim is marked: a denied secret writes nothing.
+//
+// kube-controller-manager v1.36 does not expand CSI volumes: its expand
+// controller only emits ExternalExpanding ("waiting for an external
+// controller to expand this PVC"). For in-tree volumes migrated to CSI it
+// writes the CSI driver's name into volume.kubernetes.io/storage-resizer;
+// the broker enqueues a claim when that annotation changes and, finding it
+// names a registered driver on a PV without a CSI source, says in an Event
+// that it does not translate in-tree sources.
+
+const (
+	// annStorageResizer is set by kube-controller-manager on claims of
+	// in-tree volumes migrated to CSI: the CSI driver that must expand them.
+	annStorageResizer = "volume.kubernetes.io/storage-resizer"
+	// annNodeExpansionNotRequired tells the kubelet that the controller
+	// finished the expansion (it skips the node step of RWX volumes).
+	annNodeExpansionNotRequired = "volume.kubernetes.io/node-expansion-not-required"
+
+	fsResizePendingMessage = "Waiting for user to (re-)start a pod to finish file system resize of volume on node."
+)
+
+func init() { extraControllers = append(extraControllers, newResizer) }
+
+// resizer expands the volumes of claims whose request grew.
+type resizer struct {
+	b   *Bridge
+	ops *prometheus.CounterVec
+
+	mu sync.Mutex
+	// queue exists while this replica leads; claims seen before are found
+	// again by run's initial listing.
+	queue workqueue.TypedRateLimitingInterface[string]
+	// finalErr holds claims whose last ControllerExpandVolume ended with a
+	// final error: nothing is in progress, so a changed request may be used.
+	finalErr map[types.UID]bool
+	nodeCaps map[string]resizeNodeCaps
+}
+
+// resizeNodeCaps caches whether a driver without controller expansion can
+// expand on the node.
+type resizeNodeCaps struct {
+	expand  bool
+	fetched time.Time
+}
+
+func newResizer(b *Bridge) (controller, error) {
+	r := &resizer{b: b, finalErr: map[types.UID]bool{}, nodeCaps: map[string]resizeNodeCaps{}}
+	r.ops = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "csibroker", Name: "resize_operations_total",
+		Help: "Volume expansion attempts by driver and result (success, node_pending, infeasible, failed, in_progress, not_called).",
+	}, []string{"driver", "result"})
+	if reg := b.cfg.Registerer; reg != nil {
+		if err := reg.Register(r.ops); err != nil {
+			var are prometheus.AlreadyRegisteredError
+			if !errors.As(err, &are) {
+				return nil, fmt.Errorf("register resize metrics: %w", err)
+			}
+			existing, ok := are.ExistingCollector.(*prometheus.CounterVec)
+			if !ok {
+				return nil, fmt.Errorf("register resize metrics: %w", err)
+			}
+			r.ops = existing
+		}
+	}
+	b.metrics.queueDepth("resize", r.queueLen)
+	_, err := b.factory.Core().V1().PersistentVolumeClaims().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: func(obj any) {
+			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok && claimNeedsResize(c) {
+				r.enqueue(c)
+			}
+		},
+		UpdateFunc: func(oldObj, newObj any) {
+			old, ok1 := oldObj.(*corev1.PersistentVolumeClaim)
+			cur, ok2 := newObj.(*corev1.PersistentVolumeClaim)
+			if ok1 && ok2 && resizeTriggered(old, cur) {
+				r.enqueue(cur)
+			}
+		},
+		DeleteFunc: func(obj any) {
+			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = d.Obj
+			}
+			c, ok := obj.(*corev1.PersistentVolumeClaim)
+			if !ok {
+				return
+			}
+			r.mu.Lock()
+			delete(r.finalErr, c.UID)
+			q := r.queue
+			r.mu.Unlock()
+			if key, err := cache.MetaNamespaceKeyFunc(c); err == nil && q != nil {
+				q.Forget(key)
+			}
+		},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("resize claim handler: %w", err)
+	}
+	return r, nil
+}
+
+// claimNeedsResize: a bound claim asks for more than it has.
+func claimNeedsResize(c *corev1.PersistentVolumeClaim) bool {
+	if c.Status.Phase != corev1.ClaimBound || c.Spec.VolumeName == "" {
+		return false
+	}
+	req := c.Spec.Resources.Requests[corev1.ResourceStorage]
+	capacity := c.Status.Capacity[corev1.ResourceStorage]
+	return req.Cmp(capacity) > 0
+}
+
+// resizeTriggered says whether an update is worth a look: the request or
+// the storage-resizer annotation changed, the claim got bound, or the
+// informer resynced. The resizer's own status writes change none of these,
+// so they do not bring the claim back.
+func resizeTriggered(old, cur *corev1.PersistentVolumeClaim) bool {
+	if !claimNeedsResize(cur) {
+		return false
+	}
+	oldReq, curReq := old.Spec.Resources.Requests[corev1.ResourceStorage], cur.Spec.Resources.Requests[corev1.ResourceStorage]
+	return old.ResourceVersion == cur.ResourceVersion ||
+		oldReq.Cmp(curReq) != 0 ||
+		old.Annotations[annStorageResizer] != cur.Annotations[annStorageResizer] ||
+		old.Status.Phase != cur.Status.Phase ||
+		old.Spec.VolumeName != cur.Spec.VolumeName
+}
+
+func (r *resizer) enqueue(c *corev1.PersistentVolumeClaim) {
+	key, err := cache.MetaNamespaceKeyFunc(c)
+	if err != nil {
+		return
+	}
+	r.mu.Lock()
+	q := r.queue
+	r.mu.Unlock()
+	if q != nil {
+		q.Add(key)
+	}
+}
+
+func (r *resizer) queueLen() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.queue == nil {
+		return 0
+	}
+	return r.queue.Len()
+}
+
+// run expands claims while this replica leads. Each term of leadership has
+// its own queue, so a replica that leads again starts afresh.
+func (r *resizer) run(ctx context.Context) {
+	q := workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](r.b.cfg.RetryIntervalStart, r.b.cfg.RetryIntervalMax),
+		workqueue.TypedRateLimitingQueueConfig[string]{Name: "resize"})
+	r.mu.Lock()
+	r.queue = q
+	r.mu.Unlock()
+	defer func() {
+		r.mu.Lock()
+		r.queue = nil
+		r.mu.Unlock()
+		q.ShutDown()
+	}()
+	// Requests raised while another replica led are in the cache already.
+	if claims, err := r.b.claims.List(labels.Everything()); err == nil {
+		for _, c := range claims {
+			if claimNeedsResize(c) {
+				r.enqueue(c)
+			}
+		}
+	}
+	var wg sync.WaitGroup
+	for i := 0; i < r.b.cfg.WorkerThreads; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for r.processNext(ctx, q) {
+			}
+		}()
+	}
+	<-ctx.Done()
+	q.ShutDown()
+	wg.Wait()
+}
+
+func (r *resizer) processNext(ctx context.Context, q workqueue.TypedRateLimitingInterface[string]) bool {
+	key, quit := q.Get()
+	if quit {
+		return false
+	}
+	defer q.Done(key)
+	if err := r.sync(ctx, key); err != nil {
+		r.b.log.Debug("resize will be retried", "claim", key, "err", err)
+		q.AddRateLimited(key)
+	} else {
+		q.Forget(key)
+	}
+	return true
+}
+
+func (r *resizer) registered(driver string) bool {
+	for _, n := range r.b.cfg.Drivers.DriverNames() {
+		if n == driver {
+			return true
+		}
+	}
+	return false
+}
+
+// sync expands one claim if it needs it; an error retries with backoff.
+func (r *resizer) sync(ctx context.Context, key string) error {
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil {
+		return nil
+	}
+	claim, err := r.b.claims.PersistentVolumeClaims(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if !claimNeedsResize(claim) || claim.DeletionTimestamp != nil {
+		return nil
+	}
+	pv, err := r.b.volumes.Get(claim.Spec.VolumeName)
+	if err != nil {
+		// Bound to a PV the cache has not seen (yet): look again later.
+		return fmt.Errorf("claim %s: volume %s: %w", key, claim.Spec.VolumeName, err)
+	}
+	if cr := pv.Spec.ClaimRef; cr == nil || cr.Namespace != claim.Namespace || cr.UID != claim.UID {
+		return nil
+	}
+	var driver string
+	switch {
+	case pv.Spec.CSI != nil:
+		if !r.registered(pv.Spec.CSI.Driver) {
+			return nil
+		}
+		driver = pv.Spec.CSI.Driver
+	case r.registered(claim.Annotations[annStorageResizer]):
+		r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed",
+			"volume %s is an in-tree volume migrated to CSI driver %s (annotation %s); csibroker does not translate in-tree volume sources, expand it with the driver's own external-resizer",
+			pv.Name, claim.Annotations[annStorageResizer], annStorageResizer)
+		return nil
+	default:
+		return nil
+	}
+
+	caps, err := r.b.caps.get(ctx, driver)
+	if err != nil {
+		r.b.caps.forget(driver)
+		r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed", "resize volume %q by resizer %q failed: driver is not reachable: %v", pv.Name, driver, err)
+		return err
+	}
+	controllerExpand := caps.expand
+	if !controllerExpand {
+		nodeOnly, err := r.nodeExpansion(ctx, driver)
+		if err != nil {
+			r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed", "resize volume %q by resizer %q failed: %v", pv.Name, driver, err)
+			return err
+		}
+		if !nodeOnly {
+			r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed",
+				"driver %s supports neither controller nor node volume expansion (no EXPAND_VOLUME capability); volume %s cannot be expanded", driver, pv.Name)
+			return nil
+		}
+	}
+
+	r.mu.Lock()
+	lastFinal := r.finalErr[claim.UID]
+	r.mu.Unlock()
+	target, ok := expansionTarget(expansionInputOf(claim, pv, lastFinal, controllerExpand))
+	if !ok {
+		return nil
+	}
+
+	ctx, span := r.b.tracer.Start(ctx, "resize "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
+		attribute.String("csi.driver", driver), attribute.String("k8s.pvc.namespace", ns), attribute.String("k8s.pvc.name", name),
+		attribute.String("k8s.pv.name", pv.Name), attribute.String("k8s.pvc.expand_to", target.String())))
+	defer span.End()
+	result, err := r.expand(ctx, claim, pv, driver, caps, controllerExpand, target)
+	r.ops.WithLabelValues(driver, result).Inc()
+	if err != nil {
+		span.SetStatus(otelcodes.Error, result)
+	}
+	return err
+}
+
+// expand runs one expansion attempt and returns its result label.
+func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver string, caps driverCaps, controllerExpand bool, target resource.Quantity) (string, error) {
+	key := claim.Namespace + "/" + claim.Name
+	failed := func(result string, err error) (string, error) {
+		r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed", "resize volume %q by resizer %q failed: %v", pv.Name, driver, err)
+		r.b.log.Warn("volume expansion failed", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
+		return result, err
+	}
+
+	// Everything that can fail before the driver is asked fails before the
+	// claim is marked: nothing is in progress, so nothing is written.
+	var req *csi.ControllerExpandVolumeRequest
+	if controllerExpand {
+		volCap, err := resizeVolumeCapability(pv.Spec, caps.singleNodeMultiWriter)
+		if err != nil {
+			return failed("not_called", err)
+		}
+		secrets, err := r.b.fetchSecret(ctx, secretUse{
+			driver: driver, op: policy.OpControllerExpandVolume, ref: pv.Spec.CSI.ControllerExpandSecretRef,
+			source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerExpandSecretRef"},
+			requester: policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name,
+				Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName},
+		})
+		if err != nil {
+			return failed("not_called", err)
+		}
+		req = &csi.ControllerExpandVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, CapacityRange: &csi.CapacityRange{RequiredBytes: target.Value()},
+			Secrets: secrets, VolumeCapability: volCap}
+	}
+
+	claim, err := r.patchClaimStatus(ctx, claim, resizeInProgress(claim, target), true)
+	if err != nil {
+		return "not_called", fmt.Errorf("mark claim %s resizing: %w", key, err)
+	}
+	r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "Resizing", "External resizer is resizing volume %s", pv.Name)
+
+	newSize, nodeRequired := target, true
+	if req != nil {
+		var conn grpc.ClientConnInterface
+		if node := pvNode(pv); node != "" && r.b.cfg.Drivers.NodeLocal(driver) {
+			conn, err = r.b.cfg.Drivers.NodeConn(driver, node)
+		} else {
+			conn, err = r.b.cfg.Drivers.ControllerConn(driver)
+		}
+		if err != nil {
+			return failed("not_called", err)
+		}
+		callCtx, cancel := context.WithTimeout(ctx, r.b.cfg.Timeout)
+		resp, err := csi.NewControllerClient(conn).ControllerExpandVolume(callCtx, req)
+		cancel()
+		if err != nil {
+			return r.driverFailed(ctx, claim, pv, driver, err)
+		}
+		if n := resp.GetCapacityBytes(); n > 0 {
+			newSize = *resource.NewQuantity(n, resource.BinarySI)
+		}
+		nodeRequired = resp.GetNodeExpansionRequired()
+	}
+	r.mu.Lock()
+	delete(r.finalErr, claim.UID)
+	r.mu.Unlock()
+
+	if cur := pv.Spec.Capacity[corev1.ResourceStorage]; cur.Cmp(newSize) != 0 {
+		patch, err := json.Marshal(map[string]any{"spec": map[string]any{"capacity": map[string]string{string(corev1.ResourceStorage): newSize.String()}}})
+		if err != nil {
+			return failed("failed", err)
+		}
+		if _, err := r.b.cfg.Client.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			return failed("failed", fmt.Errorf("update capacity of pv %s to %s: %w", pv.Name, newSize.String(), err))
+		}
+	}
+	if nodeRequired {
+		if _, err := r.patchClaimStatus(ctx, claim, resizeNodePending(claim), true); err != nil {
+			return failed("failed", fmt.Errorf("mark claim %s as waiting for node expansion: %w", key, err))
+		}
+		r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "FileSystemResizeRequired", "Require file system resize of volume on node")
+		r.b.log.Info("volume expanded; node expansion pending", "claim", key, "pv", pv.Name, "driver", driver, "size", newSize.String())
+		return "node_pending", nil
+	}
+	if _, err := r.patchClaimStatus(ctx, claim, resizeFinished(claim, newSize), true); err != nil {
+		return failed("failed", fmt.Errorf("mark claim %s resized: %w", key, err))
+	}
+	r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "VolumeResizeSuccessful", "Resize volume succeeded")
+	r.b.log.Info("volume expanded", "claim", key, "pv", pv.Name, "driver", driver, "size", newSize.String())
+	return "success", nil
+}
+
+// driverFailed records a ControllerExpandVolume error on the claim.
+func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver string, err error) (string, error) {
+	code := status.Code(err)
+	_, isStatus := status.FromError(err)
+	final := isStatus && resizeFinalError(code)
+	r.mu.Lock()
+	if final {
+		r.finalErr[claim.UID] = true
+	} else {
+		delete(r.finalErr, claim.UID)
+	}
+	r.mu.Unlock()
+	msg := statusText(err)
+	result := "in_progress"
+	if final {
+		result = "failed"
+		infeasible := resizeInfeasible(code)
+		if infeasible {
+			result = "infeasible"
+		}
+		// No resourceVersion precondition: the failure must be recorded
+		// even if our copy of the claim is a little old.
+		if _, perr := r.patchClaimStatus(ctx, claim, resizeControllerFailed(claim, "failed to expand pvc with "+msg, infeasible), false); perr != nil {
+			r.b.log.Warn("recording an expansion failure on the claim failed", "claim", claim.Namespace+"/"+claim.Name, "err", perr)
+		}
+	}
+	r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed", "resize volume %q by resizer %q failed: %s", pv.Name, driver, msg)
+	r.b.log.Warn("ControllerExpandVolume failed", "claim", claim.Namespace+"/"+claim.Name, "pv", pv.Name, "driver", driver, "code", code.String(), "final", final)
+	return result, fmt.Errorf("resize volume %s: %w", pv.Name, err)
+}
+
+// resizeFinalError: the operation failed and is not going on in the driver
+// (the codes external-resizer treats as "may still be in progress" are not).
+func resizeFinalError(c codes.Code) bool {
+	switch c {
+	case codes.Canceled, codes.DeadlineExceeded, codes.Unavailable, codes.ResourceExhausted, codes.Aborted:
+		return false
+	}
+	return true
+}
+
+// resizeInfeasible: the driver cannot expand to this size at all; the
+// claim is marked ControllerResizeInfeasible and the user may lower the
+// request.
+func resizeInfeasible(c codes.Code) bool {
+	return c == codes.InvalidArgument || c == codes.OutOfRange || c == codes.NotFound
+}
+
+// nodeExpansion asks a driver without controller expansion whether its
+// plugin expands on the node (NodeGetCapabilities on the controller's
+// socket, as external-resizer does).
+func (r *resizer) nodeExpansion(ctx context.Context, driver string) (bool, error) {
+	r.mu.Lock()
+	c, ok := r.nodeCaps[driver]
+	r.mu.Unlock()
+	if ok && time.Since(c.fetched) < time.Minute {
+		return c.expand, nil
+	}
+	conn, err := r.b.cfg.Drivers.ControllerConn(driver)
+	if err != nil {
+		return false, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, r.b.cfg.Timeout)
+	defer cancel()
+	resp, err := csi.NewNodeClient(conn).NodeGetCapabilities(ctx, &csi.NodeGetCapabilitiesRequest{})
+	switch {
+	case status.Code(err) == codes.Unimplemented:
+	case err != nil:
+		return false, fmt.Errorf("driver %s: NodeGetCapabilities: %s", driver, statusText(err))
+	}
+	c = resizeNodeCaps{fetched: time.Now()}
+	for _, cp := range resp.GetCapabilities() {
+		if cp.GetRpc().GetType() == csi.NodeServiceCapability_RPC_EXPAND_VOLUME {
+			c.expand = true
+		}
+	}
+	r.mu.Lock()
+	r.nodeCaps[driver] = c
+	r.mu.Unlock()
+	return c.expand, nil
+}
+
+// resizeVolumeCapability is the one capability ControllerExpandVolume gets,
+// from the PV: block or mount (fsType, mount options), and the access mode
+// the PV's modes map to (csi-lib-utils' mapping, as external-resizer).
+func resizeVolumeCapability(spec corev1.PersistentVolumeSpec, singleNodeMultiWriter bool) (*csi.VolumeCapability, error) {
+	if spec.CSI == nil {
+		return nil, errors.New("not a CSI volume")
+	}
+	mode, err := accessmodes.ToCSIAccessMode(spec.AccessModes, singleNodeMultiWriter)
+	if err != nil {
+		return nil, fmt.Errorf("volume capability: %w", err)
+	}
+	c := &csi.VolumeCapability{AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode}}
+	if spec.VolumeMode != nil && *spec.VolumeMode == corev1.PersistentVolumeBlock {
+		c.AccessType = &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}
+	} else {
+		c.AccessType = &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: spec.CSI.FSType, MountFlags: spec.MountOptions}}
+	}
+	return c, nil
+}
+
+// expansionInput is what decides the size to expand to.
+type expansionInput struct {
+	Request, PVCapacity resource.Quantity
+	// Allocated is status.allocatedResources[storage], nil when unset.
+	Allocated *resource.Quantity
+	// ResizeStatus is status.allocatedResourceStatuses[storage].
+	ResizeStatus    corev1.ClaimResourceStatus
+	FSResizePending bool
+	// LastErrorFinal: this replica's last ControllerExpandVolume for the
+	// claim ended with a final error, so nothing is in progress.
+	LastErrorFinal bool
+	// ControllerExpansion: the driver expands on the controller.
+	ControllerExpansion bool
+}
+
+func expansionInputOf(claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, lastFinal, controllerExpansion bool) expansionInput {
+	in := expansionInput{
+		Request:             claim.Spec.Resources.Requests[corev1.ResourceStorage],
+		PVCapacity:          pv.Spec.Capacity[corev1.ResourceStorage],
+		ResizeStatus:        claim.Status.AllocatedResourceStatuses[corev1.ResourceStorage],
+		LastErrorFinal:      lastFinal,
+		ControllerExpansion: controllerExpansion,
+	}
+	if q, ok := claim.Status.AllocatedResources[corev1.ResourceStorage]; ok {
+		in.Allocated = &q
+	}
+	for _, c := range claim.Status.Conditions {
+		if c.Type == corev1.PersistentVolumeClaimFileSystemResizePending && c.Status == corev1.ConditionTrue {
+			in.FSResizePending = true
+		}
+	}
+	return in
+}
+
+// expansionTarget is the size to expand a claim's volume to, with the
+// recovery rules of external-resizer (KEP-1790): an expansion that may still
+// be going on (controller in progress after an uncertain error, node
+// expansion pending) is finished at the size it started with; an
+// infeasible one, or one that ended with a final error, takes the current
+// request, which the user may have lowered. ok is false when there is
+// nothing to do now (the kubelet has the next step).
+func expansionTarget(in expansionInput) (size resource.Quantity, ok bool) {
+	allocatedOr := func(q resource.Quantity) resource.Quantity {
+		if in.Allocated != nil {
+			return *in.Allocated
+		}
+		return q
+	}
+	if in.PVCapacity.Cmp(in.Request) < 0 {
+		switch in.ResizeStatus {
+		case corev1.PersistentVolumeClaimNodeResizeInfeasible:
+			return allocatedOr(in.Request), true
+		case corev1.PersistentVolumeClaimNodeResizePending, corev1.PersistentVolumeClaimNodeResizeInProgress:
+			size = allocatedOr(in.Request)
+			// The volume already has that size: let the node finish first.
+			return size, in.PVCapacity.Cmp(size) < 0
+		case corev1.PersistentVolumeClaimControllerResizeInProgress:
+			if in.LastErrorFinal {
+				return in.Request, true
+			}
+			return allocatedOr(in.Request), true
+		default:
+			return in.Request, true
+		}
+	}
+	// The PV is as large as requested already: finish recording an
+	// expansion that was done, or restart the node step.
+	switch in.ResizeStatus {
+	case corev1.PersistentVolumeClaimNodeResizePending, corev1.PersistentVolumeClaimNodeResizeInProgress:
+		return resource.Quantity{}, false
+	case corev1.PersistentVolumeClaimNodeResizeInfeasible:
+		if in.ControllerExpansion {
+			return allocatedOr(in.Request), true
+		}
+		return in.Request, true
+	case corev1.PersistentVolumeClaimControllerResizeInProgress, corev1.PersistentVolumeClaimControllerResizeInfeasible:
+		return allocatedOr(in.Request), true
+	}
+	if in.ResizeStatus == "" && in.Allocated != nil {
+		return *in.Allocated, true
+	}
+	if in.FSResizePending {
+		return resource.Quantity{}, false
+	}
+	return in.Request, true
+}
+
+// The claim status steps. Each returns a modified copy; none writes.
+
+func isResizeCondition(t corev1.PersistentVolumeClaimConditionType) bool {
+	switch t {
+	case corev1.PersistentVolumeClaimResizing, corev1.PersistentVolumeClaimFileSystemResizePending,
+		corev1.PersistentVolumeClaimControllerResizeError, corev1.PersistentVolumeClaimNodeResizeError:
+		return true
+	}
+	return false
+}
+
+// mergeResizeConditions sets the resize conditions in want and keeps the
+// other resize conditions for which keep says so (non-resize conditions are
+// always kept). A condition already present with the same status is kept as
+// it is (transition time and message), so repeating a step changes nothing.
+func mergeResizeConditions(conds []corev1.PersistentVolumeClaimCondition, want []corev1.PersistentVolumeClaimCondition, keep func(corev1.PersistentVolumeClaimConditionType) bool) []corev1.PersistentVolumeClaimCondition {
+	wanted := map[corev1.PersistentVolumeClaimConditionType]corev1.PersistentVolumeClaimCondition{}
+	for _, c := range want {
+		wanted[c.Type] = c
+	}
+	var out []corev1.PersistentVolumeClaimCondition
+	for _, c := range conds {
+		if w, ok := wanted[c.Type]; ok {
+			if w.Status == c.Status {
+				out = append(out, c)
+			} else {
+				out = append(out, w)
+			}
+			delete(wanted, c.Type)
+			continue
+		}
+		if !isResizeCondition(c.Type) || (keep != nil && keep(c.Type)) {
+			out = append(out, c)
+		}
+	}
+	for _, w := range want {
+		if _, ok := wanted[w.Type]; ok {
+			out = append(out, w)
+		}
+	}
+	return out
+}
+
+func resizeCondition(t corev1.PersistentVolumeClaimConditionType, msg string) corev1.PersistentVolumeClaimCondition {
+	return corev1.PersistentVolumeClaimCondition{Type: t, Status: corev1.ConditionTrue, LastTransitionTime: metav1.Now(), Message: msg}
+}
+
+func resizeKeepAll(corev1.PersistentVolumeClaimConditionType) bool { return true }
+
+func setResizeStatus(c *corev1.PersistentVolumeClaim, s corev1.ClaimResourceStatus) {
+	if c.Status.AllocatedResourceStatuses == nil {
+		c.Status.AllocatedResourceStatuses = map[corev1.ResourceName]corev1.ClaimResourceStatus{}
+	}
+	c.Status.AllocatedResourceStatuses[corev1.ResourceStorage] = s
+}
+
+// resizeInProgress marks an expansion to size as started. Retrying the same
+// size keeps the recorded status and conditions (an infeasible expansion
+// stays infeasible until the driver says otherwise).
+func resizeInProgress(claim *corev1.PersistentVolumeClaim, size resource.Quantity) *corev1.PersistentVolumeClaim {
+	c := claim.DeepCopy()
+	same := false
+	if q, ok := c.Status.AllocatedResources[corev1.ResourceStorage]; ok && q.Cmp(size) == 0 {
+		same = true
+	}
+	want := []corev1.PersistentVolumeClaimCondition{resizeCondition(corev1.PersistentVolumeClaimResizing, "")}
+	if same {
+		c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, want, resizeKeepAll)
+	} else {
+		c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, want, nil)
+		setResizeStatus(c, corev1.PersistentVolumeClaimControllerResizeInProgress)
+		if c.Status.AllocatedResources == nil {
+			c.Status.AllocatedResources = corev1.ResourceList{}
+		}
+		c.Status.AllocatedResources[corev1.ResourceStorage] = size
+	}
+	delete(c.Annotations, annNodeExpansionNotRequired)
+	return c
+}
+
+// resizeNodePending: the controller part is done, the kubelet expands the
+// file system (Resizing stays, as upstream; a controller error is over).
+func resizeNodePending(claim *corev1.PersistentVolumeClaim) *corev1.PersistentVolumeClaim {
+	c := claim.DeepCopy()
+	c.Status.Conditions = mergeResizeConditions(c.Status.Conditions,
+		[]corev1.PersistentVolumeClaimCondition{resizeCondition(corev1.PersistentVolumeClaimFileSystemResizePending, fsResizePendingMessage)},
+		func(t corev1.PersistentVolumeClaimConditionType) bool {
+			return t != corev1.PersistentVolumeClaimControllerResizeError
+		})
+	setResizeStatus(c, corev1.PersistentVolumeClaimNodeResizePending)
+	delete(c.Annotations, annNodeExpansionNotRequired)
+	return c
+}
+
+// resizeFinished: the expansion is complete without a node step.
+func resizeFinished(claim *corev1.PersistentVolumeClaim, size resource.Quantity) *corev1.PersistentVolumeClaim {
+	c := claim.DeepCopy()
+	if c.Status.Capacity == nil {
+		c.Status.Capacity = corev1.ResourceList{}
+	}
+	c.Status.Capacity[corev1.ResourceStorage] = size
+	c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, nil, nil)
+	delete(c.Status.AllocatedResourceStatuses, corev1.ResourceStorage)
+	if len(c.Status.AllocatedResourceStatuses) == 0 {
+		c.Status.AllocatedResourceStatuses = nil
+	}
+	if c.Annotations == nil {
+		c.Annotations = map[string]string{}
+	}
+	c.Annotations[annNodeExpansionNotRequired] = "true"
+	return c
+}
+
+// resizeControllerFailed records a final ControllerExpandVolume error.
+func resizeControllerFailed(claim *corev1.PersistentVolumeClaim, msg string, infeasible bool) *corev1.PersistentVolumeClaim {
+	c := claim.DeepCopy()
+	c.Status.Conditions = mergeResizeConditions(c.Status.Conditions,
+		[]corev1.PersistentVolumeClaimCondition{resizeCondition(corev1.PersistentVolumeClaimControllerResizeError, msg)}, resizeKeepAll)
+	if infeasible {
+		setResizeStatus(c, corev1.PersistentVolumeClaimControllerResizeInfeasible)
+	}
+	return c
+}
+
+// resizeClaimPatch is the strategic merge patch from old to cur, with
+// old's resourceVersion as a precondition when checkRV is set; nil when
+// cur changes nothing.
+func resizeClaimPatch(old, cur *corev1.PersistentVolumeClaim, checkRV bool) ([]byte, error) {
+	oldJSON, err := json.Marshal(old)
+	if err != nil {
+		return nil, err
+	}
+	curJSON, err := json.Marshal(cur)
+	if err != nil {
+		return nil, err
+	}
+	patch, err := strategicpatch.CreateTwoWayMergePatch(oldJSON, curJSON, &corev1.PersistentVolumeClaim{})
+	if err != nil {
+		return nil, err
+	}
+	if string(patch) == "{}" {
+		return nil, nil
+	}
+	if !checkRV {
+		return patch, nil
+	}
+	var m map[string]any
+	if err := json.Unmarshal(patch, &m); err != nil {
+		return nil, err
+	}
+	meta, _ := m["metadata"].(map[string]any)
+	if meta == nil {
+		meta = map[string]any{}
+		m["metadata"] = meta
+	}
+	meta["resourceVersion"] = old.ResourceVersion
+	return json.Marshal(m)
+}
+
+// patchClaimStatus writes cur's changes to old through the status
+// subresource and returns the claim as stored; no write when nothing
+// changes.
+func (r *resizer) patchClaimStatus(ctx context.Context, old, cur *corev1.PersistentVolumeClaim, checkRV bool) (*corev1.PersistentVolumeClaim, error) {
+	patch, err := resizeClaimPatch(old, cur, checkRV)
+	if err != nil {
+		return old, fmt.Errorf("claim %s/%s status patch: %w", old.Namespace, old.Name, err)
+	}
+	if patch == nil {
+		return old, nil
+	}
+	updated, err := r.b.cfg.Client.CoreV1().PersistentVolumeClaims(old.Namespace).Patch(ctx, old.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, "status")
+	if err != nil {
+		return old, fmt.Errorf("patch status of claim %s/%s: %w", old.Namespace, old.Name, err)
+	}
+	return updated, nil
+}

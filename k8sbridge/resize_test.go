@@ -1,0 +1,792 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/policy"
+)
+
+const resizeCanary = "CANARY-expand-secret-51c7"
+
+// TestResizeBoundClaimEndToEnd: claims provisioned by the broker are
+// expanded when their request grows. The sample driver asks for a node step
+// (the claim waits for the kubelet: NodeResizePending); a driver that needs
+// none (the same driver behind a shim that clears node_expansion_required)
+// finishes the expansion on the controller; a driver without controller
+// expansion gets no CSI call. The controller-expand secret
+// comes from the PV and goes through policy; a denied secret stops the
+// expansion before anything is written or called. Each expansion costs
+// three API writes, the claim's through the status subresource.
+func TestResizeBoundClaimEndToEnd(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drvNode, drvCtrl := clusterName(ns, "node.csi.test"), clusterName(ns, "ctrl.csi.test")
+	drvNodeOnly := clusterName(ns, "nodeonly.csi.test")
+	spy := &resizeSpy{testDrivers: &testDrivers{}, noNodeStep: map[string]bool{drvCtrl: true}, nodeOnly: map[string]bool{drvNodeOnly: true}}
+	dNode := spy.addDriver(t, sampledriver.Config{Name: drvNode})
+	dCtrl := spy.addDriver(t, sampledriver.Config{Name: drvCtrl})
+	dNodeOnly := spy.addDriver(t, sampledriver.Config{Name: drvNodeOnly})
+
+	for _, name := range []string{"expand-ok", "expand-forbidden"} {
+		if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+			StringData: map[string]string{"password": resizeCanary}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rs, errs := policy.Compile([]policy.Grant{{Namespace: ns, Name: "expand", Spec: policy.GrantSpec{
+		Drivers: []string{drvNode, drvCtrl}, SecretNames: []string{"expand-ok"}, Operations: []policy.Operation{policy.OpControllerExpandVolume},
+		Requesters: policy.Requesters{Namespaces: []string{ns}}}}})
+	if len(errs) != 0 {
+		t.Fatal(errs)
+	}
+	writes := &resizeWrites{}
+	r := startBridge(t, env, ns, spy, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}, configureCfg: func(cfg *Config) {
+		cfg.Client = writes.client(t, env)
+		cfg.EventClient = c
+	}})
+
+	classNode := makeResizeClass(t, c, clusterName(ns, "node"), drvNode, ns, "expand-ok")
+	classCtrl := makeResizeClass(t, c, clusterName(ns, "ctrl"), drvCtrl, ns, "expand-ok")
+	classDenied := makeResizeClass(t, c, clusterName(ns, "denied"), drvNode, ns, "expand-forbidden")
+	classNodeOnly := makeResizeClass(t, c, clusterName(ns, "nodeonly"), drvNodeOnly, "", "")
+	makeClaim(t, c, ns, "node", classNode, "1Gi")
+	makeClaim(t, c, ns, "ctrl", classCtrl, "1Gi")
+	makeClaim(t, c, ns, "denied", classDenied, "1Gi")
+	makeClaim(t, c, ns, "nodeonly", classNodeOnly, "1Gi")
+	claims := []string{"node", "ctrl", "denied", "nodeonly"}
+	pvOf := map[string]string{}
+	for _, name := range claims {
+		pvOf[name] = waitBound(t, c, ns, name, 60*time.Second).Spec.VolumeName
+	}
+	pvNode, err := c.CoreV1().PersistentVolumes().Get(ctx, pvOf["node"], metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ref := pvNode.Spec.CSI.ControllerExpandSecretRef; ref == nil || ref.Name != "expand-ok" || ref.Namespace != ns {
+		t.Fatalf("PV controllerExpandSecretRef %+v", ref)
+	}
+	before := writes.snapshot()
+	for _, name := range claims {
+		raiseRequest(t, c, ns, name, "2Gi")
+	}
+
+	// Node step required: PV and volume grow, the claim waits for the kubelet.
+	claim := waitClaim(t, c, ns, "node", "NodeResizePending with FileSystemResizePending", func(pvc *corev1.PersistentVolumeClaim) bool {
+		return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending &&
+			hasClaimCondition(pvc, corev1.PersistentVolumeClaimFileSystemResizePending)
+	})
+	if q := claim.Status.AllocatedResources[corev1.ResourceStorage]; q.Cmp(resource.MustParse("2Gi")) != 0 {
+		t.Errorf("allocatedResources %s, want 2Gi", q.String())
+	}
+	if q := claim.Status.Capacity[corev1.ResourceStorage]; q.Cmp(resource.MustParse("1Gi")) != 0 {
+		t.Errorf("status capacity %s: the kubelet, not the controller, finishes a node expansion", q.String())
+	}
+	if hasClaimCondition(claim, corev1.PersistentVolumeClaimControllerResizeError) {
+		t.Errorf("conditions %+v", claim.Status.Conditions)
+	}
+	checkResizedVolume(t, c, pvOf["node"], dNode, 2<<30)
+	seen := spy.requests(pvNode.Spec.CSI.VolumeHandle)
+	if len(seen) == 0 {
+		t.Fatalf("no ControllerExpandVolume call for %s", pvOf["node"])
+	}
+	for _, s := range seen {
+		if s.requiredBytes != 2<<30 || !s.mount || s.mode != csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER || s.secret != resizeCanary || s.code != codes.OK {
+			t.Errorf("ControllerExpandVolume request %v (secret passed: %v): want 2Gi, a mount capability, SINGLE_NODE_MULTI_WRITER (RWO on a driver with that capability, as at provisioning) and the controller-expand secret", s, s.secret == resizeCanary)
+		}
+	}
+	ev := waitEvent(t, c, ns, "node", "Resizing", "External resizer is resizing volume "+pvOf["node"])
+	if !strings.Contains(ev.Message, "(trace ") {
+		t.Errorf("event without trace ID: %s", ev.Message)
+	}
+	waitEvent(t, c, ns, "node", "FileSystemResizeRequired", "Require file system resize of volume on node")
+	// kube-controller-manager's expand controller leaves CSI volumes to us.
+	waitEvent(t, c, ns, "node", "ExternalExpanding", "waiting for an external controller")
+
+	// No node step: the controller finishes the expansion.
+	claim = waitClaim(t, c, ns, "ctrl", "status capacity 2Gi", func(pvc *corev1.PersistentVolumeClaim) bool {
+		q := pvc.Status.Capacity[corev1.ResourceStorage]
+		return q.Cmp(resource.MustParse("2Gi")) == 0
+	})
+	for _, cond := range claim.Status.Conditions {
+		if isResizeCondition(cond.Type) {
+			t.Errorf("resize condition left after a finished expansion: %+v", cond)
+		}
+	}
+	if s, ok := claim.Status.AllocatedResourceStatuses[corev1.ResourceStorage]; ok {
+		t.Errorf("allocatedResourceStatuses[storage] = %s after a finished expansion", s)
+	}
+	if claim.Annotations[annNodeExpansionNotRequired] != "true" {
+		t.Errorf("annotations %v: want %s", claim.Annotations, annNodeExpansionNotRequired)
+	}
+	checkResizedVolume(t, c, pvOf["ctrl"], dCtrl, 2<<30)
+	waitEvent(t, c, ns, "ctrl", "VolumeResizeSuccessful", "Resize volume succeeded")
+
+	// A driver that expands on the node only: no controller call, the PV
+	// grows, the kubelet does the rest (external-resizer's trivial resizer).
+	waitClaim(t, c, ns, "nodeonly", "NodeResizePending", func(pvc *corev1.PersistentVolumeClaim) bool {
+		return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending
+	})
+	if pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvOf["nodeonly"], metav1.GetOptions{}); err != nil {
+		t.Fatal(err)
+	} else if q := pv.Spec.Capacity[corev1.ResourceStorage]; q.Cmp(resource.MustParse("2Gi")) != 0 {
+		t.Errorf("node-only PV capacity %s, want 2Gi", q.String())
+	}
+	if n := dNodeOnly.CallCount("ControllerExpandVolume"); n != 0 {
+		t.Errorf("ControllerExpandVolume called %d times on a driver without the capability", n)
+	}
+
+	// Denied secret: an Event says which rule denied what, nothing else.
+	ev = waitEvent(t, c, ns, "denied", "VolumeResizeFailed", "denied by policy")
+	for _, w := range []string{ns + "/expand-forbidden", drvNode, "ControllerExpandVolume", pvOf["denied"]} {
+		if !strings.Contains(ev.Message, w) {
+			t.Errorf("event %q does not say %q", ev.Message, w)
+		}
+	}
+	denied, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "denied", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(denied.Status.AllocatedResources) != 0 || len(denied.Status.AllocatedResourceStatuses) != 0 || len(denied.Status.Conditions) != 0 {
+		t.Errorf("denied claim status %+v: nothing may be recorded before the secret is allowed", denied.Status)
+	}
+	pvDenied, err := c.CoreV1().PersistentVolumes().Get(ctx, pvOf["denied"], metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(spy.requests(pvDenied.Spec.CSI.VolumeHandle)); n != 0 {
+		t.Errorf("driver called %d times with a denied secret", n)
+	}
+	checkResizedVolume(t, c, pvOf["denied"], dNode, 1<<30)
+
+	// API writes per expansion, as external-resizer: claim status, PV, claim status.
+	after := writes.snapshot()
+	for _, name := range claims {
+		claimStatus := after.count("/namespaces/"+ns+"/persistentvolumeclaims/"+name+"/status") - before.count("/namespaces/"+ns+"/persistentvolumeclaims/"+name+"/status")
+		claimMain := after.count("/namespaces/"+ns+"/persistentvolumeclaims/"+name) - before.count("/namespaces/"+ns+"/persistentvolumeclaims/"+name)
+		pv := after.count("/persistentvolumes/"+pvOf[name]) - before.count("/persistentvolumes/"+pvOf[name])
+		want := [3]int{2, 0, 1}
+		if name == "denied" {
+			want = [3]int{}
+		}
+		if got := [3]int{claimStatus, claimMain, pv}; got != want {
+			t.Errorf("claim %s: writes to claim status, claim, PV = %v, want %v", name, got, want)
+		}
+		t.Logf("claim %s: %d claim status writes, %d claim writes, %d PV writes", name, claimStatus, claimMain, pv)
+	}
+
+	if got := r.metricValue(t, "csibroker_resize_operations_total", map[string]string{"driver": drvNode, "result": "node_pending"}); got < 1 {
+		t.Errorf("node_pending expansions counted: %v", got)
+	}
+	if got := r.metricValue(t, "csibroker_resize_operations_total", map[string]string{"driver": drvCtrl, "result": "success"}); got < 1 {
+		t.Errorf("successful expansions counted: %v", got)
+	}
+	checkNoCanary(t, c, ns, r, resizeCanary)
+}
+
+// TestResizeDriverErrorOnClaim: a driver error reaches the claim as a
+// VolumeResizeFailed Event with the driver's code and message, and in its
+// status: an infeasible size (InvalidArgument) marks the expansion
+// ControllerResizeInfeasible with a ControllerResizeError condition, and a
+// lower request is then tried; an error after which the driver may still be
+// working (ResourceExhausted) keeps it ControllerResizeInProgress at the same
+// size. Both are retried with backoff, the retries cost no API write, and
+// the broker keeps running.
+func TestResizeDriverErrorOnClaim(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drvBad, drvSmall := clusterName(ns, "bad.csi.test"), clusterName(ns, "small.csi.test")
+	spy := &resizeSpy{testDrivers: &testDrivers{}}
+	dBad := spy.addDriver(t, sampledriver.Config{Name: drvBad, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
+		"ControllerExpandVolume": {Rate: 1, Code: codes.InvalidArgument}}}})
+	dSmall := spy.addDriver(t, sampledriver.Config{Name: drvSmall, CapacityBytes: 2 << 30})
+	writes := &resizeWrites{}
+	r := startBridge(t, env, ns, spy, bridgeOpts{configureCfg: func(cfg *Config) {
+		cfg.Client = writes.client(t, env)
+		cfg.EventClient = c
+	}})
+
+	makeClaim(t, c, ns, "bad", makeResizeClass(t, c, clusterName(ns, "bad"), drvBad, "", ""), "1Gi")
+	makeClaim(t, c, ns, "small", makeResizeClass(t, c, clusterName(ns, "small"), drvSmall, "", ""), "1Gi")
+	pvBad := waitBound(t, c, ns, "bad", 60*time.Second).Spec.VolumeName
+	pvSmall := waitBound(t, c, ns, "small", 60*time.Second).Spec.VolumeName
+	before := writes.snapshot()
+	raiseRequest(t, c, ns, "bad", "2Gi")
+	raiseRequest(t, c, ns, "small", "4Gi")
+
+	// Infeasible: Event with the driver's message, status says so.
+	ev := waitEvent(t, c, ns, "bad", "VolumeResizeFailed", "InvalidArgument")
+	for _, w := range []string{"sample driver: injected fault in ControllerExpandVolume", pvBad, drvBad} {
+		if !strings.Contains(ev.Message, w) {
+			t.Errorf("event %q does not say %q", ev.Message, w)
+		}
+	}
+	claim := waitClaim(t, c, ns, "bad", "ControllerResizeInfeasible", func(pvc *corev1.PersistentVolumeClaim) bool {
+		return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimControllerResizeInfeasible
+	})
+	cond := claimCondition(claim, corev1.PersistentVolumeClaimControllerResizeError)
+	if cond == nil || !strings.Contains(cond.Message, "InvalidArgument") || !strings.Contains(cond.Message, "injected fault") {
+		t.Errorf("ControllerResizeError condition %+v", cond)
+	}
+	if q := claim.Status.AllocatedResources[corev1.ResourceStorage]; q.Cmp(resource.MustParse("2Gi")) != 0 {
+		t.Errorf("allocatedResources %s, want 2Gi", q.String())
+	}
+	waitCalls(t, dBad, 3) // retried with backoff
+	checkResizedVolume(t, c, pvBad, dBad, 1<<30)
+	if n := writes.since(before, "/namespaces/"+ns+"/persistentvolumeclaims/bad/status"); n != 2 {
+		t.Errorf("claim bad: %d status writes after %d attempts, want 2 (retrying the same failure writes nothing)", n, dBad.CallCount("ControllerExpandVolume"))
+	}
+
+	// Recovery: the user lowers the request; the lower size is tried.
+	mid := writes.snapshot()
+	raiseRequest(t, c, ns, "bad", "1536Mi")
+	err := testenv.WaitFor(context.Background(), 60*time.Second, "ControllerExpandVolume for 1536Mi", func(ctx context.Context) (bool, string, error) {
+		for _, s := range spy.requests(volumeHandle(t, c, pvBad)) {
+			if s.requiredBytes == 1536<<20 {
+				return true, "", nil
+			}
+		}
+		return false, fmt.Sprint(spy.requests(volumeHandle(t, c, pvBad))), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitClaim(t, c, ns, "bad", "allocatedResources 1536Mi, infeasible", func(pvc *corev1.PersistentVolumeClaim) bool {
+		q := pvc.Status.AllocatedResources[corev1.ResourceStorage]
+		return q.Cmp(resource.MustParse("1536Mi")) == 0 &&
+			pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimControllerResizeInfeasible
+	})
+	if n := writes.since(mid, "/namespaces/"+ns+"/persistentvolumeclaims/bad/status"); n != 2 {
+		t.Errorf("claim bad: %d status writes for the lowered request, want 2", n)
+	}
+
+	// May still be in progress: Event, status stays in progress at 4Gi.
+	ev = waitEvent(t, c, ns, "small", "VolumeResizeFailed", "ResourceExhausted")
+	if !strings.Contains(ev.Message, "insufficient capacity") {
+		t.Errorf("event %q does not carry the driver's message", ev.Message)
+	}
+	waitCalls(t, dSmall, 2)
+	claim, err = c.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "small", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := claim.Status.AllocatedResourceStatuses[corev1.ResourceStorage]; s != corev1.PersistentVolumeClaimControllerResizeInProgress {
+		t.Errorf("allocatedResourceStatuses[storage] = %q, want ControllerResizeInProgress", s)
+	}
+	if q := claim.Status.AllocatedResources[corev1.ResourceStorage]; q.Cmp(resource.MustParse("4Gi")) != 0 {
+		t.Errorf("allocatedResources %s, want 4Gi", q.String())
+	}
+	if !hasClaimCondition(claim, corev1.PersistentVolumeClaimResizing) || hasClaimCondition(claim, corev1.PersistentVolumeClaimControllerResizeError) {
+		t.Errorf("conditions %+v: want Resizing and no ControllerResizeError", claim.Status.Conditions)
+	}
+	if n := writes.since(before, "/namespaces/"+ns+"/persistentvolumeclaims/small/status"); n != 1 {
+		t.Errorf("claim small: %d status writes, want 1", n)
+	}
+	checkResizedVolume(t, c, pvSmall, dSmall, 1<<30)
+
+	select {
+	case err := <-r.done:
+		t.Fatalf("bridge stopped: %v", err)
+	default:
+	}
+	if got := r.metricValue(t, "csibroker_resize_operations_total", map[string]string{"driver": drvBad, "result": "infeasible"}); got < 3 {
+		t.Errorf("infeasible attempts counted: %v", got)
+	}
+	if got := r.metricValue(t, "csibroker_resize_operations_total", map[string]string{"driver": drvSmall, "result": "in_progress"}); got < 2 {
+		t.Errorf("in-progress attempts counted: %v", got)
+	}
+}
+
+func TestResizeTarget(t *testing.T) {
+	q := resource.MustParse
+	ptr := func(s string) *resource.Quantity { v := q(s); return &v }
+	const (
+		ctrlInProgress = corev1.PersistentVolumeClaimControllerResizeInProgress
+		ctrlInfeasible = corev1.PersistentVolumeClaimControllerResizeInfeasible
+		nodePending    = corev1.PersistentVolumeClaimNodeResizePending
+		nodeInProgress = corev1.PersistentVolumeClaimNodeResizeInProgress
+		nodeInfeasible = corev1.PersistentVolumeClaimNodeResizeInfeasible
+	)
+	cases := []struct {
+		name string
+		in   expansionInput
+		want string // "" = nothing to do
+	}{
+		{"first expansion", expansionInput{Request: q("2Gi"), PVCapacity: q("1Gi")}, "2Gi"},
+		{"expanded before, larger again", expansionInput{Request: q("3Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi")}, "3Gi"},
+		{"uncertain controller error: finish the started size", expansionInput{Request: q("3Gi"), PVCapacity: q("1Gi"), Allocated: ptr("5Gi"), ResizeStatus: ctrlInProgress}, "5Gi"},
+		{"final controller error: take the new request", expansionInput{Request: q("3Gi"), PVCapacity: q("1Gi"), Allocated: ptr("5Gi"), ResizeStatus: ctrlInProgress, LastErrorFinal: true}, "3Gi"},
+		{"infeasible: take the lowered request", expansionInput{Request: q("3Gi"), PVCapacity: q("1Gi"), Allocated: ptr("5Gi"), ResizeStatus: ctrlInfeasible}, "3Gi"},
+		{"infeasible, same request: retry it", expansionInput{Request: q("5Gi"), PVCapacity: q("1Gi"), Allocated: ptr("5Gi"), ResizeStatus: ctrlInfeasible}, "5Gi"},
+		{"node pending, PV already there: wait for the kubelet", expansionInput{Request: q("3Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi"), ResizeStatus: nodePending}, ""},
+		{"node pending at the request: wait", expansionInput{Request: q("2Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi"), ResizeStatus: nodePending}, ""},
+		{"node in progress at the request: wait", expansionInput{Request: q("2Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi"), ResizeStatus: nodeInProgress}, ""},
+		{"node pending, PV below allocated: expand to allocated", expansionInput{Request: q("3Gi"), PVCapacity: q("1Gi"), Allocated: ptr("2Gi"), ResizeStatus: nodePending}, "2Gi"},
+		{"node infeasible, PV small: allocated", expansionInput{Request: q("3Gi"), PVCapacity: q("1Gi"), Allocated: ptr("2Gi"), ResizeStatus: nodeInfeasible}, "2Gi"},
+		{"node infeasible, PV done, controller driver: allocated", expansionInput{Request: q("2Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi"), ResizeStatus: nodeInfeasible, ControllerExpansion: true}, "2Gi"},
+		{"node infeasible, PV done, node-only driver: request", expansionInput{Request: q("2Gi"), PVCapacity: q("3Gi"), Allocated: ptr("3Gi"), ResizeStatus: nodeInfeasible}, "2Gi"},
+		{"PV expanded, claim not updated: finish recording", expansionInput{Request: q("2Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi"), ResizeStatus: ctrlInProgress}, "2Gi"},
+		{"user shrank request below done PV while in progress", expansionInput{Request: q("2Gi"), PVCapacity: q("3Gi"), Allocated: ptr("3Gi"), ResizeStatus: ctrlInfeasible}, "3Gi"},
+		{"no status but allocated: resume it", expansionInput{Request: q("2Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi")}, "2Gi"},
+		{"old-style claim waiting for the node", expansionInput{Request: q("2Gi"), PVCapacity: q("2Gi"), FSResizePending: true}, ""},
+		{"statically larger PV", expansionInput{Request: q("2Gi"), PVCapacity: q("5Gi")}, "2Gi"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, ok := expansionTarget(tc.in)
+			switch {
+			case tc.want == "" && ok:
+				t.Fatalf("target %s, want nothing to do", got.String())
+			case tc.want != "" && !ok:
+				t.Fatalf("nothing to do, want %s", tc.want)
+			case tc.want != "" && got.Cmp(q(tc.want)) != 0:
+				t.Fatalf("target %s, want %s", got.String(), tc.want)
+			}
+		})
+	}
+}
+
+func TestResizeVolumeCapability(t *testing.T) {
+	block, fs := corev1.PersistentVolumeBlock, corev1.PersistentVolumeFilesystem
+	src := &corev1.CSIPersistentVolumeSource{Driver: "d", VolumeHandle: "v", FSType: "xfs"}
+	modes := func(m ...corev1.PersistentVolumeAccessMode) []corev1.PersistentVolumeAccessMode { return m }
+	cases := []struct {
+		name  string
+		spec  corev1.PersistentVolumeSpec
+		snmw  bool
+		mode  csi.VolumeCapability_AccessMode_Mode
+		block bool
+		err   string
+	}{
+		{"RWO mount with options", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadWriteOnce), VolumeMode: &fs, MountOptions: []string{"noatime"}}, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false, ""},
+		{"RWO, driver with SINGLE_NODE_MULTI_WRITER", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadWriteOnce)}, true, csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER, false, ""},
+		{"RWOP", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadWriteOncePod)}, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false, ""},
+		{"RWOP, driver with SINGLE_NODE_MULTI_WRITER", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadWriteOncePod)}, true, csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, false, ""},
+		{"RWX wins", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadOnlyMany, corev1.ReadWriteMany)}, false, csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, false, ""},
+		{"ROX block", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadOnlyMany), VolumeMode: &block}, false, csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY, true, ""},
+		{"ROX with RWO has no CSI mode", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadOnlyMany, corev1.ReadWriteOnce)}, false, 0, false, "ReadOnlyMany and ReadWriteOnce"},
+		{"no access mode", corev1.PersistentVolumeSpec{}, false, 0, false, "unsupported AccessMode"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.spec.CSI = src
+			c, err := resizeVolumeCapability(tc.spec, tc.snmw)
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("err %v, want %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c.GetAccessMode().GetMode() != tc.mode {
+				t.Errorf("mode %s, want %s", c.GetAccessMode().GetMode(), tc.mode)
+			}
+			if tc.block != (c.GetBlock() != nil) {
+				t.Errorf("access type %v", c.GetAccessType())
+			}
+			if !tc.block && (c.GetMount().GetFsType() != "xfs" || strings.Join(c.GetMount().GetMountFlags(), ",") != strings.Join(tc.spec.MountOptions, ",")) {
+				t.Errorf("mount %v", c.GetMount())
+			}
+		})
+	}
+	if _, err := resizeVolumeCapability(corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadWriteOnce)}, false); err == nil {
+		t.Error("a PV without a CSI source must be refused")
+	}
+}
+
+func TestResizeErrorClasses(t *testing.T) {
+	cases := []struct {
+		code              codes.Code
+		final, infeasible bool
+	}{
+		{codes.InvalidArgument, true, true},
+		{codes.OutOfRange, true, true},
+		{codes.NotFound, true, true},
+		{codes.FailedPrecondition, true, false}, // in use: offline-only driver
+		{codes.Internal, true, false},
+		{codes.Unimplemented, true, false},
+		{codes.PermissionDenied, true, false},
+		{codes.Unavailable, false, false},
+		{codes.DeadlineExceeded, false, false},
+		{codes.Canceled, false, false},
+		{codes.ResourceExhausted, false, false},
+		{codes.Aborted, false, false},
+	}
+	for _, tc := range cases {
+		if got := resizeFinalError(tc.code); got != tc.final {
+			t.Errorf("%s: final %v, want %v", tc.code, got, tc.final)
+		}
+		if got := resizeInfeasible(tc.code); got != tc.infeasible {
+			t.Errorf("%s: infeasible %v, want %v", tc.code, got, tc.infeasible)
+		}
+	}
+}
+
+// TestResizeStatusSteps walks a claim through the status steps and checks
+// what each writes, and that repeating a step writes nothing.
+func TestResizeStatusSteps(t *testing.T) {
+	q := resource.MustParse
+	old := metav1.NewTime(time.Now().Add(-time.Hour).Truncate(time.Second))
+	claim := &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "c", Namespace: "ns", ResourceVersion: "7", Annotations: map[string]string{annNodeExpansionNotRequired: "true"}},
+		Spec:       corev1.PersistentVolumeClaimSpec{VolumeName: "pv", Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: q("2Gi")}}},
+		Status: corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound, Capacity: corev1.ResourceList{corev1.ResourceStorage: q("1Gi")},
+			Conditions: []corev1.PersistentVolumeClaimCondition{{Type: corev1.PersistentVolumeClaimVolumeModifyingVolume, Status: corev1.ConditionTrue, LastTransitionTime: old}}},
+	}
+	statusOf := func(c *corev1.PersistentVolumeClaim) corev1.ClaimResourceStatus {
+		return c.Status.AllocatedResourceStatuses[corev1.ResourceStorage]
+	}
+	condTypes := func(c *corev1.PersistentVolumeClaim) string {
+		var s []string
+		for _, x := range c.Status.Conditions {
+			s = append(s, string(x.Type))
+		}
+		return strings.Join(s, ",")
+	}
+	noop := func(step string, from, to *corev1.PersistentVolumeClaim) {
+		t.Helper()
+		if p, err := resizeClaimPatch(from, to, true); err != nil || p != nil {
+			t.Errorf("%s again: patch %s (%v), want none", step, p, err)
+		}
+	}
+
+	s1 := resizeInProgress(claim, q("2Gi"))
+	if statusOf(s1) != corev1.PersistentVolumeClaimControllerResizeInProgress || condTypes(s1) != "ModifyingVolume,Resizing" || s1.Annotations[annNodeExpansionNotRequired] != "" {
+		t.Fatalf("in progress: %s %s %v", statusOf(s1), condTypes(s1), s1.Annotations)
+	}
+	if a := s1.Status.AllocatedResources[corev1.ResourceStorage]; a.Cmp(q("2Gi")) != 0 {
+		t.Fatalf("allocated %s", a.String())
+	}
+	if len(claim.Status.Conditions) != 1 || claim.Status.AllocatedResources != nil {
+		t.Fatal("a step modified its input")
+	}
+	p, err := resizeClaimPatch(claim, s1, true)
+	if err != nil || !strings.Contains(string(p), `"resourceVersion":"7"`) || !strings.Contains(string(p), `"allocatedResources"`) || strings.Contains(string(p), `"spec"`) {
+		t.Fatalf("patch %s (%v): want status changes with a resourceVersion precondition", p, err)
+	}
+	noop("in progress", s1, resizeInProgress(s1, q("2Gi")))
+
+	s2 := resizeControllerFailed(s1, "failed to expand pvc with rpc error: code = InvalidArgument desc = no", true)
+	if statusOf(s2) != corev1.PersistentVolumeClaimControllerResizeInfeasible || condTypes(s2) != "ModifyingVolume,Resizing,ControllerResizeError" {
+		t.Fatalf("infeasible: %s %s", statusOf(s2), condTypes(s2))
+	}
+	if p, _ := resizeClaimPatch(s1, s2, false); strings.Contains(string(p), "resourceVersion") {
+		t.Errorf("failure patch %s: must not need the latest resourceVersion", p)
+	}
+	noop("infeasible", s2, resizeControllerFailed(s2, "failed to expand pvc with rpc error: code = InvalidArgument desc = other", true))
+	// Retrying the same size keeps the recorded failure.
+	noop("retry of the same size", s2, resizeInProgress(s2, q("2Gi")))
+
+	s3 := resizeInProgress(s2, q("1536Mi"))
+	if statusOf(s3) != corev1.PersistentVolumeClaimControllerResizeInProgress || condTypes(s3) != "ModifyingVolume,Resizing" {
+		t.Fatalf("lowered request: %s %s", statusOf(s3), condTypes(s3))
+	}
+	if got := claimCondition(s3, corev1.PersistentVolumeClaimResizing).LastTransitionTime; !got.Equal(&claimCondition(s1, corev1.PersistentVolumeClaimResizing).LastTransitionTime) {
+		t.Errorf("Resizing condition restarted: %v", got)
+	}
+
+	s4 := resizeNodePending(resizeControllerFailed(s3, "failed to expand pvc with rpc error: code = Internal desc = x", false))
+	if statusOf(s4) != corev1.PersistentVolumeClaimNodeResizePending || condTypes(s4) != "ModifyingVolume,Resizing,FileSystemResizePending" {
+		t.Fatalf("node pending: %s %s", statusOf(s4), condTypes(s4))
+	}
+	if m := claimCondition(s4, corev1.PersistentVolumeClaimFileSystemResizePending).Message; m != fsResizePendingMessage {
+		t.Errorf("message %q", m)
+	}
+	noop("node pending", s4, resizeNodePending(s4))
+
+	s5 := resizeFinished(s3, q("1536Mi"))
+	if statusOf(s5) != "" || s5.Status.AllocatedResourceStatuses != nil || condTypes(s5) != "ModifyingVolume" || s5.Annotations[annNodeExpansionNotRequired] != "true" {
+		t.Fatalf("finished: %v %s %v", s5.Status.AllocatedResourceStatuses, condTypes(s5), s5.Annotations)
+	}
+	if c := s5.Status.Capacity[corev1.ResourceStorage]; c.Cmp(q("1536Mi")) != 0 {
+		t.Fatalf("capacity %s", c.String())
+	}
+	if !claimNeedsResize(s5) { // request 2Gi > 1536Mi
+		t.Error("claim asking for more than it got must still need a resize")
+	}
+}
+
+// resizeSpy wraps testDrivers: it records every ControllerExpandVolume
+// request and, for drivers in noNodeStep, clears node_expansion_required in
+// the reply (a driver whose volumes need no node step); drivers in
+// nodeOnly do not report the EXPAND_VOLUME controller capability (a driver
+// that expands on the node only).
+type resizeSpy struct {
+	*testDrivers
+	noNodeStep map[string]bool
+	nodeOnly   map[string]bool
+
+	mu   sync.Mutex
+	seen map[string][]resizeSeen // by volume ID
+}
+
+type resizeSeen struct {
+	requiredBytes int64
+	mode          csi.VolumeCapability_AccessMode_Mode
+	mount         bool
+	secret        string // the "password" key (tests only; never logged)
+	code          codes.Code
+}
+
+func (s resizeSeen) String() string {
+	return fmt.Sprintf("{required %d mode %s mount %v code %s}", s.requiredBytes, s.mode, s.mount, s.code)
+}
+
+func (s *resizeSpy) ControllerConn(d string) (grpc.ClientConnInterface, error) {
+	c, err := s.testDrivers.ControllerConn(d)
+	if err != nil {
+		return nil, err
+	}
+	return &resizeSpyConn{inner: c, spy: s, driver: d}, nil
+}
+
+func (s *resizeSpy) NodeConn(d, _ string) (grpc.ClientConnInterface, error) {
+	return s.ControllerConn(d)
+}
+
+func (s *resizeSpy) requests(volumeID string) []resizeSeen {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]resizeSeen(nil), s.seen[volumeID]...)
+}
+
+type resizeSpyConn struct {
+	inner  grpc.ClientConnInterface
+	spy    *resizeSpy
+	driver string
+}
+
+func (c *resizeSpyConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	err := c.inner.Invoke(ctx, method, args, reply, opts...)
+	if method == csi.Controller_ControllerGetCapabilities_FullMethodName && err == nil && c.spy.nodeOnly[c.driver] {
+		resp := reply.(*csi.ControllerGetCapabilitiesResponse)
+		var kept []*csi.ControllerServiceCapability
+		for _, cp := range resp.GetCapabilities() {
+			if cp.GetRpc().GetType() != csi.ControllerServiceCapability_RPC_EXPAND_VOLUME {
+				kept = append(kept, cp)
+			}
+		}
+		resp.Capabilities = kept
+	}
+	if method != csi.Controller_ControllerExpandVolume_FullMethodName {
+		return err
+	}
+	req := args.(*csi.ControllerExpandVolumeRequest)
+	seen := resizeSeen{requiredBytes: req.GetCapacityRange().GetRequiredBytes(), mode: req.GetVolumeCapability().GetAccessMode().GetMode(),
+		mount: req.GetVolumeCapability().GetMount() != nil, secret: req.GetSecrets()["password"], code: status.Code(err)}
+	c.spy.mu.Lock()
+	if c.spy.seen == nil {
+		c.spy.seen = map[string][]resizeSeen{}
+	}
+	c.spy.seen[req.GetVolumeId()] = append(c.spy.seen[req.GetVolumeId()], seen)
+	c.spy.mu.Unlock()
+	if err == nil && c.spy.noNodeStep[c.driver] {
+		reply.(*csi.ControllerExpandVolumeResponse).NodeExpansionRequired = false
+	}
+	return err
+}
+
+func (c *resizeSpyConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	return c.inner.NewStream(ctx, desc, method, opts...)
+}
+
+// resizeWrites counts the successful API writes of the bridge's object client.
+type resizeWrites struct {
+	mu     sync.Mutex
+	writes []string // "METHOD path"
+}
+
+type resizeWriteLog []string
+
+func (w *resizeWrites) client(t *testing.T, env *testenv.Env) kubernetes.Interface {
+	t.Helper()
+	cfg := env.RESTConfig()
+	cfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+		return resizeRoundTripper(func(req *http.Request) (*http.Response, error) {
+			resp, err := rt.RoundTrip(req)
+			if err == nil && req.Method != http.MethodGet && resp.StatusCode < 300 {
+				w.mu.Lock()
+				w.writes = append(w.writes, req.Method+" "+req.URL.Path)
+				w.mu.Unlock()
+			}
+			return resp, err
+		})
+	}
+	c, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func (w *resizeWrites) snapshot() resizeWriteLog {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return append(resizeWriteLog(nil), w.writes...)
+}
+
+// since counts writes to exactly path made after snapshot was taken.
+func (w *resizeWrites) since(snapshot resizeWriteLog, path string) int {
+	return w.snapshot().count(path) - snapshot.count(path)
+}
+
+// count counts writes whose path is exactly path (after the API prefix).
+func (l resizeWriteLog) count(path string) int {
+	n := 0
+	for _, x := range l {
+		if strings.HasSuffix(x, path) {
+			n++
+		}
+	}
+	return n
+}
+
+type resizeRoundTripper func(*http.Request) (*http.Response, error)
+
+func (f resizeRoundTripper) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
+
+// makeResizeClass makes an Immediate, Delete StorageClass that allows
+// expansion, with a controller-expand secret when secretName is set.
+func makeResizeClass(t *testing.T, c kubernetes.Interface, name, driver, secretNS, secretName string) string {
+	t.Helper()
+	var params map[string]string
+	if secretName != "" {
+		params = map[string]string{"csi.storage.k8s.io/controller-expand-secret-name": secretName, "csi.storage.k8s.io/controller-expand-secret-namespace": secretNS}
+	}
+	mode, reclaim, allow := storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, true
+	sc := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Provisioner: driver, VolumeBindingMode: &mode, ReclaimPolicy: &reclaim,
+		AllowVolumeExpansion: &allow, Parameters: params}
+	if _, err := c.StorageV1().StorageClasses().Create(context.Background(), sc, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.StorageV1().StorageClasses().Delete(context.Background(), name, metav1.DeleteOptions{}) })
+	return name
+}
+
+// raiseRequest sets a claim's storage request, as a user does.
+func raiseRequest(t *testing.T, c kubernetes.Interface, ns, name, size string) {
+	t.Helper()
+	patch := []byte(`{"spec":{"resources":{"requests":{"storage":"` + size + `"}}}}`)
+	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Patch(context.Background(), name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		t.Fatalf("set request of claim %s to %s: %v", name, size, err)
+	}
+}
+
+func waitClaim(t *testing.T, c kubernetes.Interface, ns, name, what string, cond func(*corev1.PersistentVolumeClaim) bool) *corev1.PersistentVolumeClaim {
+	t.Helper()
+	var pvc *corev1.PersistentVolumeClaim
+	err := testenv.WaitFor(context.Background(), 60*time.Second, "claim "+name+": "+what, func(ctx context.Context) (bool, string, error) {
+		var err error
+		pvc, err = c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return cond(pvc), fmt.Sprintf("status %+v", pvc.Status), nil
+	})
+	if err != nil {
+		t.Fatalf("%v\nevents: %s", err, eventsOf(c, ns, name))
+	}
+	return pvc
+}
+
+func waitCalls(t *testing.T, d *sampledriver.Driver, n int64) {
+	t.Helper()
+	err := testenv.WaitFor(context.Background(), 60*time.Second, fmt.Sprintf("%d ControllerExpandVolume calls", n), func(ctx context.Context) (bool, string, error) {
+		got := d.CallCount("ControllerExpandVolume")
+		return got >= n, fmt.Sprintf("%d calls", got), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkResizedVolume checks the PV's capacity and the driver's volume size.
+func checkResizedVolume(t *testing.T, c kubernetes.Interface, pvName string, d *sampledriver.Driver, want int64) {
+	t.Helper()
+	pv, err := c.CoreV1().PersistentVolumes().Get(context.Background(), pvName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q := pv.Spec.Capacity[corev1.ResourceStorage]; q.Value() != want {
+		t.Errorf("PV %s capacity %s, want %d bytes", pvName, q.String(), want)
+	}
+	for _, v := range d.Volumes() {
+		if v.ID == pv.Spec.CSI.VolumeHandle {
+			if v.CapacityBytes != want {
+				t.Errorf("driver volume %s has %d bytes, want %d", v.ID, v.CapacityBytes, want)
+			}
+			return
+		}
+	}
+	t.Errorf("driver has no volume %s", pv.Spec.CSI.VolumeHandle)
+}
+
+func volumeHandle(t *testing.T, c kubernetes.Interface, pvName string) string {
+	t.Helper()
+	pv, err := c.CoreV1().PersistentVolumes().Get(context.Background(), pvName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pv.Spec.CSI.VolumeHandle
+}
+
+func claimCondition(c *corev1.PersistentVolumeClaim, typ corev1.PersistentVolumeClaimConditionType) *corev1.PersistentVolumeClaimCondition {
+	for i := range c.Status.Conditions {
+		if c.Status.Conditions[i].Type == typ {
+			return &c.Status.Conditions[i]
+		}
+	}
+	return nil
+}
+
+func hasClaimCondition(c *corev1.PersistentVolumeClaim, typ corev1.PersistentVolumeClaimConditionType) bool {
+	cond := claimCondition(c, typ)
+	return cond != nil && cond.Status == corev1.ConditionTrue
+}
+
+// checkNoCanary: the secret value is in no Event, log line or span.
+func checkNoCanary(t *testing.T, c kubernetes.Interface, ns string, r *bridgeRun, canary string) {
+	t.Helper()
+	evs, err := c.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range evs.Items {
+		if strings.Contains(e.Message, canary) {
+			t.Errorf("canary in event %s: %s", e.Reason, e.Message)
+		}
+	}
+	if strings.Contains(r.logs.String(), canary) {
+		t.Error("canary in the bridge's log")
+	}
+	for _, s := range r.spans.Ended() {
+		for _, a := range s.Attributes() {
+			if strings.Contains(a.Value.Emit(), canary) {
+				t.Errorf("canary in span %s", s.Name())
+			}
+		}
+	}
+}
