@@ -136,7 +136,7 @@ func (fe *frontEnd) handle(_ any, srv grpc.ServerStream) error {
 	}
 	ctx := rawgrpc.OutgoingContext(srv.Context())
 	if known, cs, ss := rawgrpc.MethodKind(method); known && !cs && !ss {
-		return forwardUnary(ctx, srv, conn, method)
+		return rawgrpc.ForwardUnary(ctx, srv, conn, method)
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -145,31 +145,6 @@ func (fe *frontEnd) handle(_ any, srv grpc.ServerStream) error {
 		return err
 	}
 	return rawgrpc.ForwardStream(srv, cs)
-}
-
-// forwardUnary sends one request frame through the client chain (so retries
-// and timeouts apply) and passes the response, headers, trailers and status
-// back unchanged.
-func forwardUnary(ctx context.Context, srv grpc.ServerStream, conn grpc.ClientConnInterface, method string) error {
-	req := &rawgrpc.Frame{}
-	if err := srv.RecvMsg(req); err != nil {
-		return err
-	}
-	resp := &rawgrpc.Frame{}
-	var hdr, trl metadata.MD
-	err := conn.Invoke(ctx, method, req, resp, rawgrpc.CallOption(), grpc.Header(&hdr), grpc.Trailer(&trl))
-	if len(hdr) > 0 {
-		if herr := srv.SendHeader(rawgrpc.CleanMD(hdr)); herr != nil {
-			return herr
-		}
-	}
-	if trl != nil {
-		srv.SetTrailer(rawgrpc.CleanMD(trl))
-	}
-	if err != nil {
-		return err
-	}
-	return srv.SendMsg(resp)
 }
 
 // Route picks the proxy connection for a CSI method. Node-service calls go to

@@ -181,12 +181,27 @@ func (p *Proxy) forward(_ any, srv grpc.ServerStream) error {
 	}
 	ctx, cancel := context.WithCancel(rawgrpc.OutgoingContext(srv.Context()))
 	defer cancel()
+	if known, cstream, sstream := rawgrpc.MethodKind(method); known && !cstream && !sstream {
+		// Unary (every CSI method but the SnapshotMetadata streams): one
+		// frame each way, without a second goroutine.
+		err := rawgrpc.ForwardUnary(ctx, srv, p.driver, method)
+		if st, ok := status.FromError(err); ok && isTransport(st) {
+			return status.Errorf(st.Code(), "csibroker proxy: driver at %s: %s", p.target, st.Message())
+		}
+		return err
+	}
 	cs, err := p.driver.NewStream(ctx, rawgrpc.StreamDesc, method, rawgrpc.CallOption())
 	if err != nil {
 		st := status.Convert(err)
 		return status.Errorf(st.Code(), "csibroker proxy: driver at %s: %s", p.target, st.Message())
 	}
 	return rawgrpc.ForwardStream(srv, cs)
+}
+
+// isTransport tells the proxy's own failure to reach the driver from a
+// status the driver returned: gRPC reports a dial failure with this prefix.
+func isTransport(st *status.Status) bool {
+	return st.Code() == codes.Unavailable && strings.HasPrefix(st.Message(), "connection error")
 }
 
 // Serve serves gRPC on lis until ctx is done, then drains for up to 10s.

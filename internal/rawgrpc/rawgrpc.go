@@ -153,3 +153,28 @@ func ForwardStream(srv grpc.ServerStream, cs grpc.ClientStream) error {
 		}
 	}
 }
+
+// ForwardUnary receives one request frame from srv, invokes method on conn
+// (whose interceptors then apply: retries, timeouts) and passes the
+// response, headers, trailers and status back unchanged.
+func ForwardUnary(ctx context.Context, srv grpc.ServerStream, conn grpc.ClientConnInterface, method string) error {
+	req := &Frame{}
+	if err := srv.RecvMsg(req); err != nil {
+		return err
+	}
+	resp := &Frame{}
+	var hdr, trl metadata.MD
+	err := conn.Invoke(ctx, method, req, resp, CallOption(), grpc.Header(&hdr), grpc.Trailer(&trl))
+	if len(hdr) > 0 {
+		if herr := srv.SendHeader(CleanMD(hdr)); herr != nil {
+			return herr
+		}
+	}
+	if trl != nil {
+		srv.SetTrailer(CleanMD(trl))
+	}
+	if err != nil {
+		return err
+	}
+	return srv.SendMsg(resp)
+}

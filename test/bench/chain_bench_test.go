@@ -7,11 +7,17 @@ package bench
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
 	"sort"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -31,13 +37,14 @@ type side struct {
 	prefix string
 }
 
-// setup starts two sample drivers with their own state, one reached directly
-// and one through the chain, so that both see the same state growth.
+// setup starts two sample drivers with their own state, each in a process
+// of its own as in production (so the driver's garbage and fsyncs do not
+// share a runtime with the broker), one reached directly and one through the
+// chain, so that both see the same state growth.
 func setup(b *testing.B) (direct, chain *side) {
 	b.Helper()
-	quiet := slog.New(slog.DiscardHandler)
-	epDirect, _ := sampledriver.StartTest(b, sampledriver.Config{Logger: quiet})
-	epChain, _ := sampledriver.StartTest(b, sampledriver.Config{Logger: quiet})
+	epDirect := startDriverProcess(b)
+	epChain := startDriverProcess(b)
 	// Tracing as in production without an OTEL exporter configured: spans
 	// are made (trace IDs reach Events and logs) and sampled, not recorded.
 	tp := sdktrace.NewTracerProvider()
@@ -46,6 +53,75 @@ func setup(b *testing.B) (direct, chain *side) {
 	direct = &side{name: "direct", conn: chaintest.Dial(b, epDirect[len("unix://"):]), prefix: "d"}
 	chain = &side{name: "chain", conn: chaintest.Dial(b, c.Front), prefix: "c"}
 	return direct, chain
+}
+
+const childEnv = "CSIBROKER_BENCH_DRIVER"
+
+// TestMain doubles as the sample driver's process: the benchmark re-executes
+// its own binary with childEnv set to a socket path.
+func TestMain(m *testing.M) {
+	if sock := os.Getenv(childEnv); sock != "" {
+		os.Exit(runDriver(sock))
+	}
+	os.Exit(m.Run())
+}
+
+func runDriver(sock string) int {
+	cfg := sampledriver.Config{Endpoint: "unix://" + sock, StateDir: filepath.Join(filepath.Dir(sock), "state"), NodeID: "node-1",
+		Logger: slog.New(slog.DiscardHandler)}
+	// CSIBROKER_BENCH_PROBE_LATENCY makes Probe take that long, to tell a
+	// hop's work from the cost of waking idle threads after a slow call.
+	if d, err := time.ParseDuration(os.Getenv("CSIBROKER_BENCH_PROBE_LATENCY")); err == nil && d > 0 {
+		cfg.Faults.Methods = map[string]sampledriver.Fault{"Probe": {Latency: d}}
+	}
+	d, err := sampledriver.New(cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	if err := d.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return 0
+}
+
+// startDriverProcess runs a sample driver in a child process and returns
+// its endpoint; it is stopped (by PID) at cleanup.
+func startDriverProcess(b *testing.B) string {
+	b.Helper()
+	dir := chaintest.ShortTempDir(b)
+	sock := filepath.Join(dir, "csi.sock")
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), childEnv+"="+sock)
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	b.Cleanup(func() {
+		cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			cmd.Process.Kill()
+			<-done
+		}
+	})
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := os.Stat(sock); err == nil {
+			return "unix://" + sock
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("driver socket %s did not appear", sock)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 var capab = []*csi.VolumeCapability{{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}}, AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}}

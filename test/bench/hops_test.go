@@ -20,8 +20,7 @@ import (
 // connection (timeout, retry, tracing, metrics) to the proxy; and the
 // broker's front-end socket. It shows where the chain's cost lies.
 func BenchmarkHopsC32(b *testing.B) {
-	quiet := slog.New(slog.DiscardHandler)
-	ep, _ := sampledriver.StartTest(b, sampledriver.Config{Logger: quiet})
+	ep := startDriverProcess(b)
 	tp := sdktrace.NewTracerProvider()
 	b.Cleanup(func() { tp.Shutdown(context.Background()) })
 	c := chaintest.Start(b, chaintest.Options{Driver: sampledriver.DefaultName, DriverEndpoint: ep, LogLevel: slog.LevelWarn, Tracer: tp})
