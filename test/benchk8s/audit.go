@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"fmt"
 	"io"
 	"maps"
 	"os"
@@ -135,28 +134,20 @@ func client(userAgent string) string {
 type apiCounts struct {
 	ByVerbResource map[string]int `json:"by_verb_resource"`
 	ByClient       map[string]int `json:"by_client"`
-	// WatchesOpen is WATCH requests started minus ended in the window.
-	WatchesOpen int `json:"watches_open"`
+	// WatchesOpen is WATCH requests started minus ended in the window,
+	// WatchesOpenBy the same by resource.
+	WatchesOpen   int            `json:"watches_open"`
+	WatchesOpenBy map[string]int `json:"watches_open_by_resource"`
 }
 
 // countAPI counts the requests made by clients whose name has one of the
 // prefixes ("csi-provisioner", "csibroker", ...). A WATCH counts once, when it
 // starts; every other request when it completes.
 func countAPI(evs []auditEvent, prefixes ...string) apiCounts {
-	c := apiCounts{ByVerbResource: map[string]int{}, ByClient: map[string]int{}}
+	c := apiCounts{ByVerbResource: map[string]int{}, ByClient: map[string]int{}, WatchesOpenBy: map[string]int{}}
 	for _, ev := range evs {
 		cl := client(ev.UserAgent)
 		if cl == "" || !slices.ContainsFunc(prefixes, func(p string) bool { return strings.HasPrefix(cl, p) }) {
-			continue
-		}
-		isWatch := ev.Verb == "watch"
-		switch {
-		case isWatch && ev.Stage == "ResponseStarted":
-			c.WatchesOpen++
-		case isWatch && ev.Stage == "ResponseComplete":
-			c.WatchesOpen--
-			continue
-		case ev.Stage != "ResponseComplete":
 			continue
 		}
 		res := "-"
@@ -165,6 +156,18 @@ func countAPI(evs []auditEvent, prefixes ...string) apiCounts {
 			if ev.ObjectRef.Subresource != "" {
 				res += "/" + ev.ObjectRef.Subresource
 			}
+		}
+		isWatch := ev.Verb == "watch"
+		switch {
+		case isWatch && ev.Stage == "ResponseStarted":
+			c.WatchesOpen++
+			c.WatchesOpenBy[res]++
+		case isWatch && ev.Stage == "ResponseComplete":
+			c.WatchesOpen--
+			c.WatchesOpenBy[res]--
+			continue
+		case ev.Stage != "ResponseComplete":
+			continue
 		}
 		c.ByVerbResource[ev.Verb+" "+res]++
 		c.ByClient[cl]++
@@ -201,18 +204,23 @@ func (c apiCounts) byVerb() map[string]int {
 	return m
 }
 
-// perVolume renders "create pv 1.00, create events 1.02, ..." per n volumes.
-func (c apiCounts) perVolume(n int) string {
+// String renders "create persistentvolumes 300, create events 12, ...".
+func (c apiCounts) String() string {
 	keys := slices.Sorted(maps.Keys(c.ByVerbResource))
 	var parts []string
 	for _, k := range keys {
-		parts = append(parts, fmt.Sprintf("%s %s", k, strconv.FormatFloat(float64(c.ByVerbResource[k])/float64(n), 'f', 2, 64)))
+		parts = append(parts, k+" "+strconv.Itoa(c.ByVerbResource[k]))
 	}
 	return strings.Join(parts, ", ")
 }
 
 func (c apiCounts) add(o apiCounts) apiCounts {
-	r := apiCounts{ByVerbResource: maps.Clone(c.ByVerbResource), ByClient: maps.Clone(c.ByClient), WatchesOpen: c.WatchesOpen + o.WatchesOpen}
+	r := apiCounts{ByVerbResource: maps.Clone(c.ByVerbResource), ByClient: maps.Clone(c.ByClient), WatchesOpen: c.WatchesOpen + o.WatchesOpen, WatchesOpenBy: map[string]int{}}
+	for _, m := range []map[string]int{c.WatchesOpenBy, o.WatchesOpenBy} {
+		for k, v := range m {
+			r.WatchesOpenBy[k] += v
+		}
+	}
 	if r.ByVerbResource == nil {
 		r.ByVerbResource = map[string]int{}
 	}

@@ -18,6 +18,10 @@ var allScenarios = []string{"provision", "drivers", "memory", "failover"}
 type Config struct {
 	Scenarios []string
 	Reps      int
+	// SlowReps replaces Reps for provisioning settings below 50 QPS: a run
+	// of 300 claims there takes about 3 minutes (paced by the client rate
+	// limiter on both sides, so runs hardly vary).
+	SlowReps int
 
 	// provision
 	N   []int  // claims per run
@@ -26,7 +30,7 @@ type Config struct {
 	// drivers
 	Drivers         int
 	ClaimsPerDriver int
-	Attach          bool     // also five external-attachers, VolumeAttachments on each volume
+	Attach          bool     // also one external-attacher per driver, and a VolumeAttachment on each volume
 	BrokerFlags     []string // extra broker flags (e.g. the one that turns on attach/detach)
 
 	// memory
@@ -41,11 +45,13 @@ type Config struct {
 	Tracing       bool   // export csibroker's spans over OTLP/HTTP to a sink in the harness
 
 	Root         string // repository root (default: found from the working directory)
-	CSIBrokerBin string // a prebuilt csibroker binary (default: go build into bin/)
+	CSIBrokerBin string // a prebuilt csibroker binary (default: go build into the work directory)
+	FromHead     bool   // build csibroker from the committed HEAD, not the working tree
 	SkipBuild    bool   // do not run hack/control-plane.sh and hack/sidecars.sh
 	KeepLogs     bool   // keep the work directory (process logs, audit log)
 	JSON         string // also write every run's figures to this file
 	Verbose      bool
+	Perf         bool // after each provisioning setting, one more csibroker run under perf (not counted)
 }
 
 // rate is a client-go QPS/burst pair written "5/10".
@@ -54,7 +60,9 @@ type rate struct {
 	Burst int
 }
 
-func (r rate) String() string { return strconv.FormatFloat(r.QPS, 'f', -1, 64) + "/" + strconv.Itoa(r.Burst) }
+func (r rate) String() string {
+	return strconv.FormatFloat(r.QPS, 'f', -1, 64) + "/" + strconv.Itoa(r.Burst)
+}
 
 func parseRate(s string) (rate, error) {
 	q, b, ok := strings.Cut(strings.TrimSpace(s), "/")
@@ -78,6 +86,7 @@ func DefaultConfig() Config {
 	return Config{
 		Scenarios:       slices.Clone(allScenarios),
 		Reps:            3,
+		SlowReps:        1,
 		N:               []int{300},
 		QPS:             []rate{{5, 10}, {200, 400}},
 		Drivers:         5,
@@ -88,6 +97,8 @@ func DefaultConfig() Config {
 		WorkerThreads:   100,
 		PolicyMode:      "enforce",
 		Tracing:         true,
+		FromHead:        true,
+		Attach:          true,
 	}
 }
 
@@ -99,8 +110,8 @@ func (c Config) Validate() error {
 			errs = append(errs, fmt.Errorf("-scenarios: unknown %q (want some of %s)", s, strings.Join(allScenarios, ",")))
 		}
 	}
-	if c.Reps < 1 {
-		errs = append(errs, errors.New("-reps must be at least 1"))
+	if c.Reps < 1 || c.SlowReps < 0 {
+		errs = append(errs, errors.New("-reps must be at least 1 and -slow-reps not negative"))
 	}
 	for _, n := range c.N {
 		if n < 1 {
@@ -124,6 +135,14 @@ func (c Config) Validate() error {
 
 func (c Config) has(scenario string) bool { return slices.Contains(c.Scenarios, scenario) }
 
+// repsFor returns the repetitions of a provisioning setting.
+func (c Config) repsFor(q rate) int {
+	if q.QPS < 50 && c.SlowReps > 0 {
+		return c.SlowReps
+	}
+	return c.Reps
+}
+
 func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	cfg := DefaultConfig()
 	fs := flag.NewFlagSet("benchk8s", flag.ContinueOnError)
@@ -133,6 +152,7 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 		return nil
 	})
 	fs.IntVar(&cfg.Reps, "reps", cfg.Reps, "repetitions of each measurement, sidecar and csibroker alternately")
+	fs.IntVar(&cfg.SlowReps, "slow-reps", cfg.SlowReps, "provision: repetitions of settings below 50 QPS (about 3 min per run at N=300, QPS 5); 0: -reps")
 	fs.Func("n", "provision: claims per run, comma-separated (default 300; 300,1000 adds the slow N=1,000)", func(s string) error {
 		v, err := parseInts(s)
 		cfg.N = v
@@ -151,8 +171,8 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	})
 	fs.IntVar(&cfg.Drivers, "drivers", cfg.Drivers, "drivers: how many drivers")
 	fs.IntVar(&cfg.ClaimsPerDriver, "claims-per-driver", cfg.ClaimsPerDriver, "drivers: claims bound on each driver")
-	fs.BoolVar(&cfg.Attach, "attach", false, "drivers: also run one external-attacher per driver and attach every volume (VolumeAttachments); "+
-		"pass the broker's attach flag with -broker-flags once it has one")
+	fs.BoolVar(&cfg.Attach, "attach", cfg.Attach, "drivers: also run one external-attacher per driver and attach every volume to a node (VolumeAttachments); "+
+		"-attach=false: provisioners only")
 	fs.Func("broker-flags", "extra csibroker broker flags, space-separated (every scenario)", func(s string) error {
 		cfg.BrokerFlags = strings.Fields(s)
 		return nil
@@ -172,11 +192,13 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&cfg.PolicyMode, "policy-mode", cfg.PolicyMode, "csibroker --policy-mode (enforce also installs the SecretGrant CRD)")
 	fs.BoolVar(&cfg.Tracing, "tracing", cfg.Tracing, "csibroker exports its spans over OTLP/HTTP to a sink in the harness")
 	fs.StringVar(&cfg.Root, "root", "", "repository root (default: found from the working directory)")
-	fs.StringVar(&cfg.CSIBrokerBin, "csibroker-bin", "", "use this csibroker binary instead of building bin/csibroker")
+	fs.StringVar(&cfg.CSIBrokerBin, "csibroker-bin", "", "use this csibroker binary instead of building one")
+	fs.BoolVar(&cfg.FromHead, "from-head", cfg.FromHead, "build csibroker from the committed HEAD (git archive), not the working tree")
 	fs.BoolVar(&cfg.SkipBuild, "skip-build", false, "do not run hack/control-plane.sh and hack/sidecars.sh (the binaries must be in the cache)")
 	fs.BoolVar(&cfg.KeepLogs, "keep", false, "keep the work directory (every process's log, the apiserver audit log)")
 	fs.StringVar(&cfg.JSON, "json", "", "also write every run's figures to this JSON file")
 	fs.BoolVar(&cfg.Verbose, "v", false, "more progress lines")
+	fs.BoolVar(&cfg.Perf, "perf", false, "provision: after the measured runs of each setting, one more csibroker run (not counted) under perf record; the report gets its hottest functions")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}

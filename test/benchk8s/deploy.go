@@ -70,7 +70,9 @@ type deployment struct {
 	metrics     []string // /metrics URLs of the controllers
 }
 
-func (d *deployment) all() []*proc { return append(append([]*proc(nil), d.controllers...), d.helpers...) }
+func (d *deployment) all() []*proc {
+	return append(append([]*proc(nil), d.controllers...), d.helpers...)
+}
 
 func (d *deployment) stop() {
 	var wg sync.WaitGroup

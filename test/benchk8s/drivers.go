@@ -27,9 +27,12 @@ type driversResult struct {
 	ControlRSS  int64          `json:"controllers_rss_bytes"`
 	HelperRSS   int64          `json:"helpers_rss_bytes"`
 	PerProcess  map[string]int `json:"rss_mib_per_process"`
-	Watches     int            `json:"watches"`       // from the audit log, this side's clients
-	WatchGauge  int            `json:"watches_gauge"` // apiserver_longrunning_requests{verb=WATCH}, delta from before the side started
-	WatchByKind map[string]int `json:"watch_by_kind"`
+	Watches     int            `json:"watches"`        // from the audit log, this side's clients
+	WatchGauge  int            `json:"watches_gauge"`  // apiserver_longrunning_requests{verb=WATCH}, delta from before the side started
+	WatchByKind map[string]int `json:"watch_by_kind"`  // held, by resource
+	WatchStarts map[string]int `json:"watch_starts"`   // started since the side started, by resource
+	PSS         int64          `json:"pss_bytes"`      // proportional set size: shared binary pages split among sharers
+	Anon        int64          `json:"rss_anon_bytes"` // anonymous RSS (heap, stacks)
 	Attached    int            `json:"attached"`
 }
 
@@ -82,6 +85,8 @@ func (h *Harness) scenarioDrivers(ctx context.Context) error {
 		v     func(r *driversResult) float64
 	}{
 		{"total RSS MiB (every process of the side)", 1, func(r *driversResult) float64 { return float64(r.RSS) / mib }},
+		{"total PSS MiB (pages of a shared binary split among its processes)", 1, func(r *driversResult) float64 { return float64(r.PSS) / mib }},
+		{"total anonymous RSS MiB (heap, stacks; not the binaries' pages)", 1, func(r *driversResult) float64 { return float64(r.Anon) / mib }},
 		{"RSS MiB, provisioners / broker", 1, func(r *driversResult) float64 { return float64(r.ControlRSS) / mib }},
 		{"RSS MiB, attachers / " + helpers, 1, func(r *driversResult) float64 { return float64(r.HelperRSS) / mib }},
 		{"WATCH requests held (audit log, by user agent)", 0, func(r *driversResult) float64 { return float64(r.Watches) }},
@@ -103,7 +108,7 @@ func (h *Harness) scenarioDrivers(ctx context.Context) error {
 	for _, side := range []string{sideSidecar, sideBroker} {
 		for _, r := range runs {
 			if r.Side == side {
-				h.report.printf("\n%s, WATCH requests by resource (run %d): %s; RSS MiB by process: %s\n", side, r.Rep+1, fmtMap(r.WatchByKind), fmtMap(r.PerProcess))
+				h.report.printf("\n%s (run %d): WATCH requests held by resource: %s (started: %s); RSS MiB by process: %s\n", side, r.Rep+1, fmtMap(r.WatchByKind), fmtMap(r.WatchStarts), fmtMap(r.PerProcess))
 				break
 			}
 		}
@@ -172,6 +177,14 @@ func (h *Harness) driversRun(ctx context.Context, side string, names []string, r
 	case <-time.After(5 * time.Second):
 	}
 	r.RSS, _ = memory(d.all())
+	for _, p := range d.all() {
+		m, err := p.smaps()
+		if err != nil {
+			return nil, err
+		}
+		r.PSS += m.pss
+		r.Anon += m.anon
+	}
 	r.ControlRSS, _ = memory(d.controllers)
 	r.HelperRSS, _ = memory(d.helpers)
 	r.PerProcess = map[string]int{}
@@ -191,9 +204,15 @@ func (h *Harness) driversRun(ctx context.Context, side string, names []string, r
 	api := countAPI(evs, clientPrefixes(side)...)
 	r.Watches = api.WatchesOpen
 	r.WatchByKind = map[string]int{}
+	r.WatchStarts = map[string]int{}
+	for k, v := range api.WatchesOpenBy {
+		if v != 0 {
+			r.WatchByKind[k] = v
+		}
+	}
 	for k, v := range api.ByVerbResource {
 		if res, ok := strings.CutPrefix(k, "watch "); ok {
-			r.WatchByKind[res] += v
+			r.WatchStarts[res] += v
 		}
 	}
 

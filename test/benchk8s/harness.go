@@ -34,6 +34,8 @@ type Harness struct {
 	client kubernetes.Interface // the harness's own fast client (user agent "benchk8s")
 	audit  *auditLog
 	sink   *otlpSink
+	rev    string // the csibroker commit built
+	args   []string
 
 	// Results, for the smoke test.
 	provResults []*provResult
@@ -131,18 +133,51 @@ func (h *Harness) build(ctx context.Context) error {
 	}
 	h.bins.csibroker = h.cfg.CSIBrokerBin
 	if h.bins.csibroker == "" {
-		h.bins.csibroker = filepath.Join(h.cfg.Root, "bin", "csibroker")
-		h.logf("go build -o bin/csibroker ./cmd/csibroker")
-		cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags", "-s -w -X main.version=bench", "-o", h.bins.csibroker, "./cmd/csibroker")
-		cmd.Dir = h.cfg.Root
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		cmd.Stdout, cmd.Stderr = h.errw, h.errw
-		if err := cmd.Run(); err != nil {
-			return fmt.Errorf("go build ./cmd/csibroker: %w", err)
+		bin, err := h.buildCSIBroker(ctx)
+		if err != nil {
+			return err
 		}
+		h.bins.csibroker = bin
 	}
 	h.logf("binaries ready in %s", time.Since(t0).Round(time.Second))
 	return nil
+}
+
+// buildCSIBroker builds the csibroker binary into the work directory (never
+// into bin/, which other builds on the machine may replace mid-run): from the
+// committed HEAD by default, so the figures belong to a commit, or from the
+// working tree with -from-head=false. It keeps its symbol table (unlike the
+// sidecars' -s -w builds; the table is not loaded at run time, so RSS is the
+// same) so that perf can name functions.
+func (h *Harness) buildCSIBroker(ctx context.Context) (string, error) {
+	src := h.cfg.Root
+	rev, _ := exec.CommandContext(ctx, "git", "-C", h.cfg.Root, "rev-parse", "--short", "HEAD").Output()
+	h.rev = strings.TrimSpace(string(rev))
+	if h.cfg.FromHead {
+		src = filepath.Join(h.work, "src")
+		if err := os.MkdirAll(src, 0o755); err != nil {
+			return "", err
+		}
+		tarball := filepath.Join(h.work, "src.tar")
+		if out, err := exec.CommandContext(ctx, "git", "-C", h.cfg.Root, "archive", "--format=tar", "-o", tarball, "HEAD").CombinedOutput(); err != nil {
+			return "", fmt.Errorf("git archive HEAD: %v: %s", err, out)
+		}
+		if out, err := exec.CommandContext(ctx, "tar", "-xf", tarball, "-C", src).CombinedOutput(); err != nil {
+			return "", fmt.Errorf("untar HEAD: %v: %s", err, out)
+		}
+	} else {
+		h.rev += " + working tree"
+	}
+	bin := filepath.Join(h.work, "csibroker")
+	h.logf("go build ./cmd/csibroker (%s)", h.rev)
+	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags", "-X main.version=bench-"+strings.Fields(h.rev + " x")[0], "-o", bin, "./cmd/csibroker")
+	cmd.Dir = src
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOWORK=off")
+	cmd.Stdout, cmd.Stderr = h.errw, h.errw
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("go build ./cmd/csibroker: %w", err)
+	}
+	return bin, nil
 }
 
 // startCluster starts a fresh control plane for one scenario:

@@ -55,6 +55,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	h.args = args
 	defer h.close()
 	// An interrupt cancels ctx; children are killed at once here, before
 	// testenv's own handler re-raises the signal and ends the process.

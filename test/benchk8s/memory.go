@@ -17,6 +17,7 @@ type memResult struct {
 	RSS       int64   `json:"rss_bytes"` // provisioner or broker, VmRSS once steady
 	HWM       int64   `json:"hwm_bytes"`
 	HelperRSS int64   `json:"helper_rss_bytes"`
+	Anon      int64   `json:"rss_anon_bytes"` // anonymous RSS of the provisioner or broker
 	Seconds   float64 `json:"seconds_to_steady"`
 }
 
@@ -63,6 +64,13 @@ func (h *Harness) scenarioMemory(ctx context.Context) error {
 		rw := &row{label: fmt.Sprintf("RSS MiB with %d pairs", level), prec: 1}
 		for _, r := range results[level] {
 			rw.add(r.Side, float64(r.RSS)/mib)
+		}
+		rows = append(rows, rw)
+	}
+	for _, level := range h.cfg.MemLevels {
+		rw := &row{label: fmt.Sprintf("anonymous RSS MiB with %d pairs", level), prec: 1}
+		for _, r := range results[level] {
+			rw.add(r.Side, float64(r.Anon)/mib)
 		}
 		rows = append(rows, rw)
 	}
@@ -134,6 +142,9 @@ func (h *Harness) memoryRun(ctx context.Context, side string, level, rep int) (*
 	}
 	r := &memResult{Side: side, Rep: rep, Pairs: level, Seconds: time.Since(p.started).Seconds()}
 	r.RSS, r.HWM = memory(d.controllers)
+	if m, err := p.smaps(); err == nil {
+		r.Anon = m.anon
+	}
 	r.HelperRSS, _ = memory(d.helpers)
 	return r, nil
 }

@@ -221,6 +221,34 @@ func (p *proc) memory() (rss, hwm int64, err error) {
 	return rss, hwm, sc.Err()
 }
 
+// smapsRollup is the part of /proc/<pid>/smaps_rollup the harness reads.
+type smapsRollup struct {
+	pss  int64 // proportional set size: each shared page divided among its sharers
+	anon int64 // anonymous memory (heap, stacks), never shared here
+}
+
+func (p *proc) smaps() (smapsRollup, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", p.pid))
+	if err != nil {
+		return smapsRollup{}, err
+	}
+	var m smapsRollup
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 2 {
+			continue
+		}
+		kb, _ := strconv.ParseInt(f[1], 10, 64)
+		switch f[0] {
+		case "Pss:":
+			m.pss = kb * 1024
+		case "Anonymous:":
+			m.anon = kb * 1024
+		}
+	}
+	return m, nil
+}
+
 // freePort returns a free TCP port on 127.0.0.1.
 func freePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")

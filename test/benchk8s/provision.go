@@ -70,9 +70,9 @@ func (h *Harness) scenarioProvision(ctx context.Context) error {
 	for _, n := range h.cfg.N {
 		for _, q := range h.cfg.QPS {
 			var runs []*provResult
-			for rep := range h.cfg.Reps {
+			for rep := range h.cfg.repsFor(q) {
 				for _, side := range sidesInOrder(rep) {
-					r, err := h.provisionRun(ctx, sc, side, n, q, rep)
+					r, err := h.provisionRun(ctx, sc, side, n, q, rep, false)
 					if err != nil {
 						return fmt.Errorf("%s N=%d QPS %s rep %d: %w", side, n, q, rep+1, err)
 					}
@@ -85,13 +85,18 @@ func (h *Harness) scenarioProvision(ctx context.Context) error {
 				}
 			}
 			h.provisionTable(n, q, runs)
+			if h.cfg.Perf {
+				if _, err := h.provisionRun(ctx, sc, sideBroker, n, q, h.cfg.repsFor(q), true); err != nil {
+					return fmt.Errorf("csibroker N=%d QPS %s under perf: %w", n, q, err)
+				}
+			}
 			h.report.flush(h.out)
 		}
 	}
 	return nil
 }
 
-func (h *Harness) provisionRun(ctx context.Context, sc, side string, n int, q rate, rep int) (_ *provResult, err error) {
+func (h *Harness) provisionRun(ctx context.Context, sc, side string, n int, q rate, rep int, profile bool) (_ *provResult, err error) {
 	tag := dnsName("p", fmt.Sprint(n), short(side), q.String(), "r"+fmt.Sprint(rep))
 	ns := tag
 	if err := h.createNamespace(ctx, ns); err != nil {
@@ -124,6 +129,13 @@ func (h *Harness) provisionRun(ctx context.Context, sc, side string, n int, q ra
 	}
 	defer d.stop()
 	t0 := d.controllers[0].started
+	var perf *perfRecord
+	if profile {
+		if perf, err = h.startPerf(tag, d.controllers[0]); err != nil {
+			return nil, err
+		}
+		defer perf.stop()
+	}
 	// One write per volume at q QPS, plus the PV binder's work.
 	timeout := timeoutFor(n, q.QPS, 1.5)
 	tPV, err := tr.wait(ctx, timeout, "every PV", func(s state) bool { return s.pvs >= n }, d.died)
@@ -136,6 +148,13 @@ func (h *Harness) provisionRun(ctx context.Context, sc, side string, n int, q ra
 	}
 	cpuC, cpuH := d.cpu()
 	mark1 := h.audit.mark()
+	if perf != nil {
+		top, err := perf.finish(ctx)
+		if err != nil {
+			return nil, err
+		}
+		h.report.printf("\ncsibroker under perf (an extra run, not counted above; %.2f ms CPU per volume under perf), start → all Bound, hottest functions (self; then cumulative):\n\n```\n%s```\n", cpuC/float64(n)*1000, top)
+	}
 
 	tDel := time.Now()
 	if err := h.deleteClaims(ctx, ns); err != nil {
@@ -196,6 +215,8 @@ func (h *Harness) provisionTable(n int, q rate, runs []*provResult) {
 		{"API requests per deletion (all verbs)", 2, func(r *provResult) float64 { return float64(r.APIDel.total(nil)) / fn }, false},
 		{"API writes per deletion, objects (not Events)", 2, func(r *provResult) float64 { return nonEvent(r.APIDel) / fn }, false},
 		{"API writes per deletion, Events", 2, func(r *provResult) float64 { return events(r.APIDel) / fn }, false},
+		{"API writes per volume, whole create+delete cycle, objects", 2, func(r *provResult) float64 { return (nonEvent(r.APIProv) + nonEvent(r.APIDel)) / fn }, false},
+		{"API writes per volume, whole cycle, Events (what was sent before the process stopped)", 2, func(r *provResult) float64 { return (events(r.APIProv) + events(r.APIDel)) / fn }, false},
 	}
 	var rows []*row
 	for _, f := range figs {
@@ -223,8 +244,8 @@ func (h *Harness) provisionTable(n int, q rate, runs []*provResult) {
 		}
 		slices.SortFunc(mine, func(a, b *provResult) int { return cmpFloat(a.BoundSeconds, b.BoundSeconds) })
 		m := mine[len(mine)/2]
-		h.report.printf("\n%s, requests per volume (run %d): provisioning: %s; deletion: %s; by client: %v / %v\n",
-			side, m.Rep+1, m.APIProv.perVolume(n), m.APIDel.perVolume(n), m.APIProv.ByClient, m.APIDel.ByClient)
+		h.report.printf("\n%s, requests of run %d (N=%d): provisioning: %s (by client: %s); deletion: %s (by client: %s)\n",
+			side, m.Rep+1, n, m.APIProv, fmtMap(m.APIProv.ByClient), m.APIDel, fmtMap(m.APIDel.ByClient))
 	}
 }
 

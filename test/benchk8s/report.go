@@ -49,10 +49,11 @@ func (r *report) header(h *Harness) {
 	r.printf("- date: %s\n", time.Now().UTC().Format("2006-01-02 15:04 UTC"))
 	r.printf("- machine: %s\n", machine())
 	r.printf("- control plane: etcd v3.6.8, kube-apiserver and kube-controller-manager v1.36.3 (controller-manager client QPS 2000/4000), audit log at Metadata level\n")
-	r.printf("- sidecars: external-provisioner v6.3.0, external-attacher v4.13.0; csibroker: %s\n", h.bins.csibroker)
+	r.printf("- sidecars: external-provisioner v6.3.0, external-attacher v4.13.0; csibroker: %s\n", h.rev)
 	r.printf("- csibroker: --policy-mode %s, tracing %s, one proxy per driver over mTLS; sidecars on the driver socket\n",
 		h.cfg.PolicyMode, map[bool]string{true: "exported over OTLP/HTTP to a sink", false: "spans made, not exported"}[h.cfg.Tracing])
-	r.printf("- repetitions: %d, sidecar and csibroker alternately (the order flips every repetition)\n\n", h.cfg.Reps)
+	r.printf("- repetitions: %d (provisioning below 50 QPS: %d), sidecar and csibroker alternately (the order flips every repetition)\n", h.cfg.Reps, h.cfg.repsFor(rate{QPS: 1}))
+	r.printf("- command: benchk8s %s\n\n", strings.Join(h.args, " "))
 }
 
 // row is one measured figure for both sides, one value per repetition

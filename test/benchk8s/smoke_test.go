@@ -1,0 +1,117 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestHarnessSmoke runs the provisioning scenario once, N=10 at QPS 200/400,
+// for external-provisioner and csibroker, so that `make test` exercises the
+// harness end to end: the builds (control plane, sidecars, csibroker; cached
+// after the first time), the control plane with its audit log, both sides,
+// the tracker, the CPU/RSS readings and the per-client request counts.
+func TestHarnessSmoke(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Scenarios = []string{"provision"}
+	cfg.Reps = 1
+	cfg.N = []int{10}
+	cfg.QPS = []rate{{200, 400}}
+	cfg.FromHead = false // test the code under test
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	h, err := newHarness(cfg, &out, testWriter{t})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.close()
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	if err := h.build(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.runScenarios(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("report:\n%s", out.String())
+
+	if len(h.provResults) != 2 {
+		t.Fatalf("got %d provisioning results, want one per side", len(h.provResults))
+	}
+	for _, r := range h.provResults {
+		if r.BoundSeconds <= 0 || r.DelSeconds <= 0 || r.PVSeconds > r.BoundSeconds {
+			t.Errorf("%s: times: PVs %.3fs, Bound %.3fs, deleted %.3fs", r.Side, r.PVSeconds, r.BoundSeconds, r.DelSeconds)
+		}
+		if r.CPUProv <= 0 || r.PeakRSS <= 0 {
+			t.Errorf("%s: no CPU (%.3fs) or peak RSS (%d) read from /proc", r.Side, r.CPUProv, r.PeakRSS)
+		}
+		// The audit log attributes the PV writes to the side's own clients.
+		if got := r.APIProv.ByVerbResource["create persistentvolumes"]; got != r.N {
+			t.Errorf("%s: %d PV creates counted for its user agent, want %d (all: %v)", r.Side, got, r.N, r.APIProv.ByVerbResource)
+		}
+		if got := r.APIDel.ByVerbResource["delete persistentvolumes"]; got < r.N {
+			t.Errorf("%s: %d PV deletes counted for its user agent, want at least %d (all: %v)", r.Side, got, r.N, r.APIDel.ByVerbResource)
+		}
+	}
+	if !strings.Contains(out.String(), "### Provisioning: N=10") {
+		t.Errorf("report has no provisioning table:\n%s", out.String())
+	}
+}
+
+// testWriter sends the harness's progress lines to the test log.
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
+
+func TestClientFromUserAgent(t *testing.T) {
+	for ua, want := range map[string]string{
+		"csi-provisioner/v0.0.0 (linux/amd64) kubernetes/$Format": "csi-provisioner",
+		"csi-attacher/v0.0.0 (linux/amd64) kubernetes/$Format":    "csi-attacher",
+		"csibroker/bench (objects)":                               "csibroker(objects)",
+		"csibroker/v0.1.0-3-gabc (leader-election)":               "csibroker(leader-election)",
+		"kube-controller-manager/v1.36.3 (linux/amd64)":           "",
+		"benchk8s": "",
+	} {
+		if got := client(ua); got != want {
+			t.Errorf("client(%q) = %q, want %q", ua, got, want)
+		}
+	}
+}
+
+func TestCountAPI(t *testing.T) {
+	evs := []auditEvent{
+		{Stage: "ResponseStarted", Verb: "watch", UserAgent: "csibroker/x (objects)"},
+		{Stage: "ResponseStarted", Verb: "watch", UserAgent: "csibroker/x (objects)"},
+		{Stage: "ResponseComplete", Verb: "watch", UserAgent: "csibroker/x (objects)"},
+		{Stage: "ResponseComplete", Verb: "create", UserAgent: "csibroker/x (events)"},
+		{Stage: "ResponseComplete", Verb: "create", UserAgent: "csi-provisioner/v (linux)"},
+	}
+	evs[3].ObjectRef = &struct {
+		Resource    string `json:"resource"`
+		Subresource string `json:"subresource"`
+		Namespace   string `json:"namespace"`
+		Name        string `json:"name"`
+	}{Resource: "events"}
+	c := countAPI(evs, "csibroker")
+	if c.WatchesOpen != 1 || c.ByVerbResource["watch -"] != 2 || c.ByVerbResource["create events"] != 1 || c.total(writeVerbs, "events") != 0 {
+		t.Errorf("countAPI = %+v", c)
+	}
+}
+
+func TestParseProm(t *testing.T) {
+	ss := parseProm(`# HELP x
+apiserver_longrunning_requests{component="apiserver",group="",resource="pods",scope="cluster",subresource="",verb="WATCH",version="v1"} 3
+apiserver_longrunning_requests_other 1
+apiserver_request_total{code="200",verb="GET",resource="a\"b"} 7 1700000000
+`, "apiserver_longrunning_requests", "apiserver_request_total")
+	if len(ss) != 2 || ss[0].value != 3 || ss[0].labels["verb"] != "WATCH" || ss[1].labels["resource"] != `a"b` || ss[1].value != 7 {
+		t.Errorf("parseProm = %+v", ss)
+	}
+}
