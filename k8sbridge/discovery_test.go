@@ -8,6 +8,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 
 	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/testenv"
@@ -119,8 +120,18 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		created.Status = corev1.PodStatus{PodIP: ip, Phase: corev1.PodRunning, Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}}
-		if _, err := c.CoreV1().Pods(ns).UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
+		// The scheduler updates the pod too (no node can take it), so retry
+		// on conflicts, as a kubelet would.
+		err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			cur, err := c.CoreV1().Pods(ns).Get(ctx, created.Name, metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			cur.Status = corev1.PodStatus{PodIP: ip, Phase: corev1.PodRunning, Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}}
+			_, err = c.CoreV1().Pods(ns).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
+			return err
+		})
+		if err != nil {
 			t.Fatal(err)
 		}
 	}
