@@ -102,6 +102,26 @@ func parseLabels(s string) map[string]string {
 	return m
 }
 
+// scrape reads a process's Prometheus endpoint.
+func scrape(ctx context.Context, url string, names ...string) ([]sample, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	return parseProm(string(b), names...), nil
+}
+
 // watchesHeld sums apiserver_longrunning_requests{verb="WATCH"} (all
 // clients).
 func (h *Harness) watchesHeld(ctx context.Context) (int, error) {

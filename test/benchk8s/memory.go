@@ -19,6 +19,8 @@ type memResult struct {
 	HelperRSS int64   `json:"helper_rss_bytes"`
 	Anon      int64   `json:"rss_anon_bytes"` // anonymous RSS of the provisioner or broker
 	Seconds   float64 `json:"seconds_to_steady"`
+	CPU       float64 `json:"cpu_seconds_to_steady"` // start-up: informers listed and processed everything
+	HeapInuse int64   `json:"heap_inuse_bytes"`      // go_memstats_heap_inuse_bytes from the process's /metrics
 }
 
 func (h *Harness) scenarioMemory(ctx context.Context) error {
@@ -88,6 +90,33 @@ func (h *Harness) scenarioMemory(ctx context.Context) error {
 		}
 		rows = append(rows, rw)
 	}
+	for _, level := range h.cfg.MemLevels {
+		rw := &row{label: fmt.Sprintf("Go heap in use MiB with %d pairs (go_memstats_heap_inuse_bytes)", level), prec: 1}
+		for _, r := range results[level] {
+			rw.add(r.Side, float64(r.HeapInuse)/mib)
+		}
+		rows = append(rows, rw)
+	}
+	for _, level := range h.cfg.MemLevels[1:] {
+		rw := &row{label: fmt.Sprintf("KiB of Go heap in use per pair, 0 → %d pairs", level), prec: 2}
+		for _, r := range results[level] {
+			base := math.NaN()
+			for _, b := range results[0] {
+				if b.Side == r.Side && b.Rep == r.Rep {
+					base = float64(b.HeapInuse)
+				}
+			}
+			rw.add(r.Side, (float64(r.HeapInuse)-base)/float64(level)/1024)
+		}
+		rows = append(rows, rw)
+	}
+	for _, level := range h.cfg.MemLevels {
+		rw := &row{label: fmt.Sprintf("CPU seconds from start to steady with %d pairs", level), prec: 2}
+		for _, r := range results[level] {
+			rw.add(r.Side, r.CPU)
+		}
+		rows = append(rows, rw)
+	}
 	rw := &row{label: "proxy RSS MiB (csibroker only, at the largest level)", prec: 1, noRatio: true}
 	last := h.cfg.MemLevels[len(h.cfg.MemLevels)-1]
 	for _, r := range results[last] {
@@ -142,6 +171,10 @@ func (h *Harness) memoryRun(ctx context.Context, side string, level, rep int) (*
 	}
 	r := &memResult{Side: side, Rep: rep, Pairs: level, Seconds: time.Since(p.started).Seconds()}
 	r.RSS, r.HWM = memory(d.controllers)
+	r.CPU, _ = p.cpuSeconds()
+	if ss, err := scrape(ctx, d.metrics[0], "go_memstats_heap_inuse_bytes"); err == nil && len(ss) > 0 {
+		r.HeapInuse = int64(ss[0].value)
+	}
 	if m, err := p.smaps(); err == nil {
 		r.Anon = m.anon
 	}

@@ -40,17 +40,33 @@ func (r *perfRecord) finish(ctx context.Context) (string, error) {
 		r.proc.kill()
 	}
 	var out strings.Builder
-	for _, children := range []string{"--no-children", "--children"} {
-		b, err := exec.CommandContext(ctx, "perf", "report", "--stdio", children, "--sort", "symbol", "-g", "none",
-			"--percent-limit", "1.5", "-i", r.data).Output()
+	for _, mode := range []struct {
+		children string
+		fields   string
+		limit    int
+	}{{"--no-children", "overhead,sym", 25}, {"--children", "overhead_children,overhead,sym", 45}} {
+		b, err := exec.CommandContext(ctx, "perf", "report", "--stdio", mode.children, "--fields", mode.fields, "-g", "none",
+			"--percent-limit", "1", "-i", r.data).Output()
 		if err != nil {
 			return "", fmt.Errorf("perf report: %w (log: %s)", err, r.proc.logTail(5))
 		}
+		n := 0
 		for _, l := range strings.Split(string(b), "\n") {
-			if l == "" || strings.HasPrefix(l, "#") {
+			if strings.HasPrefix(l, "# Samples") || strings.HasPrefix(l, "# Event count") {
+				out.WriteString(l + "\n")
+				continue
+			}
+			l = strings.TrimRight(l, " ")
+			if l == "" || strings.HasPrefix(l, "#") || n >= mode.limit {
+				continue
+			}
+			// Cumulative: only our own and library functions, not the
+			// runtime's and kernel's entry frames.
+			if mode.children == "--children" && (strings.Contains(l, "[k]") || strings.Contains(l, "runtime.") || strings.Contains(l, "goexit")) {
 				continue
 			}
 			out.WriteString(l + "\n")
+			n++
 		}
 		out.WriteString("\n")
 	}
