@@ -27,6 +27,7 @@ type driversResult struct {
 	ControlRSS  int64          `json:"controllers_rss_bytes"`
 	HelperRSS   int64          `json:"helpers_rss_bytes"`
 	PerProcess  map[string]int `json:"rss_mib_per_process"`
+	PerAnon     map[string]int `json:"rss_anon_mib_per_process"`
 	Watches     int            `json:"watches"`        // from the audit log, this side's clients
 	WatchGauge  int            `json:"watches_gauge"`  // apiserver_longrunning_requests{verb=WATCH}, delta from before the side started
 	WatchByKind map[string]int `json:"watch_by_kind"`  // held, by resource
@@ -108,7 +109,7 @@ func (h *Harness) scenarioDrivers(ctx context.Context) error {
 	for _, side := range []string{sideSidecar, sideBroker} {
 		for _, r := range runs {
 			if r.Side == side {
-				h.report.printf("\n%s (run %d): WATCH requests held by resource: %s (started: %s); RSS MiB by process: %s\n", side, r.Rep+1, fmtMap(r.WatchByKind), fmtMap(r.WatchStarts), fmtMap(r.PerProcess))
+				h.report.printf("\n%s (run %d): WATCH requests held by resource: %s (started: %s); RSS MiB by process: %s; anonymous RSS MiB by process: %s\n", side, r.Rep+1, fmtMap(r.WatchByKind), fmtMap(r.WatchStarts), fmtMap(r.PerProcess), fmtMap(r.PerAnon))
 				break
 			}
 		}
@@ -177,6 +178,7 @@ func (h *Harness) driversRun(ctx context.Context, side string, names []string, r
 	case <-time.After(5 * time.Second):
 	}
 	r.RSS, _ = memory(d.all())
+	r.PerAnon = map[string]int{}
 	for _, p := range d.all() {
 		m, err := p.smaps()
 		if err != nil {
@@ -184,6 +186,7 @@ func (h *Harness) driversRun(ctx context.Context, side string, names []string, r
 		}
 		r.PSS += m.pss
 		r.Anon += m.anon
+		r.PerAnon[strings.TrimPrefix(p.name, tag+"-")] = int(m.anon / mib)
 	}
 	r.ControlRSS, _ = memory(d.controllers)
 	r.HelperRSS, _ = memory(d.helpers)
