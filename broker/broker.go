@@ -108,6 +108,7 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 	} else {
 		d.stats = &driverStats{}
 	}
+	var made, dialed []*proxyConn
 	reuse := func(pc ProxyConfig) (*proxyConn, error) {
 		if old != nil {
 			var prev *proxyConn
@@ -121,11 +122,16 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 				return prev, nil
 			}
 		}
-		return b.dial(d, pc)
+		c, err := b.dial(d, pc)
+		if err == nil {
+			dialed = append(dialed, c)
+		}
+		return c, err
 	}
-	var made []*proxyConn
+	// On failure only the connections dialled here are closed: reused ones
+	// still serve the driver's current registration.
 	fail := func(err error) error {
-		for _, pc := range made {
+		for _, pc := range dialed {
 			pc.conn.Close()
 		}
 		return err

@@ -45,17 +45,24 @@ func init() { extraControllers = append(extraControllers, newAttacher) }
 // volumes to nodes for VolumeAttachments and unpublishes them on deletion.
 type attacher struct {
 	b     *Bridge
-	queue workqueue.TypedRateLimitingInterface[string]
+	queue *termQueue
 }
 
 func newAttacher(b *Bridge) (controller, error) {
-	a := &attacher{b: b, queue: workqueue.NewTypedRateLimitingQueueWithConfig(
-		workqueue.NewTypedItemExponentialFailureRateLimiter[string](b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
-		workqueue.TypedRateLimitingQueueConfig[string]{Name: "attach"})}
+	a := &attacher{b: b, queue: newTermQueue("attach", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax)}
 	b.metrics.queueDepth("attach", a.queue.Len)
 	if _, err := b.factory.Storage().V1().VolumeAttachments().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(obj any) { a.enqueueVA(obj) },
-		UpdateFunc: func(_, obj any) { a.enqueueVA(obj) },
+		AddFunc: func(obj any) { a.enqueueVA(obj) },
+		UpdateFunc: func(old, obj any) {
+			// Our own error status writes change nothing to act on; acting
+			// on them would bypass the backoff and loop on API writes.
+			if o, ok := old.(*storagev1.VolumeAttachment); ok {
+				if n, ok := obj.(*storagev1.VolumeAttachment); ok && !vaChanged(o, n) {
+					return
+				}
+			}
+			a.enqueueVA(obj)
+		},
 		DeleteFunc: func(obj any) {
 			// A detached attachment may free its PV's finalizer.
 			if va, ok := obj.(*storagev1.VolumeAttachment); ok && va.Spec.Source.PersistentVolumeName != nil {
@@ -93,34 +100,54 @@ func (a *attacher) enqueueVA(obj any) {
 }
 
 func (a *attacher) run(ctx context.Context) {
-	defer a.queue.ShutDown()
-	if vas, err := a.b.attachments.List(labels.Everything()); err == nil {
-		for _, va := range vas {
-			a.enqueueVA(va)
-		}
-	}
+	q := a.queue.begin()
+	defer a.queue.end()
+	a.enqueueAll()
 	var wg sync.WaitGroup
 	for i := 0; i < a.b.cfg.WorkerThreads; i++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for a.processNext(ctx) {
+			for a.processNext(ctx, q) {
 			}
 		}()
 	}
 	wg.Add(1)
 	go func() { defer wg.Done(); a.reconcileLoop(ctx) }()
 	<-ctx.Done()
-	a.queue.ShutDown()
+	q.ShutDown()
 	wg.Wait()
 }
 
-func (a *attacher) processNext(ctx context.Context) bool {
-	key, quit := a.queue.Get()
+func (a *attacher) enqueueAll() {
+	if vas, err := a.b.attachments.List(labels.Everything()); err == nil {
+		for _, va := range vas {
+			a.enqueueVA(va)
+		}
+	}
+}
+
+// vaChanged reports whether an update asks for work: anything but a change
+// of the attach or detach error (which only this controller writes).
+func vaChanged(o, n *storagev1.VolumeAttachment) bool {
+	if o.Generation != n.Generation || !o.DeletionTimestamp.Equal(n.DeletionTimestamp) ||
+		o.Status.Attached != n.Status.Attached || len(o.Finalizers) != len(n.Finalizers) {
+		return true
+	}
+	for i := range o.Finalizers {
+		if o.Finalizers[i] != n.Finalizers[i] {
+			return true
+		}
+	}
+	return o.Annotations[annVANodeID] != n.Annotations[annVANodeID]
+}
+
+func (a *attacher) processNext(ctx context.Context, q workqueue.TypedRateLimitingInterface[string]) bool {
+	key, quit := q.Get()
 	if quit {
 		return false
 	}
-	defer a.queue.Done(key)
+	defer q.Done(key)
 	var err error
 	switch {
 	case strings.HasPrefix(key, "va/"):
@@ -129,9 +156,9 @@ func (a *attacher) processNext(ctx context.Context) bool {
 		err = a.syncPV(ctx, strings.TrimPrefix(key, "pv/"))
 	}
 	if err != nil {
-		a.queue.AddRateLimited(key)
+		q.AddRateLimited(key)
 	} else {
-		a.queue.Forget(key)
+		q.Forget(key)
 	}
 	return true
 }

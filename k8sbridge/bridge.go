@@ -143,6 +143,9 @@ func (c *Config) Validate() error {
 	if c.Timeout <= 0 {
 		c.Timeout = time.Minute
 	}
+	if c.ResyncPeriod == 0 {
+		c.ResyncPeriod = 10 * time.Minute
+	}
 	if c.RecoveryInterval <= 0 {
 		c.RecoveryInterval = time.Minute
 	}
@@ -295,6 +298,11 @@ func (b *Bridge) Run(ctx context.Context) error {
 		LockConfig: resourcelock.ResourceLockConfig{Identity: b.cfg.Identity, EventRecorder: b.recorder},
 	}
 	for ctx.Err() == nil {
+		// client-go starts OnStartedLeading in a goroutine and returns from
+		// Run without waiting for it: a new term must not begin before the
+		// last one's controllers have stopped.
+		var termMu sync.Mutex
+		var termDone chan struct{}
 		le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
 			Lock:            lock,
 			LeaseDuration:   b.cfg.LeaderElectionLease,
@@ -304,6 +312,11 @@ func (b *Bridge) Run(ctx context.Context) error {
 			Name:            b.cfg.LeaderElectionLockName,
 			Callbacks: leaderelection.LeaderCallbacks{
 				OnStartedLeading: func(ctx context.Context) {
+					done := make(chan struct{})
+					termMu.Lock()
+					termDone = done
+					termMu.Unlock()
+					defer close(done)
 					b.log.Info("became leader", "identity", b.cfg.Identity)
 					b.setLeader(true, b.cfg.Identity)
 					b.lead(ctx)
@@ -326,6 +339,12 @@ func (b *Bridge) Run(ctx context.Context) error {
 			return err
 		}
 		le.Run(ctx)
+		termMu.Lock()
+		done := termDone
+		termMu.Unlock()
+		if done != nil {
+			<-done
+		}
 	}
 	return nil
 }
@@ -361,8 +380,49 @@ func (b *Bridge) lead(ctx context.Context) {
 	for _, c := range b.extra {
 		run(c.run)
 	}
+	run(b.watchRegistrations)
 	<-ctx.Done()
 	wg.Wait()
+}
+
+// watchRegistrations re-lists claims, volumes and attachments when a driver
+// is registered (a static entry at start-up, or a proxy discovered later):
+// objects of a driver the broker did not know yet were skipped when they
+// were last seen.
+func (b *Bridge) watchRegistrations(ctx context.Context) {
+	known := map[string]bool{}
+	for _, n := range b.cfg.Drivers.DriverNames() {
+		known[n] = true
+	}
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		added := false
+		now := map[string]bool{}
+		for _, n := range b.cfg.Drivers.DriverNames() {
+			now[n] = true
+			if !known[n] {
+				added = true
+				b.log.Info("driver registered: looking at its objects again", "driver", n)
+			}
+		}
+		known = now
+		if !added {
+			continue
+		}
+		b.prov.enqueueAll()
+		b.del.enqueueAll()
+		for _, c := range b.extra {
+			if r, ok := c.(interface{ enqueueAll() }); ok {
+				r.enqueueAll()
+			}
+		}
+	}
 }
 
 // event records an Event on obj with the trace ID of ctx's span, if any.

@@ -21,13 +21,11 @@ import (
 // then the PVs.
 type deleter struct {
 	b     *Bridge
-	queue workqueue.TypedRateLimitingInterface[string]
+	queue *termQueue
 }
 
 func newDeleter(b *Bridge) *deleter {
-	d := &deleter{b: b, queue: workqueue.NewTypedRateLimitingQueueWithConfig(
-		workqueue.NewTypedItemExponentialFailureRateLimiter[string](b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
-		workqueue.TypedRateLimitingQueueConfig[string]{Name: "delete"})}
+	d := &deleter{b: b, queue: newTermQueue("delete", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax)}
 	b.metrics.queueDepth("delete", d.queue.Len)
 	return d
 }
@@ -65,36 +63,41 @@ func needsDelete(pv *corev1.PersistentVolume) bool {
 }
 
 func (d *deleter) run(ctx context.Context) {
-	defer d.queue.ShutDown()
-	if pvs, err := d.b.volumes.List(labels.Everything()); err == nil {
-		for _, pv := range pvs {
-			d.enqueue(pv)
-		}
-	}
+	q := d.queue.begin()
+	defer d.queue.end()
+	d.enqueueAll()
 	var wg sync.WaitGroup
 	for i := 0; i < d.b.cfg.WorkerThreads; i++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for d.processNext(ctx) {
+			for d.processNext(ctx, q) {
 			}
 		}()
 	}
 	<-ctx.Done()
-	d.queue.ShutDown()
+	q.ShutDown()
 	wg.Wait()
 }
 
-func (d *deleter) processNext(ctx context.Context) bool {
-	key, quit := d.queue.Get()
+func (d *deleter) enqueueAll() {
+	if pvs, err := d.b.volumes.List(labels.Everything()); err == nil {
+		for _, pv := range pvs {
+			d.enqueue(pv)
+		}
+	}
+}
+
+func (d *deleter) processNext(ctx context.Context, q workqueue.TypedRateLimitingInterface[string]) bool {
+	key, quit := q.Get()
 	if quit {
 		return false
 	}
-	defer d.queue.Done(key)
+	defer q.Done(key)
 	if err := d.sync(ctx, key); err != nil {
-		d.queue.AddRateLimited(key)
+		q.AddRateLimited(key)
 	} else {
-		d.queue.Forget(key)
+		q.Forget(key)
 	}
 	return true
 }
@@ -142,6 +145,12 @@ func (d *deleter) sync(ctx context.Context, name string) error {
 	node := ""
 	if d.b.cfg.Drivers.NodeLocal(driver) {
 		node = pvNode(pv)
+		if node == "" {
+			d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete",
+				"volume %s of node-local driver %s names no node (no %s annotation, no single hostname in its node affinity); cannot tell which node's proxy holds it", pv.Spec.CSI.VolumeHandle, driver, annVolumeNode)
+			d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
+			return fmt.Errorf("pv %s: node unknown", name)
+		}
 		if _, err := d.b.nodes.Get(node); apierrors.IsNotFound(err) {
 			// Nobody can reach the volume: leave the PV to an administrator
 			// instead of retrying forever.
@@ -177,8 +186,12 @@ func (d *deleter) sync(ctx context.Context, name string) error {
 	return nil
 }
 
-// pvNode is the single node a node-local PV's affinity names, if any.
+// pvNode is the node of a node-local PV: recorded at provisioning, else the
+// single hostname its affinity names, else "".
 func pvNode(pv *corev1.PersistentVolume) string {
+	if n := pv.Annotations[annVolumeNode]; n != "" {
+		return n
+	}
 	if pv.Spec.NodeAffinity == nil || pv.Spec.NodeAffinity.Required == nil {
 		return ""
 	}

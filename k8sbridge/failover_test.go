@@ -97,3 +97,43 @@ func TestLeaderFailover(t *testing.T) {
 		t.Fatalf("driver has %d volumes for %d claims", got, n)
 	}
 }
+
+// TestLeadsAgainAfterLosingTheLease: another holder takes the Lease for a
+// moment; the broker stops leading, leads again once it can, and then
+// provisions as before (each term gets fresh work queues).
+func TestLeadsAgainAfterLosingTheLease(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "again.csi.test")
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "again"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	r := startBridge(t, env, ns, drivers, bridgeOpts{identity: "only-replica", leader: true})
+	waitBound(t, c, ns, makeClaim(t, c, ns, "before", class.Name, "1Gi").Name, 60*time.Second)
+
+	// Take the Lease: a holder that renewed just now, for 3s.
+	lease, err := c.CoordinationV1().Leases(ns).Get(ctx, "csibroker-leader", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	intruder, secs, now := "intruder", int32(3), metav1.NewMicroTime(time.Now())
+	lease.Spec.HolderIdentity, lease.Spec.LeaseDurationSeconds, lease.Spec.RenewTime, lease.Spec.AcquireTime = &intruder, &secs, &now, &now
+	if _, err := c.CoordinationV1().Leases(ns).Update(ctx, lease, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := testenv.WaitFor(ctx, 30*time.Second, "the broker to stop leading", func(context.Context) (bool, string, error) {
+		ok, _ := r.b.Leader()
+		return !ok, "", nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := testenv.WaitFor(ctx, 30*time.Second, "the broker to lead again", func(context.Context) (bool, string, error) {
+		ok, _ := r.b.Leader()
+		return ok, "", nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	waitBound(t, c, ns, makeClaim(t, c, ns, "after", class.Name, "1Gi").Name, 60*time.Second)
+}

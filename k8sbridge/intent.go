@@ -52,6 +52,7 @@ type IntentStore struct {
 	log       *slog.Logger
 	// MaxEntries bounds the record (a ConfigMap holds at most 1 MiB).
 	maxEntries int
+	maxBytes   int
 	// linger lets a write wait this long for more changes to batch; Removes
 	// alone wait removeDelay, since nothing waits for them.
 	linger      time.Duration
@@ -83,7 +84,7 @@ func NewIntentStore(client kubernetes.Interface, namespace, name string, log *sl
 	}
 	return &IntentStore{
 		client: client, namespace: namespace, name: name, log: log,
-		maxEntries: 1500, linger: 5 * time.Millisecond, removeDelay: time.Second,
+		maxEntries: 1500, maxBytes: 900 << 10, linger: 5 * time.Millisecond, removeDelay: time.Second,
 		cond: make(chan struct{}), adds: map[string]*pendingAdd{}, removes: map[string]bool{},
 	}
 }
@@ -131,6 +132,21 @@ func (s *IntentStore) signal() {
 	s.cond = make(chan struct{})
 }
 
+// Has reports whether the last record written or read holds volumeName, or
+// an Add for it is queued (no API call).
+func (s *IntentStore) Has(volumeName string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.adds[volumeName]; ok {
+		return true
+	}
+	if s.cache != nil {
+		_, ok := s.cache.Data[volumeName]
+		return ok
+	}
+	return false
+}
+
 // List reads the record from the API server (the source of truth at
 // start-up and for recovery).
 func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
@@ -139,7 +155,11 @@ func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
 		return nil, err
 	}
 	s.mu.Lock()
-	s.cache, s.loaded = cm, true
+	if !s.loaded {
+		// Only the first read seeds the cache: later the cache holds what
+		// this store wrote, which a read racing a write could predate.
+		s.cache, s.loaded = cm, true
+	}
 	s.mu.Unlock()
 	return decodeIntents(cm, s.log), nil
 }
@@ -268,18 +288,29 @@ func (s *IntentStore) flush(ctx context.Context) {
 		for k := range removes {
 			delete(cm.Data, k)
 		}
+		size := 0
+		for k, v := range cm.Data {
+			size += len(k) + len(v)
+		}
 		var full []string
 		for k, p := range adds {
-			if _, exists := cm.Data[k]; !exists && len(cm.Data) >= s.maxEntries {
-				full = append(full, k)
-				continue
-			}
 			b, merr := json.Marshal(p.intent)
 			if merr != nil {
 				p.done <- merr
 				delete(adds, k)
 				continue
 			}
+			prev, exists := cm.Data[k]
+			grow := len(k) + len(b)
+			if exists {
+				grow = len(b) - len(prev)
+			}
+			// Fail only what does not fit: a ConfigMap holds at most 1 MiB.
+			if (!exists && len(cm.Data) >= s.maxEntries) || size+grow > s.maxBytes {
+				full = append(full, k)
+				continue
+			}
+			size += grow
 			cm.Data[k] = string(b)
 		}
 		for _, k := range full {

@@ -89,3 +89,23 @@ func TestIntentStoreFull(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+func TestIntentStoreByteBudget(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	s := NewIntentStore(env.Client(), ns, "intents", nil)
+	s.maxBytes = 4000
+	go s.Run(ctx)
+	big := make([]byte, 1500) // base64 in JSON: ~2 KB per entry
+	if err := s.Add(ctx, Intent{VolumeName: "a", Request: big}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Add(ctx, Intent{VolumeName: "b", Request: big}); err != ErrIntentStoreFull {
+		t.Fatalf("second big entry: %v, want ErrIntentStoreFull", err)
+	}
+	if err := s.Add(ctx, Intent{VolumeName: "c", Request: []byte{1}}); err != nil {
+		t.Fatalf("a small entry that fits: %v", err)
+	}
+}

@@ -39,18 +39,21 @@ const (
 	annDeletionSecretName     = "volume.kubernetes.io/provisioner-deletion-secret-name"
 	annDeletionSecretNS       = "volume.kubernetes.io/provisioner-deletion-secret-namespace"
 	finalizerVolume           = "external-provisioner.volume.kubernetes.io/finalizer"
+	// annVolumeNode records the node of a node-local driver's volume.
+	annVolumeNode = "csibroker.io/node"
 )
 
 // provisioner turns pending claims of registered drivers into volumes and PVs.
 type provisioner struct {
 	b     *Bridge
-	queue workqueue.TypedRateLimitingInterface[string]
+	queue *termQueue
 
 	mu       sync.Mutex
 	perDrv   map[string]int       // operations in flight per driver
 	inflight map[string]bool      // volume names being provisioned here
 	started  map[string]time.Time // first pick-up of a claim, for the duration metric
 	recover  chan struct{}        // nudges the recovery loop
+	recFails map[string]int       // failed recovery attempts per volume
 
 	// afterCreate, when set (tests), runs after CreateVolume succeeded and
 	// before anything else: a broker dying there must leak nothing.
@@ -59,10 +62,8 @@ type provisioner struct {
 
 func newProvisioner(b *Bridge) *provisioner {
 	p := &provisioner{
-		b: b,
-		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
-			workqueue.NewTypedItemExponentialFailureRateLimiter[string](b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "provision"}),
+		b:        b,
+		queue:    newTermQueue("provision", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
 		perDrv:   map[string]int{},
 		inflight: map[string]bool{},
 		started:  map[string]time.Time{},
@@ -78,13 +79,28 @@ func (p *provisioner) claimHandler() cache.ResourceEventHandler {
 		UpdateFunc: func(_, obj any) { p.enqueueClaim(obj) },
 		DeleteFunc: func(obj any) {
 			// A claim deleted while its volume is being made: recovery
-			// deletes the volume if it exists.
-			p.nudgeRecovery()
+			// deletes the volume if it exists. Other deletions (bound
+			// claims, a namespace teardown) cost no recovery pass.
+			if c := claimOf(obj); c != nil && p.b.intents.Has(VolumeName(p.b.cfg.VolumeNamePrefix, c.UID, p.b.cfg.VolumeNameUUIDLength)) {
+				p.nudgeRecovery()
+			}
 			if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
 				p.queue.Forget(key)
+				p.mu.Lock()
+				delete(p.started, key)
+				p.mu.Unlock()
 			}
 		},
 	}
+}
+
+// claimOf unwraps a deleted claim from an informer tombstone.
+func claimOf(obj any) *corev1.PersistentVolumeClaim {
+	if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = t.Obj
+	}
+	c, _ := obj.(*corev1.PersistentVolumeClaim)
+	return c
 }
 
 func (p *provisioner) enqueueClaim(obj any) {
@@ -123,41 +139,48 @@ func (p *provisioner) claimDriver(claim *corev1.PersistentVolumeClaim) string {
 }
 
 func (p *provisioner) run(ctx context.Context) {
-	defer p.queue.ShutDown()
+	q := p.queue.begin()
+	defer p.queue.end()
 	// Claims that arrived while another replica led are in the cache already.
-	if claims, err := p.b.claims.List(labels.Everything()); err == nil {
-		for _, c := range claims {
-			p.enqueueClaim(c)
-		}
-	}
+	p.enqueueAll()
 	var wg sync.WaitGroup
 	for i := 0; i < p.b.cfg.WorkerThreads; i++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for p.processNext(ctx) {
+			for p.processNext(ctx, q) {
 			}
 		}()
 	}
 	<-ctx.Done()
-	p.queue.ShutDown()
+	q.ShutDown()
 	wg.Wait()
 }
 
-func (p *provisioner) processNext(ctx context.Context) bool {
-	key, quit := p.queue.Get()
+// enqueueAll adds every claim that may need provisioning (start of a term,
+// a driver newly registered).
+func (p *provisioner) enqueueAll() {
+	if claims, err := p.b.claims.List(labels.Everything()); err == nil {
+		for _, c := range claims {
+			p.enqueueClaim(c)
+		}
+	}
+}
+
+func (p *provisioner) processNext(ctx context.Context, q workqueue.TypedRateLimitingInterface[string]) bool {
+	key, quit := q.Get()
 	if quit {
 		return false
 	}
-	defer p.queue.Done(key)
+	defer q.Done(key)
 	requeue, err := p.sync(ctx, key)
 	switch {
 	case err != nil:
-		p.queue.AddRateLimited(key)
+		q.AddRateLimited(key)
 	case requeue > 0:
-		p.queue.AddAfter(key, requeue)
+		q.AddAfter(key, requeue)
 	default:
-		p.queue.Forget(key)
+		q.Forget(key)
 	}
 	return true
 }
@@ -280,6 +303,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if !caps.createDelete {
 		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
 	}
+	scheduled := selectedNode != "" // the scheduler chose the node, so it can choose again
 	if p.b.cfg.Drivers.NodeLocal(driver) && selectedNode == "" {
 		// Immediate claim of a node-local driver: the broker places it.
 		node, err := p.placeOnNode(ctx, claim, class, driver, caps)
@@ -326,7 +350,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	cancel()
 	req.Secrets = nil
 	if err != nil {
-		switch ClassifyCreateError(err, caps.accessibility && selectedNode != "") {
+		switch ClassifyCreateError(err, caps.accessibility && scheduled) {
 		case CreateInProgress:
 			// The volume may still appear: keep the intent and re-issue
 			// the same request later.
@@ -372,6 +396,10 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	pv, err := p.buildPV(claim, class, driver, pvName, resp.GetVolume(), req, provSecretRef)
 	if err != nil {
 		return fail("%v", err)
+	}
+	if node != "" {
+		// Deletion goes to this node's proxy, whatever topology the driver reports.
+		pv.Annotations[annVolumeNode] = node
 	}
 	if node != "" && pv.Spec.NodeAffinity == nil {
 		// A node-local volume is reachable from its node only.

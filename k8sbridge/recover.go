@@ -102,15 +102,23 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent) {
 	cancel()
 	req.Secrets = nil
 	if err != nil {
-		if ClassifyCreateError(err, false) == CreateFinal {
-			// The request cannot succeed, so no volume of that name exists.
-			log.Info("recovery: the recorded request fails for good; nothing to delete", "err", statusText(err))
-			p.b.intents.Remove(in.VolumeName)
-			return
+		// Even a final error does not prove that no volume of that name
+		// exists (a clone source deleted since, rotated credentials): the
+		// entry stays and is retried every pass; after a few failures it is
+		// reported so an administrator can look.
+		n := p.recoveryFailed(in.VolumeName)
+		if n == 3 {
+			p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
+			log.Error("recovery: cannot learn the volume ID of a claim that no longer exists; the intent record keeps it (delete the entry once the volume is dealt with)",
+				"configmap", p.b.cfg.Namespace+"/csibroker-intents", "attempts", n, "err", statusText(err))
+		} else {
+			log.Warn("recovery: CreateVolume to learn the volume ID failed; will retry", "attempt", n, "err", statusText(err))
 		}
-		log.Warn("recovery: CreateVolume to learn the volume ID failed; will retry", "err", statusText(err))
 		return
 	}
+	p.mu.Lock()
+	delete(p.recFails, in.VolumeName)
+	p.mu.Unlock()
 	if err := p.deleteVolume(ctx, in.Driver, in.Node, resp.GetVolume().GetVolumeId(), in.ProvisionerSecret, requester); err != nil {
 		log.Error("recovery: DeleteVolume failed; will retry", "err", err)
 		p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
@@ -119,4 +127,15 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent) {
 	log.Info("recovery: deleted the volume of a claim that no longer exists", "volume_id", resp.GetVolume().GetVolumeId())
 	p.b.metrics.leaked.WithLabelValues(in.Driver, "deleted").Inc()
 	p.b.intents.Remove(in.VolumeName)
+}
+
+// recoveryFailed counts failed recovery attempts per volume.
+func (p *provisioner) recoveryFailed(volume string) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.recFails == nil {
+		p.recFails = map[string]int{}
+	}
+	p.recFails[volume]++
+	return p.recFails[volume]
 }

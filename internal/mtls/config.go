@@ -24,6 +24,10 @@ func ServerConfig(src Source, authz Authorizer) *tls.Config {
 		},
 		VerifyPeerCertificate: verifier(src, authz, x509.ExtKeyUsageClientAuth),
 		NextProtos:            []string{"h2"},
+		// VerifyPeerCertificate is not called on a resumed session, so no
+		// session may be resumed: every connection shows a certificate
+		// checked against the CA and the authorizer of that moment.
+		SessionTicketsDisabled: true,
 	}
 }
 

@@ -140,9 +140,15 @@ func ForwardStream(srv grpc.ServerStream, cs grpc.ClientStream) error {
 		if err := cs.RecvMsg(f); err != nil {
 			srv.SetTrailer(CleanMD(cs.Trailer()))
 			if errors.Is(err, io.EOF) {
-				// Wait for the request side so a late send error is not lost.
-				if uerr := <-upErr; uerr != nil {
-					return uerr
+				// The next hop finished: its status is final. Collect the
+				// request side's error if it is already known, but never
+				// wait for a caller that has not half-closed.
+				select {
+				case uerr := <-upErr:
+					if uerr != nil && !errors.Is(uerr, io.EOF) {
+						return uerr
+					}
+				default:
 				}
 				return nil
 			}
