@@ -2,6 +2,7 @@ package k8sbridge
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/policy"
 )
 
 // TestDeletionBlockedByAttachment: a Released PV whose volume is still
@@ -95,4 +97,58 @@ func TestCloneFromClaim(t *testing.T) {
 		}
 	}
 	t.Fatal("the driver saw no CreateVolume for the clone")
+}
+
+// TestDeleteAfterNamespaceIsGone: a grant admits claims of namespaces
+// labelled team=a; when such a namespace is deleted with its claims, the
+// volumes are still deleted: the decision uses the labels the namespace had
+// when the volume was made.
+func TestDeleteAfterNamespaceIsGone(t *testing.T) {
+	env := testenv.Shared(t)
+	storageNS := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	tenant := storageNS + "-tenant"
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: tenant, Labels: map[string]string{"team": "a"}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.CoreV1().Secrets(storageNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	drv := clusterName(storageNS, "ns.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	rs, errs := policy.Compile([]policy.Grant{{Namespace: storageNS, Name: "team-a", Spec: policy.GrantSpec{Drivers: []string{drv}, SecretNames: []string{"creds"},
+		Operations: []policy.Operation{policy.OpCreateVolume, policy.OpDeleteVolume},
+		Requesters: policy.Requesters{NamespaceSelector: &policy.LabelSelector{MatchLabels: map[string]string{"team": "a"}}}}}})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	class := makeClass(t, c, clusterName(storageNS, "ns"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+		"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": storageNS})
+	authz := &policy.Authorizer{Rules: policy.NewStore(rs)}
+	first := startBridge(t, env, storageNS, drivers, bridgeOpts{policy: authz})
+	bound := waitBound(t, c, tenant, makeClaim(t, c, tenant, "data", class.Name, "1Gi").Name, 60*time.Second)
+
+	// The namespace disappears while no broker runs, so that the next one
+	// meets the Released volume with no namespace left to read labels from.
+	first.stop()
+	if err := c.CoreV1().Namespaces().Delete(ctx, tenant, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := testenv.WaitFor(ctx, 60*time.Second, "namespace gone", func(ctx context.Context) (bool, string, error) {
+		_, err := c.CoreV1().Namespaces().Get(ctx, tenant, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	startBridge(t, env, storageNS, drivers, bridgeOpts{policy: authz, identity: "broker-1"})
+	err = testenv.WaitFor(ctx, 60*time.Second, "volume of the deleted namespace deleted", func(ctx context.Context) (bool, string, error) {
+		_, err := c.CoreV1().PersistentVolumes().Get(ctx, bound.Spec.VolumeName, metav1.GetOptions{})
+		return apierrors.IsNotFound(err) && len(d.Volumes()) == 0, eventsOf(c, "default", bound.Spec.VolumeName), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 }

@@ -37,8 +37,11 @@ type Intent struct {
 	// its content), needed to re-issue and delete.
 	ProvisionerSecret *corev1.SecretReference `json:"provisionerSecret,omitempty"`
 	// Node is the selected node for node-local drivers.
-	Node    string      `json:"node,omitempty"`
-	Created metav1.Time `json:"created"`
+	Node string `json:"node,omitempty"`
+	// NamespaceLabels of the claim's namespace, for policy decisions after
+	// the namespace is deleted.
+	NamespaceLabels map[string]string `json:"namespaceLabels,omitempty"`
+	Created         metav1.Time       `json:"created"`
 }
 
 // IntentStore keeps the in-flight intents of all drivers in one ConfigMap and

@@ -2,6 +2,7 @@ package k8sbridge
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"sort"
 	"strings"
@@ -334,7 +335,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		node = selectedNode
 	}
 	if err := p.b.intents.Add(ctx, Intent{VolumeName: pvName, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID),
-		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, Created: metav1.Now()}); err != nil {
+		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, NamespaceLabels: p.b.namespaceLabels(claim.Namespace), Created: metav1.Now()}); err != nil {
 		// Nothing was called yet: back off and try again.
 		return "failed", fmt.Errorf("record intent for %s: %w", pvName, err)
 	}
@@ -400,6 +401,11 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if node != "" {
 		// Deletion goes to this node's proxy, whatever topology the driver reports.
 		pv.Annotations[annVolumeNode] = node
+	}
+	if labels := p.b.namespaceLabels(claim.Namespace); len(labels) > 0 {
+		if b, err := json.Marshal(labels); err == nil {
+			pv.Annotations[annNamespaceLabels] = string(b)
+		}
 	}
 	if node != "" && pv.Spec.NodeAffinity == nil {
 		// A node-local volume is reachable from its node only.
@@ -667,7 +673,13 @@ func (p *provisioner) reschedule(ctx context.Context, claim *corev1.PersistentVo
 
 // deleteVolume deletes a volume with its provisioner secret (through policy).
 func (p *provisioner) deleteVolume(ctx context.Context, driver, node, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester) error {
-	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpDeleteVolume, ref: secretRef, source: policy.Source{Kind: policy.SourcePVField, Key: "provisioner secret"}, requester: requester})
+	return p.deleteVolumeWith(ctx, driver, node, volumeID, secretRef, requester, nil)
+}
+
+// deleteVolumeWith is deleteVolume with the namespace labels recorded at
+// provisioning, for when the claim's namespace is gone.
+func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester, recordedNSLabels map[string]string) error {
+	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpDeleteVolume, ref: secretRef, source: policy.Source{Kind: policy.SourcePVField, Key: "provisioner secret"}, requester: requester, recordedNSLabels: recordedNSLabels})
 	if err != nil {
 		return err
 	}

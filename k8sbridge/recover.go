@@ -85,7 +85,7 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent) {
 		return
 	}
 	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, StorageClass: in.StorageClass}
-	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: policy.Source{Kind: policy.SourceStatic, Key: "intent record"}, requester: requester})
+	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: policy.Source{Kind: policy.SourceStatic, Key: "intent record"}, requester: requester, recordedNSLabels: in.NamespaceLabels})
 	if err != nil {
 		log.Error("recovery: cannot re-issue CreateVolume", "err", err)
 		p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
@@ -119,7 +119,7 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent) {
 	p.mu.Lock()
 	delete(p.recFails, in.VolumeName)
 	p.mu.Unlock()
-	if err := p.deleteVolume(ctx, in.Driver, in.Node, resp.GetVolume().GetVolumeId(), in.ProvisionerSecret, requester); err != nil {
+	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, resp.GetVolume().GetVolumeId(), in.ProvisionerSecret, requester, in.NamespaceLabels); err != nil {
 		log.Error("recovery: DeleteVolume failed; will retry", "err", err)
 		p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
 		return

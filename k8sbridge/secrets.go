@@ -23,6 +23,24 @@ type secretUse struct {
 	ref       *corev1.SecretReference
 	source    policy.Source
 	requester policy.Requester
+	// recordedNSLabels are the requesting namespace's labels recorded when
+	// the volume was made, used when the namespace no longer exists.
+	recordedNSLabels map[string]string
+}
+
+// annNamespaceLabels records, on a PV, the labels of its claim's namespace
+// at provisioning, for policy decisions after the namespace is deleted.
+const annNamespaceLabels = "csibroker.io/claim-namespace-labels"
+
+func (b *Bridge) namespaceLabels(ns string) map[string]string {
+	n, err := b.namespaces.Get(ns)
+	if err != nil {
+		return nil
+	}
+	if n.Labels == nil {
+		return map[string]string{}
+	}
+	return n.Labels
 }
 
 // fetchSecret asks the policy, and only on an allow GETs the secret (no
@@ -38,6 +56,10 @@ func (b *Bridge) fetchSecret(ctx context.Context, u secretUse) (map[string]strin
 			if u.requester.NamespaceLabels == nil {
 				u.requester.NamespaceLabels = map[string]string{}
 			}
+		} else if u.recordedNSLabels != nil {
+			// The namespace is gone (its volumes are being cleaned up):
+			// decide with the labels it had when the volume was made.
+			u.requester.NamespaceLabels = u.recordedNSLabels
 		}
 	}
 	req := policy.Request{Driver: u.driver, Operation: u.op, Secret: policy.SecretRef{Namespace: u.ref.Namespace, Name: u.ref.Name}, Source: u.source, Requester: u.requester}
