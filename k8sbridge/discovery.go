@@ -60,8 +60,11 @@ type Discovery struct {
 	current map[string]broker.DriverConfig
 }
 
-// NewDiscovery watches pods matching selector in all namespaces.
-func NewDiscovery(client kubernetes.Interface, selector string, registry Registry, template broker.DriverConfig, static []string, log *slog.Logger) (*Discovery, error) {
+// NewDiscovery watches pods matching selector in namespace (all namespaces
+// when empty). Restricting it to the namespaces where drivers run keeps
+// tenants who can create pods elsewhere from offering proxies (mTLS would
+// refuse an impostor, but it could hold the driver's route).
+func NewDiscovery(client kubernetes.Interface, selector, namespace string, registry Registry, template broker.DriverConfig, static []string, log *slog.Logger) (*Discovery, error) {
 	if _, err := labels.Parse(selector); err != nil {
 		return nil, fmt.Errorf("proxy discovery selector %q: %w", selector, err)
 	}
@@ -73,7 +76,11 @@ func NewDiscovery(client kubernetes.Interface, selector string, registry Registr
 	for _, s := range static {
 		d.static[s] = true
 	}
-	d.factory = informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }), informers.WithTransform(stripBulk))
+	opts := []informers.SharedInformerOption{informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }), informers.WithTransform(stripBulk)}
+	if namespace != "" {
+		opts = append(opts, informers.WithNamespace(namespace))
+	}
+	d.factory = informers.NewSharedInformerFactoryWithOptions(client, 0, opts...)
 	pods := d.factory.Core().V1().Pods()
 	d.pods, d.synced = pods.Lister(), pods.Informer().HasSynced
 	if _, err := pods.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{

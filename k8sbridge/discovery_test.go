@@ -104,7 +104,7 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	reg := &fakeRegistry{drivers: map[string]broker.DriverConfig{}}
 	drv := clusterName(ns, "disc.csi.test")
 	selector := "csibroker-test=" + ns
-	d, err := NewDiscovery(c, selector, reg, broker.DriverConfig{}, []string{"static.csi.test"}, nil)
+	d, err := NewDiscovery(c, selector, ns, reg, broker.DriverConfig{}, []string{"static.csi.test"}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

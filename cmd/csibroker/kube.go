@@ -46,7 +46,8 @@ type kubeFlags struct {
 	RetryIntervalStart   time.Duration
 	RetryIntervalMax     time.Duration
 
-	DiscoverProxies string
+	DiscoverProxies   string
+	DiscoverNamespace string
 
 	PolicyMode     string
 	PolicyFile     string
@@ -80,6 +81,7 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.RetryIntervalStart, "retry-interval-start", time.Second, "first backoff of a failed claim or volume (doubles per failure)")
 	fs.DurationVar(&f.RetryIntervalMax, "retry-interval-max", 5*time.Minute, "largest backoff of a failed claim or volume")
 	fs.StringVar(&f.DiscoverProxies, "discover-proxies", "", "label selector of proxy pods to register as drivers' proxies (annotations csibroker.io/driver, csibroker.io/proxy-port, csibroker.io/node-proxy, csibroker.io/node-local); empty: off")
+	fs.StringVar(&f.DiscoverNamespace, "discover-proxies-namespace", "", "only pods of this namespace are proxies (empty: every namespace; restrict it where tenants can create pods)")
 	fs.StringVar(&f.PolicyMode, "policy-mode", "enforce", "secret policy mode: enforce (deny by default), audit (log and count would-be denials, allow), off")
 	fs.StringVar(&f.PolicyFile, "policy-file", "", "YAML/JSON file of SecretGrant objects (re-read every --policy-reload-interval)")
 	fs.BoolVar(&f.PolicyCRDs, "policy-crds", true, "read SecretGrant objects (policy.csibroker.io) from the cluster")

@@ -38,8 +38,7 @@ var (
 		"immediate-topology", "worker-threads", "per-driver-workers", "retry-interval-start",
 		"retry-interval-max", "policy-mode", "policy-file", "policy-crds", "policy-opa-url",
 		"policy-opa-path", "policy-reload-interval",
-		// Being added with proxy discovery; not yet registered in cmd/ everywhere.
-		"discover-proxies",
+		"discover-proxies", "discover-proxies-namespace",
 	}
 	proxyFlags = []string{
 		"driver-endpoint", "listen", "node", "http-endpoint", "metrics-path", "tls-cert", "tls-key",
@@ -47,7 +46,7 @@ var (
 	}
 	sampleDriverFlags = []string{"endpoint", "name", "node-id", "state-dir", "topology", "capacity", "max-volumes-per-node", "fault", "exit-after", "fault-seed", "disable-publish"}
 	boolFlags         = []string{"leader-election", "extra-create-metadata", "strict-topology", "immediate-topology", "policy-crds", "disable-publish"}
-	pendingFlags      = []string{"discover-proxies"}
+	pendingFlags      = []string{}
 )
 
 // cmdSource is the text of the binary's non-test sources: subcommands and
