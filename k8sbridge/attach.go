@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -18,7 +17,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/workqueue"
 
 	"github.com/csibroker/csibroker/policy"
 )
@@ -100,23 +98,7 @@ func (a *attacher) enqueueVA(obj any) {
 }
 
 func (a *attacher) run(ctx context.Context) {
-	q := a.queue.begin()
-	defer a.queue.end()
-	a.enqueueAll()
-	var wg sync.WaitGroup
-	for i := 0; i < a.b.cfg.WorkerThreads; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for a.processNext(ctx, q) {
-			}
-		}()
-	}
-	wg.Add(1)
-	go func() { defer wg.Done(); a.reconcileLoop(ctx) }()
-	<-ctx.Done()
-	q.ShutDown()
-	wg.Wait()
+	a.queue.work(ctx, a.b.cfg.WorkerThreads, a.enqueueAll, a.sync, a.reconcileLoop)
 }
 
 func (a *attacher) enqueueAll() {
@@ -142,25 +124,14 @@ func vaChanged(o, n *storagev1.VolumeAttachment) bool {
 	return o.Annotations[annVANodeID] != n.Annotations[annVANodeID]
 }
 
-func (a *attacher) processNext(ctx context.Context, q workqueue.TypedRateLimitingInterface[string]) bool {
-	key, quit := q.Get()
-	if quit {
-		return false
-	}
-	defer q.Done(key)
-	var err error
+func (a *attacher) sync(ctx context.Context, key string) (time.Duration, error) {
 	switch {
 	case strings.HasPrefix(key, "va/"):
-		err = a.syncVA(ctx, strings.TrimPrefix(key, "va/"))
+		return 0, a.syncVA(ctx, strings.TrimPrefix(key, "va/"))
 	case strings.HasPrefix(key, "pv/"):
-		err = a.syncPV(ctx, strings.TrimPrefix(key, "pv/"))
+		return 0, a.syncPV(ctx, strings.TrimPrefix(key, "pv/"))
 	}
-	if err != nil {
-		q.AddRateLimited(key)
-	} else {
-		q.Forget(key)
-	}
-	return true
+	return 0, nil
 }
 
 func vaRef(va *storagev1.VolumeAttachment) corev1.ObjectReference {

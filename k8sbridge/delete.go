@@ -4,7 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"sync"
+	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
@@ -13,7 +13,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/workqueue"
 
 	"github.com/csibroker/csibroker/policy"
 )
@@ -64,21 +63,9 @@ func needsDelete(pv *corev1.PersistentVolume) bool {
 }
 
 func (d *deleter) run(ctx context.Context) {
-	q := d.queue.begin()
-	defer d.queue.end()
-	d.enqueueAll()
-	var wg sync.WaitGroup
-	for i := 0; i < d.b.cfg.WorkerThreads; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for d.processNext(ctx, q) {
-			}
-		}()
-	}
-	<-ctx.Done()
-	q.ShutDown()
-	wg.Wait()
+	d.queue.work(ctx, d.b.cfg.WorkerThreads, d.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
+		return 0, d.sync(ctx, key)
+	})
 }
 
 func (d *deleter) enqueueAll() {
@@ -87,20 +74,6 @@ func (d *deleter) enqueueAll() {
 			d.enqueue(pv)
 		}
 	}
-}
-
-func (d *deleter) processNext(ctx context.Context, q workqueue.TypedRateLimitingInterface[string]) bool {
-	key, quit := q.Get()
-	if quit {
-		return false
-	}
-	defer q.Done(key)
-	if err := d.sync(ctx, key); err != nil {
-		q.AddRateLimited(key)
-	} else {
-		q.Forget(key)
-	}
-	return true
 }
 
 func pvRef(pv *corev1.PersistentVolume) corev1.ObjectReference {

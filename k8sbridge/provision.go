@@ -25,7 +25,6 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/workqueue"
 
 	"github.com/csibroker/csibroker/policy"
 )
@@ -140,22 +139,8 @@ func (p *provisioner) claimDriver(claim *corev1.PersistentVolumeClaim) string {
 }
 
 func (p *provisioner) run(ctx context.Context) {
-	q := p.queue.begin()
-	defer p.queue.end()
 	// Claims that arrived while another replica led are in the cache already.
-	p.enqueueAll()
-	var wg sync.WaitGroup
-	for i := 0; i < p.b.cfg.WorkerThreads; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for p.processNext(ctx, q) {
-			}
-		}()
-	}
-	<-ctx.Done()
-	q.ShutDown()
-	wg.Wait()
+	p.queue.work(ctx, p.b.cfg.WorkerThreads, p.enqueueAll, p.sync)
 }
 
 // enqueueAll adds every claim that may need provisioning (start of a term,
@@ -166,24 +151,6 @@ func (p *provisioner) enqueueAll() {
 			p.enqueueClaim(c)
 		}
 	}
-}
-
-func (p *provisioner) processNext(ctx context.Context, q workqueue.TypedRateLimitingInterface[string]) bool {
-	key, quit := q.Get()
-	if quit {
-		return false
-	}
-	defer q.Done(key)
-	requeue, err := p.sync(ctx, key)
-	switch {
-	case err != nil:
-		q.AddRateLimited(key)
-	case requeue > 0:
-		q.AddAfter(key, requeue)
-	default:
-		q.Forget(key)
-	}
-	return true
 }
 
 // acquire takes a per-driver slot; false means the driver is at its limit.

@@ -1,6 +1,7 @@
 package k8sbridge
 
 import (
+	"context"
 	"sync"
 	"time"
 
@@ -71,4 +72,44 @@ func (t *termQueue) Len() int {
 		return q.Len()
 	}
 	return 0
+}
+
+// work runs one term of a controller: a fresh queue filled by fill, n
+// workers calling handle for each key until ctx ends. handle's error requeues
+// the key with its backoff; a positive duration requeues it plainly (waiting,
+// not failing); otherwise the key's backoff is forgotten.
+func (t *termQueue) work(ctx context.Context, n int, fill func(), handle func(context.Context, string) (time.Duration, error), extra ...func(context.Context)) {
+	q := t.begin()
+	defer t.end()
+	fill()
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				key, quit := q.Get()
+				if quit {
+					return
+				}
+				requeue, err := handle(ctx, key)
+				switch {
+				case err != nil:
+					q.AddRateLimited(key)
+				case requeue > 0:
+					q.AddAfter(key, requeue)
+				default:
+					q.Forget(key)
+				}
+				q.Done(key)
+			}
+		}()
+	}
+	for _, f := range extra {
+		wg.Add(1)
+		go func() { defer wg.Done(); f(ctx) }()
+	}
+	<-ctx.Done()
+	q.ShutDown()
+	wg.Wait()
 }
