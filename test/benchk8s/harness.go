@@ -138,6 +138,8 @@ func (h *Harness) build(ctx context.Context) error {
 			return err
 		}
 		h.bins.csibroker = bin
+	} else {
+		h.rev = "prebuilt " + h.bins.csibroker
 	}
 	h.logf("binaries ready in %s", time.Since(t0).Round(time.Second))
 	return nil
