@@ -43,6 +43,8 @@ type Harness struct {
 
 type binaries struct {
 	csibroker, provisioner, attacher string
+	// csibrokerSyms keeps its symbol table, for perf (-perf only).
+	csibrokerSyms string
 }
 
 func newHarness(cfg Config, out, errw io.Writer) (*Harness, error) {
@@ -133,13 +135,19 @@ func (h *Harness) build(ctx context.Context) error {
 	}
 	h.bins.csibroker = h.cfg.CSIBrokerBin
 	if h.bins.csibroker == "" {
-		bin, err := h.buildCSIBroker(ctx)
+		bin, err := h.buildCSIBroker(ctx, true)
 		if err != nil {
 			return err
 		}
 		h.bins.csibroker = bin
+		if h.cfg.Perf {
+			if h.bins.csibrokerSyms, err = h.buildCSIBroker(ctx, false); err != nil {
+				return err
+			}
+		}
 	} else {
 		h.rev = "prebuilt " + h.bins.csibroker
+		h.bins.csibrokerSyms = h.bins.csibroker
 	}
 	h.logf("binaries ready in %s", time.Since(t0).Round(time.Second))
 	return nil
@@ -148,31 +156,39 @@ func (h *Harness) build(ctx context.Context) error {
 // buildCSIBroker builds the csibroker binary into the work directory (never
 // into bin/, which other builds on the machine may replace mid-run): from the
 // committed HEAD by default, so the figures belong to a commit, or from the
-// working tree with -from-head=false. It keeps its symbol table (unlike the
-// sidecars' -s -w builds; the table is not loaded at run time, so RSS is the
-// same) so that perf can name functions.
-func (h *Harness) buildCSIBroker(ctx context.Context) (string, error) {
+// working tree with -from-head=false. Stripped (-s -w) like the sidecars'
+// builds, which matters a little for RSS (about 2 MiB of file-backed pages
+// per process); -perf also builds a copy with its symbol table.
+func (h *Harness) buildCSIBroker(ctx context.Context, strip bool) (string, error) {
 	src := h.cfg.Root
-	rev, _ := exec.CommandContext(ctx, "git", "-C", h.cfg.Root, "rev-parse", "--short", "HEAD").Output()
-	h.rev = strings.TrimSpace(string(rev))
 	if h.cfg.FromHead {
 		src = filepath.Join(h.work, "src")
-		if err := os.MkdirAll(src, 0o755); err != nil {
-			return "", err
-		}
-		tarball := filepath.Join(h.work, "src.tar")
-		if out, err := exec.CommandContext(ctx, "git", "-C", h.cfg.Root, "archive", "--format=tar", "-o", tarball, "HEAD").CombinedOutput(); err != nil {
-			return "", fmt.Errorf("git archive HEAD: %v: %s", err, out)
-		}
-		if out, err := exec.CommandContext(ctx, "tar", "-xf", tarball, "-C", src).CombinedOutput(); err != nil {
-			return "", fmt.Errorf("untar HEAD: %v: %s", err, out)
-		}
-	} else {
-		h.rev += " + working tree"
 	}
-	bin := filepath.Join(h.work, "csibroker")
-	h.logf("go build ./cmd/csibroker (%s)", h.rev)
-	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags", "-X main.version=bench-"+strings.Fields(h.rev + " x")[0], "-o", bin, "./cmd/csibroker")
+	if h.rev == "" { // first build of this run: pin the sources
+		rev, _ := exec.CommandContext(ctx, "git", "-C", h.cfg.Root, "rev-parse", "--short", "HEAD").Output()
+		h.rev = strings.TrimSpace(string(rev))
+		if !h.cfg.FromHead {
+			h.rev += " + working tree"
+		} else {
+			if err := os.MkdirAll(src, 0o755); err != nil {
+				return "", err
+			}
+			tarball := filepath.Join(h.work, "src.tar")
+			if out, err := exec.CommandContext(ctx, "git", "-C", h.cfg.Root, "archive", "--format=tar", "-o", tarball, "HEAD").CombinedOutput(); err != nil {
+				return "", fmt.Errorf("git archive HEAD: %v: %s", err, out)
+			}
+			if out, err := exec.CommandContext(ctx, "tar", "-xf", tarball, "-C", src).CombinedOutput(); err != nil {
+				return "", fmt.Errorf("untar HEAD: %v: %s", err, out)
+			}
+		}
+	}
+	bin, ldflags := filepath.Join(h.work, "csibroker"), "-s -w "
+	if !strip {
+		bin, ldflags = filepath.Join(h.work, "csibroker-symbols"), ""
+	}
+	ldflags += "-X main.version=bench-" + strings.Fields(h.rev + " x")[0]
+	h.logf("go build ./cmd/csibroker (%s, %s)", h.rev, map[bool]string{true: "stripped", false: "with symbols"}[strip])
+	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags", ldflags, "-o", bin, "./cmd/csibroker")
 	cmd.Dir = src
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOWORK=off")
 	cmd.Stdout, cmd.Stderr = h.errw, h.errw

@@ -86,7 +86,11 @@ func (h *Harness) scenarioProvision(ctx context.Context) error {
 			}
 			h.provisionTable(n, q, runs)
 			if h.cfg.Perf {
-				if _, err := h.provisionRun(ctx, sc, sideBroker, n, q, h.cfg.repsFor(q), true); err != nil {
+				stripped := h.bins.csibroker
+				h.bins.csibroker = h.bins.csibrokerSyms
+				_, err := h.provisionRun(ctx, sc, sideBroker, n, q, h.cfg.repsFor(q), true)
+				h.bins.csibroker = stripped
+				if err != nil {
 					return fmt.Errorf("csibroker N=%d QPS %s under perf: %w", n, q, err)
 				}
 			}
