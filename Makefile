@@ -5,6 +5,7 @@
 #   make test     everything CI runs: format, vet, the control plane build (cached),
 #                 and every test with the race detector
 #   make bench    CSI path benchmarks and policy benchmarks (see BENCHMARKS.md)
+#   make bench-k8s  csibroker against external-provisioner/attacher on a real control plane
 
 SHELL := /bin/bash
 GO ?= go
@@ -16,7 +17,7 @@ TEST_TIMEOUT ?= 40m
 BENCH_TIME ?= 2s
 BENCH_COUNT ?= 3
 
-.PHONY: all build test test-unit fmt-check vet lint bench proto run demo control-plane clean docker
+.PHONY: all build test test-unit fmt-check vet lint bench bench-k8s proto run demo control-plane sidecars clean docker
 
 all: build
 
@@ -49,6 +50,16 @@ test-unit:
 bench:
 	$(GO) test -run='^$$' -bench=. -benchtime=$(BENCH_TIME) -count=$(BENCH_COUNT) ./test/bench/
 	$(GO) test -run='^$$' -bench=Decide -benchmem ./policy/
+
+## csibroker side by side with external-provisioner and external-attacher on a
+## real local control plane (builds the sidecars once, cached); figures in
+## BENCHMARKS.md. Extra flags: make bench-k8s BENCH_K8S_FLAGS='-n 300,1000'
+BENCH_K8S_FLAGS ?=
+bench-k8s:
+	$(GO) run ./test/benchk8s $(BENCH_K8S_FLAGS)
+
+sidecars:
+	hack/sidecars.sh build
 
 ## Regenerate proto/ (needs protoc: apt-get install protobuf-compiler).
 proto:
