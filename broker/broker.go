@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/keepalive"
 
 	"github.com/csibroker/csibroker/internal/mtls"
+	"github.com/csibroker/csibroker/internal/rawgrpc"
 	"github.com/csibroker/csibroker/internal/telemetry"
 )
 
@@ -270,7 +271,7 @@ func (b *Broker) dial(d *Driver, pc ProxyConfig) (*proxyConn, error) {
 	p.driverCfg.Store(&d.cfg)
 	tlsCfg := mtls.ClientConfig(b.opts.TLS, mtls.AuthorizeOneOf(want))
 	otelOpts := []otelgrpc.Option{otelgrpc.WithTracerProvider(b.opts.TracerProvider), otelgrpc.WithPropagators(b.opts.Propagator)}
-	conn, err := grpc.NewClient("passthrough:///"+pc.Address,
+	conn, err := grpc.NewClient("passthrough:///"+pc.Address, append(rawgrpc.ClientTransportOptions(),
 		grpc.WithTransportCredentials(credentials.NewTLS(tlsCfg)),
 		grpc.WithConnectParams(grpc.ConnectParams{
 			Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
@@ -281,7 +282,7 @@ func (b *Broker) dial(d *Driver, pc ProxyConfig) (*proxyConn, error) {
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(b.opts.MaxMsgSize), grpc.MaxCallSendMsgSize(b.opts.MaxMsgSize)),
 		grpc.WithChainUnaryInterceptor(b.unaryChain(p)...),
 		grpc.WithChainStreamInterceptor(b.streamChain(p)...),
-	)
+	)...)
 	if err != nil {
 		return nil, fmt.Errorf("driver %q: proxy %s: %w", d.name, pc.Address, err)
 	}

@@ -46,8 +46,9 @@ func (b *Broker) newFrontEndServer(fe *frontEnd, extra ...grpc.ServerOption) *gr
 		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(b.opts.TracerProvider), otelgrpc.WithPropagators(b.opts.Propagator))),
 		grpc.MaxRecvMsgSize(b.opts.MaxMsgSize),
 		grpc.MaxSendMsgSize(b.opts.MaxMsgSize),
-		grpc.NumStreamWorkers(uint32(4 * runtime.GOMAXPROCS(0))),
-	}, extra...)
+		grpc.NumStreamWorkers(uint32(32 * runtime.GOMAXPROCS(0))),
+	}, rawgrpc.ServerTransportOptions()...)
+	opts = append(opts, extra...)
 	return grpc.NewServer(opts...)
 }
 

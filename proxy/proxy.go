@@ -109,7 +109,7 @@ func New(cfg Config) (*Proxy, error) {
 	if cfg.TracerProvider != nil {
 		otelOpts = append(otelOpts, otelgrpc.WithTracerProvider(cfg.TracerProvider))
 	}
-	conn, err := grpc.NewClient(target,
+	conn, err := grpc.NewClient(target, append(rawgrpc.ClientTransportOptions(),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		// A restarted driver is found again within a second.
 		grpc.WithConnectParams(grpc.ConnectParams{
@@ -118,7 +118,7 @@ func New(cfg Config) (*Proxy, error) {
 		}),
 		grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelOpts...)),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(cfg.MaxMsgSize), grpc.MaxCallSendMsgSize(cfg.MaxMsgSize)),
-	)
+	)...)
 	if err != nil {
 		return nil, fmt.Errorf("proxy: driver endpoint %s: %w", cfg.DriverEndpoint, err)
 	}
@@ -132,7 +132,7 @@ func New(cfg Config) (*Proxy, error) {
 			return nil, fmt.Errorf("proxy: register metrics: %w", err)
 		}
 	}
-	p.server = grpc.NewServer(
+	p.server = grpc.NewServer(append(rawgrpc.ServerTransportOptions(),
 		grpc.Creds(credentials.NewTLS(p.logRefusals(cfg.TLS))),
 		rawgrpc.ServerOption(),
 		grpc.UnknownServiceHandler(p.forward),
@@ -143,9 +143,9 @@ func New(cfg Config) (*Proxy, error) {
 		grpc.MaxSendMsgSize(cfg.MaxMsgSize),
 		// Reused workers keep their grown stacks: a forwarded call then costs
 		// no stack copying.
-		grpc.NumStreamWorkers(uint32(4*runtime.GOMAXPROCS(0))),
+		grpc.NumStreamWorkers(uint32(32*runtime.GOMAXPROCS(0))),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
-	)
+	)...)
 	proxyinfov1.RegisterProxyInfoServer(p.server, infoServer{p: p})
 	return p, nil
 }
