@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"sort"
 	"sync"
 	"time"
@@ -45,9 +46,27 @@ type Intent struct {
 }
 
 // IntentStore keeps the in-flight intents of all drivers in one ConfigMap and
-// writes it in batches: every Add waits for the next write, and one write
-// carries every Add and Remove queued since the last one. Under load that is
-// one API write for many claims instead of one per claim.
+// writes it in batches: every Add waits for a write that holds it, and one
+// write carries every Add and Remove queued since the last one. Under load
+// that is one API write for many claims instead of one per claim.
+//
+// When to write is decided by writeDue from the Adds queued and their
+// arrival rate (batchPolicy): an Add that arrives alone (fewer than one more
+// expected within maxLinger) is written after linger, 5 ms; while Adds keep
+// arriving, a write waits for target (20) of them, at most maxLinger
+// (200 ms) after the oldest, and no longer than a few mean arrival gaps
+// after the newest (so a burst that has ended, e.g. when every worker is
+// already waiting, is not held). A write in flight is never joined: Adds
+// queue behind it and, once target of them wait, go in the next write at
+// once.
+//
+// Removes are never urgent: nothing waits for them, and an entry left in the
+// record only makes recovery find the PV (or the deleted volume) and drop
+// it. They ride along with the next write of Adds; alone they are written
+// once no Add has arrived for removeDelay. They never count against the
+// record's budget: a write applies them before it adds anything. Has and
+// List leave out entries this store has been asked to remove, so recovery
+// in this process never acts on a settled entry still in the record.
 type IntentStore struct {
 	client    kubernetes.Interface
 	namespace string
@@ -56,24 +75,73 @@ type IntentStore struct {
 	// MaxEntries bounds the record (a ConfigMap holds at most 1 MiB).
 	maxEntries int
 	maxBytes   int
-	// linger lets a write wait this long for more changes to batch; Removes
-	// alone wait removeDelay, since nothing waits for them.
-	linger      time.Duration
+	batch      batchPolicy
+	// removeDelay: Removes alone are written once no Add has arrived for
+	// this long.
 	removeDelay time.Duration
 
 	mu       sync.Mutex
 	cond     chan struct{} // closed and replaced when work is queued
 	adds     map[string]*pendingAdd
 	removes  map[string]bool
+	removing map[string]bool   // removes of the write in flight
 	cache    *corev1.ConfigMap // last written or read copy
 	writes   int64
 	loaded   bool
-	firstRem time.Time
+	firstRem time.Time // when the oldest queued Remove arrived
+	// Arrivals of Adds: the oldest and newest queued, and an exponentially
+	// decayed count over rateWindow for the arrival rate.
+	oldestAdd, newestAdd time.Time
+	arrivals             float64
+	lastArrival          time.Time
 }
 
 type pendingAdd struct {
 	intent Intent
 	done   chan error
+}
+
+// batchPolicy says how long queued Adds wait for company before a write.
+type batchPolicy struct {
+	// linger: every write waits this long after its oldest Add, so Adds
+	// that arrive together share it. A lone Add waits only this.
+	linger time.Duration
+	// maxLinger bounds the wait of any Add before its write starts.
+	maxLinger time.Duration
+	// target: a write waits for no more than this many Adds.
+	target int
+	// gaps: the wait also ends this many mean arrival gaps after the
+	// newest Add (Adds have stopped coming, e.g. every worker waits).
+	gaps float64
+}
+
+// defaultBatch: one write per ~20 claims under load, a lone claim delayed
+// 5 ms as before, no claim more than 200 ms before its write starts.
+var defaultBatch = batchPolicy{linger: 5 * time.Millisecond, maxLinger: 200 * time.Millisecond, target: 20, gaps: 4}
+
+// rateWindow is the time constant of the Add arrival rate estimate (which
+// restarts after a silence longer than maxLinger).
+const rateWindow = time.Second
+
+// writeDue is when the queued Adds are to be written: pending of them, the
+// oldest and newest queued at oldest and newest, arriving at rate per second.
+func (p batchPolicy) writeDue(pending int, oldest, newest time.Time, rate float64) time.Time {
+	first := oldest.Add(p.linger)
+	if pending >= p.target || rate*p.maxLinger.Seconds() < 1 {
+		// Enough for one write, or too few Adds to wait for.
+		return first
+	}
+	due := oldest.Add(p.maxLinger)
+	if rate > 0 {
+		gap := time.Duration(p.gaps * float64(time.Second) / rate)
+		if quiet := newest.Add(gap); quiet.Before(due) {
+			due = quiet
+		}
+	}
+	if due.Before(first) {
+		return first
+	}
+	return due
 }
 
 // ErrIntentStoreFull means too many volumes are being created at once; the
@@ -87,7 +155,7 @@ func NewIntentStore(client kubernetes.Interface, namespace, name string, log *sl
 	}
 	return &IntentStore{
 		client: client, namespace: namespace, name: name, log: log,
-		maxEntries: 1500, maxBytes: 900 << 10, linger: 5 * time.Millisecond, removeDelay: time.Second,
+		maxEntries: 1500, maxBytes: 900 << 10, batch: defaultBatch, removeDelay: 2 * time.Second,
 		cond: make(chan struct{}), adds: map[string]*pendingAdd{}, removes: map[string]bool{},
 	}
 }
@@ -99,10 +167,29 @@ func (s *IntentStore) Writes() int64 {
 	return s.writes
 }
 
-// Add records intent and returns once it is durable on the API server.
+// Add records intent and returns once it is durable on the API server: only
+// after an update of the record that holds it has succeeded.
 func (s *IntentStore) Add(ctx context.Context, in Intent) error {
 	p := &pendingAdd{intent: in, done: make(chan error, 1)}
+	now := time.Now()
 	s.mu.Lock()
+	if len(s.adds) == 0 {
+		s.oldestAdd = now
+	}
+	s.newestAdd = now
+	switch since := now.Sub(s.lastArrival); {
+	case since > s.batch.maxLinger:
+		// A silence longer than any batch waits: what came before says
+		// nothing about this Add's company.
+		s.arrivals = 0
+	case since > 0:
+		s.arrivals *= math.Exp(-since.Seconds() / rateWindow.Seconds())
+	}
+	s.arrivals++
+	s.lastArrival = now
+	if old, ok := s.adds[in.VolumeName]; ok {
+		old.done <- errors.New("intent superseded by a newer Add of the same volume")
+	}
 	s.adds[in.VolumeName] = p
 	delete(s.removes, in.VolumeName)
 	s.signal()
@@ -115,7 +202,8 @@ func (s *IntentStore) Add(ctx context.Context, in Intent) error {
 	}
 }
 
-// Remove forgets an intent; it is written with the next batch.
+// Remove forgets an intent; it is written with the next batch of Adds, or
+// alone once Adds have stopped for a while.
 func (s *IntentStore) Remove(volumeName string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -125,9 +213,11 @@ func (s *IntentStore) Remove(volumeName string) {
 	}
 	if len(s.removes) == 0 {
 		s.firstRem = time.Now()
+		// Wake Run only if it may be idle: with Removes already
+		// queued, another one changes nothing about when to write.
+		s.signal()
 	}
 	s.removes[volumeName] = true
-	s.signal()
 }
 
 func (s *IntentStore) signal() {
@@ -135,13 +225,22 @@ func (s *IntentStore) signal() {
 	s.cond = make(chan struct{})
 }
 
+// removedLocked reports whether volumeName was removed here and the record
+// may still show it (the caller holds s.mu).
+func (s *IntentStore) removedLocked(volumeName string) bool {
+	return s.removes[volumeName] || s.removing[volumeName]
+}
+
 // Has reports whether the last record written or read holds volumeName, or
-// an Add for it is queued (no API call).
+// an Add for it is queued (no API call); a Remove not yet written counts.
 func (s *IntentStore) Has(volumeName string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if _, ok := s.adds[volumeName]; ok {
 		return true
+	}
+	if s.removedLocked(volumeName) {
+		return false
 	}
 	if s.cache != nil {
 		_, ok := s.cache.Data[volumeName]
@@ -151,7 +250,8 @@ func (s *IntentStore) Has(volumeName string) bool {
 }
 
 // List reads the record from the API server (the source of truth at
-// start-up and for recovery).
+// start-up and for recovery), without the entries this store has been asked
+// to remove and has not written yet.
 func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
 	cm, err := s.get(ctx)
 	if err != nil {
@@ -163,8 +263,15 @@ func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
 		// this store wrote, which a read racing a write could predate.
 		s.cache, s.loaded = cm, true
 	}
+	all := decodeIntents(cm, s.log)
+	out := all[:0]
+	for _, in := range all {
+		if !s.removedLocked(in.VolumeName) {
+			out = append(out, in)
+		}
+	}
 	s.mu.Unlock()
-	return decodeIntents(cm, s.log), nil
+	return out, nil
 }
 
 func decodeIntents(cm *corev1.ConfigMap, log *slog.Logger) []Intent {
@@ -200,44 +307,56 @@ func (s *IntentStore) get(ctx context.Context) (*corev1.ConfigMap, error) {
 
 // Run writes batches until ctx is done.
 func (s *IntentStore) Run(ctx context.Context) {
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
 	for {
 		s.mu.Lock()
 		wait := s.cond
-		nAdds, nRems, first := len(s.adds), len(s.removes), s.firstRem
+		due, work := s.nextWriteLocked()
 		s.mu.Unlock()
-		switch {
-		case nAdds > 0:
-			// Let concurrent Adds join this write.
-			if !sleepCtx(ctx, s.linger) {
+		if !work {
+			select {
+			case <-ctx.Done():
 				s.failAll(ctx.Err())
 				return
+			case <-wait:
 			}
-			s.flush(ctx)
-			continue
-		case nRems > 0:
-			if d := s.removeDelay - time.Since(first); d > 0 {
-				timer := time.NewTimer(d)
-				select {
-				case <-ctx.Done():
-					timer.Stop()
-					s.failAll(ctx.Err())
-					return
-				case <-wait:
-					timer.Stop()
-					continue
-				case <-timer.C:
-				}
-			}
-			s.flush(ctx)
 			continue
 		}
-		select {
-		case <-ctx.Done():
-			s.failAll(ctx.Err())
-			return
-		case <-wait:
+		if d := time.Until(due); d > 0 {
+			timer.Reset(d)
+			select {
+			case <-ctx.Done():
+				timer.Stop()
+				s.failAll(ctx.Err())
+				return
+			case <-wait:
+				// More work: decide again.
+				timer.Stop()
+			case <-timer.C:
+				// Decide again: the Adds may have been removed meanwhile.
+			}
+			continue
 		}
+		s.flush(ctx)
 	}
+}
+
+// nextWriteLocked is when the queued changes are to be written, if any are
+// queued (the caller holds s.mu).
+func (s *IntentStore) nextWriteLocked() (time.Time, bool) {
+	if len(s.adds) > 0 {
+		return s.batch.writeDue(len(s.adds), s.oldestAdd, s.newestAdd, s.arrivals/rateWindow.Seconds()), true
+	}
+	if len(s.removes) > 0 {
+		since := s.firstRem
+		if s.lastArrival.After(since) {
+			since = s.lastArrival
+		}
+		return since.Add(s.removeDelay), true
+	}
+	return time.Time{}, false
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) bool {
@@ -268,6 +387,7 @@ func (s *IntentStore) flush(ctx context.Context) {
 	s.mu.Lock()
 	adds, removes := s.adds, s.removes
 	s.adds, s.removes = map[string]*pendingAdd{}, map[string]bool{}
+	s.removing = removes
 	cached, loaded := s.cache, s.loaded
 	s.mu.Unlock()
 
@@ -328,6 +448,7 @@ func (s *IntentStore) flush(ctx context.Context) {
 		if err == nil {
 			s.mu.Lock()
 			s.cache, s.loaded = updated, true
+			s.removing = nil
 			s.mu.Unlock()
 			finish(nil)
 			return
@@ -340,13 +461,17 @@ func (s *IntentStore) flush(ctx context.Context) {
 	}
 	err = fmt.Errorf("write intent record %s/%s: %w", s.namespace, s.name, err)
 	s.log.Error("intent record write failed", "err", err)
-	// Removes are retried with the next batch; Adds fail so their callers
-	// back off (nothing was called yet).
+	// Removes are retried with the next batch, or alone removeDelay from
+	// now (not at once: the API server may be struggling); Adds fail so
+	// their callers back off (nothing was called yet).
 	s.mu.Lock()
 	for k := range removes {
-		s.removes[k] = true
+		if _, readded := s.adds[k]; !readded {
+			s.removes[k] = true
+		}
 	}
-	if len(s.removes) > 0 && s.firstRem.IsZero() {
+	s.removing = nil
+	if len(removes) > 0 {
 		s.firstRem = time.Now()
 	}
 	s.loaded = false
