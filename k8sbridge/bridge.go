@@ -216,7 +216,7 @@ func New(cfg Config) (*Bridge, error) {
 		return nil, err
 	}
 	b.metrics = m
-	b.factory = informers.NewSharedInformerFactoryWithOptions(cfg.Client, cfg.ResyncPeriod, informers.WithTransform(stripBulk))
+	b.factory = informers.NewSharedInformerFactoryWithOptions(cfg.Client, cfg.ResyncPeriod, informers.WithTransform(stripBulk)) // trim.go
 	claims := b.factory.Core().V1().PersistentVolumeClaims()
 	volumes := b.factory.Core().V1().PersistentVolumes()
 	classes := b.factory.Storage().V1().StorageClasses()
@@ -252,14 +252,6 @@ func New(cfg Config) (*Bridge, error) {
 		}
 	}
 	return b, nil
-}
-
-// stripBulk drops what the controllers never read from cached objects.
-func stripBulk(obj any) (any, error) {
-	if acc, ok := obj.(metav1.ObjectMetaAccessor); ok {
-		acc.GetObjectMeta().SetManagedFields(nil)
-	}
-	return obj, nil
 }
 
 // Leader reports whether this replica leads and who does.
