@@ -21,8 +21,10 @@ BENCH_COUNT ?= 3
 
 all: build
 
+## bin/csibroker (every subcommand) and bin/csibroker-proxy (the proxy alone,
+## for the process beside each driver socket).
 build:
-	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/csibroker
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/ ./cmd/csibroker ./cmd/csibroker-proxy
 
 ## The control plane (etcd + kube-apiserver + controller-manager + scheduler)
 ## is built once per machine into a cache keyed by version; later runs reuse it.

@@ -61,7 +61,7 @@ func (c *BrokerCommandConfig) Validate() error {
 	if c.RetryStart <= 0 || c.RetryMax < c.RetryStart {
 		errs = append(errs, errors.New("--csi-retry-interval-start must be positive and at most --csi-retry-interval-max"))
 	}
-	errs = append(errs, c.TLS.validate(), c.Log.validate(), c.Kube.validate())
+	errs = append(errs, c.TLS.Validate(), c.Log.Validate(), c.Kube.validate())
 	return errors.Join(errs...)
 }
 
@@ -79,8 +79,8 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.IntVar(&cfg.RetryAttempts, "csi-retry-attempts", broker.DefaultMaxAttempts, "attempts per CSI call on transport failures and Unavailable (1: no retry)")
 	fs.DurationVar(&cfg.RetryStart, "csi-retry-interval-start", broker.DefaultIntervalStart, "first backoff between attempts of one CSI call (jittered, doubling)")
 	fs.DurationVar(&cfg.RetryMax, "csi-retry-interval-max", broker.DefaultIntervalMax, "largest backoff between attempts of one CSI call")
-	cfg.TLS.register(fs)
-	cfg.Log.register(fs)
+	cfg.TLS.Register(fs)
+	cfg.Log.Register(fs)
 	cfg.Kube.register(fs)
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -88,7 +88,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	log := cfg.Log.logger(stderr)
+	log := cfg.Log.Logger(stderr)
 	kubeOn, _ := cfg.Kube.enabled()
 	var err error
 	reg := &broker.RegistryConfig{}
@@ -97,7 +97,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 			return err
 		}
 	}
-	src, err := cfg.TLS.source(log)
+	src, err := cfg.TLS.Source(log)
 	if err != nil {
 		return err
 	}

@@ -1,98 +1,15 @@
 package main
 
-import (
-	"context"
-	"errors"
-	"flag"
-	"fmt"
-	"io"
-	"log/slog"
-	"net"
-	"net/http"
-	"time"
+import "github.com/csibroker/csibroker/cmd/internal/cli"
 
-	"github.com/csibroker/csibroker/internal/mtls"
-	"github.com/csibroker/csibroker/internal/telemetry"
+// The flags and helpers every subcommand shares live in cmd/internal/cli, so
+// that cmd/csibroker-proxy can use them without linking the broker.
+type (
+	tlsFlags = cli.TLSFlags
+	logFlags = cli.LogFlags
 )
 
-// tlsFlags are the certificate flags every mTLS component has.
-type tlsFlags struct {
-	Cert, Key, CA  string
-	TrustDomain    string
-	ReloadInterval time.Duration
-}
-
-func (f *tlsFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&f.Cert, "tls-cert", "", "PEM certificate file (re-read when it changes)")
-	fs.StringVar(&f.Key, "tls-key", "", "PEM private key file (re-read when it changes)")
-	fs.StringVar(&f.CA, "tls-ca", "", "PEM CA bundle that peers' certificates must chain to (re-read when it changes)")
-	fs.StringVar(&f.TrustDomain, "trust-domain", "csibroker.local", "SPIFFE trust domain of the broker's and proxies' identities")
-	fs.DurationVar(&f.ReloadInterval, "tls-reload-interval", time.Second, "how often certificate files are checked for changes")
-}
-
-func (f *tlsFlags) validate() error {
-	if f.Cert == "" || f.Key == "" || f.CA == "" {
-		return errors.New("--tls-cert, --tls-key and --tls-ca are required")
-	}
-	if f.TrustDomain == "" {
-		return errors.New("--trust-domain must not be empty")
-	}
-	return nil
-}
-
-func (f *tlsFlags) source(log *slog.Logger) (*mtls.FileSource, error) {
-	return mtls.NewFileSource(f.Cert, f.Key, f.CA, log)
-}
-
-// logFlags set verbosity and format.
-type logFlags struct {
-	V      int
-	Format string
-}
-
-func (f *logFlags) register(fs *flag.FlagSet) {
-	fs.IntVar(&f.V, "v", 0, "log verbosity: 0 info, 4 and above debug (sanitized CSI requests and responses; secrets are never logged)")
-	fs.StringVar(&f.Format, "log-format", "text", "log format: text or json")
-}
-
-func (f *logFlags) validate() error {
-	if f.Format != "text" && f.Format != "json" {
-		return fmt.Errorf("--log-format %q: want text or json", f.Format)
-	}
-	return nil
-}
-
-func (f *logFlags) logger(w io.Writer) *slog.Logger {
-	return telemetry.NewLogger(w, f.V, f.Format == "json")
-}
-
-// parseFlags parses and reports -h as flag.ErrHelp.
-func parseFlags(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments: %v", fs.Args())
-	}
-	return nil
-}
-
-// serveHTTP serves h on addr until ctx is done.
-func serveHTTP(ctx context.Context, addr string, h http.Handler, log *slog.Logger) error {
-	lis, err := net.Listen("tcp", addr)
-	if err != nil {
-		return fmt.Errorf("http endpoint: %w", err)
-	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
-	go func() {
-		<-ctx.Done()
-		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(sctx)
-	}()
-	log.Info("http endpoint serving", "addr", lis.Addr().String())
-	if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
-		return err
-	}
-	return nil
-}
+var (
+	parseFlags = cli.ParseFlags
+	serveHTTP  = cli.ServeHTTP
+)

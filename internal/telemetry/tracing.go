@@ -3,9 +3,13 @@ package telemetry
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
+	"strings"
 
-	"go.opentelemetry.io/contrib/exporters/autoexport"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	"go.opentelemetry.io/otel/exporters/stdout/stdouttrace"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -44,11 +48,11 @@ func NewTracerProvider(ctx context.Context, service string, extra ...sdktrace.Sp
 	}
 	opts := []sdktrace.TracerProviderOption{sdktrace.WithResource(res)}
 	if exporterConfigured() {
-		exp, err := autoexport.NewSpanExporter(ctx)
+		exps, err := spanExporters(ctx)
 		if err != nil {
 			return nil, err
 		}
-		if !autoexport.IsNoneSpanExporter(exp) {
+		for _, exp := range exps {
 			opts = append(opts, sdktrace.WithBatcher(exp))
 		}
 	}
@@ -56,4 +60,51 @@ func NewTracerProvider(ctx context.Context, service string, extra ...sdktrace.Sp
 		opts = append(opts, sdktrace.WithSpanProcessor(p))
 	}
 	return sdktrace.NewTracerProvider(opts...), nil
+}
+
+// spanExporters builds the exporters OTEL_TRACES_EXPORTER names (a comma
+// separated list; default otlp): "otlp" over the protocol of
+// OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or OTEL_EXPORTER_OTLP_PROTOCOL
+// ("http/protobuf", the default, or "grpc"), "console" to standard output, and
+// "none". The OTLP exporters read the rest of OTEL_EXPORTER_OTLP_* themselves.
+// Only trace exporters are linked: the proxy binary stays small.
+func spanExporters(ctx context.Context) ([]sdktrace.SpanExporter, error) {
+	names := os.Getenv("OTEL_TRACES_EXPORTER")
+	if strings.TrimSpace(names) == "" {
+		names = "otlp"
+	}
+	var out []sdktrace.SpanExporter
+	for _, name := range strings.Split(names, ",") {
+		switch name = strings.TrimSpace(name); name {
+		case "none":
+		case "console":
+			exp, err := stdouttrace.New()
+			if err != nil {
+				return nil, fmt.Errorf("OTEL_TRACES_EXPORTER console: %w", err)
+			}
+			out = append(out, exp)
+		case "otlp":
+			proto := os.Getenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+			if proto == "" {
+				proto = os.Getenv("OTEL_EXPORTER_OTLP_PROTOCOL")
+			}
+			var exp sdktrace.SpanExporter
+			var err error
+			switch proto {
+			case "", "http/protobuf":
+				exp, err = otlptracehttp.New(ctx)
+			case "grpc":
+				exp, err = otlptracegrpc.New(ctx)
+			default:
+				return nil, fmt.Errorf("OTEL_EXPORTER_OTLP_PROTOCOL %q: want http/protobuf or grpc", proto)
+			}
+			if err != nil {
+				return nil, fmt.Errorf("OTEL_TRACES_EXPORTER otlp: %w", err)
+			}
+			out = append(out, exp)
+		default:
+			return nil, fmt.Errorf("OTEL_TRACES_EXPORTER %q: want otlp, console or none", name)
+		}
+	}
+	return out, nil
 }

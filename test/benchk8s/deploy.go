@@ -260,12 +260,16 @@ func (h *Harness) startProxies(ctx context.Context, tag string, drivers []*drive
 		if err := errors.Join(err1, err2); err != nil {
 			return fail(err)
 		}
-		p, err := h.procs.start(fmt.Sprintf("%s-proxy-%d", tag, i), h.bins.csibroker, []string{
-			"proxy", "--driver-endpoint", "unix://" + d.sock, "--listen", "127.0.0.1:" + strconv.Itoa(port),
+		bin, args := h.bins.proxy, []string{}
+		if bin == "" {
+			bin, args = h.bins.csibroker, []string{"proxy"}
+		}
+		p, err := h.procs.start(fmt.Sprintf("%s-proxy-%d", tag, i), bin, append(args,
+			"--driver-endpoint", "unix://"+d.sock, "--listen", "127.0.0.1:"+strconv.Itoa(port),
 			"--tls-cert", filepath.Join(certs, "proxy-"+d.name+".crt"), "--tls-key", filepath.Join(certs, "proxy-"+d.name+".key"),
 			"--tls-ca", filepath.Join(certs, "ca.crt"), "--trust-domain", trustDomain,
-			"--http-endpoint", "127.0.0.1:" + strconv.Itoa(hport),
-		}, h.otelEnv("csibroker-proxy"))
+			"--http-endpoint", "127.0.0.1:"+strconv.Itoa(hport),
+		), h.otelEnv("csibroker-proxy"))
 		if err != nil {
 			return fail(err)
 		}

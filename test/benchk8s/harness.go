@@ -43,6 +43,10 @@ type Harness struct {
 
 type binaries struct {
 	csibroker, provisioner, attacher string
+	// proxy is csibroker-proxy, the proxy built alone (what deploy/ runs
+	// beside each driver); empty: `csibroker proxy` (a prebuilt csibroker
+	// with no csibroker-proxy beside it).
+	proxy string
 	// csibrokerSyms keeps its symbol table, for perf (-perf only).
 	csibrokerSyms string
 }
@@ -149,6 +153,9 @@ func (h *Harness) build(ctx context.Context) error {
 		h.rev = "prebuilt " + h.bins.csibroker
 		h.bins.csibrokerSyms = h.bins.csibroker
 	}
+	if p := filepath.Join(filepath.Dir(h.bins.csibroker), "csibroker-proxy"); fileExists(p) {
+		h.bins.proxy = p
+	}
 	h.logf("binaries ready in %s", time.Since(t0).Round(time.Second))
 	return nil
 }
@@ -188,12 +195,18 @@ func (h *Harness) buildCSIBroker(ctx context.Context, strip bool) (string, error
 	}
 	ldflags += "-X main.version=bench-" + strings.Fields(h.rev + " x")[0]
 	h.logf("go build ./cmd/csibroker (%s, %s)", h.rev, map[bool]string{true: "stripped", false: "with symbols"}[strip])
-	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags", ldflags, "-o", bin, "./cmd/csibroker")
-	cmd.Dir = src
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOWORK=off")
-	cmd.Stdout, cmd.Stderr = h.errw, h.errw
-	if err := cmd.Run(); err != nil {
-		return "", fmt.Errorf("go build ./cmd/csibroker: %w", err)
+	builds := [][2]string{{bin, "./cmd/csibroker"}}
+	if strip {
+		builds = append(builds, [2]string{filepath.Join(h.work, "csibroker-proxy"), "./cmd/csibroker-proxy"})
+	}
+	for _, b := range builds {
+		cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags", ldflags, "-o", b[0], b[1])
+		cmd.Dir = src
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOWORK=off")
+		cmd.Stdout, cmd.Stderr = h.errw, h.errw
+		if err := cmd.Run(); err != nil {
+			return "", fmt.Errorf("go build %s: %w", b[1], err)
+		}
 	}
 	return bin, nil
 }
@@ -313,4 +326,9 @@ func machine() string {
 		}
 	}
 	return fmt.Sprintf("%d CPUs (%s), MemTotal %s, %s/%s, %s", runtime.NumCPU(), model, mem, runtime.GOOS, runtime.GOARCH, runtime.Version())
+}
+
+func fileExists(path string) bool {
+	fi, err := os.Stat(path)
+	return err == nil && fi.Mode().IsRegular()
 }

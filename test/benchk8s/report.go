@@ -50,8 +50,9 @@ func (r *report) header(h *Harness) {
 	r.printf("- machine: %s\n", machine())
 	r.printf("- control plane: etcd v3.6.8, kube-apiserver and kube-controller-manager v1.36.3 (controller-manager client QPS 2000/4000), audit log at Metadata level\n")
 	r.printf("- sidecars: external-provisioner v6.3.0, external-attacher v4.13.0; csibroker: %s\n", h.rev)
-	r.printf("- csibroker: --policy-mode %s, tracing %s, one proxy per driver over mTLS; sidecars on the driver socket\n",
-		h.cfg.PolicyMode, map[bool]string{true: "exported over OTLP/HTTP to a sink", false: "spans made, not exported"}[h.cfg.Tracing])
+	r.printf("- csibroker: --policy-mode %s, tracing %s, one proxy per driver over mTLS (%s); sidecars on the driver socket\n",
+		h.cfg.PolicyMode, map[bool]string{true: "exported over OTLP/HTTP to a sink", false: "spans made, not exported"}[h.cfg.Tracing],
+		map[bool]string{true: "csibroker-proxy, the proxy built alone", false: "`csibroker proxy`"}[h.bins.proxy != ""])
 	r.printf("- repetitions: %d (provisioning below 50 QPS: %d), sidecar and csibroker alternately (the order flips every repetition)\n", h.cfg.Reps, h.cfg.repsFor(rate{QPS: 1}))
 	r.printf("- command: benchk8s %s\n\n", strings.Join(h.args, " "))
 }

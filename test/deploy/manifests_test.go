@@ -57,6 +57,11 @@ func cmdSource(t testing.TB) string {
 	if err != nil {
 		t.Fatal(err)
 	}
+	shared, err := filepath.Glob(filepath.Join(repoRoot(t), "cmd", "internal", "cli", "*.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	files = append(files, shared...)
 	var b strings.Builder
 	for _, f := range files {
 		if strings.HasSuffix(f, "_test.go") {
@@ -92,13 +97,18 @@ func parseCommand(t *testing.T, where string, c corev1.Container, allowed []stri
 	if c.Image != "csibroker:latest" {
 		t.Errorf("%s: image %q, want csibroker:latest", where, c.Image)
 	}
-	if len(c.Command) > 0 {
-		t.Errorf("%s: command %v overrides the image's entrypoint /csibroker", where, c.Command)
+	args := c.Args
+	switch {
+	case slices.Equal(c.Command, []string{"/csibroker-proxy"}):
+		// The proxy binary of the image: the proxy subcommand's flags only.
+		args = append([]string{"proxy"}, args...)
+	case len(c.Command) > 0:
+		t.Errorf("%s: command %v overrides the image's entrypoint /csibroker (only /csibroker-proxy may)", where, c.Command)
 	}
-	if len(c.Args) == 0 {
+	if len(args) == 0 {
 		t.Fatalf("%s: no args", where)
 	}
-	cmd := command{sub: c.Args[0], flags: map[string]string{}}
+	cmd := command{sub: args[0], flags: map[string]string{}}
 	var subs []string
 	for _, m := range registerRE.FindAllStringSubmatch(src, -1) {
 		subs = append(subs, m[1])
@@ -114,7 +124,7 @@ func parseCommand(t *testing.T, where string, c corev1.Container, allowed []stri
 	for _, e := range c.Env {
 		env[e.Name] = true
 	}
-	for _, a := range c.Args[1:] {
+	for _, a := range args[1:] {
 		for _, m := range envRefRE.FindAllStringSubmatch(a, -1) {
 			if !env[m[1]] {
 				t.Errorf("%s: %q refers to $(%s), which the container's env does not define (Kubernetes would pass it literally)", where, a, m[1])

@@ -1,0 +1,105 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/csibroker/csibroker/internal/mtls"
+	"github.com/csibroker/csibroker/internal/telemetry"
+)
+
+// TLSFlags are the certificate flags every mTLS component has.
+type TLSFlags struct {
+	Cert, Key, CA  string
+	TrustDomain    string
+	ReloadInterval time.Duration
+}
+
+// Register adds the flags to fs.
+func (f *TLSFlags) Register(fs *flag.FlagSet) {
+	fs.StringVar(&f.Cert, "tls-cert", "", "PEM certificate file (re-read when it changes)")
+	fs.StringVar(&f.Key, "tls-key", "", "PEM private key file (re-read when it changes)")
+	fs.StringVar(&f.CA, "tls-ca", "", "PEM CA bundle that peers' certificates must chain to (re-read when it changes)")
+	fs.StringVar(&f.TrustDomain, "trust-domain", "csibroker.local", "SPIFFE trust domain of the broker's and proxies' identities")
+	fs.DurationVar(&f.ReloadInterval, "tls-reload-interval", time.Second, "how often certificate files are checked for changes")
+}
+
+// Validate checks the flags.
+func (f *TLSFlags) Validate() error {
+	if f.Cert == "" || f.Key == "" || f.CA == "" {
+		return errors.New("--tls-cert, --tls-key and --tls-ca are required")
+	}
+	if f.TrustDomain == "" {
+		return errors.New("--trust-domain must not be empty")
+	}
+	return nil
+}
+
+// Source loads the certificate files into a reloadable source.
+func (f *TLSFlags) Source(log *slog.Logger) (*mtls.FileSource, error) {
+	return mtls.NewFileSource(f.Cert, f.Key, f.CA, log)
+}
+
+// LogFlags set verbosity and format.
+type LogFlags struct {
+	V      int
+	Format string
+}
+
+// Register adds the flags to fs.
+func (f *LogFlags) Register(fs *flag.FlagSet) {
+	fs.IntVar(&f.V, "v", 0, "log verbosity: 0 info, 4 and above debug (sanitized CSI requests and responses; secrets are never logged)")
+	fs.StringVar(&f.Format, "log-format", "text", "log format: text or json")
+}
+
+// Validate checks the flags.
+func (f *LogFlags) Validate() error {
+	if f.Format != "text" && f.Format != "json" {
+		return fmt.Errorf("--log-format %q: want text or json", f.Format)
+	}
+	return nil
+}
+
+// Logger builds the logger the flags ask for.
+func (f *LogFlags) Logger(w io.Writer) *slog.Logger {
+	return telemetry.NewLogger(w, f.V, f.Format == "json")
+}
+
+// ParseFlags parses args, reports -h as flag.ErrHelp and refuses positional
+// arguments.
+func ParseFlags(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments: %v", fs.Args())
+	}
+	return nil
+}
+
+// ServeHTTP serves h on addr until ctx is done.
+func ServeHTTP(ctx context.Context, addr string, h http.Handler, log *slog.Logger) error {
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("http endpoint: %w", err)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+	}()
+	log.Info("http endpoint serving", "addr", lis.Addr().String())
+	if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}

@@ -1,0 +1,130 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/csibroker/csibroker/internal/mtls"
+	"github.com/csibroker/csibroker/internal/telemetry"
+	"github.com/csibroker/csibroker/proxy"
+)
+
+// ProxySummary is the proxy command's one-line description.
+const ProxySummary = "expose one CSI driver socket to the broker over mTLS"
+
+// ProxyCommandConfig holds the proxy subcommand's flags.
+type ProxyCommandConfig struct {
+	DriverEndpoint string
+	Listen         string
+	Node           string
+	HTTPEndpoint   string
+	MetricsPath    string
+	TLS            TLSFlags
+	Log            LogFlags
+}
+
+// Validate checks the flags.
+func (c *ProxyCommandConfig) Validate() error {
+	var errs []error
+	if c.DriverEndpoint == "" {
+		errs = append(errs, errors.New("--driver-endpoint is required"))
+	} else if _, _, err := telemetry.UnixTarget(c.DriverEndpoint); err != nil {
+		errs = append(errs, fmt.Errorf("--driver-endpoint: %w", err))
+	}
+	if c.Listen == "" {
+		errs = append(errs, errors.New("--listen is required"))
+	}
+	errs = append(errs, c.TLS.Validate(), c.Log.Validate())
+	return errors.Join(errs...)
+}
+
+// RunProxy parses the proxy's flags from args and serves until ctx is done.
+// name is the flag set's name in usage messages; version is reported by the
+// proxy's info API.
+func RunProxy(ctx context.Context, name, version string, args []string, stderr io.Writer) error {
+	cfg := ProxyCommandConfig{}
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&cfg.DriverEndpoint, "driver-endpoint", "", "the driver's CSI socket, unix:///path")
+	fs.StringVar(&cfg.Listen, "listen", ":7443", "address of the mTLS listener the broker connects to")
+	fs.StringVar(&cfg.Node, "node", "", "node name for a node plugin's proxy (its certificate must name it); empty for a controller proxy")
+	fs.StringVar(&cfg.HTTPEndpoint, "http-endpoint", "", "address for /healthz, /readyz and metrics (empty: off)")
+	fs.StringVar(&cfg.MetricsPath, "metrics-path", "/metrics", "path of the Prometheus metrics on --http-endpoint")
+	cfg.TLS.Register(fs)
+	cfg.Log.Register(fs)
+	if err := ParseFlags(fs, args); err != nil {
+		return err
+	}
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	log := cfg.Log.Logger(stderr)
+	src, err := cfg.TLS.Source(log)
+	if err != nil {
+		return err
+	}
+	tp, err := telemetry.NewTracerProvider(ctx, "csibroker-proxy")
+	if err != nil {
+		return fmt.Errorf("tracing: %w", err)
+	}
+	defer tp.Shutdown(context.WithoutCancel(ctx))
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+
+	p, err := proxy.New(proxy.Config{
+		DriverEndpoint: cfg.DriverEndpoint,
+		Node:           cfg.Node,
+		Version:        version,
+		Identity:       src.Current().ID,
+		TLS:            mtls.ServerConfig(src, mtls.AuthorizeOneOf(mtls.BrokerID(cfg.TLS.TrustDomain))),
+		Logger:         log,
+		TracerProvider: tp,
+		Registerer:     reg,
+		Gatherer:       reg,
+	})
+	if err != nil {
+		return err
+	}
+	defer p.Close()
+	if err := checkOwnIdentity(src.Current().ID, cfg.TLS.TrustDomain, cfg.Node); err != nil {
+		log.Warn("proxy certificate identity", "err", err)
+	}
+	lis, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return fmt.Errorf("listen %s: %w", cfg.Listen, err)
+	}
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { src.Run(ctx, cfg.TLS.ReloadInterval); return nil })
+	g.Go(func() error { return p.Serve(ctx, lis) })
+	if cfg.HTTPEndpoint != "" {
+		g.Go(func() error { return ServeHTTP(ctx, cfg.HTTPEndpoint, p.HTTPHandler(cfg.MetricsPath), log) })
+	}
+	return g.Wait()
+}
+
+// checkOwnIdentity warns early when the proxy's certificate is not a driver
+// identity for this node: the broker would refuse it at every handshake.
+func checkOwnIdentity(id, trustDomain, node string) error {
+	parsed, err := mtls.ParseID(id)
+	if err != nil {
+		return err
+	}
+	if parsed.Role != mtls.RoleDriver {
+		return fmt.Errorf("certificate identity %s is not a driver identity (spiffe://%s/csibroker/driver/<name>)", id, trustDomain)
+	}
+	if parsed.TrustDomain != trustDomain {
+		return fmt.Errorf("certificate identity %s is not in trust domain %s", id, trustDomain)
+	}
+	if parsed.Node != node {
+		return fmt.Errorf("certificate identity %s names node %q but --node is %q", id, parsed.Node, node)
+	}
+	return nil
+}
