@@ -41,6 +41,11 @@ type Config struct {
 	// object writes; LeaseClient the same for leader election.
 	EventClient kubernetes.Interface
 	LeaseClient kubernetes.Interface
+	// InformerClient lists and watches for the informers, with a budget of
+	// its own: filling or refilling the caches (nine LISTs at start, a
+	// relist after a watch expires) then never waits behind object writes,
+	// nor writes behind it. Defaults to Client.
+	InformerClient kubernetes.Interface
 
 	Drivers Drivers
 	Policy  SecretPolicy
@@ -106,6 +111,9 @@ func (c *Config) Validate() error {
 	}
 	if c.LeaseClient == nil {
 		c.LeaseClient = c.Client
+	}
+	if c.InformerClient == nil {
+		c.InformerClient = c.Client
 	}
 	if c.Identity == "" {
 		c.Identity = "csibroker"
@@ -216,7 +224,7 @@ func New(cfg Config) (*Bridge, error) {
 		return nil, err
 	}
 	b.metrics = m
-	b.factory = informers.NewSharedInformerFactoryWithOptions(cfg.Client, cfg.ResyncPeriod, informers.WithTransform(stripBulk)) // trim.go
+	b.factory = informers.NewSharedInformerFactoryWithOptions(cfg.InformerClient, cfg.ResyncPeriod, informers.WithTransform(stripBulk)) // trim.go
 	claims := b.factory.Core().V1().PersistentVolumeClaims()
 	volumes := b.factory.Core().V1().PersistentVolumes()
 	classes := b.factory.Storage().V1().StorageClasses()

@@ -355,7 +355,7 @@ func (c *capacityController) queueLen() int {
 // run keeps the objects while ctx lasts (this replica leads).
 func (c *capacityController) run(ctx context.Context) {
 	// Only the broker's own objects are watched: its namespace, its label.
-	factory := informers.NewSharedInformerFactoryWithOptions(c.b.cfg.Client, c.b.cfg.ResyncPeriod,
+	factory := informers.NewSharedInformerFactoryWithOptions(c.b.cfg.InformerClient, c.b.cfg.ResyncPeriod,
 		informers.WithNamespace(c.b.cfg.Namespace),
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.LabelSelector = capacityLabelManagedBy + "=" + capacityManagedBy

@@ -204,6 +204,11 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	}
 	evCfg, _ := f.restConfig(f.EventsQPS, f.EventsBurst, "events")
 	leaseCfg, _ := f.restConfig(5, 10, "leader-election")
+	// The informers' LISTs have a budget of their own, as leader election
+	// has: at --kube-api-qps 5 the nine LISTs of a start would otherwise
+	// take the burst that the first PV writes need. (WATCH requests are
+	// not rate limited by client-go.)
+	informerCfg, _ := f.restConfig(20, 50, "informers")
 	client, err := kubernetes.NewForConfig(objCfg)
 	if err != nil {
 		return nil, nil, err
@@ -216,9 +221,13 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	if err != nil {
 		return nil, nil, err
 	}
+	informerClient, err := kubernetes.NewForConfig(informerCfg)
+	if err != nil {
+		return nil, nil, err
+	}
 	ns := f.Namespace
 	b, err := k8sbridge.New(k8sbridge.Config{
-		Client: client, EventClient: evClient, LeaseClient: leaseClient,
+		Client: client, EventClient: evClient, LeaseClient: leaseClient, InformerClient: informerClient,
 		Drivers: drivers, Policy: authz, Namespace: ns, Identity: f.Identity,
 		LeaderElection: f.LeaderElection, LeaderElectionLease: f.LeaseDuration, LeaderElectionRenew: f.RenewDeadline, LeaderElectionRetry: f.RetryPeriod,
 		LeaderElectionNamespace: f.LeaderNamespace,

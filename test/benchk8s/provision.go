@@ -283,7 +283,7 @@ func (h *Harness) noteRequestMetricLabels(ctx context.Context) error {
 		}
 		slices.Sort(labels[s.name])
 	}
-	h.report.printf("API requests are counted per client from the kube-apiserver audit log (user agent of each request: `csi-provisioner/...`, `csi-attacher/...`, `csibroker/<version> (objects|events|leader-election)`), ")
+	h.report.printf("API requests are counted per client from the kube-apiserver audit log (user agent of each request: `csi-provisioner/...`, `csi-attacher/...`, `csibroker/<version> (objects|events|leader-election|informers)`), ")
 	h.report.printf("because on kube-apiserver %s `apiserver_request_total` has the labels {%s} (no client or user agent) and the control plane has a single admin token. ",
 		"v1.36.3", strings.Join(labels["apiserver_request_total"], ", "))
 	h.report.printf("`apiserver_longrunning_requests` has {%s}. A WATCH is counted when it starts; every other request when it completes.\n",
