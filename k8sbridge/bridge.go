@@ -272,6 +272,18 @@ func (b *Bridge) Leader() (bool, string) {
 // Client is the bridge's rate-limited Kubernetes client.
 func (b *Bridge) Client() kubernetes.Interface { return b.cfg.Client }
 
+// Ready reports whether the informer caches have synced; standby replicas
+// keep theirs warm too, so a standby is ready as soon as the leader is. The
+// broker's /readyz answers with it.
+func (b *Bridge) Ready() error {
+	for _, synced := range b.synced {
+		if !synced() {
+			return errors.New("kubernetes informer caches have not synced yet")
+		}
+	}
+	return nil
+}
+
 // Intents exposes the intent record (tests, status).
 func (b *Bridge) Intents() *IntentStore { return b.intents }
 

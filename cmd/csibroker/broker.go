@@ -136,6 +136,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { src.Run(ctx, cfg.TLS.ReloadInterval); return nil })
 	var leader func() (bool, string)
+	ready := func() error { return nil }
 	if kubeOn {
 		authz, store, err := cfg.Kube.authorizer(log)
 		if err != nil {
@@ -145,7 +146,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		if err != nil {
 			return err
 		}
-		leader = bridge.Leader
+		leader, ready = bridge.Leader, bridge.Ready
 		g.Go(func() error { return bridge.Run(ctx) })
 		if cfg.Kube.DiscoverProxies != "" {
 			var static []string
@@ -190,7 +191,13 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if cfg.HTTPEndpoint != "" {
 		mux := http.NewServeMux()
 		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
-		mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
+		mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+			if err := ready(); err != nil {
+				http.Error(w, err.Error(), http.StatusServiceUnavailable)
+				return
+			}
+			fmt.Fprintln(w, "ok")
+		})
 		mux.Handle(cfg.MetricsPath, promhttp.HandlerFor(promReg, promhttp.HandlerOpts{}))
 		g.Go(func() error { return serveHTTP(ctx, cfg.HTTPEndpoint, mux, log) })
 	}
