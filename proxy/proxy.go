@@ -6,28 +6,23 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
-	"runtime"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/net/http2"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/keepalive"
-	"google.golang.org/grpc/status"
 
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 	"github.com/csibroker/csibroker/internal/telemetry"
@@ -48,7 +43,9 @@ type Config struct {
 	Identity string
 	// ProbeTimeout bounds the Probe behind /readyz and GetInfo.
 	ProbeTimeout time.Duration
-	// MaxMsgSize bounds a message in either direction.
+	// MaxMsgSize bounds the messages of the proxy's own calls to the driver
+	// (Probe, GetPluginInfo). Relayed calls are not decoded: what the proxy
+	// holds of them is bounded by the HTTP/2 flow-control windows.
 	MaxMsgSize int
 
 	Logger         *slog.Logger
@@ -88,35 +85,45 @@ func (c *Config) Validate() error {
 type Proxy struct {
 	cfg     Config
 	target  string
-	driver  *grpc.ClientConn
-	server  *grpc.Server
-	metrics *grpcprom.ServerMetrics
+	tls     *tls.Config
+	driver  *grpc.ClientConn // the proxy's own calls: Probe (readiness) and GetPluginInfo
+	metrics *serverMetrics
+	tracer  trace.Tracer
 	log     *slog.Logger
+
+	dmu   sync.Mutex
+	dconn *conn // the relay's connection to the driver
+
+	bmu    sync.Mutex
+	bconns map[*conn]struct{}
+	bgone  chan struct{} // signalled when a broker connection goes away
+
+	methods sync.Map // method -> *methodInfo
 
 	infoMu sync.Mutex
 	info   *proxyinfov1.GetInfoResponse // driver name/version, cached once known
 }
 
-// New connects (lazily) to the driver and builds the gRPC server.
+// New prepares the proxy; the driver is dialled when the first call comes.
 func New(cfg Config) (*Proxy, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("proxy config: %w", err)
 	}
 	path, target, _ := telemetry.UnixTarget(cfg.DriverEndpoint)
-	p := &Proxy{cfg: cfg, target: path, log: cfg.Logger.With("component", "proxy", "driver_endpoint", path)}
-
-	otelOpts := []otelgrpc.Option{otelgrpc.WithPropagators(cfg.Propagator)}
-	if cfg.TracerProvider != nil {
-		otelOpts = append(otelOpts, otelgrpc.WithTracerProvider(cfg.TracerProvider))
+	p := &Proxy{cfg: cfg, target: path, log: cfg.Logger.With("component", "proxy", "driver_endpoint", path),
+		bconns: map[*conn]struct{}{}, bgone: make(chan struct{}, 1)}
+	tp := cfg.TracerProvider
+	if tp == nil {
+		tp = otel.GetTracerProvider()
 	}
+	p.tracer = tp.Tracer("github.com/csibroker/csibroker/proxy")
+
 	conn, err := grpc.NewClient(target, append(rawgrpc.ClientTransportOptions(),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		// A restarted driver is found again within a second.
 		grpc.WithConnectParams(grpc.ConnectParams{
 			Backoff:           backoff.Config{BaseDelay: 50 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
 			MinConnectTimeout: time.Second,
 		}),
-		grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelOpts...)),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(cfg.MaxMsgSize), grpc.MaxCallSendMsgSize(cfg.MaxMsgSize)),
 	)...)
 	if err != nil {
@@ -124,34 +131,21 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	p.driver = conn
 
-	p.metrics = grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
-		grpcprom.WithHistogramBuckets(prometheus.ExponentialBucketsRange(10e-6, 120, 24)),
-	))
+	p.metrics = newServerMetrics()
 	if cfg.Registerer != nil {
 		if err := cfg.Registerer.Register(p.metrics); err != nil {
 			return nil, fmt.Errorf("proxy: register metrics: %w", err)
 		}
 	}
-	p.server = grpc.NewServer(append(rawgrpc.ServerTransportOptions(),
-		grpc.Creds(credentials.NewTLS(p.logRefusals(cfg.TLS))),
-		rawgrpc.ServerOption(),
-		grpc.UnknownServiceHandler(p.forward),
-		grpc.StatsHandler(otelgrpc.NewServerHandler(otelOpts...)),
-		grpc.ChainUnaryInterceptor(p.metrics.UnaryServerInterceptor()),
-		grpc.ChainStreamInterceptor(p.metrics.StreamServerInterceptor()),
-		grpc.MaxRecvMsgSize(cfg.MaxMsgSize),
-		grpc.MaxSendMsgSize(cfg.MaxMsgSize),
-		// Reused workers keep their grown stacks: a forwarded call then costs
-		// no stack copying.
-		grpc.NumStreamWorkers(uint32(32*runtime.GOMAXPROCS(0))),
-		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
-	)...)
-	proxyinfov1.RegisterProxyInfoServer(p.server, infoServer{p: p})
+	p.tls = p.logRefusals(cfg.TLS)
+	if len(p.tls.NextProtos) == 0 {
+		p.tls.NextProtos = []string{"h2"}
+	}
 	return p, nil
 }
 
-// logRefusals makes every refused peer certificate a log line: gRPC itself
-// only drops the connection.
+// logRefusals makes every refused peer certificate a log line: the
+// handshake itself only fails.
 func (p *Proxy) logRefusals(cfg *tls.Config) *tls.Config {
 	cfg = cfg.Clone()
 	verify := cfg.VerifyPeerCertificate
@@ -170,62 +164,172 @@ func (p *Proxy) logRefusals(cfg *tls.Config) *tls.Config {
 	return cfg
 }
 
-// forward copies one CSI call to the driver without decoding it.
-func (p *Proxy) forward(_ any, srv grpc.ServerStream) error {
-	method, ok := grpc.MethodFromServerStream(srv)
-	if !ok {
-		return status.Error(codes.Internal, "csibroker proxy: no method in stream")
-	}
-	if !strings.HasPrefix(method, "/csi.") {
-		return status.Errorf(codes.Unimplemented, "csibroker proxy: %s is not a CSI method; this proxy forwards CSI services only", method)
-	}
-	ctx, cancel := context.WithCancel(rawgrpc.OutgoingContext(srv.Context()))
-	defer cancel()
-	if known, cstream, sstream := rawgrpc.MethodKind(method); known && !cstream && !sstream {
-		// Unary (every CSI method but the SnapshotMetadata streams): one
-		// frame each way, without a second goroutine.
-		err := rawgrpc.ForwardUnary(ctx, srv, p.driver, method)
-		if st, ok := status.FromError(err); ok && isTransport(st) {
-			return status.Errorf(st.Code(), "csibroker proxy: driver at %s: %s", p.target, st.Message())
-		}
-		return err
-	}
-	cs, err := p.driver.NewStream(ctx, rawgrpc.StreamDesc, method, rawgrpc.CallOption())
-	if err != nil {
-		st := status.Convert(err)
-		return status.Errorf(st.Code(), "csibroker proxy: driver at %s: %s", p.target, st.Message())
-	}
-	return rawgrpc.ForwardStream(srv, cs)
-}
-
-// isTransport tells the proxy's own failure to reach the driver from a
-// status the driver returned: gRPC reports a dial failure with this prefix.
-func isTransport(st *status.Status) bool {
-	return st.Code() == codes.Unavailable && strings.HasPrefix(st.Message(), "connection error")
-}
-
-// Serve serves gRPC on lis until ctx is done, then drains for up to 10s.
+// Serve accepts the broker's connections on lis until ctx is done, then
+// asks them to go away and waits up to 10s for their calls to finish.
 func (p *Proxy) Serve(ctx context.Context, lis net.Listener) error {
-	errc := make(chan error, 1)
-	go func() { errc <- p.server.Serve(lis) }()
 	p.log.Info("proxy serving", "listen", lis.Addr().String(), "node", p.cfg.Node)
-	select {
-	case err := <-errc:
-		return err
-	case <-ctx.Done():
+	stop := context.AfterFunc(ctx, func() { lis.Close() })
+	defer stop()
+	var delay time.Duration
+	for {
+		nc, err := lis.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				p.drain()
+				return nil
+			}
+			if ne, ok := err.(interface{ Temporary() bool }); ok && ne.Temporary() {
+				delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+				time.Sleep(delay)
+				continue
+			}
+			return err
+		}
+		delay = 0
+		go p.serveConn(ctx, nc)
 	}
-	stopped := make(chan struct{})
-	go func() { p.server.GracefulStop(); close(stopped) }()
-	select {
-	case <-stopped:
-	case <-time.After(10 * time.Second):
-		p.server.Stop()
-	}
-	return nil
 }
 
-// Close releases the driver connection.
-func (p *Proxy) Close() error { return p.driver.Close() }
+// serveConn completes the TLS handshake and the HTTP/2 preface, then relays
+// the connection's calls.
+func (p *Proxy) serveConn(ctx context.Context, nc net.Conn) {
+	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	tc := tls.Server(nc, p.tls)
+	if err := tc.HandshakeContext(hctx); err != nil {
+		p.log.Debug("TLS handshake failed", "peer", nc.RemoteAddr().String(), "err", err)
+		nc.Close()
+		return
+	}
+	if proto := tc.ConnectionState().NegotiatedProtocol; proto != "h2" {
+		p.log.Warn("proxy refused a peer", "peer", nc.RemoteAddr().String(), "err", fmt.Sprintf("ALPN protocol %q, want h2", proto))
+		tc.Close()
+		return
+	}
+	c := newConn(p, tc, false, nc.RemoteAddr().String())
+	tc.SetReadDeadline(time.Now().Add(10 * time.Second))
+	preface := make([]byte, len(http2.ClientPreface))
+	if _, err := io.ReadFull(c.br, preface); err != nil || string(preface) != http2.ClientPreface {
+		p.log.Warn("not an HTTP/2 client", "peer", c.desc, "err", err)
+		tc.Close()
+		return
+	}
+	tc.SetReadDeadline(time.Time{})
+	if err := c.start(); err != nil {
+		tc.Close()
+		return
+	}
+	p.bmu.Lock()
+	if ctx.Err() != nil {
+		p.bmu.Unlock()
+		tc.Close()
+		return
+	}
+	p.bconns[c] = struct{}{}
+	p.bmu.Unlock()
+	c.readLoop(func(fr *http2.MetaHeadersFrame, f *flusher) { p.onBrokerHeaders(c, fr, f) })
+}
+
+func (p *Proxy) forgetBrokerConn(c *conn) {
+	p.bmu.Lock()
+	delete(p.bconns, c)
+	p.bmu.Unlock()
+	select {
+	case p.bgone <- struct{}{}:
+	default:
+	}
+}
+
+// drain sends GOAWAY on every broker connection, lets their calls finish
+// for up to 10s, then closes what is left.
+func (p *Proxy) drain() {
+	p.bmu.Lock()
+	conns := make([]*conn, 0, len(p.bconns))
+	for c := range p.bconns {
+		conns = append(conns, c)
+	}
+	p.bmu.Unlock()
+	for _, c := range conns {
+		c.mu.Lock()
+		c.goingAway, c.draining = true, true
+		c.writeErr(c.fr.WriteGoAway(c.lastID, http2.ErrCodeNo, nil))
+		c.needFlush = true
+		c.flushLocked()
+		if len(c.streams) == 0 {
+			c.closeLocked(errors.New("proxy stopping"))
+		}
+		c.mu.Unlock()
+	}
+	deadline := time.After(10 * time.Second)
+	for {
+		p.bmu.Lock()
+		n := len(p.bconns)
+		p.bmu.Unlock()
+		if n == 0 {
+			return
+		}
+		select {
+		case <-p.bgone:
+		case <-deadline:
+			p.bmu.Lock()
+			for c := range p.bconns {
+				c.mu.Lock()
+				c.closeLocked(errors.New("proxy stopped"))
+				c.mu.Unlock()
+			}
+			p.bmu.Unlock()
+			return
+		}
+	}
+}
+
+// driverConn returns the relay's connection to the driver, dialling a new
+// one when there is none or the last one is gone or going away: a restarted
+// driver is found again by the next call.
+func (p *Proxy) driverConn() (*conn, error) {
+	p.dmu.Lock()
+	defer p.dmu.Unlock()
+	if c := p.dconn; c != nil {
+		c.mu.Lock()
+		ok := !c.closed && !c.goingAway
+		c.mu.Unlock()
+		if ok {
+			return c, nil
+		}
+	}
+	nc, err := net.DialTimeout("unix", p.target, time.Second)
+	if err != nil {
+		return nil, err
+	}
+	c := newConn(p, nc, true, p.target)
+	if err := c.start(); err != nil {
+		nc.Close()
+		return nil, err
+	}
+	p.dconn = c
+	go c.readLoop(func(fr *http2.MetaHeadersFrame, f *flusher) { p.onDriverHeaders(c, fr, f) })
+	return c, nil
+}
+
+func (p *Proxy) dropDriverConn(c *conn) {
+	p.dmu.Lock()
+	if p.dconn == c {
+		p.dconn = nil
+	}
+	p.dmu.Unlock()
+}
+
+// Close releases the driver connections.
+func (p *Proxy) Close() error {
+	p.dmu.Lock()
+	if c := p.dconn; c != nil {
+		c.mu.Lock()
+		c.closeLocked(errors.New("proxy closed"))
+		c.mu.Unlock()
+	}
+	p.dmu.Unlock()
+	return p.driver.Close()
+}
 
 // Ready probes the driver.
 func (p *Proxy) Ready(ctx context.Context) error {
@@ -261,13 +365,8 @@ func (p *Proxy) HTTPHandler(metricsPath string) http.Handler {
 	return mux
 }
 
-type infoServer struct {
-	proxyinfov1.UnimplementedProxyInfoServer
-	p *Proxy
-}
-
-func (s infoServer) GetInfo(ctx context.Context, _ *proxyinfov1.GetInfoRequest) (*proxyinfov1.GetInfoResponse, error) {
-	p := s.p
+// getInfo answers ProxyInfo.GetInfo.
+func (p *Proxy) getInfo(ctx context.Context) *proxyinfov1.GetInfoResponse {
 	out := &proxyinfov1.GetInfoResponse{Node: p.cfg.Node, ProxyVersion: p.cfg.Version, Identity: p.cfg.Identity}
 	pctx, cancel := context.WithTimeout(ctx, p.cfg.ProbeTimeout)
 	defer cancel()
@@ -293,5 +392,5 @@ func (s infoServer) GetInfo(ctx context.Context, _ *proxyinfov1.GetInfoRequest) 
 	} else {
 		out.DriverReady = true
 	}
-	return out, nil
+	return out
 }

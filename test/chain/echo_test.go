@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -58,6 +59,14 @@ func (e *echoDriver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 	p := req.GetParameters()
 	grpc.SetHeader(ctx, metadata.Pairs("x-test-header", "h-"+req.GetName()))
 	grpc.SetTrailer(ctx, metadata.Pairs("x-test-trailer", "t-"+req.GetName()))
+	if ms, err := strconv.Atoi(p["sleep-ms"]); err == nil {
+		time.Sleep(time.Duration(ms) * time.Millisecond)
+	}
+	if n, err := strconv.Atoi(p["reply-bytes"]); err == nil {
+		// A large answer that repeats the request's own large parameter.
+		return &csi.CreateVolumeResponse{Volume: &csi.Volume{VolumeId: "id-" + req.GetName(),
+			VolumeContext: map[string]string{"big": p["big"], "pad": strings.Repeat("r", n)}}}, nil
+	}
 	if p["wait"] == "true" {
 		<-ctx.Done()
 		e.cancelled <- struct{}{}

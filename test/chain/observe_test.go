@@ -72,12 +72,13 @@ func TestOneTracePerCall(t *testing.T) {
 	}
 	t.Logf("spans in trace %s: %v", traceID, names)
 	// Caller's client span, front-end server span, broker's logical-call span,
-	// broker → proxy client span, proxy server span, proxy → driver client
-	// span, driver server span.
+	// broker → proxy client span, proxy server span (the proxy relays the
+	// call's frames, so it has one span per call, whose context the driver
+	// receives), driver server span.
 	want := map[string]int{
 		"csi.v1.Controller/CreateVolume/server":           3, // front end, proxy, driver
 		"broker /csi.v1.Controller/CreateVolume/internal": 1,
-		"csi.v1.Controller/CreateVolume/client":           3, // caller → front end, broker → proxy, proxy → driver
+		"csi.v1.Controller/CreateVolume/client":           2, // caller → front end, broker → proxy
 		"provision ns/claim/internal":                     1,
 	}
 	for k, n := range want {
@@ -85,6 +86,42 @@ func TestOneTracePerCall(t *testing.T) {
 			t.Errorf("%d spans %q in the trace, want %d", byName[k], k, n)
 		}
 	}
+	// The proxy's span is a child of the broker's client span, and the
+	// driver's server span a child of the proxy's: the context went through
+	// the proxy, not around it.
+	var proxySpan sdktrace.ReadOnlySpan
+	for _, s := range spans.Ended() {
+		if s.InstrumentationScope().Name == "github.com/csibroker/csibroker/proxy" && s.SpanContext().TraceID() == traceID {
+			proxySpan = s
+		}
+	}
+	if proxySpan == nil {
+		t.Fatal("no proxy span in the trace")
+	}
+	var parentKind, childKind string
+	for _, s := range spans.Ended() {
+		if s.SpanContext().SpanID() == proxySpan.Parent().SpanID() {
+			parentKind = s.Name() + "/" + s.SpanKind().String()
+		}
+		if s.Parent().SpanID() == proxySpan.SpanContext().SpanID() {
+			childKind = s.Name() + "/" + s.SpanKind().String()
+		}
+	}
+	if parentKind != "csi.v1.Controller/CreateVolume/client" || childKind != "csi.v1.Controller/CreateVolume/server" {
+		t.Errorf("proxy span's parent %q, child %q; want the broker's client span and the driver's server span", parentKind, childKind)
+	}
+	if code := attrValue(proxySpan.Attributes(), "rpc.grpc.status_code"); code != "0" {
+		t.Errorf("proxy span rpc.grpc.status_code = %q", code)
+	}
+}
+
+func attrValue(kvs []attribute.KeyValue, key string) string {
+	for _, kv := range kvs {
+		if string(kv.Key) == key {
+			return kv.Value.Emit()
+		}
+	}
+	return ""
 }
 
 // TestCanarySecretNeverLeaks sends a canary secret in CreateVolume (and in a

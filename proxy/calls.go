@@ -1,0 +1,367 @@
+package proxy
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+	otelcodes "go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/csibroker/csibroker/internal/rawgrpc"
+)
+
+// infoMethod is the proxy's own service, answered here, never forwarded.
+const infoMethod = "/csibroker.proxyinfo.v1.ProxyInfo/GetInfo"
+
+// stream is one call: its broker leg and, once forwarded, its driver leg.
+type stream struct {
+	p        *Proxy
+	b        *leg
+	d        *leg
+	mi       *methodInfo
+	start    time.Time
+	span     trace.Span
+	local    *localCall
+	finished atomic.Bool
+}
+
+func (s *stream) other(l *leg) *leg {
+	if l == s.b {
+		return s.d
+	}
+	return s.b
+}
+
+// finish records the call's metrics and ends its span, once.
+func (s *stream) finish(code codes.Code) {
+	if !s.finished.CompareAndSwap(false, true) {
+		return
+	}
+	if s.mi != nil {
+		s.mi.seconds.Observe(time.Since(s.start).Seconds())
+		s.p.metrics.handled.WithLabelValues(s.mi.typ, s.mi.service, s.mi.name, code.String()).Inc()
+	}
+	if s.span != nil {
+		s.span.SetAttributes(attribute.Int64("rpc.grpc.status_code", int64(code)))
+		switch code {
+		case codes.Unknown, codes.DeadlineExceeded, codes.Unimplemented, codes.Internal, codes.Unavailable, codes.DataLoss:
+			s.span.SetStatus(otelcodes.Error, code.String())
+		}
+		s.span.End()
+	}
+}
+
+// fail ends the call at the broker with a status of the proxy's own, and
+// resets its driver leg if it has one.
+func (s *stream) fail(code codes.Code, msg string, f *flusher) {
+	s.finish(code)
+	if d := s.d; d != nil {
+		d.c.resetLeg(d, http2.ErrCodeCancel)
+		f.mark(d.c)
+	}
+	b := s.b
+	c := b.c
+	c.mu.Lock()
+	if !b.done && !b.localEnded && !c.closed {
+		b.pending = nil
+		c.writeLocked(b, out{fields: statusFields(b.sentHeaders, code, msg), end: true}, nil)
+	}
+	c.mu.Unlock()
+	f.mark(c)
+}
+
+// onBrokerHeaders starts a call (or passes on a caller's trailers).
+func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher) {
+	id := fr.StreamID
+	end := fr.StreamEnded()
+	c.mu.Lock()
+	if l := c.streams[id]; l != nil {
+		// Trailers from the caller: gRPC clients do not send them, but
+		// HTTP/2 allows them; pass them on.
+		if end {
+			l.remoteEnded = true
+			if l.localEnded {
+				c.removeLocked(l)
+			}
+		}
+		s := l.s
+		c.mu.Unlock()
+		if other := s.other(l); other != nil && s.local == nil {
+			other.c.mu.Lock()
+			other.c.sendLocked(other, out{fields: fr.RegularFields(), end: end}, nil)
+			other.c.mu.Unlock()
+			f.mark(other.c)
+		} else if s.local != nil && end {
+			s.local.add(nil, true)
+		}
+		return
+	}
+	if id%2 == 0 || id <= c.lastID {
+		c.mu.Unlock()
+		return
+	}
+	c.lastID = id
+	if c.goingAway {
+		c.writeErr(c.fr.WriteRSTStream(id, http2.ErrCodeRefusedStream))
+		c.needFlush = true
+		c.mu.Unlock()
+		f.mark(c)
+		return
+	}
+	l := &leg{c: c, id: id, sendWin: c.initWin, remoteEnded: end}
+	c.streams[id] = l
+	s := &stream{p: p, b: l, start: time.Now()}
+	l.s = s
+	c.mu.Unlock()
+
+	path := fr.PseudoValue("path")
+	s.mi = p.methodInfo(path)
+	s.mi.started.Inc()
+	switch {
+	case path == infoMethod:
+		s.local = &localCall{s: s}
+		s.local.ctx, s.local.cancel = context.WithCancel(context.Background())
+		if end {
+			s.local.add(nil, true)
+		}
+		return
+	case !strings.HasPrefix(path, "/csi."):
+		s.fail(codes.Unimplemented, fmt.Sprintf("csibroker proxy: %s is not a CSI method; this proxy forwards CSI services only", path), f)
+		return
+	}
+
+	// The request's fields go on unchanged but for the pseudo-headers of
+	// the driver's connection and the trace context of the proxy's span.
+	fields := make([]hpack.HeaderField, 0, len(fr.Fields)+2)
+	fields = append(fields,
+		hpack.HeaderField{Name: ":method", Value: "POST"},
+		hpack.HeaderField{Name: ":scheme", Value: "http"},
+		hpack.HeaderField{Name: ":path", Value: path},
+		hpack.HeaderField{Name: ":authority", Value: "localhost"})
+	for _, hf := range fr.Fields {
+		if !strings.HasPrefix(hf.Name, ":") {
+			fields = append(fields, hf)
+		}
+	}
+	carrier := fieldCarrier{&fields}
+	ctx := p.cfg.Propagator.Extract(context.Background(), carrier)
+	_, s.span = p.tracer.Start(ctx, strings.TrimPrefix(path, "/"), trace.WithSpanKind(trace.SpanKindServer), trace.WithAttributes(
+		attribute.String("rpc.system", "grpc"), attribute.String("rpc.service", s.mi.service), attribute.String("rpc.method", s.mi.name)))
+	p.cfg.Propagator.Inject(trace.ContextWithSpan(context.Background(), s.span), carrier)
+
+	d, err := p.driverConn()
+	if err != nil {
+		s.fail(codes.Unavailable, fmt.Sprintf("csibroker proxy: driver at %s: connection error: %v", p.target, err), f)
+		return
+	}
+	dl := &leg{c: d, s: s}
+	s.d = dl
+	d.mu.Lock()
+	if d.closed || d.goingAway {
+		d.mu.Unlock()
+		s.d = nil
+		s.fail(codes.Unavailable, fmt.Sprintf("csibroker proxy: driver at %s: connection lost before the call was sent", p.target), f)
+		return
+	}
+	o := out{fields: fields, end: end}
+	if d.openLocked(dl) {
+		d.writeLocked(dl, o, nil)
+	} else {
+		dl.pending = append(dl.pending, o)
+	}
+	d.mu.Unlock()
+	f.mark(d)
+}
+
+// onDriverHeaders passes the driver's response headers or trailers back.
+func (p *Proxy) onDriverHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher) {
+	end := fr.StreamEnded()
+	c.mu.Lock()
+	l := c.streams[fr.StreamID]
+	if l == nil {
+		c.mu.Unlock()
+		return
+	}
+	if end {
+		l.remoteEnded = true
+		if !l.localEnded {
+			// The driver ended the call while the caller still sends: the
+			// call is over (as a gRPC server would, reset our side).
+			c.writeErr(c.fr.WriteRSTStream(l.id, http2.ErrCodeCancel))
+			c.needFlush = true
+			l.localEnded = true
+			f.mark(c)
+		}
+		c.removeLocked(l)
+	}
+	s := l.s
+	c.mu.Unlock()
+	if end {
+		code := codes.Unknown
+		if v := headerValue(fr.Fields, "grpc-status"); v != "" {
+			if n, err := strconv.Atoi(v); err == nil {
+				code = codes.Code(n)
+			}
+		}
+		s.finish(code)
+	}
+	b := s.b
+	b.c.mu.Lock()
+	cr := b.c.sendLocked(b, out{fields: fr.Fields, end: end}, nil)
+	b.c.mu.Unlock()
+	applyCredits(cr, f)
+	f.mark(b.c)
+}
+
+func headerValue(fields []hpack.HeaderField, name string) string {
+	for _, hf := range fields {
+		if hf.Name == name {
+			return hf.Value
+		}
+	}
+	return ""
+}
+
+// fieldCarrier lets OpenTelemetry propagators read and write header fields.
+type fieldCarrier struct{ f *[]hpack.HeaderField }
+
+func (c fieldCarrier) Get(key string) string { return headerValue(*c.f, key) }
+
+func (c fieldCarrier) Set(key, value string) {
+	for i := range *c.f {
+		if (*c.f)[i].Name == key {
+			(*c.f)[i].Value = value
+			return
+		}
+	}
+	*c.f = append(*c.f, hpack.HeaderField{Name: key, Value: value})
+}
+
+func (c fieldCarrier) Keys() []string {
+	keys := make([]string, 0, len(*c.f))
+	for _, hf := range *c.f {
+		keys = append(keys, hf.Name)
+	}
+	return keys
+}
+
+// localCall is a call the proxy answers itself (GetInfo).
+type localCall struct {
+	s      *stream
+	req    []byte
+	ctx    context.Context
+	cancel context.CancelFunc
+	began  bool
+}
+
+// add collects the request; at its end the answer is made on a goroutine of
+// its own (it calls the driver).
+func (lc *localCall) add(data []byte, end bool) {
+	lc.req = append(lc.req, data...)
+	if end && !lc.began {
+		lc.began = true
+		go lc.answer()
+	}
+}
+
+func (lc *localCall) answer() {
+	defer lc.cancel()
+	s := lc.s
+	msg, err := proto.Marshal(s.p.getInfo(lc.ctx))
+	var f flusher
+	if err != nil {
+		s.fail(codes.Internal, "csibroker proxy: "+err.Error(), &f)
+		f.flush()
+		return
+	}
+	frame := make([]byte, 5+len(msg))
+	binary.BigEndian.PutUint32(frame[1:], uint32(len(msg)))
+	copy(frame[5:], msg)
+	s.finish(codes.OK)
+	b := s.b
+	c := b.c
+	c.mu.Lock()
+	c.sendLocked(b, out{fields: []hpack.HeaderField{{Name: ":status", Value: "200"}, {Name: "content-type", Value: "application/grpc"}}}, nil)
+	c.sendLocked(b, out{isData: true, data: frame}, nil)
+	c.sendLocked(b, out{fields: []hpack.HeaderField{{Name: "grpc-status", Value: "0"}}, end: true}, nil)
+	c.flushLocked()
+	c.mu.Unlock()
+}
+
+// serverMetrics keeps the names and labels of go-grpc-middleware's server
+// metrics, which the dashboards read for the proxy hop.
+type serverMetrics struct {
+	started *prometheus.CounterVec
+	handled *prometheus.CounterVec
+	seconds *prometheus.HistogramVec
+}
+
+func newServerMetrics() *serverMetrics {
+	return &serverMetrics{
+		started: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "grpc_server_started_total",
+			Help: "Total number of RPCs started on the server."}, []string{"grpc_type", "grpc_service", "grpc_method"}),
+		handled: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "grpc_server_handled_total",
+			Help: "Total number of RPCs completed on the server, regardless of success or failure."}, []string{"grpc_type", "grpc_service", "grpc_method", "grpc_code"}),
+		seconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "grpc_server_handling_seconds",
+			Help:    "Histogram of response latency (seconds) of gRPC that had been application-level handled by the server.",
+			Buckets: prometheus.ExponentialBucketsRange(10e-6, 120, 24)}, []string{"grpc_type", "grpc_service", "grpc_method"}),
+	}
+}
+
+func (m *serverMetrics) Describe(ch chan<- *prometheus.Desc) {
+	m.started.Describe(ch)
+	m.handled.Describe(ch)
+	m.seconds.Describe(ch)
+}
+
+func (m *serverMetrics) Collect(ch chan<- prometheus.Metric) {
+	m.started.Collect(ch)
+	m.handled.Collect(ch)
+	m.seconds.Collect(ch)
+}
+
+// methodInfo is a method's labels and metric children, made once.
+type methodInfo struct {
+	typ, service, name string
+	started            prometheus.Counter
+	seconds            prometheus.Observer
+}
+
+func (p *Proxy) methodInfo(path string) *methodInfo {
+	if mi, ok := p.methods.Load(path); ok {
+		return mi.(*methodInfo)
+	}
+	svc, name := "unknown", "unknown"
+	if i := strings.LastIndexByte(path, '/'); i > 0 {
+		svc, name = path[1:i], path[i+1:]
+	}
+	typ := "bidi_stream"
+	if known, cs, ss := rawgrpc.MethodKind(path); known {
+		switch {
+		case !cs && !ss:
+			typ = "unary"
+		case cs && !ss:
+			typ = "client_stream"
+		case !cs && ss:
+			typ = "server_stream"
+		}
+	} else if path == infoMethod {
+		typ = "unary"
+	}
+	mi := &methodInfo{typ: typ, service: svc, name: name,
+		started: p.metrics.started.WithLabelValues(typ, svc, name),
+		seconds: p.metrics.seconds.WithLabelValues(typ, svc, name)}
+	v, _ := p.methods.LoadOrStore(path, mi)
+	return v.(*methodInfo)
+}

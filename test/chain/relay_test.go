@@ -1,0 +1,194 @@
+package chain
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+
+	"github.com/csibroker/csibroker/internal/chaintest"
+)
+
+// The proxy relays HTTP/2 frames with flow control of its own on each side.
+// These tests drive the cases an ordinary small unary call never reaches.
+
+// snapshotDriver streams GetMetadataAllocated answers of blocksPer blocks each.
+type snapshotDriver struct {
+	csi.UnimplementedSnapshotMetadataServer
+	messages, blocksPer int
+}
+
+func (d *snapshotDriver) GetMetadataAllocated(req *csi.GetMetadataAllocatedRequest, srv csi.SnapshotMetadata_GetMetadataAllocatedServer) error {
+	for i := 0; i < d.messages; i++ {
+		blocks := make([]*csi.BlockMetadata, d.blocksPer)
+		for j := range blocks {
+			blocks[j] = &csi.BlockMetadata{ByteOffset: int64(i*d.blocksPer + j), SizeBytes: 4096}
+		}
+		if err := srv.Send(&csi.GetMetadataAllocatedResponse{BlockMetadata: blocks, VolumeCapacityBytes: int64(i)}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// serveDriver serves an echo driver (and the snapshot metadata service) on
+// path with gRPC's default windows and the given options.
+func serveDriver(t *testing.T, path string, opts ...grpc.ServerOption) (*echoDriver, *grpc.Server) {
+	t.Helper()
+	lis, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &echoDriver{cancelled: make(chan struct{}, 16)}
+	srv := grpc.NewServer(opts...)
+	csi.RegisterIdentityServer(srv, e)
+	csi.RegisterControllerServer(srv, e)
+	csi.RegisterSnapshotMetadataServer(srv, &snapshotDriver{messages: 300, blocksPer: 2000})
+	go srv.Serve(lis)
+	t.Cleanup(func() { srv.Stop(); os.Remove(path) })
+	return e, srv
+}
+
+// TestRelayLargeMessagesAndStreams sends messages larger than every window
+// on the way (the driver's 64 KiB default, the hops' 1 MiB per stream and
+// 4 MiB per connection) both ways, several at once, and a server stream of
+// about 7 MB read slowly, through front end → broker → proxy → driver.
+func TestRelayLargeMessagesAndStreams(t *testing.T) {
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	serveDriver(t, path)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
+	conn := chaintest.Dial(t, c.Front, grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20), grpc.MaxCallSendMsgSize(64<<20)))
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for i := 0; i < 4; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			big := strings.Repeat(fmt.Sprintf("%x", i), 3<<20) // under the driver's 4 MiB limit
+			resp, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprint("big-", i),
+				Parameters: map[string]string{"big": big, "reply-bytes": fmt.Sprint(3 << 19)}})
+			if err != nil {
+				errs <- err
+				return
+			}
+			vc := resp.GetVolume().GetVolumeContext()
+			if vc["big"] != big || len(vc["pad"]) != 3<<19 {
+				errs <- fmt.Errorf("call %d: answer changed on the way (%d and %d bytes)", i, len(vc["big"]), len(vc["pad"]))
+			}
+		}()
+	}
+
+	stream, err := csi.NewSnapshotMetadataClient(conn).GetMetadataAllocated(ctx, &csi.GetMetadataAllocatedRequest{SnapshotId: "s"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for {
+		m, err := stream.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatalf("stream message %d: %v", n, err)
+		}
+		if m.GetVolumeCapacityBytes() != int64(n) || len(m.GetBlockMetadata()) != 2000 || m.GetBlockMetadata()[1999].GetByteOffset() != int64(n*2000+1999) {
+			t.Fatalf("stream message %d changed on the way", n)
+		}
+		n++
+		if n%50 == 0 {
+			time.Sleep(50 * time.Millisecond) // a slow reader: the hops must hold back, not drop
+		}
+	}
+	if n != 300 {
+		t.Fatalf("%d stream messages, want 300", n)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
+
+// TestRelayDriverStreamLimit: a driver that allows 2 concurrent streams gets
+// 16 concurrent calls from the broker; the proxy queues them, none fails.
+func TestRelayDriverStreamLimit(t *testing.T) {
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	echo, _ := serveDriver(t, path, grpc.MaxConcurrentStreams(2))
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
+	conn := brokerConn(t, c) // straight to the proxy: no broker retry hides a failure
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	start := time.Now()
+	var wg sync.WaitGroup
+	errs := make(chan error, 16)
+	for i := 0; i < 16; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprint("q-", i), Parameters: map[string]string{"sleep-ms": "50"}})
+			errs <- err
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Error(err)
+		}
+	}
+	// 16 calls of 50 ms, 2 at a time, take at least 8 × 50 ms: the limit held.
+	if took := time.Since(start); took < 390*time.Millisecond {
+		t.Errorf("16 calls took %v: the driver's limit of 2 streams was not respected", took)
+	}
+	if got := echo.calls.Load(); got != 16 {
+		t.Errorf("driver saw %d calls, want 16", got)
+	}
+}
+
+// TestRelayDriverGracefulRestart: a driver stopping gracefully (GOAWAY)
+// finishes the call in flight, and the next call reaches the new driver
+// process on the same socket.
+func TestRelayDriverGracefulRestart(t *testing.T) {
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	_, srv := serveDriver(t, path)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
+	conn := brokerConn(t, c)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	client := csi.NewControllerClient(conn)
+	if _, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "warm"}); err != nil {
+		t.Fatal(err)
+	}
+	errc := make(chan error, 1)
+	go func() {
+		_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "inflight", Parameters: map[string]string{"sleep-ms": "300"}})
+		errc <- err
+	}()
+	time.Sleep(100 * time.Millisecond)
+	stopped := make(chan struct{})
+	go func() { srv.GracefulStop(); close(stopped) }()
+	if err := <-errc; err != nil {
+		t.Fatalf("call in flight during a graceful stop: %v", err)
+	}
+	<-stopped
+	os.Remove(path)
+	echo2, _ := serveDriver(t, path)
+	if _, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "after"}); err != nil {
+		t.Fatalf("call to the restarted driver: %v", err)
+	}
+	if echo2.calls.Load() != 1 {
+		t.Fatalf("the restarted driver saw %d calls, want 1", echo2.calls.Load())
+	}
+}
