@@ -49,11 +49,11 @@ type provisioner struct {
 	queue *termQueue
 
 	mu       sync.Mutex
-	perDrv   map[string]int       // operations in flight per driver
-	inflight map[string]bool      // volume names being provisioned here
-	started  map[string]time.Time // first pick-up of a claim, for the duration metric
-	recover  chan struct{}        // nudges the recovery loop
-	recFails map[string]int       // failed recovery attempts per volume
+	perDrv   map[string]int           // operations in flight per driver
+	inflight map[string]bool          // volume names being provisioned here
+	started  map[string]time.Time     // first pick-up of a claim, for the duration metric
+	recover  chan struct{}            // nudges the recovery loop
+	recFails map[string]recoveryState // failed recovery attempts per volume
 
 	// afterCreate, when set (tests), runs after CreateVolume succeeded and
 	// before anything else: a broker dying there must leak nothing.

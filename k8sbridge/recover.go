@@ -2,6 +2,7 @@ package k8sbridge
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -14,9 +15,10 @@ import (
 
 // recoveryLoop settles the intent record: entries whose PV exists are
 // dropped, entries of pending claims are provisioned as usual, and entries
-// whose claim is gone have their volume deleted (the request is re-issued,
-// which CSI makes idempotent by name, to learn the volume's ID). It runs when
-// leadership starts, when a claim is deleted, and every RecoveryInterval.
+// whose claim is gone (or bound to another PV) have their volume deleted
+// (the request is re-issued, which CSI makes idempotent by name, to learn
+// the volume's ID). It runs when leadership starts, when a claim is
+// deleted, and every RecoveryInterval.
 func (p *provisioner) recoveryLoop(ctx context.Context) {
 	t := time.NewTicker(p.b.cfg.RecoveryInterval)
 	defer t.Stop()
@@ -41,6 +43,8 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 		p.b.log.Error("recovery: cannot read the intent record", "err", err)
 		return
 	}
+	now := time.Now()
+	p.forgetSettled(intents)
 	for _, in := range intents {
 		if ctx.Err() != nil {
 			return
@@ -54,9 +58,32 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 		}
 		claim, err := p.b.claims.PersistentVolumeClaims(in.ClaimNamespace).Get(in.ClaimName)
 		if err == nil && string(claim.UID) == in.ClaimUID && claim.DeletionTimestamp == nil {
-			if claim.Spec.VolumeName == "" {
+			// A claim's spec.volumeName never changes once set, so the
+			// cache is trusted for it; only the PV's absence is confirmed.
+			switch claim.Spec.VolumeName {
+			case "":
 				p.queue.Add(in.ClaimNamespace + "/" + in.ClaimName)
+			case in.VolumeName:
+				p.settleBoundToGonePV(ctx, in)
+			default:
+				// Bound to another PV (an admin pre-bound it to a static
+				// one): the broker will never make a PV of this name, so
+				// a volume made under it is an orphan.
+				if !p.recoveryDue(in.VolumeName, now) {
+					continue
+				}
+				switch found, err := p.pvExists(ctx, in.VolumeName); {
+				case err != nil:
+					p.b.log.Warn("recovery: cannot read PersistentVolume; will retry", "volume", in.VolumeName, "err", err)
+				case found:
+					p.b.intents.Remove(in.VolumeName)
+				default:
+					p.deleteOrphan(ctx, in, now, "claim is bound to PersistentVolume "+claim.Spec.VolumeName)
+				}
 			}
+			continue
+		}
+		if !p.recoveryDue(in.VolumeName, now) {
 			continue
 		}
 		// The cache says the claim is gone; make sure before deleting.
@@ -67,16 +94,50 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 		if gerr != nil && !apierrors.IsNotFound(gerr) {
 			continue
 		}
-		p.deleteOrphan(ctx, in)
+		p.deleteOrphan(ctx, in, now, "claim no longer exists")
 	}
 }
 
-func (p *provisioner) deleteOrphan(ctx context.Context, in Intent) {
+// settleBoundToGonePV drops the entry of a claim bound to the entry's own
+// PV when that PV is gone: the claim could only be bound to it once it
+// existed, so the PV's own lifecycle (its reclaim policy, or an admin) has
+// decided the volume's fate, and recovery must not overrule it.
+func (p *provisioner) settleBoundToGonePV(ctx context.Context, in Intent) {
+	found, err := p.pvExists(ctx, in.VolumeName)
+	if err != nil {
+		p.b.log.Warn("recovery: cannot read PersistentVolume; will retry", "volume", in.VolumeName, "err", err)
+		return
+	}
+	if !found {
+		p.b.log.Info("recovery: claim is bound to this volume's PersistentVolume, which no longer exists; its reclaim policy or an administrator decided the volume's fate, so the intent entry is dropped and the volume left alone",
+			"volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName)
+	}
+	p.b.intents.Remove(in.VolumeName)
+}
+
+// pvExists asks the API server (not the cache, which may lag) whether PV
+// name exists.
+func (p *provisioner) pvExists(ctx context.Context, name string) (bool, error) {
+	_, err := p.b.cfg.Client.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
+	switch {
+	case err == nil:
+		return true, nil
+	case apierrors.IsNotFound(err):
+		return false, nil
+	default:
+		return false, fmt.Errorf("get PersistentVolume %s: %w", name, err)
+	}
+}
+
+// deleteOrphan re-issues the recorded CreateVolume to learn the volume's ID
+// and deletes the volume; why says why it is an orphan. now is the start of
+// the recovery pass, from which a failure's backoff is counted.
+func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time, why string) {
 	if !p.acquire(in.Driver, in.VolumeName) {
 		return
 	}
 	defer p.release(in.Driver, in.VolumeName)
-	log := p.b.log.With("volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName)
+	log := p.b.log.With("volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName, "reason", why)
 	ctx, span := p.b.tracer.Start(ctx, "recover "+in.VolumeName)
 	defer span.End()
 	req := &csi.CreateVolumeRequest{}
@@ -104,15 +165,16 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent) {
 	if err != nil {
 		// Even a final error does not prove that no volume of that name
 		// exists (a clone source deleted since, rotated credentials): the
-		// entry stays and is retried every pass; after a few failures it is
-		// reported so an administrator can look.
-		n := p.recoveryFailed(in.VolumeName)
+		// entry stays and is retried, each time after a longer wait
+		// (recoveryBackoff); after a few failures it is reported so an
+		// administrator can look.
+		n, wait := p.recoveryFailed(in.VolumeName, now)
 		if n == 3 {
 			p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
-			log.Error("recovery: cannot learn the volume ID of a claim that no longer exists; the intent record keeps it (delete the entry once the volume is dealt with)",
-				"configmap", p.b.cfg.Namespace+"/csibroker-intents", "attempts", n, "err", statusText(err))
+			log.Error("recovery: cannot learn the volume ID of an orphaned volume; the intent record keeps it (delete the entry once the volume is dealt with)",
+				"configmap", p.b.cfg.Namespace+"/csibroker-intents", "attempts", n, "retry_in", wait, "err", statusText(err))
 		} else {
-			log.Warn("recovery: CreateVolume to learn the volume ID failed; will retry", "attempt", n, "err", statusText(err))
+			log.Warn("recovery: CreateVolume to learn the volume ID failed; will retry", "attempt", n, "retry_in", wait, "err", statusText(err))
 		}
 		return
 	}
@@ -124,18 +186,83 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent) {
 		p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
 		return
 	}
-	log.Info("recovery: deleted the volume of a claim that no longer exists", "volume_id", resp.GetVolume().GetVolumeId())
+	log.Info("recovery: deleted an orphaned volume", "volume_id", resp.GetVolume().GetVolumeId())
 	p.b.metrics.leaked.WithLabelValues(in.Driver, "deleted").Inc()
 	p.b.intents.Remove(in.VolumeName)
 }
 
-// recoveryFailed counts failed recovery attempts per volume.
-func (p *provisioner) recoveryFailed(volume string) int {
+// recoveryState is what recovery remembers of an entry whose re-issued
+// CreateVolume failed.
+type recoveryState struct {
+	fails int       // consecutive failures
+	next  time.Time // no attempt in a pass that starts before this
+}
+
+// Bounds of the wait between two attempts of one entry.
+const (
+	recoveryBackoffIntervals = 32
+	recoveryBackoffMax       = 10 * time.Minute
+)
+
+// recoveryBackoff is the wait after the nth consecutive failure of an
+// entry: one interval after the first, doubling after each further one, at
+// most recoveryBackoffIntervals intervals or recoveryBackoffMax, whichever
+// is shorter (but never under one interval).
+func recoveryBackoff(n int, interval time.Duration) time.Duration {
+	limit := min(recoveryBackoffIntervals*interval, recoveryBackoffMax)
+	if limit < interval {
+		limit = interval
+	}
+	d := interval
+	for i := 1; i < n && d < limit; i++ {
+		d *= 2
+	}
+	return min(d, limit)
+}
+
+// recoveryFailed counts a failed attempt of volume's entry in the pass
+// that started at now and returns the count and the wait before the next.
+func (p *provisioner) recoveryFailed(volume string, now time.Time) (int, time.Duration) {
+	interval := p.b.cfg.RecoveryInterval
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.recFails == nil {
-		p.recFails = map[string]int{}
+		p.recFails = map[string]recoveryState{}
 	}
-	p.recFails[volume]++
-	return p.recFails[volume]
+	st := p.recFails[volume]
+	st.fails++
+	wait := recoveryBackoff(st.fails, interval)
+	// Passes come about one interval apart, give or take a tick's
+	// jitter: half an interval of slack makes a wait of k intervals
+	// skip exactly k-1 passes.
+	st.next = now.Add(wait - interval/2)
+	p.recFails[volume] = st
+	return st.fails, wait
+}
+
+// recoveryDue reports whether volume's entry may be attempted in the pass
+// that started at now.
+func (p *provisioner) recoveryDue(volume string, now time.Time) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	st, ok := p.recFails[volume]
+	return !ok || !now.Before(st.next)
+}
+
+// forgetSettled drops the failure counts of entries no longer recorded.
+func (p *provisioner) forgetSettled(intents []Intent) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.recFails) == 0 {
+		return
+	}
+	recorded := make(map[string]bool, len(intents))
+	for _, in := range intents {
+		recorded[in.VolumeName] = true
+	}
+	for v := range p.recFails {
+		if !recorded[v] {
+			delete(p.recFails, v)
+		}
+	}
 }
