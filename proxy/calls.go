@@ -10,8 +10,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"go.opentelemetry.io/otel/attribute"
 	otelcodes "go.opentelemetry.io/otel/codes"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
@@ -53,7 +53,7 @@ func (s *stream) finish(code codes.Code) {
 		s.p.metrics.handled.WithLabelValues(s.mi.typ, s.mi.service, s.mi.name, code.String()).Inc()
 	}
 	if s.span != nil {
-		s.span.SetAttributes(attribute.Int64("rpc.grpc.status_code", int64(code)))
+		s.span.SetAttributes(semconv.RPCResponseStatusCode(code.String()))
 		switch code {
 		case codes.Unknown, codes.DeadlineExceeded, codes.Unimplemented, codes.Internal, codes.Unavailable, codes.DataLoss:
 			s.span.SetStatus(otelcodes.Error, code.String())
@@ -156,8 +156,9 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 	}
 	carrier := fieldCarrier{&fields}
 	ctx := p.cfg.Propagator.Extract(context.Background(), carrier)
-	_, s.span = p.tracer.Start(ctx, strings.TrimPrefix(path, "/"), trace.WithSpanKind(trace.SpanKindServer), trace.WithAttributes(
-		attribute.String("rpc.system", "grpc"), attribute.String("rpc.service", s.mi.service), attribute.String("rpc.method", s.mi.name)))
+	// Named and described as otelgrpc does for the other hops.
+	_, s.span = p.tracer.Start(ctx, path[1:], trace.WithSpanKind(trace.SpanKindServer),
+		trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(path[1:])))
 	p.cfg.Propagator.Inject(trace.ContextWithSpan(context.Background(), s.span), carrier)
 
 	d, err := p.driverConn()
@@ -256,6 +257,10 @@ func (c fieldCarrier) Keys() []string {
 	return keys
 }
 
+// maxLocalRequest bounds what the proxy keeps of a request it answers
+// itself (GetInfoRequest is empty).
+const maxLocalRequest = 64 << 10
+
 // localCall is a call the proxy answers itself (GetInfo).
 type localCall struct {
 	s      *stream
@@ -268,6 +273,16 @@ type localCall struct {
 // add collects the request; at its end the answer is made on a goroutine of
 // its own (it calls the driver).
 func (lc *localCall) add(data []byte, end bool) {
+	if len(lc.req)+len(data) > maxLocalRequest {
+		if !lc.began {
+			lc.began = true
+			lc.cancel()
+			var f flusher
+			lc.s.fail(codes.ResourceExhausted, fmt.Sprintf("csibroker proxy: %s request larger than %d bytes", infoMethod, maxLocalRequest), &f)
+			f.flush()
+		}
+		return
+	}
 	lc.req = append(lc.req, data...)
 	if end && !lc.began {
 		lc.began = true

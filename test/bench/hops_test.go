@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -19,7 +20,13 @@ import (
 // added: the driver socket alone; the proxy over mTLS; the broker's client
 // connection (timeout, retry, tracing, metrics) to the proxy; and the
 // broker's front-end socket. It shows where the chain's cost lies.
-func BenchmarkHopsC32(b *testing.B) {
+func BenchmarkHopsC32(b *testing.B) { benchHops(b, 32) }
+
+// BenchmarkHopsC1 is the same at concurrency 1, reporting each hop's p50
+// latency: where the chain's added latency lies.
+func BenchmarkHopsC1(b *testing.B) { benchHops(b, 1) }
+
+func benchHops(b *testing.B, conc int) {
 	ep := startDriverProcess(b)
 	tp := sdktrace.NewTracerProvider()
 	b.Cleanup(func() { tp.Shutdown(context.Background()) })
@@ -52,8 +59,25 @@ func BenchmarkHopsC32(b *testing.B) {
 				_, err := csi.NewIdentityClient(cc).Probe(ctx, &csi.ProbeRequest{})
 				return err
 			}
-			r := run(context.Background(), b, probe, &side{name: s.name}, b.N, 32)
-			b.ReportMetric(r, "calls/s")
+			if conc > 1 {
+				r := run(context.Background(), b, probe, &side{name: s.name}, b.N, conc)
+				b.ReportMetric(r, "calls/s")
+				return
+			}
+			ctx := context.Background()
+			lat := make([]time.Duration, 0, b.N)
+			for i := 0; i < 20+b.N; i++ {
+				t0 := time.Now()
+				if err := probe.call(ctx, nil); err != nil {
+					b.Fatal(err)
+				}
+				if i >= 20 {
+					lat = append(lat, time.Since(t0))
+				}
+			}
+			b.ReportMetric(us(quantile(lat, .5)), "p50-µs")
+			b.ReportMetric(us(quantile(lat, .99)), "p99-µs")
+			b.ReportMetric(0, "ns/op")
 		})
 	}
 }

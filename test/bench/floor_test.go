@@ -1,0 +1,121 @@
+package bench
+
+import (
+	"context"
+	"crypto/tls"
+	"io"
+	"net"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/csibroker/csibroker/internal/chaintest"
+	"github.com/csibroker/csibroker/internal/mtls"
+)
+
+// relay accepts on lis and copies bytes both ways to a connection from dial,
+// one connection per accepted one, until either side closes.
+func relay(lis net.Listener, dial func() (net.Conn, error)) {
+	for {
+		in, err := lis.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			out, err := dial()
+			if err != nil {
+				in.Close()
+				return
+			}
+			go func() { io.Copy(out, in); out.Close() }()
+			io.Copy(in, out)
+			in.Close()
+		}()
+	}
+}
+
+// startRelays builds the lower bound of any two-process chain: a unix
+// socket relay (the front end's place) that opens a mutual-TLS connection to
+// a loopback TCP relay (the proxy's place) that opens the driver socket;
+// bytes are copied, nothing is parsed. It returns the front socket's path.
+func startRelays(b *testing.B, driverSock string) string {
+	b.Helper()
+	ca := chaintest.SharedCA(b)
+	now := time.Now()
+	bm, err := ca.IssueMaterial(mtls.Leaf{ID: mtls.BrokerID(chaintest.TrustDomain), NotBefore: now.Add(-time.Hour), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		b.Fatal(err)
+	}
+	pm, err := ca.IssueMaterial(mtls.Leaf{ID: mtls.DriverID(chaintest.TrustDomain, "floor"), NotBefore: now.Add(-time.Hour), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		b.Fatal(err)
+	}
+	tl, err := tls.Listen("tcp", "127.0.0.1:0", mtls.ServerConfig(mtls.StaticSource{M: pm}, mtls.AuthorizeAny()))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { tl.Close() })
+	go relay(tl, func() (net.Conn, error) { return net.Dial("unix", driverSock) })
+	front := filepath.Join(chaintest.ShortTempDir(b), "front.sock")
+	ul, err := net.Listen("unix", front)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { ul.Close() })
+	ccfg := mtls.ClientConfig(mtls.StaticSource{M: bm}, mtls.AuthorizeAny())
+	go relay(ul, func() (net.Conn, error) { return tls.Dial("tcp", tl.Addr().String(), ccfg) })
+	return front
+}
+
+// BenchmarkFloor is BenchmarkLatencyC1 and BenchmarkThroughputC32 for Probe
+// with the broker and proxy replaced by byte-copying relays: what two more
+// hops cost on this machine before any gRPC, tracing or routing work.
+func BenchmarkFloor(b *testing.B) {
+	probe := methods[0]
+	b.Run("LatencyC1", func(b *testing.B) {
+		epDirect, epRelay := startDriverProcess(b), startDriverProcess(b)
+		direct := &side{name: "direct", conn: chaintest.Dial(b, epDirect[len("unix://"):])}
+		chain := &side{name: "relays", conn: chaintest.Dial(b, startRelays(b, epRelay[len("unix://"):]))}
+		ctx := context.Background()
+		for i := 0; i < 20; i++ {
+			if err := probe.call(ctx, direct); err != nil {
+				b.Fatal(err)
+			}
+			if err := probe.call(ctx, chain); err != nil {
+				b.Fatal(err)
+			}
+		}
+		dl, cl := make([]time.Duration, 0, b.N), make([]time.Duration, 0, b.N)
+		for i := 0; i < b.N; i++ {
+			t0 := time.Now()
+			probe.call(ctx, direct)
+			t1 := time.Now()
+			probe.call(ctx, chain)
+			t2 := time.Now()
+			dl, cl = append(dl, t1.Sub(t0)), append(cl, t2.Sub(t1))
+		}
+		dp50, cp50 := quantile(dl, .5), quantile(cl, .5)
+		b.ReportMetric(us(dp50), "direct-p50-µs")
+		b.ReportMetric(us(cp50), "relays-p50-µs")
+		b.ReportMetric(us(cp50-dp50), "added-p50-µs")
+		b.ReportMetric(0, "ns/op")
+	})
+	b.Run("ThroughputC32", func(b *testing.B) {
+		epDirect, epRelay := startDriverProcess(b), startDriverProcess(b)
+		direct := &side{name: "direct", conn: chaintest.Dial(b, epDirect[len("unix://"):])}
+		chain := &side{name: "relays", conn: chaintest.Dial(b, startRelays(b, epRelay[len("unix://"):]))}
+		ctx := context.Background()
+		run(ctx, b, probe, direct, 64, 32)
+		run(ctx, b, probe, chain, 64, 32)
+		per := max(b.N/8, 1)
+		var dSum, cSum float64
+		for r := 0; r < 8; r++ {
+			dSum += run(ctx, b, probe, direct, per, 32)
+			cSum += run(ctx, b, probe, chain, per, 32)
+		}
+		b.ReportMetric(dSum/8, "direct-calls/s")
+		b.ReportMetric(cSum/8, "relays-calls/s")
+		b.ReportMetric(cSum/dSum, "relays/direct-throughput")
+		b.ReportMetric(0, "ns/op")
+	})
+}
