@@ -73,9 +73,27 @@ func (s *stream) fail(code codes.Code, msg string, f *flusher) {
 	b := s.b
 	c := b.c
 	c.mu.Lock()
-	if !b.done && !b.localEnded && !c.closed {
+	switch {
+	case b.done || b.localEnded || c.closed:
+	case b.msg.boundary():
+		// What the driver sent so far is whole messages: they go first,
+		// then the status.
+		headersQueued := b.sentHeaders
+		for _, o := range b.pending {
+			headersQueued = headersQueued || !o.isData
+		}
+		c.sendLocked(b, out{fields: statusFields(headersQueued, code, msg), end: true}, nil)
+	default:
+		// The answer stops inside a message: trailers now would make the
+		// caller's gRPC see a truncated message (Internal). A stream reset
+		// as REFUSED_STREAM reaches it as Unavailable, which is what a
+		// driver that went away is; CSI calls are idempotent, so a retry is
+		// safe.
 		b.pending = nil
-		c.writeLocked(b, out{fields: statusFields(b.sentHeaders, code, msg), end: true}, nil)
+		c.writeErr(c.framer().WriteRSTStream(b.id, http2.ErrCodeRefusedStream))
+		c.needFlush = true
+		b.localEnded, b.remoteEnded = true, true
+		c.removeLocked(b)
 	}
 	c.mu.Unlock()
 	f.mark(c)
@@ -113,13 +131,13 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 	}
 	c.lastID = id
 	if c.goingAway {
-		c.writeErr(c.fr.WriteRSTStream(id, http2.ErrCodeRefusedStream))
+		c.writeErr(c.framer().WriteRSTStream(id, http2.ErrCodeRefusedStream))
 		c.needFlush = true
 		c.mu.Unlock()
 		f.mark(c)
 		return
 	}
-	l := &leg{c: c, id: id, sendWin: c.initWin, remoteEnded: end}
+	l := &leg{c: c, id: id, sendWin: c.initWin, recvWin: streamWindow, remoteEnded: end}
 	c.streams[id] = l
 	s := &stream{p: p, b: l, start: time.Now()}
 	l.s = s
@@ -161,7 +179,7 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 		trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(path[1:])))
 	p.cfg.Propagator.Inject(trace.ContextWithSpan(context.Background(), s.span), carrier)
 
-	d, err := p.driverConn()
+	d, err := p.driverConn(c)
 	if err != nil {
 		s.fail(codes.Unavailable, fmt.Sprintf("csibroker proxy: driver at %s: connection error: %v", p.target, err), f)
 		return
@@ -199,7 +217,7 @@ func (p *Proxy) onDriverHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 		if !l.localEnded {
 			// The driver ended the call while the caller still sends: the
 			// call is over (as a gRPC server would, reset our side).
-			c.writeErr(c.fr.WriteRSTStream(l.id, http2.ErrCodeCancel))
+			c.writeErr(c.framer().WriteRSTStream(l.id, http2.ErrCodeCancel))
 			c.needFlush = true
 			l.localEnded = true
 			f.mark(c)

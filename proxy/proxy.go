@@ -91,8 +91,7 @@ type Proxy struct {
 	tracer  trace.Tracer
 	log     *slog.Logger
 
-	dmu   sync.Mutex
-	dconn *conn // the relay's connection to the driver
+	dmu sync.Mutex // guards every broker connection's dconn
 
 	bmu    sync.Mutex
 	bconns map[*conn]struct{}
@@ -252,7 +251,7 @@ func (p *Proxy) drain() {
 	for _, c := range conns {
 		c.mu.Lock()
 		c.goingAway, c.draining = true, true
-		c.writeErr(c.fr.WriteGoAway(c.lastID, http2.ErrCodeNo, nil))
+		c.writeErr(c.framer().WriteGoAway(c.lastID, http2.ErrCodeNo, nil))
 		c.needFlush = true
 		c.flushLocked()
 		if len(c.streams) == 0 {
@@ -283,51 +282,85 @@ func (p *Proxy) drain() {
 	}
 }
 
-// driverConn returns the relay's connection to the driver, dialling a new
-// one when there is none or the last one is gone or going away: a restarted
-// driver is found again by the next call.
-func (p *Proxy) driverConn() (*conn, error) {
+// driverConn returns the driver connection of broker connection bc,
+// dialling a new one when there is none or the last one is gone or going
+// away: a restarted driver is found again by the next call. Each broker
+// connection has a driver connection of its own, so a broker connection
+// that stops reading stalls only its own calls, never another's.
+func (p *Proxy) driverConn(bc *conn) (*conn, error) {
 	p.dmu.Lock()
 	defer p.dmu.Unlock()
-	if c := p.dconn; c != nil {
+	if c := bc.dconn; c != nil {
 		c.mu.Lock()
+		if c.nextID > lastStreamID-idMargin && !c.goingAway {
+			// Stream IDs nearly used up: new calls go to a new
+			// connection, this one closes when its calls are done.
+			c.goingAway = true
+			if len(c.streams) == 0 && len(c.waiting) == 0 {
+				c.closeLocked(errors.New("stream IDs used up"))
+			}
+		}
 		ok := !c.closed && !c.goingAway
 		c.mu.Unlock()
 		if ok {
 			return c, nil
 		}
 	}
+	bc.mu.Lock()
+	gone := bc.closed
+	bc.mu.Unlock()
+	if gone {
+		return nil, errors.New("the broker's connection is closed")
+	}
 	nc, err := net.DialTimeout("unix", p.target, time.Second)
 	if err != nil {
 		return nil, err
 	}
 	c := newConn(p, nc, true, p.target)
+	c.owner = bc
 	if err := c.start(); err != nil {
 		nc.Close()
 		return nil, err
 	}
-	p.dconn = c
+	bc.dconn = c
 	go c.readLoop(func(fr *http2.MetaHeadersFrame, f *flusher) { p.onDriverHeaders(c, fr, f) })
 	return c, nil
 }
 
+// dropDriverConn forgets a driver connection that is gone or going away.
 func (p *Proxy) dropDriverConn(c *conn) {
 	p.dmu.Lock()
-	if p.dconn == c {
-		p.dconn = nil
+	if c.owner != nil && c.owner.dconn == c {
+		c.owner.dconn = nil
 	}
 	p.dmu.Unlock()
 }
 
-// Close releases the driver connections.
-func (p *Proxy) Close() error {
+// closeDriverConn closes the driver connection of a broker connection that
+// is gone (its calls were reset first).
+func (p *Proxy) closeDriverConn(bc *conn) {
 	p.dmu.Lock()
-	if c := p.dconn; c != nil {
+	c := bc.dconn
+	bc.dconn = nil
+	p.dmu.Unlock()
+	if c != nil {
 		c.mu.Lock()
-		c.closeLocked(errors.New("proxy closed"))
+		c.closeLocked(errors.New("the broker's connection is gone"))
 		c.mu.Unlock()
 	}
-	p.dmu.Unlock()
+}
+
+// Close releases the driver connections.
+func (p *Proxy) Close() error {
+	p.bmu.Lock()
+	conns := make([]*conn, 0, len(p.bconns))
+	for c := range p.bconns {
+		conns = append(conns, c)
+	}
+	p.bmu.Unlock()
+	for _, c := range conns {
+		p.closeDriverConn(c)
+	}
 	return p.driver.Close()
 }
 

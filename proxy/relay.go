@@ -3,6 +3,7 @@ package proxy
 import (
 	"bufio"
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -10,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
@@ -23,20 +25,44 @@ import (
 // client). A call's frames are read by one connection's reader goroutine and
 // written straight to the other connection: no gRPC stream, no message
 // decoding, no hand-off to another goroutine. Each side keeps its own stream
-// IDs, header compression state and flow-control windows; the proxy credits
-// the sender only for bytes it has passed on, so what it buffers for a slow
-// receiver is bounded by the windows it advertises.
+// IDs, header compression state and flow-control windows.
+//
+// Flow control: a connection's window is credited as soon as DATA is read,
+// so one slow call never holds back the other calls of its connection; a
+// stream's window is credited only once its bytes were passed on, so what
+// the proxy holds for a slow receiver is at most one stream window per call
+// and direction, with at most maxStreams calls per broker connection. A
+// peer that sends beyond the windows the proxy granted is refused with
+// FLOW_CONTROL_ERROR, and one that takes no bytes for writeTimeout is
+// dropped.
 
 const (
 	// Our receive windows, as advertised to both sides.
-	streamWindow = rawgrpc.StreamWindow
+	streamWindow = 256 << 10
 	connWindow   = rawgrpc.ConnWindow
+	// maxStreams caps the concurrent calls of one broker connection (the
+	// broker's gRPC client queues calls beyond it).
+	maxStreams = 1024
+	// maxHeaderList bounds a header block (gRPC metadata) we accept.
+	maxHeaderList = 1 << 20
+	// writeTimeout: a peer that takes no bytes for this long is dropped, so
+	// it cannot hold its connection's lock, and the calls waiting on it,
+	// for ever.
+	writeTimeout = 15 * time.Second
+	// defaultPeerStreams is the driver's stream limit assumed until its
+	// SETTINGS arrive (as x/net's Transport does).
+	defaultPeerStreams = 100
 	// Frames we read are at most this large (the HTTP/2 default, which every
 	// peer must accept, so any frame we read can be written on unchanged).
 	readFrameSize = 16 << 10
 	// initialWindow is HTTP/2's initial window before SETTINGS say otherwise.
 	initialWindow = 65535
-	bufSize       = 32 << 10
+	maxWindow     = 1<<31 - 1
+	// lastStreamID is the highest stream ID a client may open; a driver
+	// connection that comes within idMargin of it is replaced.
+	lastStreamID = 1<<31 - 1
+	idMargin     = 1 << 20
+	bufSize      = 32 << 10
 )
 
 // out is a frame waiting to be written on a leg: DATA (isData) or HEADERS.
@@ -53,17 +79,46 @@ type out struct {
 type leg struct {
 	c           *conn
 	s           *stream
-	id          uint32 // 0 until the stream is opened on c
-	sendWin     int64  // what the peer lets us send on this stream
-	unacked     uint32 // bytes read on this leg and passed on, not yet credited back
-	remoteEnded bool   // the peer sent END_STREAM
-	localEnded  bool   // we sent END_STREAM
-	sentHeaders bool   // we sent the first HEADERS (for the broker leg: response headers)
-	done        bool   // removed from c.streams
+	id          uint32     // 0 until the stream is opened on c
+	sendWin     int64      // what the peer lets us send on this stream
+	recvWin     int64      // what we let the peer send on this stream
+	unacked     uint32     // bytes read on this leg and passed on, not yet credited back
+	msg         msgTracker // gRPC message framing of the DATA sent on this leg
+	remoteEnded bool       // the peer sent END_STREAM
+	localEnded  bool       // we sent END_STREAM
+	sentHeaders bool       // we sent the first HEADERS (for the broker leg: response headers)
+	done        bool       // removed from c.streams
 	pending     []out
 	blocked     bool // in c.blocked
-	waitingOpen bool // in c.waiting
 }
+
+// msgTracker follows the gRPC length-prefixed messages in a byte stream, to
+// tell whether it ends between two messages.
+type msgTracker struct {
+	hdr  [5]byte
+	hdrN int
+	body uint64
+}
+
+func (m *msgTracker) feed(p []byte) {
+	for len(p) > 0 {
+		if m.body > 0 {
+			n := min(uint64(len(p)), m.body)
+			m.body -= n
+			p = p[n:]
+			continue
+		}
+		n := copy(m.hdr[m.hdrN:], p)
+		m.hdrN += n
+		p = p[n:]
+		if m.hdrN == 5 {
+			m.hdrN = 0
+			m.body = uint64(binary.BigEndian.Uint32(m.hdr[1:]))
+		}
+	}
+}
+
+func (m *msgTracker) boundary() bool { return m.hdrN == 0 && m.body == 0 }
 
 // conn is one HTTP/2 connection: to the broker (server side) or to the
 // driver (client side).
@@ -81,10 +136,12 @@ type conn struct {
 	hbuf       bytes.Buffer
 	streams    map[uint32]*leg
 	sendWin    int64  // connection-level window the peer grants
+	recvWin    int64  // connection-level window we grant
 	initWin    int64  // the peer's SETTINGS_INITIAL_WINDOW_SIZE
 	maxFrame   uint32 // the peer's SETTINGS_MAX_FRAME_SIZE
 	maxStreams uint32 // the peer's SETTINGS_MAX_CONCURRENT_STREAMS
-	unacked    uint32 // connection-level bytes passed on, not yet credited back
+	settings   bool   // the peer's first SETTINGS arrived
+	unacked    uint32 // connection-level bytes read, not yet credited back
 	nextID     uint32 // driver side: next stream ID to open
 	lastID     uint32 // broker side: highest stream ID opened by the broker
 	active     int    // driver side: open streams, counted against maxStreams
@@ -92,9 +149,13 @@ type conn struct {
 	blocked    []*leg // legs with pending frames
 	needFlush  bool
 	goingAway  bool // no new streams on this connection
+	draining   bool // broker side: GOAWAY sent, close when idle
 	closed     bool
 	closeErr   error
-	draining   bool // broker side: GOAWAY sent, close when idle
+	wdlSet     time.Time // when the write deadline was last pushed forward
+
+	dconn *conn // broker side: its driver connection (guarded by Proxy.dmu)
+	owner *conn // driver side: the broker connection it serves
 }
 
 func newConn(p *Proxy, nc net.Conn, driver bool, desc string) *conn {
@@ -102,11 +163,13 @@ func newConn(p *Proxy, nc net.Conn, driver bool, desc string) *conn {
 		br:      bufio.NewReaderSize(nc, bufSize),
 		bw:      bufio.NewWriterSize(nc, bufSize),
 		streams: map[uint32]*leg{},
-		sendWin: initialWindow, initWin: initialWindow, maxFrame: readFrameSize, maxStreams: ^uint32(0),
+		sendWin: initialWindow, recvWin: connWindow, initWin: initialWindow,
+		maxFrame: readFrameSize, maxStreams: defaultPeerStreams,
 		nextID: 1,
 	}
 	c.fr = http2.NewFramer(c.bw, c.br)
 	c.fr.SetMaxReadFrameSize(readFrameSize)
+	c.fr.MaxHeaderListSize = maxHeaderList
 	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	c.enc = hpack.NewEncoder(&c.hbuf)
 	return c
@@ -117,14 +180,17 @@ func newConn(p *Proxy, nc net.Conn, driver bool, desc string) *conn {
 func (c *conn) start() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.armWriteDeadline()
 	if c.driver {
 		if _, err := c.bw.WriteString(http2.ClientPreface); err != nil {
 			return err
 		}
 	}
-	settings := []http2.Setting{{ID: http2.SettingInitialWindowSize, Val: streamWindow}}
+	settings := []http2.Setting{{ID: http2.SettingInitialWindowSize, Val: streamWindow}, {ID: http2.SettingMaxHeaderListSize, Val: maxHeaderList}}
 	if c.driver {
 		settings = append(settings, http2.Setting{ID: http2.SettingEnablePush, Val: 0})
+	} else {
+		settings = append(settings, http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: maxStreams})
 	}
 	if err := c.fr.WriteSettings(settings...); err != nil {
 		return err
@@ -133,6 +199,21 @@ func (c *conn) start() error {
 		return err
 	}
 	return c.bw.Flush()
+}
+
+// armWriteDeadline keeps a write deadline ahead of every write; it is
+// pushed forward at most once a second (each push is a timer update).
+func (c *conn) armWriteDeadline() {
+	if now := time.Now(); now.Sub(c.wdlSet) > time.Second {
+		c.nc.SetWriteDeadline(now.Add(writeTimeout))
+		c.wdlSet = now
+	}
+}
+
+// framer returns the framer for a write, with the write deadline armed.
+func (c *conn) framer() *http2.Framer {
+	c.armWriteDeadline()
+	return c.fr
 }
 
 // flusher remembers the connections a reader wrote to, to flush them when
@@ -160,6 +241,7 @@ func (f *flusher) flush() {
 
 func (c *conn) flushLocked() {
 	if c.needFlush && !c.closed {
+		c.armWriteDeadline()
 		if err := c.bw.Flush(); err != nil {
 			c.closeLocked(err)
 		}
@@ -183,6 +265,21 @@ func (c *conn) writeErr(err error) {
 	}
 }
 
+// connErrorLocked ends the connection for a protocol error of the peer's.
+func (c *conn) connErrorLocked(code http2.ErrCode, why string) {
+	if c.closed {
+		return
+	}
+	side := "broker"
+	if c.driver {
+		side = "driver"
+	}
+	c.p.log.Warn("closing a connection whose peer broke HTTP/2", "side", side, "peer", c.desc, "code", code.String(), "why", why)
+	c.framer().WriteGoAway(c.lastID, code, []byte(why))
+	c.bw.Flush()
+	c.closeLocked(fmt.Errorf("%s: %s", code, why))
+}
+
 // writeHeadersLocked encodes fields and writes them as HEADERS (+
 // CONTINUATION) on stream id.
 func (c *conn) writeHeadersLocked(id uint32, fields []hpack.HeaderField, end bool) {
@@ -196,7 +293,7 @@ func (c *conn) writeHeadersLocked(id uint32, fields []hpack.HeaderField, end boo
 	if len(first) > max {
 		first = block[:max]
 	}
-	c.writeErr(c.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: first, EndStream: end, EndHeaders: len(first) == len(block)}))
+	c.writeErr(c.framer().WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: first, EndStream: end, EndHeaders: len(first) == len(block)}))
 	for rest := block[len(first):]; len(rest) > 0; {
 		n := min(len(rest), max)
 		c.writeErr(c.fr.WriteContinuation(id, n == len(rest), rest[:n]))
@@ -213,15 +310,13 @@ type credit struct {
 
 // sendLocked writes o on l, or queues it behind earlier frames or until the
 // windows allow. It returns the bytes of DATA written, to credit back to
-// o.from's connection.
+// o.from's stream.
 func (c *conn) sendLocked(l *leg, o out, credits []credit) []credit {
 	if l.done || l.localEnded || c.closed {
-		// The stream is gone on this side: what was read is dropped, and
-		// credited so the sender's connection window does not shrink.
-		if o.isData && o.from != nil && len(o.data) > 0 {
-			credits = append(credits, credit{o.from, uint32(len(o.data))})
-		}
-		return credits
+		return credits // the stream is gone on this side: dropped
+	}
+	if o.isData && !c.driver {
+		l.msg.feed(o.data)
 	}
 	if len(l.pending) > 0 || l.id == 0 {
 		if o.isData {
@@ -253,16 +348,12 @@ func (c *conn) writeLocked(l *leg, o out, credits []credit) []credit {
 	}
 	data := o.data
 	for {
-		n := int64(len(data))
-		n = min(n, c.sendWin, l.sendWin, int64(c.maxFrame))
-		if n < 0 {
-			n = 0
-		}
-		if n == 0 && len(data) > 0 {
+		n := min(int64(len(data)), c.sendWin, l.sendWin, int64(c.maxFrame))
+		if n <= 0 && len(data) > 0 {
 			break
 		}
 		last := n == int64(len(data))
-		c.writeErr(c.fr.WriteData(l.id, last && o.end, data[:n]))
+		c.writeErr(c.framer().WriteData(l.id, last && o.end, data[:n]))
 		c.needFlush = true
 		c.sendWin -= n
 		l.sendWin -= n
@@ -294,8 +385,7 @@ func (c *conn) drainLocked(l *leg, credits []credit) []credit {
 		before := len(l.pending)
 		credits = c.writeLocked(l, o, credits)
 		if len(l.pending) > before {
-			// Put back, partly written: out of window.
-			return credits
+			return credits // put back, partly written: out of window
 		}
 	}
 	l.pending = nil
@@ -321,7 +411,7 @@ func (c *conn) endedLocked(l *leg) {
 	if !l.remoteEnded && !c.driver {
 		// As a gRPC server does: the call is over, so the caller may stop
 		// sending.
-		c.writeErr(c.fr.WriteRSTStream(l.id, http2.ErrCodeNo))
+		c.writeErr(c.framer().WriteRSTStream(l.id, http2.ErrCodeNo))
 		l.remoteEnded = true
 	}
 	if l.remoteEnded {
@@ -329,24 +419,31 @@ func (c *conn) endedLocked(l *leg) {
 	}
 }
 
-// removeLocked forgets a finished leg.
+// removeLocked forgets a finished leg. Its queued bytes are dropped: the
+// connection windows were credited when they were read, and the stream is
+// over.
 func (c *conn) removeLocked(l *leg) {
 	if l.done {
 		return
 	}
 	l.done = true
 	l.pending = nil
-	if l.id != 0 {
-		delete(c.streams, l.id)
+	if l.id == 0 {
+		// Still waiting for a stream slot: never opened.
+		for i, w := range c.waiting {
+			if w == l {
+				c.waiting = append(c.waiting[:i], c.waiting[i+1:]...)
+				break
+			}
+		}
+		return
 	}
-	if c.driver && l.id != 0 {
+	delete(c.streams, l.id)
+	if c.driver {
 		c.active--
 		c.openWaitingLocked()
 	}
-	if c.goingAway && len(c.streams) == 0 && c.driver {
-		c.closeLocked(errors.New("driver connection drained"))
-	}
-	if c.draining && len(c.streams) == 0 {
+	if (c.goingAway && c.driver || c.draining) && len(c.streams) == 0 && len(c.waiting) == 0 {
 		c.flushLocked()
 		c.closeLocked(errors.New("connection drained"))
 	}
@@ -356,14 +453,13 @@ func (c *conn) removeLocked(l *leg) {
 // driver's concurrent-stream limit is reached.
 func (c *conn) openLocked(l *leg) bool {
 	if uint32(c.active) >= c.maxStreams {
-		l.waitingOpen = true
 		c.waiting = append(c.waiting, l)
 		return false
 	}
 	l.id = c.nextID
 	c.nextID += 2
 	c.active++
-	l.sendWin = c.initWin
+	l.sendWin, l.recvWin = c.initWin, streamWindow
 	c.streams[l.id] = l
 	return true
 }
@@ -372,7 +468,6 @@ func (c *conn) openWaitingLocked() {
 	for len(c.waiting) > 0 && uint32(c.active) < c.maxStreams && !c.closed {
 		l := c.waiting[0]
 		c.waiting = c.waiting[1:]
-		l.waitingOpen = false
 		if l.done {
 			continue
 		}
@@ -390,24 +485,16 @@ func (c *conn) openWaitingLocked() {
 	}
 }
 
-// creditLocked returns n bytes of window for l's stream and connection,
-// in updates of at least a quarter window.
+// creditLocked returns n bytes of l's stream window to its peer, in updates
+// of at least a quarter window.
 func (c *conn) creditLocked(l *leg, n uint32) {
-	if c.closed {
-		return
-	}
-	c.unacked += n
-	if c.unacked >= connWindow/4 {
-		c.writeErr(c.fr.WriteWindowUpdate(0, c.unacked))
-		c.unacked = 0
-		c.needFlush = true
-	}
-	if l.done || l.remoteEnded {
+	if c.closed || l.done || l.remoteEnded {
 		return
 	}
 	l.unacked += n
 	if l.unacked >= streamWindow/4 {
-		c.writeErr(c.fr.WriteWindowUpdate(l.id, l.unacked))
+		c.writeErr(c.framer().WriteWindowUpdate(l.id, l.unacked))
+		l.recvWin += int64(l.unacked)
 		l.unacked = 0
 		c.needFlush = true
 	}
@@ -437,12 +524,18 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 			if errors.As(err, &se) {
 				// A malformed frame on one stream: reset it on both legs.
 				c.mu.Lock()
-				c.writeErr(c.fr.WriteRSTStream(se.StreamID, se.Code))
+				c.writeErr(c.framer().WriteRSTStream(se.StreamID, se.Code))
 				c.needFlush = true
 				c.mu.Unlock()
 				f.mark(c)
 				c.streamReset(se.StreamID, se.Code, &f)
 				continue
+			}
+			var ce http2.ConnectionError
+			if errors.As(err, &ce) {
+				c.mu.Lock()
+				c.connErrorLocked(http2.ErrCode(ce), err.Error())
+				c.mu.Unlock()
 			}
 			f.flush()
 			c.fail(err)
@@ -460,12 +553,12 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 			credits = c.onSettings(fr, credits)
 			f.mark(c)
 		case *http2.WindowUpdateFrame:
-			credits = c.onWindowUpdate(fr, credits)
+			credits = c.onWindowUpdate(fr, credits, &f)
 			f.mark(c)
 		case *http2.PingFrame:
 			if !fr.IsAck() {
 				c.mu.Lock()
-				c.writeErr(c.fr.WritePing(true, fr.Data))
+				c.writeErr(c.framer().WritePing(true, fr.Data))
 				c.needFlush = true
 				c.mu.Unlock()
 				f.mark(c)
@@ -483,25 +576,40 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 // onData passes a DATA frame on to the other leg of its stream.
 func (c *conn) onData(fr *http2.DataFrame, credits []credit, f *flusher) []credit {
 	c.mu.Lock()
-	l := c.streams[fr.StreamID]
-	// Padding is never passed on: credit it now.
-	pad := fr.Length - uint32(len(fr.Data()))
-	if l == nil {
-		// A stream already finished here: its bytes still count against
-		// the connection window.
-		if fr.Length > 0 {
-			c.unacked += fr.Length
-			if c.unacked >= connWindow/4 {
-				c.writeErr(c.fr.WriteWindowUpdate(0, c.unacked))
-				c.unacked = 0
-				c.needFlush = true
-				f.mark(c)
-			}
-		}
+	// The connection window is credited at once: what is held back is
+	// bounded per stream.
+	c.recvWin -= int64(fr.Length)
+	if c.recvWin < 0 {
+		c.connErrorLocked(http2.ErrCodeFlowControl, "DATA beyond the connection window")
 		c.mu.Unlock()
 		return credits
 	}
-	if pad > 0 {
+	c.unacked += fr.Length
+	if c.unacked >= connWindow/4 {
+		c.writeErr(c.framer().WriteWindowUpdate(0, c.unacked))
+		c.recvWin += int64(c.unacked)
+		c.unacked = 0
+		c.needFlush = true
+		f.mark(c)
+	}
+	l := c.streams[fr.StreamID]
+	if l == nil || l.remoteEnded {
+		// A stream already finished here (or DATA after its END_STREAM):
+		// dropped.
+		c.mu.Unlock()
+		return credits
+	}
+	l.recvWin -= int64(fr.Length)
+	if l.recvWin < 0 {
+		c.writeErr(c.framer().WriteRSTStream(fr.StreamID, http2.ErrCodeFlowControl))
+		c.needFlush = true
+		c.mu.Unlock()
+		f.mark(c)
+		c.streamReset(fr.StreamID, http2.ErrCodeFlowControl, f)
+		return credits
+	}
+	// Padding is never passed on: credit it now.
+	if pad := fr.Length - uint32(len(fr.Data())); pad > 0 {
 		credits = append(credits, credit{l, pad})
 	}
 	end := fr.StreamEnded()
@@ -515,14 +623,13 @@ func (c *conn) onData(fr *http2.DataFrame, credits []credit, f *flusher) []credi
 	c.mu.Unlock()
 
 	if s.local != nil {
-		// A call the proxy answers itself: keep the request.
+		// A call the proxy answers itself: keep the request (bounded).
 		credits = append(credits, credit{l, uint32(len(fr.Data()))})
 		s.local.add(fr.Data(), end)
 		return credits
 	}
 	other := s.other(l)
 	if other == nil {
-		credits = append(credits, credit{l, uint32(len(fr.Data()))})
 		return credits
 	}
 	oc := other.c
@@ -577,13 +684,10 @@ func (c *conn) resetLeg(l *leg, code http2.ErrCode) {
 	if l.done || c.closed {
 		return
 	}
-	if l.id == 0 {
-		// Still waiting for a stream slot: never opened.
-		l.done = true
-		return
+	if l.id != 0 {
+		c.writeErr(c.framer().WriteRSTStream(l.id, code))
+		c.needFlush = true
 	}
-	c.writeErr(c.fr.WriteRSTStream(l.id, code))
-	c.needFlush = true
 	l.localEnded, l.remoteEnded = true, true
 	c.removeLocked(l)
 }
@@ -594,10 +698,22 @@ func (c *conn) onSettings(fr *http2.SettingsFrame, credits []credit) []credit {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	fr.ForeachSetting(func(s http2.Setting) error {
+	if !c.settings {
+		c.settings = true
+		c.maxStreams = ^uint32(0) // no limit unless the peer states one
+	}
+	err := fr.ForeachSetting(func(s http2.Setting) error {
+		if err := s.Valid(); err != nil {
+			return err
+		}
 		switch s.ID {
 		case http2.SettingInitialWindowSize:
 			delta := int64(s.Val) - c.initWin
+			for _, l := range c.streams {
+				if l.sendWin+delta > maxWindow {
+					return http2.ConnectionError(http2.ErrCodeFlowControl)
+				}
+			}
 			c.initWin = int64(s.Val)
 			for _, l := range c.streams {
 				l.sendWin += delta
@@ -614,7 +730,16 @@ func (c *conn) onSettings(fr *http2.SettingsFrame, credits []credit) []credit {
 		}
 		return nil
 	})
-	c.writeErr(c.fr.WriteSettingsAck())
+	if err != nil {
+		code := http2.ErrCodeProtocol
+		var ce http2.ConnectionError
+		if errors.As(err, &ce) {
+			code = http2.ErrCode(ce)
+		}
+		c.connErrorLocked(code, "SETTINGS: "+err.Error())
+		return credits
+	}
+	c.writeErr(c.framer().WriteSettingsAck())
 	c.needFlush = true
 	if c.driver {
 		c.openWaitingLocked()
@@ -622,19 +747,35 @@ func (c *conn) onSettings(fr *http2.SettingsFrame, credits []credit) []credit {
 	return c.drainBlockedLocked(credits)
 }
 
-func (c *conn) onWindowUpdate(fr *http2.WindowUpdateFrame, credits []credit) []credit {
+func (c *conn) onWindowUpdate(fr *http2.WindowUpdateFrame, credits []credit, f *flusher) []credit {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	if fr.StreamID == 0 {
+		if c.sendWin+int64(fr.Increment) > maxWindow {
+			c.connErrorLocked(http2.ErrCodeFlowControl, "connection window beyond 2^31-1")
+			c.mu.Unlock()
+			return credits
+		}
 		c.sendWin += int64(fr.Increment)
-		return c.drainBlockedLocked(credits)
+		credits = c.drainBlockedLocked(credits)
+		c.mu.Unlock()
+		return credits
 	}
 	l := c.streams[fr.StreamID]
 	if l == nil {
+		c.mu.Unlock()
+		return credits
+	}
+	if l.sendWin+int64(fr.Increment) > maxWindow {
+		c.writeErr(c.framer().WriteRSTStream(fr.StreamID, http2.ErrCodeFlowControl))
+		c.needFlush = true
+		c.mu.Unlock()
+		c.streamReset(fr.StreamID, http2.ErrCodeFlowControl, f)
 		return credits
 	}
 	l.sendWin += int64(fr.Increment)
-	return c.drainLocked(l, credits)
+	credits = c.drainLocked(l, credits)
+	c.mu.Unlock()
+	return credits
 }
 
 // onGoAway: the broker closes its connection (nothing to do until its
@@ -651,7 +792,6 @@ func (c *conn) onGoAway(fr *http2.GoAwayFrame, f *flusher) {
 			}
 		}
 		refused = append(refused, c.waiting...)
-		c.waiting = nil
 	}
 	for _, l := range refused {
 		l.remoteEnded, l.localEnded = true, true
@@ -683,7 +823,6 @@ func (c *conn) fail(err error) {
 		legs = append(legs, l)
 	}
 	legs = append(legs, c.waiting...)
-	c.waiting = nil
 	for _, l := range legs {
 		l.remoteEnded, l.localEnded = true, true
 		c.removeLocked(l)
@@ -691,8 +830,6 @@ func (c *conn) fail(err error) {
 	c.mu.Unlock()
 	if c.driver {
 		c.p.dropDriverConn(c)
-	} else {
-		c.p.forgetBrokerConn(c)
 	}
 	var f flusher
 	for _, l := range legs {
@@ -711,6 +848,10 @@ func (c *conn) fail(err error) {
 		}
 	}
 	f.flush()
+	if !c.driver {
+		c.p.closeDriverConn(c)
+		c.p.forgetBrokerConn(c)
+	}
 }
 
 func describeConnErr(err error) string {

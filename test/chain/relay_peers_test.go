@@ -1,0 +1,218 @@
+package chain
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"encoding/binary"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc"
+
+	"github.com/csibroker/csibroker/internal/chaintest"
+	"github.com/csibroker/csibroker/internal/mtls"
+)
+
+// Peers that break HTTP/2's rules, played by a raw HTTP/2 client holding a
+// broker certificate: the proxy must refuse them without growing or
+// hanging, and without affecting other connections.
+
+// rawBroker is an HTTP/2 client over mTLS that writes frames as told and
+// reports what the proxy sends.
+type rawBroker struct {
+	fr     *http2.Framer
+	enc    *hpack.Encoder
+	hbuf   bytes.Buffer
+	frames chan http2.Frame // RST_STREAM, GOAWAY and HEADERS frames received
+	closed chan struct{}
+}
+
+func dialRawBroker(t *testing.T, c *chaintest.Chain, read bool, settings ...http2.Setting) *rawBroker {
+	t.Helper()
+	now := time.Now()
+	m, err := c.CA.IssueMaterial(mtls.Leaf{ID: mtls.BrokerID(chaintest.TrustDomain), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tc, err := tls.Dial("tcp", c.ProxyAddr, mtls.ClientConfig(mtls.StaticSource{M: m}, mtls.AuthorizeOneOf(mtls.DriverID(chaintest.TrustDomain, echoName))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tc.Close() })
+	if _, err := tc.Write([]byte(http2.ClientPreface)); err != nil {
+		t.Fatal(err)
+	}
+	r := &rawBroker{fr: http2.NewFramer(tc, tc), frames: make(chan http2.Frame, 64), closed: make(chan struct{})}
+	r.enc = hpack.NewEncoder(&r.hbuf)
+	r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	if err := r.fr.WriteSettings(settings...); err != nil {
+		t.Fatal(err)
+	}
+	if read {
+		go func() {
+			defer close(r.closed)
+			for {
+				f, err := r.fr.ReadFrame()
+				if err != nil {
+					return
+				}
+				switch f.(type) {
+				case *http2.RSTStreamFrame, *http2.GoAwayFrame, *http2.MetaHeadersFrame:
+					select {
+					case r.frames <- f:
+					default:
+					}
+				}
+			}
+		}()
+	}
+	return r
+}
+
+func (r *rawBroker) headers(id uint32, path string, end bool) {
+	r.hbuf.Reset()
+	for _, f := range []hpack.HeaderField{{Name: ":method", Value: "POST"}, {Name: ":scheme", Value: "https"}, {Name: ":path", Value: path},
+		{Name: ":authority", Value: "proxy"}, {Name: "content-type", Value: "application/grpc"}, {Name: "te", Value: "trailers"}} {
+		r.enc.WriteField(f)
+	}
+	r.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: r.hbuf.Bytes(), EndHeaders: true, EndStream: end})
+}
+
+// wait returns the first received frame ok accepts, or fails after 5 s.
+func (r *rawBroker) wait(t *testing.T, what string, ok func(http2.Frame) bool) http2.Frame {
+	t.Helper()
+	timeout := time.After(5 * time.Second)
+	for {
+		select {
+		case f := <-r.frames:
+			if ok(f) {
+				return f
+			}
+		case <-timeout:
+			t.Fatalf("the proxy never sent %s", what)
+			return nil
+		}
+	}
+}
+
+func heapMiB() int64 {
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return int64(ms.HeapAlloc >> 20)
+}
+
+// TestRelayRefusesDataBeyondItsWindow: a broker that ignores flow control
+// sends 64 MiB into a call whose driver does not read; the proxy resets the
+// stream with FLOW_CONTROL_ERROR and holds no more than its window.
+func TestRelayRefusesDataBeyondItsWindow(t *testing.T) {
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	serveDriver(t, path, grpc.StreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		time.Sleep(20 * time.Second)
+		return h(srv, ss)
+	}))
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
+	r := dialRawBroker(t, c, true)
+	before := heapMiB()
+	r.headers(1, "/csi.v1.SnapshotMetadata/GetMetadataAllocated", false)
+	chunk := make([]byte, 16<<10)
+	binary.BigEndian.PutUint32(chunk[1:], 1<<30)
+	for i := 0; i < 64*64; i++ {
+		if err := r.fr.WriteData(1, false, chunk); err != nil {
+			break // the proxy may close the connection as well
+		}
+	}
+	r.wait(t, "RST_STREAM(FLOW_CONTROL_ERROR) or GOAWAY(FLOW_CONTROL_ERROR)", func(f http2.Frame) bool {
+		switch f := f.(type) {
+		case *http2.RSTStreamFrame:
+			return f.StreamID == 1 && f.ErrCode == http2.ErrCodeFlowControl
+		case *http2.GoAwayFrame:
+			return f.ErrCode == http2.ErrCodeFlowControl
+		}
+		return false
+	})
+	if grew := heapMiB() - before; grew > 8 {
+		t.Fatalf("heap grew by %d MiB after a peer sent 64 MiB beyond the windows", grew)
+	}
+}
+
+// TestRelayBoundsItsOwnCalls: 64 MiB sent into GetInfo (answered by the
+// proxy itself) ends the call with ResourceExhausted, holding nothing.
+func TestRelayBoundsItsOwnCalls(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	r := dialRawBroker(t, c, true, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1 << 20})
+	before := heapMiB()
+	r.headers(1, "/csibroker.proxyinfo.v1.ProxyInfo/GetInfo", false)
+	chunk := make([]byte, 16<<10)
+	for i := 0; i < 64*64; i++ {
+		if err := r.fr.WriteData(1, false, chunk); err != nil {
+			break
+		}
+	}
+	r.wait(t, "grpc-status 8 (ResourceExhausted)", func(f http2.Frame) bool {
+		h, ok := f.(*http2.MetaHeadersFrame)
+		return ok && headerValue(h.Fields, "grpc-status") == "8"
+	})
+	if grew := heapMiB() - before; grew > 8 {
+		t.Fatalf("heap grew by %d MiB", grew)
+	}
+}
+
+func headerValue(fields []hpack.HeaderField, name string) string {
+	for _, f := range fields {
+		if f.Name == name {
+			return f.Value
+		}
+	}
+	return ""
+}
+
+// TestRelayRefusesInvalidSettings: SETTINGS_MAX_FRAME_SIZE 0 is a protocol
+// error: GOAWAY, and the proxy goes on serving other connections.
+func TestRelayRefusesInvalidSettings(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	r := dialRawBroker(t, c, true, http2.Setting{ID: http2.SettingMaxFrameSize, Val: 0})
+	r.headers(1, "/not.csi/"+strings.Repeat("x", 10), true)
+	r.wait(t, "GOAWAY(PROTOCOL_ERROR)", func(f http2.Frame) bool {
+		g, ok := f.(*http2.GoAwayFrame)
+		return ok && g.ErrCode == http2.ErrCodeProtocol
+	})
+	select {
+	case <-r.closed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the proxy kept the connection open")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := csi.NewControllerClient(brokerConn(t, c)).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "after"}); err != nil {
+		t.Fatalf("call on a good connection: %v", err)
+	}
+}
+
+// TestRelayStuckBrokerStallsNoOtherBroker: a broker connection that stops
+// reading (windows granted, a hung or partitioned peer) must not hold back
+// calls of another broker connection.
+func TestRelayStuckBrokerStallsNoOtherBroker(t *testing.T) {
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	serveDriver(t, path)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
+	r := dialRawBroker(t, c, false, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1<<31 - 1})
+	r.fr.WriteWindowUpdate(0, 1<<31-1-65535)
+	r.headers(1, "/csi.v1.SnapshotMetadata/GetMetadataAllocated", false)
+	r.fr.WriteData(1, true, []byte{0, 0, 0, 0, 3, 0x0a, 1, 's'}) // GetMetadataAllocatedRequest{snapshot_id: "s"}
+	time.Sleep(2 * time.Second)                                   // ~7 MB of answer fills the socket buffers
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := csi.NewControllerClient(brokerConn(t, c)).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "small"}); err != nil {
+		t.Fatalf("call on another broker connection while one broker does not read: %v", err)
+	}
+}
