@@ -209,7 +209,7 @@ func TestRelayStuckBrokerStallsNoOtherBroker(t *testing.T) {
 	r.fr.WriteWindowUpdate(0, 1<<31-1-65535)
 	r.headers(1, "/csi.v1.SnapshotMetadata/GetMetadataAllocated", false)
 	r.fr.WriteData(1, true, []byte{0, 0, 0, 0, 3, 0x0a, 1, 's'}) // GetMetadataAllocatedRequest{snapshot_id: "s"}
-	time.Sleep(2 * time.Second)                                   // ~7 MB of answer fills the socket buffers
+	time.Sleep(2 * time.Second)                                  // ~7 MB of answer fills the socket buffers
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if _, err := csi.NewControllerClient(brokerConn(t, c)).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "small"}); err != nil {
