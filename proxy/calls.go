@@ -108,10 +108,7 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 		// Trailers from the caller: gRPC clients do not send them, but
 		// HTTP/2 allows them; pass them on.
 		if end {
-			l.remoteEnded = true
-			if l.localEnded {
-				c.removeLocked(l)
-			}
+			c.remoteEndedLocked(l)
 		}
 		s := l.s
 		c.mu.Unlock()

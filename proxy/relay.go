@@ -405,6 +405,14 @@ func (c *conn) drainBlockedLocked(credits []credit) []credit {
 	return credits
 }
 
+// remoteEndedLocked notes that l's peer sent END_STREAM.
+func (c *conn) remoteEndedLocked(l *leg) {
+	l.remoteEnded = true
+	if l.localEnded {
+		c.removeLocked(l)
+	}
+}
+
 // endedLocked notes that we sent END_STREAM on l.
 func (c *conn) endedLocked(l *leg) {
 	l.localEnded = true
@@ -614,10 +622,7 @@ func (c *conn) onData(fr *http2.DataFrame, credits []credit, f *flusher) []credi
 	}
 	end := fr.StreamEnded()
 	if end {
-		l.remoteEnded = true
-		if l.localEnded {
-			c.removeLocked(l)
-		}
+		c.remoteEndedLocked(l)
 	}
 	s := l.s
 	c.mu.Unlock()

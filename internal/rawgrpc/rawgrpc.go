@@ -2,9 +2,9 @@
 // that carries raw frames, and helpers that copy a call from a server stream to
 // a client stream with its metadata, headers, trailers and status untouched.
 //
-// The proxy uses it for every CSI service (so services added to the spec later
-// pass through unchanged) and the broker's front ends use it to hand frames to
-// the driver's connection.
+// The broker's front ends use it to hand every CSI call (so services added
+// to the spec later pass through unchanged) to the driver's connection. The
+// proxy does not: it relays HTTP/2 frames itself (proxy/relay.go).
 package rawgrpc
 
 import (

@@ -2,8 +2,8 @@ package rawgrpc
 
 import "google.golang.org/grpc"
 
-// Window sizes of the HTTP/2 connections csibroker owns (front ends, broker →
-// proxy, proxy → driver). Setting them explicitly turns off gRPC's
+// Window sizes of the gRPC connections csibroker owns (front ends, broker →
+// proxy; the proxy's relay advertises its own, proxy/relay.go). Setting them explicitly turns off gRPC's
 // bandwidth-delay estimator, which otherwise answers received DATA frames with
 // PING frames: on a hop that carries small request/response pairs that is an
 // extra write and an extra wake-up of the peer per call, for a window that
