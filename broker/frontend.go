@@ -8,15 +8,12 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
-	"time"
+	"sync"
 
 	_ "github.com/container-storage-interface/spec/lib/go/csi" // registers the CSI services for routing and sanitized logging
-	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
@@ -33,23 +30,11 @@ const (
 )
 
 // frontEnd serves CSI to ordinary CSI clients and forwards every call, as raw
-// frames, through the driver's client chain.
+// frames, through the driver's client chain (h2front.go speaks HTTP/2).
 type frontEnd struct {
 	b      *Broker
-	driver string // fixed driver for a per-driver socket; empty: from metadata
-}
-
-func (b *Broker) newFrontEndServer(fe *frontEnd, extra ...grpc.ServerOption) *grpc.Server {
-	opts := append([]grpc.ServerOption{
-		rawgrpc.ServerOption(),
-		grpc.UnknownServiceHandler(fe.handle),
-		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(b.opts.TracerProvider), otelgrpc.WithPropagators(b.opts.Propagator))),
-		grpc.MaxRecvMsgSize(b.opts.MaxMsgSize),
-		grpc.MaxSendMsgSize(b.opts.MaxMsgSize),
-		grpc.NumStreamWorkers(uint32(32 * runtime.GOMAXPROCS(0))),
-	}, rawgrpc.ServerTransportOptions()...)
-	opts = append(opts, extra...)
-	return grpc.NewServer(opts...)
+	driver string   // fixed driver for a per-driver socket; empty: from metadata
+	kinds  sync.Map // method path → unary (bool), for methods the registry knows
 }
 
 // ServeSocket serves driver's CSI front end on a unix socket at path until
@@ -70,9 +55,8 @@ func (b *Broker) ServeSocket(ctx context.Context, driver, path string) error {
 		return fmt.Errorf("front end for %s: %w", driver, err)
 	}
 	defer os.Remove(path)
-	srv := b.newFrontEndServer(&frontEnd{b: b, driver: driver})
 	b.log.Info("CSI front end serving", "driver", driver, "socket", path)
-	return serveUntil(ctx, srv, lis)
+	return newFEServer(&frontEnd{b: b, driver: driver}, nil).serve(ctx, lis)
 }
 
 // ServeTCP serves the shared mTLS front end on lis: callers name the driver
@@ -81,27 +65,8 @@ func (b *Broker) ServeTCP(ctx context.Context, lis net.Listener, tlsCfg *tls.Con
 	if tlsCfg == nil {
 		return errors.New("TCP front end: TLS is required")
 	}
-	srv := b.newFrontEndServer(&frontEnd{b: b}, grpc.Creds(credentials.NewTLS(tlsCfg)))
 	b.log.Info("CSI TCP front end serving", "listen", lis.Addr().String())
-	return serveUntil(ctx, srv, lis)
-}
-
-func serveUntil(ctx context.Context, srv *grpc.Server, lis net.Listener) error {
-	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(lis) }()
-	select {
-	case err := <-errc:
-		return err
-	case <-ctx.Done():
-	}
-	done := make(chan struct{})
-	go func() { srv.GracefulStop(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		srv.Stop()
-	}
-	return nil
+	return newFEServer(&frontEnd{b: b}, tlsCfg).serve(ctx, lis)
 }
 
 func firstMD(md metadata.MD, k string) string {
@@ -111,41 +76,42 @@ func firstMD(md metadata.MD, k string) string {
 	return ""
 }
 
-func (fe *frontEnd) handle(_ any, srv grpc.ServerStream) error {
-	method, ok := grpc.MethodFromServerStream(srv)
-	if !ok {
-		return status.Error(codes.Internal, "csibroker: no method in stream")
+// isUnary says whether a method is unary, by the protobuf registry (the CSI
+// spec registers its services); methods it does not know are streamed.
+func (fe *frontEnd) isUnary(method string) bool {
+	if v, ok := fe.kinds.Load(method); ok {
+		return v.(bool)
 	}
+	known, cs, ss := rawgrpc.MethodKind(method)
+	if !known {
+		return false
+	}
+	fe.kinds.Store(method, !cs && !ss)
+	return !cs && !ss
+}
+
+// route picks the connection for a call from its method and the caller's
+// metadata; its errors are the statuses the caller gets.
+func (fe *frontEnd) route(method string, md metadata.MD) (grpc.ClientConnInterface, error) {
 	if !strings.HasPrefix(method, "/csi.") {
-		return status.Errorf(codes.Unimplemented, "csibroker: %s is not a CSI method", method)
+		return nil, status.Errorf(codes.Unimplemented, "csibroker: %s is not a CSI method", method)
 	}
-	md, _ := metadata.FromIncomingContext(srv.Context())
 	name := fe.driver
 	if name == "" {
 		name = firstMD(md, MetadataDriver)
 		if name == "" {
-			return status.Errorf(codes.InvalidArgument, "csibroker: name the driver with the %s request metadata key", MetadataDriver)
+			return nil, status.Errorf(codes.InvalidArgument, "csibroker: name the driver with the %s request metadata key", MetadataDriver)
 		}
 	}
 	d, err := fe.b.Driver(name)
 	if err != nil {
-		return status.Errorf(codes.NotFound, "csibroker: %v", err)
+		return nil, status.Errorf(codes.NotFound, "csibroker: %v", err)
 	}
 	conn, err := d.Route(method, firstMD(md, MetadataNode))
 	if err != nil {
-		return status.Errorf(codes.FailedPrecondition, "csibroker: %v", err)
+		return nil, status.Errorf(codes.FailedPrecondition, "csibroker: %v", err)
 	}
-	ctx := rawgrpc.OutgoingContext(srv.Context())
-	if known, cs, ss := rawgrpc.MethodKind(method); known && !cs && !ss {
-		return rawgrpc.ForwardUnary(ctx, srv, conn, method)
-	}
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	cs, err := conn.NewStream(ctx, rawgrpc.StreamDesc, method, rawgrpc.CallOption())
-	if err != nil {
-		return err
-	}
-	return rawgrpc.ForwardStream(srv, cs)
+	return conn, nil
 }
 
 // Route picks the proxy connection for a CSI method. Node-service calls go to

@@ -9,7 +9,6 @@ import (
 	"io"
 	"net"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -890,22 +889,7 @@ func statusFields(headersSent bool, code codes.Code, msg string) []hpack.HeaderF
 	}
 	f = append(f, hpack.HeaderField{Name: "grpc-status", Value: strconv.Itoa(int(code))})
 	if msg != "" {
-		f = append(f, hpack.HeaderField{Name: "grpc-message", Value: encodeGRPCMessage(msg)})
+		f = append(f, hpack.HeaderField{Name: "grpc-message", Value: rawgrpc.EncodeStatusMessage(msg)})
 	}
 	return f
-}
-
-// encodeGRPCMessage percent-encodes a status message as gRPC's wire format
-// requires.
-func encodeGRPCMessage(msg string) string {
-	var b strings.Builder
-	for i := 0; i < len(msg); i++ {
-		ch := msg[i]
-		if ch >= 0x20 && ch <= 0x7e && ch != '%' {
-			b.WriteByte(ch)
-			continue
-		}
-		fmt.Fprintf(&b, "%%%02X", ch)
-	}
-	return b.String()
 }

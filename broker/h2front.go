@@ -1,0 +1,1031 @@
+package broker
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/tls"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	otelcodes "go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/csibroker/csibroker/internal/rawgrpc"
+)
+
+// The front end speaks HTTP/2 itself instead of running a gRPC server: a
+// connection's reader goroutine reads frames, a unary call is handed to a
+// goroutine of its own once its request is whole, and that goroutine calls
+// the driver's client chain (timeout, retry, tracing, metrics, sanitized
+// logging) and writes the answer straight to the socket. A gRPC server
+// would add a hand-off to a stream worker, one to its writer goroutine per
+// frame group, and its own per-call bookkeeping; on this hop that was about
+// as much work as a whole call to a driver. Streaming methods (and methods
+// of services this binary does not know) are copied message by message
+// through a client stream of the chain.
+//
+// Flow control: the connection window is credited as DATA arrives. A unary
+// request is kept whole (at most MaxMsgSize), so its stream window is
+// credited as it arrives too; a streaming request's bytes are credited once
+// they were sent on, so what is held for it is at most one stream window.
+// Answers respect the caller's windows.
+
+const (
+	feStreamWindow = rawgrpc.StreamWindow
+	feConnWindow   = rawgrpc.ConnWindow
+	// feMaxStreams caps the concurrent calls of one caller connection; the
+	// caller's gRPC queues calls beyond it.
+	feMaxStreams = 1024
+	// feMaxHeaderList bounds a request's header block (its metadata).
+	feMaxHeaderList = 1 << 20
+	// feWriteTimeout: a caller that takes no bytes for this long loses its
+	// connection, so it cannot hold the connection's lock for ever.
+	feWriteTimeout = 15 * time.Second
+	// feHandshakeTimeout bounds the TLS handshake and the client preface.
+	feHandshakeTimeout = 10 * time.Second
+	feBufSize          = 32 << 10
+	feInitialWindow    = 65535
+	feMaxWindow        = 1<<31 - 1
+)
+
+// feServer serves one front end (a driver's socket, or the shared TCP
+// listener) until its context ends.
+type feServer struct {
+	fe  *frontEnd
+	tls *tls.Config // nil: plain (unix socket)
+
+	mu       sync.Mutex
+	conns    map[*feConn]struct{}
+	stopping bool
+	wg       sync.WaitGroup
+}
+
+func newFEServer(fe *frontEnd, tlsCfg *tls.Config) *feServer {
+	if tlsCfg != nil {
+		tlsCfg = tlsCfg.Clone()
+		if !slices.Contains(tlsCfg.NextProtos, "h2") {
+			tlsCfg.NextProtos = append(tlsCfg.NextProtos, "h2")
+		}
+	}
+	return &feServer{fe: fe, tls: tlsCfg, conns: map[*feConn]struct{}{}}
+}
+
+// serve accepts callers on lis until ctx is done, then lets the calls in
+// flight finish (at most 10 s) and returns.
+func (s *feServer) serve(ctx context.Context, lis net.Listener) error {
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		select {
+		case <-ctx.Done():
+			lis.Close()
+		case <-stop:
+		}
+	}()
+	var delay time.Duration
+	for {
+		nc, err := lis.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				s.shutdown()
+				return nil
+			}
+			if errors.Is(err, net.ErrClosed) {
+				s.shutdown()
+				return err
+			}
+			// Out of file descriptors and the like: wait and go on, as
+			// net/http and gRPC servers do.
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			s.fe.b.log.Warn("CSI front end: accept failed; retrying", "err", err, "delay", delay)
+			time.Sleep(delay)
+			continue
+		}
+		delay = 0
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.serveConn(nc)
+		}()
+	}
+}
+
+// shutdown sends every connection GOAWAY, waits for their calls, and
+// closes what is left after 10 s.
+func (s *feServer) shutdown() {
+	s.mu.Lock()
+	s.stopping = true
+	conns := make([]*feConn, 0, len(s.conns))
+	for c := range s.conns {
+		conns = append(conns, c)
+	}
+	s.mu.Unlock()
+	for _, c := range conns {
+		c.goAway()
+	}
+	done := make(chan struct{})
+	go func() { s.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return
+	case <-time.After(10 * time.Second):
+	}
+	s.mu.Lock()
+	for c := range s.conns {
+		c.mu.Lock()
+		c.closeLocked(errors.New("front end stopped"))
+		c.mu.Unlock()
+	}
+	s.mu.Unlock()
+	<-done
+}
+
+func (s *feServer) serveConn(nc net.Conn) {
+	if s.tls != nil {
+		tc := tls.Server(nc, s.tls)
+		ctx, cancel := context.WithTimeout(context.Background(), feHandshakeTimeout)
+		err := tc.HandshakeContext(ctx)
+		cancel()
+		if err != nil {
+			s.fe.b.log.Info("CSI front end: TLS handshake failed", "remote", nc.RemoteAddr().String(), "err", err)
+			nc.Close()
+			return
+		}
+		nc = tc
+	}
+	c := newFEConn(s, nc)
+	s.mu.Lock()
+	if s.stopping {
+		s.mu.Unlock()
+		nc.Close()
+		return
+	}
+	s.conns[c] = struct{}{}
+	s.mu.Unlock()
+	c.run()
+	s.mu.Lock()
+	delete(s.conns, c)
+	s.mu.Unlock()
+}
+
+// feConn is one caller's HTTP/2 connection. The reader goroutine reads
+// frames without the lock; every write holds mu.
+type feConn struct {
+	s  *feServer
+	nc net.Conn
+	br *bufio.Reader
+	fr *http2.Framer
+
+	mu        sync.Mutex
+	cond      *sync.Cond // windows grew, a stream ended, or the connection closed
+	bw        *bufio.Writer
+	enc       *hpack.Encoder
+	hbuf      bytes.Buffer
+	streams   map[uint32]*feStream
+	sendWin   int64  // what the caller lets us send on the connection
+	recvWin   int64  // what we let the caller send on the connection
+	unacked   uint32 // connection bytes read, not yet credited back
+	initWin   int64  // the caller's SETTINGS_INITIAL_WINDOW_SIZE
+	maxFrame  uint32 // the caller's SETTINGS_MAX_FRAME_SIZE
+	lastID    uint32
+	goingAway bool
+	closed    bool
+	needFlush bool
+	wdlSet    time.Time
+}
+
+// feStream is one call. Fields other than in are guarded by c.mu.
+type feStream struct {
+	id          uint32
+	method      string
+	fields      []hpack.HeaderField
+	unary       bool
+	req         []byte // a unary call's request, as it arrives
+	tooBig      bool   // the unary request passed MaxMsgSize; its bytes are dropped
+	in          *feInput
+	ctx         context.Context
+	cancel      context.CancelFunc
+	sendWin     int64
+	recvWin     int64
+	unacked     uint32
+	remoteEnded bool
+	localEnded  bool
+	reset       bool
+	contentType string
+}
+
+func newFEConn(s *feServer, nc net.Conn) *feConn {
+	c := &feConn{s: s, nc: nc,
+		br:      bufio.NewReaderSize(nc, feBufSize),
+		bw:      bufio.NewWriterSize(nc, feBufSize),
+		streams: map[uint32]*feStream{},
+		sendWin: feInitialWindow, recvWin: feConnWindow, initWin: feInitialWindow, maxFrame: 16 << 10,
+	}
+	c.cond = sync.NewCond(&c.mu)
+	c.fr = http2.NewFramer(c.bw, c.br)
+	c.fr.SetMaxReadFrameSize(16 << 10)
+	c.fr.MaxHeaderListSize = feMaxHeaderList
+	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	c.enc = hpack.NewEncoder(&c.hbuf)
+	return c
+}
+
+func (c *feConn) run() {
+	c.nc.SetReadDeadline(time.Now().Add(feHandshakeTimeout))
+	preface := make([]byte, len(http2.ClientPreface))
+	if _, err := io.ReadFull(c.br, preface); err != nil || string(preface) != http2.ClientPreface {
+		c.nc.Close()
+		return
+	}
+	c.nc.SetReadDeadline(time.Time{})
+	c.mu.Lock()
+	c.armWriteDeadline()
+	c.writeErr(c.fr.WriteSettings(
+		http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: feMaxStreams},
+		http2.Setting{ID: http2.SettingInitialWindowSize, Val: feStreamWindow},
+		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: feMaxHeaderList}))
+	c.writeErr(c.fr.WriteWindowUpdate(0, feConnWindow-feInitialWindow))
+	c.writeErr(c.bw.Flush())
+	c.mu.Unlock()
+
+	err := c.readLoop()
+	c.mu.Lock()
+	c.closeLocked(err)
+	c.mu.Unlock()
+}
+
+func (c *feConn) readLoop() error {
+	for {
+		fr, err := c.fr.ReadFrame()
+		if err != nil {
+			var se http2.StreamError
+			if errors.As(err, &se) {
+				c.mu.Lock()
+				c.writeErr(c.fr.WriteRSTStream(se.StreamID, se.Code))
+				c.needFlush = true
+				c.resetLocked(c.streams[se.StreamID])
+				c.mu.Unlock()
+				continue
+			}
+			var ce http2.ConnectionError
+			if errors.As(err, &ce) {
+				c.mu.Lock()
+				c.connErrorLocked(http2.ErrCode(ce), err.Error())
+				c.mu.Unlock()
+			}
+			return err
+		}
+		c.mu.Lock()
+		switch fr := fr.(type) {
+		case *http2.MetaHeadersFrame:
+			c.onHeadersLocked(fr)
+		case *http2.DataFrame:
+			c.onDataLocked(fr)
+		case *http2.RSTStreamFrame:
+			c.resetLocked(c.streams[fr.StreamID])
+		case *http2.SettingsFrame:
+			c.onSettingsLocked(fr)
+		case *http2.WindowUpdateFrame:
+			c.onWindowUpdateLocked(fr)
+		case *http2.PingFrame:
+			if !fr.IsAck() {
+				c.writeErr(c.framer().WritePing(true, fr.Data))
+				c.needFlush = true
+			}
+		case *http2.GoAwayFrame:
+			// The caller opens no more streams; those open finish.
+		}
+		if c.br.Buffered() == 0 {
+			c.flushLocked()
+		}
+		closed := c.closed
+		c.mu.Unlock()
+		if closed {
+			return errors.New("connection closed")
+		}
+	}
+}
+
+// armWriteDeadline keeps a write deadline ahead of every write, pushed
+// forward at most once a second.
+func (c *feConn) armWriteDeadline() {
+	if now := time.Now(); now.Sub(c.wdlSet) > time.Second {
+		c.nc.SetWriteDeadline(now.Add(feWriteTimeout))
+		c.wdlSet = now
+	}
+}
+
+func (c *feConn) framer() *http2.Framer {
+	c.armWriteDeadline()
+	return c.fr
+}
+
+func (c *feConn) writeErr(err error) {
+	if err != nil {
+		c.closeLocked(err)
+	}
+}
+
+func (c *feConn) flushLocked() {
+	if c.needFlush && !c.closed {
+		c.armWriteDeadline()
+		c.writeErr(c.bw.Flush())
+	}
+	c.needFlush = false
+}
+
+// closeLocked closes the socket and cancels every call still on it.
+func (c *feConn) closeLocked(error) {
+	if c.closed {
+		return
+	}
+	c.closed = true
+	c.nc.Close()
+	for id, st := range c.streams {
+		st.reset = true
+		if st.cancel != nil {
+			st.cancel()
+		}
+		if st.in != nil {
+			st.in.abort()
+		}
+		delete(c.streams, id)
+	}
+	c.cond.Broadcast()
+}
+
+func (c *feConn) connErrorLocked(code http2.ErrCode, why string) {
+	if c.closed {
+		return
+	}
+	c.s.fe.b.log.Warn("CSI front end: closing a connection whose caller broke HTTP/2", "code", code.String(), "why", why)
+	c.framer().WriteGoAway(c.lastID, code, []byte(why))
+	c.bw.Flush()
+	c.closeLocked(fmt.Errorf("%s: %s", code, why))
+}
+
+// goAway tells the caller to open no more streams; the connection closes
+// once its calls are done.
+func (c *feConn) goAway() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed || c.goingAway {
+		return
+	}
+	c.goingAway = true
+	c.writeErr(c.framer().WriteGoAway(c.lastID, http2.ErrCodeNo, nil))
+	c.needFlush = true
+	c.flushLocked()
+	if len(c.streams) == 0 {
+		c.closeLocked(errors.New("front end stopped"))
+	}
+}
+
+// resetLocked ends a call the caller reset (or whose frames were bad).
+func (c *feConn) resetLocked(st *feStream) {
+	if st == nil {
+		return
+	}
+	st.reset, st.remoteEnded, st.localEnded = true, true, true
+	if st.cancel != nil {
+		st.cancel()
+	}
+	if st.in != nil {
+		st.in.abort()
+	}
+	c.removeLocked(st)
+	c.cond.Broadcast()
+}
+
+func (c *feConn) removeLocked(st *feStream) {
+	if c.streams[st.id] != st {
+		return
+	}
+	delete(c.streams, st.id)
+	if c.goingAway && len(c.streams) == 0 {
+		c.flushLocked()
+		c.closeLocked(errors.New("connection drained"))
+	}
+}
+
+func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
+	id := fr.StreamID
+	end := fr.StreamEnded()
+	if st := c.streams[id]; st != nil {
+		// Trailers from the caller: gRPC clients send none; they end the
+		// request.
+		if end {
+			c.endRequestLocked(st)
+		}
+		return
+	}
+	if id%2 == 0 || id <= c.lastID {
+		c.connErrorLocked(http2.ErrCodeProtocol, fmt.Sprintf("stream %d opened out of order", id))
+		return
+	}
+	c.lastID = id
+	if c.goingAway || len(c.streams) >= feMaxStreams {
+		c.writeErr(c.framer().WriteRSTStream(id, http2.ErrCodeRefusedStream))
+		c.needFlush = true
+		return
+	}
+	path := fr.PseudoValue("path")
+	st := &feStream{id: id, method: path, fields: fr.RegularFields(), sendWin: c.initWin, recvWin: feStreamWindow}
+	ct := headerValue(st.fields, "content-type")
+	if fr.PseudoValue("method") != "POST" || !strings.HasPrefix(ct, "application/grpc") {
+		// Not a gRPC call: answered as a gRPC server does.
+		c.writeHeadersLocked(id, []hpack.HeaderField{{Name: ":status", Value: "415"}}, true)
+		if !end {
+			c.writeErr(c.framer().WriteRSTStream(id, http2.ErrCodeNo))
+		}
+		return
+	}
+	st.contentType = ct
+	st.remoteEnded = end
+	c.streams[id] = st
+	st.unary = c.s.fe.isUnary(path)
+	if st.unary {
+		if end {
+			go c.serveUnary(st)
+		}
+		return
+	}
+	st.in = &feInput{max: c.s.fe.b.opts.MaxMsgSize}
+	st.in.cond = sync.NewCond(&st.in.mu)
+	if end {
+		st.in.push(nil, true)
+	}
+	go c.serveStream(st)
+}
+
+func (c *feConn) endRequestLocked(st *feStream) {
+	if st.remoteEnded {
+		return
+	}
+	st.remoteEnded = true
+	if st.unary {
+		go c.serveUnary(st)
+	} else {
+		st.in.push(nil, true)
+	}
+	if st.localEnded {
+		c.removeLocked(st)
+	}
+}
+
+func (c *feConn) onDataLocked(fr *http2.DataFrame) {
+	n := fr.Length
+	c.recvWin -= int64(n)
+	if c.recvWin < 0 {
+		c.connErrorLocked(http2.ErrCodeFlowControl, "DATA beyond the connection window")
+		return
+	}
+	c.unacked += n
+	if c.unacked >= feConnWindow/4 {
+		c.writeErr(c.framer().WriteWindowUpdate(0, c.unacked))
+		c.recvWin += int64(c.unacked)
+		c.unacked = 0
+		c.needFlush = true
+	}
+	st := c.streams[fr.StreamID]
+	if st == nil || st.remoteEnded {
+		return
+	}
+	st.recvWin -= int64(n)
+	if st.recvWin < 0 {
+		c.writeErr(c.framer().WriteRSTStream(st.id, http2.ErrCodeFlowControl))
+		c.needFlush = true
+		c.resetLocked(st)
+		return
+	}
+	data := fr.Data()
+	if st.unary {
+		// A unary request is kept whole, bounded by MaxMsgSize: its
+		// window is credited as it arrives.
+		if len(st.req)+len(data) > c.s.fe.b.opts.MaxMsgSize+5 {
+			st.tooBig, st.req = true, nil
+		}
+		if !st.tooBig {
+			st.req = append(st.req, data...)
+		}
+		c.creditLocked(st, n)
+	} else {
+		// Padding is never passed on: credited now; the rest once sent on.
+		if pad := n - uint32(len(data)); pad > 0 {
+			c.creditLocked(st, pad)
+		}
+		st.in.push(bytes.Clone(data), false)
+	}
+	if fr.StreamEnded() {
+		c.endRequestLocked(st)
+	}
+}
+
+// creditLocked returns n bytes of st's window, in updates of at least a
+// quarter window.
+func (c *feConn) creditLocked(st *feStream, n uint32) {
+	if c.closed || st.remoteEnded || st.reset {
+		return
+	}
+	st.unacked += n
+	if st.unacked >= feStreamWindow/4 {
+		c.writeErr(c.framer().WriteWindowUpdate(st.id, st.unacked))
+		st.recvWin += int64(st.unacked)
+		st.unacked = 0
+		c.needFlush = true
+	}
+}
+
+func (c *feConn) onSettingsLocked(fr *http2.SettingsFrame) {
+	if fr.IsAck() {
+		return
+	}
+	err := fr.ForeachSetting(func(s http2.Setting) error {
+		if err := s.Valid(); err != nil {
+			return err
+		}
+		switch s.ID {
+		case http2.SettingInitialWindowSize:
+			delta := int64(s.Val) - c.initWin
+			for _, st := range c.streams {
+				if st.sendWin+delta > feMaxWindow {
+					return http2.ConnectionError(http2.ErrCodeFlowControl)
+				}
+			}
+			c.initWin = int64(s.Val)
+			for _, st := range c.streams {
+				st.sendWin += delta
+			}
+		case http2.SettingMaxFrameSize:
+			c.maxFrame = s.Val
+		case http2.SettingHeaderTableSize:
+			c.enc.SetMaxDynamicTableSizeLimit(s.Val)
+		}
+		return nil
+	})
+	if err != nil {
+		code := http2.ErrCodeProtocol
+		var ce http2.ConnectionError
+		if errors.As(err, &ce) {
+			code = http2.ErrCode(ce)
+		}
+		c.connErrorLocked(code, "SETTINGS: "+err.Error())
+		return
+	}
+	c.writeErr(c.framer().WriteSettingsAck())
+	c.needFlush = true
+	c.cond.Broadcast()
+}
+
+func (c *feConn) onWindowUpdateLocked(fr *http2.WindowUpdateFrame) {
+	if fr.StreamID == 0 {
+		if c.sendWin+int64(fr.Increment) > feMaxWindow {
+			c.connErrorLocked(http2.ErrCodeFlowControl, "connection window beyond 2^31-1")
+			return
+		}
+		c.sendWin += int64(fr.Increment)
+		c.cond.Broadcast()
+		return
+	}
+	st := c.streams[fr.StreamID]
+	if st == nil {
+		return
+	}
+	if st.sendWin+int64(fr.Increment) > feMaxWindow {
+		c.writeErr(c.framer().WriteRSTStream(st.id, http2.ErrCodeFlowControl))
+		c.needFlush = true
+		c.resetLocked(st)
+		return
+	}
+	st.sendWin += int64(fr.Increment)
+	c.cond.Broadcast()
+}
+
+// writeHeadersLocked encodes fields and writes them as HEADERS (+
+// CONTINUATION) on stream id.
+func (c *feConn) writeHeadersLocked(id uint32, fields []hpack.HeaderField, end bool) {
+	c.hbuf.Reset()
+	for _, f := range fields {
+		c.enc.WriteField(f)
+	}
+	block := c.hbuf.Bytes()
+	maxF := int(c.maxFrame)
+	first := block[:min(len(block), maxF)]
+	c.writeErr(c.framer().WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: first, EndStream: end, EndHeaders: len(first) == len(block)}))
+	for rest := block[len(first):]; len(rest) > 0; {
+		n := min(len(rest), maxF)
+		c.writeErr(c.fr.WriteContinuation(id, n == len(rest), rest[:n]))
+		rest = rest[n:]
+	}
+	c.needFlush = true
+}
+
+// errCallGone: the caller reset the call or its connection closed.
+var errCallGone = errors.New("the caller is gone")
+
+// sendHeaders writes a call's response headers.
+func (c *feConn) sendHeaders(st *feStream, md metadata.MD) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if st.reset || c.closed {
+		return errCallGone
+	}
+	fields := append(make([]hpack.HeaderField, 0, 2+len(md)), hpack.HeaderField{Name: ":status", Value: "200"}, hpack.HeaderField{Name: "content-type", Value: st.contentType})
+	c.writeHeadersLocked(st.id, appendMD(fields, md), false)
+	return nil
+}
+
+// sendMessage writes one gRPC message within the caller's windows, waiting
+// for them to open.
+func (c *feConn) sendMessage(st *feStream, payload []byte) error {
+	var prefix [5]byte
+	binary.BigEndian.PutUint32(prefix[1:], uint32(len(payload)))
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err := c.sendDataLocked(st, prefix[:]); err != nil {
+		return err
+	}
+	return c.sendDataLocked(st, payload)
+}
+
+func (c *feConn) sendDataLocked(st *feStream, data []byte) error {
+	for len(data) > 0 {
+		if st.reset || c.closed {
+			return errCallGone
+		}
+		n := min(int64(len(data)), c.sendWin, st.sendWin, int64(c.maxFrame))
+		if n <= 0 {
+			// Flush what is written before waiting for the caller.
+			c.flushLocked()
+			c.cond.Wait()
+			continue
+		}
+		c.writeErr(c.framer().WriteData(st.id, false, data[:n]))
+		c.needFlush = true
+		c.sendWin -= n
+		st.sendWin -= n
+		data = data[n:]
+	}
+	return nil
+}
+
+// finish writes the call's status in trailers (alone, if no headers were
+// sent), flushes, and forgets the call.
+func (c *feConn) finish(st *feStream, headersSent bool, err error, trailer metadata.MD) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if st.reset || c.closed {
+		return
+	}
+	s := status.Convert(err)
+	fields := make([]hpack.HeaderField, 0, 5+len(trailer))
+	if !headersSent {
+		fields = append(fields, hpack.HeaderField{Name: ":status", Value: "200"}, hpack.HeaderField{Name: "content-type", Value: st.contentType})
+	}
+	fields = append(fields, hpack.HeaderField{Name: "grpc-status", Value: strconv.Itoa(int(s.Code()))})
+	if msg := s.Message(); msg != "" {
+		fields = append(fields, hpack.HeaderField{Name: "grpc-message", Value: rawgrpc.EncodeStatusMessage(msg)})
+	}
+	if p := s.Proto(); p != nil && len(p.Details) > 0 {
+		if b, merr := proto.Marshal(p); merr == nil {
+			fields = append(fields, hpack.HeaderField{Name: "grpc-status-details-bin", Value: rawgrpc.EncodeBinaryHeader(string(b))})
+		}
+	}
+	c.writeHeadersLocked(st.id, appendMD(fields, trailer), true)
+	st.localEnded = true
+	if !st.remoteEnded {
+		// As a gRPC server does: the call is over, so the caller may stop
+		// sending.
+		c.writeErr(c.framer().WriteRSTStream(st.id, http2.ErrCodeNo))
+		st.remoteEnded = true
+		if st.in != nil {
+			st.in.abort()
+		}
+	}
+	c.flushLocked()
+	c.removeLocked(st)
+}
+
+// credit returns n bytes of a streaming call's window once they were sent
+// on.
+func (c *feConn) credit(st *feStream, n int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.creditLocked(st, uint32(n))
+	c.flushLocked()
+}
+
+// appendMD adds metadata to header fields, "-bin" values encoded.
+func appendMD(fields []hpack.HeaderField, md metadata.MD) []hpack.HeaderField {
+	for k, vs := range md {
+		if rawgrpc.Reserved(k) {
+			continue
+		}
+		bin := strings.HasSuffix(k, "-bin")
+		for _, v := range vs {
+			if bin {
+				v = rawgrpc.EncodeBinaryHeader(v)
+			}
+			fields = append(fields, hpack.HeaderField{Name: k, Value: v})
+		}
+	}
+	return fields
+}
+
+func headerValue(fields []hpack.HeaderField, name string) string {
+	for _, hf := range fields {
+		if hf.Name == name {
+			return hf.Value
+		}
+	}
+	return ""
+}
+
+// mdCarrier lets OpenTelemetry propagators read and write metadata.
+type mdCarrier metadata.MD
+
+func (m mdCarrier) Get(key string) string {
+	if v := metadata.MD(m).Get(key); len(v) > 0 {
+		return v[0]
+	}
+	return ""
+}
+
+func (m mdCarrier) Set(key, value string) { metadata.MD(m).Set(key, value) }
+
+func (m mdCarrier) Keys() []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	return keys
+}
+
+// begin makes a call's context: the caller's deadline, its metadata for the
+// next hop, and a server span that continues the caller's trace.
+func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, error) {
+	in := metadata.MD{}
+	var trErr error
+	var timeout time.Duration
+	for _, hf := range st.fields {
+		switch {
+		case hf.Name == "grpc-timeout":
+			d, err := rawgrpc.ParseTimeout(hf.Value)
+			if err != nil {
+				trErr = status.Errorf(codes.Internal, "csibroker: %v", err)
+			}
+			timeout = d
+		case hf.Name == "grpc-encoding" && hf.Value != "identity":
+			trErr = status.Errorf(codes.Unimplemented, "csibroker: compressed requests (grpc-encoding %q) are not supported", hf.Value)
+		case strings.HasSuffix(hf.Name, "-bin"):
+			vs, err := rawgrpc.DecodeBinaryHeader(hf.Value)
+			if err != nil {
+				trErr = status.Errorf(codes.Internal, "csibroker: metadata %s: malformed binary value", hf.Name)
+				continue
+			}
+			in[hf.Name] = append(in[hf.Name], vs...)
+		default:
+			in[hf.Name] = append(in[hf.Name], hf.Value)
+		}
+	}
+	b := c.s.fe.b
+	ctx := b.opts.Propagator.Extract(context.Background(), mdCarrier(in))
+	ctx, span := b.tracer.Start(ctx, strings.TrimPrefix(st.method, "/"), trace.WithSpanKind(trace.SpanKindServer),
+		trace.WithAttributes(attribute.String("rpc.system.name", "grpc"), attribute.String("rpc.method", strings.TrimPrefix(st.method, "/"))))
+	out := make(metadata.MD, len(in))
+	for k, v := range in {
+		if !rawgrpc.Reserved(k) {
+			out[k] = v
+		}
+	}
+	ctx = metadata.NewOutgoingContext(ctx, out)
+	var cancel context.CancelFunc
+	if timeout > 0 {
+		ctx, cancel = context.WithTimeout(ctx, timeout)
+	} else {
+		ctx, cancel = context.WithCancel(ctx)
+	}
+	c.mu.Lock()
+	st.ctx, st.cancel = ctx, cancel
+	gone := st.reset || c.closed
+	c.mu.Unlock()
+	if gone {
+		cancel()
+	}
+	return ctx, in, span, trErr
+}
+
+func endSpan(span trace.Span, err error) {
+	code := status.Code(err)
+	span.SetAttributes(attribute.String("rpc.response.status_code", code.String()))
+	switch code {
+	case codes.Unknown, codes.DeadlineExceeded, codes.Unimplemented, codes.Internal, codes.Unavailable, codes.DataLoss:
+		span.SetStatus(otelcodes.Error, code.String())
+	}
+	span.End()
+}
+
+// serveUnary calls the chain with a whole request and writes the answer.
+func (c *feConn) serveUnary(st *feStream) {
+	ctx, md, span, err := c.begin(st)
+	defer st.cancel()
+	var hdr, trl metadata.MD
+	resp := &rawgrpc.Frame{}
+	if err == nil {
+		err = c.callUnary(ctx, st, md, resp, &hdr, &trl)
+	}
+	headersSent := false
+	if err == nil || len(hdr) > 0 {
+		if herr := c.sendHeaders(st, hdr); herr != nil {
+			endSpan(span, status.Error(codes.Canceled, herr.Error()))
+			return
+		}
+		headersSent = true
+	}
+	if err == nil {
+		if werr := c.sendMessage(st, resp.Payload); werr != nil {
+			endSpan(span, status.Error(codes.Canceled, werr.Error()))
+			return
+		}
+	}
+	c.finish(st, headersSent, err, trl)
+	endSpan(span, err)
+}
+
+func (c *feConn) callUnary(ctx context.Context, st *feStream, md metadata.MD, resp *rawgrpc.Frame, hdr, trl *metadata.MD) error {
+	maxMsg := c.s.fe.b.opts.MaxMsgSize
+	req := st.req
+	switch {
+	case st.tooBig:
+		return status.Errorf(codes.ResourceExhausted, "csibroker: received message larger than max (%d bytes)", maxMsg)
+	case len(req) < 5:
+		return status.Error(codes.Internal, "csibroker: the request holds no message")
+	case req[0] != 0:
+		return status.Error(codes.Unimplemented, "csibroker: compressed requests are not supported")
+	case int(binary.BigEndian.Uint32(req[1:5])) != len(req)-5:
+		return status.Error(codes.Internal, "csibroker: a unary request must hold exactly one message")
+	}
+	conn, err := c.s.fe.route(st.method, md)
+	if err != nil {
+		return err
+	}
+	return conn.Invoke(ctx, st.method, &rawgrpc.Frame{Payload: req[5:]}, resp, rawgrpc.CallOption(), grpc.Header(hdr), grpc.Trailer(trl))
+}
+
+// serveStream copies a streaming call message by message through a client
+// stream of the chain.
+func (c *feConn) serveStream(st *feStream) {
+	ctx, md, span, err := c.begin(st)
+	defer st.cancel()
+	var cs grpc.ClientStream
+	if err == nil {
+		var conn grpc.ClientConnInterface
+		if conn, err = c.s.fe.route(st.method, md); err == nil {
+			cs, err = conn.NewStream(ctx, rawgrpc.StreamDesc, st.method, rawgrpc.CallOption())
+		}
+	}
+	if err != nil {
+		c.finish(st, false, err, nil)
+		endSpan(span, err)
+		return
+	}
+	// Requests: from the caller to the next hop, credited once sent on.
+	upErr := make(chan error, 1)
+	go func() {
+		for {
+			msg, n, err := st.in.next()
+			if err != nil {
+				if errors.Is(err, io.EOF) {
+					upErr <- cs.CloseSend()
+				} else {
+					// A bad request: its status is the call's (sent
+					// before the cancel, so the reader below finds it).
+					upErr <- err
+					st.cancel()
+				}
+				return
+			}
+			c.credit(st, n)
+			if err := cs.SendMsg(&rawgrpc.Frame{Payload: msg}); err != nil {
+				// The next hop ended the call; its status comes from RecvMsg.
+				upErr <- nil
+				return
+			}
+		}
+	}()
+	headersSent := false
+	if hdr, herr := cs.Header(); herr == nil {
+		if err := c.sendHeaders(st, hdr); err != nil {
+			endSpan(span, status.Error(codes.Canceled, err.Error()))
+			return
+		}
+		headersSent = true
+	}
+	for {
+		f := &rawgrpc.Frame{}
+		rerr := cs.RecvMsg(f)
+		if rerr != nil {
+			if errors.Is(rerr, io.EOF) {
+				rerr = nil
+			}
+			// The request side's own error, if it already has one, is the
+			// call's; never wait for a caller that has not half-closed.
+			select {
+			case uerr := <-upErr:
+				if uerr != nil && !errors.Is(uerr, io.EOF) {
+					rerr = uerr
+				}
+			default:
+			}
+			c.finish(st, headersSent, rerr, cs.Trailer())
+			endSpan(span, rerr)
+			return
+		}
+		if !headersSent {
+			if err := c.sendHeaders(st, nil); err != nil {
+				endSpan(span, status.Error(codes.Canceled, err.Error()))
+				return
+			}
+			headersSent = true
+		}
+		if err := c.sendMessage(st, f.Payload); err != nil {
+			endSpan(span, status.Error(codes.Canceled, err.Error()))
+			return
+		}
+	}
+}
+
+// feInput holds a streaming call's request bytes until they are sent on.
+type feInput struct {
+	mu      sync.Mutex
+	cond    *sync.Cond
+	buf     []byte
+	ended   bool
+	aborted bool
+	max     int
+}
+
+func (in *feInput) push(p []byte, end bool) {
+	in.mu.Lock()
+	in.buf = append(in.buf, p...)
+	in.ended = in.ended || end
+	in.mu.Unlock()
+	in.cond.Broadcast()
+}
+
+func (in *feInput) abort() {
+	in.mu.Lock()
+	in.aborted = true
+	in.mu.Unlock()
+	in.cond.Broadcast()
+}
+
+// next returns the next whole message and the bytes it took (to credit),
+// io.EOF once the caller half-closed between messages.
+func (in *feInput) next() ([]byte, int, error) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	for {
+		if in.aborted {
+			return nil, 0, status.Error(codes.Canceled, "csibroker: the caller reset the call")
+		}
+		if len(in.buf) >= 5 {
+			if in.buf[0] != 0 {
+				return nil, 0, status.Error(codes.Unimplemented, "csibroker: compressed requests are not supported")
+			}
+			n := int(binary.BigEndian.Uint32(in.buf[1:5]))
+			if n > in.max {
+				return nil, 0, status.Errorf(codes.ResourceExhausted, "csibroker: received message larger than max (%d vs. %d bytes)", n, in.max)
+			}
+			if len(in.buf) >= 5+n {
+				msg := bytes.Clone(in.buf[5 : 5+n])
+				in.buf = in.buf[5+n:]
+				return msg, 5 + n, nil
+			}
+		}
+		if in.ended {
+			if len(in.buf) == 0 {
+				return nil, 0, io.EOF
+			}
+			return nil, 0, status.Error(codes.Internal, "csibroker: the request ended inside a message")
+		}
+		in.cond.Wait()
+	}
+}

@@ -1,0 +1,88 @@
+package rawgrpc
+
+import (
+	"encoding/base64"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// gRPC's wire conventions on HTTP/2, for the hops that speak HTTP/2
+// themselves (the broker's front end, the proxy's relay) instead of going
+// through a gRPC server. grpc-go keeps these helpers internal.
+
+// Reserved says whether a header is set by gRPC itself or by tracing per
+// hop, and so is never copied from one hop to the next as metadata.
+func Reserved(k string) bool { return reserved(k) }
+
+// EncodeStatusMessage percent-encodes a status message as the grpc-message
+// header requires.
+func EncodeStatusMessage(msg string) string {
+	var b strings.Builder
+	for i := 0; i < len(msg); i++ {
+		ch := msg[i]
+		if ch >= 0x20 && ch <= 0x7e && ch != '%' {
+			b.WriteByte(ch)
+			continue
+		}
+		fmt.Fprintf(&b, "%%%02X", ch)
+	}
+	return b.String()
+}
+
+// ParseTimeout reads a grpc-timeout header value: at most eight digits and
+// a unit (H, M, S, m, u, n).
+func ParseTimeout(v string) (time.Duration, error) {
+	if len(v) < 2 || len(v) > 9 {
+		return 0, fmt.Errorf("grpc-timeout %q: want 1 to 8 digits and a unit", v)
+	}
+	n, err := strconv.ParseInt(v[:len(v)-1], 10, 64)
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("grpc-timeout %q: not a number of units", v)
+	}
+	var unit time.Duration
+	switch v[len(v)-1] {
+	case 'H':
+		unit = time.Hour
+	case 'M':
+		unit = time.Minute
+	case 'S':
+		unit = time.Second
+	case 'm':
+		unit = time.Millisecond
+	case 'u':
+		unit = time.Microsecond
+	case 'n':
+		unit = time.Nanosecond
+	default:
+		return 0, fmt.Errorf("grpc-timeout %q: unknown unit", v)
+	}
+	if unit > time.Nanosecond && n > int64(1<<63-1)/int64(unit) {
+		return 1<<63 - 1, nil
+	}
+	return time.Duration(n) * unit, nil
+}
+
+// DecodeBinaryHeader decodes the value of a "-bin" header: base64, padded
+// or not; several values may be joined by commas.
+func DecodeBinaryHeader(v string) ([]string, error) {
+	parts := strings.Split(v, ",")
+	out := make([]string, 0, len(parts))
+	for _, p := range parts {
+		enc := base64.RawStdEncoding
+		if len(p)%4 == 0 {
+			enc = base64.StdEncoding
+		}
+		b, err := enc.DecodeString(p)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, string(b))
+	}
+	return out, nil
+}
+
+// EncodeBinaryHeader encodes one value of a "-bin" header as gRPC does
+// (base64 without padding).
+func EncodeBinaryHeader(v string) string { return base64.RawStdEncoding.EncodeToString([]byte(v)) }
