@@ -58,6 +58,14 @@ func (e *echoDriver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 	e.mu.Unlock()
 	p := req.GetParameters()
 	grpc.SetHeader(ctx, metadata.Pairs("x-test-header", "h-"+req.GetName()))
+	// Request metadata named x-echo-md* comes back in the response headers.
+	if in, ok := metadata.FromIncomingContext(ctx); ok {
+		for k, v := range in {
+			if strings.HasPrefix(k, "x-echo-md") {
+				grpc.SetHeader(ctx, metadata.MD{k: v})
+			}
+		}
+	}
 	grpc.SetTrailer(ctx, metadata.Pairs("x-test-trailer", "t-"+req.GetName()))
 	if ms, err := strconv.Atoi(p["sleep-ms"]); err == nil {
 		time.Sleep(time.Duration(ms) * time.Millisecond)

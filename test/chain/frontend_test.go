@@ -1,0 +1,100 @@
+package chain
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/encoding/gzip"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/csibroker/csibroker/internal/chaintest"
+)
+
+// TestFrontEndRefusesCompressedRequests: the front end relays messages
+// undecoded, so a compressed request is refused with a status saying why,
+// and the caller's connection keeps serving uncompressed calls.
+func TestFrontEndRefusesCompressedRequests(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "gz"}, grpc.UseCompressor(gzip.Name))
+	if status.Code(err) != codes.Unimplemented || !strings.Contains(status.Convert(err).Message(), "compressed") {
+		t.Fatalf("compressed request: err = %v, want Unimplemented naming compression", err)
+	}
+	resp, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "plain"})
+	if err != nil || resp.GetVolume().GetVolumeId() != "id-plain" {
+		t.Fatalf("plain request after a refused one: %v, %v", resp, err)
+	}
+}
+
+// TestFrontEndBinaryMetadata: "-bin" metadata crosses the front end as
+// bytes both ways (base64 on the wire of each hop, decoded in between), and
+// text metadata with it.
+func TestFrontEndBinaryMetadata(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	raw := string([]byte{0, 1, 2, 0xfe, 0xff, ',', '='})
+	ctx = metadata.AppendToOutgoingContext(ctx, "x-echo-md-bin", raw, "x-echo-md", "text value")
+	var hdr, trl metadata.MD
+	if _, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "md"}, grpc.Header(&hdr), grpc.Trailer(&trl)); err != nil {
+		t.Fatal(err)
+	}
+	if got := hdr.Get("x-test-header"); len(got) != 1 || got[0] != "h-md" {
+		t.Errorf("header x-test-header = %q", got)
+	}
+	if got := trl.Get("x-test-trailer"); len(got) != 1 || got[0] != "t-md" {
+		t.Errorf("trailer x-test-trailer = %q", got)
+	}
+	if got := hdr.Get("x-echo-md-bin"); len(got) != 1 || got[0] != raw {
+		t.Errorf("binary metadata came back as %q, want %q", got, raw)
+	}
+	if got := hdr.Get("x-echo-md"); len(got) != 1 || got[0] != "text value" {
+		t.Errorf("text metadata came back as %q", got)
+	}
+}
+
+// TestFrontEndDrainsOnStop: stopping the broker's front end lets a call in
+// flight finish with its answer, and the socket then refuses new callers.
+func TestFrontEndDrainsOnStop(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "warm"}); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "slow", Parameters: map[string]string{"sleep-ms": "500"}})
+		done <- err
+	}()
+	time.Sleep(150 * time.Millisecond) // the slow call is at the driver
+	stopped := make(chan struct{})
+	go func() { c.Stop(); close(stopped) }()
+	if err := <-done; err != nil {
+		t.Fatalf("call in flight while the front end stopped: %v", err)
+	}
+	select {
+	case <-stopped:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the chain did not stop after its last call")
+	}
+	fresh := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	cctx, ccancel := context.WithTimeout(context.Background(), time.Second)
+	defer ccancel()
+	if _, err := fresh.CreateVolume(cctx, &csi.CreateVolumeRequest{Name: "late"}); err == nil {
+		t.Fatal("a call after the front end stopped succeeded")
+	}
+}
