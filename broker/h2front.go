@@ -469,8 +469,12 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 		}
 		return
 	}
-	if id%2 == 0 || id <= c.lastID {
-		c.connErrorLocked(http2.ErrCodeProtocol, fmt.Sprintf("stream %d opened out of order", id))
+	if id%2 == 0 {
+		c.connErrorLocked(http2.ErrCodeProtocol, fmt.Sprintf("the caller opened stream %d, an even ID", id))
+		return
+	}
+	if id <= c.lastID {
+		// A stream already finished here: its late frames are dropped.
 		return
 	}
 	c.lastID = id

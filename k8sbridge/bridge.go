@@ -46,6 +46,15 @@ type Config struct {
 	// relist after a watch expires) then never waits behind object writes,
 	// nor writes behind it. Defaults to Client.
 	InformerClient kubernetes.Interface
+	// IntentClient and IntentBudget, set together: IntentClient reaches the
+	// API server like Client but without a rate limiter, and IntentBudget
+	// is Client's rate limiter. The intent record then takes each
+	// request's token from Client's budget before it cuts its batch, so a
+	// write that waited behind PV writes carries every claim that arrived
+	// meanwhile (IntentStore.UseBudget). Unset: the record writes through
+	// Client.
+	IntentClient kubernetes.Interface
+	IntentBudget interface{ Wait(context.Context) error }
 
 	Drivers Drivers
 	Policy  SecretPolicy
@@ -241,6 +250,9 @@ func New(cfg Config) (*Bridge, error) {
 	b.recorder = b.broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "csibroker", Host: cfg.Identity})
 	b.caps = &capsCache{drivers: cfg.Drivers}
 	b.intents = NewIntentStore(cfg.Client, cfg.Namespace, "csibroker-intents", b.log)
+	if cfg.IntentClient != nil && cfg.IntentBudget != nil {
+		b.intents.UseBudget(cfg.IntentClient, cfg.IntentBudget.Wait)
+	}
 
 	b.prov = newProvisioner(b)
 	b.del = newDeleter(b)

@@ -79,6 +79,9 @@ type IntentStore struct {
 	// removeDelay: Removes alone are written once no Add has arrived for
 	// this long.
 	removeDelay time.Duration
+	// wait, when set, takes a token of the objects' client budget before
+	// each request; client then does not wait again (see UseBudget).
+	wait func(context.Context) error
 
 	mu       sync.Mutex
 	cond     chan struct{} // closed and replaced when work is queued
@@ -158,6 +161,33 @@ func NewIntentStore(client kubernetes.Interface, namespace, name string, log *sl
 		maxEntries: 1500, maxBytes: 900 << 10, batch: defaultBatch, removeDelay: 2 * time.Second,
 		cond: make(chan struct{}), adds: map[string]*pendingAdd{}, removes: map[string]bool{},
 	}
+}
+
+// UseBudget makes the record's requests take their tokens from wait (the
+// objects' rate limiter) before they are built, and go out through client,
+// which must not wait again. A write is then cut when its token is granted,
+// not when it starts waiting: at a low --kube-api-qps a write queues behind
+// the PV creations already waiting for tokens, and every Add that arrives
+// meanwhile goes in it instead of in the next write. The requests still
+// count against the same budget.
+func (s *IntentStore) UseBudget(client kubernetes.Interface, wait func(context.Context) error) {
+	s.client, s.wait = client, wait
+}
+
+// take waits for a token for one request of the record; a token taken in
+// advance (*prepaid) is used first.
+func (s *IntentStore) take(ctx context.Context, prepaid *bool) error {
+	if s.wait == nil {
+		return nil
+	}
+	if prepaid != nil && *prepaid {
+		*prepaid = false
+		return nil
+	}
+	if err := s.wait(ctx); err != nil {
+		return fmt.Errorf("intent record %s/%s: wait for the client budget: %w", s.namespace, s.name, err)
+	}
+	return nil
 }
 
 // Writes is how many API writes the store made.
@@ -253,7 +283,7 @@ func (s *IntentStore) Has(volumeName string) bool {
 // start-up and for recovery), without the entries this store has been asked
 // to remove and has not written yet.
 func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
-	cm, err := s.get(ctx)
+	cm, err := s.get(ctx, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -288,14 +318,23 @@ func decodeIntents(cm *corev1.ConfigMap, log *slog.Logger) []Intent {
 	return out
 }
 
-func (s *IntentStore) get(ctx context.Context) (*corev1.ConfigMap, error) {
+func (s *IntentStore) get(ctx context.Context, prepaid *bool) (*corev1.ConfigMap, error) {
+	if err := s.take(ctx, prepaid); err != nil {
+		return nil, err
+	}
 	cm, err := s.client.CoreV1().ConfigMaps(s.namespace).Get(ctx, s.name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
+		if err := s.take(ctx, nil); err != nil {
+			return nil, err
+		}
 		cm, err = s.client.CoreV1().ConfigMaps(s.namespace).Create(ctx, &corev1.ConfigMap{
 			ObjectMeta: metav1.ObjectMeta{Name: s.name, Namespace: s.namespace, Labels: map[string]string{"app.kubernetes.io/managed-by": "csibroker"},
 				Annotations: map[string]string{"csibroker.io/purpose": "volumes being created; entries are removed when their PV exists or the volume is deleted"}},
 		}, metav1.CreateOptions{})
 		if apierrors.IsAlreadyExists(err) {
+			if err := s.take(ctx, nil); err != nil {
+				return nil, err
+			}
 			cm, err = s.client.CoreV1().ConfigMaps(s.namespace).Get(ctx, s.name, metav1.GetOptions{})
 		}
 	}
@@ -338,6 +377,10 @@ func (s *IntentStore) Run(ctx context.Context) {
 				// Decide again: the Adds may have been removed meanwhile.
 			}
 			continue
+		}
+		if ctx.Err() != nil {
+			s.failAll(ctx.Err())
+			return
 		}
 		s.flush(ctx)
 	}
@@ -384,6 +427,14 @@ func (s *IntentStore) failAll(err error) {
 
 // flush writes every queued change in one update (re-reading on conflict).
 func (s *IntentStore) flush(ctx context.Context) {
+	// The first request's token is taken before the batch is cut, so the
+	// batch holds what arrived while it waited.
+	prepaid := s.wait != nil
+	if prepaid {
+		if err := s.wait(ctx); err != nil {
+			return // ctx is done: Run fails what is queued
+		}
+	}
 	s.mu.Lock()
 	adds, removes := s.adds, s.removes
 	s.adds, s.removes = map[string]*pendingAdd{}, map[string]bool{}
@@ -399,7 +450,7 @@ func (s *IntentStore) flush(ctx context.Context) {
 	var err error
 	for attempt := 0; attempt < 5; attempt++ {
 		if !loaded || cached == nil {
-			if cached, err = s.get(ctx); err != nil {
+			if cached, err = s.get(ctx, &prepaid); err != nil {
 				break
 			}
 			loaded = true
@@ -441,6 +492,9 @@ func (s *IntentStore) flush(ctx context.Context) {
 			delete(adds, k)
 		}
 		var updated *corev1.ConfigMap
+		if err = s.take(ctx, &prepaid); err != nil {
+			break
+		}
 		updated, err = s.client.CoreV1().ConfigMaps(s.namespace).Update(ctx, cm, metav1.UpdateOptions{})
 		s.mu.Lock()
 		s.writes++

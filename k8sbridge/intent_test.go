@@ -521,3 +521,67 @@ func TestIntentWritesPerClaim(t *testing.T) {
 		t.Fatalf("%d record writes for %d claims: want fewer than 0.1 per claim", now.writes, now.claims)
 	}
 }
+
+// TestIntentBatchCutWhenTokenGranted: with the objects' budget exhausted (no
+// token for now), a write waits for its token before it decides what it
+// holds, so the claims that arrive while it waits go in that one write; and
+// every request of the record takes a token.
+func TestIntentBatchCutWhenTokenGranted(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tokens := make(chan struct{}, 10)
+	waits := make(chan struct{}, 100) // one per request that asked for a token
+	s := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
+	s.UseBudget(env.Client(), func(ctx context.Context) error {
+		waits <- struct{}{}
+		select {
+		case <-tokens:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	})
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	go s.Run(runCtx)
+
+	add := func(name string, errs chan<- error) {
+		errs <- s.Add(ctx, Intent{VolumeName: name, Driver: "d", ClaimNamespace: ns, ClaimName: name, Request: []byte{1}, Created: metav1.Now()})
+	}
+	errs := make(chan error, 4)
+	go add("pvc-first", errs)
+	<-waits // the first write waits for its token
+	for _, n := range []string{"pvc-b", "pvc-c", "pvc-d"} {
+		go add(n, errs)
+	}
+	// The three are queued (Has sees queued Adds) before tokens come.
+	deadline := time.Now().Add(10 * time.Second)
+	for !(s.Has("pvc-b") && s.Has("pvc-c") && s.Has("pvc-d")) {
+		if time.Now().After(deadline) {
+			t.Fatal("the Adds never queued")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	// The record does not exist yet: GET (404), create, update take three;
+	// spares, so a store that writes twice ends too (and fails below).
+	for i := 0; i < 6; i++ {
+		tokens <- struct{}{}
+	}
+	for i := 0; i < 4; i++ {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if w := s.Writes(); w != 1 {
+		t.Fatalf("%d writes for four claims that arrived while the first write waited for its token, want 1", w)
+	}
+	if n := 1 + len(waits); n != 3 {
+		t.Fatalf("%d requests asked for a token, want 3 (GET, create, update)", n)
+	}
+	got, err := NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
+	if err != nil || len(got) != 4 {
+		t.Fatalf("record holds %d intents (%v), want 4", len(got), err)
+	}
+}

@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/util/flowcontrol"
 	"k8s.io/klog/v2"
 
 	"github.com/csibroker/csibroker/k8sbridge"
@@ -209,7 +210,19 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	// take the burst that the first PV writes need. (WATCH requests are
 	// not rate limited by client-go.)
 	informerCfg, _ := f.restConfig(20, 50, "informers")
-	client, err := kubernetes.NewForConfig(objCfg)
+	// The objects' budget is one limiter, shared with the intent record's
+	// client, which takes its tokens before it cuts a batch
+	// (k8sbridge.Config.IntentBudget).
+	budget := flowcontrol.NewTokenBucketRateLimiter(float32(f.QPS), f.Burst)
+	clientCfg := rest.CopyConfig(objCfg)
+	clientCfg.RateLimiter = budget
+	intentCfg := rest.CopyConfig(objCfg)
+	intentCfg.RateLimiter = flowcontrol.NewFakeAlwaysRateLimiter()
+	client, err := kubernetes.NewForConfig(clientCfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	intentClient, err := kubernetes.NewForConfig(intentCfg)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -228,6 +241,7 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	ns := f.Namespace
 	b, err := k8sbridge.New(k8sbridge.Config{
 		Client: client, EventClient: evClient, LeaseClient: leaseClient, InformerClient: informerClient,
+		IntentClient: intentClient, IntentBudget: budget,
 		Drivers: drivers, Policy: authz, Namespace: ns, Identity: f.Identity,
 		LeaderElection: f.LeaderElection, LeaderElectionLease: f.LeaseDuration, LeaderElectionRenew: f.RenewDeadline, LeaderElectionRetry: f.RetryPeriod,
 		LeaderElectionNamespace: f.LeaderNamespace,
