@@ -1,23 +1,22 @@
-// Package rawgrpc forwards gRPC calls without decoding their messages: a codec
-// that carries raw frames, and helpers that copy a call from a server stream to
-// a client stream with its metadata, headers, trailers and status untouched.
+// Package rawgrpc carries gRPC calls without decoding their messages: a
+// codec whose frames are a message's bytes, the method kinds from the
+// protobuf registry, and gRPC's wire conventions on HTTP/2 (reserved
+// headers, status messages, timeouts, binary metadata) for the hops that
+// speak HTTP/2 themselves.
 //
-// The broker's front ends use it to hand every CSI call (so services added
-// to the spec later pass through unchanged) to the driver's connection. The
-// proxy does not: it relays HTTP/2 frames itself (proxy/relay.go).
+// The broker's front end (broker/h2front.go) reads calls off HTTP/2 and
+// hands each one, as frames, to the driver's client chain, so services added
+// to the spec later pass through unchanged; the proxy relays HTTP/2 frames
+// (proxy/relay.go) and uses the wire helpers only.
 package rawgrpc
 
 import (
-	"context"
-	"errors"
-	"io"
 	"strings"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/encoding"
 	_ "google.golang.org/grpc/encoding/proto" // registers the proto codec used for non-frame messages
 	"google.golang.org/grpc/mem"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 )
@@ -55,9 +54,6 @@ func (Codec) Name() string { return "proto" }
 // CallOption makes a client call use the frame codec.
 func CallOption() grpc.CallOption { return grpc.ForceCodecV2(Codec{}) }
 
-// ServerOption makes a server use the frame codec.
-func ServerOption() grpc.ServerOption { return grpc.ForceServerCodecV2(Codec{}) }
-
 // reserved metadata keys are set by gRPC itself or by our own interceptors and
 // are never copied from one hop to the next.
 func reserved(k string) bool {
@@ -66,24 +62,6 @@ func reserved(k string) bool {
 		return true
 	}
 	return strings.HasPrefix(k, "grpc-") || strings.HasPrefix(k, ":")
-}
-
-// CleanMD returns a copy of md without the keys gRPC or tracing set per hop.
-func CleanMD(md metadata.MD) metadata.MD {
-	out := make(metadata.MD, len(md))
-	for k, v := range md {
-		if !reserved(k) {
-			out[k] = append([]string(nil), v...)
-		}
-	}
-	return out
-}
-
-// OutgoingContext returns ctx with the caller's request metadata copied for
-// the next hop.
-func OutgoingContext(ctx context.Context) context.Context {
-	md, _ := metadata.FromIncomingContext(ctx)
-	return metadata.NewOutgoingContext(ctx, CleanMD(md))
 }
 
 // MethodKind says how a method streams, looked up in the protobuf registry
@@ -104,83 +82,3 @@ func MethodKind(fullMethod string) (known, clientStream, serverStream bool) {
 
 // StreamDesc is the descriptor for opening a client stream of any kind.
 var StreamDesc = &grpc.StreamDesc{ServerStreams: true, ClientStreams: true}
-
-// ForwardStream copies a call both ways between srv (the caller) and cs (the
-// next hop) until both directions end, then passes the next hop's trailer and
-// status back unchanged.
-func ForwardStream(srv grpc.ServerStream, cs grpc.ClientStream) error {
-	upErr := make(chan error, 1)
-	go func() {
-		for {
-			f := &Frame{}
-			if err := srv.RecvMsg(f); err != nil {
-				if errors.Is(err, io.EOF) {
-					upErr <- cs.CloseSend()
-					return
-				}
-				upErr <- err
-				return
-			}
-			if err := cs.SendMsg(f); err != nil {
-				// The next hop ended the call; its status arrives on RecvMsg below.
-				upErr <- nil
-				return
-			}
-		}
-	}()
-
-	hdr, err := cs.Header()
-	if err == nil && hdr != nil {
-		if err := srv.SendHeader(CleanMD(hdr)); err != nil {
-			return err
-		}
-	}
-	for {
-		f := &Frame{}
-		if err := cs.RecvMsg(f); err != nil {
-			srv.SetTrailer(CleanMD(cs.Trailer()))
-			if errors.Is(err, io.EOF) {
-				// The next hop finished: its status is final. Collect the
-				// request side's error if it is already known, but never
-				// wait for a caller that has not half-closed.
-				select {
-				case uerr := <-upErr:
-					if uerr != nil && !errors.Is(uerr, io.EOF) {
-						return uerr
-					}
-				default:
-				}
-				return nil
-			}
-			return err
-		}
-		if err := srv.SendMsg(f); err != nil {
-			return err
-		}
-	}
-}
-
-// ForwardUnary receives one request frame from srv, invokes method on conn
-// (whose interceptors then apply: retries, timeouts) and passes the
-// response, headers, trailers and status back unchanged.
-func ForwardUnary(ctx context.Context, srv grpc.ServerStream, conn grpc.ClientConnInterface, method string) error {
-	req := &Frame{}
-	if err := srv.RecvMsg(req); err != nil {
-		return err
-	}
-	resp := &Frame{}
-	var hdr, trl metadata.MD
-	err := conn.Invoke(ctx, method, req, resp, CallOption(), grpc.Header(&hdr), grpc.Trailer(&trl))
-	if len(hdr) > 0 {
-		if herr := srv.SendHeader(CleanMD(hdr)); herr != nil {
-			return herr
-		}
-	}
-	if trl != nil {
-		srv.SetTrailer(CleanMD(trl))
-	}
-	if err != nil {
-		return err
-	}
-	return srv.SendMsg(resp)
-}

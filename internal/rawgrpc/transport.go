@@ -2,8 +2,10 @@ package rawgrpc
 
 import "google.golang.org/grpc"
 
-// Window sizes of the gRPC connections csibroker owns (front ends, broker →
-// proxy; the proxy's relay advertises its own, proxy/relay.go). Setting them explicitly turns off gRPC's
+// Window sizes of the gRPC connections csibroker dials (broker → proxy, the
+// proxy's own Probe client); the front end (broker/h2front.go) and the
+// proxy's relay speak HTTP/2 themselves and advertise the same or their own
+// windows. Setting them explicitly turns off gRPC's
 // bandwidth-delay estimator, which otherwise answers received DATA frames with
 // PING frames: on a hop that carries small request/response pairs that is an
 // extra write and an extra wake-up of the peer per call, for a window that
@@ -22,7 +24,8 @@ func ClientTransportOptions() []grpc.DialOption {
 	}
 }
 
-// ServerTransportOptions are the server options of every hop csibroker serves.
+// ServerTransportOptions are the matching server options, for a gRPC server
+// on such a hop.
 func ServerTransportOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.InitialWindowSize(StreamWindow),

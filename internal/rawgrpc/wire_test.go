@@ -1,0 +1,68 @@
+package rawgrpc
+
+import (
+	"testing"
+	"time"
+)
+
+func TestParseTimeout(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want time.Duration
+		bad  bool
+	}{
+		{in: "1S", want: time.Second},
+		{in: "250m", want: 250 * time.Millisecond},
+		{in: "99999999u", want: 99999999 * time.Microsecond},
+		{in: "7n", want: 7},
+		{in: "2M", want: 2 * time.Minute},
+		{in: "99999999H", want: 1<<63 - 1}, // beyond a Duration: as long as one can be
+		{in: "S", bad: true},
+		{in: "123456789S", bad: true}, // nine digits
+		{in: "10x", bad: true},
+		{in: "-1S", bad: true},
+		{in: "1.5S", bad: true},
+	} {
+		got, err := ParseTimeout(tc.in)
+		if tc.bad {
+			if err == nil {
+				t.Errorf("ParseTimeout(%q) = %v, want an error", tc.in, got)
+			}
+			continue
+		}
+		if err != nil || got != tc.want {
+			t.Errorf("ParseTimeout(%q) = %v, %v; want %v", tc.in, got, err, tc.want)
+		}
+	}
+}
+
+func TestBinaryHeaderRoundTrip(t *testing.T) {
+	for _, v := range []string{"", "a", "ab", "abc", "\x00\xff,=", string(make([]byte, 100))} {
+		got, err := DecodeBinaryHeader(EncodeBinaryHeader(v))
+		if err != nil || len(got) != 1 || got[0] != v {
+			t.Errorf("round trip of %q = %q, %v", v, got, err)
+		}
+	}
+	// Padded values and comma-joined values, as other gRPC stacks send.
+	got, err := DecodeBinaryHeader("YQ==,YmM")
+	if err != nil || len(got) != 2 || got[0] != "a" || got[1] != "bc" {
+		t.Errorf(`DecodeBinaryHeader("YQ==,YmM") = %q, %v`, got, err)
+	}
+	if _, err := DecodeBinaryHeader("!!"); err == nil {
+		t.Error("DecodeBinaryHeader accepted a value that is not base64")
+	}
+}
+
+func TestEncodeStatusMessage(t *testing.T) {
+	for in, want := range map[string]string{
+		"plain words": "plain words",
+		"50% done":    "50%25 done",
+		"line\nbreak": "line%0Abreak",
+		"naïve":       "na%C3%AFve",
+		"":            "",
+	} {
+		if got := EncodeStatusMessage(in); got != want {
+			t.Errorf("EncodeStatusMessage(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
