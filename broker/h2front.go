@@ -485,7 +485,7 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 	}
 	path := fr.PseudoValue("path")
 	st := &feStream{id: id, method: path, fields: fr.RegularFields(), sendWin: c.initWin, recvWin: feStreamWindow}
-	ct := headerValue(st.fields, "content-type")
+	ct := rawgrpc.HeaderValue(st.fields, "content-type")
 	if fr.PseudoValue("method") != "POST" || !strings.HasPrefix(ct, "application/grpc") {
 		// Not a gRPC call: answered as a gRPC server does.
 		c.writeHeadersLocked(id, []hpack.HeaderField{{Name: ":status", Value: "415"}}, true)
@@ -655,22 +655,9 @@ func (c *feConn) onWindowUpdateLocked(fr *http2.WindowUpdateFrame) {
 	c.cond.Broadcast()
 }
 
-// writeHeadersLocked encodes fields and writes them as HEADERS (+
-// CONTINUATION) on stream id.
+// writeHeadersLocked writes fields as HEADERS (+ CONTINUATION) on stream id.
 func (c *feConn) writeHeadersLocked(id uint32, fields []hpack.HeaderField, end bool) {
-	c.hbuf.Reset()
-	for _, f := range fields {
-		c.enc.WriteField(f)
-	}
-	block := c.hbuf.Bytes()
-	maxF := int(c.maxFrame)
-	first := block[:min(len(block), maxF)]
-	c.writeErr(c.framer().WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: first, EndStream: end, EndHeaders: len(first) == len(block)}))
-	for rest := block[len(first):]; len(rest) > 0; {
-		n := min(len(rest), maxF)
-		c.writeErr(c.fr.WriteContinuation(id, n == len(rest), rest[:n]))
-		rest = rest[n:]
-	}
+	c.writeErr(rawgrpc.WriteHeaderBlock(c.framer(), c.enc, &c.hbuf, id, fields, end, c.maxFrame))
 	c.needFlush = true
 }
 
@@ -784,15 +771,6 @@ func appendMD(fields []hpack.HeaderField, md metadata.MD) []hpack.HeaderField {
 		}
 	}
 	return fields
-}
-
-func headerValue(fields []hpack.HeaderField, name string) string {
-	for _, hf := range fields {
-		if hf.Name == name {
-			return hf.Value
-		}
-	}
-	return ""
 }
 
 // mdCarrier lets OpenTelemetry propagators read and write metadata.

@@ -225,7 +225,7 @@ func (p *Proxy) onDriverHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 	c.mu.Unlock()
 	if end {
 		code := codes.Unknown
-		if v := headerValue(fr.Fields, "grpc-status"); v != "" {
+		if v := rawgrpc.HeaderValue(fr.Fields, "grpc-status"); v != "" {
 			if n, err := strconv.Atoi(v); err == nil {
 				code = codes.Code(n)
 			}
@@ -240,19 +240,10 @@ func (p *Proxy) onDriverHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 	f.mark(b.c)
 }
 
-func headerValue(fields []hpack.HeaderField, name string) string {
-	for _, hf := range fields {
-		if hf.Name == name {
-			return hf.Value
-		}
-	}
-	return ""
-}
-
 // fieldCarrier lets OpenTelemetry propagators read and write header fields.
 type fieldCarrier struct{ f *[]hpack.HeaderField }
 
-func (c fieldCarrier) Get(key string) string { return headerValue(*c.f, key) }
+func (c fieldCarrier) Get(key string) string { return rawgrpc.HeaderValue(*c.f, key) }
 
 func (c fieldCarrier) Set(key, value string) {
 	for i := range *c.f {

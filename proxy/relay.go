@@ -279,25 +279,9 @@ func (c *conn) connErrorLocked(code http2.ErrCode, why string) {
 	c.closeLocked(fmt.Errorf("%s: %s", code, why))
 }
 
-// writeHeadersLocked encodes fields and writes them as HEADERS (+
-// CONTINUATION) on stream id.
+// writeHeadersLocked writes fields as HEADERS (+ CONTINUATION) on stream id.
 func (c *conn) writeHeadersLocked(id uint32, fields []hpack.HeaderField, end bool) {
-	c.hbuf.Reset()
-	for _, f := range fields {
-		c.enc.WriteField(f)
-	}
-	block := c.hbuf.Bytes()
-	max := int(c.maxFrame)
-	first := block
-	if len(first) > max {
-		first = block[:max]
-	}
-	c.writeErr(c.framer().WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: first, EndStream: end, EndHeaders: len(first) == len(block)}))
-	for rest := block[len(first):]; len(rest) > 0; {
-		n := min(len(rest), max)
-		c.writeErr(c.fr.WriteContinuation(id, n == len(rest), rest[:n]))
-		rest = rest[n:]
-	}
+	c.writeErr(rawgrpc.WriteHeaderBlock(c.framer(), c.enc, &c.hbuf, id, fields, end, c.maxFrame))
 	c.needFlush = true
 }
 

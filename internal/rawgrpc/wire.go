@@ -1,11 +1,15 @@
 package rawgrpc
 
 import (
+	"bytes"
 	"encoding/base64"
 	"fmt"
 	"strconv"
 	"strings"
 	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 )
 
 // gRPC's wire conventions on HTTP/2, for the hops that speak HTTP/2
@@ -86,3 +90,38 @@ func DecodeBinaryHeader(v string) ([]string, error) {
 // EncodeBinaryHeader encodes one value of a "-bin" header as gRPC does
 // (base64 without padding).
 func EncodeBinaryHeader(v string) string { return base64.RawStdEncoding.EncodeToString([]byte(v)) }
+
+// HeaderValue is the value of the first field named name, or "".
+func HeaderValue(fields []hpack.HeaderField, name string) string {
+	for _, hf := range fields {
+		if hf.Name == name {
+			return hf.Value
+		}
+	}
+	return ""
+}
+
+// WriteHeaderBlock encodes fields with enc (through buf) and writes them on
+// stream id as a HEADERS frame and as many CONTINUATION frames as the
+// peer's maxFrame requires.
+func WriteHeaderBlock(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, id uint32, fields []hpack.HeaderField, end bool, maxFrame uint32) error {
+	buf.Reset()
+	for _, f := range fields {
+		if err := enc.WriteField(f); err != nil {
+			return err
+		}
+	}
+	block := buf.Bytes()
+	first := block[:min(len(block), int(maxFrame))]
+	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: first, EndStream: end, EndHeaders: len(first) == len(block)}); err != nil {
+		return err
+	}
+	for rest := block[len(first):]; len(rest) > 0; {
+		n := min(len(rest), int(maxFrame))
+		if err := fr.WriteContinuation(id, n == len(rest), rest[:n]); err != nil {
+			return err
+		}
+		rest = rest[n:]
+	}
+	return nil
+}
