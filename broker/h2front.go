@@ -946,7 +946,7 @@ func (c *feConn) serveStream(st *feStream) {
 		}
 	}()
 	headersSent := false
-	if hdr, herr := cs.Header(); herr == nil {
+	if hdr, herr := cs.Header(); herr == nil && hdr != nil {
 		if err := c.sendHeaders(st, hdr); err != nil {
 			endSpan(span, status.Error(codes.Canceled, err.Error()))
 			return
