@@ -555,9 +555,13 @@ func (d *demo) showTrace(ctx context.Context, c kubernetes.Interface) error {
 	if traceID == "" {
 		return errors.New("no trace ID in alpha-1's Events")
 	}
+	// The provisioning's own span ends last (after the PV exists), so it
+	// may reach the log a batch after its children: wait for it.
+	root := "provision " + demoNS + "/alpha-1"
 	var spans []span
-	for end := time.Now().Add(5 * time.Second); ; {
+	for end := time.Now().Add(15 * time.Second); ; {
 		spans = spans[:0]
+		haveRoot := false
 		files, _ := filepath.Glob(filepath.Join(d.dir, "logs", "*.stdout"))
 		for _, f := range files {
 			fh, err := os.Open(f)
@@ -572,11 +576,12 @@ func (d *demo) showTrace(ctx context.Context, c kubernetes.Interface) error {
 				}
 				if s.SpanContext.TraceID == traceID {
 					spans = append(spans, s)
+					haveRoot = haveRoot || s.Name == root
 				}
 			}
 			fh.Close()
 		}
-		if len(spans) >= 5 || time.Now().After(end) {
+		if haveRoot && len(spans) >= 5 || time.Now().After(end) {
 			break
 		}
 		time.Sleep(200 * time.Millisecond)
