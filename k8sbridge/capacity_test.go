@@ -284,6 +284,15 @@ func TestCapacityZonalDriverTwoClasses(t *testing.T) {
 	unchanged := func() float64 {
 		return run.metricValue(t, "csibroker_capacity_refreshes_total", map[string]string{"driver": drv, "result": "unchanged"})
 	}
+	// The objects are read back before the controller counts its last
+	// update: wait until the four creates and four updates are counted.
+	err = testenv.WaitFor(ctx, 10*time.Second, "the updates counted", func(context.Context) (bool, string, error) {
+		w := writes()
+		return w >= 8, fmt.Sprintf("%v writes counted", w), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	w0, u0 := writes(), unchanged()
 	err = testenv.WaitFor(ctx, 60*time.Second, "two polls without change", func(context.Context) (bool, string, error) {
 		u := unchanged()
