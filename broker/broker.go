@@ -133,7 +133,7 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 	// still serve the driver's current registration.
 	fail := func(err error) error {
 		for _, pc := range dialed {
-			pc.conn.Close()
+			pc.close()
 		}
 		return err
 	}
@@ -160,7 +160,7 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 		}
 		for _, pc := range old.all() {
 			if !keep[pc] {
-				pc.conn.Close()
+				pc.close()
 			}
 		}
 	}
@@ -177,7 +177,7 @@ func (b *Broker) RemoveDriver(name string) {
 	b.mu.Unlock()
 	if d != nil {
 		for _, pc := range d.all() {
-			pc.conn.Close()
+			pc.close()
 		}
 		b.log.Info("driver removed", "driver", name)
 	}
@@ -255,7 +255,7 @@ func (b *Broker) Close() {
 	defer b.mu.Unlock()
 	for _, d := range b.drivers {
 		for _, pc := range d.all() {
-			pc.conn.Close()
+			pc.close()
 		}
 	}
 	b.drivers = map[string]*Driver{}
@@ -287,6 +287,7 @@ func (b *Broker) dial(d *Driver, pc ProxyConfig) (*proxyConn, error) {
 		return nil, fmt.Errorf("driver %q: proxy %s: %w", d.name, pc.Address, err)
 	}
 	p.conn = conn
+	p.up = newUpstream(b, p, tlsCfg)
 	conn.Connect()
 	return p, nil
 }
@@ -357,6 +358,13 @@ type proxyConn struct {
 	retry     RetryConfig
 	driverCfg atomic.Pointer[DriverConfig]
 	conn      *grpc.ClientConn
+	// up carries the front end's unary calls (upstream.go).
+	up *upstream
+}
+
+func (p *proxyConn) close() {
+	p.conn.Close()
+	p.up.close()
 }
 
 type proxyState struct{ driver, node, address, state, want string }

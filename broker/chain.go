@@ -13,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -37,14 +38,53 @@ func (b *Broker) unaryChain(p *proxyConn) []grpc.UnaryClientInterceptor {
 			retry.WithBackoff(retry.BackoffExponentialWithJitterBounded(r.IntervalStart, 0.2, r.IntervalMax)),
 			retry.WithOnRetryCallback(func(ctx context.Context, attempt uint, err error) {
 				method, _ := ctx.Value(methodKey{}).(string)
-				code := status.Code(err).String()
-				b.metrics.retries.WithLabelValues(p.driver, method, code).Inc()
-				trace.SpanFromContext(ctx).AddEvent("retry", trace.WithAttributes(
-					attribute.Int("csi.attempt", int(attempt)+1), attribute.String("rpc.grpc.previous_status_code", code)))
-				b.log.Debug("csi call retried", "driver", p.driver, "method", method, "attempt", attempt+1, "code", code)
+				b.onRetry(ctx, p, method, attempt, err)
 			}),
 		),
 	}
+}
+
+// onRetry records a retry: attempt is the retry's number (1 for the
+// second try) and err the previous attempt's error.
+func (b *Broker) onRetry(ctx context.Context, p *proxyConn, method string, attempt uint, err error) {
+	code := status.Code(err).String()
+	b.metrics.retries.WithLabelValues(p.driver, method, code).Inc()
+	trace.SpanFromContext(ctx).AddEvent("retry", trace.WithAttributes(
+		attribute.Int("csi.attempt", int(attempt)+1), attribute.String("rpc.grpc.previous_status_code", code)))
+	b.log.Debug("csi call retried", "driver", p.driver, "method", method, "attempt", attempt+1, "code", code)
+}
+
+// invokeFrames is the client chain of the front end's unary calls, over
+// the broker's own HTTP/2 connection to the proxy (upstream.go): the same
+// steps as unaryChain, outermost first. req is the whole gRPC message,
+// prefix included; the answer is the message's payload.
+func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, md metadata.MD, req []byte) (resp []byte, hdr, trl metadata.MD, err error) {
+	reply := &rawgrpc.Frame{}
+	err = b.observe(ctx, p, method, &rawgrpc.Frame{Payload: req[5:]}, reply, func(ctx context.Context) error {
+		ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
+		defer cancel()
+		r := p.retry
+		backoff := retry.BackoffExponentialWithJitterBounded(r.IntervalStart, 0.2, r.IntervalMax)
+		var err error
+		for attempt := uint(0); attempt < uint(max(r.MaxAttempts, 1)); attempt++ {
+			if attempt > 0 {
+				t := time.NewTimer(backoff(ctx, attempt))
+				select {
+				case <-ctx.Done():
+					t.Stop()
+					return status.FromContextError(ctx.Err()).Err()
+				case <-t.C:
+				}
+				b.onRetry(ctx, p, shortMethod(method), attempt, err)
+			}
+			reply.Payload, hdr, trl, err = p.up.attempt(ctx, method, md, req)
+			if err == nil || ctx.Err() != nil || status.Code(err) != codes.Unavailable {
+				return err
+			}
+		}
+		return err
+	})
+	return reply.Payload, hdr, trl, err
 }
 
 type methodKey struct{}
@@ -70,56 +110,69 @@ func (b *Broker) streamChain(p *proxyConn) []grpc.StreamClientInterceptor {
 
 func timeoutUnary(p *proxyConn) grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		cfg := p.driverCfg.Load()
-		d := cfg.Timeout
-		if md, ok := cfg.MethodTimeouts[shortMethod(method)]; ok {
-			d = md
-		}
-		ctx, cancel := context.WithTimeout(ctx, d)
+		ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
 		defer cancel()
 		return invoker(ctx, method, req, reply, cc, opts...)
 	}
 }
 
+// methodTimeout is the driver's timeout for method.
+func (p *proxyConn) methodTimeout(method string) time.Duration {
+	cfg := p.driverCfg.Load()
+	if d, ok := cfg.MethodTimeouts[shortMethod(method)]; ok {
+		return d
+	}
+	return cfg.Timeout
+}
+
 func (b *Broker) observeUnary(p *proxyConn) grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		short := shortMethod(method)
-		ctx = context.WithValue(ctx, methodKey{}, short)
-		ctx, span := b.tracer.Start(ctx, "broker "+method, trace.WithSpanKind(trace.SpanKindInternal),
-			trace.WithAttributes(attribute.String("csi.driver", p.driver), attribute.String("csi.node", p.cfg.Node), attribute.String("rpc.method", short), attribute.String("csi.proxy", p.cfg.Address)))
-		defer span.End()
-
-		stats := b.driverStats(p.driver)
-		inflight := b.metrics.inflight.WithLabelValues(p.driver, short)
-		inflight.Inc()
-		stats.inflight.Add(1)
-		debug := b.log.Enabled(ctx, slog.LevelDebug)
-		if debug {
-			b.log.Debug("csi request", "driver", p.driver, "node", p.cfg.Node, "method", short, "request", sanitized(method, req, true))
-		}
-		start := time.Now()
-		err := invoker(ctx, method, req, reply, cc, opts...)
-		elapsed := time.Since(start)
-		inflight.Dec()
-		stats.inflight.Add(-1)
-		stats.total.Add(1)
-
-		code := status.Code(err)
-		b.metrics.calls.WithLabelValues(p.driver, short, code.String()).Observe(elapsed.Seconds())
-		b.metrics.sidecar.WithLabelValues(p.driver, method, code.String()).Observe(elapsed.Seconds())
-		span.SetAttributes(attribute.String("rpc.grpc.status_code", code.String()))
-		if err != nil {
-			stats.failed.Add(1)
-			span.SetStatus(otelcodes.Error, code.String())
-			// The driver's message passes through unchanged (design.md); it is
-			// logged as the driver sent it, never with request contents.
-			b.log.Info("csi call failed", "driver", p.driver, "node", p.cfg.Node, "method", short, "code", code.String(),
-				"message", status.Convert(err).Message(), "duration", elapsed, "trace_id", span.SpanContext().TraceID().String())
-		} else if debug {
-			b.log.Debug("csi response", "driver", p.driver, "node", p.cfg.Node, "method", short, "duration", elapsed, "response", sanitized(method, reply, false))
-		}
-		return err
+		return b.observe(ctx, p, method, req, reply, func(ctx context.Context) error {
+			return invoker(ctx, method, req, reply, cc, opts...)
+		})
 	}
+}
+
+// observe wraps one logical call (all its attempts): a span, the in-flight
+// gauge, latency histograms, and the sanitized request and response logs.
+// reply is read once call has returned.
+func (b *Broker) observe(ctx context.Context, p *proxyConn, method string, req, reply any, call func(context.Context) error) error {
+	short := shortMethod(method)
+	ctx = context.WithValue(ctx, methodKey{}, short)
+	ctx, span := b.tracer.Start(ctx, "broker "+method, trace.WithSpanKind(trace.SpanKindInternal),
+		trace.WithAttributes(attribute.String("csi.driver", p.driver), attribute.String("csi.node", p.cfg.Node), attribute.String("rpc.method", short), attribute.String("csi.proxy", p.cfg.Address)))
+	defer span.End()
+
+	stats := b.driverStats(p.driver)
+	inflight := b.metrics.inflight.WithLabelValues(p.driver, short)
+	inflight.Inc()
+	stats.inflight.Add(1)
+	debug := b.log.Enabled(ctx, slog.LevelDebug)
+	if debug {
+		b.log.Debug("csi request", "driver", p.driver, "node", p.cfg.Node, "method", short, "request", sanitized(method, req, true))
+	}
+	start := time.Now()
+	err := call(ctx)
+	elapsed := time.Since(start)
+	inflight.Dec()
+	stats.inflight.Add(-1)
+	stats.total.Add(1)
+
+	code := status.Code(err)
+	b.metrics.calls.WithLabelValues(p.driver, short, code.String()).Observe(elapsed.Seconds())
+	b.metrics.sidecar.WithLabelValues(p.driver, method, code.String()).Observe(elapsed.Seconds())
+	span.SetAttributes(attribute.String("rpc.grpc.status_code", code.String()))
+	if err != nil {
+		stats.failed.Add(1)
+		span.SetStatus(otelcodes.Error, code.String())
+		// The driver's message passes through unchanged (design.md); it is
+		// logged as the driver sent it, never with request contents.
+		b.log.Info("csi call failed", "driver", p.driver, "node", p.cfg.Node, "method", short, "code", code.String(),
+			"message", status.Convert(err).Message(), "duration", elapsed, "trace_id", span.SpanContext().TraceID().String())
+	} else if debug {
+		b.log.Debug("csi response", "driver", p.driver, "node", p.cfg.Node, "method", short, "duration", elapsed, "response", sanitized(method, reply, false))
+	}
+	return err
 }
 
 func (b *Broker) driverStats(name string) *driverStats {

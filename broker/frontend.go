@@ -92,7 +92,7 @@ func (fe *frontEnd) isUnary(method string) bool {
 
 // route picks the connection for a call from its method and the caller's
 // metadata; its errors are the statuses the caller gets.
-func (fe *frontEnd) route(method string, md metadata.MD) (grpc.ClientConnInterface, error) {
+func (fe *frontEnd) route(method string, md metadata.MD) (*proxyConn, error) {
 	if !strings.HasPrefix(method, "/csi.") {
 		return nil, status.Errorf(codes.Unimplemented, "csibroker: %s is not a CSI method", method)
 	}
@@ -107,11 +107,11 @@ func (fe *frontEnd) route(method string, md metadata.MD) (grpc.ClientConnInterfa
 	if err != nil {
 		return nil, status.Errorf(codes.NotFound, "csibroker: %v", err)
 	}
-	conn, err := d.Route(method, firstMD(md, MetadataNode))
+	pc, err := d.route(method, firstMD(md, MetadataNode))
 	if err != nil {
 		return nil, status.Errorf(codes.FailedPrecondition, "csibroker: %v", err)
 	}
-	return conn, nil
+	return pc, nil
 }
 
 // Route picks the proxy connection for a CSI method. Node-service calls go to

@@ -897,11 +897,13 @@ func (c *feConn) callUnary(ctx context.Context, st *feStream, md metadata.MD, re
 	case int(binary.BigEndian.Uint32(req[1:5])) != len(req)-5:
 		return status.Error(codes.Internal, "csibroker: a unary request must hold exactly one message")
 	}
-	conn, err := c.s.fe.route(st.method, md)
+	pc, err := c.s.fe.route(st.method, md)
 	if err != nil {
 		return err
 	}
-	return conn.Invoke(ctx, st.method, &rawgrpc.Frame{Payload: req[5:]}, resp, rawgrpc.CallOption(), grpc.Header(hdr), grpc.Trailer(trl))
+	out, _ := metadata.FromOutgoingContext(ctx)
+	resp.Payload, *hdr, *trl, err = c.s.fe.b.invokeFrames(ctx, pc, st.method, out, req)
+	return err
 }
 
 // serveStream copies a streaming call message by message through a client
@@ -911,9 +913,9 @@ func (c *feConn) serveStream(st *feStream) {
 	defer st.cancel()
 	var cs grpc.ClientStream
 	if err == nil {
-		var conn grpc.ClientConnInterface
-		if conn, err = c.s.fe.route(st.method, md); err == nil {
-			cs, err = conn.NewStream(ctx, rawgrpc.StreamDesc, st.method, rawgrpc.CallOption())
+		var pc *proxyConn
+		if pc, err = c.s.fe.route(st.method, md); err == nil {
+			cs, err = pc.conn.NewStream(ctx, rawgrpc.StreamDesc, st.method, rawgrpc.CallOption())
 		}
 	}
 	if err != nil {

@@ -657,7 +657,7 @@ func (c *conn) streamReset(id uint32, code http2.ErrCode, f *flusher) {
 		return
 	}
 	if c.driver {
-		s.finish(rstCode(code))
+		s.finish(rawgrpc.RSTCode(code))
 	} else {
 		s.finish(codes.Canceled)
 	}
@@ -847,21 +847,6 @@ func describeConnErr(err error) string {
 		return "the driver closed the connection"
 	}
 	return err.Error()
-}
-
-// rstCode is the status gRPC gives a stream reset with code.
-func rstCode(code http2.ErrCode) codes.Code {
-	switch code {
-	case http2.ErrCodeRefusedStream:
-		return codes.Unavailable
-	case http2.ErrCodeCancel:
-		return codes.Canceled
-	case http2.ErrCodeEnhanceYourCalm:
-		return codes.ResourceExhausted
-	case http2.ErrCodeInadequateSecurity:
-		return codes.PermissionDenied
-	}
-	return codes.Internal
 }
 
 // statusFields are the fields of a trailers-only response (no headers sent

@@ -56,6 +56,8 @@ type Options struct {
 	// Node makes the proxy a node plugin's proxy on that node (its identity
 	// names the node) and registers the driver as node-local with it.
 	Node string
+	// MaxMsgSize, when positive, bounds the broker's messages.
+	MaxMsgSize int
 	// BrokerReload, when positive, makes the broker poll its certificate
 	// files at this interval.
 	BrokerReload time.Duration
@@ -80,11 +82,15 @@ type Chain struct {
 	// Options.BrokerMaterial was given).
 	BrokerSource *mtls.FileSource
 
-	cancel   context.CancelFunc
-	wg       sync.WaitGroup
-	proxyLis *trackingListener
-	peerMu   sync.Mutex
-	peers    map[string]int // serial of each broker certificate the proxy accepted
+	ctx         context.Context
+	cancel      context.CancelFunc
+	wg          sync.WaitGroup
+	proxyCfg    proxy.Config
+	proxyLis    *trackingListener
+	proxyCancel context.CancelFunc
+	proxyDone   chan struct{}
+	peerMu      sync.Mutex
+	peers       map[string]int // serial of each broker certificate the proxy accepted
 }
 
 // recordPeers wraps a server config so the chain can tell which broker
@@ -123,6 +129,43 @@ func (c *Chain) PeerSerials() map[string]int {
 // DropProxyConnections closes every connection the proxy accepted, as a
 // network blip or a proxy restart would; the broker reconnects by itself.
 func (c *Chain) DropProxyConnections() int { return c.proxyLis.dropAll() }
+
+// startProxy starts a proxy with the chain's proxy configuration on addr.
+func (c *Chain) startProxy(t testing.TB, addr string) {
+	t.Helper()
+	p, err := proxy.New(c.proxyCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tcp, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(c.ctx)
+	c.Proxy, c.proxyCancel, c.proxyDone = p, cancel, make(chan struct{})
+	c.proxyLis = &trackingListener{Listener: tcp, conns: map[net.Conn]struct{}{}}
+	lis, done := c.proxyLis, c.proxyDone
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		defer close(done)
+		_ = p.Serve(ctx, lis)
+	}()
+}
+
+// RestartProxy stops the proxy as its process would on SIGTERM (GOAWAY to
+// the broker, the calls in flight finish) and starts a new one on the same
+// address, as a restarted proxy pod would be.
+func (c *Chain) RestartProxy(t testing.TB) {
+	t.Helper()
+	c.proxyCancel()
+	<-c.proxyDone
+	c.Proxy.Close()
+	// The old proxy's metrics stay in c.Registry; the new one's go to a
+	// registry of their own.
+	c.proxyCfg.Registerer = prometheus.NewRegistry()
+	c.startProxy(t, c.ProxyAddr)
+}
 
 type trackingListener struct {
 	net.Listener
@@ -259,7 +302,7 @@ func Start(t testing.TB, o Options) *Chain {
 	}
 
 	// Proxy.
-	p, err := proxy.New(proxy.Config{
+	c.proxyCfg = proxy.Config{
 		DriverEndpoint: o.DriverEndpoint,
 		Node:           o.Node,
 		Version:        "test",
@@ -269,23 +312,13 @@ func Start(t testing.TB, o Options) *Chain {
 		TracerProvider: c.Tracer,
 		Propagator:     c.Propagator,
 		Registerer:     c.Registry,
-	})
-	if err != nil {
-		t.Fatal(err)
 	}
-	c.Proxy = p
-	tcp, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	lis := &trackingListener{Listener: tcp, conns: map[net.Conn]struct{}{}}
-	c.proxyLis = lis
-	c.ProxyAddr = lis.Addr().String()
-	c.wg.Add(1)
-	go func() { defer c.wg.Done(); _ = p.Serve(ctx, lis) }()
+	c.ctx = ctx
+	c.startProxy(t, "127.0.0.1:0")
+	c.ProxyAddr = c.proxyLis.Addr().String()
 
 	// Broker.
-	b, err := broker.New(broker.Options{TrustDomain: TrustDomain, TLS: brokerSrc, Logger: log, TracerProvider: c.Tracer, Propagator: c.Propagator, Registerer: c.Registry})
+	b, err := broker.New(broker.Options{TrustDomain: TrustDomain, TLS: brokerSrc, Logger: log, TracerProvider: c.Tracer, Propagator: c.Propagator, Registerer: c.Registry, MaxMsgSize: o.MaxMsgSize})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc/codes"
 )
 
 // gRPC's wire conventions on HTTP/2, for the hops that speak HTTP/2
@@ -124,4 +125,82 @@ func WriteHeaderBlock(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, i
 		rest = rest[n:]
 	}
 	return nil
+}
+
+// DecodeStatusMessage undoes EncodeStatusMessage; a malformed escape is
+// kept as it is, as gRPC does.
+func DecodeStatusMessage(v string) string {
+	if !strings.Contains(v, "%") {
+		return v
+	}
+	var b strings.Builder
+	for i := 0; i < len(v); i++ {
+		if v[i] == '%' && i+2 < len(v) {
+			if n, err := strconv.ParseUint(v[i+1:i+3], 16, 8); err == nil {
+				b.WriteByte(byte(n))
+				i += 2
+				continue
+			}
+		}
+		b.WriteByte(v[i])
+	}
+	return b.String()
+}
+
+// EncodeTimeout writes d as a grpc-timeout value: the finest unit whose
+// count fits in eight digits (a timeout is never rounded down to zero).
+func EncodeTimeout(d time.Duration) string {
+	if d <= 0 {
+		return "1n"
+	}
+	const maxN = 1e8 - 1
+	ceil := func(unit time.Duration) int64 {
+		n := d / unit
+		if d%unit != 0 {
+			n++
+		}
+		return int64(n)
+	}
+	for _, u := range []struct {
+		unit time.Duration
+		name string
+	}{{time.Nanosecond, "n"}, {time.Microsecond, "u"}, {time.Millisecond, "m"}, {time.Second, "S"}, {time.Minute, "M"}} {
+		if n := ceil(u.unit); n <= maxN {
+			return strconv.FormatInt(n, 10) + u.name
+		}
+	}
+	return strconv.FormatInt(min(ceil(time.Hour), maxN), 10) + "H"
+}
+
+// RSTCode is the status gRPC gives a stream reset with code.
+func RSTCode(code http2.ErrCode) codes.Code {
+	switch code {
+	case http2.ErrCodeRefusedStream:
+		return codes.Unavailable
+	case http2.ErrCodeCancel:
+		return codes.Canceled
+	case http2.ErrCodeEnhanceYourCalm:
+		return codes.ResourceExhausted
+	case http2.ErrCodeInadequateSecurity:
+		return codes.PermissionDenied
+	}
+	return codes.Internal
+}
+
+// HTTPStatusCode is the status gRPC gives an answer whose HTTP status is
+// not 200 (no gRPC server answered).
+func HTTPStatusCode(httpStatus int) codes.Code {
+	switch httpStatus {
+	case 400:
+		return codes.Internal
+	case 401:
+		return codes.Unauthenticated
+	case 403:
+		return codes.PermissionDenied
+	case 404:
+		return codes.Unimplemented
+	case 429, 502, 503, 504:
+		return codes.Unavailable
+	}
+	return codes.Unknown
 }

@@ -66,3 +66,39 @@ func TestEncodeStatusMessage(t *testing.T) {
 		}
 	}
 }
+
+func TestEncodeTimeout(t *testing.T) {
+	for _, tc := range []struct {
+		in   time.Duration
+		want string
+	}{
+		{time.Second, "1000000u"},
+		{7, "7n"},
+		{99999999, "99999999n"},
+		{100000000, "100000u"},
+		{30 * time.Second, "30000000u"},
+		{time.Hour, "3600000m"},
+		{0, "1n"},
+		{1<<63 - 1, "2562048H"},
+	} {
+		got := EncodeTimeout(tc.in)
+		if got != tc.want {
+			t.Errorf("EncodeTimeout(%v) = %q, want %q", tc.in, got, tc.want)
+		}
+		back, err := ParseTimeout(got)
+		if err != nil || (tc.in > 0 && back < tc.in) {
+			t.Errorf("ParseTimeout(EncodeTimeout(%v)) = %v, %v: never shorter than the deadline", tc.in, back, err)
+		}
+	}
+}
+
+func TestStatusMessageRoundTrip(t *testing.T) {
+	for _, msg := range []string{"", "plain", "100% sure", "line\nbreak", "naïve ☃", "%zz kept"} {
+		if got := DecodeStatusMessage(EncodeStatusMessage(msg)); got != msg {
+			t.Errorf("round trip of %q gave %q", msg, got)
+		}
+	}
+	if got := DecodeStatusMessage("bad %zz and %4"); got != "bad %zz and %4" {
+		t.Errorf("malformed escapes: %q, want them kept", got)
+	}
+}

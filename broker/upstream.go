@@ -1,0 +1,748 @@
+package broker
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/tls"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	otelcodes "go.opentelemetry.io/otel/codes"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	spb "google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/csibroker/csibroker/internal/rawgrpc"
+)
+
+// The front end's unary calls reach the proxy over the broker's own HTTP/2
+// connection to it (upConn) rather than through gRPC's client: the calling
+// goroutine writes the request's frames itself and the connection's reader
+// completes the answer, so a call costs one hand-off (reader to caller)
+// where gRPC's client added its writer goroutine and its own per-call
+// bookkeeping. The chain around it keeps unaryChain's semantics (see
+// Broker.invokeFrames): one span per logical call, metrics and sanitized
+// logs, the per-method timeout, retry of Unavailable with jittered
+// exponential backoff inside the caller's deadline, and a client span per
+// attempt whose trace context goes to the proxy. Streaming calls and the
+// Kubernetes controllers use the gRPC client connection (proxyConn.conn).
+//
+// Flow control: the request is sent within the proxy's windows (waiting
+// for WINDOW_UPDATE if it is larger); an answer is bounded by MaxMsgSize and
+// its windows are returned as it arrives.
+
+const (
+	upDialTimeout  = 10 * time.Second
+	upWriteTimeout = 15 * time.Second
+	// Keepalive: a connection silent for upKeepaliveTime is pinged, and
+	// closed if nothing arrives within upKeepaliveTimeout.
+	upKeepaliveTime    = 30 * time.Second
+	upKeepaliveTimeout = 10 * time.Second
+	upMaxHeaderList    = 1 << 20
+	upBufSize          = 32 << 10
+	// A connection whose stream IDs come within upIDMargin of the last one
+	// HTTP/2 allows takes no new calls; the next call dials a fresh one.
+	upLastStreamID = 1<<31 - 1
+	upIDMargin     = 1 << 20
+	upInitialWin   = 65535
+	upMaxWindow    = 1<<31 - 1
+)
+
+// upstream holds the current HTTP/2 connection to one proxy and dials a
+// new one when it is gone; calls that arrive during a dial wait for it.
+type upstream struct {
+	b    *Broker
+	p    *proxyConn
+	tls  *tls.Config
+	addr string
+	// keepalive period and ping timeout (upKeepalive*; shorter in tests)
+	kaTime, kaTimeout time.Duration
+
+	mu     sync.Mutex
+	conn   *upConn
+	dial   *upDial
+	closed bool
+}
+
+type upDial struct {
+	done chan struct{}
+	c    *upConn
+	err  error
+}
+
+func newUpstream(b *Broker, p *proxyConn, tlsCfg *tls.Config) *upstream {
+	cfg := tlsCfg.Clone()
+	cfg.NextProtos = []string{"h2"}
+	return &upstream{b: b, p: p, tls: cfg, addr: p.cfg.Address, kaTime: upKeepaliveTime, kaTimeout: upKeepaliveTimeout}
+}
+
+// close closes the connection; calls in flight fail with Unavailable.
+func (u *upstream) close() {
+	u.mu.Lock()
+	u.closed = true
+	c := u.conn
+	u.conn = nil
+	u.mu.Unlock()
+	if c != nil {
+		c.fail(errors.New("the broker closed the connection (driver removed or reconfigured)"))
+	}
+}
+
+// get returns a connection that takes new calls.
+func (u *upstream) get(ctx context.Context) (*upConn, error) {
+	u.mu.Lock()
+	if u.closed {
+		u.mu.Unlock()
+		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: the connection is closed (driver removed or reconfigured)", u.addr)
+	}
+	if c := u.conn; c != nil {
+		if c.takesCalls() {
+			u.mu.Unlock()
+			return c, nil
+		}
+		u.conn = nil
+	}
+	d := u.dial
+	if d == nil {
+		d = &upDial{done: make(chan struct{})}
+		u.dial = d
+		go u.dialOnce(d)
+	}
+	u.mu.Unlock()
+	select {
+	case <-d.done:
+		return d.c, d.err
+	case <-ctx.Done():
+		return nil, status.FromContextError(ctx.Err()).Err()
+	}
+}
+
+func (u *upstream) dialOnce(d *upDial) {
+	c, err := u.connect()
+	u.mu.Lock()
+	u.dial = nil
+	if err == nil && u.closed {
+		c.fail(errors.New("the broker closed the connection"))
+		c, err = nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: the connection is closed (driver removed or reconfigured)", u.addr)
+	}
+	if err == nil {
+		u.conn = c
+	}
+	d.c, d.err = c, err
+	u.mu.Unlock()
+	if err != nil {
+		u.b.log.Debug("proxy connection failed", "driver", u.p.driver, "node", u.p.cfg.Node, "proxy", u.addr, "error", err)
+	}
+	close(d.done)
+}
+
+// connect dials the proxy, checks its identity (u.tls), and exchanges
+// SETTINGS. With TLS 1.3 a proxy that refuses the broker's certificate says
+// so only after the handshake, so the proxy's SETTINGS are read here: a
+// refusal is the dial's error, not the first call's.
+func (u *upstream) connect() (*upConn, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), upDialTimeout)
+	defer cancel()
+	var d net.Dialer
+	raw, err := d.DialContext(ctx, "tcp", u.addr)
+	if err != nil {
+		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: %v", u.addr, err)
+	}
+	tc := tls.Client(raw, u.tls)
+	if err := tc.HandshakeContext(ctx); err != nil {
+		raw.Close()
+		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: authentication handshake failed: %v", u.addr, err)
+	}
+	if p := tc.ConnectionState().NegotiatedProtocol; p != "h2" {
+		tc.Close()
+		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: the proxy did not agree to HTTP/2 (ALPN %q)", u.addr, p)
+	}
+	c := newUpConn(u, tc)
+	tc.SetDeadline(time.Now().Add(upDialTimeout))
+	if err := c.start(); err != nil {
+		tc.Close()
+		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: %v", u.addr, err)
+	}
+	f, err := c.fr.ReadFrame()
+	if err != nil {
+		tc.Close()
+		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: the proxy closed the connection before its settings (a refused certificate is reported here): %v", u.addr, err)
+	}
+	sf, ok := f.(*http2.SettingsFrame)
+	if !ok || sf.IsAck() {
+		tc.Close()
+		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: the proxy's first frame is %v, not its SETTINGS", u.addr, f.Header().Type)
+	}
+	c.mu.Lock()
+	c.onSettingsLocked(sf)
+	c.flushLocked()
+	err = c.err
+	c.mu.Unlock()
+	if err != nil {
+		tc.Close()
+		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: %v", u.addr, err)
+	}
+	tc.SetDeadline(time.Time{})
+	c.lastRead.Store(time.Now().UnixNano())
+	go c.readLoop()
+	go c.keepalive()
+	return c, nil
+}
+
+// upConn is one HTTP/2 connection to a proxy; c.mu guards the state and
+// every write.
+type upConn struct {
+	u    *upstream
+	nc   net.Conn
+	br   *bufio.Reader
+	bw   *bufio.Writer
+	fr   *http2.Framer
+	enc  *hpack.Encoder
+	hbuf bytes.Buffer
+
+	lastRead atomic.Int64 // unix nanoseconds of the last frame read
+
+	mu          sync.Mutex
+	cond        *sync.Cond // windows opened, a stream slot freed, or the connection failed
+	calls       map[uint32]*upCall
+	nextID      uint32
+	maxStreams  uint32
+	initWin     int64 // the proxy's initial stream window
+	maxFrame    uint32
+	sendWin     int64
+	recvPending uint32 // connection window consumed and not returned yet
+	needFlush   bool
+	goingAway   bool
+	err         error // why the connection ended; set once
+	deadline    time.Time
+}
+
+// upCall is one call's answer as it arrives.
+type upCall struct {
+	id          uint32
+	sendWin     int64
+	gotHdr      bool
+	hdr, trl    []hpack.HeaderField
+	data        []byte
+	recvPending uint32
+	ended       bool
+	err         error // the call failed without an answer from the proxy
+	done        chan struct{}
+}
+
+func newUpConn(u *upstream, nc net.Conn) *upConn {
+	c := &upConn{u: u, nc: nc, br: bufio.NewReaderSize(nc, upBufSize), bw: bufio.NewWriterSize(nc, upBufSize),
+		calls: map[uint32]*upCall{}, nextID: 1, maxStreams: 100, initWin: upInitialWin, maxFrame: 16 << 10, sendWin: upInitialWin}
+	c.cond = sync.NewCond(&c.mu)
+	c.fr = http2.NewFramer(c.bw, c.br)
+	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	c.fr.MaxHeaderListSize = upMaxHeaderList
+	c.enc = hpack.NewEncoder(&c.hbuf)
+	return c
+}
+
+func (c *upConn) start() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if _, err := c.bw.WriteString(http2.ClientPreface); err != nil {
+		return err
+	}
+	if err := c.fr.WriteSettings(
+		http2.Setting{ID: http2.SettingEnablePush, Val: 0},
+		http2.Setting{ID: http2.SettingInitialWindowSize, Val: rawgrpc.StreamWindow},
+		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: upMaxHeaderList}); err != nil {
+		return err
+	}
+	if err := c.fr.WriteWindowUpdate(0, rawgrpc.ConnWindow-upInitialWin); err != nil {
+		return err
+	}
+	return c.bw.Flush()
+}
+
+func (c *upConn) takesCalls() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err == nil && !c.goingAway && c.nextID < upLastStreamID-upIDMargin
+}
+
+// writeLocked records a write's error: the connection is then done.
+func (c *upConn) writeLocked(err error) {
+	c.needFlush = true
+	if err != nil {
+		c.failLocked(err)
+	}
+}
+
+func (c *upConn) flushLocked() {
+	if !c.needFlush || c.err != nil {
+		return
+	}
+	c.needFlush = false
+	if now := time.Now(); now.Add(upWriteTimeout - time.Second).After(c.deadline) {
+		// Pushed forward at most once a second (each push is a timer update).
+		c.deadline = now.Add(upWriteTimeout)
+		c.nc.SetWriteDeadline(c.deadline)
+	}
+	if err := c.bw.Flush(); err != nil {
+		c.failLocked(err)
+	}
+}
+
+// failLocked ends the connection: every call in flight fails with
+// Unavailable (the retry policy's code for a lost connection).
+func (c *upConn) failLocked(err error) {
+	if c.err != nil {
+		return
+	}
+	c.err = err
+	c.nc.Close()
+	for _, call := range c.calls {
+		c.endLocked(call, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection lost: %v", c.u.addr, describeUpErr(err)))
+	}
+	c.cond.Broadcast()
+}
+
+func (c *upConn) fail(err error) {
+	c.mu.Lock()
+	c.failLocked(err)
+	c.mu.Unlock()
+}
+
+func describeUpErr(err error) string {
+	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+		return "the proxy closed the connection"
+	}
+	return err.Error()
+}
+
+// endLocked completes a call (err nil: its answer is whole).
+func (c *upConn) endLocked(call *upCall, err error) {
+	if call.ended {
+		return
+	}
+	call.ended, call.err = true, err
+	delete(c.calls, call.id)
+	close(call.done)
+	c.cond.Broadcast()
+	if c.goingAway && len(c.calls) == 0 && c.err == nil {
+		c.flushLocked()
+		c.failLocked(errors.New("the proxy is going away"))
+	}
+}
+
+// roundTrip sends one request (a whole gRPC message, prefix included) and
+// waits for the whole answer.
+func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg []byte) (*upCall, error) {
+	call := &upCall{done: make(chan struct{})}
+	stop := context.AfterFunc(ctx, func() {
+		c.mu.Lock()
+		c.cond.Broadcast()
+		c.mu.Unlock()
+	})
+	defer stop()
+	c.mu.Lock()
+	for c.err == nil && !c.goingAway && uint32(len(c.calls)) >= c.maxStreams && ctx.Err() == nil {
+		c.cond.Wait()
+	}
+	switch {
+	case ctx.Err() != nil:
+		c.mu.Unlock()
+		return nil, status.FromContextError(ctx.Err()).Err()
+	case c.err != nil || c.goingAway:
+		// Nothing was sent: another connection may take the call.
+		c.mu.Unlock()
+		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: the connection closed before the call was sent", c.u.addr)
+	}
+	call.id = c.nextID
+	c.nextID += 2
+	call.sendWin = c.initWin
+	c.calls[call.id] = call
+	c.writeLocked(rawgrpc.WriteHeaderBlock(c.fr, c.enc, &c.hbuf, call.id, fields, false, c.maxFrame))
+	for rest := msg; c.err == nil && !call.ended && ctx.Err() == nil; {
+		n := min(int64(len(rest)), c.sendWin, call.sendWin, int64(c.maxFrame))
+		if n <= 0 && len(rest) > 0 {
+			c.flushLocked()
+			c.cond.Wait()
+			continue
+		}
+		last := int(n) == len(rest)
+		c.writeLocked(c.fr.WriteData(call.id, last, rest[:n]))
+		c.sendWin -= n
+		call.sendWin -= n
+		rest = rest[n:]
+		if last {
+			break
+		}
+	}
+	c.flushLocked()
+	c.mu.Unlock()
+	select {
+	case <-call.done:
+		return call, nil
+	case <-ctx.Done():
+	}
+	c.mu.Lock()
+	if !call.ended {
+		c.writeLocked(c.fr.WriteRSTStream(call.id, http2.ErrCodeCancel))
+		c.flushLocked()
+		c.endLocked(call, status.FromContextError(ctx.Err()).Err())
+	}
+	c.mu.Unlock()
+	return call, nil
+}
+
+func (c *upConn) readLoop() {
+	for {
+		f, err := c.fr.ReadFrame()
+		if err != nil {
+			var se http2.StreamError
+			if errors.As(err, &se) {
+				c.mu.Lock()
+				if call := c.calls[se.StreamID]; call != nil {
+					c.writeLocked(c.fr.WriteRSTStream(se.StreamID, se.Code))
+					c.endLocked(call, status.Errorf(codes.Internal, "csibroker: proxy %s: malformed answer: %v", c.u.addr, se))
+				}
+				c.flushLocked()
+				c.mu.Unlock()
+				continue
+			}
+			c.mu.Lock()
+			var ce http2.ConnectionError
+			if errors.As(err, &ce) && c.err == nil {
+				c.writeLocked(c.fr.WriteGoAway(0, http2.ErrCode(ce), nil))
+				c.flushLocked()
+			}
+			c.failLocked(err)
+			c.mu.Unlock()
+			return
+		}
+		c.lastRead.Store(time.Now().UnixNano())
+		c.mu.Lock()
+		switch f := f.(type) {
+		case *http2.MetaHeadersFrame:
+			c.onHeadersLocked(f)
+		case *http2.DataFrame:
+			c.onDataLocked(f)
+		case *http2.RSTStreamFrame:
+			if call := c.calls[f.StreamID]; call != nil {
+				c.endLocked(call, status.Errorf(rawgrpc.RSTCode(f.ErrCode), "csibroker: proxy %s reset the call: %v", c.u.addr, f.ErrCode))
+			}
+		case *http2.SettingsFrame:
+			c.onSettingsLocked(f)
+		case *http2.WindowUpdateFrame:
+			c.onWindowUpdateLocked(f)
+		case *http2.PingFrame:
+			if !f.IsAck() {
+				c.writeLocked(c.fr.WritePing(true, f.Data))
+			}
+		case *http2.GoAwayFrame:
+			c.onGoAwayLocked(f)
+		}
+		if c.br.Buffered() == 0 {
+			c.flushLocked()
+		}
+		done := c.err != nil
+		c.mu.Unlock()
+		if done {
+			return
+		}
+	}
+}
+
+func (c *upConn) onHeadersLocked(f *http2.MetaHeadersFrame) {
+	call := c.calls[f.StreamID]
+	if call == nil {
+		return
+	}
+	if f.StreamEnded() {
+		// Trailers, or a trailers-only answer.
+		call.trl = f.Fields
+		c.endLocked(call, nil)
+		return
+	}
+	if call.gotHdr {
+		c.writeLocked(c.fr.WriteRSTStream(call.id, http2.ErrCodeProtocol))
+		c.endLocked(call, status.Errorf(codes.Internal, "csibroker: proxy %s: a second header block before the trailers", c.u.addr))
+		return
+	}
+	call.gotHdr, call.hdr = true, f.Fields
+}
+
+func (c *upConn) onDataLocked(f *http2.DataFrame) {
+	n := f.Header().Length // padding included: flow control counts it
+	c.recvPending += n
+	if c.recvPending >= rawgrpc.ConnWindow/4 {
+		c.writeLocked(c.fr.WriteWindowUpdate(0, c.recvPending))
+		c.recvPending = 0
+	}
+	call := c.calls[f.StreamID]
+	if call == nil {
+		return
+	}
+	if limit := c.u.b.opts.MaxMsgSize; len(call.data)+len(f.Data()) > limit+5 {
+		c.writeLocked(c.fr.WriteRSTStream(call.id, http2.ErrCodeCancel))
+		c.endLocked(call, status.Errorf(codes.ResourceExhausted, "csibroker: received message larger than max (%d bytes)", limit))
+		return
+	}
+	call.data = append(call.data, f.Data()...)
+	if f.StreamEnded() {
+		c.endLocked(call, nil)
+		return
+	}
+	call.recvPending += n
+	if call.recvPending >= rawgrpc.StreamWindow/2 {
+		c.writeLocked(c.fr.WriteWindowUpdate(call.id, call.recvPending))
+		call.recvPending = 0
+	}
+}
+
+func (c *upConn) onSettingsLocked(f *http2.SettingsFrame) {
+	if f.IsAck() {
+		return
+	}
+	err := f.ForeachSetting(func(s http2.Setting) error {
+		switch s.ID {
+		case http2.SettingMaxConcurrentStreams:
+			c.maxStreams = s.Val
+		case http2.SettingInitialWindowSize:
+			if s.Val > upMaxWindow {
+				return http2.ConnectionError(http2.ErrCodeFlowControl)
+			}
+			delta := int64(s.Val) - c.initWin
+			for _, call := range c.calls {
+				call.sendWin += delta
+			}
+			c.initWin = int64(s.Val)
+		case http2.SettingMaxFrameSize:
+			if s.Val < 16<<10 || s.Val > 1<<24-1 {
+				return http2.ConnectionError(http2.ErrCodeProtocol)
+			}
+			c.maxFrame = s.Val
+		case http2.SettingHeaderTableSize:
+			c.enc.SetMaxDynamicTableSizeLimit(s.Val)
+		}
+		return nil
+	})
+	if err != nil {
+		c.writeLocked(c.fr.WriteGoAway(0, http2.ErrCode(err.(http2.ConnectionError)), nil))
+		c.flushLocked()
+		c.failLocked(fmt.Errorf("invalid SETTINGS from the proxy: %v", err))
+		return
+	}
+	c.writeLocked(c.fr.WriteSettingsAck())
+	c.cond.Broadcast()
+}
+
+func (c *upConn) onWindowUpdateLocked(f *http2.WindowUpdateFrame) {
+	inc := int64(f.Increment)
+	if f.StreamID == 0 {
+		if c.sendWin+inc > upMaxWindow {
+			c.writeLocked(c.fr.WriteGoAway(0, http2.ErrCodeFlowControl, nil))
+			c.flushLocked()
+			c.failLocked(errors.New("the proxy overflowed the connection window"))
+			return
+		}
+		c.sendWin += inc
+	} else if call := c.calls[f.StreamID]; call != nil {
+		call.sendWin += inc
+	}
+	c.cond.Broadcast()
+}
+
+func (c *upConn) onGoAwayLocked(f *http2.GoAwayFrame) {
+	c.goingAway = true
+	for id, call := range c.calls {
+		if id > f.LastStreamID {
+			// Never processed: safe to retry on another connection.
+			c.endLocked(call, status.Errorf(codes.Unavailable, "csibroker: proxy %s is going away; the call was not processed", c.u.addr))
+		}
+	}
+	if len(c.calls) == 0 {
+		c.failLocked(errors.New("the proxy is going away"))
+	}
+	c.cond.Broadcast()
+}
+
+// keepalive pings a connection that has been silent for upKeepaliveTime
+// and closes it if nothing arrives within upKeepaliveTimeout, so a proxy
+// that vanished without closing its connection is noticed.
+func (c *upConn) keepalive() {
+	every, wait := c.u.kaTime, c.u.kaTimeout
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for range t.C {
+		c.mu.Lock()
+		if c.err != nil {
+			c.mu.Unlock()
+			return
+		}
+		if time.Since(time.Unix(0, c.lastRead.Load())) < every {
+			c.mu.Unlock()
+			continue
+		}
+		sent := time.Now()
+		c.writeLocked(c.fr.WritePing(false, [8]byte{'c', 's', 'i', 'b', 'k'}))
+		c.flushLocked()
+		c.mu.Unlock()
+		time.Sleep(wait)
+		if c.lastRead.Load() < sent.UnixNano() {
+			c.fail(fmt.Errorf("no answer to a keepalive ping within %v", wait))
+			return
+		}
+	}
+}
+
+// fieldsCarrier lets the propagator write trace context into header fields.
+type fieldsCarrier struct{ f *[]hpack.HeaderField }
+
+func (c fieldsCarrier) Get(key string) string { return rawgrpc.HeaderValue(*c.f, key) }
+func (c fieldsCarrier) Set(key, value string) {
+	*c.f = append(*c.f, hpack.HeaderField{Name: key, Value: value})
+}
+func (c fieldsCarrier) Keys() []string { return nil }
+
+// attempt is one try of a unary call: a client span (named and described
+// as otelgrpc names its own), the request, and the answer decoded into a
+// message, metadata and status.
+func (u *upstream) attempt(ctx context.Context, method string, md metadata.MD, req []byte) (resp []byte, hdr, trl metadata.MD, err error) {
+	b := u.b
+	name := strings.TrimPrefix(method, "/")
+	ctx, span := b.tracer.Start(ctx, name, trace.WithSpanKind(trace.SpanKindClient),
+		trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(name), attribute.String("server.address", u.addr)))
+	defer func() {
+		s := status.Convert(err)
+		span.SetAttributes(semconv.RPCResponseStatusCode(s.Code().String()))
+		if err != nil {
+			span.SetStatus(otelcodes.Error, s.Message())
+		}
+		span.End()
+	}()
+
+	fields := make([]hpack.HeaderField, 0, 12+len(md))
+	fields = append(fields,
+		hpack.HeaderField{Name: ":method", Value: "POST"},
+		hpack.HeaderField{Name: ":scheme", Value: "https"},
+		hpack.HeaderField{Name: ":path", Value: method},
+		hpack.HeaderField{Name: ":authority", Value: u.addr},
+		hpack.HeaderField{Name: "content-type", Value: "application/grpc"},
+		hpack.HeaderField{Name: "te", Value: "trailers"},
+		hpack.HeaderField{Name: "user-agent", Value: "csibroker"})
+	if dl, ok := ctx.Deadline(); ok {
+		left := time.Until(dl)
+		if left <= 0 {
+			return nil, nil, nil, status.Error(codes.DeadlineExceeded, context.DeadlineExceeded.Error())
+		}
+		fields = append(fields, hpack.HeaderField{Name: "grpc-timeout", Value: rawgrpc.EncodeTimeout(left)})
+	}
+	b.opts.Propagator.Inject(ctx, fieldsCarrier{&fields})
+	fields = appendMD(fields, md)
+
+	c, err := u.get(ctx)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	call, err := c.roundTrip(ctx, fields, req)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	return call.result(u.addr)
+}
+
+// result decodes a finished call as gRPC's client would.
+func (call *upCall) result(addr string) (resp []byte, hdr, trl metadata.MD, err error) {
+	hdr = fieldsMD(call.hdr)
+	if call.err != nil {
+		return nil, hdr, nil, call.err
+	}
+	head := call.hdr
+	if !call.gotHdr {
+		head = call.trl // a trailers-only answer
+	}
+	if v := rawgrpc.HeaderValue(head, ":status"); v != "200" {
+		n, _ := strconv.Atoi(v)
+		return nil, hdr, nil, status.Errorf(rawgrpc.HTTPStatusCode(n), "csibroker: proxy %s answered HTTP status %q, not a gRPC answer", addr, v)
+	}
+	if call.trl == nil {
+		return nil, hdr, nil, status.Errorf(codes.Internal, "csibroker: proxy %s ended the call without trailers", addr)
+	}
+	trl = fieldsMD(call.trl)
+	if err := trailerStatus(call.trl, addr); err != nil {
+		return nil, hdr, trl, err
+	}
+	d := call.data
+	switch {
+	case len(d) < 5:
+		return nil, hdr, trl, status.Errorf(codes.Internal, "csibroker: proxy %s: the answer holds no message", addr)
+	case d[0] != 0:
+		return nil, hdr, trl, status.Errorf(codes.Internal, "csibroker: proxy %s: compressed answers are not supported", addr)
+	case int(binary.BigEndian.Uint32(d[1:5])) != len(d)-5:
+		return nil, hdr, trl, status.Errorf(codes.Internal, "csibroker: proxy %s: a unary answer must hold exactly one message", addr)
+	}
+	return d[5:], hdr, trl, nil
+}
+
+// trailerStatus is the call's status from its trailers (nil when OK).
+func trailerStatus(fields []hpack.HeaderField, addr string) error {
+	v := rawgrpc.HeaderValue(fields, "grpc-status")
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 0 {
+		return status.Errorf(codes.Internal, "csibroker: proxy %s: malformed grpc-status %q", addr, v)
+	}
+	code := codes.Code(n)
+	msg := rawgrpc.DecodeStatusMessage(rawgrpc.HeaderValue(fields, "grpc-message"))
+	if bin := rawgrpc.HeaderValue(fields, "grpc-status-details-bin"); bin != "" {
+		if vs, err := rawgrpc.DecodeBinaryHeader(bin); err == nil && len(vs) == 1 {
+			p := &spb.Status{}
+			if proto.Unmarshal([]byte(vs[0]), p) == nil && codes.Code(p.Code) == code {
+				if code == codes.OK {
+					return nil
+				}
+				return status.ErrorProto(p)
+			}
+		}
+	}
+	if code == codes.OK {
+		return nil
+	}
+	return status.Error(code, msg)
+}
+
+// fieldsMD is the metadata of a header block: what gRPC and tracing set
+// per hop is left out, "-bin" values are decoded.
+func fieldsMD(fields []hpack.HeaderField) metadata.MD {
+	var md metadata.MD
+	for _, hf := range fields {
+		if rawgrpc.Reserved(hf.Name) {
+			continue
+		}
+		vals := []string{hf.Value}
+		if strings.HasSuffix(hf.Name, "-bin") {
+			vs, err := rawgrpc.DecodeBinaryHeader(hf.Value)
+			if err != nil {
+				continue
+			}
+			vals = vs
+		}
+		if md == nil {
+			md = metadata.MD{}
+		}
+		md[hf.Name] = append(md[hf.Name], vals...)
+	}
+	return md
+}

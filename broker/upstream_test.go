@@ -1,0 +1,223 @@
+package broker
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+
+	"github.com/csibroker/csibroker/internal/mtls"
+)
+
+// h2peer is a small HTTP/2 server over mTLS standing in for a proxy, so the
+// broker's own connection can be driven into what a real proxy rarely does:
+// a stream limit of one, silence. Every request is answered with an empty
+// gRPC message and status OK after delay.
+type h2peer struct {
+	maxStreams  uint32
+	answerPings bool
+	delay       time.Duration
+
+	mu       sync.Mutex
+	open     int
+	maxOpen  int
+	requests int
+	lis      net.Listener
+}
+
+const peerTD = "test.csibroker"
+
+func startPeer(t *testing.T, p *h2peer) (addr string, client *tls.Config) {
+	t.Helper()
+	now := time.Now()
+	ca, err := mtls.NewCA("peer test CA", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pm, err := ca.IssueMaterial(mtls.Leaf{ID: mtls.DriverID(peerTD, "peer.csi.test"), NotBefore: now.Add(-time.Hour), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bm, err := ca.IssueMaterial(mtls.Leaf{ID: mtls.BrokerID(peerTD), NotBefore: now.Add(-time.Hour), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	scfg := mtls.ServerConfig(mtls.StaticSource{M: pm}, mtls.AuthorizeOneOf(mtls.BrokerID(peerTD)))
+	scfg.NextProtos = []string{"h2"}
+	lis, err := tls.Listen("tcp", "127.0.0.1:0", scfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.lis = lis
+	t.Cleanup(func() { lis.Close() })
+	go func() {
+		for {
+			nc, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { nc.Close() })
+			go p.serve(nc)
+		}
+	}()
+	return lis.Addr().String(), mtls.ClientConfig(mtls.StaticSource{M: bm}, mtls.AuthorizeOneOf(mtls.DriverID(peerTD, "peer.csi.test")))
+}
+
+func (p *h2peer) serve(nc net.Conn) {
+	defer nc.Close()
+	preface := make([]byte, len(http2.ClientPreface))
+	if _, err := io.ReadFull(nc, preface); err != nil {
+		return
+	}
+	fr := http2.NewFramer(nc, nc)
+	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	var wmu sync.Mutex
+	var hbuf bytes.Buffer
+	enc := hpack.NewEncoder(&hbuf)
+	headers := func(id uint32, end bool, fields ...hpack.HeaderField) {
+		hbuf.Reset()
+		for _, f := range fields {
+			enc.WriteField(f)
+		}
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hbuf.Bytes(), EndHeaders: true, EndStream: end})
+	}
+	wmu.Lock()
+	fr.WriteSettings(http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: p.maxStreams})
+	wmu.Unlock()
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			return
+		}
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				wmu.Lock()
+				fr.WriteSettingsAck()
+				wmu.Unlock()
+			}
+		case *http2.PingFrame:
+			if !f.IsAck() && p.answerPings {
+				wmu.Lock()
+				fr.WritePing(true, f.Data)
+				wmu.Unlock()
+			}
+		case *http2.MetaHeadersFrame:
+			p.mu.Lock()
+			p.open++
+			p.requests++
+			p.maxOpen = max(p.maxOpen, p.open)
+			p.mu.Unlock()
+		case *http2.DataFrame:
+			if !f.StreamEnded() {
+				continue
+			}
+			id := f.StreamID
+			go func() {
+				time.Sleep(p.delay)
+				p.mu.Lock()
+				p.open--
+				p.mu.Unlock()
+				wmu.Lock()
+				defer wmu.Unlock()
+				headers(id, false, hpack.HeaderField{Name: ":status", Value: "200"}, hpack.HeaderField{Name: "content-type", Value: "application/grpc"})
+				fr.WriteData(id, false, []byte{0, 0, 0, 0, 0})
+				headers(id, true, hpack.HeaderField{Name: "grpc-status", Value: "0"})
+			}()
+		}
+	}
+}
+
+func newTestUpstream(t *testing.T, addr string, tlsCfg *tls.Config) *upstream {
+	t.Helper()
+	b, err := New(Options{TrustDomain: peerTD, TLS: mtls.StaticSource{M: &mtls.Material{}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &proxyConn{cfg: ProxyConfig{Address: addr}, driver: "peer.csi.test", retry: RetryConfig{MaxAttempts: 1}}
+	p.driverCfg.Store(&DriverConfig{Name: "peer.csi.test", Timeout: 10 * time.Second})
+	u := newUpstream(b, p, tlsCfg)
+	t.Cleanup(u.close)
+	return u
+}
+
+// TestUpstreamKeepsToTheStreamLimit: with a proxy that allows one stream,
+// four concurrent calls all succeed, one at a time.
+func TestUpstreamKeepsToTheStreamLimit(t *testing.T) {
+	peer := &h2peer{maxStreams: 1, answerPings: true, delay: 30 * time.Millisecond}
+	addr, cfg := startPeer(t, peer)
+	u := newTestUpstream(t, addr, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, 4)
+	for i := 0; i < 4; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, _, _, err := u.attempt(ctx, "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0})
+			errs <- err
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Error(err)
+		}
+	}
+	peer.mu.Lock()
+	defer peer.mu.Unlock()
+	if peer.requests != 4 || peer.maxOpen != 1 {
+		t.Fatalf("the proxy saw %d requests, at most %d at once; want 4, one at a time", peer.requests, peer.maxOpen)
+	}
+}
+
+// TestUpstreamKeepalive: a connection to a proxy that answers pings stays;
+// one to a proxy that went silent is closed after an unanswered ping, so
+// the next call dials again instead of waiting on a dead connection.
+func TestUpstreamKeepalive(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+
+	addr, cfg := startPeer(t, &h2peer{maxStreams: 10, answerPings: true})
+	au := newTestUpstream(t, addr, cfg)
+	au.kaTime, au.kaTimeout = 50*time.Millisecond, 50*time.Millisecond
+	alive, err := au.get(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	silentPeer := &h2peer{maxStreams: 10}
+	addr, cfg = startPeer(t, silentPeer)
+	su := newTestUpstream(t, addr, cfg)
+	su.kaTime, su.kaTimeout = 50*time.Millisecond, 50*time.Millisecond
+	silent, err := su.get(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for silent.takesCalls() && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	silent.mu.Lock()
+	why := silent.err
+	silent.mu.Unlock()
+	if why == nil || !strings.Contains(why.Error(), "keepalive") {
+		t.Fatalf("the silent proxy's connection: %v, want closed after an unanswered keepalive ping", why)
+	}
+	if !alive.takesCalls() {
+		t.Fatal("the connection to a proxy that answers pings was closed")
+	}
+	// The next call dials a new connection.
+	if _, _, _, err := su.attempt(ctx, "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0}); err != nil {
+		t.Fatalf("call after the keepalive closed the connection: %v", err)
+	}
+}
