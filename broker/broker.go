@@ -218,11 +218,11 @@ func (b *Broker) ControllerConn(driver string) (grpc.ClientConnInterface, error)
 		// A node-local driver may have node proxies only: any of them
 		// answers capability questions.
 		if nodes := d.Nodes(); len(nodes) > 0 {
-			return d.nodes[nodes[0]].conn, nil
+			return frameConn{d.nodes[nodes[0]]}, nil
 		}
 		return nil, err
 	}
-	return pc.conn, nil
+	return frameConn{pc}, nil
 }
 
 // NodeConn returns the connection to driver's proxy on node.
@@ -277,10 +277,9 @@ func (b *Broker) dial(d *Driver, pc ProxyConfig) (*proxyConn, error) {
 			Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
 			MinConnectTimeout: 5 * time.Second,
 		}),
-		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 30 * time.Second, Timeout: 10 * time.Second, PermitWithoutStream: true}),
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
 		grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelOpts...)),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(b.opts.MaxMsgSize), grpc.MaxCallSendMsgSize(b.opts.MaxMsgSize)),
-		grpc.WithChainUnaryInterceptor(b.unaryChain(p)...),
 		grpc.WithChainStreamInterceptor(b.streamChain(p)...),
 	)...)
 	if err != nil {
@@ -288,7 +287,7 @@ func (b *Broker) dial(d *Driver, pc ProxyConfig) (*proxyConn, error) {
 	}
 	p.conn = conn
 	p.up = newUpstream(b, p, tlsCfg)
-	conn.Connect()
+	p.up.keepConnected()
 	return p, nil
 }
 
@@ -317,7 +316,7 @@ func (d *Driver) Controller() (grpc.ClientConnInterface, error) {
 	if d.controller == nil {
 		return nil, fmt.Errorf("driver %q: %w: no controller proxy registered", d.name, ErrNoProxy)
 	}
-	return d.controller.conn, nil
+	return frameConn{d.controller}, nil
 }
 
 // Node returns the connection to the driver's proxy on node.
@@ -326,7 +325,7 @@ func (d *Driver) Node(node string) (grpc.ClientConnInterface, error) {
 	if pc == nil {
 		return nil, fmt.Errorf("driver %q: %w: no node proxy registered for node %q", d.name, ErrNoProxy, node)
 	}
-	return pc.conn, nil
+	return frameConn{pc}, nil
 }
 
 // Nodes lists the nodes that have a proxy of this driver, sorted.
@@ -357,9 +356,10 @@ type proxyConn struct {
 	want      string // identity required of the proxy
 	retry     RetryConfig
 	driverCfg atomic.Pointer[DriverConfig]
-	conn      *grpc.ClientConn
-	// up carries the front end's unary calls (upstream.go).
-	up *upstream
+	// conn carries streaming calls (gRPC's client, connected on first use);
+	// up carries every unary call (upstream.go).
+	conn *grpc.ClientConn
+	up   *upstream
 }
 
 func (p *proxyConn) close() {
@@ -375,7 +375,7 @@ func (b *Broker) proxyStates() []proxyState {
 	var out []proxyState
 	for _, d := range b.drivers {
 		for _, pc := range d.all() {
-			out = append(out, proxyState{driver: d.name, node: pc.cfg.Node, address: pc.cfg.Address, state: pc.conn.GetState().String(), want: pc.want})
+			out = append(out, proxyState{driver: d.name, node: pc.cfg.Node, address: pc.cfg.Address, state: pc.up.state(), want: pc.want})
 		}
 	}
 	return out
@@ -400,7 +400,7 @@ func (b *Broker) Status() []DriverStatus {
 		d := b.drivers[name]
 		ds := DriverStatus{Name: name, Inflight: d.stats.inflight.Load(), Total: d.stats.total.Load(), Failed: d.stats.failed.Load()}
 		for _, pc := range d.all() {
-			ds.Proxies = append(ds.Proxies, ProxyStatus{Address: pc.cfg.Address, Node: pc.cfg.Node, State: pc.conn.GetState().String(), ExpectedIdentity: pc.want})
+			ds.Proxies = append(ds.Proxies, ProxyStatus{Address: pc.cfg.Address, Node: pc.cfg.Node, State: pc.up.state(), ExpectedIdentity: pc.want})
 		}
 		out = append(out, ds)
 	}

@@ -2,6 +2,7 @@ package broker
 
 import (
 	"context"
+	"encoding/binary"
 	"log/slog"
 	"strings"
 	"time"
@@ -22,27 +23,13 @@ import (
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
 
-// The client chain, outermost first: observe (one span per logical call,
-// in-flight gauge, latency histograms, sanitized log) → timeout (per driver and
-// method) → retry (Unavailable only, jittered exponential backoff, each attempt
-// inside the caller's deadline). otelgrpc's stats handler then makes one span
-// per attempt and carries W3C trace context to the proxy.
-func (b *Broker) unaryChain(p *proxyConn) []grpc.UnaryClientInterceptor {
-	r := p.retry
-	return []grpc.UnaryClientInterceptor{
-		b.observeUnary(p),
-		timeoutUnary(p),
-		retry.UnaryClientInterceptor(
-			retry.WithMax(uint(r.MaxAttempts)),
-			retry.WithCodes(codes.Unavailable),
-			retry.WithBackoff(retry.BackoffExponentialWithJitterBounded(r.IntervalStart, 0.2, r.IntervalMax)),
-			retry.WithOnRetryCallback(func(ctx context.Context, attempt uint, err error) {
-				method, _ := ctx.Value(methodKey{}).(string)
-				b.onRetry(ctx, p, method, attempt, err)
-			}),
-		),
-	}
-}
+// The client chain of a unary call, outermost first (invokeFrames):
+// observe (one span per logical call, in-flight gauge, latency histograms,
+// sanitized log) → timeout (per driver and method) → retry (Unavailable
+// only, jittered exponential backoff, each attempt inside the caller's
+// deadline) → one client span per attempt, whose W3C trace context goes to
+// the proxy, over the broker's own HTTP/2 connection (upstream.go). Streams
+// go through gRPC's client with streamChain and otelgrpc's stats handler.
 
 // onRetry records a retry: attempt is the retry's number (1 for the
 // second try) and err the previous attempt's error.
@@ -54,11 +41,13 @@ func (b *Broker) onRetry(ctx context.Context, p *proxyConn, method string, attem
 	b.log.Debug("csi call retried", "driver", p.driver, "method", method, "attempt", attempt+1, "code", code)
 }
 
-// invokeFrames is the client chain of the front end's unary calls, over
-// the broker's own HTTP/2 connection to the proxy (upstream.go): the same
-// steps as unaryChain, outermost first. req is the whole gRPC message,
+// invokeFrames is the client chain of every unary call (the front end's
+// and, through frameConn, the controllers'). req is the whole gRPC message,
 // prefix included; the answer is the message's payload.
 func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, md metadata.MD, req []byte) (resp []byte, hdr, trl metadata.MD, err error) {
+	if n := len(req) - 5; n > b.opts.MaxMsgSize {
+		return nil, nil, nil, status.Errorf(codes.ResourceExhausted, "csibroker: trying to send message larger than max (%d vs. %d)", n, b.opts.MaxMsgSize)
+	}
 	reply := &rawgrpc.Frame{}
 	err = b.observe(ctx, p, method, &rawgrpc.Frame{Payload: req[5:]}, reply, func(ctx context.Context) error {
 		ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
@@ -87,8 +76,6 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 	return reply.Payload, hdr, trl, err
 }
 
-type methodKey struct{}
-
 func (b *Broker) streamChain(p *proxyConn) []grpc.StreamClientInterceptor {
 	return []grpc.StreamClientInterceptor{
 		func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
@@ -108,14 +95,6 @@ func (b *Broker) streamChain(p *proxyConn) []grpc.StreamClientInterceptor {
 	}
 }
 
-func timeoutUnary(p *proxyConn) grpc.UnaryClientInterceptor {
-	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
-		defer cancel()
-		return invoker(ctx, method, req, reply, cc, opts...)
-	}
-}
-
 // methodTimeout is the driver's timeout for method.
 func (p *proxyConn) methodTimeout(method string) time.Duration {
 	cfg := p.driverCfg.Load()
@@ -125,20 +104,11 @@ func (p *proxyConn) methodTimeout(method string) time.Duration {
 	return cfg.Timeout
 }
 
-func (b *Broker) observeUnary(p *proxyConn) grpc.UnaryClientInterceptor {
-	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		return b.observe(ctx, p, method, req, reply, func(ctx context.Context) error {
-			return invoker(ctx, method, req, reply, cc, opts...)
-		})
-	}
-}
-
 // observe wraps one logical call (all its attempts): a span, the in-flight
 // gauge, latency histograms, and the sanitized request and response logs.
 // reply is read once call has returned.
 func (b *Broker) observe(ctx context.Context, p *proxyConn, method string, req, reply any, call func(context.Context) error) error {
 	short := shortMethod(method)
-	ctx = context.WithValue(ctx, methodKey{}, short)
 	ctx, span := b.tracer.Start(ctx, "broker "+method, trace.WithSpanKind(trace.SpanKindInternal),
 		trace.WithAttributes(attribute.String("csi.driver", p.driver), attribute.String("csi.node", p.cfg.Node), attribute.String("rpc.method", short), attribute.String("csi.proxy", p.cfg.Address)))
 	defer span.End()
@@ -221,4 +191,56 @@ func newMessage(fullMethod string, request bool) proto.Message {
 		return nil
 	}
 	return mt.New().Interface()
+}
+
+// frameConn is a proxy connection as gRPC client code sees it (the
+// Kubernetes controllers, Driver.Route): unary calls are marshalled here and
+// go through invokeFrames; streams go through gRPC's client.
+type frameConn struct{ p *proxyConn }
+
+// Invoke supports the grpc.Header and grpc.Trailer call options; the
+// chain's own timeout and retry replace gRPC's per-call options.
+func (f frameConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	var req []byte
+	switch a := args.(type) {
+	case *rawgrpc.Frame:
+		req = append(make([]byte, 5, 5+len(a.Payload)), a.Payload...)
+	case proto.Message:
+		var err error
+		if req, err = (proto.MarshalOptions{}).MarshalAppend(make([]byte, 5, 5+proto.Size(a)), a); err != nil {
+			return status.Errorf(codes.Internal, "csibroker: marshal %s request: %v", shortMethod(method), err)
+		}
+	default:
+		return status.Errorf(codes.Internal, "csibroker: %s: cannot send a %T", shortMethod(method), args)
+	}
+	binary.BigEndian.PutUint32(req[1:5], uint32(len(req)-5))
+	md, _ := metadata.FromOutgoingContext(ctx)
+	resp, hdr, trl, err := f.p.up.b.invokeFrames(ctx, f.p, method, md, req)
+	for _, o := range opts {
+		switch o := o.(type) {
+		case grpc.HeaderCallOption:
+			*o.HeaderAddr = hdr
+		case grpc.TrailerCallOption:
+			*o.TrailerAddr = trl
+		}
+	}
+	if err != nil {
+		return err
+	}
+	switch r := reply.(type) {
+	case *rawgrpc.Frame:
+		r.Payload = resp
+	case proto.Message:
+		if err := proto.Unmarshal(resp, r); err != nil {
+			return status.Errorf(codes.Internal, "csibroker: unmarshal %s answer: %v", shortMethod(method), err)
+		}
+	default:
+		return status.Errorf(codes.Internal, "csibroker: %s: cannot receive into a %T", shortMethod(method), reply)
+	}
+	return nil
+}
+
+// NewStream opens a stream through gRPC's client and the stream chain.
+func (f frameConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	return f.p.conn.NewStream(ctx, desc, method, opts...)
 }

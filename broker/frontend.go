@@ -124,7 +124,7 @@ func (d *Driver) Route(method, node string) (grpc.ClientConnInterface, error) {
 	if err != nil {
 		return nil, err
 	}
-	return pc.conn, nil
+	return frameConn{pc}, nil
 }
 
 func (d *Driver) route(method, node string) (*proxyConn, error) {

@@ -45,7 +45,7 @@ func newMetrics() *Metrics {
 			Help: "CSI calls from the broker to drivers in flight now.",
 		}, []string{"driver", "method"}),
 		connDesc: prometheus.NewDesc("csibroker_proxy_connection_state",
-			"State of the broker's connection to each proxy: 1 for the current gRPC connectivity state.",
+			"State of the broker's connection to each proxy: 1 for its current connectivity state (gRPC's state names: IDLE, CONNECTING, READY, TRANSIENT_FAILURE, SHUTDOWN).",
 			[]string{"driver", "node", "address", "state"}, nil),
 	}
 }

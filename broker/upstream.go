@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"strconv"
 	"strings"
@@ -31,17 +32,18 @@ import (
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
 
-// The front end's unary calls reach the proxy over the broker's own HTTP/2
-// connection to it (upConn) rather than through gRPC's client: the calling
-// goroutine writes the request's frames itself and the connection's reader
-// completes the answer, so a call costs one hand-off (reader to caller)
-// where gRPC's client added its writer goroutine and its own per-call
-// bookkeeping. The chain around it keeps unaryChain's semantics (see
-// Broker.invokeFrames): one span per logical call, metrics and sanitized
-// logs, the per-method timeout, retry of Unavailable with jittered
-// exponential backoff inside the caller's deadline, and a client span per
-// attempt whose trace context goes to the proxy. Streaming calls and the
-// Kubernetes controllers use the gRPC client connection (proxyConn.conn).
+// Every unary call (the front end's, and the controllers' through
+// frameConn) reaches the proxy over the broker's own HTTP/2 connection to
+// it (upConn) rather than through gRPC's client: the calling goroutine
+// writes the request's frames itself and the connection's reader completes
+// the answer, so a call costs one hand-off (reader to caller) where gRPC's
+// client added its writer goroutine and its own per-call bookkeeping. The
+// chain around it (Broker.invokeFrames) keeps the semantics the gRPC
+// interceptors had: one span per logical call, metrics and sanitized logs,
+// the per-method timeout, retry of Unavailable with jittered exponential
+// backoff inside the caller's deadline, and a client span per attempt whose
+// trace context goes to the proxy. Streaming calls use gRPC's client
+// (proxyConn.conn), which connects on first use.
 //
 // Flow control: the request is sent within the proxy's windows (waiting
 // for WINDOW_UPDATE if it is larger); an answer is bounded by MaxMsgSize and
@@ -60,6 +62,8 @@ const (
 	// HTTP/2 allows takes no new calls; the next call dials a fresh one.
 	upLastStreamID = 1<<31 - 1
 	upIDMargin     = 1 << 20
+	upRedialMin    = 100 * time.Millisecond
+	upRedialMax    = 2 * time.Second
 	upInitialWin   = 65535
 	upMaxWindow    = 1<<31 - 1
 )
@@ -74,10 +78,12 @@ type upstream struct {
 	// keepalive period and ping timeout (upKeepalive*; shorter in tests)
 	kaTime, kaTimeout time.Duration
 
-	mu     sync.Mutex
-	conn   *upConn
-	dial   *upDial
-	closed bool
+	mu      sync.Mutex
+	conn    *upConn
+	dial    *upDial
+	lastErr error // the last dial's error; nil once one succeeded
+	closed  bool
+	stop    context.CancelFunc
 }
 
 type upDial struct {
@@ -92,9 +98,71 @@ func newUpstream(b *Broker, p *proxyConn, tlsCfg *tls.Config) *upstream {
 	return &upstream{b: b, p: p, tls: cfg, addr: p.cfg.Address, kaTime: upKeepaliveTime, kaTimeout: upKeepaliveTimeout}
 }
 
+// keepConnected dials now and again whenever the connection is lost (with
+// jittered exponential backoff while dials fail, as gRPC's client does),
+// so the connection state tells whether the proxy is reachable and the
+// first call finds a connection. Calls dial by themselves as well.
+func (u *upstream) keepConnected() {
+	ctx, cancel := context.WithCancel(context.Background())
+	u.mu.Lock()
+	if u.closed || u.stop != nil {
+		u.mu.Unlock()
+		cancel()
+		return
+	}
+	u.stop = cancel
+	u.mu.Unlock()
+	go func() {
+		delay := upRedialMin
+		for {
+			c, err := u.get(ctx)
+			if ctx.Err() != nil {
+				return
+			}
+			if err != nil {
+				t := time.NewTimer(time.Duration(float64(delay) * (0.8 + 0.4*rand.Float64())))
+				select {
+				case <-ctx.Done():
+					t.Stop()
+					return
+				case <-t.C:
+				}
+				delay = min(delay*8/5, upRedialMax)
+				continue
+			}
+			delay = upRedialMin
+			select {
+			case <-ctx.Done():
+				return
+			case <-c.dead:
+			}
+		}
+	}()
+}
+
+// state names the connection's state as gRPC's connectivity states do.
+func (u *upstream) state() string {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	switch {
+	case u.closed:
+		return "SHUTDOWN"
+	case u.conn != nil && u.conn.takesCalls():
+		return "READY"
+	case u.dial != nil:
+		return "CONNECTING"
+	case u.lastErr != nil:
+		return "TRANSIENT_FAILURE"
+	}
+	return "IDLE"
+}
+
 // close closes the connection; calls in flight fail with Unavailable.
 func (u *upstream) close() {
 	u.mu.Lock()
+	if u.stop != nil {
+		u.stop()
+	}
 	u.closed = true
 	c := u.conn
 	u.conn = nil
@@ -144,6 +212,7 @@ func (u *upstream) dialOnce(d *upDial) {
 	if err == nil {
 		u.conn = c
 	}
+	u.lastErr = err
 	d.c, d.err = c, err
 	u.mu.Unlock()
 	if err != nil {
@@ -229,7 +298,8 @@ type upConn struct {
 	recvPending uint32 // connection window consumed and not returned yet
 	needFlush   bool
 	goingAway   bool
-	err         error // why the connection ended; set once
+	err         error         // why the connection ended; set once
+	dead        chan struct{} // closed when err is set
 	deadline    time.Time
 }
 
@@ -248,7 +318,7 @@ type upCall struct {
 
 func newUpConn(u *upstream, nc net.Conn) *upConn {
 	c := &upConn{u: u, nc: nc, br: bufio.NewReaderSize(nc, upBufSize), bw: bufio.NewWriterSize(nc, upBufSize),
-		calls: map[uint32]*upCall{}, nextID: 1, maxStreams: 100, initWin: upInitialWin, maxFrame: 16 << 10, sendWin: upInitialWin}
+		calls: map[uint32]*upCall{}, dead: make(chan struct{}), nextID: 1, maxStreams: 100, initWin: upInitialWin, maxFrame: 16 << 10, sendWin: upInitialWin}
 	c.cond = sync.NewCond(&c.mu)
 	c.fr = http2.NewFramer(c.bw, c.br)
 	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
@@ -311,6 +381,7 @@ func (c *upConn) failLocked(err error) {
 		return
 	}
 	c.err = err
+	close(c.dead)
 	c.nc.Close()
 	for _, call := range c.calls {
 		c.endLocked(call, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection lost: %v", c.u.addr, describeUpErr(err)))

@@ -158,9 +158,21 @@ func (c *Chain) startProxy(t testing.TB, addr string) {
 // address, as a restarted proxy pod would be.
 func (c *Chain) RestartProxy(t testing.TB) {
 	t.Helper()
+	c.StopProxy()
+	c.StartProxy(t)
+}
+
+// StopProxy stops the proxy gracefully; its address refuses connections
+// until StartProxy.
+func (c *Chain) StopProxy() {
 	c.proxyCancel()
 	<-c.proxyDone
 	c.Proxy.Close()
+}
+
+// StartProxy starts a new proxy on the stopped one's address.
+func (c *Chain) StartProxy(t testing.TB) {
+	t.Helper()
 	// The old proxy's metrics stay in c.Registry; the new one's go to a
 	// registry of their own.
 	c.proxyCfg.Registerer = prometheus.NewRegistry()

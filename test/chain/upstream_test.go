@@ -100,3 +100,60 @@ func TestFrontEndBoundsAnswers(t *testing.T) {
 		t.Fatalf("the next call: %v", err)
 	}
 }
+
+// TestProxyConnectionStateFollowsTheProxy: the broker keeps its connection
+// to a proxy up by itself, so its state (the status API and the
+// csibroker_proxy_connection_state metric) says whether the proxy is
+// reachable, and a proxy that comes back is connected before any call.
+func TestProxyConnectionStateFollowsTheProxy(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, LogLevel: 4})
+	state := func() string {
+		st := c.Broker.Status()
+		if len(st) != 1 || len(st[0].Proxies) != 1 {
+			t.Fatalf("status %+v", st)
+		}
+		return st[0].Proxies[0].State
+	}
+	waitState := func(want ...string) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			got := state()
+			for _, w := range want {
+				if got == w {
+					return
+				}
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("proxy connection state %s, want %v", got, want)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	waitState("READY")
+	c.StopProxy()
+	waitState("TRANSIENT_FAILURE")
+	c.StartProxy(t)
+	waitState("READY")
+	metrics, err := c.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, mf := range metrics {
+		if mf.GetName() != "csibroker_proxy_connection_state" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "state" && l.GetValue() == "READY" {
+					found = true
+				}
+			}
+		}
+	}
+	if !found {
+		t.Fatal("csibroker_proxy_connection_state has no READY series after the proxy came back")
+	}
+}
