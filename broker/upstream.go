@@ -306,6 +306,7 @@ type upConn struct {
 // upCall is one call's answer as it arrives.
 type upCall struct {
 	id          uint32
+	deadline    time.Time // the call's deadline, zero if none
 	sendWin     int64
 	gotHdr      bool
 	hdr, trl    []hpack.HeaderField
@@ -421,6 +422,7 @@ func (c *upConn) endLocked(call *upCall, err error) {
 // waits for the whole answer.
 func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg []byte) (*upCall, error) {
 	call := &upCall{done: make(chan struct{})}
+	call.deadline, _ = ctx.Deadline()
 	stop := context.AfterFunc(ctx, func() {
 		c.mu.Lock()
 		c.cond.Broadcast()
@@ -512,7 +514,13 @@ func (c *upConn) readLoop() {
 			c.onDataLocked(f)
 		case *http2.RSTStreamFrame:
 			if call := c.calls[f.StreamID]; call != nil {
-				c.endLocked(call, status.Errorf(rawgrpc.RSTCode(f.ErrCode), "csibroker: proxy %s reset the call: %v", c.u.addr, f.ErrCode))
+				code := rawgrpc.RSTCode(f.ErrCode)
+				if code == codes.Canceled && !call.deadline.IsZero() && !call.deadline.After(time.Now()) {
+					// The call's deadline passed: the next hop cancelled
+					// because of it (as gRPC's client reports it).
+					code = codes.DeadlineExceeded
+				}
+				c.endLocked(call, status.Errorf(code, "csibroker: proxy %s reset the call: %v", c.u.addr, f.ErrCode))
 			}
 		case *http2.SettingsFrame:
 			c.onSettingsLocked(f)
