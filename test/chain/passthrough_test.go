@@ -20,14 +20,31 @@ import (
 )
 
 // TestPassthroughFidelity sends a call for every gRPC status code through
-// front end → broker → proxy → driver and checks that code, message, details,
-// headers and trailers come back exactly as the driver sent them.
+// front end → broker → proxy → driver, and through the broker's client as
+// the Kubernetes controllers call it (broker → proxy → driver), and checks
+// that code, message, details, headers and trailers come back exactly as
+// the driver sent them.
 func TestPassthroughFidelity(t *testing.T) {
 	echo, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: "echo.csi.test", DriverEndpoint: ep,
 		Retry: broker.RetryConfig{MaxAttempts: 3, IntervalStart: time.Millisecond, IntervalMax: 5 * time.Millisecond}})
-	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	d, err := c.Broker.Driver("echo.csi.test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	bconn, err := d.Controller()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, via := range []struct {
+		name   string
+		client csi.ControllerClient
+	}{{"front-end", csi.NewControllerClient(chaintest.Dial(t, c.Front))}, {"broker-client", csi.NewControllerClient(bconn)}} {
+		t.Run(via.name, func(t *testing.T) { fidelity(t, echo, via.client) })
+	}
+}
 
+func fidelity(t *testing.T, echo *echoDriver, client csi.ControllerClient) {
 	for code := codes.OK; code <= codes.Unauthenticated; code++ {
 		t.Run(code.String(), func(t *testing.T) {
 			name := "vol-" + strconv.Itoa(int(code))
