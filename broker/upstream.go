@@ -134,7 +134,7 @@ func (u *upstream) keepConnected() {
 			select {
 			case <-ctx.Done():
 				return
-			case <-c.dead:
+			case <-c.retiring:
 			}
 		}
 	}()
@@ -299,7 +299,8 @@ type upConn struct {
 	needFlush   bool
 	goingAway   bool
 	err         error         // why the connection ended; set once
-	dead        chan struct{} // closed when err is set
+	retiring    chan struct{} // closed once the connection takes no new calls
+	retired     bool          // retiring is closed
 	deadline    time.Time
 }
 
@@ -319,7 +320,7 @@ type upCall struct {
 
 func newUpConn(u *upstream, nc net.Conn) *upConn {
 	c := &upConn{u: u, nc: nc, br: bufio.NewReaderSize(nc, upBufSize), bw: bufio.NewWriterSize(nc, upBufSize),
-		calls: map[uint32]*upCall{}, dead: make(chan struct{}), nextID: 1, maxStreams: 100, initWin: upInitialWin, maxFrame: 16 << 10, sendWin: upInitialWin}
+		calls: map[uint32]*upCall{}, retiring: make(chan struct{}), nextID: 1, maxStreams: 100, initWin: upInitialWin, maxFrame: 16 << 10, sendWin: upInitialWin}
 	c.cond = sync.NewCond(&c.mu)
 	c.fr = http2.NewFramer(c.bw, c.br)
 	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
@@ -382,12 +383,22 @@ func (c *upConn) failLocked(err error) {
 		return
 	}
 	c.err = err
-	close(c.dead)
+	c.retireLocked()
 	c.nc.Close()
 	for _, call := range c.calls {
 		c.endLocked(call, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection lost: %v", c.u.addr, describeUpErr(err)))
 	}
 	c.cond.Broadcast()
+}
+
+// retireLocked tells keepConnected that the connection takes no new calls
+// (it failed, the proxy is going away, or its stream IDs run out), so a new
+// one is dialled while the calls on this one finish.
+func (c *upConn) retireLocked() {
+	if !c.retired {
+		c.retired = true
+		close(c.retiring)
+	}
 }
 
 func (c *upConn) fail(err error) {
@@ -444,6 +455,9 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 	}
 	call.id = c.nextID
 	c.nextID += 2
+	if c.nextID >= upLastStreamID-upIDMargin {
+		c.retireLocked()
+	}
 	call.sendWin = c.initWin
 	c.calls[call.id] = call
 	c.writeLocked(rawgrpc.WriteHeaderBlock(c.fr, c.enc, &c.hbuf, call.id, fields, false, c.maxFrame))
@@ -646,6 +660,7 @@ func (c *upConn) onWindowUpdateLocked(f *http2.WindowUpdateFrame) {
 
 func (c *upConn) onGoAwayLocked(f *http2.GoAwayFrame) {
 	c.goingAway = true
+	c.retireLocked()
 	for id, call := range c.calls {
 		if id > f.LastStreamID {
 			// Never processed: safe to retry on another connection.

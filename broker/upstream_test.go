@@ -25,8 +25,12 @@ type h2peer struct {
 	maxStreams  uint32
 	answerPings bool
 	delay       time.Duration
+	// goAway: answer each connection's first request, but send GOAWAY
+	// (that request being the last one processed) as soon as it arrives.
+	goAway bool
 
 	mu       sync.Mutex
+	conns    int
 	open     int
 	maxOpen  int
 	requests int
@@ -73,6 +77,9 @@ func startPeer(t *testing.T, p *h2peer) (addr string, client *tls.Config) {
 
 func (p *h2peer) serve(nc net.Conn) {
 	defer nc.Close()
+	p.mu.Lock()
+	p.conns++
+	p.mu.Unlock()
 	preface := make([]byte, len(http2.ClientPreface))
 	if _, err := io.ReadFull(nc, preface); err != nil {
 		return
@@ -121,6 +128,11 @@ func (p *h2peer) serve(nc net.Conn) {
 				continue
 			}
 			id := f.StreamID
+			if p.goAway {
+				wmu.Lock()
+				fr.WriteGoAway(id, http2.ErrCodeNo, nil)
+				wmu.Unlock()
+			}
 			go func() {
 				time.Sleep(p.delay)
 				p.mu.Lock()
@@ -219,5 +231,37 @@ func TestUpstreamKeepalive(t *testing.T) {
 	// The next call dials a new connection.
 	if _, _, _, err := su.attempt(ctx, "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0}); err != nil {
 		t.Fatalf("call after the keepalive closed the connection: %v", err)
+	}
+}
+
+// TestUpstreamRedialsWhileDraining: a proxy that sends GOAWAY keeps serving
+// the call in flight; the broker dials a new connection at once, not when
+// that call ends, so the state stays READY and new calls do not wait.
+func TestUpstreamRedialsWhileDraining(t *testing.T) {
+	peer := &h2peer{maxStreams: 10, answerPings: true, delay: 2 * time.Second, goAway: true}
+	addr, cfg := startPeer(t, peer)
+	u := newTestUpstream(t, addr, cfg)
+	u.keepConnected()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		_, _, _, err := u.attempt(ctx, "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0})
+		done <- err
+	}()
+	conns := func() int {
+		peer.mu.Lock()
+		defer peer.mu.Unlock()
+		return peer.conns
+	}
+	for conns() < 2 || u.state() != "READY" {
+		select {
+		case err := <-done:
+			t.Fatalf("the call in flight ended (%v) before the broker had a second connection READY (connections: %d, state %s)", err, conns(), u.state())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("the call on the draining connection: %v", err)
 	}
 }
