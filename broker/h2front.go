@@ -255,6 +255,7 @@ type feStream struct {
 	in          *feInput
 	ctx         context.Context
 	cancel      context.CancelFunc
+	out         metadata.MD // the caller's metadata for the next hop
 	sendWin     int64
 	recvWin     int64
 	unacked     uint32
@@ -838,7 +839,7 @@ func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, 
 		ctx, cancel = context.WithCancel(ctx)
 	}
 	c.mu.Lock()
-	st.ctx, st.cancel = ctx, cancel
+	st.ctx, st.cancel, st.out = ctx, cancel, out
 	gone := st.reset || c.closed
 	c.mu.Unlock()
 	if gone {
@@ -901,8 +902,7 @@ func (c *feConn) callUnary(ctx context.Context, st *feStream, md metadata.MD, re
 	if err != nil {
 		return err
 	}
-	out, _ := metadata.FromOutgoingContext(ctx)
-	resp.Payload, *hdr, *trl, err = c.s.fe.b.invokeFrames(ctx, pc, st.method, out, req)
+	resp.Payload, *hdr, *trl, err = c.s.fe.b.invokeFrames(ctx, pc, st.method, st.out, req)
 	return err
 }
 

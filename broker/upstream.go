@@ -434,15 +434,27 @@ func (c *upConn) endLocked(call *upCall, err error) {
 func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg []byte) (*upCall, error) {
 	call := &upCall{done: make(chan struct{})}
 	call.deadline, _ = ctx.Deadline()
-	stop := context.AfterFunc(ctx, func() {
-		c.mu.Lock()
-		c.cond.Broadcast()
-		c.mu.Unlock()
-	})
-	defer stop()
+	// A wait on c.cond (a stream slot, a window) must end with ctx too;
+	// registered only when a call has to wait.
+	var stop func() bool
+	defer func() {
+		if stop != nil {
+			stop()
+		}
+	}()
+	wait := func() {
+		if stop == nil {
+			stop = context.AfterFunc(ctx, func() {
+				c.mu.Lock()
+				c.cond.Broadcast()
+				c.mu.Unlock()
+			})
+		}
+		c.cond.Wait()
+	}
 	c.mu.Lock()
 	for c.err == nil && !c.goingAway && uint32(len(c.calls)) >= c.maxStreams && ctx.Err() == nil {
-		c.cond.Wait()
+		wait()
 	}
 	switch {
 	case ctx.Err() != nil:
@@ -465,7 +477,7 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 		n := min(int64(len(rest)), c.sendWin, call.sendWin, int64(c.maxFrame))
 		if n <= 0 && len(rest) > 0 {
 			c.flushLocked()
-			c.cond.Wait()
+			wait()
 			continue
 		}
 		last := int(n) == len(rest)
