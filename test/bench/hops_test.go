@@ -2,7 +2,9 @@ package bench
 
 import (
 	"context"
+	"crypto/tls"
 	"log/slog"
+	"net"
 	"testing"
 	"time"
 
@@ -17,8 +19,9 @@ import (
 )
 
 // BenchmarkHopsC32 measures Probe throughput at concurrency 32 as each hop is
-// added: the driver socket alone; the proxy over mTLS; the broker's client
-// connection (timeout, retry, tracing, metrics) to the proxy; and the
+// added: the driver socket alone; the proxy over mTLS (and, for comparison,
+// a byte-copying relay behind an mTLS listener in the proxy's place); the
+// broker's client (timeout, retry, tracing, metrics) to the proxy; and the
 // broker's front-end socket. It shows where the chain's cost lies.
 func BenchmarkHopsC32(b *testing.B) { benchHops(b, 32) }
 
@@ -48,11 +51,30 @@ func benchHops(b *testing.B, conc int) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	// The proxy's floor: a byte-copying relay behind the same mTLS listener
+	// kind (nothing parsed), to tell the proxy's own cost from the hop's.
+	ca := chaintest.SharedCA(b)
+	now := time.Now()
+	pm, err := ca.IssueMaterial(mtls.Leaf{ID: mtls.DriverID(chaintest.TrustDomain, "relay"), NotBefore: now.Add(-time.Hour), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		b.Fatal(err)
+	}
+	tl, err := tls.Listen("tcp", "127.0.0.1:0", mtls.ServerConfig(mtls.StaticSource{M: pm}, mtls.AuthorizeAny()))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { tl.Close() })
+	go relay(tl, func() (net.Conn, error) { return net.Dial("unix", ep[len("unix://"):]) })
+	rconn, err := grpc.NewClient("passthrough:///"+tl.Addr().String(), grpc.WithTransportCredentials(credentials.NewTLS(mtls.ClientConfig(mtls.StaticSource{M: m}, mtls.AuthorizeAny()))))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { rconn.Close() })
 	probe := method{"Probe", nil}
 	for _, s := range []struct {
 		name string
 		cc   grpc.ClientConnInterface
-	}{{"1-driver", chaintest.Dial(b, ep[len("unix://"):])}, {"2-proxy", pconn}, {"3-broker-client", bconn}, {"4-front-end", chaintest.Dial(b, c.Front)}} {
+	}{{"1-driver", chaintest.Dial(b, ep[len("unix://"):])}, {"2-proxy", pconn}, {"2b-tls-byte-relay", rconn}, {"3-broker-client", bconn}, {"4-front-end", chaintest.Dial(b, c.Front)}} {
 		b.Run(s.name, func(b *testing.B) {
 			cc := s.cc
 			probe.call = func(ctx context.Context, _ *side) error {
