@@ -774,30 +774,12 @@ func appendMD(fields []hpack.HeaderField, md metadata.MD) []hpack.HeaderField {
 	return fields
 }
 
-// mdCarrier lets OpenTelemetry propagators read and write metadata.
-type mdCarrier metadata.MD
-
-func (m mdCarrier) Get(key string) string {
-	if v := metadata.MD(m).Get(key); len(v) > 0 {
-		return v[0]
-	}
-	return ""
-}
-
-func (m mdCarrier) Set(key, value string) { metadata.MD(m).Set(key, value) }
-
-func (m mdCarrier) Keys() []string {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	return keys
-}
-
 // begin makes a call's context: the caller's deadline, its metadata for the
 // next hop, and a server span that continues the caller's trace.
 func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, error) {
-	in := metadata.MD{}
+	// The caller's metadata for the next hop, without what gRPC and tracing
+	// set per hop; routing reads the same map.
+	out := make(metadata.MD, len(st.fields))
 	var trErr error
 	var timeout time.Duration
 	for _, hf := range st.fields {
@@ -810,27 +792,22 @@ func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, 
 			timeout = d
 		case hf.Name == "grpc-encoding" && hf.Value != "identity":
 			trErr = status.Errorf(codes.Unimplemented, "csibroker: compressed requests (grpc-encoding %q) are not supported", hf.Value)
+		case rawgrpc.Reserved(hf.Name):
 		case strings.HasSuffix(hf.Name, "-bin"):
 			vs, err := rawgrpc.DecodeBinaryHeader(hf.Value)
 			if err != nil {
 				trErr = status.Errorf(codes.Internal, "csibroker: metadata %s: malformed binary value", hf.Name)
 				continue
 			}
-			in[hf.Name] = append(in[hf.Name], vs...)
+			out[hf.Name] = append(out[hf.Name], vs...)
 		default:
-			in[hf.Name] = append(in[hf.Name], hf.Value)
+			out[hf.Name] = append(out[hf.Name], hf.Value)
 		}
 	}
 	b := c.s.fe.b
-	ctx := b.opts.Propagator.Extract(context.Background(), mdCarrier(in))
+	ctx := b.opts.Propagator.Extract(context.Background(), fieldsCarrier{&st.fields})
 	ctx, span := b.tracer.Start(ctx, strings.TrimPrefix(st.method, "/"), trace.WithSpanKind(trace.SpanKindServer),
 		trace.WithAttributes(attribute.String("rpc.system.name", "grpc"), attribute.String("rpc.method", strings.TrimPrefix(st.method, "/"))))
-	out := make(metadata.MD, len(in))
-	for k, v := range in {
-		if !rawgrpc.Reserved(k) {
-			out[k] = v
-		}
-	}
 	ctx = metadata.NewOutgoingContext(ctx, out)
 	var cancel context.CancelFunc
 	if timeout > 0 {
@@ -845,7 +822,7 @@ func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, 
 	if gone {
 		cancel()
 	}
-	return ctx, in, span, trErr
+	return ctx, out, span, trErr
 }
 
 func endSpan(span trace.Span, err error) {
