@@ -68,6 +68,13 @@ const (
 	upMaxWindow    = 1<<31 - 1
 )
 
+// Why a connection ended, when it was not lost: these are not logged as
+// failures.
+var (
+	errBrokerClosed   = errors.New("the broker closed the connection (driver removed or reconfigured)")
+	errProxyGoingAway = errors.New("the proxy is going away")
+)
+
 // upstream holds the current HTTP/2 connection to one proxy and dials a
 // new one when it is gone; calls that arrive during a dial wait for it.
 type upstream struct {
@@ -168,7 +175,7 @@ func (u *upstream) close() {
 	u.conn = nil
 	u.mu.Unlock()
 	if c != nil {
-		c.fail(errors.New("the broker closed the connection (driver removed or reconfigured)"))
+		c.fail(errBrokerClosed)
 	}
 }
 
@@ -205,8 +212,9 @@ func (u *upstream) dialOnce(d *upDial) {
 	c, err := u.connect()
 	u.mu.Lock()
 	u.dial = nil
+	prev, closed := u.lastErr, u.closed
 	if err == nil && u.closed {
-		c.fail(errors.New("the broker closed the connection"))
+		c.fail(errBrokerClosed)
 		c, err = nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: the connection is closed (driver removed or reconfigured)", u.addr)
 	}
 	if err == nil {
@@ -215,8 +223,16 @@ func (u *upstream) dialOnce(d *upDial) {
 	u.lastErr = err
 	d.c, d.err = c, err
 	u.mu.Unlock()
-	if err != nil {
-		u.b.log.Debug("proxy connection failed", "driver", u.p.driver, "node", u.p.cfg.Node, "proxy", u.addr, "error", err)
+	log := u.b.log.With("driver", u.p.driver, "node", u.p.cfg.Node, "proxy", u.addr)
+	switch {
+	case closed:
+	case err == nil:
+		log.Info("proxy connected")
+	case prev == nil || status.Convert(prev).Message() != status.Convert(err).Message():
+		// Said once per reason; the redials that fail alike are debug lines.
+		log.Warn("proxy connection failed", "error", status.Convert(err).Message())
+	default:
+		log.Debug("proxy connection failed again", "error", status.Convert(err).Message())
 	}
 	close(d.done)
 }
@@ -385,6 +401,14 @@ func (c *upConn) failLocked(err error) {
 	c.err = err
 	c.retireLocked()
 	c.nc.Close()
+	log := c.u.b.log.With("driver", c.u.p.driver, "node", c.u.p.cfg.Node, "proxy", c.u.addr)
+	switch {
+	case errors.Is(err, errBrokerClosed):
+	case errors.Is(err, errProxyGoingAway):
+		log.Info("proxy connection drained after GOAWAY")
+	default:
+		log.Warn("proxy connection lost", "error", describeUpErr(err), "calls_in_flight", len(c.calls))
+	}
 	for _, call := range c.calls {
 		c.endLocked(call, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection lost: %v", c.u.addr, describeUpErr(err)))
 	}
@@ -425,7 +449,7 @@ func (c *upConn) endLocked(call *upCall, err error) {
 	c.cond.Broadcast()
 	if c.goingAway && len(c.calls) == 0 && c.err == nil {
 		c.flushLocked()
-		c.failLocked(errors.New("the proxy is going away"))
+		c.failLocked(errProxyGoingAway)
 	}
 }
 
@@ -680,7 +704,7 @@ func (c *upConn) onGoAwayLocked(f *http2.GoAwayFrame) {
 		}
 	}
 	if len(c.calls) == 0 {
-		c.failLocked(errors.New("the proxy is going away"))
+		c.failLocked(errProxyGoingAway)
 	}
 	c.cond.Broadcast()
 }

@@ -93,6 +93,8 @@ func TestMTLSRefusals(t *testing.T) {
 		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), want) {
 			t.Fatalf("err = %v", err)
 		}
+		// The broker says so in its log too, with no call needed.
+		waitLog(t, c, "proxy connection failed", echoName, "is not authorized")
 	})
 	t.Run("expired broker certificate", func(t *testing.T) {
 		_, ep := startEcho(t)

@@ -107,7 +107,7 @@ func TestFrontEndBoundsAnswers(t *testing.T) {
 // reachable, and a proxy that comes back is connected before any call.
 func TestProxyConnectionStateFollowsTheProxy(t *testing.T) {
 	_, ep := startEcho(t)
-	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, LogLevel: 4})
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
 	state := func() string {
 		st := c.Broker.Status()
 		if len(st) != 1 || len(st[0].Proxies) != 1 {
@@ -134,8 +134,22 @@ func TestProxyConnectionStateFollowsTheProxy(t *testing.T) {
 	waitState("READY")
 	c.StopProxy()
 	waitState("TRANSIENT_FAILURE")
+	// Said in the log, once per reason, with the driver and the proxy.
+	waitLog(t, c, "proxy connection drained after GOAWAY", c.ProxyAddr)
+	waitLog(t, c, "proxy connection failed", "connection refused", echoName)
+	// Two more redials fail alike before the proxy comes back.
+	for deadline := time.Now().Add(10 * time.Second); strings.Count(c.Logs.String(), `"msg":"proxy connection failed again"`) < 2; {
+		if time.Now().After(deadline) {
+			t.Fatalf("the broker did not keep redialling a stopped proxy:\n%s", c.Logs.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 	c.StartProxy(t)
 	waitState("READY")
+	waitLog(t, c, "proxy connected", c.ProxyAddr)
+	if n := strings.Count(c.Logs.String(), `"msg":"proxy connection failed"`); n != 1 {
+		t.Errorf("%d warnings for one refused proxy, want 1 (repeated failures alike are debug lines)", n)
+	}
 	metrics, err := c.Registry.Gather()
 	if err != nil {
 		t.Fatal(err)
