@@ -283,7 +283,10 @@ func (u *upstream) connect() (*upConn, error) {
 		tc.Close()
 		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: %v", u.addr, err)
 	}
-	tc.SetDeadline(time.Time{})
+	// Reads wait as long as calls do; writes keep the deadline flushLocked
+	// keeps ahead of them (clearing it too would leave the next second of
+	// writes without one).
+	tc.SetReadDeadline(time.Time{})
 	c.lastRead.Store(time.Now().UnixNano())
 	go c.readLoop()
 	go c.keepalive()
