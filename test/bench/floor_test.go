@@ -34,11 +34,11 @@ func relay(lis net.Listener, dial func() (net.Conn, error)) {
 	}
 }
 
-// startRelays builds the lower bound of any two-process chain: a unix
-// socket relay (the front end's place) that opens a mutual-TLS connection to
-// a loopback TCP relay (the proxy's place) that opens the driver socket;
-// bytes are copied, nothing is parsed. It returns the front socket's path.
-func startRelays(b *testing.B, driverSock string) string {
+// tlsRelay serves a byte-copying relay to the driver socket behind a
+// loopback mutual-TLS listener (the proxy's place, nothing parsed); it
+// returns the listener's address and a client configuration with the
+// broker's identity.
+func tlsRelay(b *testing.B, driverSock string) (string, *tls.Config) {
 	b.Helper()
 	ca := chaintest.SharedCA(b)
 	now := time.Now()
@@ -56,14 +56,23 @@ func startRelays(b *testing.B, driverSock string) string {
 	}
 	b.Cleanup(func() { tl.Close() })
 	go relay(tl, func() (net.Conn, error) { return net.Dial("unix", driverSock) })
+	return tl.Addr().String(), mtls.ClientConfig(mtls.StaticSource{M: bm}, mtls.AuthorizeAny())
+}
+
+// startRelays builds the lower bound of any two-process chain: a unix
+// socket relay (the front end's place) that opens a mutual-TLS connection to
+// tlsRelay (the proxy's place); bytes are copied, nothing is parsed. It
+// returns the front socket's path.
+func startRelays(b *testing.B, driverSock string) string {
+	b.Helper()
+	addr, ccfg := tlsRelay(b, driverSock)
 	front := filepath.Join(chaintest.ShortTempDir(b), "front.sock")
 	ul, err := net.Listen("unix", front)
 	if err != nil {
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { ul.Close() })
-	ccfg := mtls.ClientConfig(mtls.StaticSource{M: bm}, mtls.AuthorizeAny())
-	go relay(ul, func() (net.Conn, error) { return tls.Dial("tcp", tl.Addr().String(), ccfg) })
+	go relay(ul, func() (net.Conn, error) { return tls.Dial("tcp", addr, ccfg) })
 	return front
 }
 

@@ -2,9 +2,7 @@ package bench
 
 import (
 	"context"
-	"crypto/tls"
 	"log/slog"
-	"net"
 	"testing"
 	"time"
 
@@ -53,19 +51,8 @@ func benchHops(b *testing.B, conc int) {
 	}
 	// The proxy's floor: a byte-copying relay behind the same mTLS listener
 	// kind (nothing parsed), to tell the proxy's own cost from the hop's.
-	ca := chaintest.SharedCA(b)
-	now := time.Now()
-	pm, err := ca.IssueMaterial(mtls.Leaf{ID: mtls.DriverID(chaintest.TrustDomain, "relay"), NotBefore: now.Add(-time.Hour), NotAfter: now.Add(time.Hour)})
-	if err != nil {
-		b.Fatal(err)
-	}
-	tl, err := tls.Listen("tcp", "127.0.0.1:0", mtls.ServerConfig(mtls.StaticSource{M: pm}, mtls.AuthorizeAny()))
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { tl.Close() })
-	go relay(tl, func() (net.Conn, error) { return net.Dial("unix", ep[len("unix://"):]) })
-	rconn, err := grpc.NewClient("passthrough:///"+tl.Addr().String(), grpc.WithTransportCredentials(credentials.NewTLS(mtls.ClientConfig(mtls.StaticSource{M: m}, mtls.AuthorizeAny()))))
+	raddr, rcfg := tlsRelay(b, ep[len("unix://"):])
+	rconn, err := grpc.NewClient("passthrough:///"+raddr, grpc.WithTransportCredentials(credentials.NewTLS(rcfg)))
 	if err != nil {
 		b.Fatal(err)
 	}
