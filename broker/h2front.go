@@ -232,11 +232,10 @@ type feConn struct {
 	enc       *hpack.Encoder
 	hbuf      bytes.Buffer
 	streams   map[uint32]*feStream
-	sendWin   int64  // what the caller lets us send on the connection
-	recvWin   int64  // what we let the caller send on the connection
-	unacked   uint32 // connection bytes read, not yet credited back
-	initWin   int64  // the caller's SETTINGS_INITIAL_WINDOW_SIZE
-	maxFrame  uint32 // the caller's SETTINGS_MAX_FRAME_SIZE
+	sendWin   int64                // what the caller lets us send on the connection
+	recvWin   int64                // what we let the caller send on the connection
+	unacked   uint32               // connection bytes read, not yet credited back
+	peer      rawgrpc.PeerSettings // the caller's SETTINGS
 	lastID    uint32
 	goingAway bool
 	closed    bool
@@ -270,7 +269,7 @@ func newFEConn(s *feServer, nc net.Conn) *feConn {
 		br:      bufio.NewReaderSize(nc, feBufSize),
 		bw:      bufio.NewWriterSize(nc, feBufSize),
 		streams: map[uint32]*feStream{},
-		sendWin: feInitialWindow, recvWin: feConnWindow, initWin: feInitialWindow, maxFrame: 16 << 10,
+		sendWin: feInitialWindow, recvWin: feConnWindow, peer: rawgrpc.DefaultPeerSettings(0),
 	}
 	c.cond = sync.NewCond(&c.mu)
 	c.fr = http2.NewFramer(c.bw, c.br)
@@ -485,7 +484,7 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 		return
 	}
 	path := fr.PseudoValue("path")
-	st := &feStream{id: id, method: path, fields: fr.RegularFields(), sendWin: c.initWin, recvWin: feStreamWindow}
+	st := &feStream{id: id, method: path, fields: fr.RegularFields(), sendWin: c.peer.InitialWindow, recvWin: feStreamWindow}
 	ct := rawgrpc.HeaderValue(st.fields, "content-type")
 	if fr.PseudoValue("method") != "POST" || !strings.HasPrefix(ct, "application/grpc") {
 		// Not a gRPC call: answered as a gRPC server does.
@@ -595,37 +594,17 @@ func (c *feConn) onSettingsLocked(fr *http2.SettingsFrame) {
 	if fr.IsAck() {
 		return
 	}
-	err := fr.ForeachSetting(func(s http2.Setting) error {
-		if err := s.Valid(); err != nil {
-			return err
-		}
-		switch s.ID {
-		case http2.SettingInitialWindowSize:
-			delta := int64(s.Val) - c.initWin
-			for _, st := range c.streams {
-				if st.sendWin+delta > feMaxWindow {
-					return http2.ConnectionError(http2.ErrCodeFlowControl)
-				}
-			}
-			c.initWin = int64(s.Val)
-			for _, st := range c.streams {
-				st.sendWin += delta
-			}
-		case http2.SettingMaxFrameSize:
-			c.maxFrame = s.Val
-		case http2.SettingHeaderTableSize:
-			c.enc.SetMaxDynamicTableSizeLimit(s.Val)
-		}
-		return nil
-	})
+	var maxWin int64
+	for _, st := range c.streams {
+		maxWin = max(maxWin, st.sendWin)
+	}
+	delta, code, err := c.peer.Apply(fr, c.enc, maxWin)
 	if err != nil {
-		code := http2.ErrCodeProtocol
-		var ce http2.ConnectionError
-		if errors.As(err, &ce) {
-			code = http2.ErrCode(ce)
-		}
 		c.connErrorLocked(code, "SETTINGS: "+err.Error())
 		return
+	}
+	for _, st := range c.streams {
+		st.sendWin += delta
 	}
 	c.writeErr(c.framer().WriteSettingsAck())
 	c.needFlush = true
@@ -658,7 +637,7 @@ func (c *feConn) onWindowUpdateLocked(fr *http2.WindowUpdateFrame) {
 
 // writeHeadersLocked writes fields as HEADERS (+ CONTINUATION) on stream id.
 func (c *feConn) writeHeadersLocked(id uint32, fields []hpack.HeaderField, end bool) {
-	c.writeErr(rawgrpc.WriteHeaderBlock(c.framer(), c.enc, &c.hbuf, id, fields, end, c.maxFrame))
+	c.writeErr(rawgrpc.WriteHeaderBlock(c.framer(), c.enc, &c.hbuf, id, fields, end, c.peer.MaxFrame))
 	c.needFlush = true
 }
 
@@ -695,7 +674,7 @@ func (c *feConn) sendDataLocked(st *feStream, data []byte) error {
 		if st.reset || c.closed {
 			return errCallGone
 		}
-		n := min(int64(len(data)), c.sendWin, st.sendWin, int64(c.maxFrame))
+		n := min(int64(len(data)), c.sendWin, st.sendWin, int64(c.peer.MaxFrame))
 		if n <= 0 {
 			// Flush what is written before waiting for the caller.
 			c.flushLocked()

@@ -310,9 +310,7 @@ type upConn struct {
 	cond        *sync.Cond // windows opened, a stream slot freed, or the connection failed
 	calls       map[uint32]*upCall
 	nextID      uint32
-	maxStreams  uint32
-	initWin     int64 // the proxy's initial stream window
-	maxFrame    uint32
+	peer        rawgrpc.PeerSettings // the proxy's SETTINGS
 	sendWin     int64
 	recvPending uint32 // connection window consumed and not returned yet
 	needFlush   bool
@@ -339,7 +337,7 @@ type upCall struct {
 
 func newUpConn(u *upstream, nc net.Conn) *upConn {
 	c := &upConn{u: u, nc: nc, br: bufio.NewReaderSize(nc, upBufSize), bw: bufio.NewWriterSize(nc, upBufSize),
-		calls: map[uint32]*upCall{}, retiring: make(chan struct{}), nextID: 1, maxStreams: 100, initWin: upInitialWin, maxFrame: 16 << 10, sendWin: upInitialWin}
+		calls: map[uint32]*upCall{}, retiring: make(chan struct{}), nextID: 1, peer: rawgrpc.DefaultPeerSettings(100), sendWin: upInitialWin}
 	c.cond = sync.NewCond(&c.mu)
 	c.fr = http2.NewFramer(c.bw, c.br)
 	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
@@ -480,7 +478,7 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 		c.cond.Wait()
 	}
 	c.mu.Lock()
-	for c.err == nil && !c.goingAway && uint32(len(c.calls)) >= c.maxStreams && ctx.Err() == nil {
+	for c.err == nil && !c.goingAway && uint32(len(c.calls)) >= c.peer.MaxStreams && ctx.Err() == nil {
 		wait()
 	}
 	switch {
@@ -497,11 +495,11 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 	if c.nextID >= upLastStreamID-upIDMargin {
 		c.retireLocked()
 	}
-	call.sendWin = c.initWin
+	call.sendWin = c.peer.InitialWindow
 	c.calls[call.id] = call
-	c.writeLocked(rawgrpc.WriteHeaderBlock(c.fr, c.enc, &c.hbuf, call.id, fields, false, c.maxFrame))
+	c.writeLocked(rawgrpc.WriteHeaderBlock(c.fr, c.enc, &c.hbuf, call.id, fields, false, c.peer.MaxFrame))
 	for rest := msg; c.err == nil && !call.ended && ctx.Err() == nil; {
-		n := min(int64(len(rest)), c.sendWin, call.sendWin, int64(c.maxFrame))
+		n := min(int64(len(rest)), c.sendWin, call.sendWin, int64(c.peer.MaxFrame))
 		if n <= 0 && len(rest) > 0 {
 			c.flushLocked()
 			wait()
@@ -648,34 +646,19 @@ func (c *upConn) onSettingsLocked(f *http2.SettingsFrame) {
 	if f.IsAck() {
 		return
 	}
-	err := f.ForeachSetting(func(s http2.Setting) error {
-		switch s.ID {
-		case http2.SettingMaxConcurrentStreams:
-			c.maxStreams = s.Val
-		case http2.SettingInitialWindowSize:
-			if s.Val > upMaxWindow {
-				return http2.ConnectionError(http2.ErrCodeFlowControl)
-			}
-			delta := int64(s.Val) - c.initWin
-			for _, call := range c.calls {
-				call.sendWin += delta
-			}
-			c.initWin = int64(s.Val)
-		case http2.SettingMaxFrameSize:
-			if s.Val < 16<<10 || s.Val > 1<<24-1 {
-				return http2.ConnectionError(http2.ErrCodeProtocol)
-			}
-			c.maxFrame = s.Val
-		case http2.SettingHeaderTableSize:
-			c.enc.SetMaxDynamicTableSizeLimit(s.Val)
-		}
-		return nil
-	})
+	var maxWin int64
+	for _, call := range c.calls {
+		maxWin = max(maxWin, call.sendWin)
+	}
+	delta, code, err := c.peer.Apply(f, c.enc, maxWin)
 	if err != nil {
-		c.writeLocked(c.fr.WriteGoAway(0, http2.ErrCode(err.(http2.ConnectionError)), nil))
+		c.writeLocked(c.fr.WriteGoAway(0, code, nil))
 		c.flushLocked()
 		c.failLocked(fmt.Errorf("invalid SETTINGS from the proxy: %v", err))
 		return
+	}
+	for _, call := range c.calls {
+		call.sendWin += delta
 	}
 	c.writeLocked(c.fr.WriteSettingsAck())
 	c.cond.Broadcast()

@@ -134,7 +134,7 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 		f.mark(c)
 		return
 	}
-	l := &leg{c: c, id: id, sendWin: c.initWin, recvWin: streamWindow, remoteEnded: end}
+	l := &leg{c: c, id: id, sendWin: c.peer.InitialWindow, recvWin: streamWindow, remoteEnded: end}
 	c.streams[id] = l
 	s := &stream{p: p, b: l, start: time.Now()}
 	l.s = s

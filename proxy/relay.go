@@ -130,28 +130,26 @@ type conn struct {
 	bw     *bufio.Writer
 	desc   string // for log lines and errors
 
-	mu         sync.Mutex
-	enc        *hpack.Encoder
-	hbuf       bytes.Buffer
-	streams    map[uint32]*leg
-	sendWin    int64  // connection-level window the peer grants
-	recvWin    int64  // connection-level window we grant
-	initWin    int64  // the peer's SETTINGS_INITIAL_WINDOW_SIZE
-	maxFrame   uint32 // the peer's SETTINGS_MAX_FRAME_SIZE
-	maxStreams uint32 // the peer's SETTINGS_MAX_CONCURRENT_STREAMS
-	settings   bool   // the peer's first SETTINGS arrived
-	unacked    uint32 // connection-level bytes read, not yet credited back
-	nextID     uint32 // driver side: next stream ID to open
-	lastID     uint32 // broker side: highest stream ID opened by the broker
-	active     int    // driver side: open streams, counted against maxStreams
-	waiting    []*leg // driver side: legs waiting for a stream slot
-	blocked    []*leg // legs with pending frames
-	needFlush  bool
-	goingAway  bool // no new streams on this connection
-	draining   bool // broker side: GOAWAY sent, close when idle
-	closed     bool
-	closeErr   error
-	wdlSet     time.Time // when the write deadline was last pushed forward
+	mu        sync.Mutex
+	enc       *hpack.Encoder
+	hbuf      bytes.Buffer
+	streams   map[uint32]*leg
+	sendWin   int64                // connection-level window the peer grants
+	recvWin   int64                // connection-level window we grant
+	peer      rawgrpc.PeerSettings // the peer's SETTINGS
+	settings  bool                 // the peer's first SETTINGS arrived
+	unacked   uint32               // connection-level bytes read, not yet credited back
+	nextID    uint32               // driver side: next stream ID to open
+	lastID    uint32               // broker side: highest stream ID opened by the broker
+	active    int                  // driver side: open streams, counted against maxStreams
+	waiting   []*leg               // driver side: legs waiting for a stream slot
+	blocked   []*leg               // legs with pending frames
+	needFlush bool
+	goingAway bool // no new streams on this connection
+	draining  bool // broker side: GOAWAY sent, close when idle
+	closed    bool
+	closeErr  error
+	wdlSet    time.Time // when the write deadline was last pushed forward
 
 	dconn *conn // broker side: its driver connection (guarded by Proxy.dmu)
 	owner *conn // driver side: the broker connection it serves
@@ -162,8 +160,7 @@ func newConn(p *Proxy, nc net.Conn, driver bool, desc string) *conn {
 		br:      bufio.NewReaderSize(nc, bufSize),
 		bw:      bufio.NewWriterSize(nc, bufSize),
 		streams: map[uint32]*leg{},
-		sendWin: initialWindow, recvWin: connWindow, initWin: initialWindow,
-		maxFrame: readFrameSize, maxStreams: defaultPeerStreams,
+		sendWin: initialWindow, recvWin: connWindow, peer: rawgrpc.DefaultPeerSettings(defaultPeerStreams),
 		nextID: 1,
 	}
 	c.fr = http2.NewFramer(c.bw, c.br)
@@ -281,7 +278,7 @@ func (c *conn) connErrorLocked(code http2.ErrCode, why string) {
 
 // writeHeadersLocked writes fields as HEADERS (+ CONTINUATION) on stream id.
 func (c *conn) writeHeadersLocked(id uint32, fields []hpack.HeaderField, end bool) {
-	c.writeErr(rawgrpc.WriteHeaderBlock(c.framer(), c.enc, &c.hbuf, id, fields, end, c.maxFrame))
+	c.writeErr(rawgrpc.WriteHeaderBlock(c.framer(), c.enc, &c.hbuf, id, fields, end, c.peer.MaxFrame))
 	c.needFlush = true
 }
 
@@ -331,7 +328,7 @@ func (c *conn) writeLocked(l *leg, o out, credits []credit) []credit {
 	}
 	data := o.data
 	for {
-		n := min(int64(len(data)), c.sendWin, l.sendWin, int64(c.maxFrame))
+		n := min(int64(len(data)), c.sendWin, l.sendWin, int64(c.peer.MaxFrame))
 		if n <= 0 && len(data) > 0 {
 			break
 		}
@@ -443,20 +440,20 @@ func (c *conn) removeLocked(l *leg) {
 // openLocked gives a driver leg its stream ID now, or queues it while the
 // driver's concurrent-stream limit is reached.
 func (c *conn) openLocked(l *leg) bool {
-	if uint32(c.active) >= c.maxStreams {
+	if uint32(c.active) >= c.peer.MaxStreams {
 		c.waiting = append(c.waiting, l)
 		return false
 	}
 	l.id = c.nextID
 	c.nextID += 2
 	c.active++
-	l.sendWin, l.recvWin = c.initWin, streamWindow
+	l.sendWin, l.recvWin = c.peer.InitialWindow, streamWindow
 	c.streams[l.id] = l
 	return true
 }
 
 func (c *conn) openWaitingLocked() {
-	for len(c.waiting) > 0 && uint32(c.active) < c.maxStreams && !c.closed {
+	for len(c.waiting) > 0 && uint32(c.active) < c.peer.MaxStreams && !c.closed {
 		l := c.waiting[0]
 		c.waiting = c.waiting[1:]
 		if l.done {
@@ -688,44 +685,22 @@ func (c *conn) onSettings(fr *http2.SettingsFrame, credits []credit) []credit {
 	defer c.mu.Unlock()
 	if !c.settings {
 		c.settings = true
-		c.maxStreams = ^uint32(0) // no limit unless the peer states one
+		c.peer.MaxStreams = ^uint32(0) // no limit unless the peer states one
 	}
-	err := fr.ForeachSetting(func(s http2.Setting) error {
-		if err := s.Valid(); err != nil {
-			return err
-		}
-		switch s.ID {
-		case http2.SettingInitialWindowSize:
-			delta := int64(s.Val) - c.initWin
-			for _, l := range c.streams {
-				if l.sendWin+delta > maxWindow {
-					return http2.ConnectionError(http2.ErrCodeFlowControl)
-				}
-			}
-			c.initWin = int64(s.Val)
-			for _, l := range c.streams {
-				l.sendWin += delta
-				if len(l.pending) > 0 {
-					c.markBlocked(l)
-				}
-			}
-		case http2.SettingMaxFrameSize:
-			c.maxFrame = s.Val
-		case http2.SettingMaxConcurrentStreams:
-			c.maxStreams = s.Val
-		case http2.SettingHeaderTableSize:
-			c.enc.SetMaxDynamicTableSizeLimit(s.Val)
-		}
-		return nil
-	})
+	var maxWin int64
+	for _, l := range c.streams {
+		maxWin = max(maxWin, l.sendWin)
+	}
+	delta, code, err := c.peer.Apply(fr, c.enc, maxWin)
 	if err != nil {
-		code := http2.ErrCodeProtocol
-		var ce http2.ConnectionError
-		if errors.As(err, &ce) {
-			code = http2.ErrCode(ce)
-		}
 		c.connErrorLocked(code, "SETTINGS: "+err.Error())
 		return credits
+	}
+	for _, l := range c.streams {
+		l.sendWin += delta
+		if delta != 0 && len(l.pending) > 0 {
+			c.markBlocked(l)
+		}
 	}
 	c.writeErr(c.framer().WriteSettingsAck())
 	c.needFlush = true

@@ -3,6 +3,7 @@ package rawgrpc
 import (
 	"bytes"
 	"encoding/base64"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -203,4 +204,56 @@ func HTTPStatusCode(httpStatus int) codes.Code {
 		return codes.Unavailable
 	}
 	return codes.Unknown
+}
+
+// PeerSettings are what a peer's SETTINGS set for the frames sent to it.
+type PeerSettings struct {
+	InitialWindow int64  // send window of each new stream
+	MaxFrame      uint32 // largest frame payload
+	MaxStreams    uint32 // concurrent streams the peer accepts
+}
+
+// DefaultPeerSettings are HTTP/2's values until the peer's SETTINGS arrive,
+// with maxStreams assumed.
+func DefaultPeerSettings(maxStreams uint32) PeerSettings {
+	return PeerSettings{InitialWindow: 65535, MaxFrame: 16 << 10, MaxStreams: maxStreams}
+}
+
+// Apply reads a SETTINGS frame (not an ACK) into s and the header table
+// size into enc. maxStreamWin is the largest send window among the
+// connection's open streams (0 if none): an initial window that would take
+// it past 2^31-1 is a FLOW_CONTROL_ERROR. It returns by how much every open
+// stream's send window changes, or the connection error to send.
+func (s *PeerSettings) Apply(fr *http2.SettingsFrame, enc *hpack.Encoder, maxStreamWin int64) (int64, http2.ErrCode, error) {
+	var delta int64
+	err := fr.ForeachSetting(func(st http2.Setting) error {
+		if err := st.Valid(); err != nil {
+			return err
+		}
+		switch st.ID {
+		case http2.SettingInitialWindowSize:
+			d := int64(st.Val) - s.InitialWindow
+			if maxStreamWin+delta+d > 1<<31-1 {
+				return http2.ConnectionError(http2.ErrCodeFlowControl)
+			}
+			delta += d
+			s.InitialWindow = int64(st.Val)
+		case http2.SettingMaxFrameSize:
+			s.MaxFrame = st.Val
+		case http2.SettingMaxConcurrentStreams:
+			s.MaxStreams = st.Val
+		case http2.SettingHeaderTableSize:
+			enc.SetMaxDynamicTableSizeLimit(st.Val)
+		}
+		return nil
+	})
+	if err != nil {
+		code := http2.ErrCodeProtocol
+		var ce http2.ConnectionError
+		if errors.As(err, &ce) {
+			code = http2.ErrCode(ce)
+		}
+		return 0, code, err
+	}
+	return delta, 0, nil
 }

@@ -1,8 +1,12 @@
 package rawgrpc
 
 import (
+	"bytes"
 	"testing"
 	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 )
 
 func TestParseTimeout(t *testing.T) {
@@ -100,5 +104,51 @@ func TestStatusMessageRoundTrip(t *testing.T) {
 	}
 	if got := DecodeStatusMessage("bad %zz and %4"); got != "bad %zz and %4" {
 		t.Errorf("malformed escapes: %q, want them kept", got)
+	}
+}
+
+func settingsFrame(t *testing.T, settings ...http2.Setting) *http2.SettingsFrame {
+	t.Helper()
+	var buf bytes.Buffer
+	if err := http2.NewFramer(&buf, nil).WriteSettings(settings...); err != nil {
+		t.Fatal(err)
+	}
+	f, err := http2.NewFramer(nil, &buf).ReadFrame()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f.(*http2.SettingsFrame)
+}
+
+func TestPeerSettingsApply(t *testing.T) {
+	enc := hpack.NewEncoder(&bytes.Buffer{})
+	for _, tc := range []struct {
+		name     string
+		settings []http2.Setting
+		maxWin   int64
+		delta    int64
+		code     http2.ErrCode
+		want     PeerSettings
+	}{
+		{"window grows", []http2.Setting{{ID: http2.SettingInitialWindowSize, Val: 1 << 20}}, 100, 1<<20 - 65535, 0,
+			PeerSettings{InitialWindow: 1 << 20, MaxFrame: 16 << 10, MaxStreams: 100}},
+		{"frame and streams", []http2.Setting{{ID: http2.SettingMaxFrameSize, Val: 1 << 20}, {ID: http2.SettingMaxConcurrentStreams, Val: 7}}, 0, 0, 0,
+			PeerSettings{InitialWindow: 65535, MaxFrame: 1 << 20, MaxStreams: 7}},
+		{"a stream's window would overflow", []http2.Setting{{ID: http2.SettingInitialWindowSize, Val: 1<<31 - 1}}, 1 << 30, 0, http2.ErrCodeFlowControl, PeerSettings{}},
+		{"frame size too small", []http2.Setting{{ID: http2.SettingMaxFrameSize, Val: 100}}, 0, 0, http2.ErrCodeProtocol, PeerSettings{}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := DefaultPeerSettings(100)
+			delta, code, err := s.Apply(settingsFrame(t, tc.settings...), enc, tc.maxWin)
+			if tc.code != 0 {
+				if err == nil || code != tc.code {
+					t.Fatalf("Apply = %v, %v; want connection error %v", code, err, tc.code)
+				}
+				return
+			}
+			if err != nil || delta != tc.delta || s != tc.want {
+				t.Fatalf("Apply: delta %d, %+v, %v; want %d, %+v", delta, s, err, tc.delta, tc.want)
+			}
+		})
 	}
 }
