@@ -53,11 +53,10 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 		ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
 		defer cancel()
 		r := p.retry
-		backoff := retry.BackoffExponentialWithJitterBounded(r.IntervalStart, 0.2, r.IntervalMax)
 		var err error
 		for attempt := uint(0); attempt < uint(max(r.MaxAttempts, 1)); attempt++ {
 			if attempt > 0 {
-				t := time.NewTimer(backoff(ctx, attempt))
+				t := time.NewTimer(retry.BackoffExponentialWithJitterBounded(r.IntervalStart, 0.2, r.IntervalMax)(ctx, attempt))
 				select {
 				case <-ctx.Done():
 					t.Stop()

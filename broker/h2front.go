@@ -784,7 +784,7 @@ func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, 
 		}
 	}
 	b := c.s.fe.b
-	ctx := b.opts.Propagator.Extract(context.Background(), fieldsCarrier{&st.fields})
+	ctx := b.opts.Propagator.Extract(context.Background(), rawgrpc.FieldsCarrier{Fields: &st.fields})
 	ctx, span := b.tracer.Start(ctx, strings.TrimPrefix(st.method, "/"), trace.WithSpanKind(trace.SpanKindServer),
 		trace.WithAttributes(attribute.String("rpc.system.name", "grpc"), attribute.String("rpc.method", strings.TrimPrefix(st.method, "/"))))
 	ctx = metadata.NewOutgoingContext(ctx, out)

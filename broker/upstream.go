@@ -724,15 +724,6 @@ func (c *upConn) keepalive() {
 	}
 }
 
-// fieldsCarrier lets the propagator write trace context into header fields.
-type fieldsCarrier struct{ f *[]hpack.HeaderField }
-
-func (c fieldsCarrier) Get(key string) string { return rawgrpc.HeaderValue(*c.f, key) }
-func (c fieldsCarrier) Set(key, value string) {
-	*c.f = append(*c.f, hpack.HeaderField{Name: key, Value: value})
-}
-func (c fieldsCarrier) Keys() []string { return nil }
-
 // attempt is one try of a unary call: a client span (named and described
 // as otelgrpc names its own), the request, and the answer decoded into a
 // message, metadata and status.
@@ -766,7 +757,7 @@ func (u *upstream) attempt(ctx context.Context, method string, md metadata.MD, r
 		}
 		fields = append(fields, hpack.HeaderField{Name: "grpc-timeout", Value: rawgrpc.EncodeTimeout(left)})
 	}
-	b.opts.Propagator.Inject(ctx, fieldsCarrier{&fields})
+	b.opts.Propagator.Inject(ctx, rawgrpc.FieldsCarrier{Fields: &fields})
 	fields = appendMD(fields, md)
 
 	c, err := u.get(ctx)

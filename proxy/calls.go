@@ -169,7 +169,7 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 			fields = append(fields, hf)
 		}
 	}
-	carrier := fieldCarrier{&fields}
+	carrier := rawgrpc.FieldsCarrier{Fields: &fields}
 	ctx := p.cfg.Propagator.Extract(context.Background(), carrier)
 	// Named and described as otelgrpc does for the other hops.
 	_, s.span = p.tracer.Start(ctx, path[1:], trace.WithSpanKind(trace.SpanKindServer),
@@ -238,29 +238,6 @@ func (p *Proxy) onDriverHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 	b.c.mu.Unlock()
 	applyCredits(cr, f)
 	f.mark(b.c)
-}
-
-// fieldCarrier lets OpenTelemetry propagators read and write header fields.
-type fieldCarrier struct{ f *[]hpack.HeaderField }
-
-func (c fieldCarrier) Get(key string) string { return rawgrpc.HeaderValue(*c.f, key) }
-
-func (c fieldCarrier) Set(key, value string) {
-	for i := range *c.f {
-		if (*c.f)[i].Name == key {
-			(*c.f)[i].Value = value
-			return
-		}
-	}
-	*c.f = append(*c.f, hpack.HeaderField{Name: key, Value: value})
-}
-
-func (c fieldCarrier) Keys() []string {
-	keys := make([]string, 0, len(*c.f))
-	for _, hf := range *c.f {
-		keys = append(keys, hf.Name)
-	}
-	return keys
 }
 
 // maxLocalRequest bounds what the proxy keeps of a request it answers

@@ -257,3 +257,30 @@ func (s *PeerSettings) Apply(fr *http2.SettingsFrame, enc *hpack.Encoder, maxStr
 	}
 	return delta, 0, nil
 }
+
+// FieldsCarrier lets OpenTelemetry propagators read and write trace context
+// in header fields: Set replaces a field of that name or adds one.
+type FieldsCarrier struct{ Fields *[]hpack.HeaderField }
+
+// Get is the value of the first field named key.
+func (c FieldsCarrier) Get(key string) string { return HeaderValue(*c.Fields, key) }
+
+// Set replaces the value of the field named key, or adds the field.
+func (c FieldsCarrier) Set(key, value string) {
+	for i := range *c.Fields {
+		if (*c.Fields)[i].Name == key {
+			(*c.Fields)[i].Value = value
+			return
+		}
+	}
+	*c.Fields = append(*c.Fields, hpack.HeaderField{Name: key, Value: value})
+}
+
+// Keys lists the fields' names.
+func (c FieldsCarrier) Keys() []string {
+	keys := make([]string, 0, len(*c.Fields))
+	for _, hf := range *c.Fields {
+		keys = append(keys, hf.Name)
+	}
+	return keys
+}
