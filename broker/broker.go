@@ -360,6 +360,8 @@ type proxyConn struct {
 	// up carries every unary call (upstream.go).
 	conn *grpc.ClientConn
 	up   *upstream
+	// descs holds a *callDesc per CSI method called through this proxy.
+	descs sync.Map
 }
 
 func (p *proxyConn) close() {

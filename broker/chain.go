@@ -9,8 +9,10 @@ import (
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
 	"github.com/kubernetes-csi/csi-lib-utils/protosanitizer"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/attribute"
 	otelcodes "go.opentelemetry.io/otel/codes"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -49,7 +51,8 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 		return nil, nil, nil, status.Errorf(codes.ResourceExhausted, "csibroker: trying to send message larger than max (%d vs. %d)", n, b.opts.MaxMsgSize)
 	}
 	reply := &rawgrpc.Frame{}
-	err = b.observe(ctx, p, method, &rawgrpc.Frame{Payload: req[5:]}, reply, func(ctx context.Context) error {
+	d := b.desc(p, method)
+	err = b.observe(ctx, p, d, method, &rawgrpc.Frame{Payload: req[5:]}, reply, func(ctx context.Context) error {
 		ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
 		defer cancel()
 		r := p.retry
@@ -65,7 +68,7 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 				}
 				b.onRetry(ctx, p, shortMethod(method), attempt, err)
 			}
-			reply.Payload, hdr, trl, err = p.up.attempt(ctx, method, md, req)
+			reply.Payload, hdr, trl, err = p.up.attempt(ctx, d, method, md, req)
 			if err == nil || ctx.Err() != nil || status.Code(err) != codes.Unavailable {
 				return err
 			}
@@ -103,18 +106,54 @@ func (p *proxyConn) methodTimeout(method string) time.Duration {
 	return cfg.Timeout
 }
 
+// callDesc is what the calls of one method through one proxy share, made
+// on their first call: span names and start options, metric series.
+type callDesc struct {
+	short                string
+	spanName, clientName string
+	spanOpts, clientOpts []trace.SpanStartOption
+	inflight             prometheus.Gauge
+	okCalls, okSidecar   prometheus.Observer
+}
+
+// desc is method's callDesc for p. Only the methods of the CSI services
+// are kept (a front-end caller may name any path).
+func (b *Broker) desc(p *proxyConn, method string) *callDesc {
+	if d, ok := p.descs.Load(method); ok {
+		return d.(*callDesc)
+	}
+	short := shortMethod(method)
+	name := strings.TrimPrefix(method, "/")
+	d := &callDesc{
+		short:    short,
+		spanName: "broker " + method,
+		spanOpts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindInternal),
+			trace.WithAttributes(attribute.String("csi.driver", p.driver), attribute.String("csi.node", p.cfg.Node), attribute.String("rpc.method", short), attribute.String("csi.proxy", p.cfg.Address))},
+		// The client span per attempt, named and described as otelgrpc does.
+		clientName: name,
+		clientOpts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindClient),
+			trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(name), attribute.String("server.address", p.cfg.Address))},
+		inflight:  b.metrics.inflight.WithLabelValues(p.driver, short),
+		okCalls:   b.metrics.calls.WithLabelValues(p.driver, short, codes.OK.String()),
+		okSidecar: b.metrics.sidecar.WithLabelValues(p.driver, method, codes.OK.String()),
+	}
+	if known, _, _ := rawgrpc.MethodKind(method); known {
+		v, _ := p.descs.LoadOrStore(method, d)
+		d = v.(*callDesc)
+	}
+	return d
+}
+
 // observe wraps one logical call (all its attempts): a span, the in-flight
 // gauge, latency histograms, and the sanitized request and response logs.
 // reply is read once call has returned.
-func (b *Broker) observe(ctx context.Context, p *proxyConn, method string, req, reply any, call func(context.Context) error) error {
-	short := shortMethod(method)
-	ctx, span := b.tracer.Start(ctx, "broker "+method, trace.WithSpanKind(trace.SpanKindInternal),
-		trace.WithAttributes(attribute.String("csi.driver", p.driver), attribute.String("csi.node", p.cfg.Node), attribute.String("rpc.method", short), attribute.String("csi.proxy", p.cfg.Address)))
+func (b *Broker) observe(ctx context.Context, p *proxyConn, d *callDesc, method string, req, reply any, call func(context.Context) error) error {
+	short := d.short
+	ctx, span := b.tracer.Start(ctx, d.spanName, d.spanOpts...)
 	defer span.End()
 
 	stats := b.driverStats(p.driver)
-	inflight := b.metrics.inflight.WithLabelValues(p.driver, short)
-	inflight.Inc()
+	d.inflight.Inc()
 	stats.inflight.Add(1)
 	debug := b.log.Enabled(ctx, slog.LevelDebug)
 	if debug {
@@ -123,13 +162,18 @@ func (b *Broker) observe(ctx context.Context, p *proxyConn, method string, req, 
 	start := time.Now()
 	err := call(ctx)
 	elapsed := time.Since(start)
-	inflight.Dec()
+	d.inflight.Dec()
 	stats.inflight.Add(-1)
 	stats.total.Add(1)
 
 	code := status.Code(err)
-	b.metrics.calls.WithLabelValues(p.driver, short, code.String()).Observe(elapsed.Seconds())
-	b.metrics.sidecar.WithLabelValues(p.driver, method, code.String()).Observe(elapsed.Seconds())
+	if code == codes.OK {
+		d.okCalls.Observe(elapsed.Seconds())
+		d.okSidecar.Observe(elapsed.Seconds())
+	} else {
+		b.metrics.calls.WithLabelValues(p.driver, short, code.String()).Observe(elapsed.Seconds())
+		b.metrics.sidecar.WithLabelValues(p.driver, method, code.String()).Observe(elapsed.Seconds())
+	}
 	span.SetAttributes(attribute.String("rpc.grpc.status_code", code.String()))
 	if err != nil {
 		stats.failed.Add(1)

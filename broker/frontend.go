@@ -12,6 +12,8 @@ import (
 	"sync"
 
 	_ "github.com/container-storage-interface/spec/lib/go/csi" // registers the CSI services for routing and sanitized logging
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -35,6 +37,21 @@ type frontEnd struct {
 	b      *Broker
 	driver string   // fixed driver for a per-driver socket; empty: from metadata
 	kinds  sync.Map // method path → unary (bool), for methods the registry knows
+	spans  sync.Map // method path → the server span's start options, for the same methods
+}
+
+// spanOpts are the start options of a call's server span, named and
+// described as otelgrpc does.
+func (fe *frontEnd) spanOpts(method string) []trace.SpanStartOption {
+	if v, ok := fe.spans.Load(method); ok {
+		return v.([]trace.SpanStartOption)
+	}
+	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindServer),
+		trace.WithAttributes(attribute.String("rpc.system.name", "grpc"), attribute.String("rpc.method", strings.TrimPrefix(method, "/")))}
+	if known, _, _ := rawgrpc.MethodKind(method); known {
+		fe.spans.Store(method, opts)
+	}
+	return opts
 }
 
 // ServeSocket serves driver's CSI front end on a unix socket at path until

@@ -225,6 +225,7 @@ type feConn struct {
 	nc net.Conn
 	br *bufio.Reader
 	fr *http2.Framer
+	rd *rawgrpc.FrameReader // reads fr, header blocks decoded
 
 	mu        sync.Mutex
 	cond      *sync.Cond // windows grew, a stream ended, or the connection closed
@@ -275,7 +276,7 @@ func newFEConn(s *feServer, nc net.Conn) *feConn {
 	c.fr = http2.NewFramer(c.bw, c.br)
 	c.fr.SetMaxReadFrameSize(16 << 10)
 	c.fr.MaxHeaderListSize = feMaxHeaderList
-	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	c.rd = rawgrpc.NewFrameReader(c.fr, 4096)
 	c.enc = hpack.NewEncoder(&c.hbuf)
 	return c
 }
@@ -306,7 +307,7 @@ func (c *feConn) run() {
 
 func (c *feConn) readLoop() error {
 	for {
-		fr, err := c.fr.ReadFrame()
+		fr, err := c.rd.ReadFrame()
 		if err != nil {
 			var se http2.StreamError
 			if errors.As(err, &se) {
@@ -785,8 +786,7 @@ func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, 
 	}
 	b := c.s.fe.b
 	ctx := b.opts.Propagator.Extract(context.Background(), rawgrpc.FieldsCarrier{Fields: &st.fields})
-	ctx, span := b.tracer.Start(ctx, strings.TrimPrefix(st.method, "/"), trace.WithSpanKind(trace.SpanKindServer),
-		trace.WithAttributes(attribute.String("rpc.system.name", "grpc"), attribute.String("rpc.method", strings.TrimPrefix(st.method, "/"))))
+	ctx, span := b.tracer.Start(ctx, strings.TrimPrefix(st.method, "/"), c.s.fe.spanOpts(st.method)...)
 	ctx = metadata.NewOutgoingContext(ctx, out)
 	var cancel context.CancelFunc
 	if timeout > 0 {

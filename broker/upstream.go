@@ -17,10 +17,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	"go.opentelemetry.io/otel/attribute"
 	otelcodes "go.opentelemetry.io/otel/codes"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
-	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 	spb "google.golang.org/genproto/googleapis/rpc/status"
@@ -264,7 +262,7 @@ func (u *upstream) connect() (*upConn, error) {
 		tc.Close()
 		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: %v", u.addr, err)
 	}
-	f, err := c.fr.ReadFrame()
+	f, err := c.rd.ReadFrame()
 	if err != nil {
 		tc.Close()
 		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: the proxy closed the connection before its settings (a refused certificate is reported here): %v", u.addr, err)
@@ -301,6 +299,7 @@ type upConn struct {
 	br   *bufio.Reader
 	bw   *bufio.Writer
 	fr   *http2.Framer
+	rd   *rawgrpc.FrameReader // reads fr, header blocks decoded
 	enc  *hpack.Encoder
 	hbuf bytes.Buffer
 
@@ -340,7 +339,7 @@ func newUpConn(u *upstream, nc net.Conn) *upConn {
 		calls: map[uint32]*upCall{}, retiring: make(chan struct{}), nextID: 1, peer: rawgrpc.DefaultPeerSettings(100), sendWin: upInitialWin}
 	c.cond = sync.NewCond(&c.mu)
 	c.fr = http2.NewFramer(c.bw, c.br)
-	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	c.rd = rawgrpc.NewFrameReader(c.fr, 4096)
 	c.fr.MaxHeaderListSize = upMaxHeaderList
 	c.enc = hpack.NewEncoder(&c.hbuf)
 	return c
@@ -533,7 +532,7 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 
 func (c *upConn) readLoop() {
 	for {
-		f, err := c.fr.ReadFrame()
+		f, err := c.rd.ReadFrame()
 		if err != nil {
 			var se http2.StreamError
 			if errors.As(err, &se) {
@@ -727,11 +726,9 @@ func (c *upConn) keepalive() {
 // attempt is one try of a unary call: a client span (named and described
 // as otelgrpc names its own), the request, and the answer decoded into a
 // message, metadata and status.
-func (u *upstream) attempt(ctx context.Context, method string, md metadata.MD, req []byte) (resp []byte, hdr, trl metadata.MD, err error) {
+func (u *upstream) attempt(ctx context.Context, d *callDesc, method string, md metadata.MD, req []byte) (resp []byte, hdr, trl metadata.MD, err error) {
 	b := u.b
-	name := strings.TrimPrefix(method, "/")
-	ctx, span := b.tracer.Start(ctx, name, trace.WithSpanKind(trace.SpanKindClient),
-		trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(name), attribute.String("server.address", u.addr)))
+	ctx, span := b.tracer.Start(ctx, d.clientName, d.clientOpts...)
 	defer func() {
 		s := status.Convert(err)
 		span.SetAttributes(semconv.RPCResponseStatusCode(s.Code().String()))

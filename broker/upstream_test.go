@@ -175,7 +175,7 @@ func TestUpstreamKeepsToTheStreamLimit(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			_, _, _, err := u.attempt(ctx, "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0})
+			_, _, _, err := u.attempt(ctx, u.b.desc(u.p, "/csi.v1.Identity/Probe"), "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0})
 			errs <- err
 		}()
 	}
@@ -229,7 +229,7 @@ func TestUpstreamKeepalive(t *testing.T) {
 		t.Fatal("the connection to a proxy that answers pings was closed")
 	}
 	// The next call dials a new connection.
-	if _, _, _, err := su.attempt(ctx, "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0}); err != nil {
+	if _, _, _, err := su.attempt(ctx, su.b.desc(su.p, "/csi.v1.Identity/Probe"), "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0}); err != nil {
 		t.Fatalf("call after the keepalive closed the connection: %v", err)
 	}
 }
@@ -246,7 +246,7 @@ func TestUpstreamRedialsWhileDraining(t *testing.T) {
 	defer cancel()
 	done := make(chan error, 1)
 	go func() {
-		_, _, _, err := u.attempt(ctx, "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0})
+		_, _, _, err := u.attempt(ctx, u.b.desc(u.p, "/csi.v1.Identity/Probe"), "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0})
 		done <- err
 	}()
 	conns := func() int {

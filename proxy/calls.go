@@ -50,7 +50,11 @@ func (s *stream) finish(code codes.Code) {
 	}
 	if s.mi != nil {
 		s.mi.seconds.Observe(time.Since(s.start).Seconds())
-		s.p.metrics.handled.WithLabelValues(s.mi.typ, s.mi.service, s.mi.name, code.String()).Inc()
+		if code == codes.OK {
+			s.mi.handledOK.Inc()
+		} else {
+			s.p.metrics.handled.WithLabelValues(s.mi.typ, s.mi.service, s.mi.name, code.String()).Inc()
+		}
 	}
 	if s.span != nil {
 		s.span.SetAttributes(semconv.RPCResponseStatusCode(code.String()))
@@ -171,9 +175,7 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 	}
 	carrier := rawgrpc.FieldsCarrier{Fields: &fields}
 	ctx := p.cfg.Propagator.Extract(context.Background(), carrier)
-	// Named and described as otelgrpc does for the other hops.
-	_, s.span = p.tracer.Start(ctx, path[1:], trace.WithSpanKind(trace.SpanKindServer),
-		trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(path[1:])))
+	_, s.span = p.tracer.Start(ctx, path[1:], s.mi.spanOpts...)
 	p.cfg.Propagator.Inject(trace.ContextWithSpan(context.Background(), s.span), carrier)
 
 	d, err := p.driverConn(c)
@@ -334,6 +336,10 @@ type methodInfo struct {
 	typ, service, name string
 	started            prometheus.Counter
 	seconds            prometheus.Observer
+	handledOK          prometheus.Counter
+	// the server span's start options, named and described as otelgrpc
+	// does for the other hops
+	spanOpts []trace.SpanStartOption
 }
 
 func (p *Proxy) methodInfo(path string) *methodInfo {
@@ -358,8 +364,11 @@ func (p *Proxy) methodInfo(path string) *methodInfo {
 		typ = "unary"
 	}
 	mi := &methodInfo{typ: typ, service: svc, name: name,
-		started: p.metrics.started.WithLabelValues(typ, svc, name),
-		seconds: p.metrics.seconds.WithLabelValues(typ, svc, name)}
+		started:   p.metrics.started.WithLabelValues(typ, svc, name),
+		seconds:   p.metrics.seconds.WithLabelValues(typ, svc, name),
+		handledOK: p.metrics.handled.WithLabelValues(typ, svc, name, codes.OK.String()),
+		spanOpts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindServer),
+			trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(strings.TrimPrefix(path, "/")))}}
 	v, _ := p.methods.LoadOrStore(path, mi)
 	return v.(*methodInfo)
 }

@@ -126,6 +126,7 @@ type conn struct {
 	nc     net.Conn
 	driver bool
 	fr     *http2.Framer
+	rd     *rawgrpc.FrameReader // reads fr, header blocks decoded
 	br     *bufio.Reader
 	bw     *bufio.Writer
 	desc   string // for log lines and errors
@@ -166,7 +167,7 @@ func newConn(p *Proxy, nc net.Conn, driver bool, desc string) *conn {
 	c.fr = http2.NewFramer(c.bw, c.br)
 	c.fr.SetMaxReadFrameSize(readFrameSize)
 	c.fr.MaxHeaderListSize = maxHeaderList
-	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	c.rd = rawgrpc.NewFrameReader(c.fr, 4096)
 	c.enc = hpack.NewEncoder(&c.hbuf)
 	return c
 }
@@ -506,7 +507,7 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 	var f flusher
 	var credits []credit
 	for {
-		fr, err := c.fr.ReadFrame()
+		fr, err := c.rd.ReadFrame()
 		if err != nil {
 			var se http2.StreamError
 			if errors.As(err, &se) {

@@ -106,9 +106,19 @@ func HeaderValue(fields []hpack.HeaderField, name string) string {
 // WriteHeaderBlock encodes fields with enc (through buf) and writes them on
 // stream id as a HEADERS frame and as many CONTINUATION frames as the
 // peer's maxFrame requires.
+//
+// Fields whose value is new on every call (the trace context, the
+// deadline) are sent as never-indexed literals: in the hpack table they
+// would only push out the fields that repeat (path, content type,
+// metadata), which then go out as literals again, to be encoded and
+// decoded with their strings copied, on every call.
 func WriteHeaderBlock(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, id uint32, fields []hpack.HeaderField, end bool, maxFrame uint32) error {
 	buf.Reset()
 	for _, f := range fields {
+		switch f.Name {
+		case "traceparent", "grpc-timeout":
+			f.Sensitive = true
+		}
 		if err := enc.WriteField(f); err != nil {
 			return err
 		}

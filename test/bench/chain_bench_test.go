@@ -15,6 +15,8 @@ import (
 	"os/signal"
 	"path/filepath"
 	"sort"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -31,10 +33,11 @@ import (
 
 // side is one way of reaching a driver.
 type side struct {
-	name   string
-	conn   *grpc.ClientConn
-	seq    atomic.Int64
-	prefix string
+	name      string
+	conn      *grpc.ClientConn
+	seq       atomic.Int64
+	prefix    string
+	driverPID int // the side's sample driver process
 }
 
 // setup starts two sample drivers with their own state, each in a process
@@ -43,15 +46,15 @@ type side struct {
 // chain, so that both see the same state growth.
 func setup(b *testing.B) (direct, chain *side) {
 	b.Helper()
-	epDirect := startDriverProcess(b)
-	epChain := startDriverProcess(b)
+	epDirect, pidDirect := startDriverProcessPID(b)
+	epChain, pidChain := startDriverProcessPID(b)
 	// Tracing as in production without an OTEL exporter configured: spans
 	// are made (trace IDs reach Events and logs) and sampled, not recorded.
 	tp := sdktrace.NewTracerProvider()
 	b.Cleanup(func() { tp.Shutdown(context.Background()) })
 	c := chaintest.Start(b, chaintest.Options{Driver: sampledriver.DefaultName, DriverEndpoint: epChain, LogLevel: slog.LevelWarn, Tracer: tp})
-	direct = &side{name: "direct", conn: chaintest.Dial(b, epDirect[len("unix://"):]), prefix: "d"}
-	chain = &side{name: "chain", conn: chaintest.Dial(b, c.Front), prefix: "c"}
+	direct = &side{name: "direct", conn: chaintest.Dial(b, epDirect[len("unix://"):]), prefix: "d", driverPID: pidDirect}
+	chain = &side{name: "chain", conn: chaintest.Dial(b, c.Front), prefix: "c", driverPID: pidChain}
 	return direct, chain
 }
 
@@ -92,6 +95,14 @@ func runDriver(sock string) int {
 // its endpoint; it is stopped (by PID) at cleanup.
 func startDriverProcess(b *testing.B) string {
 	b.Helper()
+	ep, _ := startDriverProcessPID(b)
+	return ep
+}
+
+// startDriverProcessPID is startDriverProcess that also returns the
+// driver's PID.
+func startDriverProcessPID(b *testing.B) (string, int) {
+	b.Helper()
 	dir := chaintest.ShortTempDir(b)
 	sock := filepath.Join(dir, "csi.sock")
 	cmd := exec.Command(os.Args[0])
@@ -115,7 +126,7 @@ func startDriverProcess(b *testing.B) string {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		if _, err := os.Stat(sock); err == nil {
-			return "unix://" + sock
+			return "unix://" + sock, cmd.Process.Pid
 		}
 		if time.Now().After(deadline) {
 			b.Fatalf("driver socket %s did not appear", sock)
@@ -242,17 +253,69 @@ func BenchmarkThroughputC32(b *testing.B) {
 				per = 1
 			}
 			var dSum, cSum float64
+			var dCPU, cCPU time.Duration
 			b.ResetTimer()
 			for r := 0; r < rounds; r++ {
+				t0 := cpuTime(b, direct, chain)
 				dSum += run(ctx, b, m, direct, per, conc)
+				t1 := cpuTime(b, direct, chain)
 				cSum += run(ctx, b, m, chain, per, conc)
+				t2 := cpuTime(b, direct, chain)
+				dCPU += t1.self - t0.self + t1.direct - t0.direct
+				cCPU += t2.self - t1.self + t2.chain - t1.chain
 			}
 			b.StopTimer()
 			d, c := dSum/rounds, cSum/rounds
 			b.ReportMetric(d, "direct-calls/s")
 			b.ReportMetric(c, "chain-calls/s")
 			b.ReportMetric(c/d, "chain/direct-throughput")
+			// CPU per call of everything a side runs (the caller, and for
+			// the chain the front end, broker and proxy, all in this
+			// process; plus the side's driver process): steadier than
+			// calls/s on a shared machine, and what the chain's own work
+			// changes.
+			n := float64(per * rounds)
+			b.ReportMetric(us(dCPU)/n, "direct-cpu-µs/call")
+			b.ReportMetric(us(cCPU)/n, "chain-cpu-µs/call")
 			b.ReportMetric(0, "ns/op")
 		})
 	}
+}
+
+// cpuSample is the CPU time used so far by this process and by the two
+// sides' driver processes.
+type cpuSample struct{ self, direct, chain time.Duration }
+
+func cpuTime(b *testing.B, direct, chain *side) cpuSample {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	d, err1 := procCPU(direct.driverPID)
+	c, err2 := procCPU(chain.driverPID)
+	if err := errors.Join(err1, err2); err != nil {
+		b.Fatal(err)
+	}
+	return cpuSample{self: time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), direct: d, chain: c}
+}
+
+// procCPU is utime+stime of a process, from /proc/<pid>/stat.
+func procCPU(pid int) (time.Duration, error) {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// Fields after the command name (which may hold spaces) start at ") ".
+	i := strings.LastIndexByte(string(raw), ')')
+	f := strings.Fields(string(raw[i+2:]))
+	if len(f) < 13 {
+		return 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
+	}
+	ut, err1 := strconv.ParseInt(f[11], 10, 64)
+	st, err2 := strconv.ParseInt(f[12], 10, 64)
+	if err := errors.Join(err1, err2); err != nil {
+		return 0, err
+	}
+	const hz = 100 // USER_HZ on Linux
+	return time.Duration(ut+st) * time.Second / hz, nil
 }
