@@ -45,7 +45,8 @@ func (b *Broker) onRetry(ctx context.Context, p *proxyConn, method string, attem
 
 // invokeFrames is the client chain of every unary call (the front end's
 // and, through frameConn, the controllers'). req is the whole gRPC message,
-// prefix included; the answer is the message's payload.
+// prefix included, and so is the answer's (the front end sends it on as
+// one DATA frame; frameConn decodes what follows the prefix).
 func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, md metadata.MD, req []byte) (resp []byte, hdr, trl metadata.MD, err error) {
 	if n := len(req) - 5; n > b.opts.MaxMsgSize {
 		return nil, nil, nil, status.Errorf(codes.ResourceExhausted, "csibroker: trying to send message larger than max (%d vs. %d)", n, b.opts.MaxMsgSize)
@@ -68,14 +69,20 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 				}
 				b.onRetry(ctx, p, shortMethod(method), attempt, err)
 			}
-			reply.Payload, hdr, trl, err = p.up.attempt(ctx, d, method, md, req)
+			resp, hdr, trl, err = p.up.attempt(ctx, d, method, md, req)
+			if err == nil {
+				reply.Payload = resp[5:] // for the response log
+			}
 			if err == nil || ctx.Err() != nil || status.Code(err) != codes.Unavailable {
 				return err
 			}
 		}
 		return err
 	})
-	return reply.Payload, hdr, trl, err
+	if err != nil {
+		return nil, hdr, trl, err
+	}
+	return resp, hdr, trl, nil
 }
 
 func (b *Broker) streamChain(p *proxyConn) []grpc.StreamClientInterceptor {
@@ -272,9 +279,9 @@ func (f frameConn) Invoke(ctx context.Context, method string, args, reply any, o
 	}
 	switch r := reply.(type) {
 	case *rawgrpc.Frame:
-		r.Payload = resp
+		r.Payload = resp[5:]
 	case proto.Message:
-		if err := proto.Unmarshal(resp, r); err != nil {
+		if err := proto.Unmarshal(resp[5:], r); err != nil {
 			return status.Errorf(codes.Internal, "csibroker: unmarshal %s answer: %v", shortMethod(method), err)
 		}
 	default:

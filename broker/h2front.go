@@ -657,6 +657,14 @@ func (c *feConn) sendHeaders(st *feStream, md metadata.MD) error {
 	return nil
 }
 
+// sendWhole writes one gRPC message whose prefix msg holds, as one DATA
+// frame when the windows and the frame size allow.
+func (c *feConn) sendWhole(st *feStream, msg []byte) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.sendDataLocked(st, msg)
+}
+
 // sendMessage writes one gRPC message within the caller's windows, waiting
 // for them to open.
 func (c *feConn) sendMessage(st *feStream, payload []byte) error {
@@ -819,9 +827,9 @@ func (c *feConn) serveUnary(st *feStream) {
 	ctx, md, span, err := c.begin(st)
 	defer st.cancel()
 	var hdr, trl metadata.MD
-	resp := &rawgrpc.Frame{}
+	var msg []byte // the answer, its prefix included
 	if err == nil {
-		err = c.callUnary(ctx, st, md, resp, &hdr, &trl)
+		msg, hdr, trl, err = c.callUnary(ctx, st, md)
 	}
 	headersSent := false
 	if err == nil || len(hdr) > 0 {
@@ -832,7 +840,7 @@ func (c *feConn) serveUnary(st *feStream) {
 		headersSent = true
 	}
 	if err == nil {
-		if werr := c.sendMessage(st, resp.Payload); werr != nil {
+		if werr := c.sendWhole(st, msg); werr != nil {
 			endSpan(span, status.Error(codes.Canceled, werr.Error()))
 			return
 		}
@@ -841,25 +849,24 @@ func (c *feConn) serveUnary(st *feStream) {
 	endSpan(span, err)
 }
 
-func (c *feConn) callUnary(ctx context.Context, st *feStream, md metadata.MD, resp *rawgrpc.Frame, hdr, trl *metadata.MD) error {
+func (c *feConn) callUnary(ctx context.Context, st *feStream, md metadata.MD) (msg []byte, hdr, trl metadata.MD, err error) {
 	maxMsg := c.s.fe.b.opts.MaxMsgSize
 	req := st.req
 	switch {
 	case st.tooBig:
-		return status.Errorf(codes.ResourceExhausted, "csibroker: received message larger than max (%d bytes)", maxMsg)
+		return nil, nil, nil, status.Errorf(codes.ResourceExhausted, "csibroker: received message larger than max (%d bytes)", maxMsg)
 	case len(req) < 5:
-		return status.Error(codes.Internal, "csibroker: the request holds no message")
+		return nil, nil, nil, status.Error(codes.Internal, "csibroker: the request holds no message")
 	case req[0] != 0:
-		return status.Error(codes.Unimplemented, "csibroker: compressed requests are not supported")
+		return nil, nil, nil, status.Error(codes.Unimplemented, "csibroker: compressed requests are not supported")
 	case int(binary.BigEndian.Uint32(req[1:5])) != len(req)-5:
-		return status.Error(codes.Internal, "csibroker: a unary request must hold exactly one message")
+		return nil, nil, nil, status.Error(codes.Internal, "csibroker: a unary request must hold exactly one message")
 	}
 	pc, err := c.s.fe.route(st.method, md)
 	if err != nil {
-		return err
+		return nil, nil, nil, err
 	}
-	resp.Payload, *hdr, *trl, err = c.s.fe.b.invokeFrames(ctx, pc, st.method, st.out, req)
-	return err
+	return c.s.fe.b.invokeFrames(ctx, pc, st.method, st.out, req)
 }
 
 // serveStream copies a streaming call message by message through a client

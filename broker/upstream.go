@@ -768,7 +768,8 @@ func (u *upstream) attempt(ctx context.Context, d *callDesc, method string, md m
 	return call.result(u.addr)
 }
 
-// result decodes a finished call as gRPC's client would.
+// result decodes a finished call as gRPC's client would; the answer is
+// the whole message, its prefix included.
 func (call *upCall) result(addr string) (resp []byte, hdr, trl metadata.MD, err error) {
 	hdr = fieldsMD(call.hdr)
 	if call.err != nil {
@@ -798,7 +799,7 @@ func (call *upCall) result(addr string) (resp []byte, hdr, trl metadata.MD, err 
 	case int(binary.BigEndian.Uint32(d[1:5])) != len(d)-5:
 		return nil, hdr, trl, status.Errorf(codes.Internal, "csibroker: proxy %s: a unary answer must hold exactly one message", addr)
 	}
-	return d[5:], hdr, trl, nil
+	return d, hdr, trl, nil
 }
 
 // trailerStatus is the call's status from its trailers (nil when OK).
