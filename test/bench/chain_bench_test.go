@@ -212,21 +212,24 @@ func BenchmarkLatencyC1(b *testing.B) {
 	}
 }
 
-// run makes n calls with c workers and returns calls per second.
-func run(ctx context.Context, b *testing.B, m method, s *side, n, c int) float64 {
-	var next atomic.Int64
+// run makes at least n calls with c workers, and goes on until at least
+// minDur has passed; it returns the calls made and calls per second.
+func run(ctx context.Context, b *testing.B, m method, s *side, n, c int, minDur time.Duration) (int, float64) {
+	var next, made atomic.Int64
 	var wg sync.WaitGroup
 	var failed atomic.Value
 	start := time.Now()
+	until := start.Add(minDur)
 	for w := 0; w < c; w++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for next.Add(1) <= int64(n) {
+			for next.Add(1) <= int64(n) || time.Now().Before(until) {
 				if err := m.call(ctx, s); err != nil {
 					failed.CompareAndSwap(nil, err)
 					return
 				}
+				made.Add(1)
 			}
 		}()
 	}
@@ -234,32 +237,39 @@ func run(ctx context.Context, b *testing.B, m method, s *side, n, c int) float64
 	if err := failed.Load(); err != nil {
 		b.Fatalf("%s %s: %v", s.name, m.name, err)
 	}
-	return float64(n) / time.Since(start).Seconds()
+	k := int(made.Load())
+	return k, float64(k) / time.Since(start).Seconds()
 }
 
 // BenchmarkThroughputC32 makes b.N calls with 32 concurrent callers on each
 // side, alternating the sides in eight rounds so both meet the same machine
 // noise and the same driver state size, and reports calls/s and the ratio.
+// Each side's round lasts at least roundMin, so that the figure does not
+// depend on how many calls -benchtime asks for (a round of a few hundred
+// calls is mostly ramp-up and measured CPU time is coarse).
 func BenchmarkThroughputC32(b *testing.B) {
-	const conc, rounds = 32, 8
+	const conc, rounds, roundMin = 32, 8, 300 * time.Millisecond
 	for _, m := range methods {
 		b.Run(m.name, func(b *testing.B) {
 			direct, chain := setup(b)
 			ctx := context.Background()
-			run(ctx, b, m, direct, 64, conc)
-			run(ctx, b, m, chain, 64, conc)
+			run(ctx, b, m, direct, 64, conc, 0)
+			run(ctx, b, m, chain, 64, conc, 0)
 			per := b.N / rounds
 			if per < 1 {
 				per = 1
 			}
 			var dSum, cSum float64
 			var dCPU, cCPU time.Duration
+			var dN, cN int
 			b.ResetTimer()
 			for r := 0; r < rounds; r++ {
 				t0 := cpuTime(b, direct, chain)
-				dSum += run(ctx, b, m, direct, per, conc)
+				n, rate := run(ctx, b, m, direct, per, conc, roundMin)
+				dSum, dN = dSum+rate, dN+n
 				t1 := cpuTime(b, direct, chain)
-				cSum += run(ctx, b, m, chain, per, conc)
+				n, rate = run(ctx, b, m, chain, per, conc, roundMin)
+				cSum, cN = cSum+rate, cN+n
 				t2 := cpuTime(b, direct, chain)
 				dCPU += t1.self - t0.self + t1.direct - t0.direct
 				cCPU += t2.self - t1.self + t2.chain - t1.chain
@@ -274,9 +284,8 @@ func BenchmarkThroughputC32(b *testing.B) {
 			// process; plus the side's driver process): steadier than
 			// calls/s on a shared machine, and what the chain's own work
 			// changes.
-			n := float64(per * rounds)
-			b.ReportMetric(us(dCPU)/n, "direct-cpu-µs/call")
-			b.ReportMetric(us(cCPU)/n, "chain-cpu-µs/call")
+			b.ReportMetric(us(dCPU)/float64(dN), "direct-cpu-µs/call")
+			b.ReportMetric(us(cCPU)/float64(cN), "chain-cpu-µs/call")
 			b.ReportMetric(0, "ns/op")
 		})
 	}

@@ -69,7 +69,7 @@ func benchHops(b *testing.B, conc int) {
 				return err
 			}
 			if conc > 1 {
-				r := run(context.Background(), b, probe, &side{name: s.name}, b.N, conc)
+				_, r := run(context.Background(), b, probe, &side{name: s.name}, b.N, conc, 0)
 				b.ReportMetric(r, "calls/s")
 				return
 			}
