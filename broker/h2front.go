@@ -315,6 +315,9 @@ func (c *feConn) readLoop() error {
 				c.writeErr(c.fr.WriteRSTStream(se.StreamID, se.Code))
 				c.needFlush = true
 				c.resetLocked(c.streams[se.StreamID])
+				if c.br.Buffered() == 0 {
+					c.flushLocked() // nothing more to read now: the reset goes out
+				}
 				c.mu.Unlock()
 				continue
 			}

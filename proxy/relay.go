@@ -518,6 +518,9 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 				c.mu.Unlock()
 				f.mark(c)
 				c.streamReset(se.StreamID, se.Code, &f)
+				if c.br.Buffered() == 0 {
+					f.flush() // nothing more to read now: the reset goes out
+				}
 				continue
 			}
 			var ce http2.ConnectionError

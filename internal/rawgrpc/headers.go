@@ -17,7 +17,12 @@ import (
 // the header list budget, the hpack state) with the same errors. It
 // allocates less per header block (one decoder callback for the
 // connection's life, one exactly sized field slice per block), which
-// counts on the hops that read five header blocks per call.
+// counts on the hops that read six header blocks per call.
+//
+// One difference: a block over the header list budget is a stream error
+// (FRAME_SIZE_ERROR, as gRPC answers it), not a block with its last fields
+// dropped (the Framer's Truncated), so no hop forwards a call without
+// some of its metadata. The connection stays usable.
 //
 // The Framer must not have ReadMetaHeaders set; its MaxHeaderListSize is
 // the budget. A FrameReader is used by one goroutine.
@@ -143,7 +148,11 @@ func (r *FrameReader) readBlock(hf *http2.HeadersFrame) (http2.Frame, error) {
 	if r.invalid != nil {
 		return nil, http2.StreamError{StreamID: hf.StreamID, Code: http2.ErrCodeProtocol, Cause: r.invalid}
 	}
-	mh := &http2.MetaHeadersFrame{HeadersFrame: hf, Truncated: r.truncated}
+	if r.truncated {
+		return nil, http2.StreamError{StreamID: hf.StreamID, Code: http2.ErrCodeFrameSize,
+			Cause: fmt.Errorf("header list larger than %d bytes", r.listSize())}
+	}
+	mh := &http2.MetaHeadersFrame{HeadersFrame: hf}
 	if len(r.fields) > 0 {
 		mh.Fields = append(make([]hpack.HeaderField, 0, len(r.fields)), r.fields...)
 	}

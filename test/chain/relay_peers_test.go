@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"encoding/binary"
+	"net"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -45,11 +46,17 @@ func dialRawBroker(t *testing.T, c *chaintest.Chain, read bool, settings ...http
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { tc.Close() })
-	if _, err := tc.Write([]byte(http2.ClientPreface)); err != nil {
+	return rawPeer(t, tc, read, settings...)
+}
+
+// rawPeer speaks HTTP/2 as a client on nc, frame by frame.
+func rawPeer(t *testing.T, nc net.Conn, read bool, settings ...http2.Setting) *rawBroker {
+	t.Helper()
+	t.Cleanup(func() { nc.Close() })
+	if _, err := nc.Write([]byte(http2.ClientPreface)); err != nil {
 		t.Fatal(err)
 	}
-	r := &rawBroker{fr: http2.NewFramer(tc, tc), frames: make(chan http2.Frame, 64), closed: make(chan struct{})}
+	r := &rawBroker{fr: http2.NewFramer(nc, nc), frames: make(chan http2.Frame, 64), closed: make(chan struct{})}
 	r.enc = hpack.NewEncoder(&r.hbuf)
 	r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	if err := r.fr.WriteSettings(settings...); err != nil {
@@ -215,4 +222,71 @@ func TestRelayStuckBrokerStallsNoOtherBroker(t *testing.T) {
 	if _, err := csi.NewControllerClient(brokerConn(t, c)).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "small"}); err != nil {
 		t.Fatalf("call on another broker connection while one broker does not read: %v", err)
 	}
+}
+
+// TestRelayRefusesOversizedHeaderList: a request whose metadata is over the
+// proxy's header list limit (1 MiB, in its SETTINGS) is refused with
+// RST_STREAM(FRAME_SIZE_ERROR), not forwarded with its last fields dropped;
+// the connection goes on serving calls.
+func TestRelayRefusesOversizedHeaderList(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	refusesOversizedHeaderList(t, dialRawBroker(t, c, true), "/csibroker.proxyinfo.v1.ProxyInfo/GetInfo")
+}
+
+// TestFrontEndRefusesOversizedHeaderList: the same at the broker's front
+// end, for a caller that ignores its SETTINGS (gRPC's client does not send
+// such a request at all).
+func TestFrontEndRefusesOversizedHeaderList(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	nc, err := net.Dial("unix", c.Front)
+	if err != nil {
+		t.Fatal(err)
+	}
+	refusesOversizedHeaderList(t, rawPeer(t, nc, true), "/csi.v1.Identity/Probe")
+}
+
+// refusesOversizedHeaderList sends a Probe with 1.2 MiB of metadata on
+// stream 1 (three fields, each under the limit) and expects it reset with
+// FRAME_SIZE_ERROR and never answered, then calls next on stream 3 and
+// expects grpc-status 0.
+func refusesOversizedHeaderList(t *testing.T, r *rawBroker, next string) {
+	t.Helper()
+	r.hbuf.Reset()
+	for _, f := range []hpack.HeaderField{{Name: ":method", Value: "POST"}, {Name: ":scheme", Value: "https"}, {Name: ":path", Value: "/csi.v1.Identity/Probe"},
+		{Name: ":authority", Value: "proxy"}, {Name: "content-type", Value: "application/grpc"}, {Name: "te", Value: "trailers"},
+		{Name: "x-big-1", Value: strings.Repeat("a", 400<<10)}, {Name: "x-big-2", Value: strings.Repeat("b", 400<<10)}, {Name: "x-big-3", Value: strings.Repeat("c", 400<<10)}} {
+		r.enc.WriteField(f)
+	}
+	block := r.hbuf.Bytes()
+	const frag = 16 << 10
+	if err := r.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: block[:frag], EndStream: true}); err != nil {
+		t.Fatal(err)
+	}
+	for rest := block[frag:]; len(rest) > 0; {
+		n := min(len(rest), frag)
+		if err := r.fr.WriteContinuation(1, n == len(rest), rest[:n]); err != nil {
+			t.Fatal(err)
+		}
+		rest = rest[n:]
+	}
+	r.wait(t, "RST_STREAM(FRAME_SIZE_ERROR) on stream 1", func(f http2.Frame) bool {
+		rst, ok := f.(*http2.RSTStreamFrame)
+		if ok && rst.StreamID == 1 && rst.ErrCode != http2.ErrCodeFrameSize {
+			t.Fatalf("stream 1 reset with %v, want FRAME_SIZE_ERROR", rst.ErrCode)
+		}
+		if h, ok := f.(*http2.MetaHeadersFrame); ok && h.StreamID == 1 {
+			t.Fatalf("stream 1 was answered (%v): the request went on", h.Fields)
+		}
+		return ok && rst.StreamID == 1
+	})
+	r.headers(3, next, false)
+	if err := r.fr.WriteData(3, true, []byte{0, 0, 0, 0, 0}); err != nil {
+		t.Fatal(err)
+	}
+	r.wait(t, "grpc-status 0 on stream 3 of the same connection", func(f http2.Frame) bool {
+		h, ok := f.(*http2.MetaHeadersFrame)
+		return ok && h.StreamID == 3 && headerValue(h.Fields, "grpc-status") == "0"
+	})
 }
