@@ -12,7 +12,7 @@ import (
 	"sync"
 
 	_ "github.com/container-storage-interface/spec/lib/go/csi" // registers the CSI services for routing and sanitized logging
-	"go.opentelemetry.io/otel/attribute"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -35,23 +35,33 @@ const (
 // frames, through the driver's client chain (h2front.go speaks HTTP/2).
 type frontEnd struct {
 	b      *Broker
-	driver string   // fixed driver for a per-driver socket; empty: from metadata
-	kinds  sync.Map // method path → unary (bool), for methods the registry knows
-	spans  sync.Map // method path → the server span's start options, for the same methods
+	driver string // fixed driver for a per-driver socket; empty: from metadata
+	// methods holds a *feMethod per method path the protobuf registry
+	// knows (the CSI spec registers its services); other paths, which a
+	// caller may make up, are described anew on each call.
+	methods sync.Map
 }
 
-// spanOpts are the start options of a call's server span, named and
-// described as otelgrpc does.
-func (fe *frontEnd) spanOpts(method string) []trace.SpanStartOption {
-	if v, ok := fe.spans.Load(method); ok {
-		return v.([]trace.SpanStartOption)
+// feMethod is what the front end's calls of one method share.
+type feMethod struct {
+	unary    bool
+	spanOpts []trace.SpanStartOption // the server span's, named and described as otelgrpc does
+}
+
+// method describes a method path. Methods the registry does not know are
+// streamed.
+func (fe *frontEnd) method(path string) *feMethod {
+	if v, ok := fe.methods.Load(path); ok {
+		return v.(*feMethod)
 	}
-	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindServer),
-		trace.WithAttributes(attribute.String("rpc.system.name", "grpc"), attribute.String("rpc.method", strings.TrimPrefix(method, "/")))}
-	if known, _, _ := rawgrpc.MethodKind(method); known {
-		fe.spans.Store(method, opts)
+	known, cs, ss := rawgrpc.MethodKind(path)
+	m := &feMethod{unary: known && !cs && !ss, spanOpts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindServer),
+		trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(strings.TrimPrefix(path, "/")))}}
+	if known {
+		v, _ := fe.methods.LoadOrStore(path, m)
+		m = v.(*feMethod)
 	}
-	return opts
+	return m
 }
 
 // ServeSocket serves driver's CSI front end on a unix socket at path until
@@ -91,20 +101,6 @@ func firstMD(md metadata.MD, k string) string {
 		return v[0]
 	}
 	return ""
-}
-
-// isUnary says whether a method is unary, by the protobuf registry (the CSI
-// spec registers its services); methods it does not know are streamed.
-func (fe *frontEnd) isUnary(method string) bool {
-	if v, ok := fe.kinds.Load(method); ok {
-		return v.(bool)
-	}
-	known, cs, ss := rawgrpc.MethodKind(method)
-	if !known {
-		return false
-	}
-	fe.kinds.Store(method, !cs && !ss)
-	return !cs && !ss
 }
 
 // route picks the connection for a call from its method and the caller's

@@ -53,16 +53,12 @@ const (
 	// feMaxStreams caps the concurrent calls of one caller connection; the
 	// caller's gRPC queues calls beyond it.
 	feMaxStreams = 1024
-	// feMaxHeaderList bounds a request's header block (its metadata).
-	feMaxHeaderList = 1 << 20
 	// feWriteTimeout: a caller that takes no bytes for this long loses its
 	// connection, so it cannot hold the connection's lock for ever.
 	feWriteTimeout = 15 * time.Second
 	// feHandshakeTimeout bounds the TLS handshake and the client preface.
 	feHandshakeTimeout = 10 * time.Second
 	feBufSize          = 32 << 10
-	feInitialWindow    = 65535
-	feMaxWindow        = 1<<31 - 1
 )
 
 // feServer serves one front end (a driver's socket, or the shared TCP
@@ -270,12 +266,12 @@ func newFEConn(s *feServer, nc net.Conn) *feConn {
 		br:      bufio.NewReaderSize(nc, feBufSize),
 		bw:      bufio.NewWriterSize(nc, feBufSize),
 		streams: map[uint32]*feStream{},
-		sendWin: feInitialWindow, recvWin: feConnWindow, peer: rawgrpc.DefaultPeerSettings(0),
+		sendWin: rawgrpc.DefaultWindow, recvWin: feConnWindow, peer: rawgrpc.DefaultPeerSettings(0),
 	}
 	c.cond = sync.NewCond(&c.mu)
 	c.fr = http2.NewFramer(c.bw, c.br)
 	c.fr.SetMaxReadFrameSize(16 << 10)
-	c.fr.MaxHeaderListSize = feMaxHeaderList
+	c.fr.MaxHeaderListSize = rawgrpc.MaxHeaderList
 	c.rd = rawgrpc.NewFrameReader(c.fr, 4096)
 	c.enc = hpack.NewEncoder(&c.hbuf)
 	return c
@@ -294,8 +290,8 @@ func (c *feConn) run() {
 	c.writeErr(c.fr.WriteSettings(
 		http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: feMaxStreams},
 		http2.Setting{ID: http2.SettingInitialWindowSize, Val: feStreamWindow},
-		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: feMaxHeaderList}))
-	c.writeErr(c.fr.WriteWindowUpdate(0, feConnWindow-feInitialWindow))
+		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: rawgrpc.MaxHeaderList}))
+	c.writeErr(c.fr.WriteWindowUpdate(0, feConnWindow-rawgrpc.DefaultWindow))
 	c.writeErr(c.bw.Flush())
 	c.mu.Unlock()
 
@@ -501,7 +497,7 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 	st.contentType = ct
 	st.remoteEnded = end
 	c.streams[id] = st
-	st.unary = c.s.fe.isUnary(path)
+	st.unary = c.s.fe.method(path).unary
 	if st.unary {
 		if end {
 			c.s.workers.run(func() { c.serveUnary(st) })
@@ -617,11 +613,10 @@ func (c *feConn) onSettingsLocked(fr *http2.SettingsFrame) {
 
 func (c *feConn) onWindowUpdateLocked(fr *http2.WindowUpdateFrame) {
 	if fr.StreamID == 0 {
-		if c.sendWin+int64(fr.Increment) > feMaxWindow {
+		if !rawgrpc.GrowWindow(&c.sendWin, fr.Increment) {
 			c.connErrorLocked(http2.ErrCodeFlowControl, "connection window beyond 2^31-1")
 			return
 		}
-		c.sendWin += int64(fr.Increment)
 		c.cond.Broadcast()
 		return
 	}
@@ -629,13 +624,12 @@ func (c *feConn) onWindowUpdateLocked(fr *http2.WindowUpdateFrame) {
 	if st == nil {
 		return
 	}
-	if st.sendWin+int64(fr.Increment) > feMaxWindow {
+	if !rawgrpc.GrowWindow(&st.sendWin, fr.Increment) {
 		c.writeErr(c.framer().WriteRSTStream(st.id, http2.ErrCodeFlowControl))
 		c.needFlush = true
 		c.resetLocked(st)
 		return
 	}
-	st.sendWin += int64(fr.Increment)
 	c.cond.Broadcast()
 }
 
@@ -797,7 +791,7 @@ func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, 
 	}
 	b := c.s.fe.b
 	ctx := b.opts.Propagator.Extract(context.Background(), rawgrpc.FieldsCarrier{Fields: &st.fields})
-	ctx, span := b.tracer.Start(ctx, strings.TrimPrefix(st.method, "/"), c.s.fe.spanOpts(st.method)...)
+	ctx, span := b.tracer.Start(ctx, strings.TrimPrefix(st.method, "/"), c.s.fe.method(st.method).spanOpts...)
 	ctx = metadata.NewOutgoingContext(ctx, out)
 	var cancel context.CancelFunc
 	if timeout > 0 {

@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
 	"strconv"
 	"strings"
@@ -17,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
 	otelcodes "go.opentelemetry.io/otel/codes"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"golang.org/x/net/http2"
@@ -54,16 +54,9 @@ const (
 	// closed if nothing arrives within upKeepaliveTimeout.
 	upKeepaliveTime    = 30 * time.Second
 	upKeepaliveTimeout = 10 * time.Second
-	upMaxHeaderList    = 1 << 20
 	upBufSize          = 32 << 10
-	// A connection whose stream IDs come within upIDMargin of the last one
-	// HTTP/2 allows takes no new calls; the next call dials a fresh one.
-	upLastStreamID = 1<<31 - 1
-	upIDMargin     = 1 << 20
-	upRedialMin    = 100 * time.Millisecond
-	upRedialMax    = 2 * time.Second
-	upInitialWin   = 65535
-	upMaxWindow    = 1<<31 - 1
+	upRedialMin        = 100 * time.Millisecond
+	upRedialMax        = 2 * time.Second
 )
 
 // Why a connection ended, when it was not lost: these are not logged as
@@ -118,24 +111,26 @@ func (u *upstream) keepConnected() {
 	u.stop = cancel
 	u.mu.Unlock()
 	go func() {
-		delay := upRedialMin
+		// The same backoff as the chain's retries (go-grpc-middleware's).
+		backoff := retry.BackoffExponentialWithJitterBounded(upRedialMin, 0.2, upRedialMax)
+		var failed uint // dials failed in a row
 		for {
 			c, err := u.get(ctx)
 			if ctx.Err() != nil {
 				return
 			}
 			if err != nil {
-				t := time.NewTimer(time.Duration(float64(delay) * (0.8 + 0.4*rand.Float64())))
+				failed++
+				t := time.NewTimer(backoff(ctx, failed))
 				select {
 				case <-ctx.Done():
 					t.Stop()
 					return
 				case <-t.C:
 				}
-				delay = min(delay*8/5, upRedialMax)
 				continue
 			}
-			delay = upRedialMin
+			failed = 0
 			select {
 			case <-ctx.Done():
 				return
@@ -336,11 +331,11 @@ type upCall struct {
 
 func newUpConn(u *upstream, nc net.Conn) *upConn {
 	c := &upConn{u: u, nc: nc, br: bufio.NewReaderSize(nc, upBufSize), bw: bufio.NewWriterSize(nc, upBufSize),
-		calls: map[uint32]*upCall{}, retiring: make(chan struct{}), nextID: 1, peer: rawgrpc.DefaultPeerSettings(100), sendWin: upInitialWin}
+		calls: map[uint32]*upCall{}, retiring: make(chan struct{}), nextID: 1, peer: rawgrpc.DefaultPeerSettings(100), sendWin: rawgrpc.DefaultWindow}
 	c.cond = sync.NewCond(&c.mu)
 	c.fr = http2.NewFramer(c.bw, c.br)
 	c.rd = rawgrpc.NewFrameReader(c.fr, 4096)
-	c.fr.MaxHeaderListSize = upMaxHeaderList
+	c.fr.MaxHeaderListSize = rawgrpc.MaxHeaderList
 	c.enc = hpack.NewEncoder(&c.hbuf)
 	return c
 }
@@ -354,10 +349,10 @@ func (c *upConn) start() error {
 	if err := c.fr.WriteSettings(
 		http2.Setting{ID: http2.SettingEnablePush, Val: 0},
 		http2.Setting{ID: http2.SettingInitialWindowSize, Val: rawgrpc.StreamWindow},
-		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: upMaxHeaderList}); err != nil {
+		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: rawgrpc.MaxHeaderList}); err != nil {
 		return err
 	}
-	if err := c.fr.WriteWindowUpdate(0, rawgrpc.ConnWindow-upInitialWin); err != nil {
+	if err := c.fr.WriteWindowUpdate(0, rawgrpc.ConnWindow-rawgrpc.DefaultWindow); err != nil {
 		return err
 	}
 	return c.bw.Flush()
@@ -366,7 +361,7 @@ func (c *upConn) start() error {
 func (c *upConn) takesCalls() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.err == nil && !c.goingAway && c.nextID < upLastStreamID-upIDMargin
+	return c.err == nil && !c.goingAway && c.nextID < rawgrpc.LastStreamID-rawgrpc.StreamIDMargin
 }
 
 // writeLocked records a write's error: the connection is then done.
@@ -491,7 +486,7 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 	}
 	call.id = c.nextID
 	c.nextID += 2
-	if c.nextID >= upLastStreamID-upIDMargin {
+	if c.nextID >= rawgrpc.LastStreamID-rawgrpc.StreamIDMargin {
 		c.retireLocked()
 	}
 	call.sendWin = c.peer.InitialWindow
@@ -664,17 +659,17 @@ func (c *upConn) onSettingsLocked(f *http2.SettingsFrame) {
 }
 
 func (c *upConn) onWindowUpdateLocked(f *http2.WindowUpdateFrame) {
-	inc := int64(f.Increment)
 	if f.StreamID == 0 {
-		if c.sendWin+inc > upMaxWindow {
+		if !rawgrpc.GrowWindow(&c.sendWin, f.Increment) {
 			c.writeLocked(c.fr.WriteGoAway(0, http2.ErrCodeFlowControl, nil))
 			c.flushLocked()
 			c.failLocked(errors.New("the proxy overflowed the connection window"))
 			return
 		}
-		c.sendWin += inc
-	} else if call := c.calls[f.StreamID]; call != nil {
-		call.sendWin += inc
+	} else if call := c.calls[f.StreamID]; call != nil && !rawgrpc.GrowWindow(&call.sendWin, f.Increment) {
+		c.writeLocked(c.fr.WriteRSTStream(f.StreamID, http2.ErrCodeFlowControl))
+		c.flushLocked()
+		c.endLocked(call, status.Errorf(codes.Internal, "csibroker: proxy %s overflowed the call's window", c.u.addr))
 	}
 	c.cond.Broadcast()
 }

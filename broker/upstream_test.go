@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"encoding/binary"
 	"io"
 	"net"
 	"strings"
@@ -13,6 +14,8 @@ import (
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/csibroker/csibroker/internal/mtls"
 )
@@ -28,6 +31,10 @@ type h2peer struct {
 	// goAway: answer each connection's first request, but send GOAWAY
 	// (that request being the last one processed) as soon as it arrives.
 	goAway bool
+	// overflow: answer a request's HEADERS with two stream WINDOW_UPDATEs
+	// of 2^31-1 (the second takes the window past 2^31-1; the connection
+	// window is never opened), and nothing else.
+	overflow bool
 
 	mu       sync.Mutex
 	conns    int
@@ -118,6 +125,13 @@ func (p *h2peer) serve(nc net.Conn) {
 				wmu.Unlock()
 			}
 		case *http2.MetaHeadersFrame:
+			if p.overflow {
+				wmu.Lock()
+				fr.WriteWindowUpdate(f.StreamID, 1<<31-1)
+				fr.WriteWindowUpdate(f.StreamID, 1<<31-1)
+				wmu.Unlock()
+				continue
+			}
 			p.mu.Lock()
 			p.open++
 			p.requests++
@@ -190,6 +204,27 @@ func TestUpstreamKeepsToTheStreamLimit(t *testing.T) {
 	defer peer.mu.Unlock()
 	if peer.requests != 4 || peer.maxOpen != 1 {
 		t.Fatalf("the proxy saw %d requests, at most %d at once; want 4, one at a time", peer.requests, peer.maxOpen)
+	}
+}
+
+// TestUpstreamRefusesStreamWindowOverflow: a proxy that grows a call's send
+// window past 2^31-1 ends that call with Internal (a stream
+// FLOW_CONTROL_ERROR), saying so, and does not leave it waiting.
+func TestUpstreamRefusesStreamWindowOverflow(t *testing.T) {
+	addr, cfg := startPeer(t, &h2peer{maxStreams: 10, answerPings: true, overflow: true})
+	u := newTestUpstream(t, addr, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	// A request larger than the initial window, so the call is still
+	// sending when the WINDOW_UPDATE arrives.
+	req := make([]byte, 5+200<<10)
+	binary.BigEndian.PutUint32(req[1:5], uint32(len(req)-5))
+	_, _, _, err := u.attempt(ctx, u.b.desc(u.p, "/csi.v1.Identity/Probe"), "/csi.v1.Identity/Probe", nil, req)
+	if status.Code(err) != codes.Internal || !strings.Contains(err.Error(), "overflowed the call's window") {
+		t.Fatalf("call ended with %v, want Internal naming the overflowed window", err)
+	}
+	if ctx.Err() != nil {
+		t.Fatal("the call waited for its deadline")
 	}
 }
 

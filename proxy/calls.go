@@ -19,10 +19,11 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/csibroker/csibroker/internal/rawgrpc"
+	proxyinfov1 "github.com/csibroker/csibroker/proto/proxyinfo/v1"
 )
 
 // infoMethod is the proxy's own service, answered here, never forwarded.
-const infoMethod = "/csibroker.proxyinfo.v1.ProxyInfo/GetInfo"
+const infoMethod = proxyinfov1.ProxyInfo_GetInfo_FullMethodName
 
 // stream is one call: its broker leg and, once forwarded, its driver leg.
 type stream struct {

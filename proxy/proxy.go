@@ -292,7 +292,7 @@ func (p *Proxy) driverConn(bc *conn) (*conn, error) {
 	defer p.dmu.Unlock()
 	if c := bc.dconn; c != nil {
 		c.mu.Lock()
-		if c.nextID > lastStreamID-idMargin && !c.goingAway {
+		if c.nextID > rawgrpc.LastStreamID-rawgrpc.StreamIDMargin && !c.goingAway {
 			// Stream IDs nearly used up: new calls go to a new
 			// connection, this one closes when its calls are done.
 			c.goingAway = true

@@ -42,8 +42,6 @@ const (
 	// maxStreams caps the concurrent calls of one broker connection (the
 	// broker's gRPC client queues calls beyond it).
 	maxStreams = 1024
-	// maxHeaderList bounds a header block (gRPC metadata) we accept.
-	maxHeaderList = 1 << 20
 	// writeTimeout: a peer that takes no bytes for this long is dropped, so
 	// it cannot hold its connection's lock, and the calls waiting on it,
 	// for ever.
@@ -54,14 +52,7 @@ const (
 	// Frames we read are at most this large (the HTTP/2 default, which every
 	// peer must accept, so any frame we read can be written on unchanged).
 	readFrameSize = 16 << 10
-	// initialWindow is HTTP/2's initial window before SETTINGS say otherwise.
-	initialWindow = 65535
-	maxWindow     = 1<<31 - 1
-	// lastStreamID is the highest stream ID a client may open; a driver
-	// connection that comes within idMargin of it is replaced.
-	lastStreamID = 1<<31 - 1
-	idMargin     = 1 << 20
-	bufSize      = 32 << 10
+	bufSize       = 32 << 10
 )
 
 // out is a frame waiting to be written on a leg: DATA (isData) or HEADERS.
@@ -161,12 +152,12 @@ func newConn(p *Proxy, nc net.Conn, driver bool, desc string) *conn {
 		br:      bufio.NewReaderSize(nc, bufSize),
 		bw:      bufio.NewWriterSize(nc, bufSize),
 		streams: map[uint32]*leg{},
-		sendWin: initialWindow, recvWin: connWindow, peer: rawgrpc.DefaultPeerSettings(defaultPeerStreams),
+		sendWin: rawgrpc.DefaultWindow, recvWin: connWindow, peer: rawgrpc.DefaultPeerSettings(defaultPeerStreams),
 		nextID: 1,
 	}
 	c.fr = http2.NewFramer(c.bw, c.br)
 	c.fr.SetMaxReadFrameSize(readFrameSize)
-	c.fr.MaxHeaderListSize = maxHeaderList
+	c.fr.MaxHeaderListSize = rawgrpc.MaxHeaderList
 	c.rd = rawgrpc.NewFrameReader(c.fr, 4096)
 	c.enc = hpack.NewEncoder(&c.hbuf)
 	return c
@@ -183,7 +174,7 @@ func (c *conn) start() error {
 			return err
 		}
 	}
-	settings := []http2.Setting{{ID: http2.SettingInitialWindowSize, Val: streamWindow}, {ID: http2.SettingMaxHeaderListSize, Val: maxHeaderList}}
+	settings := []http2.Setting{{ID: http2.SettingInitialWindowSize, Val: streamWindow}, {ID: http2.SettingMaxHeaderListSize, Val: rawgrpc.MaxHeaderList}}
 	if c.driver {
 		settings = append(settings, http2.Setting{ID: http2.SettingEnablePush, Val: 0})
 	} else {
@@ -192,7 +183,7 @@ func (c *conn) start() error {
 	if err := c.fr.WriteSettings(settings...); err != nil {
 		return err
 	}
-	if err := c.fr.WriteWindowUpdate(0, connWindow-initialWindow); err != nil {
+	if err := c.fr.WriteWindowUpdate(0, connWindow-rawgrpc.DefaultWindow); err != nil {
 		return err
 	}
 	return c.bw.Flush()
@@ -717,12 +708,11 @@ func (c *conn) onSettings(fr *http2.SettingsFrame, credits []credit) []credit {
 func (c *conn) onWindowUpdate(fr *http2.WindowUpdateFrame, credits []credit, f *flusher) []credit {
 	c.mu.Lock()
 	if fr.StreamID == 0 {
-		if c.sendWin+int64(fr.Increment) > maxWindow {
+		if !rawgrpc.GrowWindow(&c.sendWin, fr.Increment) {
 			c.connErrorLocked(http2.ErrCodeFlowControl, "connection window beyond 2^31-1")
 			c.mu.Unlock()
 			return credits
 		}
-		c.sendWin += int64(fr.Increment)
 		credits = c.drainBlockedLocked(credits)
 		c.mu.Unlock()
 		return credits
@@ -732,14 +722,13 @@ func (c *conn) onWindowUpdate(fr *http2.WindowUpdateFrame, credits []credit, f *
 		c.mu.Unlock()
 		return credits
 	}
-	if l.sendWin+int64(fr.Increment) > maxWindow {
+	if !rawgrpc.GrowWindow(&l.sendWin, fr.Increment) {
 		c.writeErr(c.framer().WriteRSTStream(fr.StreamID, http2.ErrCodeFlowControl))
 		c.needFlush = true
 		c.mu.Unlock()
 		c.streamReset(fr.StreamID, http2.ErrCodeFlowControl, f)
 		return credits
 	}
-	l.sendWin += int64(fr.Increment)
 	credits = c.drainLocked(l, credits)
 	c.mu.Unlock()
 	return credits

@@ -216,6 +216,34 @@ func HTTPStatusCode(httpStatus int) codes.Code {
 	return codes.Unknown
 }
 
+// HTTP/2 limits every hop csibroker speaks itself (front end, the broker's
+// proxy connection, the proxy's relay) shares.
+const (
+	// DefaultWindow is HTTP/2's initial window before SETTINGS say otherwise.
+	DefaultWindow = 65535
+	// MaxWindow is the largest flow-control window HTTP/2 allows.
+	MaxWindow = 1<<31 - 1
+	// MaxHeaderList bounds a header block (gRPC metadata) a hop accepts; it
+	// is advertised in SETTINGS_MAX_HEADER_LIST_SIZE.
+	MaxHeaderList = 1 << 20
+	// LastStreamID is the highest stream ID a client may open. A client
+	// connection whose IDs come within StreamIDMargin of it takes no new
+	// calls, and a fresh connection is dialled.
+	LastStreamID   = 1<<31 - 1
+	StreamIDMargin = 1 << 20
+)
+
+// GrowWindow adds a WINDOW_UPDATE's increment to a send window, unless that
+// would take it past MaxWindow (a FLOW_CONTROL_ERROR, of the connection or
+// of the stream): then it reports false and leaves win as it was.
+func GrowWindow(win *int64, inc uint32) bool {
+	if *win+int64(inc) > MaxWindow {
+		return false
+	}
+	*win += int64(inc)
+	return true
+}
+
 // PeerSettings are what a peer's SETTINGS set for the frames sent to it.
 type PeerSettings struct {
 	InitialWindow int64  // send window of each new stream
@@ -226,7 +254,7 @@ type PeerSettings struct {
 // DefaultPeerSettings are HTTP/2's values until the peer's SETTINGS arrive,
 // with maxStreams assumed.
 func DefaultPeerSettings(maxStreams uint32) PeerSettings {
-	return PeerSettings{InitialWindow: 65535, MaxFrame: 16 << 10, MaxStreams: maxStreams}
+	return PeerSettings{InitialWindow: DefaultWindow, MaxFrame: 16 << 10, MaxStreams: maxStreams}
 }
 
 // Apply reads a SETTINGS frame (not an ACK) into s and the header table
@@ -243,7 +271,7 @@ func (s *PeerSettings) Apply(fr *http2.SettingsFrame, enc *hpack.Encoder, maxStr
 		switch st.ID {
 		case http2.SettingInitialWindowSize:
 			d := int64(st.Val) - s.InitialWindow
-			if maxStreamWin+delta+d > 1<<31-1 {
+			if maxStreamWin+delta+d > MaxWindow {
 				return http2.ConnectionError(http2.ErrCodeFlowControl)
 			}
 			delta += d

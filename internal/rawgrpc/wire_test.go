@@ -152,3 +152,23 @@ func TestPeerSettingsApply(t *testing.T) {
 		})
 	}
 }
+
+func TestGrowWindow(t *testing.T) {
+	for _, c := range []struct {
+		win  int64
+		inc  uint32
+		ok   bool
+		want int64
+	}{
+		{DefaultWindow, 1000, true, DefaultWindow + 1000},
+		{0, MaxWindow, true, MaxWindow},
+		{MaxWindow - 10, 10, true, MaxWindow},
+		{MaxWindow - 10, 11, false, MaxWindow - 10},
+		{-5000, 5000, true, 0}, // a window SETTINGS shrank below zero
+	} {
+		win := c.win
+		if ok := GrowWindow(&win, c.inc); ok != c.ok || win != c.want {
+			t.Errorf("GrowWindow(%d, %d) = %v, window %d; want %v, %d", c.win, c.inc, ok, win, c.ok, c.want)
+		}
+	}
+}
