@@ -251,7 +251,6 @@ type feStream struct {
 	in          *feInput
 	ctx         context.Context
 	cancel      context.CancelFunc
-	out         metadata.MD // the caller's metadata for the next hop
 	sendWin     int64
 	recvWin     int64
 	unacked     uint32
@@ -800,7 +799,7 @@ func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, 
 		ctx, cancel = context.WithCancel(ctx)
 	}
 	c.mu.Lock()
-	st.ctx, st.cancel, st.out = ctx, cancel, out
+	st.ctx, st.cancel = ctx, cancel
 	gone := st.reset || c.closed
 	c.mu.Unlock()
 	if gone {
@@ -863,7 +862,7 @@ func (c *feConn) callUnary(ctx context.Context, st *feStream, md metadata.MD) (m
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	return c.s.fe.b.invokeFrames(ctx, pc, st.method, st.out, req)
+	return c.s.fe.b.invokeFrames(ctx, pc, st.method, md, req)
 }
 
 // serveStream copies a streaming call message by message through a client

@@ -15,8 +15,6 @@ import (
 	"os/signal"
 	"path/filepath"
 	"sort"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -24,6 +22,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/procfs"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"google.golang.org/grpc"
 
@@ -308,23 +307,15 @@ func cpuTime(b *testing.B, direct, chain *side) cpuSample {
 	return cpuSample{self: time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), direct: d, chain: c}
 }
 
-// procCPU is utime+stime of a process, from /proc/<pid>/stat.
+// procCPU is the CPU time (user and system) a process used so far.
 func procCPU(pid int) (time.Duration, error) {
-	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	p, err := procfs.NewProc(pid)
 	if err != nil {
 		return 0, err
 	}
-	// Fields after the command name (which may hold spaces) start at ") ".
-	i := strings.LastIndexByte(string(raw), ')')
-	f := strings.Fields(string(raw[i+2:]))
-	if len(f) < 13 {
-		return 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
-	}
-	ut, err1 := strconv.ParseInt(f[11], 10, 64)
-	st, err2 := strconv.ParseInt(f[12], 10, 64)
-	if err := errors.Join(err1, err2); err != nil {
+	st, err := p.Stat()
+	if err != nil {
 		return 0, err
 	}
-	const hz = 100 // USER_HZ on Linux
-	return time.Duration(ut+st) * time.Second / hz, nil
+	return time.Duration(st.CPUTime() * float64(time.Second)), nil
 }

@@ -2,9 +2,7 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -16,6 +14,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/prometheus/procfs"
 )
 
 // proc is one child process. It runs in its own process group and is sent
@@ -173,32 +173,17 @@ func (p *proc) died() error {
 	return fmt.Errorf("%s (pid %d) exited: %v; end of %s:\n%s", p.name, p.pid, p.waitErr, p.logPath, p.logTail(25))
 }
 
-// clockTicks is USER_HZ, the unit of utime and stime in /proc/<pid>/stat;
-// 100 on every Linux architecture Go supports.
-const clockTicks = 100
-
-// cpuSeconds is utime+stime of the process from /proc/<pid>/stat.
+// cpuSeconds is the CPU time (user and system) of the process so far.
 func (p *proc) cpuSeconds() (float64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p.pid))
+	pp, err := procfs.NewProc(p.pid)
 	if err != nil {
 		return 0, err
 	}
-	// The command name may hold spaces and parentheses: fields start after the last ')'.
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return 0, errors.New("malformed /proc stat")
-	}
-	f := strings.Fields(string(b[i+1:]))
-	// After ')': state(3) ... utime is field 14, stime 15 (1-based over the whole line).
-	if len(f) < 13 {
-		return 0, errors.New("short /proc stat")
-	}
-	ut, err1 := strconv.ParseUint(f[11], 10, 64)
-	st, err2 := strconv.ParseUint(f[12], 10, 64)
-	if err := errors.Join(err1, err2); err != nil {
+	st, err := pp.Stat()
+	if err != nil {
 		return 0, err
 	}
-	return float64(ut+st) / clockTicks, nil
+	return st.CPUTime(), nil
 }
 
 // memory returns VmRSS and VmHWM (peak RSS) in bytes from /proc/<pid>/status.
