@@ -11,6 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -30,6 +31,7 @@ type kubeFlags struct {
 	Burst                int
 	EventsQPS            float64
 	EventsBurst          int
+	ContentType          string
 	Namespace            string
 	Identity             string
 	LeaderElection       bool
@@ -65,6 +67,7 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&f.Burst, "kube-api-burst", 10, "burst of the client for Kubernetes objects")
 	fs.Float64Var(&f.EventsQPS, "events-qps", 20, "QPS of the separate client for Events, so they are never starved by object writes")
 	fs.IntVar(&f.EventsBurst, "events-burst", 50, "burst of the Events client")
+	fs.StringVar(&f.ContentType, "kube-api-content-type", runtime.ContentTypeProtobuf, "encoding of built-in objects on the wire: "+runtime.ContentTypeProtobuf+" (cheaper to decode, as kube-controller-manager and the CSI sidecars use) or "+runtime.ContentTypeJSON+"; custom resources are always JSON")
 	fs.StringVar(&f.Namespace, "namespace", envOr("POD_NAMESPACE", "csibroker"), "namespace of the broker's intent record (and default for leader election)")
 	fs.StringVar(&f.Identity, "identity", envOr("POD_NAME", hostname()), "identity of this replica for leader election and Events")
 	fs.BoolVar(&f.LeaderElection, "leader-election", false, "elect one leader among replicas (one Lease for all drivers and controllers)")
@@ -129,6 +132,9 @@ func (f *kubeFlags) validate() error {
 	if f.QPS <= 0 || f.Burst <= 0 || f.EventsQPS <= 0 || f.EventsBurst <= 0 {
 		errs = append(errs, errors.New("--kube-api-qps/-burst and --events-qps/-burst must be positive"))
 	}
+	if f.ContentType != runtime.ContentTypeProtobuf && f.ContentType != runtime.ContentTypeJSON {
+		errs = append(errs, fmt.Errorf("--kube-api-content-type %q: want %s or %s", f.ContentType, runtime.ContentTypeProtobuf, runtime.ContentTypeJSON))
+	}
 	if f.RenewDeadline >= f.LeaseDuration {
 		errs = append(errs, errors.New("--leader-election-renew-deadline must be shorter than --leader-election-lease-duration"))
 	}
@@ -149,6 +155,19 @@ func (f *kubeFlags) restConfig(qps float64, burst int, agent string) (*rest.Conf
 	cfg.QPS, cfg.Burst = float32(qps), burst
 	cfg.UserAgent = "csibroker/" + version + " (" + agent + ")"
 	return cfg, nil
+}
+
+// builtinClient is a clientset of built-in kinds with the wire encoding of
+// --kube-api-content-type. Only built-in kinds have a protobuf encoding,
+// which is why the configuration the SecretGrant (custom resource) client
+// is made from keeps JSON.
+func (f *kubeFlags) builtinClient(cfg *rest.Config) (*kubernetes.Clientset, error) {
+	cfg = rest.CopyConfig(cfg)
+	cfg.ContentType = f.ContentType
+	if f.ContentType == runtime.ContentTypeProtobuf {
+		cfg.AcceptContentTypes = runtime.ContentTypeProtobuf + "," + runtime.ContentTypeJSON
+	}
+	return kubernetes.NewForConfig(cfg)
 }
 
 // policyStore builds the secret policy from the flags (file and/or CRDs,
@@ -218,23 +237,23 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	clientCfg.RateLimiter = budget
 	intentCfg := rest.CopyConfig(objCfg)
 	intentCfg.RateLimiter = flowcontrol.NewFakeAlwaysRateLimiter()
-	client, err := kubernetes.NewForConfig(clientCfg)
+	client, err := f.builtinClient(clientCfg)
 	if err != nil {
 		return nil, nil, err
 	}
-	intentClient, err := kubernetes.NewForConfig(intentCfg)
+	intentClient, err := f.builtinClient(intentCfg)
 	if err != nil {
 		return nil, nil, err
 	}
-	evClient, err := kubernetes.NewForConfig(evCfg)
+	evClient, err := f.builtinClient(evCfg)
 	if err != nil {
 		return nil, nil, err
 	}
-	leaseClient, err := kubernetes.NewForConfig(leaseCfg)
+	leaseClient, err := f.builtinClient(leaseCfg)
 	if err != nil {
 		return nil, nil, err
 	}
-	informerClient, err := kubernetes.NewForConfig(informerCfg)
+	informerClient, err := f.builtinClient(informerCfg)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -31,7 +31,7 @@ var (
 		"driver-registry", "socket-dir", "listen", "status-socket", "http-endpoint", "metrics-path",
 		"timeout", "csi-retry-attempts", "csi-retry-interval-start", "csi-retry-interval-max",
 		"tls-cert", "tls-key", "tls-ca", "trust-domain", "tls-reload-interval", "v", "log-format",
-		"kubernetes", "kubeconfig", "kube-api-qps", "kube-api-burst", "events-qps", "events-burst",
+		"kubernetes", "kubeconfig", "kube-api-qps", "kube-api-burst", "kube-api-content-type", "events-qps", "events-burst",
 		"namespace", "identity", "leader-election", "leader-election-namespace",
 		"leader-election-lease-duration", "leader-election-renew-deadline", "leader-election-retry-period",
 		"volume-name-prefix", "volume-name-uuid-length", "extra-create-metadata", "strict-topology",
