@@ -53,6 +53,7 @@ func (r *report) header(h *Harness) {
 	r.printf("- csibroker: --policy-mode %s, tracing %s, one proxy per driver over mTLS (%s); sidecars on the driver socket\n",
 		h.cfg.PolicyMode, map[bool]string{true: "exported over OTLP/HTTP to a sink", false: "spans made, not exported"}[h.cfg.Tracing],
 		map[bool]string{true: "csibroker-proxy, the proxy built alone", false: "`csibroker proxy`"}[h.bins.proxy != ""])
+	r.printf("- Events: the sidecar sends them through its one client at the setting's QPS/burst; csibroker through its Events client at its default 20/50, or at the setting's QPS/burst where that is higher (the same budget as the sidecar's, so that its Events are sent, and their CPU counted, within the measured window)\n")
 	r.printf("- repetitions: %d (provisioning below 50 QPS: %d), sidecar and csibroker alternately (the order flips every repetition)\n", h.cfg.Reps, h.cfg.repsFor(rate{QPS: 1}))
 	r.printf("- command: benchk8s %s\n\n", strings.Join(h.args, " "))
 }
