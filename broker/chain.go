@@ -35,12 +35,12 @@ import (
 
 // onRetry records a retry: attempt is the retry's number (1 for the
 // second try) and err the previous attempt's error.
-func (b *Broker) onRetry(ctx context.Context, p *proxyConn, method string, attempt uint, err error) {
+func (b *Broker) onRetry(ctx context.Context, p *proxyConn, d *callDesc, attempt uint, err error) {
 	code := status.Code(err).String()
-	b.metrics.retries.WithLabelValues(p.driver, method, code).Inc()
+	b.metrics.retries.WithLabelValues(p.driver, d.metricShort, code).Inc()
 	trace.SpanFromContext(ctx).AddEvent("retry", trace.WithAttributes(
 		attribute.Int("csi.attempt", int(attempt)+1), attribute.String("rpc.grpc.previous_status_code", code)))
-	b.log.Debug("csi call retried", "driver", p.driver, "method", method, "attempt", attempt+1, "code", code)
+	b.log.Debug("csi call retried", "driver", p.driver, "method", d.short, "attempt", attempt+1, "code", code)
 }
 
 // invokeFrames is the client chain of every unary call (the front end's
@@ -67,7 +67,7 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 					return status.FromContextError(ctx.Err()).Err()
 				case <-t.C:
 				}
-				b.onRetry(ctx, p, shortMethod(method), attempt, err)
+				b.onRetry(ctx, p, d, attempt, err)
 			}
 			resp, hdr, trl, err = p.up.attempt(ctx, d, method, md, req)
 			if err == nil {
@@ -116,35 +116,43 @@ func (p *proxyConn) methodTimeout(method string) time.Duration {
 // callDesc is what the calls of one method through one proxy share, made
 // on their first call: span names and start options, metric series.
 type callDesc struct {
-	short                string
-	spanName, clientName string
-	spanOpts, clientOpts []trace.SpanStartOption
-	inflight             prometheus.Gauge
-	okCalls, okSidecar   prometheus.Observer
+	short string
+	// the method's metric labels, short and full: its names if the
+	// protobuf registry knows it, else rawgrpc.OtherMethod
+	metricShort, metricFull string
+	spanName, clientName    string
+	spanOpts, clientOpts    []trace.SpanStartOption
+	inflight                prometheus.Gauge
+	okCalls, okSidecar      prometheus.Observer
 }
 
 // desc is method's callDesc for p. Only the methods of the CSI services
-// are kept (a front-end caller may name any path).
+// are kept, and only they are named in metric labels (a front-end caller
+// may name any path; the others are counted as rawgrpc.OtherMethod).
 func (b *Broker) desc(p *proxyConn, method string) *callDesc {
 	if d, ok := p.descs.Load(method); ok {
 		return d.(*callDesc)
 	}
 	short := shortMethod(method)
 	name := strings.TrimPrefix(method, "/")
+	mFull := rawgrpc.MetricMethod(method)
+	mShort := shortMethod(mFull)
 	d := &callDesc{
-		short:    short,
-		spanName: "broker " + method,
+		short:       short,
+		metricShort: mShort,
+		metricFull:  mFull,
+		spanName:    "broker " + method,
 		spanOpts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindInternal),
 			trace.WithAttributes(attribute.String("csi.driver", p.driver), attribute.String("csi.node", p.cfg.Node), attribute.String("rpc.method", short), attribute.String("csi.proxy", p.cfg.Address))},
 		// The client span per attempt, named and described as otelgrpc does.
 		clientName: name,
 		clientOpts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindClient),
 			trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(name), attribute.String("server.address", p.cfg.Address))},
-		inflight:  b.metrics.inflight.WithLabelValues(p.driver, short),
-		okCalls:   b.metrics.calls.WithLabelValues(p.driver, short, codes.OK.String()),
-		okSidecar: b.metrics.sidecar.WithLabelValues(p.driver, method, codes.OK.String()),
+		inflight:  b.metrics.inflight.WithLabelValues(p.driver, mShort),
+		okCalls:   b.metrics.calls.WithLabelValues(p.driver, mShort, codes.OK.String()),
+		okSidecar: b.metrics.sidecar.WithLabelValues(p.driver, mFull, codes.OK.String()),
 	}
-	if known, _, _ := rawgrpc.MethodKind(method); known {
+	if mFull == method {
 		v, _ := p.descs.LoadOrStore(method, d)
 		d = v.(*callDesc)
 	}
@@ -178,8 +186,8 @@ func (b *Broker) observe(ctx context.Context, p *proxyConn, d *callDesc, method 
 		d.okCalls.Observe(elapsed.Seconds())
 		d.okSidecar.Observe(elapsed.Seconds())
 	} else {
-		b.metrics.calls.WithLabelValues(p.driver, short, code.String()).Observe(elapsed.Seconds())
-		b.metrics.sidecar.WithLabelValues(p.driver, method, code.String()).Observe(elapsed.Seconds())
+		b.metrics.calls.WithLabelValues(p.driver, d.metricShort, code.String()).Observe(elapsed.Seconds())
+		b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, code.String()).Observe(elapsed.Seconds())
 	}
 	span.SetAttributes(attribute.String("rpc.grpc.status_code", code.String()))
 	if err != nil {

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/csibroker/csibroker/internal/mtls"
+	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
 
 // TestCallDescKeptForCSIMethodsOnly: the per-method values of a proxy are
@@ -30,11 +31,14 @@ func TestCallDescKeptForCSIMethodsOnly(t *testing.T) {
 			t.Fatal("concurrent first calls got different descriptions of one method")
 		}
 	}
-	if d := descs[0]; d.short != "Probe" || d.spanName != "broker "+probe || d.clientName != probe[1:] {
+	if d := descs[0]; d.short != "Probe" || d.spanName != "broker "+probe || d.clientName != probe[1:] ||
+		d.metricShort != "Probe" || d.metricFull != probe {
 		t.Errorf("description %+v", d)
 	}
 	for i := 0; i < 100; i++ {
-		if d := b.desc(p, fmt.Sprintf("/not.csi.Service/M%d", i)); d.short != fmt.Sprintf("M%d", i) {
+		// Named in spans and logs, counted as _OTHER in metrics.
+		if d := b.desc(p, fmt.Sprintf("/not.csi.Service/M%d", i)); d.short != fmt.Sprintf("M%d", i) ||
+			d.metricShort != rawgrpc.OtherMethod || d.metricFull != rawgrpc.OtherMethod {
 			t.Fatalf("description of an unknown method: %+v", d)
 		}
 	}

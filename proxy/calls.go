@@ -347,29 +347,45 @@ func (p *Proxy) methodInfo(path string) *methodInfo {
 	if mi, ok := p.methods.Load(path); ok {
 		return mi.(*methodInfo)
 	}
-	svc, name := "unknown", "unknown"
-	if i := strings.LastIndexByte(path, '/'); i > 0 {
-		svc, name = path[1:i], path[i+1:]
+	spanOpts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindServer),
+		trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(strings.TrimPrefix(path, "/")))}
+	known, cs, ss := rawgrpc.MethodKind(path)
+	i := strings.LastIndexByte(path, '/')
+	if !strings.HasPrefix(path, "/") || i <= 0 || !known && path != infoMethod {
+		// Counted under one label and not kept: the broker forwards any
+		// /csi.* path its front end's callers name.
+		mi := *p.otherMethod()
+		mi.spanOpts = spanOpts
+		return &mi
 	}
-	typ := "bidi_stream"
-	if known, cs, ss := rawgrpc.MethodKind(path); known {
-		switch {
-		case !cs && !ss:
-			typ = "unary"
-		case cs && !ss:
-			typ = "client_stream"
-		case !cs && ss:
-			typ = "server_stream"
-		}
-	} else if path == infoMethod {
-		typ = "unary"
+	svc, name := path[1:i], path[i+1:]
+	typ := "unary"
+	switch {
+	case !known: // the info method, answered by the proxy itself
+	case cs && ss:
+		typ = "bidi_stream"
+	case cs:
+		typ = "client_stream"
+	case ss:
+		typ = "server_stream"
 	}
-	mi := &methodInfo{typ: typ, service: svc, name: name,
+	v, _ := p.methods.LoadOrStore(path, p.newMethodInfo(typ, svc, name, spanOpts))
+	return v.(*methodInfo)
+}
+
+// otherMethod is the metric series of every method the registry does not
+// know (rawgrpc.OtherMethod).
+func (p *Proxy) otherMethod() *methodInfo {
+	p.otherOnce.Do(func() {
+		p.other = p.newMethodInfo("bidi_stream", rawgrpc.OtherMethod, rawgrpc.OtherMethod, nil)
+	})
+	return p.other
+}
+
+func (p *Proxy) newMethodInfo(typ, svc, name string, spanOpts []trace.SpanStartOption) *methodInfo {
+	return &methodInfo{typ: typ, service: svc, name: name,
 		started:   p.metrics.started.WithLabelValues(typ, svc, name),
 		seconds:   p.metrics.seconds.WithLabelValues(typ, svc, name),
 		handledOK: p.metrics.handled.WithLabelValues(typ, svc, name, codes.OK.String()),
-		spanOpts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindServer),
-			trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(strings.TrimPrefix(path, "/")))}}
-	v, _ := p.methods.LoadOrStore(path, mi)
-	return v.(*methodInfo)
+		spanOpts:  spanOpts}
 }

@@ -97,7 +97,9 @@ type Proxy struct {
 	bconns map[*conn]struct{}
 	bgone  chan struct{} // signalled when a broker connection goes away
 
-	methods sync.Map // method -> *methodInfo
+	methods   sync.Map // method -> *methodInfo
+	otherOnce sync.Once
+	other     *methodInfo // the series of unknown methods
 
 	infoMu sync.Mutex
 	info   *proxyinfov1.GetInfoResponse // driver name/version, cached once known

@@ -80,5 +80,20 @@ func MethodKind(fullMethod string) (known, clientStream, serverStream bool) {
 	return true, m.IsStreamingClient(), m.IsStreamingServer()
 }
 
+// OtherMethod is the metric label of every method MethodKind does not know,
+// as OpenTelemetry's RPC conventions name an unrecognized method: a caller
+// may name any path, and a label per path would let it add series without
+// bound.
+const OtherMethod = "_OTHER"
+
+// MetricMethod is fullMethod as a metric label: itself if the protobuf
+// registry knows it, else OtherMethod.
+func MetricMethod(fullMethod string) string {
+	if known, _, _ := MethodKind(fullMethod); known && strings.HasPrefix(fullMethod, "/") {
+		return fullMethod
+	}
+	return OtherMethod
+}
+
 // StreamDesc is the descriptor for opening a client stream of any kind.
 var StreamDesc = &grpc.StreamDesc{ServerStreams: true, ClientStreams: true}

@@ -2,6 +2,7 @@ package chain
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 	"google.golang.org/grpc/encoding/gzip"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/emptypb"
 
 	"github.com/csibroker/csibroker/internal/chaintest"
 )
@@ -96,5 +98,69 @@ func TestFrontEndDrainsOnStop(t *testing.T) {
 	defer ccancel()
 	if _, err := fresh.CreateVolume(cctx, &csi.CreateVolumeRequest{Name: "late"}); err == nil {
 		t.Fatal("a call after the front end stopped succeeded")
+	}
+}
+
+// TestUnknownMethodsShareOneMetricLabel: the front end forwards any /csi.*
+// path, so a caller naming many methods no CSI service has must not add a
+// metric series per name. They are counted under "_OTHER" (OpenTelemetry's
+// label for an unrecognized method); CSI methods keep their names.
+func TestUnknownMethodsShareOneMetricLabel(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	conn := chaintest.Dial(t, c.Front)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	const n = 40
+	for i := range n {
+		method := fmt.Sprintf("/csi.v9.Future%d/Method%d", i, i)
+		cs, err := conn.NewStream(ctx, &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}, method)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cs.SendMsg(&emptypb.Empty{}); err != nil {
+			t.Fatal(err)
+		}
+		cs.CloseSend()
+		if err := cs.RecvMsg(&emptypb.Empty{}); status.Code(err) != codes.Unimplemented {
+			t.Fatalf("%s: %v, want the driver's Unimplemented", method, err)
+		}
+	}
+	if _, err := csi.NewIdentityClient(conn).Probe(ctx, &csi.ProbeRequest{}); err != nil {
+		t.Fatal(err)
+	}
+
+	mfs, err := c.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	otherStarted, probeStarted := -1.0, -1.0
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if strings.Contains(l.GetValue(), "Future") || strings.Contains(l.GetValue(), "Method") {
+					t.Errorf("%s has a series labelled %s=%q", mf.GetName(), l.GetName(), l.GetValue())
+				}
+			}
+			if mf.GetName() != "grpc_server_started_total" {
+				continue
+			}
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			switch {
+			case labels["grpc_service"] == "_OTHER" && labels["grpc_method"] == "_OTHER":
+				otherStarted = m.GetCounter().GetValue()
+			case labels["grpc_service"] == "csi.v1.Identity" && labels["grpc_method"] == "Probe":
+				probeStarted = m.GetCounter().GetValue()
+			}
+		}
+	}
+	if otherStarted != n {
+		t.Errorf("the proxy counted %v calls of unknown methods under _OTHER, want %d", otherStarted, n)
+	}
+	if probeStarted < 1 {
+		t.Errorf("the proxy counted %v Probe calls under csi.v1.Identity/Probe, want at least 1", probeStarted)
 	}
 }
