@@ -253,6 +253,7 @@ func New(cfg Config) (*Bridge, error) {
 	if cfg.IntentClient != nil && cfg.IntentBudget != nil {
 		b.intents.UseBudget(cfg.IntentClient, cfg.IntentBudget.Wait)
 	}
+	b.intents.UseReader(cfg.InformerClient)
 
 	b.prov = newProvisioner(b)
 	b.del = newDeleter(b)

@@ -82,6 +82,9 @@ type IntentStore struct {
 	// wait, when set, takes a token of the objects' client budget before
 	// each request; client then does not wait again (see UseBudget).
 	wait func(context.Context) error
+	// reader, when set, serves List with a budget of its own (see
+	// UseReader).
+	reader kubernetes.Interface
 
 	mu       sync.Mutex
 	cond     chan struct{} // closed and replaced when work is queued
@@ -172,6 +175,16 @@ func NewIntentStore(client kubernetes.Interface, namespace, name string, log *sl
 // count against the same budget.
 func (s *IntentStore) UseBudget(client kubernetes.Interface, wait func(context.Context) error) {
 	s.client, s.wait = client, wait
+}
+
+// UseReader makes List read the record through client, on that client's
+// own budget (the informers' reads), not the objects' budget that the PV
+// writes and the record's own writes share: the recovery loop reads the
+// record at every start and interval, and at a low --kube-api-qps each read
+// would delay a PV by a token. Creating a missing record stays a write of
+// the objects' budget.
+func (s *IntentStore) UseReader(client kubernetes.Interface) {
+	s.reader = client
 }
 
 // take waits for a token for one request of the record; a token taken in
@@ -283,7 +296,7 @@ func (s *IntentStore) Has(volumeName string) bool {
 // start-up and for recovery), without the entries this store has been asked
 // to remove and has not written yet.
 func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
-	cm, err := s.get(ctx, nil)
+	cm, err := s.read(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -316,6 +329,22 @@ func decodeIntents(cm *corev1.ConfigMap, log *slog.Logger) []Intent {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].VolumeName < out[j].VolumeName })
 	return out
+}
+
+// read is the record as the API server has it, through the reader if one
+// is set (a missing record is created as get does).
+func (s *IntentStore) read(ctx context.Context) (*corev1.ConfigMap, error) {
+	if s.reader == nil {
+		return s.get(ctx, nil)
+	}
+	cm, err := s.reader.CoreV1().ConfigMaps(s.namespace).Get(ctx, s.name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return s.get(ctx, nil)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("intent record %s/%s: %w", s.namespace, s.name, err)
+	}
+	return cm, nil
 }
 
 func (s *IntentStore) get(ctx context.Context, prepaid *bool) (*corev1.ConfigMap, error) {

@@ -584,4 +584,45 @@ func TestIntentBatchCutWhenTokenGranted(t *testing.T) {
 	if err != nil || len(got) != 4 {
 		t.Fatalf("record holds %d intents (%v), want 4", len(got), err)
 	}
+
+	// With a reader, the recovery loop's reads take no token of the
+	// objects' budget; without one they do.
+	s.UseReader(env.Client())
+	if got, err := s.List(ctx); err != nil || len(got) != 4 {
+		t.Fatalf("List through the reader: %d intents (%v), want 4", len(got), err)
+	}
+	if n := len(waits); n != 2 {
+		t.Fatalf("List through the reader asked for %d tokens, want none", n-2)
+	}
+	s.UseReader(nil)
+	tokens <- struct{}{}
+	if got, err := s.List(ctx); err != nil || len(got) != 4 {
+		t.Fatalf("List without a reader: %d intents (%v), want 4", len(got), err)
+	}
+	if n := len(waits); n != 3 {
+		t.Fatalf("List without a reader asked for %d tokens, want 1", n-2)
+	}
+}
+
+// TestIntentReaderCreatesMissingRecordOnBudget: a List through the reader
+// that finds no record creates it as a write does, on the objects' budget.
+func TestIntentReaderCreatesMissingRecordOnBudget(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var tokens int
+	s := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
+	s.UseBudget(env.Client(), func(context.Context) error { tokens++; return nil })
+	s.UseReader(env.Client())
+	got, err := s.List(ctx)
+	if err != nil || len(got) != 0 {
+		t.Fatalf("List of a missing record: %d intents (%v), want 0 and no error", len(got), err)
+	}
+	if _, err := env.Client().CoreV1().ConfigMaps(ns).Get(ctx, "csibroker-intents", metav1.GetOptions{}); err != nil {
+		t.Fatalf("the record was not created: %v", err)
+	}
+	if tokens != 2 {
+		t.Fatalf("%d tokens taken, want 2 (the budgeted GET that found no record, and the create)", tokens)
+	}
 }
