@@ -65,6 +65,9 @@ func TestMain(m *testing.M) {
 	if sock := os.Getenv(childEnv); sock != "" {
 		os.Exit(runDriver(sock))
 	}
+	if sock := os.Getenv(echoEnv); sock != "" {
+		os.Exit(runEcho(sock))
+	}
 	os.Exit(m.Run())
 }
 

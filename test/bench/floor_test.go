@@ -3,9 +3,14 @@ package bench
 import (
 	"context"
 	"crypto/tls"
+	"fmt"
 	"io"
 	"net"
+	"os"
+	"os/exec"
+	"os/signal"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
@@ -76,6 +81,54 @@ func startRelays(b *testing.B, driverSock string) string {
 	return front
 }
 
+// echoEnv makes the test binary a byte echo on the unix socket it names
+// (BenchmarkFloor/RoundTripC1's peer process).
+const echoEnv = "CSIBROKER_BENCH_ECHO"
+
+// runEcho serves a byte echo on sock until SIGTERM.
+func runEcho(sock string) int {
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	go func() { <-ctx.Done(); l.Close() }()
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return 0
+		}
+		go func() { io.Copy(c, c); c.Close() }()
+	}
+}
+
+// startEcho starts a byte echo in a process of its own and returns a
+// connection to it.
+func startEcho(b *testing.B) net.Conn {
+	b.Helper()
+	sock := filepath.Join(chaintest.ShortTempDir(b), "echo.sock")
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), echoEnv+"="+sock)
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { cmd.Process.Signal(syscall.SIGTERM); cmd.Wait() })
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		c, err := net.Dial("unix", sock)
+		if err == nil {
+			b.Cleanup(func() { c.Close() })
+			return c
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("echo socket %s: %v", sock, err)
+		}
+	}
+}
+
 // BenchmarkFloor is BenchmarkLatencyC1 and BenchmarkThroughputC32 for Probe
 // with the broker and proxy replaced by byte-copying relays: what two more
 // hops cost on this machine before any gRPC, tracing or routing work.
@@ -107,6 +160,46 @@ func BenchmarkFloor(b *testing.B) {
 		b.ReportMetric(us(dp50), "direct-p50-µs")
 		b.ReportMetric(us(cp50), "relays-p50-µs")
 		b.ReportMetric(us(cp50-dp50), "added-p50-µs")
+		b.ReportMetric(0, "ns/op")
+	})
+	// RoundTripC1: a 64-byte write and its echo between two processes over
+	// a unix socket, alternating with a direct Probe: what one process
+	// hop costs on this machine without any protocol, against a whole
+	// gRPC call.
+	b.Run("RoundTripC1", func(b *testing.B) {
+		direct := &side{name: "direct", conn: chaintest.Dial(b, startDriverProcess(b)[len("unix://"):])}
+		echo := startEcho(b)
+		ctx := context.Background()
+		msg, got := make([]byte, 64), make([]byte, 64)
+		ping := func() {
+			if _, err := echo.Write(msg); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := io.ReadFull(echo, got); err != nil {
+				b.Fatal(err)
+			}
+		}
+		for i := 0; i < 20; i++ {
+			ping()
+			if err := probe.call(ctx, direct); err != nil {
+				b.Fatal(err)
+			}
+		}
+		el, dl := make([]time.Duration, 0, b.N), make([]time.Duration, 0, b.N)
+		for i := 0; i < b.N; i++ {
+			t0 := time.Now()
+			ping()
+			t1 := time.Now()
+			if err := probe.call(ctx, direct); err != nil {
+				b.Fatal(err)
+			}
+			t2 := time.Now()
+			el, dl = append(el, t1.Sub(t0)), append(dl, t2.Sub(t1))
+		}
+		ep50, dp50 := quantile(el, .5), quantile(dl, .5)
+		b.ReportMetric(us(ep50), "socket-p50-µs")
+		b.ReportMetric(us(dp50), "grpc-probe-p50-µs")
+		b.ReportMetric(float64(dp50)/float64(ep50), "grpc/socket")
 		b.ReportMetric(0, "ns/op")
 	})
 	b.Run("ThroughputC32", func(b *testing.B) {

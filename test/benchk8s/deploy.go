@@ -105,6 +105,16 @@ func (d *deployment) cpu() (controllers, helpers float64) {
 	return controllers, helpers
 }
 
+// switches sums the context switches of the controllers' threads.
+func (d *deployment) switches() uint64 {
+	var n uint64
+	for _, p := range d.controllers {
+		c, _ := p.ctxSwitches()
+		n += c
+	}
+	return n
+}
+
 // memory sums VmRSS and VmHWM over processes.
 func memory(ps []*proc) (rss, hwm int64) {
 	for _, p := range ps {

@@ -186,6 +186,26 @@ func (p *proc) cpuSeconds() (float64, error) {
 	return st.CPUTime(), nil
 }
 
+// ctxSwitches is the number of context switches (voluntary and not) of
+// the process's threads so far: /proc/<pid>/status counts one thread
+// only, so it sums /proc/<pid>/task/*/status. A thread that has exited is
+// no longer counted (Go's runtime keeps its threads).
+func (p *proc) ctxSwitches() (uint64, error) {
+	ts, err := procfs.AllThreads(p.pid)
+	if err != nil {
+		return 0, err
+	}
+	var n uint64
+	for _, t := range ts {
+		st, err := t.NewStatus()
+		if err != nil {
+			continue // the thread ended meanwhile
+		}
+		n += st.TotalCtxtSwitches()
+	}
+	return n, nil
+}
+
 // memory returns VmRSS and VmHWM (peak RSS) in bytes from /proc/<pid>/status.
 func (p *proc) memory() (rss, hwm int64, err error) {
 	f, err := os.Open(fmt.Sprintf("/proc/%d/status", p.pid))

@@ -30,6 +30,9 @@ type provResult struct {
 	CPUDel        float64 `json:"cpu_del_seconds"`  // controller, during deletion
 	HelperCPUProv float64 `json:"helper_cpu_prov_seconds"`
 	HelperCPUDel  float64 `json:"helper_cpu_del_seconds"`
+	// SwitchesProv counts the controller's context switches, start → all
+	// Bound: the thread wake-ups behind the scheduler's share of the CPU.
+	SwitchesProv  float64 `json:"ctx_switches_prov"`
 	PeakRSS       int64   `json:"peak_rss_bytes"`
 	HelperPeakRSS int64   `json:"helper_peak_rss_bytes"`
 
@@ -151,6 +154,7 @@ func (h *Harness) provisionRun(ctx context.Context, sc, side string, n int, q ra
 		return nil, err
 	}
 	cpuC, cpuH := d.cpu()
+	swC := d.switches()
 	mark1 := h.audit.mark()
 	if perf != nil {
 		top, err := perf.finish(ctx)
@@ -177,7 +181,7 @@ func (h *Harness) provisionRun(ctx context.Context, sc, side string, n int, q ra
 	r := &provResult{
 		Side: side, N: n, QPS: q.String(), Rep: rep,
 		PVSeconds: tPV.Sub(t0).Seconds(), BoundSeconds: tBound.Sub(t0).Seconds(), DelSeconds: tGone.Sub(tDel).Seconds(),
-		CPUProv: cpuC, CPUDel: cpuC2 - cpuC, HelperCPUProv: cpuH, HelperCPUDel: cpuH2 - cpuH,
+		CPUProv: cpuC, CPUDel: cpuC2 - cpuC, SwitchesProv: float64(swC), HelperCPUProv: cpuH, HelperCPUDel: cpuH2 - cpuH,
 		PeakRSS: hwmC, HelperPeakRSS: hwmH,
 	}
 	evProv, err := h.audit.read(mark0, mark1)
@@ -208,6 +212,7 @@ func (h *Harness) provisionTable(n int, q rate, runs []*provResult) {
 		{"seconds to all PVs", 2, func(r *provResult) float64 { return r.PVSeconds }, false},
 		{"deletions/s (claims deleted → all PVs gone)", 2, func(r *provResult) float64 { return fn / r.DelSeconds }, false},
 		{"CPU ms per volume, provisioner/broker (start → all Bound)", 2, func(r *provResult) float64 { return r.CPUProv / fn * 1000 }, false},
+		{"context switches per volume, provisioner/broker threads (start → all Bound)", 1, func(r *provResult) float64 { return r.SwitchesProv / fn }, false},
 		{"CPU ms per volume, + proxy", 2, func(r *provResult) float64 { return (r.CPUProv + r.HelperCPUProv) / fn * 1000 }, false},
 		{"CPU ms per deletion, provisioner/broker", 2, func(r *provResult) float64 { return r.CPUDel / fn * 1000 }, false},
 		{"CPU ms per deletion, + proxy", 2, func(r *provResult) float64 { return (r.CPUDel + r.HelperCPUDel) / fn * 1000 }, false},

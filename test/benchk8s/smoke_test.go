@@ -46,8 +46,8 @@ func TestHarnessSmoke(t *testing.T) {
 		if r.BoundSeconds <= 0 || r.DelSeconds <= 0 || r.PVSeconds > r.BoundSeconds {
 			t.Errorf("%s: times: PVs %.3fs, Bound %.3fs, deleted %.3fs", r.Side, r.PVSeconds, r.BoundSeconds, r.DelSeconds)
 		}
-		if r.CPUProv <= 0 || r.PeakRSS <= 0 {
-			t.Errorf("%s: no CPU (%.3fs) or peak RSS (%d) read from /proc", r.Side, r.CPUProv, r.PeakRSS)
+		if r.CPUProv <= 0 || r.PeakRSS <= 0 || r.SwitchesProv <= 0 {
+			t.Errorf("%s: no CPU (%.3fs), peak RSS (%d) or context switches (%.0f) read from /proc", r.Side, r.CPUProv, r.PeakRSS, r.SwitchesProv)
 		}
 		// The audit log attributes the PV writes to the side's own clients.
 		if got := r.APIProv.ByVerbResource["create persistentvolumes"]; got != r.N {
