@@ -317,9 +317,15 @@ func (c *feConn) readLoop() error {
 				continue
 			}
 			var ce http2.ConnectionError
-			if errors.As(err, &ce) {
+			switch {
+			case errors.As(err, &ce):
 				c.mu.Lock()
 				c.connErrorLocked(http2.ErrCode(ce), err.Error())
+				c.mu.Unlock()
+			case errors.Is(err, http2.ErrFrameTooLarge):
+				// Over the SETTINGS_MAX_FRAME_SIZE we announced.
+				c.mu.Lock()
+				c.connErrorLocked(http2.ErrCodeFrameSize, err.Error())
 				c.mu.Unlock()
 			}
 			return err
@@ -485,7 +491,7 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 	path := fr.PseudoValue("path")
 	st := &feStream{id: id, method: path, fields: fr.RegularFields(), sendWin: c.peer.InitialWindow, recvWin: feStreamWindow}
 	ct := rawgrpc.HeaderValue(st.fields, "content-type")
-	if fr.PseudoValue("method") != "POST" || !strings.HasPrefix(ct, "application/grpc") {
+	if fr.PseudoValue("method") != "POST" || !rawgrpc.IsGRPCContentType(ct) {
 		// Not a gRPC call: answered as a gRPC server does.
 		c.writeHeadersLocked(id, []hpack.HeaderField{{Name: ":status", Value: "415"}}, true)
 		if !end {
@@ -563,11 +569,14 @@ func (c *feConn) onDataLocked(fr *http2.DataFrame) {
 		}
 		c.creditLocked(st, n)
 	} else {
-		// Padding is never passed on: credited now; the rest once sent on.
-		if pad := n - uint32(len(data)); pad > 0 {
-			c.creditLocked(st, pad)
+		// Padding is never passed on: credited now; whole messages once
+		// sent on (the caller's backpressure), the bytes of a message
+		// still arriving at once (a message larger than the stream window
+		// must be able to arrive whole).
+		owe := n - uint32(len(data)) + uint32(st.in.push(bytes.Clone(data), false))
+		if owe > 0 {
+			c.creditLocked(st, owe)
 		}
-		st.in.push(bytes.Clone(data), false)
 	}
 	if fr.StreamEnded() {
 		c.endRequestLocked(st)
@@ -649,7 +658,20 @@ func (c *feConn) sendHeaders(st *feStream, md metadata.MD) error {
 		return errCallGone
 	}
 	fields := append(make([]hpack.HeaderField, 0, 2+len(md)), hpack.HeaderField{Name: ":status", Value: "200"}, hpack.HeaderField{Name: "content-type", Value: st.contentType})
-	c.writeHeadersLocked(st.id, appendMD(fields, md), false)
+	fields = appendMD(fields, md)
+	if !c.peer.HeaderListFits(fields) {
+		// The caller would refuse the block (gRPC's client closes the
+		// whole connection on it): the call fails alone, saying why.
+		err := status.Errorf(codes.Internal, "csibroker: the answer's header metadata is %d bytes, over the %d bytes the caller accepts (its SETTINGS_MAX_HEADER_LIST_SIZE)", rawgrpc.HeaderListSize(fields), c.peer.MaxHeaderList)
+		c.s.fe.b.log.Warn("CSI front end: answer headers over the caller's header list limit", "method", st.method, "error", err)
+		return err
+	}
+	c.writeHeadersLocked(st.id, fields, false)
+	if !st.unary {
+		// A stream's headers go out now: its first message may be long
+		// in coming. (A unary call's go out with its answer.)
+		c.flushLocked()
+	}
 	return nil
 }
 
@@ -671,7 +693,13 @@ func (c *feConn) sendMessage(st *feStream, payload []byte) error {
 	if err := c.sendDataLocked(st, prefix[:]); err != nil {
 		return err
 	}
-	return c.sendDataLocked(st, payload)
+	if err := c.sendDataLocked(st, payload); err != nil {
+		return err
+	}
+	// Each message of a stream goes out as it comes: the next may be long
+	// in coming, or wait for the caller's next request.
+	c.flushLocked()
+	return nil
 }
 
 func (c *feConn) sendDataLocked(st *feStream, data []byte) error {
@@ -717,7 +745,16 @@ func (c *feConn) finish(st *feStream, headersSent bool, err error, trailer metad
 			fields = append(fields, hpack.HeaderField{Name: "grpc-status-details-bin", Value: rawgrpc.EncodeBinaryHeader(string(b))})
 		}
 	}
-	c.writeHeadersLocked(st.id, appendMD(fields, trailer), true)
+	if fields = appendMD(fields, trailer); !c.peer.HeaderListFits(fields) {
+		fields = c.shrinkStatus(st, headersSent, s)
+	}
+	if fields == nil {
+		// Not even the status fits: the call is reset, as gRPC's server
+		// does.
+		c.writeErr(c.framer().WriteRSTStream(st.id, http2.ErrCodeInternal))
+	} else {
+		c.writeHeadersLocked(st.id, fields, true)
+	}
 	st.localEnded = true
 	if !st.remoteEnded {
 		// As a gRPC server does: the call is over, so the caller may stop
@@ -730,6 +767,43 @@ func (c *feConn) finish(st *feStream, headersSent bool, err error, trailer metad
 	}
 	c.flushLocked()
 	c.removeLocked(st)
+}
+
+// shrinkStatus makes the trailers of a status whose trailers are over the
+// caller's header list limit: the same code, without metadata and details,
+// and the message cut to fit with a note saying so; nil if not even the
+// code fits.
+func (c *feConn) shrinkStatus(st *feStream, headersSent bool, s *status.Status) []hpack.HeaderField {
+	lim := uint64(c.peer.MaxHeaderList)
+	c.s.fe.b.log.Warn("CSI front end: trailers over the caller's header list limit; metadata and details dropped, message shortened",
+		"method", st.method, "code", s.Code().String(), "limit_bytes", lim)
+	var fields []hpack.HeaderField
+	if !headersSent {
+		fields = append(fields, hpack.HeaderField{Name: ":status", Value: "200"}, hpack.HeaderField{Name: "content-type", Value: st.contentType})
+	}
+	fields = append(fields, hpack.HeaderField{Name: "grpc-status", Value: strconv.Itoa(int(s.Code()))})
+	used := rawgrpc.HeaderListSize(fields)
+	if used > lim {
+		return nil
+	}
+	note := rawgrpc.EncodeStatusMessage(fmt.Sprintf(" [csibroker: status cut to the caller's header list limit of %d bytes]", lim))
+	room := int64(lim) - int64(used) - int64(len("grpc-message")+32) - int64(len(note))
+	if room < 0 {
+		return fields
+	}
+	msg := rawgrpc.EncodeStatusMessage(s.Message())
+	if int64(len(msg)) > room {
+		cut := int(room)
+		// Not inside a %XX escape.
+		for i := max(cut-2, 0); i < cut; i++ {
+			if msg[i] == '%' {
+				cut = i
+				break
+			}
+		}
+		msg = msg[:cut]
+	}
+	return append(fields, hpack.HeaderField{Name: "grpc-message", Value: msg + note})
 }
 
 // credit returns n bytes of a streaming call's window once they were sent
@@ -766,14 +840,17 @@ func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, 
 	out := make(metadata.MD, len(st.fields))
 	var trErr error
 	var timeout time.Duration
+	hasTimeout := false
 	for _, hf := range st.fields {
 		switch {
 		case hf.Name == "grpc-timeout":
 			d, err := rawgrpc.ParseTimeout(hf.Value)
 			if err != nil {
 				trErr = status.Errorf(codes.Internal, "csibroker: %v", err)
+				continue
 			}
-			timeout = d
+			// "0n" is a deadline that has passed, not "no deadline".
+			timeout, hasTimeout = d, true
 		case hf.Name == "grpc-encoding" && hf.Value != "identity":
 			trErr = status.Errorf(codes.Unimplemented, "csibroker: compressed requests (grpc-encoding %q) are not supported", hf.Value)
 		case rawgrpc.Reserved(hf.Name):
@@ -793,7 +870,7 @@ func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, 
 	ctx, span := b.tracer.Start(ctx, strings.TrimPrefix(st.method, "/"), c.s.fe.method(st.method).spanOpts...)
 	ctx = metadata.NewOutgoingContext(ctx, out)
 	var cancel context.CancelFunc
-	if timeout > 0 {
+	if hasTimeout {
 		ctx, cancel = context.WithTimeout(ctx, timeout)
 	} else {
 		ctx, cancel = context.WithCancel(ctx)
@@ -829,11 +906,15 @@ func (c *feConn) serveUnary(st *feStream) {
 	}
 	headersSent := false
 	if err == nil || len(hdr) > 0 {
-		if herr := c.sendHeaders(st, hdr); herr != nil {
+		switch herr := c.sendHeaders(st, hdr); {
+		case errors.Is(herr, errCallGone):
 			endSpan(span, status.Error(codes.Canceled, herr.Error()))
 			return
+		case herr != nil:
+			err, trl = herr, nil
+		default:
+			headersSent = true
 		}
-		headersSent = true
 	}
 	if err == nil {
 		if werr := c.sendWhole(st, msg); werr != nil {
@@ -907,12 +988,25 @@ func (c *feConn) serveStream(st *feStream) {
 		}
 	}()
 	headersSent := false
-	if hdr, herr := cs.Header(); herr == nil && hdr != nil {
-		if err := c.sendHeaders(st, hdr); err != nil {
+	// sent writes the headers once; false: the call is over.
+	sent := func(hdr metadata.MD) bool {
+		err := c.sendHeaders(st, hdr)
+		switch {
+		case errors.Is(err, errCallGone):
 			endSpan(span, status.Error(codes.Canceled, err.Error()))
-			return
+			return false
+		case err != nil:
+			c.finish(st, false, err, nil)
+			endSpan(span, err)
+			return false
 		}
 		headersSent = true
+		return true
+	}
+	if hdr, herr := cs.Header(); herr == nil && hdr != nil {
+		if !sent(hdr) {
+			return
+		}
 	}
 	for {
 		f := &rawgrpc.Frame{}
@@ -934,12 +1028,8 @@ func (c *feConn) serveStream(st *feStream) {
 			endSpan(span, rerr)
 			return
 		}
-		if !headersSent {
-			if err := c.sendHeaders(st, nil); err != nil {
-				endSpan(span, status.Error(codes.Canceled, err.Error()))
-				return
-			}
-			headersSent = true
+		if !headersSent && !sent(nil) {
+			return
 		}
 		if err := c.sendMessage(st, f.Payload); err != nil {
 			endSpan(span, status.Error(codes.Canceled, err.Error()))
@@ -950,20 +1040,43 @@ func (c *feConn) serveStream(st *feStream) {
 
 // feInput holds a streaming call's request bytes until they are sent on.
 type feInput struct {
-	mu      sync.Mutex
-	cond    *sync.Cond
-	buf     []byte
-	ended   bool
-	aborted bool
-	max     int
+	mu       sync.Mutex
+	cond     *sync.Cond
+	buf      []byte
+	credited int // bytes at the head of buf whose window was returned on arrival
+	ended    bool
+	aborted  bool
+	max      int
 }
 
-func (in *feInput) push(p []byte, end bool) {
+// push adds request bytes and returns how many of them to credit now: the
+// bytes of a message still incomplete at the head of buf. The window of
+// whole messages is returned once they are sent on (next), so a slow next
+// hop holds the caller back; a message larger than the stream window could
+// otherwise never arrive whole. A message over max is not credited (it is
+// refused).
+func (in *feInput) push(p []byte, end bool) int {
 	in.mu.Lock()
 	in.buf = append(in.buf, p...)
 	in.ended = in.ended || end
+	owe := in.creditHeadLocked()
 	in.mu.Unlock()
 	in.cond.Broadcast()
+	return owe
+}
+
+// creditHeadLocked returns the bytes of an incomplete message at the head
+// of buf not credited yet, and counts them as credited.
+func (in *feInput) creditHeadLocked() int {
+	if len(in.buf) >= 5 {
+		n := int(binary.BigEndian.Uint32(in.buf[1:5]))
+		if n > in.max || len(in.buf) >= 5+n {
+			return 0
+		}
+	}
+	owe := len(in.buf) - in.credited
+	in.credited = len(in.buf)
+	return owe
 }
 
 func (in *feInput) abort() {
@@ -973,8 +1086,9 @@ func (in *feInput) abort() {
 	in.cond.Broadcast()
 }
 
-// next returns the next whole message and the bytes it took (to credit),
-// io.EOF once the caller half-closed between messages.
+// next returns the next whole message and the bytes to credit for it (those
+// not credited on arrival, and those of the next message if it is still
+// arriving), io.EOF once the caller half-closed between messages.
 func (in *feInput) next() ([]byte, int, error) {
 	in.mu.Lock()
 	defer in.mu.Unlock()
@@ -993,7 +1107,9 @@ func (in *feInput) next() ([]byte, int, error) {
 			if len(in.buf) >= 5+n {
 				msg := bytes.Clone(in.buf[5 : 5+n])
 				in.buf = in.buf[5+n:]
-				return msg, 5 + n, nil
+				early := min(in.credited, 5+n)
+				in.credited -= early
+				return msg, 5 + n - early + in.creditHeadLocked(), nil
 			}
 		}
 		if in.ended {

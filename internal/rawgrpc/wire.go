@@ -93,6 +93,15 @@ func DecodeBinaryHeader(v string) ([]string, error) {
 // (base64 without padding).
 func EncodeBinaryHeader(v string) string { return base64.RawStdEncoding.EncodeToString([]byte(v)) }
 
+// IsGRPCContentType reports whether a request's content-type is gRPC's:
+// "application/grpc", alone or followed by "+" and a codec or by ";"
+// (as gRPC's servers accept it; "application/grpc-web" is another
+// protocol).
+func IsGRPCContentType(ct string) bool {
+	rest, ok := strings.CutPrefix(ct, "application/grpc")
+	return ok && (rest == "" || rest[0] == '+' || rest[0] == ';')
+}
+
 // HeaderValue is the value of the first field named name, or "".
 func HeaderValue(fields []hpack.HeaderField, name string) string {
 	for _, hf := range fields {
@@ -249,6 +258,24 @@ type PeerSettings struct {
 	InitialWindow int64  // send window of each new stream
 	MaxFrame      uint32 // largest frame payload
 	MaxStreams    uint32 // concurrent streams the peer accepts
+	// MaxHeaderList is the peer's SETTINGS_MAX_HEADER_LIST_SIZE, 0 while
+	// it has announced none (no limit).
+	MaxHeaderList uint32
+}
+
+// HeaderListSize is a header list's size as SETTINGS_MAX_HEADER_LIST_SIZE
+// counts it: each field's name and value, plus 32 (RFC 9113, 6.5.2).
+func HeaderListSize(fields []hpack.HeaderField) uint64 {
+	var n uint64
+	for _, f := range fields {
+		n += uint64(len(f.Name)) + uint64(len(f.Value)) + 32
+	}
+	return n
+}
+
+// HeaderListFits reports whether the peer accepts a header list of fields.
+func (s *PeerSettings) HeaderListFits(fields []hpack.HeaderField) bool {
+	return s.MaxHeaderList == 0 || HeaderListSize(fields) <= uint64(s.MaxHeaderList)
 }
 
 // DefaultPeerSettings are HTTP/2's values until the peer's SETTINGS arrive,
@@ -280,6 +307,8 @@ func (s *PeerSettings) Apply(fr *http2.SettingsFrame, enc *hpack.Encoder, maxStr
 			s.MaxFrame = st.Val
 		case http2.SettingMaxConcurrentStreams:
 			s.MaxStreams = st.Val
+		case http2.SettingMaxHeaderListSize:
+			s.MaxHeaderList = st.Val
 		case http2.SettingHeaderTableSize:
 			enc.SetMaxDynamicTableSizeLimit(st.Val)
 		}

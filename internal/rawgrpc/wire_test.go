@@ -40,6 +40,23 @@ func TestParseTimeout(t *testing.T) {
 	}
 }
 
+func TestIsGRPCContentType(t *testing.T) {
+	for ct, want := range map[string]bool{
+		"application/grpc":              true,
+		"application/grpc+proto":        true,
+		"application/grpc;charset=utf8": true,
+		"application/grpc-web":          false,
+		"application/grpc-web+proto":    false,
+		"application/grpcx":             false,
+		"application/json":              false,
+		"":                              false,
+	} {
+		if got := IsGRPCContentType(ct); got != want {
+			t.Errorf("IsGRPCContentType(%q) = %v, want %v", ct, got, want)
+		}
+	}
+}
+
 func TestBinaryHeaderRoundTrip(t *testing.T) {
 	for _, v := range []string{"", "a", "ab", "abc", "\x00\xff,=", string(make([]byte, 100))} {
 		got, err := DecodeBinaryHeader(EncodeBinaryHeader(v))

@@ -57,7 +57,10 @@ func (e *echoDriver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 	}
 	e.mu.Unlock()
 	p := req.GetParameters()
-	grpc.SetHeader(ctx, metadata.Pairs("x-test-header", "h-"+req.GetName()))
+	if p["quiet"] != "true" { // no metadata naming the volume
+		grpc.SetHeader(ctx, metadata.Pairs("x-test-header", "h-"+req.GetName()))
+		grpc.SetTrailer(ctx, metadata.Pairs("x-test-trailer", "t-"+req.GetName()))
+	}
 	// Request metadata named x-echo-md* comes back in the response headers.
 	if in, ok := metadata.FromIncomingContext(ctx); ok {
 		for k, v := range in {
@@ -66,7 +69,6 @@ func (e *echoDriver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 			}
 		}
 	}
-	grpc.SetTrailer(ctx, metadata.Pairs("x-test-trailer", "t-"+req.GetName()))
 	if ms, err := strconv.Atoi(p["sleep-ms"]); err == nil {
 		time.Sleep(time.Duration(ms) * time.Millisecond)
 	}
