@@ -64,6 +64,7 @@ const (
 var (
 	errBrokerClosed   = errors.New("the broker closed the connection (driver removed or reconfigured)")
 	errProxyGoingAway = errors.New("the proxy is going away")
+	errStreamIDsUsed  = errors.New("the connection's stream IDs are used up")
 )
 
 // upstream holds the current HTTP/2 connection to one proxy and dials a
@@ -308,7 +309,8 @@ type upConn struct {
 	sendWin     int64
 	recvPending uint32 // connection window consumed and not returned yet
 	needFlush   bool
-	goingAway   bool
+	goingAway   bool          // no new calls; closed once the last one ends
+	drainErr    error         // why goingAway was set
 	err         error         // why the connection ended; set once
 	retiring    chan struct{} // closed once the connection takes no new calls
 	retired     bool          // retiring is closed
@@ -377,13 +379,26 @@ func (c *upConn) flushLocked() {
 		return
 	}
 	c.needFlush = false
-	if now := time.Now(); now.Add(upWriteTimeout - time.Second).After(c.deadline) {
-		// Pushed forward at most once a second (each push is a timer update).
-		c.deadline = now.Add(upWriteTimeout)
-		c.nc.SetWriteDeadline(c.deadline)
-	}
+	c.armWriteDeadlineLocked()
 	if err := c.bw.Flush(); err != nil {
 		c.failLocked(err)
+	}
+}
+
+// framer returns the framer for a write, with the write deadline ahead of
+// it: a frame larger than the buffer reaches the socket as it is written,
+// before any flush.
+func (c *upConn) framer() *http2.Framer {
+	c.armWriteDeadlineLocked()
+	return c.fr
+}
+
+// armWriteDeadlineLocked keeps the write deadline upWriteTimeout ahead,
+// pushed forward at most once a second (each push is a timer update).
+func (c *upConn) armWriteDeadlineLocked() {
+	if now := time.Now(); now.Add(upWriteTimeout - time.Second).After(c.deadline) {
+		c.deadline = now.Add(upWriteTimeout)
+		c.nc.SetWriteDeadline(c.deadline)
 	}
 }
 
@@ -401,6 +416,8 @@ func (c *upConn) failLocked(err error) {
 	case errors.Is(err, errBrokerClosed):
 	case errors.Is(err, errProxyGoingAway):
 		log.Info("proxy connection drained after GOAWAY")
+	case errors.Is(err, errStreamIDsUsed):
+		log.Info("proxy connection drained: its stream IDs are used up; calls go to a new connection")
 	default:
 		log.Warn("proxy connection lost", "error", describeUpErr(err), "calls_in_flight", len(c.calls))
 	}
@@ -444,7 +461,7 @@ func (c *upConn) endLocked(call *upCall, err error) {
 	c.cond.Broadcast()
 	if c.goingAway && len(c.calls) == 0 && c.err == nil {
 		c.flushLocked()
-		c.failLocked(errProxyGoingAway)
+		c.failLocked(c.drainErr)
 	}
 }
 
@@ -487,11 +504,13 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 	call.id = c.nextID
 	c.nextID += 2
 	if c.nextID >= rawgrpc.LastStreamID-rawgrpc.StreamIDMargin {
+		// This is the connection's last call: closed once it ends.
+		c.goingAway, c.drainErr = true, errStreamIDsUsed
 		c.retireLocked()
 	}
 	call.sendWin = c.peer.InitialWindow
 	c.calls[call.id] = call
-	c.writeLocked(rawgrpc.WriteHeaderBlock(c.fr, c.enc, &c.hbuf, call.id, fields, false, c.peer.MaxFrame))
+	c.writeLocked(rawgrpc.WriteHeaderBlock(c.framer(), c.enc, &c.hbuf, call.id, fields, false, c.peer.MaxFrame))
 	for rest := msg; c.err == nil && !call.ended && ctx.Err() == nil; {
 		n := min(int64(len(rest)), c.sendWin, call.sendWin, int64(c.peer.MaxFrame))
 		if n <= 0 && len(rest) > 0 {
@@ -500,7 +519,7 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 			continue
 		}
 		last := int(n) == len(rest)
-		c.writeLocked(c.fr.WriteData(call.id, last, rest[:n]))
+		c.writeLocked(c.framer().WriteData(call.id, last, rest[:n]))
 		c.sendWin -= n
 		call.sendWin -= n
 		rest = rest[n:]
@@ -517,7 +536,7 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 	}
 	c.mu.Lock()
 	if !call.ended {
-		c.writeLocked(c.fr.WriteRSTStream(call.id, http2.ErrCodeCancel))
+		c.writeLocked(c.framer().WriteRSTStream(call.id, http2.ErrCodeCancel))
 		c.flushLocked()
 		c.endLocked(call, status.FromContextError(ctx.Err()).Err())
 	}
@@ -533,7 +552,7 @@ func (c *upConn) readLoop() {
 			if errors.As(err, &se) {
 				c.mu.Lock()
 				if call := c.calls[se.StreamID]; call != nil {
-					c.writeLocked(c.fr.WriteRSTStream(se.StreamID, se.Code))
+					c.writeLocked(c.framer().WriteRSTStream(se.StreamID, se.Code))
 					c.endLocked(call, status.Errorf(codes.Internal, "csibroker: proxy %s: malformed answer: %v", c.u.addr, se))
 				}
 				c.flushLocked()
@@ -543,7 +562,7 @@ func (c *upConn) readLoop() {
 			c.mu.Lock()
 			var ce http2.ConnectionError
 			if errors.As(err, &ce) && c.err == nil {
-				c.writeLocked(c.fr.WriteGoAway(0, http2.ErrCode(ce), nil))
+				c.writeLocked(c.framer().WriteGoAway(0, http2.ErrCode(ce), nil))
 				c.flushLocked()
 			}
 			c.failLocked(err)
@@ -573,7 +592,7 @@ func (c *upConn) readLoop() {
 			c.onWindowUpdateLocked(f)
 		case *http2.PingFrame:
 			if !f.IsAck() {
-				c.writeLocked(c.fr.WritePing(true, f.Data))
+				c.writeLocked(c.framer().WritePing(true, f.Data))
 			}
 		case *http2.GoAwayFrame:
 			c.onGoAwayLocked(f)
@@ -601,7 +620,7 @@ func (c *upConn) onHeadersLocked(f *http2.MetaHeadersFrame) {
 		return
 	}
 	if call.gotHdr {
-		c.writeLocked(c.fr.WriteRSTStream(call.id, http2.ErrCodeProtocol))
+		c.writeLocked(c.framer().WriteRSTStream(call.id, http2.ErrCodeProtocol))
 		c.endLocked(call, status.Errorf(codes.Internal, "csibroker: proxy %s: a second header block before the trailers", c.u.addr))
 		return
 	}
@@ -612,7 +631,7 @@ func (c *upConn) onDataLocked(f *http2.DataFrame) {
 	n := f.Header().Length // padding included: flow control counts it
 	c.recvPending += n
 	if c.recvPending >= rawgrpc.ConnWindow/4 {
-		c.writeLocked(c.fr.WriteWindowUpdate(0, c.recvPending))
+		c.writeLocked(c.framer().WriteWindowUpdate(0, c.recvPending))
 		c.recvPending = 0
 	}
 	call := c.calls[f.StreamID]
@@ -620,7 +639,7 @@ func (c *upConn) onDataLocked(f *http2.DataFrame) {
 		return
 	}
 	if limit := c.u.b.opts.MaxMsgSize; len(call.data)+len(f.Data()) > limit+5 {
-		c.writeLocked(c.fr.WriteRSTStream(call.id, http2.ErrCodeCancel))
+		c.writeLocked(c.framer().WriteRSTStream(call.id, http2.ErrCodeCancel))
 		c.endLocked(call, status.Errorf(codes.ResourceExhausted, "csibroker: received message larger than max (%d bytes)", limit))
 		return
 	}
@@ -631,7 +650,7 @@ func (c *upConn) onDataLocked(f *http2.DataFrame) {
 	}
 	call.recvPending += n
 	if call.recvPending >= rawgrpc.StreamWindow/2 {
-		c.writeLocked(c.fr.WriteWindowUpdate(call.id, call.recvPending))
+		c.writeLocked(c.framer().WriteWindowUpdate(call.id, call.recvPending))
 		call.recvPending = 0
 	}
 }
@@ -646,7 +665,7 @@ func (c *upConn) onSettingsLocked(f *http2.SettingsFrame) {
 	}
 	delta, code, err := c.peer.Apply(f, c.enc, maxWin)
 	if err != nil {
-		c.writeLocked(c.fr.WriteGoAway(0, code, nil))
+		c.writeLocked(c.framer().WriteGoAway(0, code, nil))
 		c.flushLocked()
 		c.failLocked(fmt.Errorf("invalid SETTINGS from the proxy: %v", err))
 		return
@@ -654,20 +673,20 @@ func (c *upConn) onSettingsLocked(f *http2.SettingsFrame) {
 	for _, call := range c.calls {
 		call.sendWin += delta
 	}
-	c.writeLocked(c.fr.WriteSettingsAck())
+	c.writeLocked(c.framer().WriteSettingsAck())
 	c.cond.Broadcast()
 }
 
 func (c *upConn) onWindowUpdateLocked(f *http2.WindowUpdateFrame) {
 	if f.StreamID == 0 {
 		if !rawgrpc.GrowWindow(&c.sendWin, f.Increment) {
-			c.writeLocked(c.fr.WriteGoAway(0, http2.ErrCodeFlowControl, nil))
+			c.writeLocked(c.framer().WriteGoAway(0, http2.ErrCodeFlowControl, nil))
 			c.flushLocked()
 			c.failLocked(errors.New("the proxy overflowed the connection window"))
 			return
 		}
 	} else if call := c.calls[f.StreamID]; call != nil && !rawgrpc.GrowWindow(&call.sendWin, f.Increment) {
-		c.writeLocked(c.fr.WriteRSTStream(f.StreamID, http2.ErrCodeFlowControl))
+		c.writeLocked(c.framer().WriteRSTStream(f.StreamID, http2.ErrCodeFlowControl))
 		c.flushLocked()
 		c.endLocked(call, status.Errorf(codes.Internal, "csibroker: proxy %s overflowed the call's window", c.u.addr))
 	}
@@ -675,7 +694,7 @@ func (c *upConn) onWindowUpdateLocked(f *http2.WindowUpdateFrame) {
 }
 
 func (c *upConn) onGoAwayLocked(f *http2.GoAwayFrame) {
-	c.goingAway = true
+	c.goingAway, c.drainErr = true, errProxyGoingAway
 	c.retireLocked()
 	for id, call := range c.calls {
 		if id > f.LastStreamID {
@@ -707,7 +726,7 @@ func (c *upConn) keepalive() {
 			continue
 		}
 		sent := time.Now()
-		c.writeLocked(c.fr.WritePing(false, [8]byte{'c', 's', 'i', 'b', 'k'}))
+		c.writeLocked(c.framer().WritePing(false, [8]byte{'c', 's', 'i', 'b', 'k'}))
 		c.flushLocked()
 		c.mu.Unlock()
 		time.Sleep(wait)

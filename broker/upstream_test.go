@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"encoding/binary"
+	"errors"
 	"io"
 	"net"
 	"strings"
@@ -18,6 +19,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/csibroker/csibroker/internal/mtls"
+	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
 
 // h2peer is a small HTTP/2 server over mTLS standing in for a proxy, so the
@@ -298,5 +300,73 @@ func TestUpstreamRedialsWhileDraining(t *testing.T) {
 	}
 	if err := <-done; err != nil {
 		t.Fatalf("the call on the draining connection: %v", err)
+	}
+}
+
+// TestUpstreamLargeRequestAfterIdle: a request larger than the write buffer
+// reaches the socket while it is written, before any flush; on a
+// connection idle for longer than the write timeout (played here by
+// setting the socket's deadline to now) the write deadline must be moved
+// ahead of that write, or the connection fails with an i/o timeout and
+// every call on it with it.
+func TestUpstreamLargeRequestAfterIdle(t *testing.T) {
+	peer := &h2peer{maxStreams: 10, answerPings: true}
+	addr, cfg := startPeer(t, peer)
+	u := newTestUpstream(t, addr, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	probe := u.b.desc(u.p, "/csi.v1.Identity/Probe")
+	if _, _, _, err := u.attempt(ctx, probe, "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0}); err != nil {
+		t.Fatal(err)
+	}
+	c, err := u.get(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.mu.Lock()
+	c.deadline = time.Now()
+	c.nc.SetWriteDeadline(c.deadline)
+	c.mu.Unlock()
+	req := make([]byte, 5+upBufSize+1024) // under the initial stream window (the peer gives no more)
+	binary.BigEndian.PutUint32(req[1:5], uint32(len(req)-5))
+	if _, _, _, err := u.attempt(ctx, probe, "/csi.v1.Identity/Probe", nil, req); err != nil {
+		t.Fatalf("a large request after the write deadline passed: %v", err)
+	}
+}
+
+// TestUpstreamClosesAConnectionWhoseStreamIDsRunOut: the call that takes a
+// connection's last stream ID is its last; once it ends the connection is
+// closed (not kept with its goroutines), and the next call goes to a new
+// one.
+func TestUpstreamClosesAConnectionWhoseStreamIDsRunOut(t *testing.T) {
+	peer := &h2peer{maxStreams: 10, answerPings: true}
+	addr, cfg := startPeer(t, peer)
+	u := newTestUpstream(t, addr, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	probe := u.b.desc(u.p, "/csi.v1.Identity/Probe")
+	c, err := u.get(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.mu.Lock()
+	c.nextID = rawgrpc.LastStreamID - rawgrpc.StreamIDMargin - 2
+	c.mu.Unlock()
+	if _, _, _, err := u.attempt(ctx, probe, "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0}); err != nil {
+		t.Fatalf("the connection's last call: %v", err)
+	}
+	c.mu.Lock()
+	closedWith := c.err
+	c.mu.Unlock()
+	if !errors.Is(closedWith, errStreamIDsUsed) {
+		t.Fatalf("after its last call the connection ended with %v, want %v", closedWith, errStreamIDsUsed)
+	}
+	if _, _, _, err := u.attempt(ctx, probe, "/csi.v1.Identity/Probe", nil, []byte{0, 0, 0, 0, 0}); err != nil {
+		t.Fatalf("a call after it: %v", err)
+	}
+	peer.mu.Lock()
+	defer peer.mu.Unlock()
+	if peer.conns != 2 {
+		t.Fatalf("the proxy saw %d connections, want 2", peer.conns)
 	}
 }

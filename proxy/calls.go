@@ -132,7 +132,10 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 		return
 	}
 	c.lastID = id
-	if c.goingAway {
+	if c.goingAway || len(c.streams) >= maxStreams {
+		// Draining, or a broker over the stream limit we announced (which
+		// bounds what the proxy holds per connection): not processed, so
+		// safe for the broker to retry.
 		c.writeErr(c.framer().WriteRSTStream(id, http2.ErrCodeRefusedStream))
 		c.needFlush = true
 		c.mu.Unlock()

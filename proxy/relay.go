@@ -320,8 +320,10 @@ func (c *conn) writeLocked(l *leg, o out, credits []credit) []credit {
 	}
 	data := o.data
 	for {
-		n := min(int64(len(data)), c.sendWin, l.sendWin, int64(c.peer.MaxFrame))
-		if n <= 0 && len(data) > 0 {
+		// A window can be negative (the peer lowered its initial window
+		// below what was sent); an empty frame still goes out.
+		n := max(min(int64(len(data)), c.sendWin, l.sendWin, int64(c.peer.MaxFrame)), 0)
+		if n == 0 && len(data) > 0 {
 			break
 		}
 		last := n == int64(len(data))
@@ -444,14 +446,24 @@ func (c *conn) openLocked(l *leg) bool {
 	return true
 }
 
+// openWaitingLocked opens queued legs as the driver's stream limit allows
+// (none once it sent GOAWAY: they fail with it) and flushes what it wrote:
+// the caller that freed the slot may have nothing else to send here.
 func (c *conn) openWaitingLocked() {
-	for len(c.waiting) > 0 && uint32(c.active) < c.peer.MaxStreams && !c.closed {
+	opened := false
+	defer func() {
+		if opened {
+			c.flushLocked()
+		}
+	}()
+	for len(c.waiting) > 0 && uint32(c.active) < c.peer.MaxStreams && !c.closed && !c.goingAway {
 		l := c.waiting[0]
 		c.waiting = c.waiting[1:]
 		if l.done {
 			continue
 		}
 		c.openLocked(l)
+		opened = true
 		// Credits owed for what was queued go to the broker's connection,
 		// whose lock is never taken while holding this one: a rare path (a
 		// call queued behind the driver's stream limit), so a goroutine.

@@ -290,3 +290,26 @@ func refusesOversizedHeaderList(t *testing.T, r *rawBroker, next string) {
 		return ok && h.StreamID == 3 && headerValue(h.Fields, "grpc-status") == "0"
 	})
 }
+
+// TestRelayRefusesStreamsBeyondItsLimit: a broker that ignores the
+// proxy's SETTINGS_MAX_CONCURRENT_STREAMS (1024) and opens one more call
+// gets RST_STREAM(REFUSED_STREAM) for it, so what the proxy holds per
+// connection stays bounded.
+func TestRelayRefusesStreamsBeyondItsLimit(t *testing.T) {
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	serveDriver(t, path)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
+	r := dialRawBroker(t, c, true)
+	const limit = 1024
+	for i := uint32(0); i <= limit; i++ {
+		r.headers(1+2*i, "/csi.v1.Identity/Probe", false) // requests never finished
+	}
+	over := uint32(1 + 2*limit)
+	f := r.wait(t, "RST_STREAM(REFUSED_STREAM)", func(f http2.Frame) bool {
+		rst, ok := f.(*http2.RSTStreamFrame)
+		return ok && rst.ErrCode == http2.ErrCodeRefusedStream
+	})
+	if id := f.Header().StreamID; id != over {
+		t.Fatalf("stream %d refused, want only the one over the limit, %d", id, over)
+	}
+}

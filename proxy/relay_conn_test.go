@@ -1,0 +1,172 @@
+package proxy
+
+import (
+	"bytes"
+	"io"
+	"log/slog"
+	"net"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// A driver connection's write side, driven directly: what the proxy writes
+// is read back frame by frame.
+
+// frameOf builds a frame as a peer would send it.
+func frameOf(t *testing.T, write func(*http2.Framer) error) http2.Frame {
+	t.Helper()
+	var b bytes.Buffer
+	fr := http2.NewFramer(&b, &b)
+	if err := write(fr); err != nil {
+		t.Fatal(err)
+	}
+	f, err := fr.ReadFrame()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// readFrames reads what the proxy wrote until nothing comes for 200 ms.
+func readFrames(rd *http2.Framer, nc net.Conn) []http2.Frame {
+	var out []http2.Frame
+	for {
+		nc.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+		f, err := rd.ReadFrame()
+		if err != nil {
+			return out
+		}
+		out = append(out, f)
+	}
+}
+
+// TestEmptyDataFrameOnANegativeWindow: a driver that lowers its initial
+// window below what a stream has already sent leaves that stream's window
+// negative; the caller's empty END_STREAM DATA frame (a half-close) must
+// still go out, not crash the proxy.
+func TestEmptyDataFrameOnANegativeWindow(t *testing.T) {
+	a, b := net.Pipe()
+	t.Cleanup(func() { a.Close(); b.Close() })
+	p := &Proxy{log: slog.New(slog.DiscardHandler), target: "unix:///driver.sock"}
+	c := newConn(p, a, true, "driver")
+	frames := make(chan http2.Frame, 16)
+	go func() {
+		rd := http2.NewFramer(nil, b)
+		for {
+			f, err := rd.ReadFrame()
+			if err != nil {
+				close(frames)
+				return
+			}
+			if d, ok := f.(*http2.DataFrame); ok {
+				frames <- frameOf(t, func(fr *http2.Framer) error { return fr.WriteData(d.StreamID, d.StreamEnded(), bytes.Clone(d.Data())) })
+			}
+		}
+	}()
+	c.onSettings(frameOf(t, func(fr *http2.Framer) error { return fr.WriteSettings() }).(*http2.SettingsFrame), nil)
+	l := &leg{c: c, s: &stream{p: p}}
+	c.mu.Lock()
+	c.openLocked(l)
+	c.writeLocked(l, out{isData: true, data: make([]byte, 60000)}, nil)
+	c.flushLocked()
+	c.mu.Unlock()
+	c.onSettings(frameOf(t, func(fr *http2.Framer) error {
+		return fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1000})
+	}).(*http2.SettingsFrame), nil)
+	if l.sendWin >= 0 {
+		t.Fatalf("stream window %d after the driver lowered it, want negative", l.sendWin)
+	}
+	c.mu.Lock()
+	c.sendLocked(l, out{isData: true, end: true}, nil)
+	c.flushLocked()
+	c.mu.Unlock()
+	var n int
+	timeout := time.After(5 * time.Second)
+	for {
+		select {
+		case f := <-frames:
+			d := f.(*http2.DataFrame)
+			n += len(d.Data())
+			if d.StreamEnded() {
+				if n != 60000 {
+					t.Fatalf("%d bytes before END_STREAM, want 60000", n)
+				}
+				return
+			}
+		case <-timeout:
+			t.Fatal("the half-close never went out")
+		}
+	}
+}
+
+// TestQueuedLegsWaitAfterGoAwayAndGoOutWhenOpened: a leg queued behind the
+// driver's stream limit is written and flushed as soon as a slot frees,
+// with no other write to carry it. After a GOAWAY that refuses the open
+// stream (last stream 0), no queued leg is opened as that stream is
+// removed: it fails with the GOAWAY instead.
+func TestQueuedLegsWaitAfterGoAwayAndGoOutWhenOpened(t *testing.T) {
+	for _, goAway := range []bool{false, true} {
+		a, b := net.Pipe()
+		p := &Proxy{log: slog.New(slog.DiscardHandler), target: "unix:///driver.sock"}
+		d := newConn(p, a, true, "driver")
+		ba, bb := net.Pipe()
+		go io.Copy(io.Discard, bb)
+		bc := newConn(p, ba, false, "broker")
+		d.onSettings(frameOf(t, func(fr *http2.Framer) error {
+			return fr.WriteSettings(http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: 1})
+		}).(*http2.SettingsFrame), nil)
+		mk := func(bid uint32) *leg {
+			s := &stream{p: p}
+			s.b = &leg{c: bc, id: bid, s: s, sendWin: 65535}
+			bc.streams[bid] = s.b
+			s.d = &leg{c: d, s: s}
+			return s.d
+		}
+		hdr := out{fields: []hpack.HeaderField{{Name: ":method", Value: "POST"}, {Name: ":path", Value: "/csi.v1.Identity/Probe"}}}
+		first, second := mk(1), mk(3)
+		rd := http2.NewFramer(nil, b)
+		rd.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+		got := make(chan []http2.Frame, 1)
+		go func() { got <- readFrames(rd, b) }()
+		d.mu.Lock()
+		d.openLocked(first)
+		d.writeLocked(first, hdr, nil)
+		if d.openLocked(second) {
+			t.Fatal("a second stream opened beyond the driver's limit of 1")
+		}
+		second.pending = append(second.pending, hdr)
+		d.flushLocked()
+		d.mu.Unlock()
+		if goAway {
+			var f flusher
+			d.onGoAway(frameOf(t, func(fr *http2.Framer) error { return fr.WriteGoAway(0, http2.ErrCodeNo, nil) }).(*http2.GoAwayFrame), &f)
+			f.flush()
+		}
+		// Without GOAWAY, the driver answers the first call whole: its slot
+		// frees. Nothing else is written or flushed here.
+		d.mu.Lock()
+		first.localEnded, first.remoteEnded = true, true
+		d.removeLocked(first)
+		d.mu.Unlock()
+		frames := <-got
+		a.Close()
+		b.Close()
+		var streams []uint32
+		for _, f := range frames {
+			if h, ok := f.(*http2.MetaHeadersFrame); ok {
+				streams = append(streams, h.StreamID)
+			}
+		}
+		switch {
+		case !goAway && (len(streams) != 2 || streams[1] != 3):
+			t.Errorf("no GOAWAY: HEADERS written on streams %v, want [1 3] (the queued call flushed once the slot freed)", streams)
+		case goAway && len(streams) != 1:
+			t.Errorf("after GOAWAY: HEADERS written on streams %v, want only [1]", streams)
+		case goAway && second.id != 0:
+			t.Errorf("after GOAWAY the queued leg got stream %d", second.id)
+		}
+	}
+}
