@@ -500,6 +500,11 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 		// Nothing was sent: another connection may take the call.
 		c.mu.Unlock()
 		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: the connection closed before the call was sent", c.u.addr)
+	case !c.peer.HeaderListFits(fields):
+		// The proxy would refuse it: said here, with the sizes.
+		c.mu.Unlock()
+		return nil, status.Errorf(codes.Internal, "csibroker: the call's metadata is %d bytes, over the %d bytes proxy %s accepts (its SETTINGS_MAX_HEADER_LIST_SIZE)",
+			rawgrpc.HeaderListSize(fields), c.peer.MaxHeaderList, c.u.addr)
 	}
 	call.id = c.nextID
 	c.nextID += 2

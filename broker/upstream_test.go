@@ -16,6 +16,7 @@ import (
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/csibroker/csibroker/internal/mtls"
@@ -37,6 +38,8 @@ type h2peer struct {
 	// of 2^31-1 (the second takes the window past 2^31-1; the connection
 	// window is never opened), and nothing else.
 	overflow bool
+	// maxHeaderList, if set, is announced as SETTINGS_MAX_HEADER_LIST_SIZE.
+	maxHeaderList uint32
 
 	mu       sync.Mutex
 	conns    int
@@ -106,7 +109,11 @@ func (p *h2peer) serve(nc net.Conn) {
 		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hbuf.Bytes(), EndHeaders: true, EndStream: end})
 	}
 	wmu.Lock()
-	fr.WriteSettings(http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: p.maxStreams})
+	settings := []http2.Setting{{ID: http2.SettingMaxConcurrentStreams, Val: p.maxStreams}}
+	if p.maxHeaderList > 0 {
+		settings = append(settings, http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: p.maxHeaderList})
+	}
+	fr.WriteSettings(settings...)
 	wmu.Unlock()
 	for {
 		f, err := fr.ReadFrame()
@@ -368,5 +375,34 @@ func TestUpstreamClosesAConnectionWhoseStreamIDsRunOut(t *testing.T) {
 	defer peer.mu.Unlock()
 	if peer.conns != 2 {
 		t.Fatalf("the proxy saw %d connections, want 2", peer.conns)
+	}
+}
+
+// TestUpstreamKeepsToTheProxysHeaderListLimit: a call whose metadata is
+// over the proxy's SETTINGS_MAX_HEADER_LIST_SIZE fails before it is sent,
+// with Internal naming both sizes; the connection goes on serving calls.
+func TestUpstreamKeepsToTheProxysHeaderListLimit(t *testing.T) {
+	peer := &h2peer{maxStreams: 10, answerPings: true, maxHeaderList: 4096}
+	addr, cfg := startPeer(t, peer)
+	u := newTestUpstream(t, addr, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	probe := u.b.desc(u.p, "/csi.v1.Identity/Probe")
+	empty := []byte{0, 0, 0, 0, 0}
+	// The first call reads the proxy's SETTINGS.
+	if _, _, _, err := u.attempt(ctx, probe, "/csi.v1.Identity/Probe", nil, empty); err != nil {
+		t.Fatal(err)
+	}
+	_, _, _, err := u.attempt(ctx, probe, "/csi.v1.Identity/Probe", metadata.Pairs("x-big", strings.Repeat("b", 5000)), empty)
+	if status.Code(err) != codes.Internal || !strings.Contains(err.Error(), "over the 4096 bytes proxy") {
+		t.Fatalf("metadata over the proxy's limit: %v", err)
+	}
+	if _, _, _, err := u.attempt(ctx, probe, "/csi.v1.Identity/Probe", nil, empty); err != nil {
+		t.Fatalf("a call after it: %v", err)
+	}
+	peer.mu.Lock()
+	defer peer.mu.Unlock()
+	if peer.requests != 2 || peer.conns != 1 {
+		t.Fatalf("the proxy saw %d requests on %d connections, want 2 on 1 (the one over the limit never sent)", peer.requests, peer.conns)
 	}
 }

@@ -196,6 +196,15 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 		s.fail(codes.Unavailable, fmt.Sprintf("csibroker proxy: driver at %s: connection lost before the call was sent", p.target), f)
 		return
 	}
+	if !d.peer.HeaderListFits(fields) {
+		// The driver would refuse it:
+		// said here, with the sizes.
+		n, lim := rawgrpc.HeaderListSize(fields), d.peer.MaxHeaderList
+		d.mu.Unlock()
+		s.d = nil
+		s.fail(codes.Internal, fmt.Sprintf("csibroker proxy: the call's metadata is %d bytes, over the %d bytes the driver at %s accepts (its SETTINGS_MAX_HEADER_LIST_SIZE)", n, lim, p.target), f)
+		return
+	}
 	o := out{fields: fields, end: end}
 	if d.openLocked(dl) {
 		d.writeLocked(dl, o, nil)

@@ -16,6 +16,9 @@ import (
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	"github.com/csibroker/csibroker/internal/chaintest"
 	"github.com/csibroker/csibroker/internal/mtls"
@@ -311,5 +314,32 @@ func TestRelayRefusesStreamsBeyondItsLimit(t *testing.T) {
 	})
 	if id := f.Header().StreamID; id != over {
 		t.Fatalf("stream %d refused, want only the one over the limit, %d", id, over)
+	}
+}
+
+// TestRelayKeepsToTheDriversHeaderListLimit: a driver that announces a
+// 4 KiB header list limit never receives a call whose metadata is over
+// it: the proxy answers Internal naming both sizes, and the next call
+// goes through.
+func TestRelayKeepsToTheDriversHeaderListLimit(t *testing.T) {
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	e, _ := serveDriver(t, path, grpc.MaxHeaderListSize(4096))
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
+	client := csi.NewControllerClient(brokerConn(t, c))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	// The first call lets the proxy read the driver's SETTINGS.
+	if _, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "first"}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := client.CreateVolume(metadata.AppendToOutgoingContext(ctx, "x-big", strings.Repeat("b", 5000)), &csi.CreateVolumeRequest{Name: "big"})
+	if status.Code(err) != codes.Internal || !strings.Contains(status.Convert(err).Message(), "over the 4096 bytes the driver") {
+		t.Fatalf("metadata over the driver's limit: %v", err)
+	}
+	if _, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "after"}); err != nil {
+		t.Fatalf("a call after it: %v", err)
+	}
+	if n := e.calls.Load(); n != 2 {
+		t.Fatalf("the driver saw %d calls, want 2 (the one over its limit never sent)", n)
 	}
 }
