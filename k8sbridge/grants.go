@@ -258,7 +258,7 @@ func (c *GrantController) compile(ctx context.Context, _ string) error {
 		grants = append(grants, g)
 	}
 
-	errs := c.store.Update(grants)
+	errs := c.store.UpdateSource(policy.SourceSecretGrants, grants)
 
 	results := make(map[string]grantResult, len(grants))
 	for _, g := range grants {

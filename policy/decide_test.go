@@ -451,3 +451,51 @@ func TestInvalidRequestReasonIsBounded(t *testing.T) {
 		}
 	}
 }
+
+// TestStoreSourcesKeepEachOthersGrants: the policy file and the SecretGrant
+// resources are two sources of one store; reloading either keeps the
+// other's grants (a file deny survives a SecretGrant change, and the
+// SecretGrants survive the file's reload), and each source hears only of
+// its own invalid grants.
+func TestStoreSourcesKeepEachOthersGrants(t *testing.T) {
+	var s Store
+	deny := grant(testNS, "admin-deny", func(g *GrantSpec) { g.Action = ActionDeny })
+	allow := grant(testNS, "tenant-allow")
+	steps := []struct {
+		source  string
+		grants  []Grant
+		allowed bool
+	}{
+		{SourceFile, []Grant{deny}, false},
+		{SourceSecretGrants, []Grant{allow}, false}, // the file's deny stays
+		{SourceFile, []Grant{deny}, false},          // a file reload keeps the SecretGrants, deny still wins
+		{SourceFile, nil, true},                     // the deny removed from the file: the SecretGrant admits
+		{SourceSecretGrants, nil, false},
+	}
+	for i, st := range steps {
+		if errs := s.UpdateSource(st.source, st.grants); len(errs) != 0 {
+			t.Fatalf("step %d: %v", i, errs)
+		}
+		if d := s.Decide(baseReq()); d.Allowed != st.allowed {
+			t.Fatalf("step %d (%s, %d grants): allowed %v (%s), want %v", i, st.source, len(st.grants), d.Allowed, d.Reason, st.allowed)
+		}
+	}
+
+	// The same name in both sources: every copy rejected, each source told.
+	fileErrs := s.UpdateSource(SourceFile, []Grant{grant(testNS, "same"), grant(testNS, "file-only", func(g *GrantSpec) { g.Drivers = nil })})
+	crdErrs := s.UpdateSource(SourceSecretGrants, []Grant{grant(testNS, "same")})
+	if len(crdErrs) == 0 {
+		t.Fatal("SecretGrant source: no error for a grant the file defines too")
+	}
+	for _, e := range crdErrs {
+		if e.Key() != testNS+"/same" || !strings.Contains(e.Message, "every copy is rejected") {
+			t.Fatalf("SecretGrant source errors: %v", crdErrs)
+		}
+	}
+	if len(fileErrs) != 1 || fileErrs[0].Key() != testNS+"/file-only" {
+		t.Fatalf("file source errors: %v (its own invalid grant only; the duplicate came after)", fileErrs)
+	}
+	if s.Decide(baseReq()).Allowed {
+		t.Fatal("a grant defined in both sources was applied")
+	}
+}

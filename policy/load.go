@@ -65,7 +65,8 @@ func LoadFile(path string) ([]Grant, error) {
 	return grants, nil
 }
 
-// LoadFile loads the grants of a file into the store (see Store.Update). On
+// LoadFile loads the grants of a file into the store, as its file source
+// (see Store.UpdateSource: other sources keep their grants). On
 // a read or parse error the store keeps its current rules and the error is
 // returned; invalid grants in a well-formed file are returned as RuleErrors.
 func (s *Store) LoadFile(path string, opts ...CompileOption) ([]RuleError, error) {
@@ -73,7 +74,7 @@ func (s *Store) LoadFile(path string, opts ...CompileOption) ([]RuleError, error
 	if err != nil {
 		return nil, err
 	}
-	return s.Update(grants, opts...), nil
+	return s.UpdateSource(SourceFile, grants, opts...), nil
 }
 
 // decodeDocuments turns the input into JSON-shaped values, one per document.

@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"slices"
 	"sync"
 	"sync/atomic"
 )
@@ -10,8 +11,18 @@ import (
 // in. The zero Store is ready and admits nobody (enforce, no grants).
 type Store struct {
 	cur atomic.Pointer[RuleSet]
-	mu  sync.Mutex // serializes Update and SetMode, never taken by readers
+	mu  sync.Mutex // serializes updates and SetMode, never taken by readers
+	// sources holds each source's grants (the policy file, the SecretGrant
+	// resources): the rule set is compiled from all of them, so one
+	// source's reload never drops another's grants. Guarded by mu.
+	sources map[string][]Grant
 }
+
+// Grant sources of a broker.
+const (
+	SourceFile         = "file"
+	SourceSecretGrants = "secretgrants"
+)
 
 // NewStore returns a Store holding rs (nil: no grants, enforce).
 func NewStore(rs *RuleSet) *Store {
@@ -45,17 +56,44 @@ func (s *Store) Swap(rs *RuleSet) *RuleSet {
 // Decide decides req with the current rule set.
 func (s *Store) Decide(req Request) Decision { return s.Load().Decide(req) }
 
-// Update compiles grants, reusing the current rule set's compiled conditions
-// and inheriting its mode and cost limit unless opts say otherwise, installs
-// the result and returns the invalid grants. Concurrent Updates are
-// serialized so none is lost.
+// Update is UpdateSource for a store with one source of grants.
 func (s *Store) Update(grants []Grant, opts ...CompileOption) []RuleError {
+	return s.UpdateSource("", grants, opts...)
+}
+
+// UpdateSource replaces the grants of one source and compiles them with
+// every other source's, reusing the current rule set's compiled conditions
+// and inheriting its mode and cost limit unless opts say otherwise; it
+// installs the result and returns the invalid grants of this source (a
+// grant named as one of another source's is invalid in both: every copy
+// is rejected). Concurrent updates are serialized so none is lost.
+func (s *Store) UpdateSource(source string, grants []Grant, opts ...CompileOption) []RuleError {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.sources == nil {
+		s.sources = map[string][]Grant{}
+	}
+	s.sources[source] = grants
+	names := make([]string, 0, len(s.sources))
+	for k := range s.sources {
+		names = append(names, k)
+	}
+	slices.Sort(names)
+	var union []Grant
+	for _, k := range names {
+		union = append(union, s.sources[k]...)
+	}
 	all := append([]CompileOption{WithPrevious(s.Load())}, opts...)
-	rs, errs := Compile(grants, all...)
+	rs, errs := Compile(union, all...)
 	s.cur.Store(rs)
-	return errs
+	if len(names) == 1 {
+		return errs
+	}
+	mine := make(map[string]bool, len(grants))
+	for i := range grants {
+		mine[grants[i].Key()] = true
+	}
+	return slices.DeleteFunc(errs, func(e RuleError) bool { return !mine[e.Key()] })
 }
 
 // SetMode switches the mode of the current rule set without recompiling.

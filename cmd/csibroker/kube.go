@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/util/flowcontrol"
 	"k8s.io/klog/v2"
 
+	"github.com/csibroker/csibroker/internal/telemetry"
 	"github.com/csibroker/csibroker/k8sbridge"
 	"github.com/csibroker/csibroker/policy"
 )
@@ -215,9 +216,20 @@ func (f *kubeFlags) watchPolicyFile(ctx context.Context, store *policy.Store, lo
 	}
 }
 
+// clientGoMaxVerbosity caps client-go's logging: from V(8) it logs the
+// bodies of API responses, Secrets included (V(7) logs request headers,
+// with credentials masked by client-go).
+const clientGoMaxVerbosity = 7
+
+// clientGoLogger is the logger client-go writes to: the broker's, capped
+// at clientGoMaxVerbosity whatever --v says.
+func clientGoLogger(log *slog.Logger) *slog.Logger {
+	return telemetry.CapVerbosity(log, clientGoMaxVerbosity).With("component", "client-go")
+}
+
 // bridge builds the Kubernetes side.
 func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, timeout time.Duration, log *slog.Logger, tp trace.TracerProvider, reg prometheus.Registerer) (*k8sbridge.Bridge, *rest.Config, error) {
-	klog.SetSlogLogger(log.With("component", "client-go"))
+	klog.SetSlogLogger(clientGoLogger(log))
 	objCfg, err := f.restConfig(f.QPS, f.Burst, "objects")
 	if err != nil {
 		return nil, nil, err

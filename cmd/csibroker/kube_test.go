@@ -2,6 +2,9 @@ package main
 
 import (
 	"context"
+	"encoding/base64"
+	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -12,6 +15,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/rest"
+	"k8s.io/klog/v2"
+
+	"github.com/csibroker/csibroker/internal/telemetry"
 )
 
 // The clients of built-in kinds send and ask for the encoding of
@@ -63,4 +69,61 @@ func TestBuiltinClientEncoding(t *testing.T) {
 	if err := f.validate(); err != nil {
 		t.Errorf("validate of the default encoding: %v", err)
 	}
+}
+
+// TestClientGoNeverLogsSecrets: with --v=10, client-go's own logging (it
+// logs response bodies from V(8)) goes through the broker's logger capped
+// at V(7): a Secret read by the broker's client leaves no trace of its
+// value in the log. The same read logged without the cap shows the value,
+// so the test sees a leak when there is one.
+func TestClientGoNeverLogsSecrets(t *testing.T) {
+	const canary = "canary-0f3c9a7e-client-go"
+	leaks := []string{canary, base64.StdEncoding.EncodeToString([]byte(canary))}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"kind":"Secret","apiVersion":"v1","metadata":{"name":"creds","namespace":"ns"},"data":{"password":%q}}`, leaks[1])
+	}))
+	defer srv.Close()
+	defer klog.ClearLogger()
+	read := func(log *slog.Logger) {
+		t.Helper()
+		klog.SetSlogLogger(log)
+		f := &kubeFlags{ContentType: runtime.ContentTypeJSON}
+		c, err := f.builtinClient(&rest.Config{Host: srv.URL})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := c.CoreV1().Secrets("ns").Get(context.Background(), "creds", metav1.GetOptions{})
+		if err != nil || string(s.Data["password"]) != canary {
+			t.Fatalf("secret read: %v, %v", s, err)
+		}
+	}
+	var uncapped, capped syncBuffer
+	read(telemetry.NewLogger(&uncapped, 10, false))
+	if !strings.Contains(uncapped.String(), leaks[1]) {
+		t.Fatalf("client-go did not log the response body at V(10) without the cap; this test cannot see a leak:\n%s", uncapped.String())
+	}
+	read(clientGoLogger(telemetry.NewLogger(&capped, 10, false)))
+	for _, leak := range leaks {
+		if strings.Contains(capped.String(), leak) {
+			t.Fatalf("the secret's value is in the broker's log:\n%s", capped.String())
+		}
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

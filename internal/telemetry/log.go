@@ -1,6 +1,7 @@
 package telemetry
 
 import (
+	"context"
 	"io"
 	"log/slog"
 )
@@ -15,4 +16,37 @@ func NewLogger(w io.Writer, v int, json bool) *slog.Logger {
 		return slog.New(slog.NewJSONHandler(w, opts))
 	}
 	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+// CapVerbosity returns a logger that writes what l writes, except records
+// more verbose than v (below slog level -v, which is how logr's V(n) maps
+// onto slog). For libraries whose most verbose logging may hold values
+// that must not be logged: client-go logs response bodies, Secrets'
+// included, from V(8).
+func CapVerbosity(l *slog.Logger, v int) *slog.Logger {
+	return slog.New(capHandler{h: l.Handler(), min: slog.Level(-v)})
+}
+
+type capHandler struct {
+	h   slog.Handler
+	min slog.Level
+}
+
+func (c capHandler) Enabled(ctx context.Context, l slog.Level) bool {
+	return l >= c.min && c.h.Enabled(ctx, l)
+}
+
+func (c capHandler) Handle(ctx context.Context, r slog.Record) error {
+	if r.Level < c.min {
+		return nil
+	}
+	return c.h.Handle(ctx, r)
+}
+
+func (c capHandler) WithAttrs(as []slog.Attr) slog.Handler {
+	return capHandler{h: c.h.WithAttrs(as), min: c.min}
+}
+
+func (c capHandler) WithGroup(name string) slog.Handler {
+	return capHandler{h: c.h.WithGroup(name), min: c.min}
 }

@@ -55,7 +55,7 @@ type LogFlags struct {
 
 // Register adds the flags to fs.
 func (f *LogFlags) Register(fs *flag.FlagSet) {
-	fs.IntVar(&f.V, "v", 0, "log verbosity: 0 info, 4 and above debug (sanitized CSI requests and responses; secrets are never logged)")
+	fs.IntVar(&f.V, "v", 0, "log verbosity: 0 info, 4 and above debug (sanitized CSI requests and responses; secrets are never logged: client-go, which logs response bodies from 8, is capped at 7)")
 	fs.StringVar(&f.Format, "log-format", "text", "log format: text or json")
 }
 
