@@ -40,7 +40,7 @@ func TestBadInputGetsClearEvents(t *testing.T) {
 		}
 	}
 	rs, errs := policy.Compile([]policy.Grant{{Namespace: ns, Name: "grant-ok", Spec: policy.GrantSpec{
-		Drivers: []string{drv}, SecretNames: []string{"allowed", "missing"}, Operations: []policy.Operation{policy.OpCreateVolume, policy.OpDeleteVolume},
+		Drivers: []string{drv}, SecretNames: []string{"allowed", "missing"}, Operations: []policy.Operation{policy.OpCreateVolume, policy.OpDeleteVolume, policy.OpNodeStageVolume},
 		Requesters: policy.Requesters{Namespaces: []string{ns}}}}})
 	if len(errs) != 0 {
 		t.Fatal(errs)
@@ -58,6 +58,10 @@ func TestBadInputGetsClearEvents(t *testing.T) {
 	}{
 		{"unknown-secret", drv, secretParams("missing"), []string{"secret " + ns + "/missing", "not found"}},
 		{"denied-secret", drv, secretParams("forbidden"), []string{"denied by policy", ns + "/forbidden", drv, "CreateVolume"}},
+		// A node secret goes into the PV for the kubelet: decided before
+		// the volume is made.
+		{"denied-node-secret", drv, map[string]string{"csi.storage.k8s.io/node-stage-secret-name": "forbidden", "csi.storage.k8s.io/node-stage-secret-namespace": ns},
+			[]string{"denied by policy", ns + "/forbidden", drv, "NodeStageVolume", "into the PV"}},
 		{"bad-template", drv, map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "${pvc.annotations['x']}", "csi.storage.k8s.io/provisioner-secret-namespace": ns}, []string{"csi.storage.k8s.io/provisioner-secret-name", "pvc.annotations"}},
 		{"unknown-csi-key", drv, map[string]string{"csi.storage.k8s.io/frobnicate": "1"}, []string{"csi.storage.k8s.io/frobnicate"}},
 		{"driver-rejects", drv, map[string]string{"colour": "red"}, []string{"InvalidArgument", `unknown parameter "colour"`}},
@@ -67,7 +71,10 @@ func TestBadInputGetsClearEvents(t *testing.T) {
 		class := makeClass(t, c, clusterName(ns, tc.claim), tc.driver, imm, del, tc.params)
 		makeClaim(t, c, ns, tc.claim, class.Name, "1Gi")
 	}
-	goodClass := makeClass(t, c, clusterName(ns, "good"), drv, imm, del, secretParams("allowed"))
+	goodParams := secretParams("allowed")
+	goodParams["csi.storage.k8s.io/node-stage-secret-name"] = "allowed"
+	goodParams["csi.storage.k8s.io/node-stage-secret-namespace"] = ns
+	goodClass := makeClass(t, c, clusterName(ns, "good"), drv, imm, del, goodParams)
 	makeClaim(t, c, ns, "good", goodClass.Name, "1Gi")
 
 	for _, tc := range cases {
@@ -82,6 +89,13 @@ func TestBadInputGetsClearEvents(t *testing.T) {
 		})
 	}
 	bound := waitBound(t, c, ns, "good", 60*time.Second)
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, bound.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ref := pv.Spec.CSI.NodeStageSecretRef; ref == nil || ref.Name != "allowed" || ref.Namespace != ns {
+		t.Fatalf("good claim's PV node-stage secret ref %+v, want %s/allowed", ref, ns)
+	}
 	vols := d.Volumes()
 	if len(vols) != 1 || vols[0].Name != bound.Spec.VolumeName {
 		t.Fatalf("driver volumes %+v: only the good claim's volume should exist", vols)

@@ -289,6 +289,24 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if err != nil {
 		return fail("%v", err)
 	}
+	// The node secrets go into the PV, where the kubelet reads them for the
+	// node plugin: writing them there is their use, so they are decided
+	// now, before any volume exists.
+	for _, k := range []struct {
+		kind SecretKind
+		op   policy.Operation
+	}{{SecretNodeStage, policy.OpNodeStageVolume}, {SecretNodePublish, policy.OpNodePublishVolume}, {SecretNodeExpand, policy.OpNodeExpandVolume}} {
+		ref, err := SecretRef(k.kind, class.Parameters, pvName, claim)
+		if err != nil {
+			return fail("storageclass %q: %v", class.Name, err)
+		}
+		if ref == nil {
+			continue
+		}
+		if err := p.b.decideSecret(ctx, secretUse{driver: driver, op: k.op, ref: ref, source: policySource(k.kind, class.Parameters), requester: requester}); err != nil {
+			return fail("%v (the secret would go into the PV for the kubelet)", err)
+		}
+	}
 
 	// Durable intent before the call: from here on the volume is never forgotten.
 	stored := proto.Clone(req).(*csi.CreateVolumeRequest)

@@ -50,6 +50,28 @@ func (b *Bridge) fetchSecret(ctx context.Context, u secretUse) (map[string]strin
 	if u.ref == nil {
 		return nil, nil
 	}
+	if err := b.decideSecret(ctx, u); err != nil {
+		return nil, err
+	}
+	s, err := b.cfg.Client.CoreV1().Secrets(u.ref.Namespace).Get(ctx, u.ref.Name, metav1.GetOptions{})
+	if err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil, fmt.Errorf("secret %s/%s for %s of driver %s not found", u.ref.Namespace, u.ref.Name, u.op, u.driver)
+		}
+		// The API error names the object, never its content.
+		return nil, fmt.Errorf("get secret %s/%s: %w", u.ref.Namespace, u.ref.Name, err)
+	}
+	out := make(map[string]string, len(s.Data)+len(s.StringData))
+	for k, v := range s.Data {
+		out[k] = string(v)
+	}
+	return out, nil
+}
+
+// decideSecret asks the policy whether u may happen: an error (wrapping
+// errSecretDenied) says which rule denied what. The decision is counted and
+// audited.
+func (b *Bridge) decideSecret(ctx context.Context, u secretUse) error {
 	if u.requester.Namespace != "" && u.requester.NamespaceLabels == nil {
 		if ns, err := b.namespaces.Get(u.requester.Namespace); err == nil {
 			u.requester.NamespaceLabels = ns.Labels
@@ -67,21 +89,9 @@ func (b *Bridge) fetchSecret(ctx context.Context, u secretUse) (map[string]strin
 	b.metrics.secretDecision.WithLabelValues(u.driver, string(u.op), d.Result()).Inc()
 	policy.Audit(b.log, req, d)
 	if !d.Allowed {
-		return nil, fmt.Errorf("%w: %s", errSecretDenied, d.Reason)
+		return fmt.Errorf("%w: %s", errSecretDenied, d.Reason)
 	}
-	s, err := b.cfg.Client.CoreV1().Secrets(u.ref.Namespace).Get(ctx, u.ref.Name, metav1.GetOptions{})
-	if err != nil {
-		if apierrors.IsNotFound(err) {
-			return nil, fmt.Errorf("secret %s/%s for %s of driver %s not found", u.ref.Namespace, u.ref.Name, u.op, u.driver)
-		}
-		// The API error names the object, never its content.
-		return nil, fmt.Errorf("get secret %s/%s: %w", u.ref.Namespace, u.ref.Name, err)
-	}
-	out := make(map[string]string, len(s.Data)+len(s.StringData))
-	for k, v := range s.Data {
-		out[k] = string(v)
-	}
-	return out, nil
+	return nil
 }
 
 // policySource says where a reference came from, for the policy and its audit.
