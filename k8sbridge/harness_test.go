@@ -35,6 +35,19 @@ type testDrivers struct {
 	nodeLocal map[string]bool
 	// nodeChains[driver][node] for node-local drivers.
 	nodeChains map[string]map[string]*chaintest.Chain
+	// down["driver/node"]: that node's proxy is unreachable (setNodeDown).
+	down map[string]bool
+}
+
+// setNodeDown makes a node-local driver's proxy on node unreachable, or
+// reachable again.
+func (t *testDrivers) setNodeDown(d, node string, down bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.down == nil {
+		t.down = map[string]bool{}
+	}
+	t.down[d+"/"+node] = down
 }
 
 func (t *testDrivers) ControllerConn(d string) (grpc.ClientConnInterface, error) {
@@ -50,7 +63,11 @@ func (t *testDrivers) ControllerConn(d string) (grpc.ClientConnInterface, error)
 func (t *testDrivers) NodeConn(d, node string) (grpc.ClientConnInterface, error) {
 	t.mu.Lock()
 	c := t.nodeChains[d][node]
+	down := t.down[d+"/"+node]
 	t.mu.Unlock()
+	if down {
+		return nil, fmt.Errorf("driver %s: node %s's proxy is unreachable (test)", d, node)
+	}
 	if c == nil {
 		return t.ControllerConn(d)
 	}

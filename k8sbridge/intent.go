@@ -292,6 +292,27 @@ func (s *IntentStore) Has(volumeName string) bool {
 	return false
 }
 
+// Get returns the entry of volumeName as Has finds it (no API call).
+func (s *IntentStore) Get(volumeName string) (Intent, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p, ok := s.adds[volumeName]; ok {
+		return p.intent, true
+	}
+	if s.removedLocked(volumeName) || s.cache == nil {
+		return Intent{}, false
+	}
+	v, ok := s.cache.Data[volumeName]
+	if !ok {
+		return Intent{}, false
+	}
+	var in Intent
+	if err := json.Unmarshal([]byte(v), &in); err != nil {
+		return Intent{}, false
+	}
+	return in, true
+}
+
 // List reads the record from the API server (the source of truth at
 // start-up and for recovery), without the entries this store has been asked
 // to remove and has not written yet.

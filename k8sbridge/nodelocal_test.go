@@ -2,13 +2,17 @@ package k8sbridge
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
@@ -87,5 +91,90 @@ func TestNodeLocalDriver(t *testing.T) {
 	waitEvent(t, c, "default", pinned.Spec.VolumeName, "VolumeFailedDelete", "node "+small+" of node-local volume")
 	if _, err := c.CoreV1().PersistentVolumes().Get(ctx, pinned.Spec.VolumeName, metav1.GetOptions{}); err != nil {
 		t.Fatalf("the PV of a vanished node was removed: %v", err)
+	}
+}
+
+// TestNodeLocalEarlierAttemptsVolumeIsNeverLeft: a node-local volume an
+// earlier attempt may have made on a node is never left there when the
+// claim is provisioned again. An Immediate claim whose first CreateVolume
+// made the volume on the roomier node but answered Aborted is finished on
+// that node, even though the other node now has more room. A
+// WaitForFirstConsumer claim whose selected node changes after an attempt
+// on the old node has the volume deleted on the old node before it is made
+// on the new one; while the old node is unreachable it waits, saying why.
+func TestNodeLocalEarlierAttemptsVolumeIsNeverLeft(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "local.csi.test")
+	a, b := clusterName(ns, "a"), clusterName(ns, "b")
+	drivers := &testDrivers{}
+	inst := map[string]*sampledriver.Driver{}
+	// The first CreateVolume on each node makes the volume, then answers
+	// Aborted ("may still be in progress").
+	lost := sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {First: 1, Code: codes.Aborted, After: true}}}
+	for node, size := range map[string]int64{a: 10 << 30, b: 8 << 30} {
+		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+		if err := env.AddCSINode(ctx, node, drv, node, []string{corev1.LabelHostname}); err != nil {
+			t.Fatal(err)
+		}
+		inst[node] = drivers.addNodeDriver(t, sampledriver.Config{Name: drv, CapacityBytes: size, Topology: map[string]string{corev1.LabelHostname: node}, Faults: lost}, node)
+	}
+	imm, wffc, del := storagev1.VolumeBindingImmediate, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
+	immClass := makeClass(t, c, clusterName(ns, "imm"), drv, imm, del, nil)
+	wffcClass := makeClass(t, c, clusterName(ns, "wffc"), drv, wffc, del, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	// Immediate: placed on a (10Gi free against 8Gi); after the lost
+	// answer a has 5Gi free, but the retry stays on a.
+	makeClaim(t, c, ns, "imm", immClass.Name, "5Gi")
+	waitEvent(t, c, ns, "imm", "ProvisioningFailed", "may still be in progress")
+	bound := waitBound(t, c, ns, "imm", 60*time.Second)
+	if na, nb := len(inst[a].Volumes()), len(inst[b].Volumes()); na != 1 || nb != 0 {
+		t.Fatalf("Immediate claim: volumes on a %d, on b %d; want the one volume on a, where the first attempt made it", na, nb)
+	}
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, bound.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := pv.Annotations[annVolumeNode]; got != a {
+		t.Fatalf("PV node %q, want %s", got, a)
+	}
+
+	// WaitForFirstConsumer: an attempt on b while b's proxy is unreachable
+	// (the broker cannot know whether it made the volume), then the
+	// scheduler moves the claim to a.
+	drivers.setNodeDown(drv, b, true)
+	makeClaim(t, c, ns, "moved", wffcClass.Name, "1Gi")
+	setSelectedNode(t, c, ns, "moved", b)
+	waitEvent(t, c, ns, "moved", "ProvisioningFailed", "unreachable")
+	setSelectedNode(t, c, ns, "moved", a)
+	waitEvent(t, c, ns, "moved", "ProvisioningFailed", "may have made volume")
+	if n := len(inst[a].Volumes()); n != 1 {
+		t.Fatalf("a volume was made on a (%d volumes) before the one b may hold was dealt with", n)
+	}
+	drivers.setNodeDown(drv, b, false)
+	moved := waitBound(t, c, ns, "moved", 60*time.Second)
+	if na, nb := len(inst[a].Volumes()), len(inst[b].Volumes()); na != 2 || nb != 0 {
+		t.Fatalf("moved claim: volumes on a %d, on b %d; want 2 on a and none left on b", na, nb)
+	}
+	pv, err = c.CoreV1().PersistentVolumes().Get(ctx, moved.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := pv.Annotations[annVolumeNode]; got != a {
+		t.Fatalf("moved claim's PV node %q, want %s", got, a)
+	}
+}
+
+func setSelectedNode(t *testing.T, c kubernetes.Interface, ns, claim, node string) {
+	t.Helper()
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, annSelectedNode, node)
+	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Patch(context.Background(), claim, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -272,6 +272,23 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
 	}
 	scheduled := selectedNode != "" // the scheduler chose the node, so it can choose again
+	if prev, ok := p.b.intents.Get(pvName); ok && prev.Node != "" && prev.ClaimUID == string(claim.UID) && p.b.cfg.Drivers.NodeLocal(driver) {
+		// An earlier attempt asked prev.Node's proxy for this volume and
+		// may have made it there (its answer was "may still be in
+		// progress", or the broker stopped before the answer).
+		switch {
+		case selectedNode == "":
+			// Placed by the broker: finish on the same node.
+			selectedNode = prev.Node
+		case selectedNode != prev.Node:
+			// The scheduler moved the claim: the volume the earlier
+			// attempt may have made is deleted there first.
+			if err := p.undoOnNode(ctx, prev); err != nil {
+				return fail("an earlier attempt may have made volume %s on node %s; it must be deleted there before the volume is made on node %s: %v", pvName, prev.Node, selectedNode, err)
+			}
+			p.b.log.Info("deleted the volume an earlier attempt may have made on another node", "volume", pvName, "node", prev.Node, "selected_node", selectedNode)
+		}
+	}
 	if p.b.cfg.Drivers.NodeLocal(driver) && selectedNode == "" {
 		// Immediate claim of a node-local driver: the broker places it.
 		node, err := p.placeOnNode(ctx, claim, class, driver, caps)

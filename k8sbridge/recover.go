@@ -191,6 +191,38 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 	p.b.intents.Remove(in.VolumeName)
 }
 
+// undoOnNode deletes the volume of an intent on its node, if it exists
+// there: the recorded request is re-issued (idempotent by name) to learn
+// its ID, then the volume is deleted. The caller holds the volume's slot.
+func (p *provisioner) undoOnNode(ctx context.Context, in Intent) error {
+	req := &csi.CreateVolumeRequest{}
+	if err := proto.Unmarshal(in.Request, req); err != nil {
+		return fmt.Errorf("unreadable recorded request: %w", err)
+	}
+	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, StorageClass: in.StorageClass}
+	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: policy.Source{Kind: policy.SourceStatic, Key: "intent record"}, requester: requester, recordedNSLabels: in.NamespaceLabels})
+	if err != nil {
+		return err
+	}
+	conn, err := p.conn(in.Driver, in.Node)
+	if err != nil {
+		return err
+	}
+	callCtx, cancel := context.WithTimeout(ctx, p.b.cfg.Timeout)
+	req.Secrets = secrets
+	resp, err := csi.NewControllerClient(conn).CreateVolume(callCtx, req)
+	cancel()
+	req.Secrets = nil
+	if err != nil {
+		return fmt.Errorf("CreateVolume to learn the volume's ID: %s", statusText(err))
+	}
+	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, resp.GetVolume().GetVolumeId(), in.ProvisionerSecret, requester, in.NamespaceLabels); err != nil {
+		return err
+	}
+	p.b.metrics.leaked.WithLabelValues(in.Driver, "deleted").Inc()
+	return nil
+}
+
 // recoveryState is what recovery remembers of an entry whose re-issued
 // CreateVolume failed.
 type recoveryState struct {
