@@ -272,6 +272,21 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
 	}
 	scheduled := selectedNode != "" // the scheduler chose the node, so it can choose again
+	if scheduled {
+		if _, err := p.b.nodes.Get(selectedNode); apierrors.IsNotFound(err) {
+			// Gone from the cache: asked live before giving the node up (the
+			// cache may lag behind a new node).
+			if _, err := p.b.cfg.Client.CoreV1().Nodes().Get(ctx, selectedNode, metav1.GetOptions{}); apierrors.IsNotFound(err) {
+				// The intent record keeps any entry of an earlier attempt:
+				// the volume it may have made is still accounted for.
+				p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: selected node %q no longer exists; asking the scheduler for another node", class.Name, selectedNode)
+				if rerr := p.reschedule(ctx, claim); rerr != nil {
+					return "rescheduled", rerr
+				}
+				return "rescheduled", nil
+			}
+		}
+	}
 	if prev, ok := p.b.intents.Get(pvName); ok && prev.Node != "" && prev.ClaimUID == string(claim.UID) && p.b.cfg.Drivers.NodeLocal(driver) {
 		// An earlier attempt asked prev.Node's proxy for this volume and
 		// may have made it there (its answer was "may still be in

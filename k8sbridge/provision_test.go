@@ -134,3 +134,37 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	}
 	_ = claimB
 }
+
+// TestSelectedNodeGoneReschedules: a WaitForFirstConsumer claim whose
+// selected node no longer exists is handed back to the scheduler (its
+// selected-node annotation removed, with an Event saying why), as
+// external-provisioner does, instead of failing forever; no volume is made.
+func TestSelectedNodeGoneReschedules(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "wffc.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "wffc"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	makeClaim(t, c, ns, "orphaned", class.Name, "1Gi")
+	gone := clusterName(ns, "gone-node")
+	setSelectedNode(t, c, ns, "orphaned", gone)
+	waitEvent(t, c, ns, "orphaned", "ProvisioningFailed", "selected node \""+gone+"\" no longer exists")
+	err := testenv.WaitFor(ctx, 30*time.Second, "selected-node annotation removed", func(ctx context.Context) (bool, string, error) {
+		pvc, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "orphaned", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		_, has := pvc.Annotations[annSelectedNode]
+		return !has, fmt.Sprint(pvc.Annotations), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(d.Volumes()); n != 0 {
+		t.Fatalf("%d volumes made for a node that does not exist", n)
+	}
+}
