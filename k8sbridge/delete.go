@@ -51,10 +51,18 @@ func (d *deleter) ours(pv *corev1.PersistentVolume) bool {
 
 func (d *deleter) enqueue(obj any) {
 	pv, ok := obj.(*corev1.PersistentVolume)
-	if !ok || !d.ours(pv) || !needsDelete(pv) {
+	if !ok || !d.ours(pv) || !(needsDelete(pv) || protectionStale(pv)) {
 		return
 	}
 	d.queue.Add(pv.Name)
+}
+
+// protectionStale: the PV carries the finalizer that keeps it until its
+// volume is deleted, but its reclaim policy is no longer Delete (an admin
+// changed it to keep the data), so no deletion will ever come to remove
+// it; as external-provisioner does, it is removed.
+func protectionStale(pv *corev1.PersistentVolume) bool {
+	return pv.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete && hasFinalizer(pv, finalizerVolume)
 }
 
 func needsDelete(pv *corev1.PersistentVolume) bool {
@@ -88,7 +96,19 @@ func (d *deleter) sync(ctx context.Context, name string) error {
 	if err != nil {
 		return err
 	}
-	if !d.ours(pv) || !needsDelete(pv) {
+	if !d.ours(pv) {
+		return nil
+	}
+	if protectionStale(pv) {
+		cp := pv.DeepCopy()
+		cp.Finalizers = removeString(cp.Finalizers, finalizerVolume)
+		if _, err := d.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("remove finalizer %s from pv %s (reclaim policy %s): %w", finalizerVolume, name, pv.Spec.PersistentVolumeReclaimPolicy, err)
+		}
+		d.b.log.Info("removed the volume-deletion finalizer of a PV no longer reclaimed by Delete", "pv", name, "reclaim_policy", string(pv.Spec.PersistentVolumeReclaimPolicy))
+		return nil
+	}
+	if !needsDelete(pv) {
 		return nil
 	}
 	driver := pv.Spec.CSI.Driver
