@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/kubernetes-csi/csi-lib-utils/accessmodes"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
@@ -196,19 +197,15 @@ func jsonField(s, key string) string {
 	return ""
 }
 
-// capability builds the CSI capability of an attached volume.
-func capability(src *attachSource, singleNodeMultiWriter bool) *csi.VolumeCapability {
+// capability builds the CSI capability of an attached volume, its access
+// mode from all of the volume's access modes as external-attacher (and the
+// resizer here) map them; a volume without any is SINGLE_NODE_WRITER.
+func capability(src *attachSource, singleNodeMultiWriter bool) (*csi.VolumeCapability, error) {
 	mode := csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER
 	if len(src.accessModes) > 0 {
-		switch src.accessModes[0] {
-		case corev1.ReadOnlyMany:
-			mode = csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY
-		case corev1.ReadWriteMany:
-			mode = csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER
-		case corev1.ReadWriteOncePod:
-			if singleNodeMultiWriter {
-				mode = csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER
-			}
+		var err error
+		if mode, err = accessmodes.ToCSIAccessMode(src.accessModes, singleNodeMultiWriter); err != nil {
+			return nil, fmt.Errorf("access modes %v: %w", src.accessModes, err)
 		}
 	}
 	c := &csi.VolumeCapability{AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode}}
@@ -217,7 +214,7 @@ func capability(src *attachSource, singleNodeMultiWriter bool) *csi.VolumeCapabi
 	} else {
 		c.AccessType = &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: src.csi.FSType, MountFlags: src.mountOptions}}
 	}
-	return c
+	return c, nil
 }
 
 func (a *attacher) syncVA(ctx context.Context, name string) error {
@@ -335,13 +332,17 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
 	}
+	volCap, err := capability(src, caps.singleNodeMultiWriter)
+	if err != nil {
+		return a.attachFailed(ctx, va, false, err)
+	}
 	conn, err := a.b.cfg.Drivers.ControllerConn(driver)
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
 	}
 	callCtx, cancel := context.WithTimeout(ctx, a.b.cfg.Timeout)
 	resp, err := csi.NewControllerClient(conn).ControllerPublishVolume(callCtx, &csi.ControllerPublishVolumeRequest{
-		VolumeId: src.csi.VolumeHandle, NodeId: nodeID, VolumeCapability: capability(src, caps.singleNodeMultiWriter),
+		VolumeId: src.csi.VolumeHandle, NodeId: nodeID, VolumeCapability: volCap,
 		Readonly: src.csi.ReadOnly, VolumeContext: src.csi.VolumeAttributes, Secrets: secrets,
 	})
 	cancel()

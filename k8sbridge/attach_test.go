@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -155,5 +156,37 @@ func TestAttachDetach(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestAttachCapabilityFromAllAccessModes: ControllerPublishVolume's access
+// mode comes from all of the volume's access modes, as external-attacher
+// maps them (and as CreateVolume and expansion do here): RWX wins over RWO,
+// RWO is SINGLE_NODE_MULTI_WRITER for a driver that has that capability,
+// and a combination CSI cannot express is an error, not a guess.
+func TestAttachCapabilityFromAllAccessModes(t *testing.T) {
+	rwo, rox, rwx, rwop := corev1.ReadWriteOnce, corev1.ReadOnlyMany, corev1.ReadWriteMany, corev1.ReadWriteOncePod
+	for _, tc := range []struct {
+		modes []corev1.PersistentVolumeAccessMode
+		snmw  bool
+		want  csi.VolumeCapability_AccessMode_Mode
+		bad   bool
+	}{
+		{nil, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false},
+		{[]corev1.PersistentVolumeAccessMode{rwo}, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false},
+		{[]corev1.PersistentVolumeAccessMode{rwo}, true, csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER, false},
+		{[]corev1.PersistentVolumeAccessMode{rwo, rwx}, false, csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, false},
+		{[]corev1.PersistentVolumeAccessMode{rox}, false, csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY, false},
+		{[]corev1.PersistentVolumeAccessMode{rwop}, true, csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, false},
+		{[]corev1.PersistentVolumeAccessMode{rwop}, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false},
+		{[]corev1.PersistentVolumeAccessMode{rox, rwo}, false, 0, true},
+	} {
+		c, err := capability(&attachSource{csi: &corev1.CSIPersistentVolumeSource{Driver: "d", VolumeHandle: "v"}, accessModes: tc.modes}, tc.snmw)
+		switch {
+		case tc.bad && err == nil:
+			t.Errorf("%v (snmw %v): %v, want an error", tc.modes, tc.snmw, c.GetAccessMode().GetMode())
+		case !tc.bad && (err != nil || c.GetAccessMode().GetMode() != tc.want):
+			t.Errorf("%v (snmw %v): %v, %v; want %v", tc.modes, tc.snmw, c.GetAccessMode().GetMode(), err, tc.want)
+		}
 	}
 }
