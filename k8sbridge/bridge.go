@@ -13,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -203,6 +204,9 @@ type Bridge struct {
 	attachments storagelisters.VolumeAttachmentLister
 	namespaces  corelisters.NamespaceLister
 	synced      []cache.InformerSynced
+	// waitFor are more things the controllers wait for (WaitFor), with
+	// what /readyz says while they are not there.
+	waitFor []readiness
 
 	recorder    record.EventRecorder
 	broadcaster record.EventBroadcaster
@@ -294,7 +298,25 @@ func (b *Bridge) Ready() error {
 			return errors.New("kubernetes informer caches have not synced yet")
 		}
 	}
+	for _, w := range b.waitFor {
+		if !w.ready() {
+			return errors.New(w.what)
+		}
+	}
 	return nil
+}
+
+type readiness struct {
+	ready func() bool
+	what  string // said while not ready
+}
+
+// WaitFor makes the controllers wait, as for the informer caches, until
+// ready reports true (the secret policy's grants loaded, so no claim is
+// decided against an empty rule set); /readyz says what while it does not.
+// Call it before Run.
+func (b *Bridge) WaitFor(ready func() bool, what string) {
+	b.waitFor = append(b.waitFor, readiness{ready: ready, what: what})
 }
 
 // Intents exposes the intent record (tests, status).
@@ -312,6 +334,15 @@ func (b *Bridge) Run(ctx context.Context) error {
 		return fmt.Errorf("informer caches did not sync: %w", ctx.Err())
 	}
 	b.log.Info("informer caches synced", "took", time.Since(start).Round(time.Millisecond))
+	for _, w := range b.waitFor {
+		if w.ready() {
+			continue
+		}
+		b.log.Info("waiting before running the controllers", "for", w.what)
+		if err := wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(context.Context) (bool, error) { return w.ready(), nil }); err != nil {
+			return nil // stopped while waiting
+		}
+	}
 	if !b.cfg.LeaderElection {
 		b.setLeader(true, b.cfg.Identity)
 		b.lead(ctx)

@@ -2,9 +2,16 @@ package k8sbridge
 
 import (
 	"context"
+	"fmt"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+
+	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 )
 
@@ -26,5 +33,36 @@ func TestReadyFollowsCacheSync(t *testing.T) {
 		return true, "", nil
 	}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestControllersWaitForThePolicy: with something to wait for (the
+// SecretGrants in a broker), no claim is provisioned and /readyz says what
+// it waits for until it is there; then the claim is provisioned.
+func TestControllersWaitForThePolicy(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "wait.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "wait"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	var loaded atomic.Bool
+	r := startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.WaitFor(loaded.Load, "grants not loaded (test)") }})
+	makeClaim(t, c, ns, "early", class.Name, "1Gi")
+	if err := testenv.WaitFor(context.Background(), 30*time.Second, "readyz naming what it waits for", func(context.Context) (bool, string, error) {
+		err := r.b.Ready()
+		return err != nil && strings.Contains(err.Error(), "grants not loaded (test)"), fmt.Sprint(err), nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Second) // what a controller would have done by now
+	if n := d.CallCount("CreateVolume"); n != 0 {
+		t.Fatalf("%d CreateVolume calls before the policy was loaded", n)
+	}
+	loaded.Store(true)
+	waitBound(t, c, ns, "early", 60*time.Second)
+	if err := r.b.Ready(); err != nil {
+		t.Fatalf("Ready() after the wait: %v", err)
 	}
 }

@@ -22,6 +22,7 @@ import (
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/telemetry"
 	"github.com/csibroker/csibroker/k8sbridge"
+	"github.com/csibroker/csibroker/policy"
 	brokerstatusv1 "github.com/csibroker/csibroker/proto/brokerstatus/v1"
 )
 
@@ -147,6 +148,18 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 			return err
 		}
 		leader, ready = bridge.Leader, bridge.Ready
+		if cfg.Kube.PolicyCRDs {
+			gc, err := newGrantController(restCfg, store, bridge, log)
+			if err != nil {
+				return err
+			}
+			if cfg.Kube.PolicyMode != string(policy.ModeOff) {
+				// No claim is decided against a rule set without the
+				// cluster's grants in it.
+				bridge.WaitFor(gc.HasSynced, "SecretGrants not loaded yet (is the SecretGrant CRD installed, and may the broker list SecretGrants?)")
+			}
+			g.Go(func() error { return gc.Run(ctx) })
+		}
 		g.Go(func() error { return bridge.Run(ctx) })
 		if cfg.Kube.DiscoverProxies != "" {
 			var static []string
@@ -161,11 +174,6 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 			g.Go(func() error { return disc.Run(ctx) })
 		}
 		g.Go(func() error { cfg.Kube.watchPolicyFile(ctx, store, log); return nil })
-		if cfg.Kube.PolicyCRDs {
-			if err := startGrantController(ctx, g, restCfg, store, bridge, log); err != nil {
-				return err
-			}
-		}
 	}
 	for name, path := range sockets {
 		g.Go(func() error { return b.ServeSocket(ctx, name, path) })
