@@ -113,7 +113,8 @@ func (c ExternalConfig) Validate() error {
 	case u.Host == "":
 		return fmt.Errorf("external decision point URL %q: no host", u.Redacted())
 	case u.RawQuery != "" || u.Fragment != "":
-		return fmt.Errorf("external decision point URL %q: must not carry a query or fragment", u.Redacted())
+		// Not echoed: a query may carry a token.
+		return fmt.Errorf("external decision point URL %s://%s%s: must not carry a query or fragment", u.Scheme, u.Host, u.EscapedPath())
 	}
 	p := strings.Trim(c.Path, "/")
 	if p == "" {

@@ -324,7 +324,8 @@ func TestExternalConfigValidate(t *testing.T) {
 		"user info":                 {URL: "http://u:secret@h", Path: "p"},
 		"user info, bad scheme":     {URL: "ftp://u:secret@h", Path: "p"},
 		"unparsable with user info": {URL: "http://u:secret@h\x7f", Path: "p"},
-		"query":                     {URL: "http://h?x=1", Path: "p"},
+		"query":                     {URL: "http://h?token=secret", Path: "p"},
+		"fragment":                  {URL: "http://h#secret", Path: "p"},
 		"no path":                   {URL: "http://h"},
 		"dot-dot path":              {URL: "http://h", Path: "a/../b"},
 		"negative":                  {URL: "http://h", Path: "p", Timeout: -1},
@@ -333,7 +334,7 @@ func TestExternalConfigValidate(t *testing.T) {
 		if _, err := NewExternal(cfg); err == nil {
 			t.Errorf("%s: accepted", name)
 		} else if strings.Contains(err.Error(), "secret") {
-			t.Errorf("%s: error leaks the URL's password: %v", name, err)
+			t.Errorf("%s: error leaks the URL's password, query or fragment: %v", name, err)
 		}
 	}
 	if _, err := NewExternal(ExternalConfig{URL: "https://opa.example.com:8181", Path: "csibroker/allow"}); err != nil {
