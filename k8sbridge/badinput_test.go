@@ -56,7 +56,7 @@ func TestBadInputGetsClearEvents(t *testing.T) {
 		params        map[string]string
 		want          []string
 	}{
-		{"unknown-secret", drv, secretParams("missing"), []string{"secret " + ns + "/missing", "not found"}},
+		{"unknown-secret", drv, secretParams("missing"), []string{"secret " + ns + "/missing", "not found", "named by csi.storage.k8s.io/provisioner-secret-name"}},
 		{"denied-secret", drv, secretParams("forbidden"), []string{"denied by policy", ns + "/forbidden", drv, "CreateVolume"}},
 		// A node secret goes into the PV for the kubelet: decided before
 		// the volume is made.

@@ -131,6 +131,10 @@ func (d *deleter) sync(ctx context.Context, name string) error {
 	var secretRef *corev1.SecretReference
 	if n, ns := pv.Annotations[annDeletionSecretName], pv.Annotations[annDeletionSecretNS]; n != "" || ns != "" {
 		secretRef = &corev1.SecretReference{Name: n, Namespace: ns}
+	} else if secretRef, err = d.classDeletionSecret(pv); err != nil {
+		d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", "%v", err)
+		d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
+		return err
 	}
 	requester := policy.Requester{Kind: policy.KindPersistentVolume, Name: pv.Name, StorageClass: pv.Spec.StorageClassName}
 	if cr := pv.Spec.ClaimRef; cr != nil {
@@ -139,6 +143,7 @@ func (d *deleter) sync(ctx context.Context, name string) error {
 	node := ""
 	if d.b.cfg.Drivers.NodeLocal(driver) {
 		node = pvNode(pv)
+		requester.Node = node // the node whose proxy receives the secret
 		if node == "" {
 			d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete",
 				"volume %s of node-local driver %s names no node (no %s annotation, no single hostname in its node affinity); cannot tell which node's proxy holds it", pv.Spec.CSI.VolumeHandle, driver, annVolumeNode)
@@ -182,6 +187,30 @@ func (d *deleter) sync(ctx context.Context, name string) error {
 	d.b.metrics.deletions.WithLabelValues(driver, "success").Inc()
 	d.b.log.Info("volume deleted", "pv", name, "driver", driver, "volume_id", pv.Spec.CSI.VolumeHandle)
 	return nil
+}
+
+// classDeletionSecret is the provisioner secret of a PV that records none
+// (made by an external-provisioner older than the deletion-secret
+// annotations): as external-provisioner does, its StorageClass's
+// provisioner secret, resolved for the PV and its claim reference. None if
+// the class is gone or names no secret.
+func (d *deleter) classDeletionSecret(pv *corev1.PersistentVolume) (*corev1.SecretReference, error) {
+	if pv.Spec.StorageClassName == "" {
+		return nil, nil
+	}
+	class, err := d.b.classes.Get(pv.Spec.StorageClassName)
+	if err != nil {
+		return nil, nil
+	}
+	claim := &corev1.PersistentVolumeClaim{}
+	if cr := pv.Spec.ClaimRef; cr != nil {
+		claim.Name, claim.Namespace = cr.Name, cr.Namespace
+	}
+	ref, err := SecretRef(SecretProvisioner, class.Parameters, pv.Name, claim)
+	if err != nil {
+		return nil, fmt.Errorf("persistentvolume %s records no deletion secret, and its StorageClass %q's provisioner secret cannot be resolved for it: %w", pv.Name, class.Name, err)
+	}
+	return ref, nil
 }
 
 // pvNode is the node of a node-local PV: recorded at provisioning, else the

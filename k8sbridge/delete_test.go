@@ -205,3 +205,52 @@ func TestRetainedPVLosesTheDeletionFinalizer(t *testing.T) {
 		t.Fatalf("retained volume: %d volumes, %d DeleteVolume calls; want it kept", n, d.CallCount("DeleteVolume"))
 	}
 }
+
+// TestDeleteFallsBackToTheClassSecret: a PV that records no deletion
+// secret (made by an external-provisioner older than those annotations) is
+// deleted with its StorageClass's provisioner secret, as
+// external-provisioner does, through the policy.
+func TestDeleteFallsBackToTheClassSecret(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "old.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: ns}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	rs, errs := policy.Compile([]policy.Grant{{Namespace: ns, Name: "g", Spec: policy.GrantSpec{
+		Drivers: []string{drv}, SecretNames: []string{"creds"}, Operations: []policy.Operation{policy.OpCreateVolume, policy.OpDeleteVolume},
+		Requesters: policy.Requesters{Namespaces: []string{ns}}}}})
+	if len(errs) != 0 {
+		t.Fatal(errs)
+	}
+	class := makeClass(t, c, clusterName(ns, "old"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
+	r := startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}})
+	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	pvName := claim.Spec.VolumeName
+	// As an old provisioner left it: no deletion-secret annotations.
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:null,%q:null}}}`, annDeletionSecretName, annDeletionSecretNS)
+	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := testenv.WaitFor(ctx, 60*time.Second, "PV deleted", func(ctx context.Context) (bool, string, error) {
+		_, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(d.Volumes()); n != 0 {
+		t.Fatalf("%d volumes left", n)
+	}
+	if got := r.metricValue(t, "csibroker_secret_policy_decisions_total", map[string]string{"operation": "DeleteVolume", "decision": "allow"}); got < 1 {
+		t.Fatalf("DeleteVolume secret decisions allowed: %v, want the class's secret decided and used", got)
+	}
+}

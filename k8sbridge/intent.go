@@ -473,6 +473,11 @@ func (s *IntentStore) failAll(err error) {
 		p.done <- err
 		delete(s.adds, k)
 	}
+	// The term is over: what it meant to remove, and its copy of the
+	// record, may be stale by the next term (another leader writes
+	// meanwhile), which starts from a fresh read.
+	clear(s.removes)
+	s.cache, s.loaded = nil, false
 }
 
 // flush writes every queued change in one update (re-reading on conflict).

@@ -626,3 +626,57 @@ func TestIntentReaderCreatesMissingRecordOnBudget(t *testing.T) {
 		t.Fatalf("%d tokens taken, want 2 (the budgeted GET that found no record, and the create)", tokens)
 	}
 }
+
+// TestIntentTermEndForgetsItsRemoves: a Remove queued when a leadership
+// term ends is not carried into this replica's next term: meanwhile
+// another leader may have added the entry again (a create in flight), and
+// the next term must see it and keep it.
+func TestIntentTermEndForgetsItsRemoves(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	s := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
+	s.removeDelay = time.Hour // queued Removes wait for an Add
+	term1, end1 := context.WithCancel(ctx)
+	done1 := make(chan struct{})
+	go func() { s.Run(term1); close(done1) }()
+	if err := s.Add(ctx, Intent{VolumeName: "v", ClaimNamespace: ns, ClaimName: "v"}); err != nil {
+		t.Fatal(err)
+	}
+	s.Remove("v") // queued, never written: the term ends
+	end1()
+	<-done1
+
+	// Another leader, meanwhile, records "v" again.
+	other := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
+	term, endOther := context.WithCancel(ctx)
+	go other.Run(term)
+	if err := other.Add(ctx, Intent{VolumeName: "v", ClaimNamespace: ns, ClaimName: "v", Node: "other-leaders"}); err != nil {
+		t.Fatal(err)
+	}
+	endOther()
+
+	// This replica leads again.
+	go s.Run(ctx)
+	ins, err := s.List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ins) != 1 || ins[0].VolumeName != "v" {
+		t.Fatalf("next term lists %+v, want the entry the other leader wrote", ins)
+	}
+	if in, ok := s.Get("v"); !ok || in.Node != "other-leaders" {
+		t.Fatalf("next term's Get(v) = %+v, %v; want the other leader's entry", in, ok)
+	}
+	if err := s.Add(ctx, Intent{VolumeName: "w", ClaimNamespace: ns, ClaimName: "w"}); err != nil {
+		t.Fatal(err)
+	}
+	ins, err = NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ins) != 2 {
+		t.Fatalf("record after the next term's first write: %+v, want v kept and w added", ins)
+	}
+}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/policy"
 )
 
 // TestNodeLocalDriver: two nodes, each with its own instance of one
@@ -176,5 +177,50 @@ func setSelectedNode(t *testing.T, c kubernetes.Interface, ns, claim, node strin
 	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, annSelectedNode, node)
 	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Patch(context.Background(), claim, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestNodeLocalGrantByNode: a node-local driver's CreateVolume goes to the
+// selected node's proxy, so a grant's requesters.nodes decides which nodes'
+// proxies may receive the provisioner secret.
+func TestNodeLocalGrantByNode(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "local.csi.test")
+	a, b := clusterName(ns, "a"), clusterName(ns, "b")
+	drivers := &testDrivers{}
+	inst := map[string]*sampledriver.Driver{}
+	for _, node := range []string{a, b} {
+		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+		if err := env.AddCSINode(ctx, node, drv, node, []string{corev1.LabelHostname}); err != nil {
+			t.Fatal(err)
+		}
+		inst[node] = drivers.addNodeDriver(t, sampledriver.Config{Name: drv, CapacityBytes: 10 << 30, Topology: map[string]string{corev1.LabelHostname: node}}, node)
+	}
+	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: ns}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	rs, errs := policy.Compile([]policy.Grant{{Namespace: ns, Name: "only-a", Spec: policy.GrantSpec{
+		Drivers: []string{drv}, SecretNames: []string{"creds"}, Operations: []policy.Operation{policy.OpCreateVolume},
+		Requesters: policy.Requesters{Namespaces: []string{ns}, Nodes: []string{a}}}}})
+	if len(errs) != 0 {
+		t.Fatal(errs)
+	}
+	class := makeClass(t, c, clusterName(ns, "wffc"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete,
+		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": ns})
+	startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}})
+	makeClaim(t, c, ns, "on-a", class.Name, "1Gi")
+	setSelectedNode(t, c, ns, "on-a", a)
+	makeClaim(t, c, ns, "on-b", class.Name, "1Gi")
+	setSelectedNode(t, c, ns, "on-b", b)
+	waitBound(t, c, ns, "on-a", 60*time.Second)
+	waitEvent(t, c, ns, "on-b", "ProvisioningFailed", "denied by policy")
+	if na, nb := len(inst[a].Volumes()), len(inst[b].Volumes()); na != 1 || nb != 0 {
+		t.Fatalf("volumes on a %d, on b %d; want only a's proxy to have received the secret", na, nb)
 	}
 }

@@ -317,6 +317,11 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return fail("%v", err)
 	}
 	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name, Labels: claim.Labels, StorageClass: class.Name}
+	if p.b.cfg.Drivers.NodeLocal(driver) {
+		// The call goes to this node's proxy: a grant's requesters.nodes
+		// can say which nodes' proxies may receive the secret.
+		requester.Node = selectedNode
+	}
 	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpCreateVolume, ref: provSecretRef, source: policySource(SecretProvisioner, class.Parameters), requester: requester})
 	if err != nil {
 		return fail("%v", err)

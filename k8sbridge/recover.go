@@ -145,11 +145,21 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 		log.Error("recovery: unreadable recorded request; leaving the entry for an admin", "err", err)
 		return
 	}
-	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, StorageClass: in.StorageClass}
+	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, StorageClass: in.StorageClass, Node: in.Node}
 	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: policy.Source{Kind: policy.SourceStatic, Key: "intent record"}, requester: requester, recordedNSLabels: in.NamespaceLabels})
 	if err != nil {
-		log.Error("recovery: cannot re-issue CreateVolume", "err", err)
+		// A secret denied or gone (its namespace deleted, say): retried
+		// with the same backoff as a failed call, and reported the same
+		// way once it keeps failing.
 		p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
+		n, wait := p.recoveryFailed(in.VolumeName, now)
+		if n == 3 {
+			p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
+			log.Error("recovery: cannot re-issue CreateVolume of an orphaned volume without its secret; the intent record keeps it (delete the entry once the volume is dealt with)",
+				"configmap", p.b.cfg.Namespace+"/csibroker-intents", "attempts", n, "retry_in", wait, "err", err)
+		} else {
+			log.Warn("recovery: cannot re-issue CreateVolume; will retry", "attempt", n, "retry_in", wait, "err", err)
+		}
 		return
 	}
 	conn, err := p.conn(in.Driver, in.Node)
@@ -199,7 +209,7 @@ func (p *provisioner) undoOnNode(ctx context.Context, in Intent) error {
 	if err := proto.Unmarshal(in.Request, req); err != nil {
 		return fmt.Errorf("unreadable recorded request: %w", err)
 	}
-	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, StorageClass: in.StorageClass}
+	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, StorageClass: in.StorageClass, Node: in.Node}
 	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: policy.Source{Kind: policy.SourceStatic, Key: "intent record"}, requester: requester, recordedNSLabels: in.NamespaceLabels})
 	if err != nil {
 		return err

@@ -373,7 +373,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 			driver: driver, op: policy.OpControllerExpandVolume, ref: pv.Spec.CSI.ControllerExpandSecretRef,
 			source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerExpandSecretRef"},
 			requester: policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name,
-				Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName},
+				Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName, Node: expandNode(r.b.cfg.Drivers, driver, pv)},
 		})
 		if err != nil {
 			return failed("not_called", err)
@@ -391,7 +391,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 	newSize, nodeRequired := target, true
 	if req != nil {
 		var conn grpc.ClientConnInterface
-		if node := pvNode(pv); node != "" && r.b.cfg.Drivers.NodeLocal(driver) {
+		if node := expandNode(r.b.cfg.Drivers, driver, pv); node != "" {
 			conn, err = r.b.cfg.Drivers.NodeConn(driver, node)
 		} else {
 			conn, err = r.b.cfg.Drivers.ControllerConn(driver)
@@ -803,4 +803,13 @@ func (r *resizer) patchClaimStatus(ctx context.Context, old, cur *corev1.Persist
 		return old, fmt.Errorf("patch status of claim %s/%s: %w", old.Namespace, old.Name, err)
 	}
 	return updated, nil
+}
+
+// expandNode is the node whose proxy receives a volume's expansion: its
+// own for a node-local driver's volume, none (the controller's) otherwise.
+func expandNode(drivers Drivers, driver string, pv *corev1.PersistentVolume) string {
+	if !drivers.NodeLocal(driver) {
+		return ""
+	}
+	return pvNode(pv)
 }

@@ -56,7 +56,11 @@ func (b *Bridge) fetchSecret(ctx context.Context, u secretUse) (map[string]strin
 	s, err := b.cfg.Client.CoreV1().Secrets(u.ref.Namespace).Get(ctx, u.ref.Name, metav1.GetOptions{})
 	if err != nil {
 		if apierrors.IsNotFound(err) {
-			return nil, fmt.Errorf("secret %s/%s for %s of driver %s not found", u.ref.Namespace, u.ref.Name, u.op, u.driver)
+			from := ""
+			if u.source.Key != "" {
+				from = " (named by " + u.source.Key + ")"
+			}
+			return nil, fmt.Errorf("secret %s/%s%s for %s of driver %s not found: create it, or correct the reference", u.ref.Namespace, u.ref.Name, from, u.op, u.driver)
 		}
 		// The API error names the object, never its content.
 		return nil, fmt.Errorf("get secret %s/%s: %w", u.ref.Namespace, u.ref.Name, err)
