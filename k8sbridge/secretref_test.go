@@ -7,6 +7,8 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/csibroker/csibroker/policy"
 )
 
 func TestSecretParamKeys(t *testing.T) {
@@ -249,6 +251,30 @@ func TestSecretRefEveryKind(t *testing.T) {
 			if ref, err := SecretRef(other, params, purePV, pureClaim()); ref != nil || err != nil {
 				t.Errorf("%s's keys gave %s: %+v, %v", kind, other, ref, err)
 			}
+		}
+	}
+}
+
+// TestPolicySourceNamesTheKeysRead: the policy and its audit are told the
+// parameter SecretRef actually read, a deprecated one included, and whether
+// it was a template.
+func TestPolicySourceNamesTheKeysRead(t *testing.T) {
+	for _, tc := range []struct {
+		params   map[string]string
+		kind     policy.SourceKind
+		key      string
+		template string
+	}{
+		{map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "s", "csi.storage.k8s.io/provisioner-secret-namespace": "ns"},
+			policy.SourceStorageClassParameter, "csi.storage.k8s.io/provisioner-secret-name", ""},
+		{map[string]string{"csiProvisionerSecretName": "${pvc.name}", "csiProvisionerSecretNamespace": "ns"},
+			policy.SourceTemplate, "csiProvisionerSecretName", "ns/${pvc.name}"},
+		{map[string]string{"csiProvisionerSecretName": "s", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"},
+			policy.SourceTemplate, "csiProvisionerSecretName", "${pvc.namespace}/s"},
+	} {
+		got := policySource(SecretProvisioner, tc.params)
+		if got.Kind != tc.kind || got.Key != tc.key || got.Template != tc.template {
+			t.Errorf("%v: %+v, want kind %s key %s template %q", tc.params, got, tc.kind, tc.key, tc.template)
 		}
 	}
 }
