@@ -49,7 +49,9 @@ type Discovery struct {
 	registry Registry
 	template broker.DriverConfig // timeouts and retries for discovered drivers
 	static   map[string]bool
-	log      *slog.Logger
+	// namespaces where proxy pods may be (empty: every namespace).
+	namespaces map[string]bool
+	log        *slog.Logger
 
 	factory informers.SharedInformerFactory
 	pods    corelisters.PodLister
@@ -60,11 +62,12 @@ type Discovery struct {
 	current map[string]broker.DriverConfig
 }
 
-// NewDiscovery watches pods matching selector in namespace (all namespaces
-// when empty). Restricting it to the namespaces where drivers run keeps
-// tenants who can create pods elsewhere from offering proxies (mTLS would
-// refuse an impostor, but it could hold the driver's route).
-func NewDiscovery(client kubernetes.Interface, selector, namespace string, registry Registry, template broker.DriverConfig, static []string, log *slog.Logger) (*Discovery, error) {
+// NewDiscovery watches pods matching selector in namespaces (all namespaces
+// when none is given). Restricting it to the namespaces where drivers'
+// proxies run keeps tenants who can create pods elsewhere from offering
+// proxies: mTLS would refuse an impostor, but it could hold the driver's
+// route (the first Ready pod by name is a driver's controller proxy).
+func NewDiscovery(client kubernetes.Interface, selector string, namespaces []string, registry Registry, template broker.DriverConfig, static []string, log *slog.Logger) (*Discovery, error) {
 	if _, err := labels.Parse(selector); err != nil {
 		return nil, fmt.Errorf("proxy discovery selector %q: %w", selector, err)
 	}
@@ -77,8 +80,19 @@ func NewDiscovery(client kubernetes.Interface, selector, namespace string, regis
 		d.static[s] = true
 	}
 	opts := []informers.SharedInformerOption{informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }), informers.WithTransform(stripBulk)}
-	if namespace != "" {
-		opts = append(opts, informers.WithNamespace(namespace))
+	switch len(namespaces) {
+	case 0:
+		d.log.Warn("proxy pods are discovered in every namespace: anyone who can create a pod can offer one and take a driver's route (set --discover-proxies-namespace)", "selector", selector)
+	case 1:
+		opts = append(opts, informers.WithNamespace(namespaces[0]))
+	}
+	if len(namespaces) > 0 {
+		// More than one: one watch of every namespace's matching pods,
+		// those of other namespaces ignored (and said so).
+		d.namespaces = map[string]bool{}
+		for _, n := range namespaces {
+			d.namespaces[n] = true
+		}
 	}
 	d.factory = informers.NewSharedInformerFactoryWithOptions(client, 0, opts...)
 	pods := d.factory.Core().V1().Pods()
@@ -191,6 +205,17 @@ func (d *Discovery) sync() {
 	if err != nil {
 		d.log.Error("list proxy pods", "err", err)
 		return
+	}
+	if d.namespaces != nil {
+		mine := pods[:0]
+		for _, p := range pods {
+			if d.namespaces[p.Namespace] {
+				mine = append(mine, p)
+			} else {
+				d.log.Warn("proxy discovery: a pod outside the proxy namespaces matches the selector; ignored", "pod", p.Namespace+"/"+p.Name)
+			}
+		}
+		pods = mine
 	}
 	want, problems := DriversFromPods(pods, d.template)
 	for _, p := range problems {

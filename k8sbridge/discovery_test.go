@@ -104,44 +104,54 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	reg := &fakeRegistry{drivers: map[string]broker.DriverConfig{}}
 	drv := clusterName(ns, "disc.csi.test")
 	selector := "csibroker-test=" + ns
-	d, err := NewDiscovery(c, selector, ns, reg, broker.DriverConfig{}, []string{"static.csi.test"}, nil)
+	// Two proxy namespaces (one watch of all namespaces, filtered); a
+	// tenant's namespace is not one of them.
+	tenant := env.NewNamespace(t)
+	d, err := NewDiscovery(c, selector, []string{ns, env.NewNamespace(t)}, reg, broker.DriverConfig{}, []string{"static.csi.test"}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	go d.Run(ctx)
 
-	mk := func(name, ip string, nodeProxy bool) {
+	mk := func(pns, drv, name, ip string, nodeProxy bool) {
 		p := proxyPod(name, drv, "", "", nodeProxy, false, "")
-		p.Namespace = ns
+		p.Namespace = pns
 		p.Labels = map[string]string{"csibroker-test": ns}
 		p.Spec.Containers = []corev1.Container{{Name: "proxy", Image: "csibroker"}}
 		p.Status = corev1.PodStatus{}
-		created, err := c.CoreV1().Pods(ns).Create(ctx, p, metav1.CreateOptions{})
+		created, err := c.CoreV1().Pods(pns).Create(ctx, p, metav1.CreateOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
 		// The scheduler updates the pod too (no node can take it), so retry
 		// on conflicts, as a kubelet would.
 		err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
-			cur, err := c.CoreV1().Pods(ns).Get(ctx, created.Name, metav1.GetOptions{})
+			cur, err := c.CoreV1().Pods(pns).Get(ctx, created.Name, metav1.GetOptions{})
 			if err != nil {
 				return err
 			}
 			cur.Status = corev1.PodStatus{PodIP: ip, Phase: corev1.PodRunning, Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}}
-			_, err = c.CoreV1().Pods(ns).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
+			_, err = c.CoreV1().Pods(pns).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
 			return err
 		})
 		if err != nil {
 			t.Fatal(err)
 		}
 	}
-	mk("controller", "10.1.0.1", false)
+	// A Ready pod in the tenant's namespace, offering a proxy of its own
+	// driver: created first, and never registered.
+	impostor := clusterName(tenant, "impostor.csi.test")
+	mk(tenant, impostor, "impostor", "10.9.9.9", false)
+	mk(ns, drv, "controller", "10.1.0.1", false)
 	err = testenv.WaitFor(ctx, 30*time.Second, "driver discovered", func(context.Context) (bool, string, error) {
 		cfg, ok := reg.get(drv)
 		return ok && cfg.Controller != nil && cfg.Controller.Address == "10.1.0.1:7443", "", nil
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if cfg, ok := reg.get(impostor); ok {
+		t.Fatalf("a pod outside the proxy namespaces was registered: %+v", cfg)
 	}
 	if err := c.CoreV1().Pods(ns).Delete(ctx, "controller", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
 		t.Fatal(err)

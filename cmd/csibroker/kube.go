@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -86,7 +87,7 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.RetryIntervalStart, "retry-interval-start", time.Second, "first backoff of a failed claim or volume (doubles per failure)")
 	fs.DurationVar(&f.RetryIntervalMax, "retry-interval-max", 5*time.Minute, "largest backoff of a failed claim or volume")
 	fs.StringVar(&f.DiscoverProxies, "discover-proxies", "", "label selector of proxy pods to register as drivers' proxies (annotations csibroker.io/driver, csibroker.io/proxy-port, csibroker.io/node-proxy, csibroker.io/node-local); empty: off")
-	fs.StringVar(&f.DiscoverNamespace, "discover-proxies-namespace", "", "only pods of this namespace are proxies (empty: every namespace; restrict it where tenants can create pods)")
+	fs.StringVar(&f.DiscoverNamespace, "discover-proxies-namespace", "", "comma-separated namespaces whose pods may be proxies (empty: every namespace, which lets anyone who can create a pod take a driver's route)")
 	fs.StringVar(&f.PolicyMode, "policy-mode", "enforce", "secret policy mode: enforce (deny by default), audit (log and count would-be denials, allow), off")
 	fs.StringVar(&f.PolicyFile, "policy-file", "", "YAML/JSON file of SecretGrant objects (re-read every --policy-reload-interval)")
 	fs.BoolVar(&f.PolicyCRDs, "policy-crds", true, "read SecretGrant objects (policy.csibroker.io) from the cluster")
@@ -286,4 +287,15 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 		return nil, nil, err
 	}
 	return b, objCfg, nil
+}
+
+// discoverNamespaces is --discover-proxies-namespace as a list.
+func (f *kubeFlags) discoverNamespaces() []string {
+	var out []string
+	for _, n := range strings.Split(f.DiscoverNamespace, ",") {
+		if n = strings.TrimSpace(n); n != "" {
+			out = append(out, n)
+		}
+	}
+	return out
 }
