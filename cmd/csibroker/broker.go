@@ -62,7 +62,7 @@ func (c *BrokerCommandConfig) Validate() error {
 	if c.RetryStart <= 0 || c.RetryMax < c.RetryStart {
 		errs = append(errs, errors.New("--csi-retry-interval-start must be positive and at most --csi-retry-interval-max"))
 	}
-	errs = append(errs, c.TLS.Validate(), c.Log.Validate(), c.Kube.validate())
+	errs = append(errs, validateMetricsPath(c.MetricsPath), c.TLS.Validate(), c.Log.Validate(), c.Kube.validate())
 	return errors.Join(errs...)
 }
 

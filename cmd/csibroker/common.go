@@ -10,6 +10,7 @@ type (
 )
 
 var (
-	parseFlags = cli.ParseFlags
-	serveHTTP  = cli.ServeHTTP
+	parseFlags          = cli.ParseFlags
+	serveHTTP           = cli.ServeHTTP
+	validateMetricsPath = cli.ValidateMetricsPath
 )

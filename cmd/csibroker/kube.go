@@ -123,10 +123,23 @@ func (f *kubeFlags) enabled() (bool, error) {
 	return false, fmt.Errorf("--kubernetes %q: want on, off or auto", f.Mode)
 }
 
+// minUUIDLength is the shortest --volume-name-uuid-length taken: 8 hex
+// digits of a random UID keep a collision among thousands of claims
+// unlikely; fewer make it likely.
+const minUUIDLength = 8
+
 func (f *kubeFlags) validate() error {
 	var errs []error
-	if _, err := f.enabled(); err != nil {
+	if on, err := f.enabled(); err != nil {
 		errs = append(errs, err)
+	} else if !on && f.DiscoverProxies != "" {
+		errs = append(errs, fmt.Errorf("--discover-proxies finds proxies in Kubernetes, which is off here (--kubernetes %s, no --kubeconfig, not in a pod)", f.Mode))
+	}
+	if f.PolicyFile != "" && f.PolicyInterval <= 0 {
+		errs = append(errs, errors.New("--policy-reload-interval must be positive"))
+	}
+	if f.VolumeNameUUIDLength != -1 && f.VolumeNameUUIDLength < minUUIDLength {
+		errs = append(errs, fmt.Errorf("--volume-name-uuid-length %d: -1 (the whole UID) or at least %d, else claims may share a volume name", f.VolumeNameUUIDLength, minUUIDLength))
 	}
 	if _, err := policy.ParseMode(f.PolicyMode); err != nil {
 		errs = append(errs, fmt.Errorf("--policy-mode: %w", err))

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/base64"
+	"flag"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -10,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -60,7 +62,7 @@ func TestBuiltinClientEncoding(t *testing.T) {
 	}
 
 	f := &kubeFlags{Mode: "off", PolicyMode: "enforce", QPS: 5, Burst: 10, EventsQPS: 20, EventsBurst: 50,
-		LeaseDuration: 3e9, RenewDeadline: 2e9, ContentType: "application/yaml"}
+		LeaseDuration: 3e9, RenewDeadline: 2e9, ContentType: "application/yaml", VolumeNameUUIDLength: -1}
 	err := f.validate()
 	if err == nil || !strings.Contains(err.Error(), "--kube-api-content-type") {
 		t.Errorf("validate of an unknown encoding: %v, want an error naming --kube-api-content-type", err)
@@ -126,4 +128,40 @@ func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// TestBrokerFlagsRefusedTogether: flag values that would let the broker
+// start and then misbehave (no drivers, a panic, claims sharing a volume
+// name) are refused at start, each naming its flag.
+func TestBrokerFlagsRefusedTogether(t *testing.T) {
+	base := func() BrokerCommandConfig {
+		var c BrokerCommandConfig
+		fs := flag.NewFlagSet("broker", flag.ContinueOnError)
+		c.TLS.Register(fs)
+		c.Log.Register(fs)
+		c.Kube.register(fs)
+		c.RegistryFile, c.MetricsPath, c.Timeout, c.RetryAttempts, c.RetryStart, c.RetryMax = "r.yaml", "/metrics", time.Second, 1, time.Millisecond, time.Second
+		c.TLS.Cert, c.TLS.Key, c.TLS.CA = "c", "k", "ca"
+		c.Kube.Mode = "off"
+		return c
+	}
+	if c := base(); c.Validate() != nil {
+		t.Fatalf("the base configuration is refused: %v", c.Validate())
+	}
+	for _, tc := range []struct {
+		name, want string
+		mut        func(*BrokerCommandConfig)
+	}{
+		{"discovery without Kubernetes", "--discover-proxies", func(c *BrokerCommandConfig) { c.RegistryFile, c.Kube.DiscoverProxies = "", "app=proxy" }},
+		{"policy file never re-read", "--policy-reload-interval", func(c *BrokerCommandConfig) { c.Kube.PolicyFile, c.Kube.PolicyInterval = "p.yaml", 0 }},
+		{"short volume name UID", "--volume-name-uuid-length", func(c *BrokerCommandConfig) { c.Kube.VolumeNameUUIDLength = 4 }},
+		{"metrics path without slash", "--metrics-path", func(c *BrokerCommandConfig) { c.MetricsPath = "metrics" }},
+		{"metrics path on the health endpoint", "--metrics-path", func(c *BrokerCommandConfig) { c.MetricsPath = "/readyz" }},
+	} {
+		c := base()
+		tc.mut(&c)
+		if err := c.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want an error naming %s", tc.name, err, tc.want)
+		}
+	}
 }

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/csibroker/csibroker/internal/mtls"
@@ -100,6 +101,18 @@ func ServeHTTP(ctx context.Context, addr string, h http.Handler, log *slog.Logge
 	log.Info("http endpoint serving", "addr", lis.Addr().String())
 	if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err
+	}
+	return nil
+}
+
+// ValidateMetricsPath checks a --metrics-path: a path of its own on the
+// HTTP endpoint, next to /healthz and /readyz.
+func ValidateMetricsPath(p string) error {
+	switch {
+	case !strings.HasPrefix(p, "/") || p == "/":
+		return fmt.Errorf("--metrics-path %q: want a path such as /metrics", p)
+	case p == "/healthz" || p == "/readyz":
+		return fmt.Errorf("--metrics-path %q: taken by the health endpoint", p)
 	}
 	return nil
 }

@@ -42,7 +42,7 @@ func (c *ProxyCommandConfig) Validate() error {
 	if c.Listen == "" {
 		errs = append(errs, errors.New("--listen is required"))
 	}
-	errs = append(errs, c.TLS.Validate(), c.Log.Validate())
+	errs = append(errs, ValidateMetricsPath(c.MetricsPath), c.TLS.Validate(), c.Log.Validate())
 	return errors.Join(errs...)
 }
 
