@@ -34,8 +34,49 @@ const (
 // the driver's ListVolumes published nodes (drivers that report them).
 var attachReconcileInterval = 5 * time.Minute
 
+// attacherFinalizer is external-attacher's finalizer name for driver: every
+// character outside [a-zA-Z0-9-] becomes '-', and a name ending in '-' gets
+// an 'X' ("ebs.csi.aws.com" → "external-attacher/ebs-csi-aws-com").
 func attacherFinalizer(driver string) string {
-	return attacherFinalizerPf + strings.ReplaceAll(driver, "/", "-")
+	b := []byte(driver)
+	for i, c := range b {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-') {
+			b[i] = '-'
+		}
+	}
+	if len(b) == 0 || b[len(b)-1] == '-' {
+		b = append(b, 'X')
+	}
+	return attacherFinalizerPf + string(b)
+}
+
+// attacherFinalizers are the finalizer names an attachment of driver may
+// carry: external-attacher's, and the one earlier csibroker releases wrote
+// (only '/' replaced), which detach also honours and removes.
+func attacherFinalizers(driver string) []string {
+	cur, legacy := attacherFinalizer(driver), attacherFinalizerPf+strings.ReplaceAll(driver, "/", "-")
+	if cur == legacy {
+		return []string{cur}
+	}
+	return []string{cur, legacy}
+}
+
+// hasAttacherFinalizer reports whether finalizers hold one of driver's.
+func hasAttacherFinalizer(finalizers []string, driver string) bool {
+	for _, f := range attacherFinalizers(driver) {
+		if containsString(finalizers, f) {
+			return true
+		}
+	}
+	return false
+}
+
+// withoutAttacherFinalizers is finalizers without any of driver's.
+func withoutAttacherFinalizers(finalizers []string, driver string) []string {
+	for _, f := range attacherFinalizers(driver) {
+		finalizers = removeString(finalizers, f)
+	}
+	return finalizers
 }
 
 func init() { extraControllers = append(extraControllers, newAttacher) }
@@ -73,7 +114,7 @@ func newAttacher(b *Bridge) (controller, error) {
 	}
 	if _, err := b.factory.Core().V1().PersistentVolumes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		UpdateFunc: func(_, obj any) {
-			if pv, ok := obj.(*corev1.PersistentVolume); ok && pv.DeletionTimestamp != nil && pv.Spec.CSI != nil && hasFinalizer(pv, attacherFinalizer(pv.Spec.CSI.Driver)) {
+			if pv, ok := obj.(*corev1.PersistentVolume); ok && pv.DeletionTimestamp != nil && pv.Spec.CSI != nil && hasAttacherFinalizer(pv.Finalizers, pv.Spec.CSI.Driver) {
 				a.queue.Add("pv/" + pv.Name)
 			}
 		},
@@ -372,8 +413,7 @@ func (a *attacher) requester(va *storagev1.VolumeAttachment, src *attachSource) 
 
 func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) error {
 	driver, node := va.Spec.Attacher, va.Spec.NodeName
-	fin := attacherFinalizer(driver)
-	if !containsString(va.Finalizers, fin) {
+	if !hasAttacherFinalizer(va.Finalizers, driver) {
 		return nil
 	}
 	caps, err := a.b.caps.get(ctx, driver)
@@ -409,7 +449,7 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		}
 	}
 	cp := va.DeepCopy()
-	cp.Finalizers = removeString(cp.Finalizers, fin)
+	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
 	if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		return err
 	}
@@ -431,8 +471,7 @@ func (a *attacher) syncPV(ctx context.Context, name string) error {
 	if err != nil || pv.Spec.CSI == nil || pv.DeletionTimestamp == nil {
 		return err
 	}
-	fin := attacherFinalizer(pv.Spec.CSI.Driver)
-	if !hasFinalizer(pv, fin) {
+	if !hasAttacherFinalizer(pv.Finalizers, pv.Spec.CSI.Driver) {
 		return nil
 	}
 	vas, err := a.b.attachments.List(labels.Everything())
@@ -445,7 +484,7 @@ func (a *attacher) syncPV(ctx context.Context, name string) error {
 		}
 	}
 	cp := pv.DeepCopy()
-	cp.Finalizers = removeString(cp.Finalizers, fin)
+	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, pv.Spec.CSI.Driver)
 	if _, err := a.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		return err
 	}

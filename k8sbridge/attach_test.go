@@ -3,6 +3,7 @@ package k8sbridge
 import (
 	"context"
 	"fmt"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -188,5 +189,95 @@ func TestAttachCapabilityFromAllAccessModes(t *testing.T) {
 		case !tc.bad && (err != nil || c.GetAccessMode().GetMode() != tc.want):
 			t.Errorf("%v (snmw %v): %v, %v; want %v", tc.modes, tc.snmw, c.GetAccessMode().GetMode(), err, tc.want)
 		}
+	}
+}
+
+// TestDetachesWhatExternalAttacherAttached: external-attacher's finalizer
+// name sanitizes the driver name ("a.b.csi" → external-attacher/a-b-csi);
+// an attachment the sidecar made, carrying that name, is detached by the
+// broker (unpublished, finalizers of the VolumeAttachment and the PV
+// removed), so a cluster moves from the sidecar to the broker unchanged.
+func TestDetachesWhatExternalAttacherAttached(t *testing.T) {
+	for driver, want := range map[string]string{"ebs.csi.aws.com": "external-attacher/ebs-csi-aws-com", "a/b_c.": "external-attacher/a-b-c-X", "plain-name": "external-attacher/plain-name"} {
+		if got := attacherFinalizer(driver); got != want {
+			t.Errorf("attacherFinalizer(%q) = %q, want %q (external-attacher's)", driver, got, want)
+		}
+	}
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	node := clusterName(ns, "node")
+	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+	drv := clusterName(ns, "moved.csi.test") // has dots
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node})
+	makeCSIDriver(t, c, drv, true)
+	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
+		t.Fatal(err)
+	}
+	class := makeClass(t, c, clusterName(ns, "moved"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+
+	// What external-attacher left: its finalizer on the attachment and the
+	// PV, named as it names it (computed here, not by the code under test).
+	sidecarFin := "external-attacher/" + regexp.MustCompile(`[^a-zA-Z0-9-]`).ReplaceAllString(drv, "-")
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pv.Finalizers = append(pv.Finalizers, sidecarFin)
+	if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{sidecarFin}, Annotations: map[string]string{annVANodeID: node}},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
+	if va, err = c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if cur, err := c.StorageV1().VolumeAttachments().Get(context.Background(), va.Name, metav1.GetOptions{}); err == nil {
+			cur.Finalizers = nil
+			c.StorageV1().VolumeAttachments().Update(context.Background(), cur, metav1.UpdateOptions{})
+		}
+	})
+	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attachment attached")
+	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 30*time.Second, "the sidecar's attachment detached and gone", func(ctx context.Context) (bool, string, error) {
+		cur, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, "", nil
+		}
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return false, fmt.Sprintf("finalizers %v", cur.Finalizers), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := d.CallCount("ControllerUnpublishVolume"); n == 0 {
+		t.Fatal("the volume was never unpublished")
+	}
+}
+
+// TestEarlierBrokerFinalizerStillDetaches: attachments made by earlier
+// csibroker releases carry "external-attacher/<driver>" with only '/'
+// replaced; detach still recognises and removes that name.
+func TestEarlierBrokerFinalizerStillDetaches(t *testing.T) {
+	const drv = "old.csi.example.com"
+	legacy := "external-attacher/old.csi.example.com"
+	fins := []string{"other", legacy}
+	if !hasAttacherFinalizer(fins, drv) {
+		t.Fatalf("%v: the earlier release's finalizer is not recognised", fins)
+	}
+	if got := withoutAttacherFinalizers(append(fins, attacherFinalizer(drv)), drv); len(got) != 1 || got[0] != "other" {
+		t.Fatalf("finalizers left after detach: %v, want [other]", got)
 	}
 }
