@@ -86,6 +86,14 @@ var capacityPollInterval = time.Minute
 // without waiting for a poll.
 var capacityRegistryInterval = 5 * time.Second
 
+// capacityUnregisteredGrace is how long a driver's objects outlive its
+// registration: proxy discovery unregisters a driver whose proxy pods are
+// all not Ready, which a restart or a drain does for a moment, and deleting
+// the objects would make the scheduler refuse every node for the driver's
+// claims until they are made again. Meanwhile they keep their last value
+// (as when GetCapacity fails); after it they are deleted.
+var capacityUnregisteredGrace = 10 * time.Minute
+
 // capacityWorkers is how many keys are refreshed at once (one key is never
 // refreshed twice at the same time).
 const capacityWorkers = 4
@@ -274,6 +282,12 @@ type capacityController struct {
 	// not yet reported gone.
 	deleting map[types.UID]bool
 	owner    *metav1.OwnerReference
+
+	// Drivers' last desired items, and since when a driver has not been
+	// registered (capacityUnregisteredGrace); read and written by the run
+	// loop only.
+	lastItems map[string]map[capacityKey]capacityItem
+	goneSince map[string]time.Time
 }
 
 func newCapacityController(b *Bridge) (controller, error) {
@@ -460,7 +474,49 @@ func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
 		return out
 	}
 	slices.SortFunc(csiNodes, func(a, b *storagev1.CSINode) int { return cmp.Compare(a.Name, b.Name) })
+	if c.lastItems == nil {
+		c.lastItems, c.goneSince = map[string]map[capacityKey]capacityItem{}, map[string]time.Time{}
+	}
+	registered := map[string]bool{}
+	defer func() {
+		// Remember each registered driver's items; keep an unregistered
+		// one's for the grace period.
+		mine := map[string]map[capacityKey]capacityItem{}
+		for k, item := range out {
+			if mine[k.driver] == nil {
+				mine[k.driver] = map[capacityKey]capacityItem{}
+			}
+			mine[k.driver][k] = item
+		}
+		for d := range registered {
+			c.lastItems[d] = mine[d]
+			delete(c.goneSince, d)
+		}
+		now := time.Now()
+		for d, items := range c.lastItems {
+			if registered[d] {
+				continue
+			}
+			since, ok := c.goneSince[d]
+			if !ok {
+				since = now
+				c.goneSince[d] = now
+				if len(items) > 0 {
+					c.log.Info("driver unregistered; its capacity objects keep their last value until it is back or the grace period ends", "driver", d, "objects", len(items), "grace", capacityUnregisteredGrace)
+				}
+			}
+			if now.Sub(since) >= capacityUnregisteredGrace {
+				delete(c.lastItems, d)
+				delete(c.goneSince, d)
+				continue
+			}
+			for k, item := range items {
+				out[k] = item
+			}
+		}
+	}()
 	for _, driver := range c.b.cfg.Drivers.DriverNames() {
+		registered[driver] = true
 		var driverClasses []*storagev1.StorageClass
 		for _, sc := range classes {
 			if sc.Provisioner == driver {

@@ -33,9 +33,9 @@ const gib = int64(1) << 30
 // test poll every 500ms and notice (un)registered drivers within 200ms.
 func fastCapacityPolls(t *testing.T) {
 	t.Helper()
-	poll, reg := capacityPollInterval, capacityRegistryInterval
-	capacityPollInterval, capacityRegistryInterval = 500*time.Millisecond, 200*time.Millisecond
-	t.Cleanup(func() { capacityPollInterval, capacityRegistryInterval = poll, reg })
+	poll, reg, grace := capacityPollInterval, capacityRegistryInterval, capacityUnregisteredGrace
+	capacityPollInterval, capacityRegistryInterval, capacityUnregisteredGrace = 500*time.Millisecond, 200*time.Millisecond, 4*time.Second
+	t.Cleanup(func() { capacityPollInterval, capacityRegistryInterval, capacityUnregisteredGrace = poll, reg, grace })
 }
 
 func TestCapacitySegments(t *testing.T) {
@@ -375,7 +375,8 @@ func (s *switchDrivers) DriverNames() []string {
 // TestCapacityDriverDownKeepsObjectsUnregisteredRemoves: while GetCapacity
 // fails the objects keep their last value (retried with backoff, never
 // deleted); once the driver answers again they follow it; when the driver is
-// unregistered its objects are deleted.
+// unregistered its objects stay for the grace period (a proxy restart
+// unregisters a discovered driver for a moment), then are deleted.
 func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
 	fastCapacityPolls(t)
 	env := testenv.Shared(t)
@@ -447,9 +448,21 @@ func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
 		t.Fatalf("driver volumes %+v", d.Volumes())
 	}
 
-	// Unregistered: its objects go.
+	// Unregistered: its objects stay for the grace period (4 s here), then go.
 	drivers.gone.Store(true)
+	gone := time.Now()
+	time.Sleep(2 * time.Second) // several registry checks and polls
+	kept, err := capacityObjects(ctx, c, ns, drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o, ok := kept[key]; !ok || o.UID != after[key].UID {
+		t.Fatalf("%v after the driver was unregistered: %s, want %s kept through the grace period", time.Since(gone).Round(time.Millisecond), describeCapacities(kept), after[key].Name)
+	}
 	waitCapacities(t, c, ns, drv, map[string]int64{})
+	if d := time.Since(gone); d < capacityUnregisteredGrace {
+		t.Fatalf("objects deleted %v after the driver was unregistered, before the %v grace period", d, capacityUnregisteredGrace)
+	}
 }
 
 // nodeProxy starts a sample driver for node behind its own real proxy whose
