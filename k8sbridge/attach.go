@@ -341,6 +341,11 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
 	}
+	if src.pv != nil && src.pv.DeletionTimestamp != nil {
+		// As external-attacher: a volume being deleted is not published
+		// anywhere new (nor can its PV take the attacher's finalizer).
+		return a.attachFailed(ctx, va, false, fmt.Errorf("PersistentVolume %q is marked for deletion", src.pv.Name))
+	}
 	nodeID, err := a.nodeID(driver, node)
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
@@ -364,7 +369,10 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		cp := src.pv.DeepCopy()
 		cp.Finalizers = append(cp.Finalizers, fin)
 		if _, err := a.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil {
-			return err
+			if apierrors.IsConflict(err) {
+				return err // a newer version is on its way: retried
+			}
+			return a.attachFailed(ctx, va, false, fmt.Errorf("add finalizer %s to PersistentVolume %s: %w", fin, src.pv.Name, err))
 		}
 	}
 	requester := a.requester(va, src)

@@ -281,3 +281,59 @@ func TestEarlierBrokerFinalizerStillDetaches(t *testing.T) {
 		t.Fatalf("finalizers left after detach: %v, want [other]", got)
 	}
 }
+
+// TestNoAttachOfAPVBeingDeleted: an attachment of a PV marked for deletion
+// fails with an AttachError saying so, as external-attacher's does, and
+// the volume is never published.
+func TestNoAttachOfAPVBeingDeleted(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	node := clusterName(ns, "node")
+	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+	drv := clusterName(ns, "del.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node})
+	makeCSIDriver(t, c, drv, true)
+	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
+		t.Fatal(err)
+	}
+	class := makeClass(t, c, clusterName(ns, "del"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	const hold = "test.csibroker.io/hold"
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pv.Finalizers = append(pv.Finalizers, hold)
+	if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if cur, err := c.CoreV1().PersistentVolumes().Get(context.Background(), pvName, metav1.GetOptions{}); err == nil {
+			cur.Finalizers = removeString(cur.Finalizers, hold)
+			c.CoreV1().PersistentVolumes().Update(context.Background(), cur, metav1.UpdateOptions{})
+		}
+	})
+	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pvName, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va")},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
+	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.StorageV1().VolumeAttachments().Delete(context.Background(), va.Name, metav1.DeleteOptions{}) })
+	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error recorded")
+	if !strings.Contains(got.Status.AttachError.Message, "marked for deletion") || got.Status.Attached {
+		t.Fatalf("attach of a PV being deleted: %+v", got.Status)
+	}
+	if n := d.CallCount("ControllerPublishVolume"); n != 0 {
+		t.Fatalf("%d ControllerPublishVolume calls for a volume being deleted", n)
+	}
+}
