@@ -392,7 +392,8 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	callCtx, cancel := context.WithTimeout(ctx, a.b.cfg.Timeout)
 	resp, err := csi.NewControllerClient(conn).ControllerPublishVolume(callCtx, &csi.ControllerPublishVolumeRequest{
 		VolumeId: src.csi.VolumeHandle, NodeId: nodeID, VolumeCapability: volCap,
-		Readonly: src.csi.ReadOnly, VolumeContext: src.csi.VolumeAttributes, Secrets: secrets,
+		// Read-only only for a driver that may be asked (CSI: PUBLISH_READONLY), as external-attacher.
+		Readonly: src.csi.ReadOnly && caps.publishReadonly, VolumeContext: src.csi.VolumeAttributes, Secrets: secrets,
 	})
 	cancel()
 	if err != nil {

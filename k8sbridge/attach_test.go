@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
@@ -328,12 +329,74 @@ func TestNoAttachOfAPVBeingDeleted(t *testing.T) {
 	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { c.StorageV1().VolumeAttachments().Delete(context.Background(), va.Name, metav1.DeleteOptions{}) })
+	t.Cleanup(func() {
+		c.StorageV1().VolumeAttachments().Delete(context.Background(), va.Name, metav1.DeleteOptions{})
+	})
 	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error recorded")
 	if !strings.Contains(got.Status.AttachError.Message, "marked for deletion") || got.Status.Attached {
 		t.Fatalf("attach of a PV being deleted: %+v", got.Status)
 	}
 	if n := d.CallCount("ControllerPublishVolume"); n != 0 {
 		t.Fatalf("%d ControllerPublishVolume calls for a volume being deleted", n)
+	}
+}
+
+// TestReadOnlyPublishOnlyWhenTheDriverMayBeAsked: a read-only PV of a
+// driver without PUBLISH_READONLY is published with readonly unset (the CSI
+// spec forbids asking), as external-attacher does; the driver, which
+// refuses such a request, attaches it.
+func TestReadOnlyPublishOnlyWhenTheDriverMayBeAsked(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	node := clusterName(ns, "node")
+	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+	drv := clusterName(ns, "ro.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node, NoPublishReadonly: true})
+	makeCSIDriver(t, c, drv, true)
+	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
+		t.Fatal(err)
+	}
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	// A pre-provisioned read-only PV of one of the driver's volumes.
+	conn, err := drivers.ControllerConn(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	vol, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "ro", VolumeCapabilities: []*csi.VolumeCapability{{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pvName := clusterName(ns, "ro-pv")
+	pv := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: pvName}, Spec: corev1.PersistentVolumeSpec{
+		Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+		AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadOnlyMany},
+		PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+		PersistentVolumeSource:        corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: vol.GetVolume().GetVolumeId(), ReadOnly: true}}}}
+	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), pvName, metav1.DeleteOptions{}) })
+	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va")},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
+	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.StorageV1().VolumeAttachments().Delete(context.Background(), va.Name, metav1.DeleteOptions{})
+	})
+	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached || va.Status.AttachError != nil }, "attached or failed")
+	if !got.Status.Attached {
+		t.Fatalf("read-only PV of a driver without PUBLISH_READONLY: %+v", got.Status.AttachError)
+	}
+	if n := d.CallCount("ControllerPublishVolume"); n == 0 {
+		t.Fatal("never published")
 	}
 }

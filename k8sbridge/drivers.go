@@ -29,6 +29,7 @@ type driverCaps struct {
 	clone                 bool
 	singleNodeMultiWriter bool
 	publishUnpublish      bool
+	publishReadonly       bool // PUBLISH_READONLY: ControllerPublish may be asked for read-only
 	expand                bool
 	getCapacity           bool
 	listPublishedNodes    bool // LIST_VOLUMES with LIST_VOLUMES_PUBLISHED_NODES
@@ -85,6 +86,8 @@ func (c *capsCache) get(ctx context.Context, driver string) (driverCaps, error) 
 				caps.singleNodeMultiWriter = true
 			case csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME:
 				caps.publishUnpublish = true
+			case csi.ControllerServiceCapability_RPC_PUBLISH_READONLY:
+				caps.publishReadonly = true
 			case csi.ControllerServiceCapability_RPC_EXPAND_VOLUME:
 				caps.expand = true
 			case csi.ControllerServiceCapability_RPC_GET_CAPACITY:

@@ -60,6 +60,10 @@ type Config struct {
 	// DisablePublish removes the PUBLISH_UNPUBLISH_VOLUME capability
 	// (no attach step), for "trivial attach" tests.
 	DisablePublish bool
+	// NoPublishReadonly removes the PUBLISH_READONLY capability: a
+	// read-only ControllerPublishVolume is then InvalidArgument, as a
+	// strict driver answers it.
+	NoPublishReadonly bool
 	// Logger receives lifecycle messages at Info and sanitized requests at
 	// Debug (responses at Debug-4). Nil discards.
 	Logger *slog.Logger

@@ -71,8 +71,10 @@ func (s *server) ControllerGetCapabilities(context.Context, *csi.ControllerGetCa
 	if !s.cfg.DisablePublish {
 		types = append(types,
 			csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
-			csi.ControllerServiceCapability_RPC_PUBLISH_READONLY,
 			csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES)
+		if !s.cfg.NoPublishReadonly {
+			types = append(types, csi.ControllerServiceCapability_RPC_PUBLISH_READONLY)
+		}
 	}
 	caps := make([]*csi.ControllerServiceCapability, len(types))
 	for i, t := range types {
@@ -296,6 +298,9 @@ func (s *server) nodeKnown(node string) bool {
 func (s *server) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
 	if s.cfg.DisablePublish {
 		return nil, status.Error(codes.Unimplemented, "ControllerPublishVolume is disabled")
+	}
+	if s.cfg.NoPublishReadonly && req.GetReadonly() {
+		return nil, status.Error(codes.InvalidArgument, "readonly publish asked of a driver without PUBLISH_READONLY")
 	}
 	id, node := req.GetVolumeId(), req.GetNodeId()
 	switch {
