@@ -260,4 +260,31 @@ func TestFileSourceReload(t *testing.T) {
 	if src.Current() != cur {
 		t.Fatal("mismatched pair replaced a valid one")
 	}
+
+	// A certificate naming another identity is refused: every peer would
+	// refuse it.
+	c, k, _ = ca.Issue(Leaf{ID: DriverID("td", "d1"), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour)})
+	WriteFileAtomic(keyF, k, 0o600)
+	WriteFileAtomic(certF, c, 0o644)
+	if _, err := src.Reload(); err == nil || !strings.Contains(err.Error(), "names "+DriverID("td", "d1")) {
+		t.Fatalf("another identity: err = %v", err)
+	}
+	if src.Current() != cur {
+		t.Fatal("a certificate of another identity replaced the one in use")
+	}
+
+	// A certificate not valid yet waits: refused now, taken once valid.
+	c, k, _ = ca.Issue(Leaf{ID: BrokerID("td"), NotBefore: time.Now().Add(time.Hour), NotAfter: time.Now().Add(2 * time.Hour)})
+	WriteFileAtomic(keyF, k, 0o600)
+	WriteFileAtomic(certF, c, 0o644)
+	if _, err := src.Reload(); err == nil || !strings.Contains(err.Error(), "not valid before") {
+		t.Fatalf("not valid yet: err = %v", err)
+	}
+	if src.Current() != cur {
+		t.Fatal("a certificate not valid yet replaced the one in use")
+	}
+	src.now = func() time.Time { return time.Now().Add(90 * time.Minute) }
+	if swapped, err := src.Reload(); !swapped || err != nil {
+		t.Fatalf("once valid: swapped=%v err=%v", swapped, err)
+	}
 }

@@ -93,6 +93,18 @@ func (s *FileSource) Reload() (bool, error) {
 		// Remember nothing: a later complete write must be re-examined.
 		return false, s.refuse(fmt.Errorf("mtls: %s, %s, %s: %w", s.certFile, s.keyFile, s.caFile, err))
 	}
+	if cur := s.cur.Load(); cur != nil {
+		// Peers decide by identity and validity: material they would
+		// refuse is kept out, as a broken file is. Not remembered, so the
+		// same files are examined again (a certificate not valid yet is
+		// taken once it is).
+		switch {
+		case m.ID != cur.ID:
+			return false, s.refuse(fmt.Errorf("mtls: %s names %s, not %s as the certificate in use does (peers would refuse it)", s.certFile, m.ID, cur.ID))
+		case s.now().Before(m.Leaf.NotBefore):
+			return false, s.refuse(fmt.Errorf("mtls: %s is not valid before %s", s.certFile, m.Leaf.NotBefore.UTC().Format(time.RFC3339)))
+		}
+	}
 	s.lastRead = raw
 	first := s.cur.Load() == nil
 	s.cur.Store(m)
