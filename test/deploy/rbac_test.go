@@ -86,17 +86,15 @@ func TestRBACLeastPrivilege(t *testing.T) {
 		got := effectiveGrants(t, "ClusterRole", cr.Rules)
 		want := map[grantKey][]string{
 			{"", "persistentvolumes", ""}:                      sorted("get", "list", "watch", "create", "update", "patch", "delete"),
-			{"", "persistentvolumeclaims", ""}:                 sorted("get", "list", "watch", "update", "patch"),
+			{"", "persistentvolumeclaims", ""}:                 sorted("get", "list", "watch", "patch"),
 			{"", "persistentvolumeclaims/status", ""}:          sorted("get", "update", "patch"),
 			{"", "nodes", ""}:                                  read,
 			{"", "namespaces", ""}:                             read,
 			{"", "pods", ""}:                                   read,
 			{"storage.k8s.io", "storageclasses", ""}:           read,
 			{"storage.k8s.io", "csinodes", ""}:                 read,
-			{"storage.k8s.io", "csidrivers", ""}:               read,
-			{"storage.k8s.io", "volumeattachments", ""}:        sorted("get", "list", "watch", "update", "patch"),
+			{"storage.k8s.io", "volumeattachments", ""}:        sorted("get", "list", "watch", "update"),
 			{"storage.k8s.io", "volumeattachments/status", ""}: sorted("get", "update", "patch"),
-			{"storage.k8s.io", "csistoragecapacities", ""}:     sorted("get", "list", "watch", "create", "update", "patch", "delete"),
 			{"", "events", ""}:                                 sorted("create", "update", "patch"),
 			{"policy.csibroker.io", "secretgrants", ""}:        read,
 			{"policy.csibroker.io", "secretgrants/status", ""}: sorted("update", "patch"),
@@ -120,6 +118,7 @@ func TestRBACLeastPrivilege(t *testing.T) {
 			{"coordination.k8s.io", "leases", "csibroker-leader"}: sorted("get", "update"),
 			{"", "configmaps", ""}:                                {"create"},
 			{"", "configmaps", "csibroker-intents"}:               sorted("get", "update"),
+			{"storage.k8s.io", "csistoragecapacities", ""}:        sorted("get", "list", "watch", "create", "update", "patch", "delete"),
 		}
 		compareGrants(t, got, want)
 	})
@@ -235,6 +234,8 @@ func TestRBACSubjectAccessReview(t *testing.T) {
 		{verb: "list", resource: "configmaps", namespace: brokerNamespace},
 		{verb: "get", resource: "configmaps", namespace: "kube-system", name: "csibroker-intents"},
 		{verb: "create", group: "rbac.authorization.k8s.io", resource: "clusterrolebindings"},
+		{verb: "delete", group: "storage.k8s.io", resource: "csistoragecapacities", namespace: "other-driver", name: "csisc-1"},
+		{verb: "update", resource: "persistentvolumeclaims", namespace: "sample-app", name: "data"},
 	}
 
 	// RBAC objects reach the authorizer through its informers.
