@@ -89,6 +89,9 @@ func New(opts Options) (*Broker, error) {
 		if err := opts.Registerer.Register(b.metrics); err != nil {
 			return nil, fmt.Errorf("broker: register metrics: %w", err)
 		}
+		if err := opts.Registerer.Register(mtls.NewCollector(opts.TLS)); err != nil {
+			return nil, fmt.Errorf("broker: register certificate metrics: %w", err)
+		}
 	}
 	return b, nil
 }

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 func TestParseID(t *testing.T) {
@@ -286,5 +288,49 @@ func TestFileSourceReload(t *testing.T) {
 	src.now = func() time.Time { return time.Now().Add(90 * time.Minute) }
 	if swapped, err := src.Reload(); !swapped || err != nil {
 		t.Fatalf("once valid: swapped=%v err=%v", swapped, err)
+	}
+}
+
+// TestCollector: the certificate's expiry, and a file source's reloads and
+// refused files, as metrics (zero reloads for a static source).
+func TestCollector(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"d1"}}); err != nil {
+		t.Fatal(err)
+	}
+	certF := filepath.Join(dir, "broker.crt")
+	src, err := NewFileSource(certF, filepath.Join(dir, "broker.key"), filepath.Join(dir, "ca.crt"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(certF, []byte("garbage"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	src.Reload() // refused
+	values := func(src Source) map[string]float64 {
+		t.Helper()
+		reg := prometheus.NewRegistry()
+		reg.MustRegister(NewCollector(src))
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]float64{}
+		for _, mf := range mfs {
+			m := mf.GetMetric()[0]
+			out[mf.GetName()] = m.GetGauge().GetValue() + m.GetCounter().GetValue()
+		}
+		return out
+	}
+	got := values(src)
+	if want := float64(src.Current().Leaf.NotAfter.Unix()); got["csibroker_tls_certificate_not_after_timestamp_seconds"] != want {
+		t.Errorf("not after %v, want %v", got["csibroker_tls_certificate_not_after_timestamp_seconds"], want)
+	}
+	if got["csibroker_tls_reload_failures_total"] != 1 || got["csibroker_tls_reloads_total"] != 0 {
+		t.Errorf("reloads %v, failures %v; want 0 and 1", got["csibroker_tls_reloads_total"], got["csibroker_tls_reload_failures_total"])
+	}
+	static := values(StaticSource{M: src.Current()})
+	if len(static) != 3 || static["csibroker_tls_reload_failures_total"] != 0 {
+		t.Errorf("static source: %v", static)
 	}
 }

@@ -38,6 +38,10 @@ var exported = map[string]metricDef{
 	"csibroker_recovered_volumes_total":       {false, []string{"driver", "result"}},
 	"csibroker_leader":                        {false, nil},
 	"csibroker_workqueue_depth":               {false, []string{"queue"}},
+	// Both processes' (internal/mtls.NewCollector).
+	"csibroker_tls_certificate_not_after_timestamp_seconds": {false, nil},
+	"csibroker_tls_reloads_total":                           {false, nil},
+	"csibroker_tls_reload_failures_total":                   {false, nil},
 	// The proxy's, plus the target labels the PodMonitor adds (proxyTargetLabels).
 	"grpc_server_handled_total":    {false, []string{"grpc_type", "grpc_service", "grpc_method", "grpc_code", "driver", "node"}},
 	"grpc_server_handling_seconds": {true, []string{"grpc_type", "grpc_service", "grpc_method", "driver", "node"}},
@@ -443,7 +447,7 @@ func TestPrometheusRules(t *testing.T) {
 	}
 	for _, want := range []string{
 		"CSIBrokerHighCSIErrorRatio", "CSIBrokerSecretPolicyDenies", "CSIBrokerProxyNotReady",
-		"CSIBrokerNoLeader", "CSIBrokerWorkQueueGrowing",
+		"CSIBrokerNoLeader", "CSIBrokerWorkQueueGrowing", "CSIBrokerCertificateExpiresSoon", "CSIBrokerCertificateRefused",
 	} {
 		if !alerts[want] {
 			t.Errorf("no alert %s", want)

@@ -77,7 +77,7 @@ func RunProxy(ctx context.Context, name, version string, args []string, stderr i
 	}
 	defer tp.Shutdown(context.WithoutCancel(ctx))
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), mtls.NewCollector(src))
 
 	p, err := proxy.New(proxy.Config{
 		DriverEndpoint: cfg.DriverEndpoint,
