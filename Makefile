@@ -2,8 +2,8 @@
 #
 #   make run      build what is missing and run the local demo: a real control plane,
 #                 two sample drivers behind proxies, the broker, claims, a policy denial
-#   make test     everything CI runs: format, vet, the control plane build (cached),
-#                 and every test with the race detector
+#   make test     everything CI runs: format, vet, the control plane and sidecar
+#                 builds (cached), and every test with the race detector
 #   make bench    CSI path benchmarks and policy benchmarks (see BENCHMARKS.md)
 #   make bench-k8s  csibroker against external-provisioner/attacher on a real control plane
 
@@ -39,7 +39,10 @@ vet:
 
 lint: fmt-check vet
 
-test: fmt-check vet control-plane
+## The sidecars (for the side-by-side harness's smoke test) are built here
+## too, before the tests and outside their time limits, cached like the
+## control plane.
+test: fmt-check vet control-plane sidecars
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) $(PKGS)
 
 ## Fast tests: no race detector, and the packages that need the control plane
@@ -79,7 +82,7 @@ run: control-plane build
 demo: run
 
 docker:
-	docker build -t csibroker:$(VERSION) .
+	docker build --build-arg VERSION=$(VERSION) -t csibroker:$(VERSION) .
 
 clean:
 	rm -rf bin

@@ -58,14 +58,22 @@ go_env() {
 # gorun DIR CMD...: run a go command in DIR, its chatter going to the build
 # log; on failure show the end of it.
 gorun() {
-	local dir=$1
+	local dir=$1 tries=1 i
 	shift
-	printf '\n$ (cd %s && %s)\n' "$dir" "$*" >>"$BUILD_LOG"
-	if ! (cd "$dir" && go_env "$@") >>"$BUILD_LOG" 2>&1; then
-		log "failed: $* (in ${dir}); end of ${BUILD_LOG}:"
-		tail -n 40 "$BUILD_LOG" >&2
-		exit 1
-	fi
+	# Fetches from the module proxy may fail for a moment: tried again.
+	case "$1 $2" in "go get" | "go mod") tries=3 ;; esac
+	for ((i = 1; ; i++)); do
+		printf '\n$ (cd %s && %s)\n' "$dir" "$*" >>"$BUILD_LOG"
+		if (cd "$dir" && go_env "$@") >>"$BUILD_LOG" 2>&1; then
+			return 0
+		fi
+		((i < tries)) || break
+		log "retrying in $((i * 10))s: $*"
+		sleep $((i * 10))
+	done
+	log "failed: $* (in ${dir}); end of ${BUILD_LOG}:"
+	tail -n 40 "$BUILD_LOG" >&2
+	exit 1
 }
 
 build_etcd() {

@@ -68,14 +68,22 @@ go_env() {
 # gorun LOG DIR CMD...: run a go command in DIR, its chatter going to LOG; on
 # failure show the end of it.
 gorun() {
-	local logf=$1 d=$2
+	local logf=$1 d=$2 tries=1 i
 	shift 2
-	printf '\n$ (cd %s && %s)\n' "$d" "$*" >>"$logf"
-	if ! (cd "$d" && go_env "$@") >>"$logf" 2>&1; then
-		log "failed: $* (in ${d}); end of ${logf}:"
-		tail -n 40 "$logf" >&2
-		exit 1
-	fi
+	# Fetches from the module proxy may fail for a moment: tried again.
+	case "$1 $2" in "go get" | "go mod") tries=3 ;; esac
+	for ((i = 1; ; i++)); do
+		printf '\n$ (cd %s && %s)\n' "$d" "$*" >>"$logf"
+		if (cd "$d" && go_env "$@") >>"$logf" 2>&1; then
+			return 0
+		fi
+		((i < tries)) || break
+		log "retrying in $((i * 10))s: $*"
+		sleep $((i * 10))
+	done
+	log "failed: $* (in ${d}); end of ${logf}:"
+	tail -n 40 "$logf" >&2
+	exit 1
 }
 
 # module_replaces SRC MODULE VERSION LOG prints the replace directives of

@@ -175,7 +175,7 @@ func checkBinaries(opts Options) error {
 	}
 	if len(missing) > 0 {
 		return fmt.Errorf("testenv: %s not found in %s: run hack/control-plane.sh to build the pinned control plane "+
-			"(Kubernetes %s, etcd %s; about 10 minutes the first time, cached after), or set %s to a directory holding them",
+			"(Kubernetes %s, etcd %s; about 15 minutes the first time on 2 cores, cached after), or set %s to a directory holding them",
 			strings.Join(missing, ", "), opts.BinDir, KubernetesVersion, EtcdVersion, BinDirEnv)
 	}
 	return nil

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"syscall"
 	"time"
 
 	"k8s.io/client-go/kubernetes"
@@ -122,6 +123,12 @@ func (h *Harness) build(ctx context.Context) error {
 			cmd := exec.CommandContext(ctx, filepath.Join(h.cfg.Root, script), "build")
 			cmd.Dir = h.cfg.Root
 			cmd.Stdout, cmd.Stderr = h.errw, h.errw
+			// On ctx's end the whole build goes (the script's go builds
+			// too, which would otherwise keep the output pipe, and Wait,
+			// open until they finish).
+			cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+			cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
+			cmd.WaitDelay = 10 * time.Second
 			if err := cmd.Run(); err != nil {
 				return fmt.Errorf("%s build: %w", script, err)
 			}

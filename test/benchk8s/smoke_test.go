@@ -29,11 +29,15 @@ func TestHarnessSmoke(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer h.close()
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
-	defer cancel()
-	if err := h.build(ctx); err != nil {
+	// Building (the sidecars are built by make test before, so this is
+	// usually a cache check; cold, it takes minutes) has its own limit.
+	bctx, bcancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer bcancel()
+	if err := h.build(bctx); err != nil {
 		t.Fatal(err)
 	}
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
 	if err := h.runScenarios(ctx); err != nil {
 		t.Fatal(err)
 	}
