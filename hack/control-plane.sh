@@ -22,6 +22,8 @@ STAGING_VERSION="v0.${K8S_VERSION#v1.}"
 K8S_COMPONENTS=(kube-apiserver kube-controller-manager kube-scheduler)
 
 CACHE_ROOT="${CSIBROKER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/csibroker}"
+# Absolute: the builds run go in other directories.
+CACHE_ROOT=$(realpath -m -- "$CACHE_ROOT")
 CP_DIR="${CACHE_ROOT}/control-plane/k8s-${K8S_VERSION}-etcd-${ETCD_VERSION}"
 BIN_DIR="${CP_DIR}/bin"
 SRC_DIR="${CP_DIR}/src"

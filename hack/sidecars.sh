@@ -26,6 +26,8 @@ SIDECARS=(
 )
 
 CACHE_ROOT="${CSIBROKER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/csibroker}"
+# Absolute: the builds run go in other directories.
+CACHE_ROOT=$(realpath -m -- "$CACHE_ROOT")
 SC_ROOT="${CACHE_ROOT}/sidecars"
 
 log() { printf 'sidecars: %s\n' "$*" >&2; }

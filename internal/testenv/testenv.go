@@ -105,7 +105,29 @@ func DefaultBinDir() string {
 		}
 		root = filepath.Join(cache, "csibroker")
 	}
+	if !filepath.IsAbs(root) {
+		// As the script resolves it: from the repository's root, where make
+		// runs it (a test runs in its package's directory).
+		root = filepath.Join(moduleRoot(), root)
+	}
 	return filepath.Join(root, "control-plane", "k8s-"+KubernetesVersion+"-etcd-"+EtcdVersion, "bin")
+}
+
+// moduleRoot is the nearest directory up from the working directory that
+// holds go.mod (the working directory if none does).
+func moduleRoot() string {
+	wd, err := os.Getwd()
+	if err != nil {
+		return "."
+	}
+	for d := wd; ; d = filepath.Dir(d) {
+		if _, err := os.Stat(filepath.Join(d, "go.mod")); err == nil {
+			return d
+		}
+		if filepath.Dir(d) == d {
+			return wd
+		}
+	}
 }
 
 // Env is a running control plane. Its methods are safe for concurrent use.

@@ -346,3 +346,18 @@ func TestAbruptDeathKillsComponents(t *testing.T) {
 		t.Errorf("%s not swept (%v)", c.dir, err)
 	}
 }
+
+// TestDefaultBinDirRelativeCache: a relative CSIBROKER_CACHE is taken from
+// the repository's root, as hack/control-plane.sh (run there by make)
+// takes it, whatever package the test runs in.
+func TestDefaultBinDirRelativeCache(t *testing.T) {
+	t.Setenv("CSIBROKER_CACHE", ".cache/cb")
+	got := DefaultBinDir()
+	root := moduleRoot()
+	if _, err := os.Stat(filepath.Join(root, "go.mod")); err != nil {
+		t.Fatalf("module root %s holds no go.mod", root)
+	}
+	if want := filepath.Join(root, ".cache/cb", "control-plane"); !strings.HasPrefix(got, want) {
+		t.Fatalf("DefaultBinDir() = %s, want under %s", got, want)
+	}
+}
