@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
 	"github.com/kubernetes-csi/csi-lib-utils/protosanitizer"
 	"github.com/prometheus/client_golang/prometheus"
@@ -60,7 +61,13 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 		var err error
 		for attempt := uint(0); attempt < uint(max(r.MaxAttempts, 1)); attempt++ {
 			if attempt > 0 {
-				t := time.NewTimer(retry.BackoffExponentialWithJitterBounded(r.IntervalStart, 0.2, r.IntervalMax)(ctx, attempt))
+				wait := retry.BackoffExponentialWithJitterBounded(r.IntervalStart, 0.2, r.IntervalMax)(ctx, attempt)
+				if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= wait {
+					// No attempt could start in time: the driver's own
+					// answer is the call's, not a DeadlineExceeded of ours.
+					return err
+				}
+				t := time.NewTimer(wait)
 				select {
 				case <-ctx.Done():
 					t.Stop()
@@ -177,6 +184,11 @@ func (b *Broker) observe(ctx context.Context, p *proxyConn, d *callDesc, method 
 	start := time.Now()
 	err := call(ctx)
 	elapsed := time.Since(start)
+	if err != nil {
+		// A driver may echo a credential in its error (a bad key, say):
+		// the request's secret values never leave in an error message.
+		err = redactSecrets(err, method, req)
+	}
 	d.inflight.Dec()
 	stats.inflight.Add(-1)
 	stats.total.Add(1)
@@ -216,6 +228,78 @@ func (b *Broker) driverStats(name string) *driverStats {
 // sanitized renders a CSI message with every csi_secret field replaced by
 // "***stripped***". A raw frame is decoded first, by the method's type in the
 // protobuf registry; what cannot be decoded is described, never printed.
+// redactSecrets replaces, in err's status message, every value of the
+// request's csi_secret fields; everything else about the status (code,
+// details, the rest of the message) passes through unchanged.
+func redactSecrets(err error, method string, req any) error {
+	var m proto.Message
+	switch r := req.(type) {
+	case *rawgrpc.Frame:
+		if m = newMessage(method, true); m == nil || proto.Unmarshal(r.Payload, m) != nil {
+			return err
+		}
+	case proto.Message:
+		m = r
+	default:
+		return err
+	}
+	var values []string
+	collectSecrets(m.ProtoReflect(), &values)
+	st, ok := status.FromError(err)
+	if len(values) == 0 || !ok {
+		return err
+	}
+	msg := st.Message()
+	changed := false
+	for _, v := range values {
+		if v != "" && strings.Contains(msg, v) {
+			msg, changed = strings.ReplaceAll(msg, v, "***stripped***"), true
+		}
+	}
+	if !changed {
+		return err
+	}
+	pb := st.Proto()
+	pb.Message = msg
+	return status.FromProto(pb).Err()
+}
+
+// collectSecrets appends the values of m's csi_secret fields (at any depth).
+func collectSecrets(m protoreflect.Message, into *[]string) {
+	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+		if proto.GetExtension(fd.Options(), csi.E_CsiSecret).(bool) {
+			switch {
+			case fd.IsMap():
+				v.Map().Range(func(_ protoreflect.MapKey, mv protoreflect.Value) bool {
+					*into = append(*into, mv.String())
+					return true
+				})
+			case fd.Kind() == protoreflect.StringKind && !fd.IsList():
+				*into = append(*into, v.String())
+			}
+			return true
+		}
+		if fd.Kind() == protoreflect.MessageKind || fd.Kind() == protoreflect.GroupKind {
+			switch {
+			case fd.IsList():
+				for i := 0; i < v.List().Len(); i++ {
+					collectSecrets(v.List().Get(i).Message(), into)
+				}
+			case fd.IsMap():
+				if fd.MapValue().Kind() == protoreflect.MessageKind {
+					v.Map().Range(func(_ protoreflect.MapKey, mv protoreflect.Value) bool {
+						collectSecrets(mv.Message(), into)
+						return true
+					})
+				}
+			default:
+				collectSecrets(v.Message(), into)
+			}
+		}
+		return true
+	})
+}
+
 func sanitized(method string, msg any, request bool) string {
 	if f, ok := msg.(*rawgrpc.Frame); ok {
 		m := newMessage(method, request)

@@ -752,7 +752,8 @@ func (u *upstream) attempt(ctx context.Context, d *callDesc, method string, md m
 		s := status.Convert(err)
 		span.SetAttributes(semconv.RPCResponseStatusCode(s.Code().String()))
 		if err != nil {
-			span.SetStatus(otelcodes.Error, s.Message())
+			// The code only: a driver's message may quote its request.
+			span.SetStatus(otelcodes.Error, s.Code().String())
 		}
 		span.End()
 	}()

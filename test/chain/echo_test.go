@@ -69,6 +69,10 @@ func (e *echoDriver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 			}
 		}
 	}
+	if p["echo-secret"] == "true" {
+		// A careless driver quoting its credentials in an error.
+		return nil, status.Errorf(codes.PermissionDenied, "login refused for password %q", req.GetSecrets()["password"])
+	}
 	if ms, err := strconv.Atoi(p["sleep-ms"]); err == nil {
 		time.Sleep(time.Duration(ms) * time.Millisecond)
 	}

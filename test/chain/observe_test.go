@@ -15,6 +15,8 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/csibroker/csibroker/internal/chaintest"
 	"github.com/csibroker/csibroker/internal/telemetry"
@@ -160,6 +162,12 @@ func TestCanarySecretNeverLeaks(t *testing.T) {
 	if _, err := client.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "x", Secrets: secrets}); err == nil {
 		t.Fatal("DeleteVolume on the echo driver should be unimplemented")
 	}
+	// A driver that quotes the secret in its error: the caller gets its
+	// code and message with the value stripped.
+	_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "canary-echo", Secrets: secrets, Parameters: map[string]string{"echo-secret": "true"}})
+	if msg := status.Convert(err).Message(); status.Code(err) != codes.PermissionDenied || strings.Contains(msg, canary) || !strings.Contains(msg, `login refused for password "***stripped***"`) {
+		t.Fatalf("a driver error quoting the secret reached the caller as %v", err)
+	}
 
 	logs := c.Logs.String()
 	if !strings.Contains(logs, `"csi request"`) || !strings.Contains(logs, "***stripped***") {
@@ -187,9 +195,9 @@ func TestCanarySecretNeverLeaks(t *testing.T) {
 	if len(spans.Ended()) == 0 {
 		t.Fatal("no spans recorded")
 	}
-	mfs, err := c.Registry.Gather()
-	if err != nil || len(mfs) == 0 {
-		t.Fatalf("metrics: %d families, %v", len(mfs), err)
+	mfs, gerr := c.Registry.Gather()
+	if gerr != nil || len(mfs) == 0 {
+		t.Fatalf("metrics: %d families, %v", len(mfs), gerr)
 	}
 	for _, mf := range mfs {
 		if strings.Contains(mf.String(), canary) {

@@ -2,6 +2,7 @@ package chain
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -66,4 +67,25 @@ func TestRetriesStayInsideCallerDeadline(t *testing.T) {
 		t.Fatalf("driver called %d times in 400ms with 100ms backoff", n)
 	}
 	t.Logf("%d attempts in %v", echo.calls.Load(), took.Round(time.Millisecond))
+}
+
+// TestNoRetryWaitBeyondTheDeadline: when the next backoff would outlast the
+// caller's deadline, the call ends at once with the driver's own answer
+// (Unavailable and its message), not with a DeadlineExceeded after waiting.
+func TestNoRetryWaitBeyondTheDeadline(t *testing.T) {
+	echo, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep,
+		Retry: broker.RetryConfig{MaxAttempts: 5, IntervalStart: 2 * time.Second, IntervalMax: 2 * time.Second}})
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "u", Parameters: map[string]string{"code": "14"}})
+	took := time.Since(start)
+	if status.Code(err) != codes.Unavailable || !strings.Contains(status.Convert(err).Message(), "driver says Unavailable") {
+		t.Fatalf("err = %v, want the driver's Unavailable", err)
+	}
+	if took > 500*time.Millisecond || echo.calls.Load() != 1 {
+		t.Fatalf("%d attempts in %v: the call waited for a retry that could not start in time", echo.calls.Load(), took)
+	}
 }
