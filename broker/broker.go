@@ -209,6 +209,21 @@ func (b *Broker) DriverNames() []string {
 	return names
 }
 
+// CallTimeout is how long the chain gives one call of method (short name,
+// e.g. "CreateVolume") to driver: its per-method timeout, else its
+// timeout; 0 for an unknown driver. A caller wrapping calls in a deadline
+// of its own should not make it shorter.
+func (b *Broker) CallTimeout(driver, method string) time.Duration {
+	d, err := b.Driver(driver)
+	if err != nil {
+		return 0
+	}
+	if t, ok := d.cfg.MethodTimeouts[method]; ok {
+		return t
+	}
+	return d.cfg.Timeout
+}
+
 // ControllerConn returns the connection to driver's controller proxy (or its
 // only proxy); k8sbridge uses the broker through this and NodeConn.
 func (b *Broker) ControllerConn(driver string) (grpc.ClientConnInterface, error) {

@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"go.yaml.in/yaml/v3"
 )
 
@@ -111,6 +113,9 @@ func (c DriverConfig) Validate() error {
 		if d <= 0 {
 			errs = append(errs, fmt.Errorf("methodTimeouts[%s] must be positive", m))
 		}
+		if !csiMethodNames()[m] {
+			errs = append(errs, fmt.Errorf("methodTimeouts[%s]: not the name of a CSI method (such as CreateVolume), so it would apply to nothing", m))
+		}
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("driver %q: %w", c.Name, err)
@@ -142,3 +147,17 @@ func LoadRegistryConfig(path string) (*RegistryConfig, error) {
 	}
 	return &rc, nil
 }
+
+// csiMethodNames are the methods of every CSI service, by name
+// ("CreateVolume"), as methodTimeouts keys name them.
+var csiMethodNames = sync.OnceValue(func() map[string]bool {
+	out := map[string]bool{}
+	svcs := csi.File_csi_proto.Services()
+	for i := 0; i < svcs.Len(); i++ {
+		ms := svcs.Get(i).Methods()
+		for j := 0; j < ms.Len(); j++ {
+			out[string(ms.Get(j).Name())] = true
+		}
+	}
+	return out
+})

@@ -28,6 +28,7 @@ func TestLoadRegistryConfigErrors(t *testing.T) {
 		{"bad duration", "drivers:\n  - name: a\n    controller: {address: x}\n    timeout: soon\n", "soon"},
 		{"negative method timeout", "drivers:\n  - name: a\n    controller: {address: x}\n    methodTimeouts: {CreateVolume: -1s}\n", "methodTimeouts[CreateVolume] must be positive"},
 		{"slash in name", "drivers:\n  - name: a/b\n    controller: {address: x}\n", "must not contain"},
+		{"unknown method timeout", "drivers:\n  - name: a\n    controller: {address: x}\n    methodTimeouts: {createVolume: 2m}\n", "methodTimeouts[createVolume]: not the name of a CSI method"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

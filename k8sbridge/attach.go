@@ -389,7 +389,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
 	}
-	callCtx, cancel := context.WithTimeout(ctx, a.b.cfg.Timeout)
+	callCtx, cancel := a.b.callContext(ctx, driver, "ControllerPublishVolume")
 	resp, err := csi.NewControllerClient(conn).ControllerPublishVolume(callCtx, &csi.ControllerPublishVolumeRequest{
 		VolumeId: src.csi.VolumeHandle, NodeId: nodeID, VolumeCapability: volCap,
 		// Read-only only for a driver that may be asked (CSI: PUBLISH_READONLY), as external-attacher.
@@ -450,7 +450,7 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		if err != nil {
 			return a.attachFailed(ctx, va, true, err)
 		}
-		callCtx, cancel := context.WithTimeout(ctx, a.b.cfg.Timeout)
+		callCtx, cancel := a.b.callContext(ctx, driver, "ControllerUnpublishVolume")
 		_, err = csi.NewControllerClient(conn).ControllerUnpublishVolume(callCtx, &csi.ControllerUnpublishVolumeRequest{VolumeId: src.csi.VolumeHandle, NodeId: nodeID, Secrets: secrets})
 		cancel()
 		if err != nil && status.Code(err) != codes.NotFound {
@@ -563,7 +563,7 @@ func (a *attacher) listPublished(ctx context.Context, driver string) (map[string
 	out := map[string]map[string]bool{}
 	token := ""
 	for {
-		callCtx, cancel := context.WithTimeout(ctx, a.b.cfg.Timeout)
+		callCtx, cancel := a.b.callContext(ctx, driver, "ListVolumes")
 		resp, err := csi.NewControllerClient(conn).ListVolumes(callCtx, &csi.ListVolumesRequest{StartingToken: token, MaxEntries: 500})
 		cancel()
 		if err != nil {

@@ -887,7 +887,7 @@ func (c *capacityController) getCapacity(ctx context.Context, driver string, ite
 	if err != nil {
 		return nil, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, c.b.cfg.Timeout)
+	ctx, cancel := c.b.callContext(ctx, driver, "GetCapacity")
 	defer cancel()
 	ctx, span := c.b.tracer.Start(ctx, "capacity refresh", trace.WithAttributes(
 		attribute.String("csi.driver", driver), attribute.String("csi.topology", item.segment.request.String())))

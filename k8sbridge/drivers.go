@@ -23,6 +23,24 @@ type Drivers interface {
 	DriverNames() []string
 }
 
+// callTimeouts is what the broker adds to Drivers: each call's own timeout
+// (a driver's per-method override included).
+type callTimeouts interface {
+	CallTimeout(driver, method string) time.Duration
+}
+
+// callContext bounds one CSI call of method to driver: by the longer of
+// --timeout and the driver's timeout for the method, so a per-method
+// override (a CreateVolume of minutes) is not cut short here; the broker's
+// chain applies the driver's own.
+func (b *Bridge) callContext(ctx context.Context, driver, method string) (context.Context, context.CancelFunc) {
+	t := b.cfg.Timeout
+	if ct, ok := b.cfg.Drivers.(callTimeouts); ok {
+		t = max(t, ct.CallTimeout(driver, method))
+	}
+	return context.WithTimeout(ctx, t)
+}
+
 // driverCaps are the capabilities provisioning needs, learned from the driver.
 type driverCaps struct {
 	createDelete          bool

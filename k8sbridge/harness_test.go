@@ -127,14 +127,30 @@ func (t *testDrivers) DriverNames() []string {
 	return out
 }
 
-// addDriver starts a sample driver behind a proxy and a broker.
-func (t *testDrivers) addDriver(tb testing.TB, cfg sampledriver.Config) *sampledriver.Driver {
+// CallTimeout is the driver's broker's (as the real broker gives it).
+func (t *testDrivers) CallTimeout(d, method string) time.Duration {
+	t.mu.Lock()
+	c := t.chains[d]
+	t.mu.Unlock()
+	if c == nil {
+		return 0
+	}
+	return c.Broker.CallTimeout(d, method)
+}
+
+// addDriver starts a sample driver behind a proxy and a broker; opts change
+// the chain's options (timeouts, say).
+func (t *testDrivers) addDriver(tb testing.TB, cfg sampledriver.Config, opts ...func(*chaintest.Options)) *sampledriver.Driver {
 	tb.Helper()
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	ep, d := sampledriver.StartTest(tb, cfg)
-	c := chaintest.Start(tb, chaintest.Options{Driver: cfg.Name, DriverEndpoint: ep, LogLevel: slog.LevelWarn, Timeout: 30 * time.Second})
+	co := chaintest.Options{Driver: cfg.Name, DriverEndpoint: ep, LogLevel: slog.LevelWarn, Timeout: 30 * time.Second}
+	for _, o := range opts {
+		o(&co)
+	}
+	c := chaintest.Start(tb, co)
 	t.mu.Lock()
 	if t.chains == nil {
 		t.chains, t.drivers, t.nodeLocal = map[string]*chaintest.Chain{}, map[string]*sampledriver.Driver{}, map[string]bool{}

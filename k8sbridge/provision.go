@@ -367,7 +367,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if err != nil {
 		return fail("%v", err)
 	}
-	callCtx, cancel := context.WithTimeout(ctx, p.b.cfg.Timeout)
+	callCtx, cancel := p.b.callContext(ctx, driver, "CreateVolume")
 	req.Secrets = secrets
 	resp, err := csi.NewControllerClient(conn).CreateVolume(callCtx, req)
 	cancel()
@@ -489,7 +489,7 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 			seen = append(seen, fmt.Sprintf("%s: %v", n, err))
 			continue
 		}
-		callCtx, cancel := context.WithTimeout(ctx, p.b.cfg.Timeout)
+		callCtx, cancel := p.b.callContext(ctx, driver, "GetCapacity")
 		resp, err := csi.NewControllerClient(conn).GetCapacity(callCtx, &csi.GetCapacityRequest{Parameters: params, VolumeCapabilities: volCaps})
 		cancel()
 		if err != nil {
@@ -709,7 +709,7 @@ func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volume
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(ctx, p.b.cfg.Timeout)
+	ctx, cancel := p.b.callContext(ctx, driver, "DeleteVolume")
 	defer cancel()
 	_, err = csi.NewControllerClient(conn).DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: volumeID, Secrets: secrets})
 	if err != nil && status.Code(err) != codes.NotFound {

@@ -12,6 +12,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/csibroker/csibroker/internal/chaintest"
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 )
@@ -166,5 +167,28 @@ func TestSelectedNodeGoneReschedules(t *testing.T) {
 	}
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes made for a node that does not exist", n)
+	}
+}
+
+// TestPerMethodTimeoutLongerThanTheDefault: a driver whose CreateVolume
+// takes 2 s, with --timeout 1 s and the driver's own CreateVolume timeout
+// of 20 s: the controller's call is given the driver's timeout (it is not
+// cut at 1 s and re-issued as "in progress"), and the claim is bound after
+// one call.
+func TestPerMethodTimeoutLongerThanTheDefault(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "slow.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {Latency: 2 * time.Second}}}},
+		func(o *chaintest.Options) {
+			o.Timeout, o.MethodTimeouts = time.Second, map[string]time.Duration{"CreateVolume": 20 * time.Second}
+		})
+	class := makeClass(t, c, clusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{timeout: time.Second})
+	waitBound(t, c, ns, makeClaim(t, c, ns, "slow", class.Name, "1Gi").Name, 60*time.Second)
+	if n := d.CallCount("CreateVolume"); n != 1 {
+		t.Fatalf("%d CreateVolume calls, want 1 (the call cut short and re-issued)", n)
 	}
 }

@@ -167,7 +167,7 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 		log.Error("recovery: driver unreachable", "err", err)
 		return
 	}
-	callCtx, cancel := context.WithTimeout(ctx, p.b.cfg.Timeout)
+	callCtx, cancel := p.b.callContext(ctx, in.Driver, "CreateVolume")
 	req.Secrets = secrets
 	resp, err := csi.NewControllerClient(conn).CreateVolume(callCtx, req)
 	cancel()
@@ -218,7 +218,7 @@ func (p *provisioner) undoOnNode(ctx context.Context, in Intent) error {
 	if err != nil {
 		return err
 	}
-	callCtx, cancel := context.WithTimeout(ctx, p.b.cfg.Timeout)
+	callCtx, cancel := p.b.callContext(ctx, in.Driver, "CreateVolume")
 	req.Secrets = secrets
 	resp, err := csi.NewControllerClient(conn).CreateVolume(callCtx, req)
 	cancel()

@@ -399,7 +399,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 		if err != nil {
 			return failed("not_called", err)
 		}
-		callCtx, cancel := context.WithTimeout(ctx, r.b.cfg.Timeout)
+		callCtx, cancel := r.b.callContext(ctx, driver, "ControllerExpandVolume")
 		resp, err := csi.NewControllerClient(conn).ControllerExpandVolume(callCtx, req)
 		cancel()
 		if err != nil {
@@ -501,7 +501,7 @@ func (r *resizer) nodeExpansion(ctx context.Context, driver string) (bool, error
 	if err != nil {
 		return false, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, r.b.cfg.Timeout)
+	ctx, cancel := r.b.callContext(ctx, driver, "NodeGetCapabilities")
 	defer cancel()
 	resp, err := csi.NewNodeClient(conn).NodeGetCapabilities(ctx, &csi.NodeGetCapabilitiesRequest{})
 	switch {
