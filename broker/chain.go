@@ -3,8 +3,11 @@ package broker
 import (
 	"context"
 	"encoding/binary"
+	"errors"
+	"io"
 	"log/slog"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -95,20 +98,67 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 func (b *Broker) streamChain(p *proxyConn) []grpc.StreamClientInterceptor {
 	return []grpc.StreamClientInterceptor{
 		func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+			// The driver's timeout for the method bounds the whole stream,
+			// as it bounds a unary call.
+			ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
 			ctx, span := b.tracer.Start(ctx, "broker "+method, trace.WithSpanKind(trace.SpanKindInternal),
 				trace.WithAttributes(attribute.String("csi.driver", p.driver), attribute.String("csi.node", p.cfg.Node), attribute.String("rpc.method", shortMethod(method))))
+			d := b.desc(p, method)
+			d.inflight.Inc()
+			start := time.Now()
 			cs, err := streamer(ctx, desc, cc, method, opts...)
 			if err != nil {
 				span.SetStatus(otelcodes.Error, status.Code(err).String())
 				span.End()
+				b.streamEnded(p, d, start, err)
+				cancel()
 				return nil, err
 			}
 			// The span covers opening the stream; the per-attempt span from
 			// otelgrpc covers the whole stream.
 			span.End()
-			return cs, nil
+			bs := &boundStream{ClientStream: cs, done: func(err error) { b.streamEnded(p, d, start, err); cancel() }}
+			// A stream its caller abandons without reading it to the end
+			// ends with its context.
+			context.AfterFunc(ctx, func() { bs.end(status.FromContextError(ctx.Err()).Err()) })
+			return bs, nil
 		},
 	}
+}
+
+// streamEnded records a stream's end in the call metrics (as observe does
+// for a unary call).
+func (b *Broker) streamEnded(p *proxyConn, d *callDesc, start time.Time, err error) {
+	d.inflight.Dec()
+	code := status.Code(err)
+	elapsed := time.Since(start).Seconds()
+	b.metrics.calls.WithLabelValues(p.driver, d.metricShort, code.String()).Observe(elapsed)
+	b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, code.String()).Observe(elapsed)
+	if err != nil {
+		b.log.Info("csi stream failed", "driver", p.driver, "node", p.cfg.Node, "method", d.short, "code", code.String())
+	}
+}
+
+// boundStream calls done once, when the stream ends (RecvMsg's io.EOF, its
+// error, or a failed SendMsg's status read back).
+type boundStream struct {
+	grpc.ClientStream
+	once sync.Once
+	done func(error)
+}
+
+func (s *boundStream) end(err error) { s.once.Do(func() { s.done(err) }) }
+
+func (s *boundStream) RecvMsg(m any) error {
+	err := s.ClientStream.RecvMsg(m)
+	switch {
+	case err == nil:
+	case errors.Is(err, io.EOF):
+		s.end(nil)
+	default:
+		s.end(err)
+	}
+	return err
 }
 
 // methodTimeout is the driver's timeout for method.

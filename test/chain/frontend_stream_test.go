@@ -280,3 +280,58 @@ func TestFrontEndKeepsToTheCallersHeaderListLimit(t *testing.T) {
 		t.Fatalf("a call after them on the same connection: %v, %v", resp, err)
 	}
 }
+
+// TestStreamsKeepTheDriversTimeout: a server stream the driver holds open
+// ends with DeadlineExceeded at the driver's timeout for the method (the
+// caller set none), and is counted in the call metrics like a unary call.
+func TestStreamsKeepTheDriversTimeout(t *testing.T) {
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: startStreamDriver(t),
+		Timeout: 30 * time.Second, MethodTimeouts: map[string]time.Duration{"GetMetadataAllocated": 300 * time.Millisecond}})
+	conn := chaintest.Dial(t, c.Front)
+	start := time.Now()
+	st, err := csi.NewSnapshotMetadataClient(conn).GetMetadataAllocated(context.Background(), &csi.GetMetadataAllocatedRequest{SnapshotId: "held"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rerr error
+	for rerr == nil {
+		_, rerr = st.Recv()
+		if time.Since(start) > 10*time.Second {
+			t.Fatal("the stream is still open after 10 s")
+		}
+	}
+	if status.Code(rerr) != codes.DeadlineExceeded || time.Since(start) > 5*time.Second {
+		t.Fatalf("stream ended with %v after %v, want DeadlineExceeded at the 300 ms method timeout", rerr, time.Since(start))
+	}
+	counted := func() bool {
+		mfs, err := c.Registry.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() != "csibroker_csi_call_duration_seconds" {
+				continue
+			}
+			for _, m := range mf.GetMetric() {
+				var method, code string
+				for _, l := range m.GetLabel() {
+					switch l.GetName() {
+					case "method":
+						method = l.GetValue()
+					case "code":
+						code = l.GetValue()
+					}
+				}
+				if method == "GetMetadataAllocated" && code == "DeadlineExceeded" && m.GetHistogram().GetSampleCount() > 0 {
+					return true
+				}
+			}
+		}
+		return false
+	}
+	for deadline := time.Now().Add(5 * time.Second); !counted(); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the stream is not in csibroker_csi_call_duration_seconds{method=GetMetadataAllocated,code=DeadlineExceeded}")
+		}
+	}
+}
