@@ -204,24 +204,9 @@ func TestDetachesWhatExternalAttacherAttached(t *testing.T) {
 			t.Errorf("attacherFinalizer(%q) = %q, want %q (external-attacher's)", driver, got, want)
 		}
 	}
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	node := clusterName(ns, "node")
-	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-	drv := clusterName(ns, "moved.csi.test") // has dots
-	drivers := &testDrivers{}
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node})
-	makeCSIDriver(t, c, drv, true)
-	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
-		t.Fatal(err)
-	}
+	s := newAttachSetup(t, "moved.csi.test", sampledriver.Config{})
+	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
 	class := makeClass(t, c, clusterName(ns, "moved"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{})
 	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 
 	// What external-attacher left: its finalizer on the attachment and the
@@ -287,24 +272,9 @@ func TestEarlierBrokerFinalizerStillDetaches(t *testing.T) {
 // fails with an AttachError saying so, as external-attacher's does, and
 // the volume is never published.
 func TestNoAttachOfAPVBeingDeleted(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	node := clusterName(ns, "node")
-	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-	drv := clusterName(ns, "del.csi.test")
-	drivers := &testDrivers{}
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node})
-	makeCSIDriver(t, c, drv, true)
-	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
-		t.Fatal(err)
-	}
+	s := newAttachSetup(t, "del.csi.test", sampledriver.Config{})
+	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
 	class := makeClass(t, c, clusterName(ns, "del"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{})
 	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	const hold = "test.csibroker.io/hold"
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
@@ -346,23 +316,8 @@ func TestNoAttachOfAPVBeingDeleted(t *testing.T) {
 // spec forbids asking), as external-attacher does; the driver, which
 // refuses such a request, attaches it.
 func TestReadOnlyPublishOnlyWhenTheDriverMayBeAsked(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	node := clusterName(ns, "node")
-	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-	drv := clusterName(ns, "ro.csi.test")
-	drivers := &testDrivers{}
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node, NoPublishReadonly: true})
-	makeCSIDriver(t, c, drv, true)
-	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
-		t.Fatal(err)
-	}
-	startBridge(t, env, ns, drivers, bridgeOpts{})
+	s := newAttachSetup(t, "ro.csi.test", sampledriver.Config{NoPublishReadonly: true})
+	ctx, c, ns, node, drv, drivers, d := s.ctx, s.c, s.ns, s.node, s.drv, s.drivers, s.d
 	// A pre-provisioned read-only PV of one of the driver's volumes.
 	conn, err := drivers.ControllerConn(drv)
 	if err != nil {
@@ -399,4 +354,37 @@ func TestReadOnlyPublishOnlyWhenTheDriverMayBeAsked(t *testing.T) {
 	if n := d.CallCount("ControllerPublishVolume"); n == 0 {
 		t.Fatal("never published")
 	}
+}
+
+// attachSetup is one node and one attach-required sample driver registered
+// on it, with a running bridge: what the attach tests below start from.
+type attachSetup struct {
+	ctx      context.Context
+	c        kubernetes.Interface
+	ns, node string
+	drv      string
+	drivers  *testDrivers
+	d        *sampledriver.Driver
+}
+
+// newAttachSetup starts it; the driver is named after name and runs cfg
+// (its name and node ID set here).
+func newAttachSetup(t *testing.T, name string, cfg sampledriver.Config) *attachSetup {
+	t.Helper()
+	env := testenv.Shared(t)
+	s := &attachSetup{ctx: context.Background(), c: env.Client(), ns: env.NewNamespace(t), drivers: &testDrivers{}}
+	s.node = clusterName(s.ns, "node")
+	if _, err := env.AddNodes(s.ctx, testenv.NodeSpec{Name: s.node}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.c.CoreV1().Nodes().Delete(context.Background(), s.node, metav1.DeleteOptions{}) })
+	s.drv = clusterName(s.ns, name)
+	cfg.Name, cfg.NodeID = s.drv, s.node
+	s.d = s.drivers.addDriver(t, cfg)
+	makeCSIDriver(t, s.c, s.drv, true)
+	if err := env.AddCSINode(s.ctx, s.node, s.drv, s.node, nil); err != nil {
+		t.Fatal(err)
+	}
+	startBridge(t, env, s.ns, s.drivers, bridgeOpts{})
+	return s
 }
