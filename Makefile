@@ -73,7 +73,7 @@ proto:
 	GOFLAGS= $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.0
 	PATH="$$PATH:$$($(GO) env GOPATH)/bin" protoc -I proto \
 		--go_out=. --go_opt=module=github.com/csibroker/csibroker \
-		--go-grpc_out=. --go-grpc_opt=module=github.com/csibroker/csibroker \
+		--go-grpc_out=. --go-grpc_opt=module=github.com/csibroker/csibroker --go-grpc_opt=require_unimplemented_servers=false \
 		$$(find proto -name '*.proto')
 
 run: control-plane build

@@ -6,9 +6,10 @@ import (
 	brokerstatusv1 "github.com/csibroker/csibroker/proto/brokerstatus/v1"
 )
 
-// StatusServer serves the broker status API read by `csibroker status`.
+// StatusServer serves the broker status API read by `csibroker status`. It
+// implements every method of the service itself (the code is generated
+// without the requirement to embed the generated Unimplemented stub).
 type StatusServer struct {
-	brokerstatusv1.UnimplementedBrokerStatusServer
 	B       *Broker
 	Version string
 	// Leader reports whether this replica leads and who does; nil means no
@@ -33,3 +34,5 @@ func (s *StatusServer) GetStatus(context.Context, *brokerstatusv1.GetStatusReque
 	}
 	return out, nil
 }
+
+var _ brokerstatusv1.BrokerStatusServer = (*StatusServer)(nil)

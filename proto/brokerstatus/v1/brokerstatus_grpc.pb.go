@@ -50,14 +50,13 @@ func (c *brokerStatusClient) GetStatus(ctx context.Context, in *GetStatusRequest
 }
 
 // BrokerStatusServer is the server API for BrokerStatus service.
-// All implementations must embed UnimplementedBrokerStatusServer
+// All implementations should embed UnimplementedBrokerStatusServer
 // for forward compatibility.
 type BrokerStatusServer interface {
 	GetStatus(context.Context, *GetStatusRequest) (*GetStatusResponse, error)
-	mustEmbedUnimplementedBrokerStatusServer()
 }
 
-// UnimplementedBrokerStatusServer must be embedded to have
+// UnimplementedBrokerStatusServer should be embedded to have
 // forward compatible implementations.
 //
 // NOTE: this should be embedded by value instead of pointer to avoid a nil
@@ -67,8 +66,7 @@ type UnimplementedBrokerStatusServer struct{}
 func (UnimplementedBrokerStatusServer) GetStatus(context.Context, *GetStatusRequest) (*GetStatusResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetStatus not implemented")
 }
-func (UnimplementedBrokerStatusServer) mustEmbedUnimplementedBrokerStatusServer() {}
-func (UnimplementedBrokerStatusServer) testEmbeddedByValue()                      {}
+func (UnimplementedBrokerStatusServer) testEmbeddedByValue() {}
 
 // UnsafeBrokerStatusServer may be embedded to opt out of forward compatibility for this service.
 // Use of this interface is not recommended, as added methods to BrokerStatusServer will

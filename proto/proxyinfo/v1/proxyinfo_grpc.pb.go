@@ -53,16 +53,15 @@ func (c *proxyInfoClient) GetInfo(ctx context.Context, in *GetInfoRequest, opts 
 }
 
 // ProxyInfoServer is the server API for ProxyInfo service.
-// All implementations must embed UnimplementedProxyInfoServer
+// All implementations should embed UnimplementedProxyInfoServer
 // for forward compatibility.
 type ProxyInfoServer interface {
 	// GetInfo says which driver and node the proxy fronts and whether the
 	// driver answers right now.
 	GetInfo(context.Context, *GetInfoRequest) (*GetInfoResponse, error)
-	mustEmbedUnimplementedProxyInfoServer()
 }
 
-// UnimplementedProxyInfoServer must be embedded to have
+// UnimplementedProxyInfoServer should be embedded to have
 // forward compatible implementations.
 //
 // NOTE: this should be embedded by value instead of pointer to avoid a nil
@@ -72,8 +71,7 @@ type UnimplementedProxyInfoServer struct{}
 func (UnimplementedProxyInfoServer) GetInfo(context.Context, *GetInfoRequest) (*GetInfoResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetInfo not implemented")
 }
-func (UnimplementedProxyInfoServer) mustEmbedUnimplementedProxyInfoServer() {}
-func (UnimplementedProxyInfoServer) testEmbeddedByValue()                   {}
+func (UnimplementedProxyInfoServer) testEmbeddedByValue() {}
 
 // UnsafeProxyInfoServer may be embedded to opt out of forward compatibility for this service.
 // Use of this interface is not recommended, as added methods to ProxyInfoServer will
