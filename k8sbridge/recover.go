@@ -129,6 +129,44 @@ func (p *provisioner) pvExists(ctx context.Context, name string) (bool, error) {
 	}
 }
 
+// Where re-issuing a recorded CreateVolume stopped (learnVolumeID).
+type reissueStage int
+
+const (
+	stageRequest reissueStage = iota // the recorded request is unreadable
+	stageSecret                      // its secret is denied or gone
+	stageConn                        // the driver is unreachable
+	stageCreate                      // the driver refused the call
+)
+
+// learnVolumeID re-issues in's recorded CreateVolume on in.Node (CSI makes
+// it idempotent by name) to learn the volume's ID; on failure it says at
+// which stage. requester is whom the volume's secrets are used for.
+func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, requester policy.Requester, stage reissueStage, err error) {
+	requester = policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, StorageClass: in.StorageClass, Node: in.Node}
+	req := &csi.CreateVolumeRequest{}
+	if err := proto.Unmarshal(in.Request, req); err != nil {
+		return "", requester, stageRequest, fmt.Errorf("unreadable recorded request: %w", err)
+	}
+	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: policy.Source{Kind: policy.SourceStatic, Key: "intent record"}, requester: requester, recordedNSLabels: in.NamespaceLabels})
+	if err != nil {
+		return "", requester, stageSecret, err
+	}
+	conn, err := p.conn(in.Driver, in.Node)
+	if err != nil {
+		return "", requester, stageConn, err
+	}
+	callCtx, cancel := p.b.callContext(ctx, in.Driver, "CreateVolume")
+	req.Secrets = secrets
+	resp, err := csi.NewControllerClient(conn).CreateVolume(callCtx, req)
+	cancel()
+	req.Secrets = nil
+	if err != nil {
+		return "", requester, stageCreate, err
+	}
+	return resp.GetVolume().GetVolumeId(), requester, 0, nil
+}
+
 // deleteOrphan re-issues the recorded CreateVolume to learn the volume's ID
 // and deletes the volume; why says why it is an orphan. now is the start of
 // the recovery pass, from which a failure's backoff is counted.
@@ -140,93 +178,63 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 	log := p.b.log.With("volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName, "reason", why)
 	ctx, span := p.b.tracer.Start(ctx, "recover "+in.VolumeName)
 	defer span.End()
-	req := &csi.CreateVolumeRequest{}
-	if err := proto.Unmarshal(in.Request, req); err != nil {
-		log.Error("recovery: unreadable recorded request; leaving the entry for an admin", "err", err)
-		return
-	}
-	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, StorageClass: in.StorageClass, Node: in.Node}
-	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: policy.Source{Kind: policy.SourceStatic, Key: "intent record"}, requester: requester, recordedNSLabels: in.NamespaceLabels})
+	id, requester, stage, err := p.learnVolumeID(ctx, in)
 	if err != nil {
-		// A secret denied or gone (its namespace deleted, say): retried
-		// with the same backoff as a failed call, and reported the same
-		// way once it keeps failing.
-		p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
-		n, wait := p.recoveryFailed(in.VolumeName, now)
-		if n == 3 {
-			p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
-			log.Error("recovery: cannot re-issue CreateVolume of an orphaned volume without its secret; the intent record keeps it (delete the entry once the volume is dealt with)",
-				"configmap", p.b.cfg.Namespace+"/csibroker-intents", "attempts", n, "retry_in", wait, "err", err)
-		} else {
-			log.Warn("recovery: cannot re-issue CreateVolume; will retry", "attempt", n, "retry_in", wait, "err", err)
+		switch stage {
+		case stageRequest:
+			log.Error("recovery: unreadable recorded request; leaving the entry for an admin", "err", err)
+			return
+		case stageConn:
+			log.Error("recovery: driver unreachable", "err", err)
+			return
+		case stageSecret:
+			// A secret denied or gone (its namespace deleted, say):
+			// retried with the same backoff as a failed call.
+			p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
 		}
-		return
-	}
-	conn, err := p.conn(in.Driver, in.Node)
-	if err != nil {
-		log.Error("recovery: driver unreachable", "err", err)
-		return
-	}
-	callCtx, cancel := p.b.callContext(ctx, in.Driver, "CreateVolume")
-	req.Secrets = secrets
-	resp, err := csi.NewControllerClient(conn).CreateVolume(callCtx, req)
-	cancel()
-	req.Secrets = nil
-	if err != nil {
 		// Even a final error does not prove that no volume of that name
 		// exists (a clone source deleted since, rotated credentials): the
 		// entry stays and is retried, each time after a longer wait
 		// (recoveryBackoff); after a few failures it is reported so an
 		// administrator can look.
+		why := err.Error()
+		if stage == stageCreate {
+			why = statusText(err)
+		}
 		n, wait := p.recoveryFailed(in.VolumeName, now)
 		if n == 3 {
 			p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
 			log.Error("recovery: cannot learn the volume ID of an orphaned volume; the intent record keeps it (delete the entry once the volume is dealt with)",
-				"configmap", p.b.cfg.Namespace+"/csibroker-intents", "attempts", n, "retry_in", wait, "err", statusText(err))
+				"configmap", p.b.cfg.Namespace+"/csibroker-intents", "attempts", n, "retry_in", wait, "err", why)
 		} else {
-			log.Warn("recovery: CreateVolume to learn the volume ID failed; will retry", "attempt", n, "retry_in", wait, "err", statusText(err))
+			log.Warn("recovery: cannot re-issue CreateVolume to learn the volume ID; will retry", "attempt", n, "retry_in", wait, "err", why)
 		}
 		return
 	}
 	p.mu.Lock()
 	delete(p.recFails, in.VolumeName)
 	p.mu.Unlock()
-	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, resp.GetVolume().GetVolumeId(), in.ProvisionerSecret, requester, in.NamespaceLabels); err != nil {
+	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, id, in.ProvisionerSecret, requester, in.NamespaceLabels); err != nil {
 		log.Error("recovery: DeleteVolume failed; will retry", "err", err)
 		p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
 		return
 	}
-	log.Info("recovery: deleted an orphaned volume", "volume_id", resp.GetVolume().GetVolumeId())
+	log.Info("recovery: deleted an orphaned volume", "volume_id", id)
 	p.b.metrics.leaked.WithLabelValues(in.Driver, "deleted").Inc()
 	p.b.intents.Remove(in.VolumeName)
 }
 
 // undoOnNode deletes the volume of an intent on its node, if it exists
-// there: the recorded request is re-issued (idempotent by name) to learn
-// its ID, then the volume is deleted. The caller holds the volume's slot.
+// there. The caller holds the volume's slot.
 func (p *provisioner) undoOnNode(ctx context.Context, in Intent) error {
-	req := &csi.CreateVolumeRequest{}
-	if err := proto.Unmarshal(in.Request, req); err != nil {
-		return fmt.Errorf("unreadable recorded request: %w", err)
-	}
-	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, StorageClass: in.StorageClass, Node: in.Node}
-	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: policy.Source{Kind: policy.SourceStatic, Key: "intent record"}, requester: requester, recordedNSLabels: in.NamespaceLabels})
+	id, requester, stage, err := p.learnVolumeID(ctx, in)
 	if err != nil {
+		if stage == stageCreate {
+			return fmt.Errorf("CreateVolume to learn the volume's ID: %s", statusText(err))
+		}
 		return err
 	}
-	conn, err := p.conn(in.Driver, in.Node)
-	if err != nil {
-		return err
-	}
-	callCtx, cancel := p.b.callContext(ctx, in.Driver, "CreateVolume")
-	req.Secrets = secrets
-	resp, err := csi.NewControllerClient(conn).CreateVolume(callCtx, req)
-	cancel()
-	req.Secrets = nil
-	if err != nil {
-		return fmt.Errorf("CreateVolume to learn the volume's ID: %s", statusText(err))
-	}
-	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, resp.GetVolume().GetVolumeId(), in.ProvisionerSecret, requester, in.NamespaceLabels); err != nil {
+	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, id, in.ProvisionerSecret, requester, in.NamespaceLabels); err != nil {
 		return err
 	}
 	p.b.metrics.leaked.WithLabelValues(in.Driver, "deleted").Inc()
