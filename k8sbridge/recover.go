@@ -197,17 +197,17 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 		// entry stays and is retried, each time after a longer wait
 		// (recoveryBackoff); after a few failures it is reported so an
 		// administrator can look.
-		why := err.Error()
+		detail := err.Error()
 		if stage == stageCreate {
-			why = statusText(err)
+			detail = statusText(err)
 		}
 		n, wait := p.recoveryFailed(in.VolumeName, now)
 		if n == 3 {
 			p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
 			log.Error("recovery: cannot learn the volume ID of an orphaned volume; the intent record keeps it (delete the entry once the volume is dealt with)",
-				"configmap", p.b.cfg.Namespace+"/csibroker-intents", "attempts", n, "retry_in", wait, "err", why)
+				"configmap", p.b.cfg.Namespace+"/csibroker-intents", "attempts", n, "retry_in", wait, "err", detail)
 		} else {
-			log.Warn("recovery: cannot re-issue CreateVolume to learn the volume ID; will retry", "attempt", n, "retry_in", wait, "err", why)
+			log.Warn("recovery: cannot re-issue CreateVolume to learn the volume ID; will retry", "attempt", n, "retry_in", wait, "err", detail)
 		}
 		return
 	}
