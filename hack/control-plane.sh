@@ -32,6 +32,9 @@ BUILD_LOG="${CP_DIR}/build.log"
 log() { printf 'control-plane: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
+# shellcheck source=hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
 # fmt_secs 372 -> 6m12s
 fmt_secs() {
 	local s=$1
@@ -49,33 +52,6 @@ all_ok() {
 	for name in etcd "${K8S_COMPONENTS[@]}"; do
 		ok "$name" || return 1
 	done
-}
-
-# The throwaway modules live in the cache; make sure no workspace, vendor
-# directory or inherited GOFLAGS from the caller changes how they resolve.
-go_env() {
-	env GOWORK=off GOFLAGS=-mod=mod CGO_ENABLED=0 "$@"
-}
-
-# gorun DIR CMD...: run a go command in DIR, its chatter going to the build
-# log; on failure show the end of it.
-gorun() {
-	local dir=$1 tries=1 i
-	shift
-	# Fetches from the module proxy may fail for a moment: tried again.
-	case "$1 $2" in "go get" | "go mod") tries=3 ;; esac
-	for ((i = 1; ; i++)); do
-		printf '\n$ (cd %s && %s)\n' "$dir" "$*" >>"$BUILD_LOG"
-		if (cd "$dir" && go_env "$@") >>"$BUILD_LOG" 2>&1; then
-			return 0
-		fi
-		((i < tries)) || break
-		log "retrying in $((i * 10))s: $*"
-		sleep $((i * 10))
-	done
-	log "failed: $* (in ${dir}); end of ${BUILD_LOG}:"
-	tail -n 40 "$BUILD_LOG" >&2
-	exit 1
 }
 
 build_etcd() {
@@ -103,9 +79,9 @@ import (
 
 func main() { etcdmain.Main(os.Args) }
 EOF
-	gorun "$dir" go get "go.etcd.io/etcd/server/v3@${ETCD_VERSION}"
-	gorun "$dir" go mod tidy
-	gorun "$dir" go build -trimpath -ldflags "-s -w" -o "${BIN_DIR}/.etcd.tmp.$$" .
+	gorun "$BUILD_LOG" "$dir" go get "go.etcd.io/etcd/server/v3@${ETCD_VERSION}"
+	gorun "$BUILD_LOG" "$dir" go mod tidy
+	gorun "$BUILD_LOG" "$dir" go build -trimpath -ldflags "-s -w" -o "${BIN_DIR}/.etcd.tmp.$$" .
 	mv -f "${BIN_DIR}/.etcd.tmp.$$" "${BIN_DIR}/etcd"
 	ok etcd || die "built etcd does not answer --version"
 	log "etcd ${ETCD_VERSION}: built in $(fmt_secs $((SECONDS - start)))"
@@ -152,7 +128,7 @@ EOF
 		printf '\n%s\n' "$replaces" >>"${dir}/go.mod"
 		local pkgs=()
 		for name in "${K8S_COMPONENTS[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/${name}@${K8S_VERSION}"); done
-		gorun "$dir" go get "${pkgs[@]}"
+		gorun "$BUILD_LOG" "$dir" go get "${pkgs[@]}"
 		touch "${dir}/.resolved"
 		log "kubernetes ${K8S_VERSION}: modules resolved in $(fmt_secs $((SECONDS - start)))"
 	fi
@@ -176,7 +152,7 @@ EOF
 		((first)) && hint="the first takes 3-6 min cold on 2 cores"
 		first=0
 		log "${name} ${K8S_VERSION}: building (${hint})"
-		gorun "$dir" go build -trimpath -ldflags "$ldflags" -o "${BIN_DIR}/.${name}.tmp.$$" "k8s.io/kubernetes/cmd/${name}"
+		gorun "$BUILD_LOG" "$dir" go build -trimpath -ldflags "$ldflags" -o "${BIN_DIR}/.${name}.tmp.$$" "k8s.io/kubernetes/cmd/${name}"
 		mv -f "${BIN_DIR}/.${name}.tmp.$$" "${BIN_DIR}/${name}"
 		ok "$name" || die "built ${name} does not answer --version"
 		log "${name} ${K8S_VERSION}: built in $(fmt_secs $((SECONDS - t)))"

@@ -36,6 +36,9 @@ die() {
 	exit 1
 }
 
+# shellcheck source=hack/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
 fmt_secs() {
 	local s=$1
 	if ((s >= 60)); then printf '%dm%02ds' $((s / 60)) $((s % 60)); else printf '%ds' "$s"; fi
@@ -59,33 +62,6 @@ all_ok() {
 		fields "$e"
 		ok "$dir" "$name" || return 1
 	done
-}
-
-# The throwaway modules live in the cache; make sure no workspace, vendor
-# directory or inherited GOFLAGS from the caller changes how they resolve.
-go_env() {
-	env GOWORK=off GOFLAGS=-mod=mod CGO_ENABLED=0 "$@"
-}
-
-# gorun LOG DIR CMD...: run a go command in DIR, its chatter going to LOG; on
-# failure show the end of it.
-gorun() {
-	local logf=$1 d=$2 tries=1 i
-	shift 2
-	# Fetches from the module proxy may fail for a moment: tried again.
-	case "$1 $2" in "go get" | "go mod") tries=3 ;; esac
-	for ((i = 1; ; i++)); do
-		printf '\n$ (cd %s && %s)\n' "$d" "$*" >>"$logf"
-		if (cd "$d" && go_env "$@") >>"$logf" 2>&1; then
-			return 0
-		fi
-		((i < tries)) || break
-		log "retrying in $((i * 10))s: $*"
-		sleep $((i * 10))
-	done
-	log "failed: $* (in ${d}); end of ${logf}:"
-	tail -n 40 "$logf" >&2
-	exit 1
 }
 
 # module_replaces SRC MODULE VERSION LOG prints the replace directives of
