@@ -478,43 +478,6 @@ func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
 		c.lastItems, c.goneSince = map[string]map[capacityKey]capacityItem{}, map[string]time.Time{}
 	}
 	registered := map[string]bool{}
-	defer func() {
-		// Remember each registered driver's items; keep an unregistered
-		// one's for the grace period.
-		mine := map[string]map[capacityKey]capacityItem{}
-		for k, item := range out {
-			if mine[k.driver] == nil {
-				mine[k.driver] = map[capacityKey]capacityItem{}
-			}
-			mine[k.driver][k] = item
-		}
-		for d := range registered {
-			c.lastItems[d] = mine[d]
-			delete(c.goneSince, d)
-		}
-		now := time.Now()
-		for d, items := range c.lastItems {
-			if registered[d] {
-				continue
-			}
-			since, ok := c.goneSince[d]
-			if !ok {
-				since = now
-				c.goneSince[d] = now
-				if len(items) > 0 {
-					c.log.Info("driver unregistered; its capacity objects keep their last value until it is back or the grace period ends", "driver", d, "objects", len(items), "grace", capacityUnregisteredGrace)
-				}
-			}
-			if now.Sub(since) >= capacityUnregisteredGrace {
-				delete(c.lastItems, d)
-				delete(c.goneSince, d)
-				continue
-			}
-			for k, item := range items {
-				out[k] = item
-			}
-		}
-	}()
 	for _, driver := range c.b.cfg.Drivers.DriverNames() {
 		registered[driver] = true
 		var driverClasses []*storagev1.StorageClass
@@ -545,7 +508,48 @@ func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
 			}
 		}
 	}
+	c.keepUnregistered(out, registered)
 	return out
+}
+
+// keepUnregistered remembers each registered driver's items and adds those
+// of a driver unregistered less than capacityUnregisteredGrace ago.
+func (c *capacityController) keepUnregistered(out map[capacityKey]capacityItem, registered map[string]bool) {
+	// Remember each registered driver's items; keep an unregistered
+	// one's for the grace period.
+	mine := map[string]map[capacityKey]capacityItem{}
+	for k, item := range out {
+		if mine[k.driver] == nil {
+			mine[k.driver] = map[capacityKey]capacityItem{}
+		}
+		mine[k.driver][k] = item
+	}
+	for d := range registered {
+		c.lastItems[d] = mine[d]
+		delete(c.goneSince, d)
+	}
+	now := time.Now()
+	for d, items := range c.lastItems {
+		if registered[d] {
+			continue
+		}
+		since, ok := c.goneSince[d]
+		if !ok {
+			since = now
+			c.goneSince[d] = now
+			if len(items) > 0 {
+				c.log.Info("driver unregistered; its capacity objects keep their last value until it is back or the grace period ends", "driver", d, "objects", len(items), "grace", capacityUnregisteredGrace)
+			}
+		}
+		if now.Sub(since) >= capacityUnregisteredGrace {
+			delete(c.lastItems, d)
+			delete(c.goneSince, d)
+			continue
+		}
+		for k, item := range items {
+			out[k] = item
+		}
+	}
 }
 
 // reconcile recomputes the wanted keys and queues every key that appeared or
