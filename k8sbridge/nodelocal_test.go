@@ -32,17 +32,7 @@ func TestNodeLocalDriver(t *testing.T) {
 	drv := clusterName(ns, "local.csi.test")
 	small, big := clusterName(ns, "small"), clusterName(ns, "big")
 	drivers := &testDrivers{}
-	inst := map[string]*sampledriver.Driver{}
-	for node, size := range map[string]int64{small: 10 << 30, big: 100 << 30} {
-		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-		if err := env.AddCSINode(ctx, node, drv, node, []string{corev1.LabelHostname}); err != nil {
-			t.Fatal(err)
-		}
-		inst[node] = drivers.addNodeDriver(t, sampledriver.Config{Name: drv, CapacityBytes: size, Topology: map[string]string{corev1.LabelHostname: node}}, node)
-	}
+	inst := addLocalNodes(t, env, drivers, drv, map[string]int64{small: 10 << 30, big: 100 << 30}, sampledriver.Faults{})
 	imm, wffc, del := storagev1.VolumeBindingImmediate, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
 	immClass := makeClass(t, c, clusterName(ns, "imm"), drv, imm, del, nil)
 	wffcClass := makeClass(t, c, clusterName(ns, "wffc"), drv, wffc, del, nil)
@@ -111,20 +101,10 @@ func TestNodeLocalEarlierAttemptsVolumeIsNeverLeft(t *testing.T) {
 	drv := clusterName(ns, "local.csi.test")
 	a, b := clusterName(ns, "a"), clusterName(ns, "b")
 	drivers := &testDrivers{}
-	inst := map[string]*sampledriver.Driver{}
 	// The first CreateVolume on each node makes the volume, then answers
 	// Aborted ("may still be in progress").
 	lost := sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {First: 1, Code: codes.Aborted, After: true}}}
-	for node, size := range map[string]int64{a: 10 << 30, b: 8 << 30} {
-		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-		if err := env.AddCSINode(ctx, node, drv, node, []string{corev1.LabelHostname}); err != nil {
-			t.Fatal(err)
-		}
-		inst[node] = drivers.addNodeDriver(t, sampledriver.Config{Name: drv, CapacityBytes: size, Topology: map[string]string{corev1.LabelHostname: node}, Faults: lost}, node)
-	}
+	inst := addLocalNodes(t, env, drivers, drv, map[string]int64{a: 10 << 30, b: 8 << 30}, lost)
 	imm, wffc, del := storagev1.VolumeBindingImmediate, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
 	immClass := makeClass(t, c, clusterName(ns, "imm"), drv, imm, del, nil)
 	wffcClass := makeClass(t, c, clusterName(ns, "wffc"), drv, wffc, del, nil)
@@ -191,17 +171,7 @@ func TestNodeLocalGrantByNode(t *testing.T) {
 	drv := clusterName(ns, "local.csi.test")
 	a, b := clusterName(ns, "a"), clusterName(ns, "b")
 	drivers := &testDrivers{}
-	inst := map[string]*sampledriver.Driver{}
-	for _, node := range []string{a, b} {
-		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-		if err := env.AddCSINode(ctx, node, drv, node, []string{corev1.LabelHostname}); err != nil {
-			t.Fatal(err)
-		}
-		inst[node] = drivers.addNodeDriver(t, sampledriver.Config{Name: drv, CapacityBytes: 10 << 30, Topology: map[string]string{corev1.LabelHostname: node}}, node)
-	}
+	inst := addLocalNodes(t, env, drivers, drv, map[string]int64{a: 10 << 30, b: 10 << 30}, sampledriver.Faults{})
 	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: ns}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -223,4 +193,24 @@ func TestNodeLocalGrantByNode(t *testing.T) {
 	if na, nb := len(inst[a].Volumes()), len(inst[b].Volumes()); na != 1 || nb != 0 {
 		t.Fatalf("volumes on a %d, on b %d; want only a's proxy to have received the secret", na, nb)
 	}
+}
+
+// addLocalNodes adds each node of sizes (a Node, its CSINode for drv, and an
+// instance of drv on it behind a node proxy with that capacity and faults)
+// and returns the instances by node.
+func addLocalNodes(t *testing.T, env *testenv.Env, drivers *testDrivers, drv string, sizes map[string]int64, faults sampledriver.Faults) map[string]*sampledriver.Driver {
+	t.Helper()
+	ctx, c := context.Background(), env.Client()
+	inst := map[string]*sampledriver.Driver{}
+	for node, size := range sizes {
+		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+		if err := env.AddCSINode(ctx, node, drv, node, []string{corev1.LabelHostname}); err != nil {
+			t.Fatal(err)
+		}
+		inst[node] = drivers.addNodeDriver(t, sampledriver.Config{Name: drv, CapacityBytes: size, Topology: map[string]string{corev1.LabelHostname: node}, Faults: faults}, node)
+	}
+	return inst
 }
