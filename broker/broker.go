@@ -104,6 +104,8 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 	}
 	cfg = cfg.withDefaults()
 	b.mu.Lock()
+	// Deferred calls run in reverse order: this unlock runs before the
+	// drains deferred below.
 	defer b.mu.Unlock()
 	old := b.drivers[cfg.Name]
 	d := &Driver{name: cfg.Name, cfg: cfg, b: b, nodes: map[string]*proxyConn{}}
@@ -163,7 +165,10 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 		}
 		for _, pc := range old.all() {
 			if !keep[pc] {
-				pc.close()
+				// Drained after the lock is released: its calls in flight
+				// finish on the old proxy; new calls and retries take
+				// the new registration's.
+				defer pc.drain()
 			}
 		}
 	}
@@ -172,7 +177,8 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 	return nil
 }
 
-// RemoveDriver forgets a driver and closes its connections.
+// RemoveDriver forgets a driver: new calls to it fail at once, and its
+// connections close once the calls in flight have ended.
 func (b *Broker) RemoveDriver(name string) {
 	b.mu.Lock()
 	d := b.drivers[name]
@@ -180,10 +186,30 @@ func (b *Broker) RemoveDriver(name string) {
 	b.mu.Unlock()
 	if d != nil {
 		for _, pc := range d.all() {
-			pc.close()
+			pc.drain()
 		}
 		b.log.Info("driver removed", "driver", name)
 	}
+}
+
+// current is the connection that now serves what p served (the same
+// driver's controller proxy, or its proxy on p's node), or p itself when
+// the driver has none now.
+func (b *Broker) current(p *proxyConn) *proxyConn {
+	b.mu.RLock()
+	defer b.mu.RUnlock()
+	d := b.drivers[p.driver]
+	if d == nil {
+		return p
+	}
+	n := d.controller
+	if p.cfg.Node != "" {
+		n = d.nodes[p.cfg.Node]
+	}
+	if n == nil {
+		return p
+	}
+	return n
 }
 
 // Driver returns a registered driver.
@@ -267,16 +293,17 @@ func (b *Broker) NodeLocal(driver string) bool {
 	return err == nil && d.cfg.NodeLocal
 }
 
-// Close closes every connection.
+// Close closes every connection; calls in flight fail.
 func (b *Broker) Close() {
 	b.mu.Lock()
-	defer b.mu.Unlock()
-	for _, d := range b.drivers {
+	drivers := b.drivers
+	b.drivers = map[string]*Driver{}
+	b.mu.Unlock()
+	for _, d := range drivers {
 		for _, pc := range d.all() {
 			pc.close()
 		}
 	}
-	b.drivers = map[string]*Driver{}
 }
 
 // dial opens the connection to one proxy with the client chain.
@@ -385,6 +412,28 @@ type proxyConn struct {
 func (p *proxyConn) close() {
 	p.conn.Close()
 	p.up.close()
+}
+
+// live is p, or, once p is drained, the connection that replaced it.
+func (p *proxyConn) live() *proxyConn {
+	if p.up.gone.Load() {
+		return p.up.b.current(p)
+	}
+	return p
+}
+
+// drain closes p once its calls in flight have ended: unary calls at once
+// after the last one, streams (gRPC's client cannot drain) when the
+// driver's longest method timeout, which bounds every call, has passed.
+func (p *proxyConn) drain() {
+	cfg := p.driverCfg.Load()
+	grace := cfg.Timeout
+	for _, t := range cfg.MethodTimeouts {
+		grace = max(grace, t)
+	}
+	grace += time.Second
+	p.up.drain(grace)
+	time.AfterFunc(grace, func() { p.conn.Close() })
 }
 
 type proxyState struct{ driver, node, address, state, want string }

@@ -61,6 +61,7 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 		ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
 		defer cancel()
 		r := p.retry
+		ap, ad := p, d // the connection of the next attempt, its callDesc
 		var err error
 		for attempt := uint(0); attempt < uint(max(r.MaxAttempts, 1)); attempt++ {
 			if attempt > 0 {
@@ -79,12 +80,22 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 				}
 				b.onRetry(ctx, p, d, attempt, err)
 			}
-			resp, hdr, trl, err = p.up.attempt(ctx, d, method, md, req)
+			if ap.up.gone.Load() {
+				// The driver was reconfigured or removed since: the
+				// attempt goes to the proxy that serves it now.
+				if n := b.current(ap); n != ap {
+					ap, ad = n, b.desc(n, method)
+				}
+			}
+			resp, hdr, trl, err = ap.up.attempt(ctx, ad, method, md, req)
 			if err == nil {
 				reply.Payload = resp[5:] // for the response log
 			}
 			if err == nil || ctx.Err() != nil || status.Code(err) != codes.Unavailable {
 				return err
+			}
+			if ap.up.gone.Load() && b.current(ap) == ap {
+				return err // the driver was removed: no proxy will take a retry
 			}
 		}
 		return err
@@ -434,5 +445,5 @@ func (f frameConn) Invoke(ctx context.Context, method string, args, reply any, o
 
 // NewStream opens a stream through gRPC's client and the stream chain.
 func (f frameConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-	return f.p.conn.NewStream(ctx, desc, method, opts...)
+	return f.p.live().conn.NewStream(ctx, desc, method, opts...)
 }

@@ -62,7 +62,8 @@ const (
 // Why a connection ended, when it was not lost: these are not logged as
 // failures.
 var (
-	errBrokerClosed   = errors.New("the broker closed the connection (driver removed or reconfigured)")
+	errBrokerClosed   = errors.New("the broker closed the connection")
+	errDriverChanged  = errors.New("the broker closed the connection (driver removed or reconfigured)")
 	errProxyGoingAway = errors.New("the proxy is going away")
 	errStreamIDsUsed  = errors.New("the connection's stream IDs are used up")
 )
@@ -83,6 +84,9 @@ type upstream struct {
 	lastErr error // the last dial's error; nil once one succeeded
 	closed  bool
 	stop    context.CancelFunc
+	// gone is closed, readable without mu: the chain then asks the broker
+	// for the driver's current proxy before the next attempt.
+	gone atomic.Bool
 }
 
 type upDial struct {
@@ -160,17 +164,43 @@ func (u *upstream) state() string {
 
 // close closes the connection; calls in flight fail with Unavailable.
 func (u *upstream) close() {
+	if c := u.shut(); c != nil {
+		c.fail(errBrokerClosed)
+	}
+}
+
+// drain takes no new calls and closes the connection once the calls in
+// flight have ended, or after grace at the latest (a driver reconfigured
+// or removed: its calls in flight finish on the old proxy).
+func (u *upstream) drain(grace time.Duration) {
+	c := u.shut()
+	if c == nil {
+		return
+	}
+	c.mu.Lock()
+	if c.err == nil {
+		c.goingAway, c.drainErr = true, errDriverChanged
+		c.retireLocked()
+		if len(c.calls) == 0 {
+			c.failLocked(errDriverChanged)
+		}
+	}
+	c.mu.Unlock()
+	time.AfterFunc(grace, func() { c.fail(errDriverChanged) })
+}
+
+// shut marks the upstream closed and returns its connection, if any.
+func (u *upstream) shut() *upConn {
 	u.mu.Lock()
+	defer u.mu.Unlock()
 	if u.stop != nil {
 		u.stop()
 	}
 	u.closed = true
+	u.gone.Store(true)
 	c := u.conn
 	u.conn = nil
-	u.mu.Unlock()
-	if c != nil {
-		c.fail(errBrokerClosed)
-	}
+	return c
 }
 
 // get returns a connection that takes new calls.
@@ -414,6 +444,8 @@ func (c *upConn) failLocked(err error) {
 	log := c.u.b.log.With("driver", c.u.p.driver, "node", c.u.p.cfg.Node, "proxy", c.u.addr)
 	switch {
 	case errors.Is(err, errBrokerClosed):
+	case errors.Is(err, errDriverChanged):
+		log.Info("proxy connection closed: the driver was reconfigured or removed", "calls_in_flight", len(c.calls))
 	case errors.Is(err, errProxyGoingAway):
 		log.Info("proxy connection drained after GOAWAY")
 	case errors.Is(err, errStreamIDsUsed):

@@ -179,10 +179,63 @@ func (c *Chain) StartProxy(t testing.TB) {
 	c.startProxy(t, c.ProxyAddr)
 }
 
+// SpareProxy is a second proxy of the chain's driver.
+type SpareProxy struct {
+	Addr string
+	lis  *trackingListener
+	stop func()
+}
+
+// Stop stops the spare proxy gracefully (GOAWAY, calls in flight finish);
+// its address then refuses connections.
+func (s *SpareProxy) Stop() { s.stop() }
+
+// Accepted is how many connections the spare proxy has accepted.
+func (s *SpareProxy) Accepted() int {
+	s.lis.mu.Lock()
+	defer s.lis.mu.Unlock()
+	return s.lis.accepted
+}
+
+// StartSpareProxy starts a second proxy of the chain's driver (the same
+// identity and driver socket) on a new address, as a replacement pod
+// would be; it is stopped at t.Cleanup.
+func (c *Chain) StartSpareProxy(t testing.TB) *SpareProxy {
+	t.Helper()
+	cfg := c.proxyCfg
+	cfg.Registerer = prometheus.NewRegistry()
+	p, err := proxy.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tcp, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis := &trackingListener{Listener: tcp, conns: map[net.Conn]struct{}{}}
+	ctx, cancel := context.WithCancel(c.ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = p.Serve(ctx, lis)
+	}()
+	var once sync.Once
+	stop := func() {
+		once.Do(func() {
+			cancel()
+			<-done
+			p.Close()
+		})
+	}
+	t.Cleanup(stop)
+	return &SpareProxy{Addr: tcp.Addr().String(), lis: lis, stop: stop}
+}
+
 type trackingListener struct {
 	net.Listener
-	mu    sync.Mutex
-	conns map[net.Conn]struct{}
+	mu       sync.Mutex
+	conns    map[net.Conn]struct{}
+	accepted int
 }
 
 func (l *trackingListener) Accept() (net.Conn, error) {
@@ -192,6 +245,7 @@ func (l *trackingListener) Accept() (net.Conn, error) {
 	}
 	l.mu.Lock()
 	l.conns[conn] = struct{}{}
+	l.accepted++
 	l.mu.Unlock()
 	return conn, nil
 }

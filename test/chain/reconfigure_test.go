@@ -1,0 +1,170 @@
+package chain
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/csibroker/csibroker/broker"
+	"github.com/csibroker/csibroker/internal/chaintest"
+)
+
+// moveDriver re-registers the chain's driver with its controller proxy at
+// addr, as discovery does when the proxy pod is replaced.
+func moveDriver(t *testing.T, c *chaintest.Chain, addr string) {
+	t.Helper()
+	d, err := c.Broker.Driver(echoName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := d.Config()
+	cfg.Controller = &broker.ProxyConfig{Address: addr}
+	if err := c.Broker.SetDriver(cfg); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestReconfiguredDriverDrainsItsOldProxy: calls in flight when the
+// driver's proxy moves finish on the old proxy (no retries are allowed
+// here, so none can hide a failure), new calls go to the new one, and the
+// old connection is closed once its last call has ended.
+func TestReconfiguredDriverDrainsItsOldProxy(t *testing.T) {
+	e, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep,
+		Retry: broker.RetryConfig{MaxAttempts: 1}})
+	spare := c.StartSpareProxy(t)
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	const slow = 4
+	errs := make(chan error, slow)
+	for i := 0; i < slow; i++ {
+		go func() {
+			_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprintf("slow-%d", i), Parameters: map[string]string{"sleep-ms": "600"}})
+			errs <- err
+		}()
+	}
+	for e.calls.Load() < slow {
+		if ctx.Err() != nil {
+			t.Fatal("the slow calls did not reach the driver")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	moveDriver(t, c, spare.Addr)
+
+	if _, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "after"}); err != nil {
+		t.Fatalf("a call after the move: %v", err)
+	}
+	if spare.Accepted() == 0 {
+		t.Fatal("the call after the move did not go to the new proxy")
+	}
+	if strings.Contains(c.Logs.String(), "proxy connection closed") {
+		t.Fatal("the old proxy's connection was closed with calls in flight")
+	}
+	for i := 0; i < slow; i++ {
+		if err := <-errs; err != nil {
+			t.Errorf("a call in flight during the move: %v", err)
+		}
+	}
+	waitLog(t, c, "proxy connection closed: the driver was reconfigured or removed", c.ProxyAddr)
+	st := c.Broker.Status()
+	if len(st) != 1 || len(st[0].Proxies) != 1 || st[0].Proxies[0].Address != spare.Addr || st[0].Proxies[0].State != "READY" {
+		t.Fatalf("status after the move: %+v", st)
+	}
+}
+
+// TestRetriesFollowAMovedDriver: the driver's proxy is gone and callers
+// are retrying against its address when the driver is re-registered at a
+// new proxy; their next attempts go there, and every call succeeds.
+func TestRetriesFollowAMovedDriver(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, LogLevel: 4,
+		Retry: broker.RetryConfig{MaxAttempts: 200, IntervalStart: 20 * time.Millisecond, IntervalMax: 100 * time.Millisecond}})
+	spare := c.StartSpareProxy(t)
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	c.StopProxy()
+	const callers = 4
+	var wg sync.WaitGroup
+	errs := make([]error, callers)
+	for i := 0; i < callers; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, errs[i] = client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprintf("moved-%d", i)})
+		}()
+	}
+	// Every caller has retried at least once against the stopped proxy.
+	deadline := time.Now().Add(20 * time.Second)
+	for retriedCount(t, c) < callers {
+		if time.Now().After(deadline) {
+			t.Fatalf("callers retried %v times against the stopped proxy, want ≥ %d", retriedCount(t, c), callers)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	moveDriver(t, c, spare.Addr)
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("caller %d: %v (code %s)", i, err, status.Code(err))
+		}
+	}
+	if spare.Accepted() == 0 {
+		t.Fatal("no call reached the new proxy")
+	}
+
+	// A driver removed while a call retries against its stopped proxy:
+	// the call ends at once instead of spending its retry budget.
+	spare.Stop()
+	before := retriedCount(t, c)
+	done := make(chan error, 1)
+	go func() {
+		_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "removed"})
+		done <- err
+	}()
+	for retriedCount(t, c) < before+2 {
+		if time.Now().After(deadline) {
+			t.Fatal("the last call did not retry against the stopped proxy")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	c.Broker.RemoveDriver(echoName)
+	removed := time.Now()
+	select {
+	case err := <-done:
+		if status.Code(err) != codes.Unavailable {
+			t.Fatalf("a call whose driver was removed: %v", err)
+		}
+		t.Logf("a call whose driver was removed ended %v after the removal: %v", time.Since(removed), err)
+	case <-time.After(3 * time.Second):
+		t.Fatal("a call whose driver was removed kept retrying for 3 s")
+	}
+}
+
+// retriedCount is the chain's csibroker_csi_retries_total, all series.
+func retriedCount(t *testing.T, c *chaintest.Chain) float64 {
+	t.Helper()
+	mfs, err := c.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n float64
+	for _, mf := range mfs {
+		if mf.GetName() == "csibroker_csi_retries_total" {
+			for _, m := range mf.GetMetric() {
+				n += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return n
+}
