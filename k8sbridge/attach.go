@@ -105,6 +105,9 @@ func newAttacher(b *Bridge) (controller, error) {
 		},
 		DeleteFunc: func(obj any) {
 			// A detached attachment may free its PV's finalizer.
+			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = t.Obj // its deletion was seen only by a relist
+			}
 			if va, ok := obj.(*storagev1.VolumeAttachment); ok && va.Spec.Source.PersistentVolumeName != nil {
 				a.queue.Add("pv/" + *va.Spec.Source.PersistentVolumeName)
 			}
@@ -113,11 +116,8 @@ func newAttacher(b *Bridge) (controller, error) {
 		return nil, err
 	}
 	if _, err := b.factory.Core().V1().PersistentVolumes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		UpdateFunc: func(_, obj any) {
-			if pv, ok := obj.(*corev1.PersistentVolume); ok && pv.DeletionTimestamp != nil && pv.Spec.CSI != nil && hasAttacherFinalizer(pv.Finalizers, pv.Spec.CSI.Driver) {
-				a.queue.Add("pv/" + pv.Name)
-			}
-		},
+		AddFunc:    func(obj any) { a.enqueuePV(obj) },
+		UpdateFunc: func(_, obj any) { a.enqueuePV(obj) },
 	}); err != nil {
 		return nil, err
 	}
@@ -143,10 +143,24 @@ func (a *attacher) run(ctx context.Context) {
 	a.queue.work(ctx, a.b.cfg.WorkerThreads, a.enqueueAll, a.sync, a.reconcileLoop)
 }
 
+// enqueuePV queues a PV being deleted that still holds an attacher
+// finalizer, to drop it once no attachment uses the PV.
+func (a *attacher) enqueuePV(obj any) {
+	if pv, ok := obj.(*corev1.PersistentVolume); ok && pv.DeletionTimestamp != nil && pv.Spec.CSI != nil && hasAttacherFinalizer(pv.Finalizers, pv.Spec.CSI.Driver) {
+		a.queue.Add("pv/" + pv.Name)
+	}
+}
+
 func (a *attacher) enqueueAll() {
 	if vas, err := a.b.attachments.List(labels.Everything()); err == nil {
 		for _, va := range vas {
 			a.enqueueVA(va)
+		}
+	}
+	// PVs whose last attachment went while no broker led.
+	if pvs, err := a.b.volumes.List(labels.Everything()); err == nil {
+		for _, pv := range pvs {
+			a.enqueuePV(pv)
 		}
 	}
 }

@@ -311,6 +311,48 @@ func TestNoAttachOfAPVBeingDeleted(t *testing.T) {
 	}
 }
 
+// TestAttacherFinalizerOfAPVLeftTerminating: a PV being deleted still holds
+// the attacher finalizer though no attachment uses it any more (its last
+// one went while no broker was running). The broker that starts drops the
+// finalizer, and the PV goes.
+func TestAttacherFinalizerOfAPVLeftTerminating(t *testing.T) {
+	env := testenv.Shared(t)
+	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
+	drivers := &testDrivers{}
+	drv := clusterName(ns, "left.csi.test")
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	makeCSIDriver(t, c, drv, true)
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "pv"), Finalizers: []string{attacherFinalizer(drv)}},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+			PersistentVolumeSource:        corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: "left-1"}},
+		},
+	}
+	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	err := testenv.WaitFor(ctx, 30*time.Second, "PV gone", func(ctx context.Context) (bool, string, error) {
+		got, err := c.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, "", nil
+		}
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return false, fmt.Sprintf("finalizers %v", got.Finalizers), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestReadOnlyPublishOnlyWhenTheDriverMayBeAsked: a read-only PV of a
 // driver without PUBLISH_READONLY is published with readonly unset (the CSI
 // spec forbids asking), as external-attacher does; the driver, which

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -12,6 +13,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/csibroker/csibroker/policy"
@@ -22,10 +24,15 @@ import (
 type deleter struct {
 	b     *Bridge
 	queue *termQueue
+	// done holds the UIDs of the PVs whose volume was deleted and whose
+	// object was let go, until the informer sees them gone: an event that
+	// arrives before the cache catches up does not delete the volume again.
+	doneMu sync.Mutex
+	done   map[types.UID]struct{}
 }
 
 func newDeleter(b *Bridge) *deleter {
-	d := &deleter{b: b, queue: newTermQueue("delete", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax)}
+	d := &deleter{b: b, queue: newTermQueue("delete", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), done: map[types.UID]struct{}{}}
 	b.metrics.queueDepth("delete", d.queue.Len)
 	return d
 }
@@ -34,7 +41,24 @@ func (d *deleter) volumeHandler() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { d.enqueue(obj) },
 		UpdateFunc: func(_, obj any) { d.enqueue(obj) },
+		DeleteFunc: func(obj any) {
+			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = t.Obj
+			}
+			if pv, ok := obj.(*corev1.PersistentVolume); ok {
+				d.doneMu.Lock()
+				delete(d.done, pv.UID)
+				d.doneMu.Unlock()
+			}
+		},
 	}
+}
+
+func (d *deleter) isDone(uid types.UID) bool {
+	d.doneMu.Lock()
+	defer d.doneMu.Unlock()
+	_, ok := d.done[uid]
+	return ok
 }
 
 func (d *deleter) ours(pv *corev1.PersistentVolume) bool {
@@ -51,7 +75,7 @@ func (d *deleter) ours(pv *corev1.PersistentVolume) bool {
 
 func (d *deleter) enqueue(obj any) {
 	pv, ok := obj.(*corev1.PersistentVolume)
-	if !ok || !d.ours(pv) || !(needsDelete(pv) || protectionStale(pv)) {
+	if !ok || !d.ours(pv) || !(needsDelete(pv) || protectionStale(pv) || protectionMissing(pv)) {
 		return
 	}
 	d.queue.Add(pv.Name)
@@ -63,6 +87,15 @@ func (d *deleter) enqueue(obj any) {
 // it; as external-provisioner does, it is removed.
 func protectionStale(pv *corev1.PersistentVolume) bool {
 	return pv.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete && hasFinalizer(pv, finalizerVolume)
+}
+
+// protectionMissing: a Bound PV reclaimed by Delete lacks the finalizer
+// (an external-provisioner older than it made the PV, or someone removed
+// it). Without it, deleting the PV object would leak its volume; as
+// external-provisioner does, it is added.
+func protectionMissing(pv *corev1.PersistentVolume) bool {
+	return pv.Spec.PersistentVolumeReclaimPolicy == corev1.PersistentVolumeReclaimDelete && pv.Status.Phase == corev1.VolumeBound &&
+		pv.DeletionTimestamp == nil && !hasFinalizer(pv, finalizerVolume)
 }
 
 func needsDelete(pv *corev1.PersistentVolume) bool {
@@ -100,15 +133,20 @@ func (d *deleter) sync(ctx context.Context, name string) error {
 		return nil
 	}
 	if protectionStale(pv) {
-		cp := pv.DeepCopy()
-		cp.Finalizers = removeString(cp.Finalizers, finalizerVolume)
-		if _, err := d.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		if err := d.patchFinalizer(ctx, name, false); err != nil {
 			return fmt.Errorf("remove finalizer %s from pv %s (reclaim policy %s): %w", finalizerVolume, name, pv.Spec.PersistentVolumeReclaimPolicy, err)
 		}
 		d.b.log.Info("removed the volume-deletion finalizer of a PV no longer reclaimed by Delete", "pv", name, "reclaim_policy", string(pv.Spec.PersistentVolumeReclaimPolicy))
 		return nil
 	}
-	if !needsDelete(pv) {
+	if protectionMissing(pv) {
+		if err := d.patchFinalizer(ctx, name, true); err != nil {
+			return fmt.Errorf("add finalizer %s to pv %s: %w", finalizerVolume, name, err)
+		}
+		d.b.log.Info("added the volume-deletion finalizer to a bound PV that lacked it", "pv", name)
+		return nil
+	}
+	if !needsDelete(pv) || d.isDone(pv.UID) {
 		return nil
 	}
 	driver := pv.Spec.CSI.Driver
@@ -171,9 +209,7 @@ func (d *deleter) sync(ctx context.Context, name string) error {
 	// Two writes at most, as external-provisioner: drop our finalizer,
 	// then delete the object (or only the former if a user deleted it).
 	if hasFinalizer(pv, finalizerVolume) {
-		cp := pv.DeepCopy()
-		cp.Finalizers = removeString(cp.Finalizers, finalizerVolume)
-		if _, err := d.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		if err := d.patchFinalizer(ctx, name, false); err != nil {
 			return fmt.Errorf("remove finalizer from pv %s: %w", name, err)
 		}
 	}
@@ -184,9 +220,33 @@ func (d *deleter) sync(ctx context.Context, name string) error {
 			return fmt.Errorf("delete pv %s: %w", name, err)
 		}
 	}
+	d.doneMu.Lock()
+	d.done[pv.UID] = struct{}{}
+	d.doneMu.Unlock()
 	d.b.metrics.deletions.WithLabelValues(driver, "success").Inc()
 	d.b.log.Info("volume deleted", "pv", name, "driver", driver, "volume_id", pv.Spec.CSI.VolumeHandle)
 	return nil
+}
+
+// patchFinalizer adds or removes the volume-deletion finalizer of PV name
+// with a strategic merge patch, which touches that list entry only: a PV
+// changed meanwhile (its phase, a user's deletion) is no conflict, so a
+// volume just deleted is not deleted again because its PV moved on. A PV
+// already gone is no error.
+func (d *deleter) patchFinalizer(ctx context.Context, name string, add bool) error {
+	key := "$deleteFromPrimitiveList/finalizers"
+	if add {
+		key = "finalizers"
+	}
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{key: []string{finalizerVolume}}})
+	if err != nil {
+		return err
+	}
+	_, err = d.b.cfg.Client.CoreV1().PersistentVolumes().Patch(ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	return err
 }
 
 // classDeletionSecret is the provisioner secret of a PV that records none

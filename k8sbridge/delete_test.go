@@ -206,6 +206,76 @@ func TestRetainedPVLosesTheDeletionFinalizer(t *testing.T) {
 	}
 }
 
+// TestBoundPVWithoutFinalizerGetsIt: a bound PV of a registered driver
+// that lacks the deletion finalizer (as an older external-provisioner made
+// it) gets it, as external-provisioner adds it; so deleting the PV object
+// first and its claim after still deletes the volume instead of leaking it.
+func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "fin.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "fin"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	pvName := claim.Spec.VolumeName
+	err := testenv.WaitFor(ctx, 30*time.Second, "PV Bound", func(ctx context.Context) (bool, string, error) {
+		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return pv.Status.Phase == corev1.VolumeBound, string(pv.Status.Phase), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// As an older provisioner left it: the other finalizers stay.
+	err = testenv.WaitFor(ctx, 30*time.Second, "finalizer removed", func(ctx context.Context) (bool, string, error) {
+		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		pv.Finalizers = removeString(pv.Finalizers, finalizerVolume)
+		if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
+			return false, err.Error(), nil
+		}
+		return true, "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 30*time.Second, "finalizer added back", func(ctx context.Context) (bool, string, error) {
+		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return hasFinalizer(pv, finalizerVolume), fmt.Sprint(pv.Finalizers), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The PV object first, then its claim: the volume is still deleted.
+	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pvName, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 60*time.Second, "PV gone", func(ctx context.Context) (bool, string, error) {
+		_, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(d.Volumes()); n != 0 || d.CallCount("DeleteVolume") != 1 {
+		t.Fatalf("%d volumes left, %d DeleteVolume calls; want the volume deleted once", n, d.CallCount("DeleteVolume"))
+	}
+}
+
 // TestDeleteFallsBackToTheClassSecret: a PV that records no deletion
 // secret (made by an external-provisioner older than those annotations) is
 // deleted with its StorageClass's provisioner secret, as
