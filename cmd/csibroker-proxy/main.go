@@ -27,6 +27,8 @@ func main() {
 		return
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// A second signal ends the process at once.
+	context.AfterFunc(ctx, stop)
 	err := cli.RunProxy(ctx, "csibroker-proxy", version, os.Args[1:], os.Stderr)
 	stop()
 	if err != nil {

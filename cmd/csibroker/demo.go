@@ -75,6 +75,10 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	d := &demo{cfg: cfg, out: stdout}
 	defer d.stopAll()
 	if err := d.run(ctx); err != nil {
+		if ctx.Err() != nil {
+			fmt.Fprintf(stdout, "\ninterrupted; stopping everything (Ctrl-C again to exit at once)\n")
+			return err
+		}
 		fmt.Fprintf(stdout, "\ndemo failed: %v\n", err)
 		if d.dir != "" {
 			fmt.Fprintf(stdout, "logs are in %s\n", filepath.Join(d.dir, "logs"))
@@ -128,6 +132,8 @@ func (d *demo) run(ctx context.Context) error {
 	d.step("work directory %s", d.dir)
 
 	d.step("starting a local control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler")
+	// Ctrl-C stops everything in order (stopAll); a second one exits at once.
+	testenv.LeaveSignalsToCaller()
 	d.env, err = testenv.Start(ctx, testenv.Options{ControllerManager: true, Scheduler: true,
 		Logf: func(f string, a ...any) { fmt.Fprintf(d.out, "    "+f+"\n", a...) }})
 	if err != nil {
@@ -172,7 +178,7 @@ func (d *demo) run(ctx context.Context) error {
 			return errors.New("a component exited; see the logs")
 		}
 	}
-	d.step("done: every claim is Bound and the forbidden secret was refused; stopping")
+	d.step("done: every claim is Bound and the forbidden secret was refused; stopping (Ctrl-C again to exit at once)")
 	return nil
 }
 
@@ -264,23 +270,19 @@ func (d *demo) components(ctx context.Context) (front, status, metricsURL string
 		if err := d.waitFile(ctx, sock, short+" driver"); err != nil {
 			return "", "", "", err
 		}
-		addr, err := freeAddr()
+		addrs, err := d.startOnFreePorts(ctx, short+" proxy", 2, func(addrs []string) error {
+			addr, health := addrs[0], addrs[1]
+			if err := d.start(short+"-proxy", d.traceEnv("csibroker-proxy-"+short), "proxy", "--driver-endpoint", "unix://"+sock, "--listen", addr, "--http-endpoint", health,
+				"--trust-domain", d.cfg.TrustDomain, "--tls-cert", filepath.Join(certs, "proxy-"+drv.name+".crt"),
+				"--tls-key", filepath.Join(certs, "proxy-"+drv.name+".key"), "--tls-ca", filepath.Join(certs, "ca.crt")); err != nil {
+				return err
+			}
+			return d.waitHTTP(ctx, "http://"+health+"/readyz", short+" proxy")
+		})
 		if err != nil {
 			return "", "", "", err
 		}
-		health, err := freeAddr()
-		if err != nil {
-			return "", "", "", err
-		}
-		if err := d.start(short+"-proxy", d.traceEnv("csibroker-proxy-"+short), "proxy", "--driver-endpoint", "unix://"+sock, "--listen", addr, "--http-endpoint", health,
-			"--trust-domain", d.cfg.TrustDomain, "--tls-cert", filepath.Join(certs, "proxy-"+drv.name+".crt"),
-			"--tls-key", filepath.Join(certs, "proxy-"+drv.name+".key"), "--tls-ca", filepath.Join(certs, "ca.crt")); err != nil {
-			return "", "", "", err
-		}
-		if err := d.waitHTTP(ctx, "http://"+health+"/readyz", short+" proxy"); err != nil {
-			return "", "", "", err
-		}
-		registry += fmt.Sprintf("  - name: %s\n    controller: {address: %q}\n", drv.name, addr)
+		registry += fmt.Sprintf("  - name: %s\n    controller: {address: %q}\n", drv.name, addrs[0])
 	}
 	regFile := filepath.Join(d.dir, "registry.yaml")
 	if err := os.WriteFile(regFile, []byte(registry), 0o644); err != nil {
@@ -289,24 +291,24 @@ func (d *demo) components(ctx context.Context) (front, status, metricsURL string
 	if _, err := d.env.Client().CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: brokerNS}}, metav1.CreateOptions{}); err != nil {
 		return "", "", "", err
 	}
-	httpAddr, err := freeAddr()
+	sockets := filepath.Join(d.dir, "sockets", "front")
+	status = filepath.Join(d.dir, "sockets", "status.sock")
+	front = filepath.Join(sockets, demoAlpha+".sock")
+	addrs, err := d.startOnFreePorts(ctx, "broker", 1, func(addrs []string) error {
+		if err := d.start("broker", d.traceEnv("csibroker-broker"), "broker", "--driver-registry", regFile, "--socket-dir", sockets, "--status-socket", status,
+			"--http-endpoint", addrs[0], "--trust-domain", d.cfg.TrustDomain, "--v", "0",
+			"--tls-cert", filepath.Join(certs, "broker.crt"), "--tls-key", filepath.Join(certs, "broker.key"), "--tls-ca", filepath.Join(certs, "ca.crt"),
+			"--kubernetes", "on", "--kubeconfig", d.env.Kubeconfig, "--namespace", brokerNS, "--leader-election", "--identity", "broker-0",
+			"--policy-mode", "enforce", "--retry-interval-start", "500ms", "--retry-interval-max", "5s"); err != nil {
+			return err
+		}
+		return d.waitHTTP(ctx, "http://"+addrs[0]+"/healthz", "broker")
+	})
 	if err != nil {
 		return "", "", "", err
 	}
-	sockets := filepath.Join(d.dir, "sockets", "front")
-	status = filepath.Join(d.dir, "sockets", "status.sock")
-	if err := d.start("broker", d.traceEnv("csibroker-broker"), "broker", "--driver-registry", regFile, "--socket-dir", sockets, "--status-socket", status,
-		"--http-endpoint", httpAddr, "--trust-domain", d.cfg.TrustDomain, "--v", "0",
-		"--tls-cert", filepath.Join(certs, "broker.crt"), "--tls-key", filepath.Join(certs, "broker.key"), "--tls-ca", filepath.Join(certs, "ca.crt"),
-		"--kubernetes", "on", "--kubeconfig", d.env.Kubeconfig, "--namespace", brokerNS, "--leader-election", "--identity", "broker-0",
-		"--policy-mode", "enforce", "--retry-interval-start", "500ms", "--retry-interval-max", "5s"); err != nil {
-		return "", "", "", err
-	}
-	front = filepath.Join(sockets, demoAlpha+".sock")
+	httpAddr := addrs[0]
 	if err := d.waitFile(ctx, front, "broker front end"); err != nil {
-		return "", "", "", err
-	}
-	if err := d.waitHTTP(ctx, "http://"+httpAddr+"/healthz", "broker"); err != nil {
 		return "", "", "", err
 	}
 	d.step("broker running: two drivers, each behind its proxy over mTLS; leader election, secret policy enforced")
@@ -739,6 +741,40 @@ func (d *demo) waitFor(ctx context.Context, what string, ok func() bool) error {
 		}
 	}
 	return nil
+}
+
+// startOnFreePorts picks n free loopback addresses and calls start with
+// them. A port is free when picked, not necessarily when the component
+// binds it: should another process take one meanwhile (the component then
+// exits, saying the address is in use), the component is started again on
+// new ports, up to three times.
+func (d *demo) startOnFreePorts(ctx context.Context, what string, n int, start func(addrs []string) error) ([]string, error) {
+	for try := 1; ; try++ {
+		addrs := make([]string, n)
+		for i := range addrs {
+			a, err := freeAddr()
+			if err != nil {
+				return nil, err
+			}
+			addrs[i] = a
+		}
+		err := start(addrs)
+		if err == nil || try == 3 || ctx.Err() != nil || len(d.procs) == 0 {
+			return addrs, err
+		}
+		last := d.procs[len(d.procs)-1]
+		select {
+		case <-last.done:
+		default:
+			return addrs, err // still running: not a port taken
+		}
+		logged, _ := os.ReadFile(filepath.Join(d.dir, "logs", last.name+".log"))
+		if !strings.Contains(string(logged), "address already in use") {
+			return addrs, err
+		}
+		fmt.Fprintf(d.out, "    %s: a port was taken before it could bind it; starting it again on other ports\n", what)
+		d.procs = d.procs[:len(d.procs)-1]
+	}
 }
 
 func freeAddr() (string, error) {

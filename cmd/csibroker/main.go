@@ -34,6 +34,9 @@ func register(name, summary string, run func(ctx context.Context, args []string,
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// The first signal asks for a graceful stop; from then on the default
+	// action is back, so a second one ends the process at once.
+	context.AfterFunc(ctx, stop)
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	if err != nil {

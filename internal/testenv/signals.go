@@ -23,6 +23,13 @@ var live struct {
 
 var installOnce sync.Once
 
+// LeaveSignalsToCaller keeps testenv from installing its SIGINT/SIGTERM
+// handler, which kills the control plane and the process at once. A
+// program that stops its environments itself on a signal (the demo) calls
+// it before Start; should it die without stopping them, Pdeathsig still
+// takes the components down.
+func LeaveSignalsToCaller() { installOnce.Do(func() {}) }
+
 func register(c *component) {
 	installOnce.Do(installSignalHandler)
 	live.Lock()

@@ -4,11 +4,17 @@
 package demo
 
 import (
+	"bufio"
 	"context"
+	"errors"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -22,15 +28,65 @@ func TestDemoEndToEnd(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, bin, "demo", "--deploy-dir", "../../deploy", "--timeout", "3m")
+	// --wait keeps everything running after the demo until Ctrl-C: the test
+	// presses it once, as a user would, and the demo must stop everything
+	// it started and remove its work directory.
+	cmd := exec.CommandContext(ctx, bin, "demo", "--deploy-dir", "../../deploy", "--timeout", "3m", "--wait")
 	cmd.Env = os.Environ()
-	out, err := cmd.CombinedOutput()
-	t.Logf("demo output:\n%s", out)
+	pr, pw := io.Pipe()
+	cmd.Stdout, cmd.Stderr = pw, pw
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	running := make(chan struct{})
+	scanned := make(chan struct{})
+	go func() {
+		defer close(scanned)
+		sc := bufio.NewScanner(pr)
+		once := false
+		for sc.Scan() {
+			out.WriteString(sc.Text() + "\n")
+			if !once && strings.Contains(sc.Text(), "Ctrl-C stops everything") {
+				once = true
+				close(running)
+			}
+		}
+	}()
+	waited := make(chan error, 1)
+	go func() { err := cmd.Wait(); pw.Close(); waited <- err }()
+	var err error
+	select {
+	case <-running:
+		if err := cmd.Process.Signal(syscall.SIGINT); err != nil {
+			t.Fatal(err)
+		}
+		stopped := time.Now()
+		err = <-waited
+		t.Logf("the demo stopped %v after Ctrl-C", time.Since(stopped).Round(time.Millisecond))
+	case err = <-waited:
+	}
+	<-scanned
+	t.Logf("demo output:\n%s", out.String())
 	if err != nil {
 		t.Fatalf("demo: %v", err)
 	}
+	// Everything it started is gone: its work directory and every process
+	// whose pid it printed.
+	if m := regexp.MustCompile(`work directory (\S+)`).FindStringSubmatch(out.String()); m == nil {
+		t.Error("the demo did not name its work directory")
+	} else if _, err := os.Stat(m[1]); !os.IsNotExist(err) {
+		t.Errorf("work directory %s left behind (%v)", m[1], err)
+	}
+	for _, m := range regexp.MustCompile(`started (\S+) \(pid (\d+)\)`).FindAllStringSubmatch(out.String(), -1) {
+		pid, _ := strconv.Atoi(m[2])
+		if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
+			t.Errorf("%s (pid %d) still running after the demo exited", m[1], pid)
+		}
+	}
 	for _, want := range []string{
 		"control plane ready",
+		"running; kubeconfig",
 		"denied by policy",
 		"alpha-1      Bound",
 		"beta-1       Bound",
@@ -40,7 +96,7 @@ func TestDemoEndToEnd(t *testing.T) {
 		"appears in none of the",
 		"done: every claim is Bound",
 	} {
-		if !strings.Contains(string(out), want) {
+		if !strings.Contains(out.String(), want) {
 			t.Errorf("demo output lacks %q", want)
 		}
 	}
