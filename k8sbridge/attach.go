@@ -91,7 +91,7 @@ type attacher struct {
 func newAttacher(b *Bridge) (controller, error) {
 	a := &attacher{b: b, queue: newTermQueue("attach", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax)}
 	b.metrics.queueDepth("attach", a.queue.Len)
-	if _, err := b.factory.Storage().V1().VolumeAttachments().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+	b.on(b.factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) { a.enqueueVA(obj) },
 		UpdateFunc: func(old, obj any) {
 			// Our own error status writes change nothing to act on; acting
@@ -112,15 +112,11 @@ func newAttacher(b *Bridge) (controller, error) {
 				a.queue.Add("pv/" + *va.Spec.Source.PersistentVolumeName)
 			}
 		},
-	}); err != nil {
-		return nil, err
-	}
-	if _, err := b.factory.Core().V1().PersistentVolumes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+	})
+	b.on(b.factory.Core().V1().PersistentVolumes().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { a.enqueuePV(obj) },
 		UpdateFunc: func(_, obj any) { a.enqueuePV(obj) },
-	}); err != nil {
-		return nil, err
-	}
+	})
 	return a, nil
 }
 

@@ -215,6 +215,7 @@ type Bridge struct {
 
 	prov  *provisioner
 	del   *deleter
+	fans  []*fanout // handlers being added (New), registered at its end
 	extra []controller
 
 	leaderMu sync.Mutex
@@ -261,12 +262,8 @@ func New(cfg Config) (*Bridge, error) {
 
 	b.prov = newProvisioner(b)
 	b.del = newDeleter(b)
-	if _, err := claims.Informer().AddEventHandler(b.prov.claimHandler()); err != nil {
-		return nil, err
-	}
-	if _, err := volumes.Informer().AddEventHandler(b.del.volumeHandler()); err != nil {
-		return nil, err
-	}
+	b.on(claims.Informer(), b.prov.claimHandler())
+	b.on(volumes.Informer(), b.del.volumeHandler())
 	for _, mk := range extraControllers {
 		c, err := mk(b)
 		if err != nil {
@@ -276,7 +273,52 @@ func New(cfg Config) (*Bridge, error) {
 			b.extra = append(b.extra, c)
 		}
 	}
+	for _, f := range b.fans {
+		if _, err := f.inf.AddEventHandler(f); err != nil {
+			return nil, err
+		}
+	}
+	b.fans = nil
 	return b, nil
+}
+
+// on adds a controller's handler of inf's events. The handlers of one
+// informer are registered as one (fanout): client-go runs each registered
+// handler on goroutines of its own, so every event would wake two more
+// goroutines per extra handler, on the path of every volume.
+func (b *Bridge) on(inf cache.SharedIndexInformer, h cache.ResourceEventHandler) {
+	for _, f := range b.fans {
+		if f.inf == inf {
+			f.hs = append(f.hs, h)
+			return
+		}
+	}
+	b.fans = append(b.fans, &fanout{inf: inf, hs: []cache.ResourceEventHandler{h}})
+}
+
+// fanout passes each event of one informer to several handlers, in the
+// order they were added. Every handler only queues work.
+type fanout struct {
+	inf cache.SharedIndexInformer
+	hs  []cache.ResourceEventHandler
+}
+
+func (f *fanout) OnAdd(obj any, isInInitialList bool) {
+	for _, h := range f.hs {
+		h.OnAdd(obj, isInInitialList)
+	}
+}
+
+func (f *fanout) OnUpdate(oldObj, newObj any) {
+	for _, h := range f.hs {
+		h.OnUpdate(oldObj, newObj)
+	}
+}
+
+func (f *fanout) OnDelete(obj any) {
+	for _, h := range f.hs {
+		h.OnDelete(obj)
+	}
 }
 
 // Leader reports whether this replica leads and who does.

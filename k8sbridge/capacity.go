@@ -315,13 +315,11 @@ func newCapacityController(b *Bridge) (controller, error) {
 	b.metrics.queueDepth("capacity", c.queueLen)
 
 	nudge := func(any) { c.nudge() }
-	if _, err := b.factory.Storage().V1().StorageClasses().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+	b.on(b.factory.Storage().V1().StorageClasses().Informer(), cache.ResourceEventHandlerFuncs{
 		// Provisioner and parameters are immutable: only adds and deletes matter.
 		AddFunc: nudge, DeleteFunc: nudge,
-	}); err != nil {
-		return nil, err
-	}
-	if _, err := b.factory.Storage().V1().CSINodes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+	})
+	b.on(b.factory.Storage().V1().CSINodes().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: nudge, DeleteFunc: nudge,
 		UpdateFunc: func(oldObj, newObj any) {
 			o, ok1 := oldObj.(*storagev1.CSINode)
@@ -330,10 +328,8 @@ func newCapacityController(b *Bridge) (controller, error) {
 				c.nudge()
 			}
 		},
-	}); err != nil {
-		return nil, err
-	}
-	if _, err := b.factory.Core().V1().Nodes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+	})
+	b.on(b.factory.Core().V1().Nodes().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: nudge, DeleteFunc: nudge,
 		// Nodes change all the time (heartbeats, conditions); only their
 		// labels make segments.
@@ -344,9 +340,7 @@ func newCapacityController(b *Bridge) (controller, error) {
 				c.nudge()
 			}
 		},
-	}); err != nil {
-		return nil, err
-	}
+	})
 	return c, nil
 }
 

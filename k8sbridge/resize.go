@@ -127,7 +127,7 @@ func newResizer(b *Bridge) (controller, error) {
 		}
 	}
 	b.metrics.queueDepth("resize", r.queueLen)
-	_, err := b.factory.Core().V1().PersistentVolumeClaims().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+	b.on(b.factory.Core().V1().PersistentVolumeClaims().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) {
 			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok && claimNeedsResize(c) {
 				r.enqueue(c)
@@ -157,9 +157,6 @@ func newResizer(b *Bridge) (controller, error) {
 			}
 		},
 	})
-	if err != nil {
-		return nil, fmt.Errorf("resize claim handler: %w", err)
-	}
 	return r, nil
 }
 
