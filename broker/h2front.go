@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
 
@@ -200,6 +201,11 @@ func (s *feServer) serveConn(nc net.Conn) {
 		nc = tc
 	}
 	c := newFEConn(s, nc)
+	if tc, ok := nc.(*tls.Conn); ok {
+		if certs := tc.ConnectionState().PeerCertificates; len(certs) > 0 {
+			c.caller, _ = mtls.PeerID(certs[0])
+		}
+	}
 	s.mu.Lock()
 	if s.stopping {
 		s.mu.Unlock()
@@ -217,11 +223,12 @@ func (s *feServer) serveConn(nc net.Conn) {
 // feConn is one caller's HTTP/2 connection. The reader goroutine reads
 // frames without the lock; every write holds mu.
 type feConn struct {
-	s  *feServer
-	nc net.Conn
-	br *bufio.Reader
-	fr *http2.Framer
-	rd *rawgrpc.FrameReader // reads fr, header blocks decoded
+	s      *feServer
+	nc     net.Conn
+	caller string // the TCP front end's caller: its certificate's SPIFFE ID
+	br     *bufio.Reader
+	fr     *http2.Framer
+	rd     *rawgrpc.FrameReader // reads fr, header blocks decoded
 
 	mu        sync.Mutex
 	cond      *sync.Cond // windows grew, a stream ended, or the connection closed
@@ -868,6 +875,9 @@ func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, 
 	b := c.s.fe.b
 	ctx := b.opts.Propagator.Extract(context.Background(), rawgrpc.FieldsCarrier{Fields: &st.fields})
 	ctx, span := b.tracer.Start(ctx, strings.TrimPrefix(st.method, "/"), c.s.fe.method(st.method).spanOpts...)
+	if c.caller != "" {
+		span.SetAttributes(attribute.String("csibroker.caller", c.caller))
+	}
 	ctx = metadata.NewOutgoingContext(ctx, out)
 	var cancel context.CancelFunc
 	if hasTimeout {

@@ -72,7 +72,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	fs.StringVar(&cfg.RegistryFile, "driver-registry", "", "YAML file listing drivers and their proxies (see deploy/examples/registry.yaml)")
 	fs.StringVar(&cfg.SocketDir, "socket-dir", "/run/csibroker", "directory for the per-driver CSI front-end sockets <dir>/<driver>.sock (empty: none)")
-	fs.StringVar(&cfg.Listen, "listen", "", "address of the shared mTLS CSI front end, where x-csibroker-driver metadata names the driver (empty: off)")
+	fs.StringVar(&cfg.Listen, "listen", "", "address of the shared mTLS CSI front end, where x-csibroker-driver metadata names the driver and callers present a client certificate (spiffe://<trust-domain>/csibroker/client/<name>, see csibroker certs --client) (empty: off)")
 	fs.StringVar(&cfg.StatusSocket, "status-socket", "", "unix socket for the status API read by 'csibroker status' (default <socket-dir>/csibroker-status.sock)")
 	fs.StringVar(&cfg.HTTPEndpoint, "http-endpoint", "", "address for /healthz, /readyz and metrics (empty: off)")
 	fs.StringVar(&cfg.MetricsPath, "metrics-path", "/metrics", "path of the Prometheus metrics on --http-endpoint")
@@ -185,7 +185,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		}
 		// Front-end callers are orchestrators and tools: any identity from
 		// the trust domain's CA except a driver's.
-		g.Go(func() error { return b.ServeTCP(ctx, lis, mtls.ServerConfig(src, notADriver(cfg.TLS.TrustDomain))) })
+		g.Go(func() error { return b.ServeTCP(ctx, lis, mtls.ServerConfig(src, mtls.AuthorizeFrontEndCaller(cfg.TLS.TrustDomain))) })
 	}
 	statusPath := cfg.StatusSocket
 	if statusPath == "" && cfg.SocketDir != "" {
@@ -210,22 +210,6 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		g.Go(func() error { return serveHTTP(ctx, cfg.HTTPEndpoint, mux, log) })
 	}
 	return g.Wait()
-}
-
-func notADriver(trustDomain string) mtls.Authorizer {
-	return func(id string) error {
-		parsed, err := mtls.ParseID(id)
-		if err != nil {
-			return err
-		}
-		if parsed.TrustDomain != trustDomain {
-			return fmt.Errorf("peer identity %s is not in trust domain %s", id, trustDomain)
-		}
-		if parsed.Role == mtls.RoleDriver {
-			return fmt.Errorf("peer identity %s is a driver's: drivers never call the broker", id)
-		}
-		return nil
-	}
 }
 
 func serveStatus(ctx context.Context, path string, s *broker.StatusServer) error {

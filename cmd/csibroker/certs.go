@@ -30,13 +30,14 @@ func (l *listFlag) Set(s string) error {
 
 func runCerts(_ context.Context, args []string, stdout, stderr io.Writer) error {
 	var o mtls.DevCertsOptions
-	var drivers, nodes listFlag
+	var drivers, nodes, clients listFlag
 	fs := flag.NewFlagSet("certs", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&o.Dir, "dir", "certs", "directory to write ca.crt, broker.crt/.key and proxy-<driver>[-<node>].crt/.key into (an existing ca.crt/ca.key is reused)")
+	fs.StringVar(&o.Dir, "dir", "certs", "directory to write ca.crt, broker.crt/.key, proxy-<driver>[-<node>].crt/.key and client-<name>.crt/.key into (an existing ca.crt/ca.key is reused)")
 	fs.StringVar(&o.TrustDomain, "trust-domain", "csibroker.local", "SPIFFE trust domain")
 	fs.Var(&drivers, "driver", "driver name to mint a proxy certificate for (repeatable or comma-separated)")
 	fs.Var(&nodes, "node", "node names: with --driver, also mint node-proxy certificates (repeatable or comma-separated)")
+	fs.Var(&clients, "client", "client name to mint a certificate for the broker's TCP front end (--listen) for (repeatable or comma-separated); proxies refuse it")
 	fs.DurationVar(&o.Validity, "validity", 30*24*time.Hour, "lifetime of the leaf certificates")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -44,7 +45,7 @@ func runCerts(_ context.Context, args []string, stdout, stderr io.Writer) error 
 	if len(nodes) > 0 && len(drivers) == 0 {
 		return errors.New("--node needs at least one --driver")
 	}
-	o.Drivers, o.Nodes = drivers, nodes
+	o.Drivers, o.Nodes, o.Clients = drivers, nodes, clients
 	files, err := mtls.WriteDevCerts(o)
 	if err != nil {
 		return err

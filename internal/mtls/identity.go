@@ -14,6 +14,10 @@ type Role string
 const (
 	RoleBroker Role = "broker"
 	RoleDriver Role = "driver"
+	// RoleClient is a CSI client of the broker's mTLS TCP front end (a tool,
+	// a remote orchestrator). Proxies refuse it: it reaches drivers only
+	// through the broker.
+	RoleClient Role = "client"
 )
 
 // Identity is a parsed csibroker SPIFFE ID.
@@ -22,6 +26,7 @@ type Identity struct {
 	Role        Role
 	Driver      string // for RoleDriver
 	Node        string // for a node plugin's proxy; empty for a controller proxy
+	Client      string // for RoleClient
 }
 
 // String renders the identity as its SPIFFE URI.
@@ -34,6 +39,8 @@ func (id Identity) String() string {
 			return NodeDriverID(id.TrustDomain, id.Driver, id.Node)
 		}
 		return DriverID(id.TrustDomain, id.Driver)
+	case RoleClient:
+		return ClientID(id.TrustDomain, id.Client)
 	}
 	return fmt.Sprintf("spiffe://%s/csibroker/%s", id.TrustDomain, id.Role)
 }
@@ -51,6 +58,11 @@ func DriverID(trustDomain, driver string) string {
 // NodeDriverID is the SPIFFE ID of driver's node-plugin proxy on node.
 func NodeDriverID(trustDomain, driver, node string) string {
 	return DriverID(trustDomain, driver) + "/node/" + node
+}
+
+// ClientID is the SPIFFE ID of a client of the TCP front end named name.
+func ClientID(trustDomain, name string) string {
+	return "spiffe://" + trustDomain + "/csibroker/client/" + name
 }
 
 // ErrNoIdentity means a certificate carries no spiffe:// URI SAN.
@@ -79,8 +91,11 @@ func ParseID(s string) (Identity, error) {
 	case id.Role == RoleDriver && len(parts) == 5 && parts[2] != "" && parts[3] == "node" && parts[4] != "":
 		id.Driver, id.Node = parts[2], parts[4]
 		return id, nil
+	case id.Role == RoleClient && len(parts) == 3 && parts[2] != "":
+		id.Client = parts[2]
+		return id, nil
 	}
-	return Identity{}, fmt.Errorf("identity %q: not a csibroker broker or driver identity", s)
+	return Identity{}, fmt.Errorf("identity %q: not a csibroker broker, driver or client identity", s)
 }
 
 // PeerID returns the single spiffe:// URI SAN of a certificate.
@@ -125,3 +140,22 @@ func AuthorizeOneOf(ids ...string) Authorizer {
 // AuthorizeAny admits every identity that carries a verified certificate. It
 // is meant for tests and tools, never for the broker or the proxy.
 func AuthorizeAny() Authorizer { return func(string) error { return nil } }
+
+// AuthorizeFrontEndCaller admits the callers of the broker's TCP front end:
+// a client or the broker itself, in trustDomain. A driver's proxy never
+// calls the broker and is refused.
+func AuthorizeFrontEndCaller(trustDomain string) Authorizer {
+	return func(id string) error {
+		p, err := ParseID(id)
+		if err != nil {
+			return err
+		}
+		switch {
+		case p.TrustDomain != trustDomain:
+			return fmt.Errorf("peer identity %s is not in trust domain %s", id, trustDomain)
+		case p.Role == RoleDriver:
+			return fmt.Errorf("peer identity %s is a driver's: drivers never call the broker", id)
+		}
+		return nil
+	}
+}

@@ -146,12 +146,13 @@ type DevCertsOptions struct {
 	TrustDomain string
 	Drivers     []string // one controller-proxy certificate each
 	Nodes       []string // with Drivers: one node-proxy certificate per driver and node
+	Clients     []string // one TCP front-end client certificate each
 	Validity    time.Duration
 }
 
 // WriteDevCerts writes ca.crt/ca.key, broker.crt/broker.key and, per driver,
-// proxy-<driver>.crt/.key (plus proxy-<driver>-<node>.crt/.key per node) into
-// Dir. An existing CA in Dir is reused so certificates can be re-minted.
+// proxy-<driver>.crt/.key (plus proxy-<driver>-<node>.crt/.key per node) and,
+// per client, client-<name>.crt/.key into Dir. An existing CA in Dir is reused so certificates can be re-minted.
 func WriteDevCerts(o DevCertsOptions) ([]string, error) {
 	if o.TrustDomain == "" {
 		return nil, errors.New("trust domain is required")
@@ -199,6 +200,11 @@ func WriteDevCerts(o DevCertsOptions) ([]string, error) {
 			if err := issue("proxy-"+d+"-"+n, NodeDriverID(o.TrustDomain, d, n)); err != nil {
 				return nil, err
 			}
+		}
+	}
+	for _, c := range o.Clients {
+		if err := issue("client-"+c, ClientID(o.TrustDomain, c)); err != nil {
+			return nil, err
 		}
 	}
 	return written, nil

@@ -22,6 +22,9 @@ func TestParseID(t *testing.T) {
 		{"broker", "spiffe://td/csibroker/broker", Identity{TrustDomain: "td", Role: RoleBroker}, false},
 		{"driver", "spiffe://td/csibroker/driver/d.example.org", Identity{TrustDomain: "td", Role: RoleDriver, Driver: "d.example.org"}, false},
 		{"node", "spiffe://td/csibroker/driver/d/node/n1", Identity{TrustDomain: "td", Role: RoleDriver, Driver: "d", Node: "n1"}, false},
+		{"client", "spiffe://td/csibroker/client/ops-tool", Identity{TrustDomain: "td", Role: RoleClient, Client: "ops-tool"}, false},
+		{"empty client", "spiffe://td/csibroker/client/", Identity{}, true},
+		{"client with suffix", "spiffe://td/csibroker/client/a/b", Identity{}, true},
 		{"wrong scheme", "https://td/csibroker/broker", Identity{}, true},
 		{"no csibroker", "spiffe://td/other/broker", Identity{}, true},
 		{"empty driver", "spiffe://td/csibroker/driver/", Identity{}, true},
@@ -41,6 +44,22 @@ func TestParseID(t *testing.T) {
 				t.Fatalf("String() = %q, want %q", got.String(), c.in)
 			}
 		})
+	}
+}
+
+func TestAuthorizeFrontEndCaller(t *testing.T) {
+	authz := AuthorizeFrontEndCaller("td")
+	for id, ok := range map[string]bool{
+		ClientID("td", "ops"):          true,
+		BrokerID("td"):                 true,
+		ClientID("other", "ops"):       false,
+		DriverID("td", "d"):            false,
+		NodeDriverID("td", "d", "n"):   false,
+		"spiffe://td/csibroker/nobody": false,
+	} {
+		if err := authz(id); (err == nil) != ok {
+			t.Errorf("%s: err %v, want admitted %v", id, err, ok)
+		}
 	}
 }
 

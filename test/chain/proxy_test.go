@@ -111,16 +111,7 @@ func TestTCPFrontEnd(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	authz := func(id string) error {
-		p, err := mtls.ParseID(id)
-		if err != nil {
-			return err
-		}
-		if p.Role == mtls.RoleDriver {
-			return status.Error(codes.PermissionDenied, "drivers never call the broker")
-		}
-		return nil
-	}
+	authz := mtls.AuthorizeFrontEndCaller(chaintest.TrustDomain)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -144,7 +135,9 @@ func TestTCPFrontEnd(t *testing.T) {
 	}
 	cctx, ccancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer ccancel()
-	co := dial("spiffe://" + chaintest.TrustDomain + "/csibroker/broker")
+	// A tool with a client certificate of its own, not the broker's.
+	client := mtls.ClientID(chaintest.TrustDomain, "ops-tool")
+	co := dial(client)
 	ident := csi.NewIdentityClient(co)
 
 	resp, err := ident.GetPluginInfo(metadata.AppendToOutgoingContext(cctx, broker.MetadataDriver, echoName), &csi.GetPluginInfoRequest{})
@@ -163,5 +156,37 @@ func TestTCPFrontEnd(t *testing.T) {
 		metadata.AppendToOutgoingContext(cctx, broker.MetadataDriver, echoName), &csi.GetPluginInfoRequest{})
 	if status.Code(err) != codes.Unavailable {
 		t.Fatalf("driver certificate as caller: %v", err)
+	}
+	// The broker's own identity is still admitted.
+	if _, err := csi.NewIdentityClient(dial(mtls.BrokerID(chaintest.TrustDomain))).GetPluginInfo(
+		metadata.AppendToOutgoingContext(cctx, broker.MetadataDriver, echoName), &csi.GetPluginInfoRequest{}); err != nil {
+		t.Fatalf("broker certificate as caller: %v", err)
+	}
+	// The caller's identity is on the front end's span of its call.
+	found := false
+	for _, sp := range c.Spans.Ended() {
+		for _, kv := range sp.Attributes() {
+			if kv.Key == "csibroker.caller" && kv.Value.AsString() == client {
+				found = true
+			}
+		}
+	}
+	if !found {
+		t.Errorf("no span names the caller %s", client)
+	}
+	// A client certificate reaches no proxy directly: the proxy admits the
+	// broker only.
+	m, err := c.CA.IssueMaterial(mtls.Leaf{ID: client, NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pconn, err := grpc.NewClient("passthrough:///"+c.ProxyAddr, grpc.WithTransportCredentials(credentials.NewTLS(
+		mtls.ClientConfig(mtls.StaticSource{M: m}, mtls.AuthorizeOneOf(mtls.DriverID(chaintest.TrustDomain, echoName))))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pconn.Close()
+	if _, err := csi.NewIdentityClient(pconn).GetPluginInfo(cctx, &csi.GetPluginInfoRequest{}); status.Code(err) != codes.Unavailable {
+		t.Fatalf("client certificate straight to the proxy: %v", err)
 	}
 }
