@@ -183,9 +183,11 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		if err != nil {
 			return fmt.Errorf("--listen: %w", err)
 		}
-		// Front-end callers are orchestrators and tools: any identity from
-		// the trust domain's CA except a driver's.
-		g.Go(func() error { return b.ServeTCP(ctx, lis, mtls.ServerConfig(src, mtls.AuthorizeFrontEndCaller(cfg.TLS.TrustDomain))) })
+		// Front-end callers are orchestrators and tools with a client
+		// identity (or the broker's own); never a driver's proxy.
+		g.Go(func() error {
+			return b.ServeTCP(ctx, lis, mtls.ServerConfig(src, mtls.AuthorizeFrontEndCaller(cfg.TLS.TrustDomain)))
+		})
 	}
 	statusPath := cfg.StatusSocket
 	if statusPath == "" && cfg.SocketDir != "" {
