@@ -17,8 +17,10 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/status"
 
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
@@ -55,6 +57,9 @@ type Broker struct {
 
 	mu      sync.RWMutex
 	drivers map[string]*Driver
+	// draining are connections of earlier registrations whose calls are
+	// finishing (proxyConn.drain); Close closes them too.
+	draining map[*proxyConn]struct{}
 }
 
 // New makes an empty broker; add drivers with SetDriver.
@@ -78,10 +83,11 @@ func New(opts Options) (*Broker, error) {
 		opts.MaxMsgSize = 64 << 20
 	}
 	b := &Broker{
-		opts:    opts,
-		log:     opts.Logger.With("component", "broker"),
-		tracer:  opts.TracerProvider.Tracer("github.com/csibroker/csibroker/broker"),
-		drivers: map[string]*Driver{},
+		opts:     opts,
+		log:      opts.Logger.With("component", "broker"),
+		tracer:   opts.TracerProvider.Tracer("github.com/csibroker/csibroker/broker"),
+		drivers:  map[string]*Driver{},
+		draining: map[*proxyConn]struct{}{},
 	}
 	b.metrics = newMetrics()
 	b.metrics.b = b
@@ -103,9 +109,15 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 		return err
 	}
 	cfg = cfg.withDefaults()
+	var retired []*proxyConn
+	// Drained once the registry lock is released (a drain may wait on a
+	// connection's socket).
+	defer func() {
+		for _, pc := range retired {
+			pc.drain()
+		}
+	}()
 	b.mu.Lock()
-	// Deferred calls run in reverse order: this unlock runs before the
-	// drains deferred below.
 	defer b.mu.Unlock()
 	old := b.drivers[cfg.Name]
 	d := &Driver{name: cfg.Name, cfg: cfg, b: b, nodes: map[string]*proxyConn{}}
@@ -165,10 +177,9 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 		}
 		for _, pc := range old.all() {
 			if !keep[pc] {
-				// Drained after the lock is released: its calls in flight
-				// finish on the old proxy; new calls and retries take
-				// the new registration's.
-				defer pc.drain()
+				// Its calls in flight finish on the old proxy; new calls
+				// and retries take the new registration's.
+				retired = append(retired, pc)
 			}
 		}
 	}
@@ -293,16 +304,22 @@ func (b *Broker) NodeLocal(driver string) bool {
 	return err == nil && d.cfg.NodeLocal
 }
 
-// Close closes every connection; calls in flight fail.
+// Close closes every connection, draining ones included; calls in flight
+// fail.
 func (b *Broker) Close() {
 	b.mu.Lock()
 	drivers := b.drivers
 	b.drivers = map[string]*Driver{}
+	draining := b.draining
+	b.draining = map[*proxyConn]struct{}{}
 	b.mu.Unlock()
 	for _, d := range drivers {
 		for _, pc := range d.all() {
 			pc.close()
 		}
+	}
+	for pc := range draining {
+		pc.close()
 	}
 }
 
@@ -414,12 +431,16 @@ func (p *proxyConn) close() {
 	p.up.close()
 }
 
-// live is p, or, once p is drained, the connection that replaced it.
-func (p *proxyConn) live() *proxyConn {
-	if p.up.gone.Load() {
-		return p.up.b.current(p)
+// live is p, or, once p is drained, the connection that replaced it; an
+// error if nothing replaced it (the driver, or its node, was removed).
+func (p *proxyConn) live() (*proxyConn, error) {
+	if !p.up.gone.Load() {
+		return p, nil
 	}
-	return p
+	if n := p.up.b.current(p); n != p {
+		return n, nil
+	}
+	return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: the connection is closed (driver removed or reconfigured)", p.cfg.Address)
 }
 
 // drain closes p once its calls in flight have ended: unary calls at once
@@ -432,8 +453,17 @@ func (p *proxyConn) drain() {
 		grace = max(grace, t)
 	}
 	grace += time.Second
+	b := p.up.b
+	b.mu.Lock()
+	b.draining[p] = struct{}{}
+	b.mu.Unlock()
 	p.up.drain(grace)
-	time.AfterFunc(grace, func() { p.conn.Close() })
+	time.AfterFunc(grace, func() {
+		p.conn.Close()
+		b.mu.Lock()
+		delete(b.draining, p)
+		b.mu.Unlock()
+	})
 }
 
 type proxyState struct{ driver, node, address, state, want string }

@@ -445,5 +445,9 @@ func (f frameConn) Invoke(ctx context.Context, method string, args, reply any, o
 
 // NewStream opens a stream through gRPC's client and the stream chain.
 func (f frameConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-	return f.p.live().conn.NewStream(ctx, desc, method, opts...)
+	p, err := f.p.live()
+	if err != nil {
+		return nil, err
+	}
+	return p.conn.NewStream(ctx, desc, method, opts...)
 }

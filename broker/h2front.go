@@ -965,7 +965,10 @@ func (c *feConn) serveStream(st *feStream) {
 	if err == nil {
 		var pc *proxyConn
 		if pc, err = c.s.fe.route(st.method, md); err == nil {
-			cs, err = pc.conn.NewStream(ctx, rawgrpc.StreamDesc, st.method, rawgrpc.CallOption())
+			// live: a registration that changed since the route was read.
+			if pc, err = pc.live(); err == nil {
+				cs, err = pc.conn.NewStream(ctx, rawgrpc.StreamDesc, st.method, rawgrpc.CallOption())
+			}
 		}
 	}
 	if err != nil {

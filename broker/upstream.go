@@ -83,6 +83,7 @@ type upstream struct {
 	dial    *upDial
 	lastErr error // the last dial's error; nil once one succeeded
 	closed  bool
+	closing chan struct{} // closed with closed: callers waiting on a dial stop waiting
 	stop    context.CancelFunc
 	// gone is closed, readable without mu: the chain then asks the broker
 	// for the driver's current proxy before the next attempt.
@@ -98,7 +99,7 @@ type upDial struct {
 func newUpstream(b *Broker, p *proxyConn, tlsCfg *tls.Config) *upstream {
 	cfg := tlsCfg.Clone()
 	cfg.NextProtos = []string{"h2"}
-	return &upstream{b: b, p: p, tls: cfg, addr: p.cfg.Address, kaTime: upKeepaliveTime, kaTimeout: upKeepaliveTimeout}
+	return &upstream{b: b, p: p, tls: cfg, addr: p.cfg.Address, kaTime: upKeepaliveTime, kaTimeout: upKeepaliveTimeout, closing: make(chan struct{})}
 }
 
 // keepConnected dials now and again whenever the connection is lost (with
@@ -184,6 +185,9 @@ func (u *upstream) drain(grace time.Duration) {
 		if len(c.calls) == 0 {
 			c.failLocked(errDriverChanged)
 		}
+		// Calls waiting for a stream slot give up now: retried, they go to
+		// the driver's current proxy.
+		c.cond.Broadcast()
 	}
 	c.mu.Unlock()
 	time.AfterFunc(grace, func() { c.fail(errDriverChanged) })
@@ -195,6 +199,9 @@ func (u *upstream) shut() *upConn {
 	defer u.mu.Unlock()
 	if u.stop != nil {
 		u.stop()
+	}
+	if !u.closed {
+		close(u.closing)
 	}
 	u.closed = true
 	u.gone.Store(true)
@@ -229,6 +236,8 @@ func (u *upstream) get(ctx context.Context) (*upConn, error) {
 		return d.c, d.err
 	case <-ctx.Done():
 		return nil, status.FromContextError(ctx.Err()).Err()
+	case <-u.closing:
+		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: the connection is closed (driver removed or reconfigured)", u.addr)
 	}
 }
 

@@ -184,6 +184,25 @@ type SpareProxy struct {
 	Addr string
 	lis  *trackingListener
 	stop func()
+	reg  *prometheus.Registry
+}
+
+// Handled is how many calls the spare proxy has answered
+// (grpc_server_handled_total, every series).
+func (s *SpareProxy) Handled() int {
+	mfs, err := s.reg.Gather()
+	if err != nil {
+		return -1
+	}
+	n := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() == "grpc_server_handled_total" {
+			for _, m := range mf.GetMetric() {
+				n += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return int(n)
 }
 
 // Stop stops the spare proxy gracefully (GOAWAY, calls in flight finish);
@@ -203,7 +222,8 @@ func (s *SpareProxy) Accepted() int {
 func (c *Chain) StartSpareProxy(t testing.TB) *SpareProxy {
 	t.Helper()
 	cfg := c.proxyCfg
-	cfg.Registerer = prometheus.NewRegistry()
+	reg := prometheus.NewRegistry()
+	cfg.Registerer = reg
 	p, err := proxy.New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -228,7 +248,7 @@ func (c *Chain) StartSpareProxy(t testing.TB) *SpareProxy {
 		})
 	}
 	t.Cleanup(stop)
-	return &SpareProxy{Addr: tcp.Addr().String(), lis: lis, stop: stop}
+	return &SpareProxy{Addr: tcp.Addr().String(), lis: lis, stop: stop, reg: reg}
 }
 
 type trackingListener struct {
