@@ -208,6 +208,18 @@ func (r *resizer) queueLen() int {
 	return r.queue.Len()
 }
 
+// enqueueAll adds every claim asking for more than it has (start of a
+// term, a driver registered: its claims were dropped while it was unknown).
+func (r *resizer) enqueueAll() {
+	if claims, err := r.b.claims.List(labels.Everything()); err == nil {
+		for _, c := range claims {
+			if claimNeedsResize(c) {
+				r.enqueue(c)
+			}
+		}
+	}
+}
+
 // run expands claims while this replica leads. Each term of leadership has
 // its own queue, so a replica that leads again starts afresh.
 func (r *resizer) run(ctx context.Context) {
@@ -216,6 +228,9 @@ func (r *resizer) run(ctx context.Context) {
 		workqueue.TypedRateLimitingQueueConfig[string]{Name: "resize"})
 	r.mu.Lock()
 	r.queue = q
+	// Final errors are of this term: under another leader the driver may
+	// have been asked again, and may still be working, since.
+	clear(r.finalErr)
 	r.mu.Unlock()
 	defer func() {
 		r.mu.Lock()
@@ -224,13 +239,7 @@ func (r *resizer) run(ctx context.Context) {
 		q.ShutDown()
 	}()
 	// Requests raised while another replica led are in the cache already.
-	if claims, err := r.b.claims.List(labels.Everything()); err == nil {
-		for _, c := range claims {
-			if claimNeedsResize(c) {
-				r.enqueue(c)
-			}
-		}
-	}
+	r.enqueueAll()
 	var wg sync.WaitGroup
 	for i := 0; i < r.b.cfg.WorkerThreads; i++ {
 		wg.Add(1)

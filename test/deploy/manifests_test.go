@@ -44,7 +44,7 @@ var (
 		"driver-endpoint", "listen", "node", "http-endpoint", "metrics-path", "tls-cert", "tls-key",
 		"tls-ca", "trust-domain", "tls-reload-interval", "v", "log-format",
 	}
-	sampleDriverFlags = []string{"endpoint", "name", "node-id", "state-dir", "topology", "capacity", "max-volumes-per-node", "fault", "exit-after", "fault-seed", "disable-publish"}
+	sampleDriverFlags = []string{"endpoint", "name", "node-id", "state-dir", "topology", "capacity", "max-volumes-per-node", "fault", "exit-after", "fault-seed", "disable-publish", "nodes"}
 	boolFlags         = []string{"leader-election", "extra-create-metadata", "strict-topology", "immediate-topology", "policy-crds", "disable-publish"}
 	pendingFlags      = []string{}
 )
@@ -78,7 +78,7 @@ func cmdSource(t testing.TB) string {
 
 var (
 	registerRE = regexp.MustCompile(`register\("([a-z-]+)"`)
-	flagRE     = regexp.MustCompile(`fs\.\w+\([^,]+,\s*"([a-z0-9-]+)"`)
+	flagRE     = regexp.MustCompile(`fs\.\w+\((?:[^,()"]+,\s*)?"([a-z0-9-]+)"`)
 	envRefRE   = regexp.MustCompile(`\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
 )
 

@@ -87,14 +87,14 @@ func TestRBACLeastPrivilege(t *testing.T) {
 		want := map[grantKey][]string{
 			{"", "persistentvolumes", ""}:                      sorted("get", "list", "watch", "create", "update", "patch", "delete"),
 			{"", "persistentvolumeclaims", ""}:                 sorted("get", "list", "watch", "patch"),
-			{"", "persistentvolumeclaims/status", ""}:          sorted("get", "update", "patch"),
+			{"", "persistentvolumeclaims/status", ""}:          sorted("patch"),
 			{"", "nodes", ""}:                                  read,
 			{"", "namespaces", ""}:                             read,
 			{"", "pods", ""}:                                   read,
 			{"storage.k8s.io", "storageclasses", ""}:           read,
 			{"storage.k8s.io", "csinodes", ""}:                 read,
 			{"storage.k8s.io", "volumeattachments", ""}:        sorted("get", "list", "watch", "update"),
-			{"storage.k8s.io", "volumeattachments/status", ""}: sorted("get", "update", "patch"),
+			{"storage.k8s.io", "volumeattachments/status", ""}: sorted("update"),
 			{"", "events", ""}:                                 sorted("create", "update", "patch"),
 			{"policy.csibroker.io", "secretgrants", ""}:        read,
 			{"policy.csibroker.io", "secretgrants/status", ""}: sorted("update", "patch"),
@@ -202,10 +202,10 @@ func TestRBACSubjectAccessReview(t *testing.T) {
 		{verb: "delete", resource: "persistentvolumes", name: "pvc-1"},
 		{verb: "watch", resource: "persistentvolumeclaims"},
 		{verb: "patch", resource: "persistentvolumeclaims", namespace: "sample-app", name: "data"},
-		{verb: "update", resource: "persistentvolumeclaims", subresource: "status", namespace: "sample-app", name: "data"},
+		{verb: "patch", resource: "persistentvolumeclaims", subresource: "status", namespace: "sample-app", name: "data"},
 		{verb: "list", resource: "pods"},
 		{verb: "watch", group: "storage.k8s.io", resource: "csinodes"},
-		{verb: "patch", group: "storage.k8s.io", resource: "volumeattachments", subresource: "status", name: "csi-1"},
+		{verb: "update", group: "storage.k8s.io", resource: "volumeattachments", subresource: "status", name: "csi-1"},
 		{verb: "create", group: "storage.k8s.io", resource: "csistoragecapacities", namespace: brokerNamespace},
 		{verb: "create", resource: "events", namespace: "sample-app"},
 		{verb: "watch", group: "policy.csibroker.io", resource: "secretgrants"},
@@ -236,6 +236,8 @@ func TestRBACSubjectAccessReview(t *testing.T) {
 		{verb: "create", group: "rbac.authorization.k8s.io", resource: "clusterrolebindings"},
 		{verb: "delete", group: "storage.k8s.io", resource: "csistoragecapacities", namespace: "other-driver", name: "csisc-1"},
 		{verb: "update", resource: "persistentvolumeclaims", namespace: "sample-app", name: "data"},
+		{verb: "update", resource: "persistentvolumeclaims", subresource: "status", namespace: "sample-app", name: "data"},
+		{verb: "patch", group: "storage.k8s.io", resource: "volumeattachments", subresource: "status", name: "csi-1"},
 	}
 
 	// RBAC objects reach the authorizer through its informers.
