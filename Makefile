@@ -75,6 +75,9 @@ proto:
 		--go_out=. --go_opt=module=github.com/csibroker/csibroker \
 		--go-grpc_out=. --go-grpc_opt=module=github.com/csibroker/csibroker --go-grpc_opt=require_unimplemented_servers=false \
 		$$(find proto -name '*.proto')
+	# Our servers implement their whole services: drop the generated
+	# Unimplemented*/Unsafe* stubs.
+	$(GO) run ./hack/stripstubs $$(find proto -name '*_grpc.pb.go')
 
 run: control-plane build
 	$(BIN) demo

@@ -11,8 +11,6 @@ package brokerstatusv1
 import (
 	context "context"
 	grpc "google.golang.org/grpc"
-	codes "google.golang.org/grpc/codes"
-	status "google.golang.org/grpc/status"
 )
 
 // This is a compile-time assertion to ensure that this generated file
@@ -50,39 +48,11 @@ func (c *brokerStatusClient) GetStatus(ctx context.Context, in *GetStatusRequest
 }
 
 // BrokerStatusServer is the server API for BrokerStatus service.
-// All implementations should embed UnimplementedBrokerStatusServer
-// for forward compatibility.
 type BrokerStatusServer interface {
 	GetStatus(context.Context, *GetStatusRequest) (*GetStatusResponse, error)
 }
 
-// UnimplementedBrokerStatusServer should be embedded to have
-// forward compatible implementations.
-//
-// NOTE: this should be embedded by value instead of pointer to avoid a nil
-// pointer dereference when methods are called.
-type UnimplementedBrokerStatusServer struct{}
-
-func (UnimplementedBrokerStatusServer) GetStatus(context.Context, *GetStatusRequest) (*GetStatusResponse, error) {
-	return nil, status.Error(codes.Unimplemented, "method GetStatus not implemented")
-}
-func (UnimplementedBrokerStatusServer) testEmbeddedByValue() {}
-
-// UnsafeBrokerStatusServer may be embedded to opt out of forward compatibility for this service.
-// Use of this interface is not recommended, as added methods to BrokerStatusServer will
-// result in compilation errors.
-type UnsafeBrokerStatusServer interface {
-	mustEmbedUnimplementedBrokerStatusServer()
-}
-
 func RegisterBrokerStatusServer(s grpc.ServiceRegistrar, srv BrokerStatusServer) {
-	// If the following call panics, it indicates UnimplementedBrokerStatusServer was
-	// embedded by pointer and is nil.  This will cause panics if an
-	// unimplemented method is ever invoked, so we test this at initialization
-	// time to prevent it from happening at runtime later due to I/O.
-	if t, ok := srv.(interface{ testEmbeddedByValue() }); ok {
-		t.testEmbeddedByValue()
-	}
 	s.RegisterService(&BrokerStatus_ServiceDesc, srv)
 }
 

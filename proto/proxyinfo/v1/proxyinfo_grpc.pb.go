@@ -12,8 +12,6 @@ package proxyinfov1
 import (
 	context "context"
 	grpc "google.golang.org/grpc"
-	codes "google.golang.org/grpc/codes"
-	status "google.golang.org/grpc/status"
 )
 
 // This is a compile-time assertion to ensure that this generated file
@@ -53,41 +51,13 @@ func (c *proxyInfoClient) GetInfo(ctx context.Context, in *GetInfoRequest, opts 
 }
 
 // ProxyInfoServer is the server API for ProxyInfo service.
-// All implementations should embed UnimplementedProxyInfoServer
-// for forward compatibility.
 type ProxyInfoServer interface {
 	// GetInfo says which driver and node the proxy fronts and whether the
 	// driver answers right now.
 	GetInfo(context.Context, *GetInfoRequest) (*GetInfoResponse, error)
 }
 
-// UnimplementedProxyInfoServer should be embedded to have
-// forward compatible implementations.
-//
-// NOTE: this should be embedded by value instead of pointer to avoid a nil
-// pointer dereference when methods are called.
-type UnimplementedProxyInfoServer struct{}
-
-func (UnimplementedProxyInfoServer) GetInfo(context.Context, *GetInfoRequest) (*GetInfoResponse, error) {
-	return nil, status.Error(codes.Unimplemented, "method GetInfo not implemented")
-}
-func (UnimplementedProxyInfoServer) testEmbeddedByValue() {}
-
-// UnsafeProxyInfoServer may be embedded to opt out of forward compatibility for this service.
-// Use of this interface is not recommended, as added methods to ProxyInfoServer will
-// result in compilation errors.
-type UnsafeProxyInfoServer interface {
-	mustEmbedUnimplementedProxyInfoServer()
-}
-
 func RegisterProxyInfoServer(s grpc.ServiceRegistrar, srv ProxyInfoServer) {
-	// If the following call panics, it indicates UnimplementedProxyInfoServer was
-	// embedded by pointer and is nil.  This will cause panics if an
-	// unimplemented method is ever invoked, so we test this at initialization
-	// time to prevent it from happening at runtime later due to I/O.
-	if t, ok := srv.(interface{ testEmbeddedByValue() }); ok {
-		t.testEmbeddedByValue()
-	}
 	s.RegisterService(&ProxyInfo_ServiceDesc, srv)
 }
 
