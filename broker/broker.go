@@ -17,10 +17,8 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
-	"google.golang.org/grpc/status"
 
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
@@ -440,7 +438,7 @@ func (p *proxyConn) live() (*proxyConn, error) {
 	if n := p.up.b.current(p); n != p {
 		return n, nil
 	}
-	return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: the connection is closed (driver removed or reconfigured)", p.cfg.Address)
+	return nil, errClosedUpstream(p.cfg.Address)
 }
 
 // drain closes p once its calls in flight have ended: unary calls at once

@@ -68,6 +68,13 @@ var (
 	errStreamIDsUsed  = errors.New("the connection's stream IDs are used up")
 )
 
+// errClosedUpstream is a call's error on a connection the broker closed
+// because the driver was reconfigured or removed (Unavailable: a retry
+// goes to the driver's current proxy, if any).
+func errClosedUpstream(addr string) error {
+	return status.Errorf(codes.Unavailable, "csibroker: proxy %s: the connection is closed (driver removed or reconfigured)", addr)
+}
+
 // upstream holds the current HTTP/2 connection to one proxy and dials a
 // new one when it is gone; calls that arrive during a dial wait for it.
 type upstream struct {
@@ -215,7 +222,7 @@ func (u *upstream) get(ctx context.Context) (*upConn, error) {
 	u.mu.Lock()
 	if u.closed {
 		u.mu.Unlock()
-		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: the connection is closed (driver removed or reconfigured)", u.addr)
+		return nil, errClosedUpstream(u.addr)
 	}
 	if c := u.conn; c != nil {
 		if c.takesCalls() {
@@ -237,7 +244,7 @@ func (u *upstream) get(ctx context.Context) (*upConn, error) {
 	case <-ctx.Done():
 		return nil, status.FromContextError(ctx.Err()).Err()
 	case <-u.closing:
-		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: the connection is closed (driver removed or reconfigured)", u.addr)
+		return nil, errClosedUpstream(u.addr)
 	}
 }
 
@@ -248,7 +255,7 @@ func (u *upstream) dialOnce(d *upDial) {
 	prev, closed := u.lastErr, u.closed
 	if err == nil && u.closed {
 		c.fail(errBrokerClosed)
-		c, err = nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: the connection is closed (driver removed or reconfigured)", u.addr)
+		c, err = nil, errClosedUpstream(u.addr)
 	}
 	if err == nil {
 		u.conn = c

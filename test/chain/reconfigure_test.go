@@ -155,17 +155,9 @@ func TestRetriesFollowAMovedDriver(t *testing.T) {
 // retriedCount is the chain's csibroker_csi_retries_total, all series.
 func retriedCount(t *testing.T, c *chaintest.Chain) float64 {
 	t.Helper()
-	mfs, err := c.Registry.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var n float64
-	for _, mf := range mfs {
-		if mf.GetName() == "csibroker_csi_retries_total" {
-			for _, m := range mf.GetMetric() {
-				n += m.GetCounter().GetValue()
-			}
-		}
+	n := chaintest.CounterSum(c.Registry, "csibroker_csi_retries_total")
+	if n < 0 {
+		t.Fatal("cannot gather the chain's metrics")
 	}
 	return n
 }
