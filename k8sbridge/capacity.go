@@ -229,15 +229,25 @@ func (t topoTerm) labels() map[string]string {
 // capacityKeyOf is the key an existing object stands for.
 func capacityKeyOf(csc *storagev1.CSIStorageCapacity) capacityKey {
 	k := capacityKey{driver: csc.Labels[capacityLabelDriver], class: csc.StorageClassName, segment: capacityBadSegment}
-	if sel := csc.NodeTopology; sel != nil && len(sel.MatchExpressions) == 0 && len(sel.MatchLabels) > 0 {
-		t := make(topoTerm, 0, len(sel.MatchLabels))
-		for key, v := range sel.MatchLabels {
-			t = append(t, topoSegment{key, v})
-		}
-		t.sort()
+	if t, ok := capacityTermOf(csc); ok {
 		k.segment = t.String()
 	}
 	return k
+}
+
+// capacityTermOf is the segment of an object's nodeTopology, if it is one
+// this controller writes (match labels only).
+func capacityTermOf(csc *storagev1.CSIStorageCapacity) (topoTerm, bool) {
+	sel := csc.NodeTopology
+	if sel == nil || len(sel.MatchExpressions) > 0 || len(sel.MatchLabels) == 0 {
+		return nil, false
+	}
+	t := make(topoTerm, 0, len(sel.MatchLabels))
+	for key, v := range sel.MatchLabels {
+		t = append(t, topoSegment{key, v})
+	}
+	t.sort()
+	return t, true
 }
 
 // capacityItem is a wanted object and how to ask for its value.
@@ -248,11 +258,14 @@ type capacityItem struct {
 	// classUID tells a class deleted and created again under the same name
 	// (maybe with other parameters) from the one the object was made for.
 	classUID types.UID
+	// kept marks the item of a driver not registered now, kept through the
+	// grace period: its object stays as it is and the driver is not asked.
+	kept bool
 }
 
 // sameRequest reports whether a and b ask the driver the same question.
 func (a capacityItem) sameRequest(b capacityItem) bool {
-	return a.classUID == b.classUID && a.nodeLoc == b.nodeLoc && a.segment.node == b.segment.node &&
+	return a.classUID == b.classUID && a.nodeLoc == b.nodeLoc && a.kept == b.kept && a.segment.node == b.segment.node &&
 		a.segment.request.compare(b.segment.request) == 0
 }
 
@@ -411,6 +424,7 @@ func (c *capacityController) run(ctx context.Context) {
 		return
 	}
 	registry := c.registryState()
+	c.adoptUnregistered(inf.GetIndexer().List())
 	c.reconcile()
 	for range capacityWorkers {
 		wg.Add(1)
@@ -541,8 +555,55 @@ func (c *capacityController) keepUnregistered(out map[capacityKey]capacityItem, 
 			continue
 		}
 		for k, item := range items {
+			item.kept = true
 			out[k] = item
 		}
+	}
+}
+
+// adoptUnregistered starts the grace period, at the start of a leadership
+// term, for the objects of drivers not registered yet: a new leader, or a
+// restarted broker, whose discovery has not found a driver yet must not
+// take that driver's objects for unwanted ones (the scheduler would see no
+// capacity until they are made again).
+func (c *capacityController) adoptUnregistered(objs []any) {
+	if c.lastItems == nil {
+		c.lastItems, c.goneSince = map[string]map[capacityKey]capacityItem{}, map[string]time.Time{}
+	}
+	registered := map[string]bool{}
+	for _, d := range c.b.cfg.Drivers.DriverNames() {
+		registered[d] = true
+	}
+	now := time.Now()
+	adopted := map[string]int{}
+	for _, obj := range objs {
+		csc, ok := obj.(*storagev1.CSIStorageCapacity)
+		if !ok {
+			continue
+		}
+		key := capacityKeyOf(csc)
+		term, ok := capacityTermOf(csc)
+		if !ok || key.driver == "" || registered[key.driver] {
+			continue
+		}
+		if _, ok := c.lastItems[key.driver][key]; ok {
+			continue
+		}
+		item := capacityItem{segment: capacitySegment{term: term, request: term}, selector: term.labels()}
+		if class, err := c.b.classes.Get(key.class); err == nil {
+			item.classUID = class.UID
+		}
+		if c.lastItems[key.driver] == nil {
+			c.lastItems[key.driver] = map[capacityKey]capacityItem{}
+		}
+		c.lastItems[key.driver][key] = item
+		if _, ok := c.goneSince[key.driver]; !ok {
+			c.goneSince[key.driver] = now
+		}
+		adopted[key.driver]++
+	}
+	for d, n := range adopted {
+		c.log.Info("capacity objects of a driver not registered yet are kept until it registers or the grace period ends", "driver", d, "objects", n, "grace", capacityUnregisteredGrace)
 	}
 }
 
@@ -643,6 +704,9 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 	c.mu.Unlock()
 	if !want {
 		return c.remove(ctx, key)
+	}
+	if item.kept {
+		return nil // the driver is not registered: its object stays as it is
 	}
 	class, err := c.b.classes.Get(key.class)
 	if apierrors.IsNotFound(err) {

@@ -372,24 +372,32 @@ func (s *switchDrivers) DriverNames() []string {
 	return s.testDrivers.DriverNames()
 }
 
-// TestCapacityDriverDownKeepsObjectsUnregisteredRemoves: while GetCapacity
-// fails the objects keep their last value (retried with backoff, never
-// deleted); once the driver answers again they follow it; when the driver is
-// unregistered its objects stay for the grace period (a proxy restart
-// unregisters a discovered driver for a moment), then are deleted.
-func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
+// zoneCapacity is one zonal driver (8 GiB, zone z1) on one node with a
+// WaitForFirstConsumer class, registered through a switchDrivers.
+type zoneCapacity struct {
+	env      *testenv.Env
+	ns       string
+	c        kubernetes.Interface
+	drv, key string
+	drivers  *switchDrivers
+	d        *sampledriver.Driver
+	class    *storagev1.StorageClass
+}
+
+func setUpZoneCapacity(t *testing.T) zoneCapacity {
+	t.Helper()
 	fastCapacityPolls(t)
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
+	z := zoneCapacity{env: testenv.Shared(t)}
+	z.ns = z.env.NewNamespace(t)
+	z.c = z.env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "down.csi.test")
-	node := clusterName(ns, "node")
-	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: "z1"}); err != nil {
+	z.drv = clusterName(z.ns, "zonal.csi.test")
+	node := clusterName(z.ns, "node")
+	if _, err := z.env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: "z1"}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-	if err := env.AddCSINode(ctx, node, drv, node, []string{testenv.LabelZone}); err != nil {
+	t.Cleanup(func() { z.c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+	if err := z.env.AddCSINode(ctx, node, z.drv, node, []string{testenv.LabelZone}); err != nil {
 		t.Fatal(err)
 	}
 	// A closed port: calls fail with Unavailable.
@@ -398,18 +406,46 @@ func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { dead.Close() })
-	drivers := &switchDrivers{testDrivers: &testDrivers{}, dead: dead}
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 8 * gib})
-	class := makeClass(t, c, clusterName(ns, "c"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
-	run := startBridge(t, env, ns, drivers, bridgeOpts{})
-	key := segmentKey(class.Name, testenv.LabelZone, "z1")
+	z.drivers = &switchDrivers{testDrivers: &testDrivers{}, dead: dead}
+	z.d = z.drivers.addDriver(t, sampledriver.Config{Name: z.drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 8 * gib})
+	z.class = makeClass(t, z.c, clusterName(z.ns, "c"), z.drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	z.key = segmentKey(z.class.Name, testenv.LabelZone, "z1")
+	return z
+}
+
+// useCapacity makes a volume of size bytes on the driver behind the broker's
+// back, so its capacity falls.
+func (z zoneCapacity) useCapacity(t *testing.T, name string, size int64) {
+	t.Helper()
+	conn, err := z.drivers.testDrivers.ControllerConn(z.drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := csi.NewControllerClient(conn).CreateVolume(context.Background(), &csi.CreateVolumeRequest{
+		Name:               name,
+		CapacityRange:      &csi.CapacityRange{RequiredBytes: size},
+		VolumeCapabilities: CapacityRequest(z.class, nil).GetVolumeCapabilities(),
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestCapacityDriverDownKeepsObjectsUnregisteredRemoves: while GetCapacity
+// fails the objects keep their last value (retried with backoff, never
+// deleted); once the driver answers again they follow it; when the driver is
+// unregistered its objects stay for the grace period (a proxy restart
+// unregisters a discovered driver for a moment), then are deleted.
+func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
+	z := setUpZoneCapacity(t)
+	ns, c, ctx, drv, drivers, d, key := z.ns, z.c, context.Background(), z.drv, z.drivers, z.d, z.key
+	run := startBridge(t, z.env, ns, drivers, bridgeOpts{})
 	before := waitCapacities(t, c, ns, drv, map[string]int64{key: 8 * gib})
 
 	drivers.down.Store(true)
 	failed := func() float64 {
 		return run.metricValue(t, "csibroker_capacity_refreshes_total", map[string]string{"driver": drv, "result": "failed"})
 	}
-	err = testenv.WaitFor(ctx, 60*time.Second, "three failed refreshes", func(context.Context) (bool, string, error) {
+	err := testenv.WaitFor(ctx, 60*time.Second, "three failed refreshes", func(context.Context) (bool, string, error) {
 		f := failed()
 		return f >= 3, fmt.Sprintf("%v failed", f), nil
 	})
@@ -428,17 +464,7 @@ func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
 	}
 
 	// The driver is back and has less room: the same object follows.
-	conn, err := drivers.testDrivers.ControllerConn(drv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{
-		Name:               "made-elsewhere",
-		CapacityRange:      &csi.CapacityRange{RequiredBytes: 3 * gib},
-		VolumeCapabilities: CapacityRequest(class, nil).GetVolumeCapabilities(),
-	}); err != nil {
-		t.Fatal(err)
-	}
+	z.useCapacity(t, "made-elsewhere", 3*gib)
 	drivers.down.Store(false)
 	after := waitCapacities(t, c, ns, drv, map[string]int64{key: 5 * gib})
 	if after[key].UID != before[key].UID {
@@ -462,6 +488,43 @@ func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
 	waitCapacities(t, c, ns, drv, map[string]int64{})
 	if d := time.Since(gone); d < capacityUnregisteredGrace {
 		t.Fatalf("objects deleted %v after the driver was unregistered, before the %v grace period", d, capacityUnregisteredGrace)
+	}
+}
+
+// TestCapacityNewLeaderKeepsObjectsOfDriversNotRegisteredYet: a broker that
+// starts leading before its discovery has registered a driver (a failover,
+// a restart) keeps that driver's objects as they are instead of deleting
+// them, and updates the same objects once the driver registers.
+func TestCapacityNewLeaderKeepsObjectsOfDriversNotRegisteredYet(t *testing.T) {
+	z := setUpZoneCapacity(t)
+	first := startBridge(t, z.env, z.ns, z.drivers, bridgeOpts{identity: "broker-0"})
+	before := waitCapacities(t, z.c, z.ns, z.drv, map[string]int64{z.key: 8 * gib})
+	first.stop()
+
+	z.drivers.gone.Store(true) // the next broker's discovery has not found it yet
+	next := startBridge(t, z.env, z.ns, z.drivers, bridgeOpts{identity: "broker-1"})
+	// Within the 4 s grace: its term has started, with several polls and
+	// registry checks (a deletion, without the grace, takes well under 1 s).
+	time.Sleep(2500 * time.Millisecond)
+	kept, err := capacityObjects(context.Background(), z.c, z.ns, z.drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o, ok := kept[z.key]; !ok || o.UID != before[z.key].UID || o.Capacity.Value() != 8*gib {
+		t.Fatalf("new leader, driver not registered yet: %s, want %s kept as it was", describeCapacities(kept), before[z.key].Name)
+	}
+	if !strings.Contains(next.logs.String(), "not registered yet are kept") {
+		t.Errorf("the new leader did not log that it keeps the objects")
+	}
+
+	z.useCapacity(t, "made-elsewhere", 3*gib)
+	z.drivers.gone.Store(false)
+	after := waitCapacities(t, z.c, z.ns, z.drv, map[string]int64{z.key: 5 * gib})
+	if after[z.key].UID != before[z.key].UID {
+		t.Errorf("object %s recreated as %s instead of updated", before[z.key].Name, after[z.key].Name)
+	}
+	if n := next.metricValue(t, "csibroker_capacity_api_writes_total", map[string]string{"operation": "delete"}); n != 0 {
+		t.Errorf("%v capacity objects deleted by the new leader, want 0", n)
 	}
 }
 
