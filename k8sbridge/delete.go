@@ -183,10 +183,10 @@ func (d *deleter) sync(ctx context.Context, name string) error {
 		node = pvNode(pv)
 		requester.Node = node // the node whose proxy receives the secret
 		if node == "" {
-			d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete",
-				"volume %s of node-local driver %s names no node (no %s annotation, no single hostname in its node affinity); cannot tell which node's proxy holds it", pv.Spec.CSI.VolumeHandle, driver, annVolumeNode)
+			err := errNodeUnknown(pv, driver)
+			d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", "%v", err)
 			d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
-			return fmt.Errorf("pv %s: node unknown", name)
+			return fmt.Errorf("pv %s: %w", name, err)
 		}
 		if _, err := d.b.nodes.Get(node); apierrors.IsNotFound(err) {
 			// Nobody can reach the volume: leave the PV to an administrator
@@ -275,6 +275,13 @@ func (d *deleter) classDeletionSecret(pv *corev1.PersistentVolume) (*corev1.Secr
 
 // pvNode is the node of a node-local PV: recorded at provisioning, else the
 // single hostname its affinity names, else "".
+// errNodeUnknown: a node-local driver's volume whose PV says nothing of
+// its node cannot be routed to a node's proxy.
+func errNodeUnknown(pv *corev1.PersistentVolume, driver string) error {
+	return fmt.Errorf("volume %s of node-local driver %s names no node (no %s annotation, no single hostname in its node affinity); cannot tell which node's proxy holds it",
+		pv.Spec.CSI.VolumeHandle, driver, annVolumeNode)
+}
+
 func pvNode(pv *corev1.PersistentVolume) string {
 	if n := pv.Annotations[annVolumeNode]; n != "" {
 		return n

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -213,4 +214,71 @@ func addLocalNodes(t *testing.T, env *testenv.Env, drivers *testDrivers, drv str
 		inst[node] = drivers.addNodeDriver(t, sampledriver.Config{Name: drv, CapacityBytes: size, Topology: map[string]string{corev1.LabelHostname: node}, Faults: faults}, node)
 	}
 	return inst
+}
+
+// TestNodeLocalResizeOfVolumeWithoutNode: a node-local driver's volume whose
+// PV names no node (a static PV without the node annotation or a hostname
+// affinity) is not sent to some node's proxy for expansion: the claim gets
+// an Event saying why, and no driver is called.
+func TestNodeLocalResizeOfVolumeWithoutNode(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "local.csi.test")
+	node := clusterName(ns, "n1")
+	drivers := &testDrivers{}
+	inst := addLocalNodes(t, env, drivers, drv, map[string]int64{node: 10 << 30}, sampledriver.Faults{})
+	class := makeResizeClass(t, c, clusterName(ns, "expand"), drv, "", "")
+	r := startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	// The volume exists on the node's driver; only its PV does not say where.
+	conn, err := drivers.NodeConn(drv, node)
+	if err != nil {
+		t.Fatal(err)
+	}
+	vol, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "static", CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+		VolumeCapabilities: CapacityRequest(&storagev1.StorageClass{}, nil).GetVolumeCapabilities()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pvName := clusterName(ns, "static")
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: pvName},
+		Spec: corev1.PersistentVolumeSpec{
+			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			PersistentVolumeSource:        corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: vol.GetVolume().GetVolumeId()}},
+			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+			StorageClassName:              class,
+		},
+	}
+	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), pvName, metav1.DeleteOptions{}) })
+	claim := &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "static", Namespace: ns},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			StorageClassName: &class,
+			VolumeName:       pvName,
+			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
+		},
+	}
+	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitBound(t, c, ns, "static", 60*time.Second)
+
+	raiseRequest(t, c, ns, "static", "2Gi")
+	waitEvent(t, c, ns, "static", "VolumeResizeFailed", "names no node")
+	if got := r.metricValue(t, "csibroker_resize_operations_total", map[string]string{"driver": drv, "result": "not_called"}); got < 1 {
+		t.Errorf("resize results: not_called %v, want at least 1", got)
+	}
+	for _, v := range inst[node].Volumes() {
+		if v.CapacityBytes != 1<<30 {
+			t.Errorf("volume %s expanded to %d bytes on node %s's driver, whose PV names no node", v.ID, v.CapacityBytes, node)
+		}
+	}
 }

@@ -371,6 +371,9 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 	// claim is marked: nothing is in progress, so nothing is written.
 	var req *csi.ControllerExpandVolumeRequest
 	if controllerExpand {
+		if r.b.cfg.Drivers.NodeLocal(driver) && pvNode(pv) == "" {
+			return failed("not_called", errNodeUnknown(pv, driver))
+		}
 		volCap, err := resizeVolumeCapability(pv.Spec, caps.singleNodeMultiWriter)
 		if err != nil {
 			return failed("not_called", err)
