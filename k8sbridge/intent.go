@@ -313,6 +313,22 @@ func (s *IntentStore) Get(volumeName string) (Intent, bool) {
 	return in, true
 }
 
+// Lookup is Get after the record has been read from the API server in this
+// term (a List, or a write): at the start of a term the store knows nothing
+// of the entries an earlier leader wrote.
+func (s *IntentStore) Lookup(ctx context.Context, volumeName string) (Intent, bool, error) {
+	s.mu.Lock()
+	known := s.loaded && s.cache != nil
+	s.mu.Unlock()
+	if !known {
+		if _, err := s.List(ctx); err != nil {
+			return Intent{}, false, err
+		}
+	}
+	in, ok := s.Get(volumeName)
+	return in, ok, nil
+}
+
 // List reads the record from the API server (the source of truth at
 // start-up and for recovery), without the entries this store has been asked
 // to remove and has not written yet.

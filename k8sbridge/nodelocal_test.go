@@ -282,3 +282,62 @@ func TestNodeLocalResizeOfVolumeWithoutNode(t *testing.T) {
 		}
 	}
 }
+
+// TestNodeLocalAttemptsOfAnEarlierLeader: the first attempt of a term sees
+// the node-local entries an earlier leader recorded. A claim whose volume
+// the earlier leader may have made on the small node is finished there,
+// although the big node has more room (the earlier volume is not left
+// behind); a claim whose earlier attempt went to a node that no longer
+// exists is provisioned anew, with an Event saying what was left where,
+// instead of failing for ever on the missing node.
+func TestNodeLocalAttemptsOfAnEarlierLeader(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "local.csi.test")
+	small, big, gone := clusterName(ns, "small"), clusterName(ns, "big"), clusterName(ns, "gone")
+	drivers := &testDrivers{}
+	inst := addLocalNodes(t, env, drivers, drv, map[string]int64{small: 10 << 30, big: 100 << 30}, sampledriver.Faults{})
+	class := makeClass(t, c, clusterName(ns, "imm"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+
+	// What the earlier leader left: for "earlier", an entry on the small
+	// node whose CreateVolume did make the volume there; for "lost", an
+	// entry on a node deleted since.
+	earlier := makeClaim(t, c, ns, "earlier", class.Name, "1Gi")
+	lost := makeClaim(t, c, ns, "lost", class.Name, "1Gi")
+	earlierPV, lostPV := VolumeName("pvc", earlier.UID, 0), VolumeName("pvc", lost.UID, 0)
+	conn, err := drivers.NodeConn(drv, small)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := createRequest(earlierPV)
+	req.CapacityRange.RequiredBytes = 1 << 30
+	if _, err := csi.NewControllerClient(conn).CreateVolume(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	in := intentFor(t, drv, earlierPV, earlier)
+	in.Node = small
+	recordIntent(t, c, ns, in)
+	in = intentFor(t, drv, lostPV, lost)
+	in.Node = gone
+	recordIntent(t, c, ns, in)
+
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	for _, name := range []string{"earlier", "lost"} {
+		waitBound(t, c, ns, name, 60*time.Second)
+	}
+	pv, err := c.CoreV1().PersistentVolumes().Get(context.Background(), earlierPV, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := pv.Annotations[annVolumeNode]; got != small {
+		t.Errorf("claim earlier provisioned on node %q, want %q where the earlier leader's attempt made its volume", got, small)
+	}
+	if n := len(inst[small].Volumes()); n != 1 {
+		t.Errorf("small node has %d volumes, want 1 (the earlier attempt's, used)", n)
+	}
+	if n := len(inst[big].Volumes()); n != 1 {
+		t.Errorf("big node has %d volumes, want 1 (claim lost's)", n)
+	}
+	waitEvent(t, c, ns, "lost", "ProvisioningOrphan", "on node "+gone+", which no longer exists")
+}

@@ -254,6 +254,16 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 	return 0, nil
 }
 
+// nodeGone reports whether node no longer exists: not in the cache, and
+// then not on the API server either (the cache may lag behind a new node).
+func (p *provisioner) nodeGone(ctx context.Context, node string) bool {
+	if _, err := p.b.nodes.Get(node); !apierrors.IsNotFound(err) {
+		return false
+	}
+	_, err := p.b.cfg.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+	return apierrors.IsNotFound(err)
+}
+
 // provision runs one attempt and returns its result label.
 func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string) (string, error) {
 	ref := claimRef(claim)
@@ -272,36 +282,45 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
 	}
 	scheduled := selectedNode != "" // the scheduler chose the node, so it can choose again
-	if scheduled {
-		if _, err := p.b.nodes.Get(selectedNode); apierrors.IsNotFound(err) {
-			// Gone from the cache: asked live before giving the node up (the
-			// cache may lag behind a new node).
-			if _, err := p.b.cfg.Client.CoreV1().Nodes().Get(ctx, selectedNode, metav1.GetOptions{}); apierrors.IsNotFound(err) {
-				// The intent record keeps any entry of an earlier attempt:
-				// the volume it may have made is still accounted for.
-				p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: selected node %q no longer exists; asking the scheduler for another node", class.Name, selectedNode)
-				if rerr := p.reschedule(ctx, claim); rerr != nil {
-					return "rescheduled", rerr
-				}
-				return "rescheduled", nil
-			}
+	if scheduled && p.nodeGone(ctx, selectedNode) {
+		// The intent record keeps any entry of an earlier attempt: the
+		// volume it may have made is still accounted for.
+		p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: selected node %q no longer exists; asking the scheduler for another node", class.Name, selectedNode)
+		if rerr := p.reschedule(ctx, claim); rerr != nil {
+			return "rescheduled", rerr
 		}
+		return "rescheduled", nil
 	}
-	if prev, ok := p.b.intents.Get(pvName); ok && prev.Node != "" && prev.ClaimUID == string(claim.UID) && p.b.cfg.Drivers.NodeLocal(driver) {
-		// An earlier attempt asked prev.Node's proxy for this volume and
-		// may have made it there (its answer was "may still be in
-		// progress", or the broker stopped before the answer).
-		switch {
-		case selectedNode == "":
-			// Placed by the broker: finish on the same node.
-			selectedNode = prev.Node
-		case selectedNode != prev.Node:
-			// The scheduler moved the claim: the volume the earlier
-			// attempt may have made is deleted there first.
-			if err := p.undoOnNode(ctx, prev); err != nil {
-				return fail("an earlier attempt may have made volume %s on node %s; it must be deleted there before the volume is made on node %s: %v", pvName, prev.Node, selectedNode, err)
+	if p.b.cfg.Drivers.NodeLocal(driver) {
+		// The record as the API server has it, read once per term: an
+		// attempt of the previous leader may have made the volume on a
+		// node.
+		prev, ok, err := p.b.intents.Lookup(ctx, pvName)
+		if err != nil {
+			return fail("%v", err)
+		}
+		if ok && prev.Node != "" && prev.ClaimUID == string(claim.UID) {
+			// An earlier attempt asked prev.Node's proxy for this volume
+			// and may have made it there (its answer was "may still be in
+			// progress", or the broker stopped before the answer).
+			switch {
+			case p.nodeGone(ctx, prev.Node):
+				// Nobody can reach that volume any more; the new entry
+				// replaces the old one when this attempt is recorded.
+				p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningOrphan",
+					"an earlier attempt may have made volume %s on node %s, which no longer exists; that volume is left to an administrator and the claim is provisioned anew", pvName, prev.Node)
+				p.b.log.Warn("an earlier attempt's node is gone; provisioning anew", "claim", claim.Namespace+"/"+claim.Name, "volume", pvName, "node", prev.Node)
+			case selectedNode == "":
+				// Placed by the broker: finish on the same node.
+				selectedNode = prev.Node
+			case selectedNode != prev.Node:
+				// The scheduler moved the claim: the volume the earlier
+				// attempt may have made is deleted there first.
+				if err := p.undoOnNode(ctx, prev); err != nil {
+					return fail("an earlier attempt may have made volume %s on node %s; it must be deleted there before the volume is made on node %s: %v", pvName, prev.Node, selectedNode, err)
+				}
+				p.b.log.Info("deleted the volume an earlier attempt may have made on another node", "volume", pvName, "node", prev.Node, "selected_node", selectedNode)
 			}
-			p.b.log.Info("deleted the volume an earlier attempt may have made on another node", "volume", pvName, "node", prev.Node, "selected_node", selectedNode)
 		}
 	}
 	if p.b.cfg.Drivers.NodeLocal(driver) && selectedNode == "" {
