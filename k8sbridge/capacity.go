@@ -685,6 +685,9 @@ func (c *capacityController) processNext(ctx context.Context, queue workqueue.Ty
 		return false
 	}
 	defer queue.Done(key)
+	if ctx.Err() != nil {
+		return true // the term is over
+	}
 	if err := c.sync(ctx, key); err != nil {
 		if ctx.Err() == nil {
 			c.log.Warn("capacity refresh failed; retrying with backoff", "driver", key.driver, "storage_class", key.class, "segment", key.segment,

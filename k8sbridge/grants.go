@@ -222,6 +222,9 @@ func grantWorker(ctx context.Context, q workqueue.TypedRateLimitingInterface[str
 		return false
 	}
 	defer q.Done(key)
+	if ctx.Err() != nil {
+		return true // stopping
+	}
 	if err := sync(ctx, key); err != nil {
 		if ctx.Err() == nil {
 			level := slog.LevelWarn

@@ -254,6 +254,27 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 	return 0, nil
 }
 
+// recordedTopologyMax is how many topology segments a recorded request
+// keeps as they were sent.
+const recordedTopologyMax = 16
+
+// recordedTopology is the accessibility requirement kept in the intent
+// record. A requirement of many segments (a driver whose topology key is
+// the node: one segment per node) would make one entry grow with the
+// cluster until the record holds a handful of them; such a requirement is
+// recorded as its first preferred segment only. The recorded request is
+// re-issued only to learn the ID of a volume made already, and with no
+// requisite list the volume is accessible wherever the driver made it.
+func recordedTopology(tr *csi.TopologyRequirement) *csi.TopologyRequirement {
+	if tr == nil || len(tr.GetRequisite())+len(tr.GetPreferred()) <= recordedTopologyMax {
+		return tr
+	}
+	if len(tr.GetPreferred()) == 0 {
+		return nil
+	}
+	return &csi.TopologyRequirement{Preferred: tr.GetPreferred()[:1]}
+}
+
 // nodeGone reports whether node no longer exists: not in the cache, and
 // then not on the API server either (the cache may lag behind a new node).
 func (p *provisioner) nodeGone(ctx context.Context, node string) bool {
@@ -367,6 +388,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	// Durable intent before the call: from here on the volume is never forgotten.
 	stored := proto.Clone(req).(*csi.CreateVolumeRequest)
 	stored.Secrets = nil
+	stored.AccessibilityRequirements = recordedTopology(req.AccessibilityRequirements)
 	raw, err := proto.Marshal(stored)
 	if err != nil {
 		return fail("encode request: %v", err)
@@ -378,7 +400,10 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if err := p.b.intents.Add(ctx, Intent{VolumeName: pvName, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID),
 		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, NamespaceLabels: p.b.namespaceLabels(claim.Namespace), Created: metav1.Now()}); err != nil {
 		// Nothing was called yet: back off and try again.
-		return "failed", fmt.Errorf("record intent for %s: %w", pvName, err)
+		if ctx.Err() != nil {
+			return "failed", err // the term is over, not the claim's fault
+		}
+		return fail("record the intent to create volume %s before calling the driver: %v", pvName, err)
 	}
 	p.b.event(ctx, ref, corev1.EventTypeNormal, "Provisioning", "External provisioner is provisioning volume for claim %q", claim.Namespace+"/"+claim.Name)
 
@@ -426,7 +451,9 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	// the PV controller releases and the deleter then deletes.
 	if cur, gerr := p.b.claims.PersistentVolumeClaims(claim.Namespace).Get(claim.Name); apierrors.IsNotFound(gerr) || (gerr == nil && (cur.UID != claim.UID || cur.DeletionTimestamp != nil)) {
 		p.b.log.Info("claim deleted during provisioning; deleting its volume", "claim", claim.Namespace+"/"+claim.Name, "volume", resp.GetVolume().GetVolumeId())
-		if derr := p.deleteVolume(ctx, driver, node, resp.GetVolume().GetVolumeId(), provSecretRef, policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name, StorageClass: class.Name}); derr != nil {
+		// The same requester as the CreateVolume's (its node, its labels):
+		// a grant that let the secret go to this node lets it go again.
+		if derr := p.deleteVolume(ctx, driver, node, resp.GetVolume().GetVolumeId(), provSecretRef, requester); derr != nil {
 			p.b.metrics.leaked.WithLabelValues(driver, "failed").Inc()
 			return "failed", derr // intent kept: recovery retries
 		}

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -190,5 +192,52 @@ func TestPerMethodTimeoutLongerThanTheDefault(t *testing.T) {
 	waitBound(t, c, ns, makeClaim(t, c, ns, "slow", class.Name, "1Gi").Name, 60*time.Second)
 	if n := d.CallCount("CreateVolume"); n != 1 {
 		t.Fatalf("%d CreateVolume calls, want 1 (the call cut short and re-issued)", n)
+	}
+}
+
+// TestIntentRecordFullIsReported: a claim whose intent cannot be recorded
+// (the record is full) gets an Event saying so, and no driver is called.
+func TestIntentRecordFullIsReported(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "full.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "full"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.intents.maxEntries = 0 }})
+	makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	waitEvent(t, c, ns, "data", "ProvisioningFailed", "record the intent to create volume")
+	waitEvent(t, c, ns, "data", "ProvisioningFailed", ErrIntentStoreFull.Error())
+	if n := d.CallCount("CreateVolume"); n != 0 {
+		t.Errorf("%d CreateVolume calls without a recorded intent, want 0", n)
+	}
+}
+
+// TestRecordedTopology: a requirement of a few segments is recorded as
+// sent; one of many (a segment per node) is recorded as its first
+// preferred segment, so an entry does not grow with the cluster.
+func TestRecordedTopology(t *testing.T) {
+	seg := func(i int) *csi.Topology {
+		return &csi.Topology{Segments: map[string]string{corev1.LabelHostname: fmt.Sprintf("node-%d", i)}}
+	}
+	few := &csi.TopologyRequirement{Requisite: []*csi.Topology{seg(1), seg(2)}, Preferred: []*csi.Topology{seg(2), seg(1)}}
+	if got := recordedTopology(few); !proto.Equal(got, few) {
+		t.Errorf("few segments recorded as %v, want them as sent", got)
+	}
+	var many csi.TopologyRequirement
+	for i := range 1000 {
+		many.Requisite = append(many.Requisite, seg(i))
+		many.Preferred = append(many.Preferred, seg((i+7)%1000))
+	}
+	want := &csi.TopologyRequirement{Preferred: []*csi.Topology{seg(7)}}
+	if got := recordedTopology(&many); !proto.Equal(got, want) {
+		t.Errorf("1000 segments recorded as %v, want %v", got, want)
+	}
+	if got := recordedTopology(&csi.TopologyRequirement{Requisite: many.Requisite}); got != nil {
+		t.Errorf("1000 requisite segments and no preferred one recorded as %v, want none", got)
+	}
+	if got := recordedTopology(nil); got != nil {
+		t.Errorf("no requirement recorded as %v", got)
 	}
 }

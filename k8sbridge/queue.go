@@ -92,6 +92,12 @@ func (t *termQueue) work(ctx context.Context, n int, fill func(), handle func(co
 				if quit {
 					return
 				}
+				if ctx.Err() != nil {
+					// The term is over: a shut-down queue still hands out
+					// what it holds; the next term lists everything again.
+					q.Done(key)
+					continue
+				}
 				requeue, err := handle(ctx, key)
 				switch {
 				case err != nil:

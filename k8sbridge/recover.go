@@ -211,14 +211,23 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 		}
 		return
 	}
+	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, id, in.ProvisionerSecret, requester, in.NamespaceLabels); err != nil {
+		// The same backoff as a failed re-issue, and reported as stuck
+		// after as many failures (a DeleteVolume secret denied, say).
+		p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
+		n, wait := p.recoveryFailed(in.VolumeName, now)
+		if n == 3 {
+			p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
+			log.Error("recovery: cannot delete an orphaned volume; the intent record keeps it (delete the entry once the volume is dealt with)",
+				"configmap", p.b.cfg.Namespace+"/csibroker-intents", "volume_id", id, "attempts", n, "retry_in", wait, "err", err)
+		} else {
+			log.Warn("recovery: DeleteVolume of an orphaned volume failed; will retry", "volume_id", id, "attempt", n, "retry_in", wait, "err", err)
+		}
+		return
+	}
 	p.mu.Lock()
 	delete(p.recFails, in.VolumeName)
 	p.mu.Unlock()
-	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, id, in.ProvisionerSecret, requester, in.NamespaceLabels); err != nil {
-		log.Error("recovery: DeleteVolume failed; will retry", "err", err)
-		p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
-		return
-	}
 	log.Info("recovery: deleted an orphaned volume", "volume_id", id)
 	p.b.metrics.leaked.WithLabelValues(in.Driver, "deleted").Inc()
 	p.b.intents.Remove(in.VolumeName)

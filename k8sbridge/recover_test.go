@@ -232,12 +232,19 @@ func TestRecoverBoundClaimWithoutItsPV(t *testing.T) {
 	}
 }
 
-// TestRecoverBacksOffFailingCreateVolume: the claim of an entry is gone and
-// the driver refuses the re-issued CreateVolume four times with a final
-// code. Recovery keeps trying, each time after a longer wait (1, 2, 4, 8
-// recovery intervals), not once per pass, reports the entry as stuck at the
-// third failure, and deletes the volume once CreateVolume succeeds.
-func TestRecoverBacksOffFailingCreateVolume(t *testing.T) {
+// TestRecoverBacksOffFailingCalls: the claim of an entry is gone and the
+// driver refuses, four times with a final code, the re-issued CreateVolume
+// (which tells recovery the volume's ID) or the DeleteVolume after it.
+// Recovery keeps trying, each time after a longer wait (1, 2, 4, 8 recovery
+// intervals), not once per pass, reports the entry as stuck at the third
+// failure, and deletes the volume once the call succeeds.
+func TestRecoverBacksOffFailingCalls(t *testing.T) {
+	for _, method := range []string{"CreateVolume", "DeleteVolume"} {
+		t.Run(method, func(t *testing.T) { testRecoverBacksOff(t, method) })
+	}
+}
+
+func testRecoverBacksOff(t *testing.T, method string) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
@@ -246,7 +253,7 @@ func TestRecoverBacksOffFailingCreateVolume(t *testing.T) {
 	const failures = 4
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
-		"CreateVolume": {First: failures, Code: codes.FailedPrecondition}}}})
+		method: {First: failures, Code: codes.FailedPrecondition}}}})
 
 	claim := makeStaticClaim(t, c, ns, "gone", "")
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "gone", metav1.DeleteOptions{}); err != nil {
@@ -265,11 +272,11 @@ func TestRecoverBacksOffFailingCreateVolume(t *testing.T) {
 	const interval = 400 * time.Millisecond
 	r := startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.RecoveryInterval = interval }})
 
-	// When each CreateVolume reaches the driver.
+	// When each call of method reaches the driver.
 	var calls []time.Time
 	deadline := time.Now().Add(60 * time.Second)
 	for len(calls) < failures+1 && time.Now().Before(deadline) {
-		if n := int(d.CallCount("CreateVolume")); n > len(calls) {
+		if n := int(d.CallCount(method)); n > len(calls) {
 			for len(calls) < n {
 				calls = append(calls, time.Now())
 			}
@@ -277,7 +284,7 @@ func TestRecoverBacksOffFailingCreateVolume(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	if len(calls) < failures+1 {
-		t.Fatalf("%d CreateVolume calls in 60s, want %d", len(calls), failures+1)
+		t.Fatalf("%d %s calls in 60s, want %d", len(calls), method, failures+1)
 	}
 	noLeaks(t, env, ns, d, drv)
 
@@ -285,20 +292,20 @@ func TestRecoverBacksOffFailingCreateVolume(t *testing.T) {
 	// the backoff the k-th wait is 2^(k-1) intervals, up to half an
 	// interval early.
 	elapsed := calls[len(calls)-1].Sub(calls[0])
-	t.Logf("CreateVolume calls %v apart over %v (%.1f recovery intervals)", gaps(calls), elapsed.Round(time.Millisecond), float64(elapsed)/float64(interval))
+	t.Logf("%s calls %v apart over %v (%.1f recovery intervals)", method, gaps(calls), elapsed.Round(time.Millisecond), float64(elapsed)/float64(interval))
 	for k, g := range gaps(calls) {
 		want := time.Duration(1<<k)*interval - interval/2
 		if g < want {
-			t.Errorf("wait %d before retrying CreateVolume was %v, want at least %v (calls %v apart)", k+1, g.Round(time.Millisecond), want, gaps(calls))
+			t.Errorf("wait %d before retrying %s was %v, want at least %v (calls %v apart)", k+1, method, g.Round(time.Millisecond), want, gaps(calls))
 		}
 	}
 	if passes := float64(elapsed) / float64(interval); passes < 2*float64(len(calls)) {
-		t.Errorf("%d CreateVolume calls over %.1f recovery passes: not backing off", len(calls), passes)
+		t.Errorf("%d %s calls over %.1f recovery passes: not backing off", len(calls), method, passes)
 	}
 	// Settled: no further calls.
 	time.Sleep(3 * interval)
-	if n := d.CallCount("CreateVolume"); n != failures+1 {
-		t.Errorf("%d CreateVolume calls after the entry was settled, want %d", n, failures+1)
+	if n := d.CallCount(method); n != failures+1 {
+		t.Errorf("%d %s calls after the entry was settled, want %d", n, method, failures+1)
 	}
 	if v := r.metricValue(t, "csibroker_recovered_volumes_total", map[string]string{"driver": drv, "result": "stuck"}); v != 1 {
 		t.Errorf("recovered_volumes_total{result=stuck} = %v, want 1 (at the third failure)", v)

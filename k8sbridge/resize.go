@@ -260,6 +260,9 @@ func (r *resizer) processNext(ctx context.Context, q workqueue.TypedRateLimiting
 		return false
 	}
 	defer q.Done(key)
+	if ctx.Err() != nil {
+		return true // the term is over; the next one lists every claim again
+	}
 	if err := r.sync(ctx, key); err != nil {
 		r.b.log.Debug("resize will be retried", "claim", key, "err", err)
 		q.AddRateLimited(key)
