@@ -58,6 +58,9 @@ type Broker struct {
 	// draining are connections of earlier registrations whose calls are
 	// finishing (proxyConn.drain); Close closes them too.
 	draining map[*proxyConn]struct{}
+	// closed is set by Close: later registrations are refused and a
+	// connection retired after it is closed, not drained.
+	closed bool
 }
 
 // New makes an empty broker; add drivers with SetDriver.
@@ -107,6 +110,9 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 		return err
 	}
 	cfg = cfg.withDefaults()
+	if b.isClosed() {
+		return errBrokerClosed
+	}
 	var retired []*proxyConn
 	// Drained once the registry lock is released (a drain may wait on a
 	// connection's socket).
@@ -180,6 +186,11 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 				retired = append(retired, pc)
 			}
 		}
+	}
+	if b.closed {
+		// Closed while this registration dialled.
+		retired = nil
+		return fail(errBrokerClosed)
 	}
 	b.drivers[cfg.Name] = d
 	b.log.Info("driver registered", "driver", cfg.Name, "controller", cfg.Controller != nil, "node_proxies", len(cfg.Nodes), "node_local", cfg.NodeLocal)
@@ -306,6 +317,7 @@ func (b *Broker) NodeLocal(driver string) bool {
 // fail.
 func (b *Broker) Close() {
 	b.mu.Lock()
+	b.closed = true
 	drivers := b.drivers
 	b.drivers = map[string]*Driver{}
 	draining := b.draining
@@ -319,6 +331,12 @@ func (b *Broker) Close() {
 	for pc := range draining {
 		pc.close()
 	}
+}
+
+func (b *Broker) isClosed() bool {
+	b.mu.RLock()
+	defer b.mu.RUnlock()
+	return b.closed
 }
 
 // dial opens the connection to one proxy with the client chain.
@@ -453,6 +471,11 @@ func (p *proxyConn) drain() {
 	grace += time.Second
 	b := p.up.b
 	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		p.close()
+		return
+	}
 	b.draining[p] = struct{}{}
 	b.mu.Unlock()
 	p.up.drain(grace)

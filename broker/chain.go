@@ -40,7 +40,7 @@ import (
 // onRetry records a retry: attempt is the retry's number (1 for the
 // second try) and err the previous attempt's error.
 func (b *Broker) onRetry(ctx context.Context, p *proxyConn, d *callDesc, attempt uint, err error) {
-	code := status.Code(err).String()
+	code := rawgrpc.CodeLabel(status.Code(err))
 	b.metrics.retries.WithLabelValues(p.driver, d.metricShort, code).Inc()
 	trace.SpanFromContext(ctx).AddEvent("retry", trace.WithAttributes(
 		attribute.Int("csi.attempt", int(attempt)+1), attribute.String("rpc.grpc.previous_status_code", code)))
@@ -143,8 +143,8 @@ func (b *Broker) streamEnded(p *proxyConn, d *callDesc, start time.Time, err err
 	d.inflight.Dec()
 	code := status.Code(err)
 	elapsed := time.Since(start).Seconds()
-	b.metrics.calls.WithLabelValues(p.driver, d.metricShort, code.String()).Observe(elapsed)
-	b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, code.String()).Observe(elapsed)
+	b.metrics.calls.WithLabelValues(p.driver, d.metricShort, rawgrpc.CodeLabel(code)).Observe(elapsed)
+	b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, rawgrpc.CodeLabel(code)).Observe(elapsed)
 	if err != nil {
 		b.log.Info("csi stream failed", "driver", p.driver, "node", p.cfg.Node, "method", d.short, "code", code.String())
 	}
@@ -259,8 +259,8 @@ func (b *Broker) observe(ctx context.Context, p *proxyConn, d *callDesc, method 
 		d.okCalls.Observe(elapsed.Seconds())
 		d.okSidecar.Observe(elapsed.Seconds())
 	} else {
-		b.metrics.calls.WithLabelValues(p.driver, d.metricShort, code.String()).Observe(elapsed.Seconds())
-		b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, code.String()).Observe(elapsed.Seconds())
+		b.metrics.calls.WithLabelValues(p.driver, d.metricShort, rawgrpc.CodeLabel(code)).Observe(elapsed.Seconds())
+		b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, rawgrpc.CodeLabel(code)).Observe(elapsed.Seconds())
 	}
 	span.SetAttributes(attribute.String("rpc.grpc.status_code", code.String()))
 	if err != nil {

@@ -91,6 +91,9 @@ type upstream struct {
 	lastErr error // the last dial's error; nil once one succeeded
 	closed  bool
 	closing chan struct{} // closed with closed: callers waiting on a dial stop waiting
+	// drained is the connection drain left to its calls in flight; close
+	// fails it too.
+	drained *upConn
 	stop    context.CancelFunc
 	// gone is closed, readable without mu: the chain then asks the broker
 	// for the driver's current proxy before the next attempt.
@@ -172,8 +175,15 @@ func (u *upstream) state() string {
 
 // close closes the connection; calls in flight fail with Unavailable.
 func (u *upstream) close() {
-	if c := u.shut(); c != nil {
-		c.fail(errBrokerClosed)
+	c := u.shut()
+	u.mu.Lock()
+	d := u.drained
+	u.drained = nil
+	u.mu.Unlock()
+	for _, x := range []*upConn{c, d} {
+		if x != nil {
+			x.fail(errBrokerClosed)
+		}
 	}
 }
 
@@ -185,6 +195,9 @@ func (u *upstream) drain(grace time.Duration) {
 	if c == nil {
 		return
 	}
+	u.mu.Lock()
+	u.drained = c
+	u.mu.Unlock()
 	c.mu.Lock()
 	if c.err == nil {
 		c.goingAway, c.drainErr = true, errDriverChanged

@@ -54,7 +54,7 @@ func (s *stream) finish(code codes.Code) {
 		if code == codes.OK {
 			s.mi.handledOK.Inc()
 		} else {
-			s.p.metrics.handled.WithLabelValues(s.mi.typ, s.mi.service, s.mi.name, code.String()).Inc()
+			s.p.metrics.handled.WithLabelValues(s.mi.typ, s.mi.service, s.mi.name, rawgrpc.CodeLabel(code)).Inc()
 		}
 	}
 	if s.span != nil {

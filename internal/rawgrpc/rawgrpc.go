@@ -14,6 +14,7 @@ import (
 	"strings"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/encoding"
 	_ "google.golang.org/grpc/encoding/proto" // registers the proto codec used for non-frame messages
 	"google.golang.org/grpc/mem"
@@ -97,3 +98,13 @@ func MetricMethod(fullMethod string) string {
 
 // StreamDesc is the descriptor for opening a client stream of any kind.
 var StreamDesc = &grpc.StreamDesc{ServerStreams: true, ClientStreams: true}
+
+// CodeLabel names a status code for a metric label. gRPC defines codes 0 to
+// 16; a peer may send any number in grpc-status, and each new number would
+// otherwise make new series: every other code is "_OTHER".
+func CodeLabel(c codes.Code) string {
+	if c > codes.Unauthenticated {
+		return "_OTHER"
+	}
+	return c.String()
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -164,4 +165,51 @@ func TestDeadlineAndCancellationPropagate(t *testing.T) {
 			t.Fatalf("err = %v", err)
 		}
 	})
+}
+
+// TestUndefinedStatusCodes: a driver may answer with a grpc-status gRPC
+// does not define. The number passes through unchanged, but in the broker's
+// and the proxy's metrics every such code is one label value, "_OTHER", so
+// a driver cannot make new series without bound.
+func TestUndefinedStatusCodes(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: "echo.csi.test", DriverEndpoint: ep})
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	for _, n := range []int{17, 1000, 1001} {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "odd-" + strconv.Itoa(n), Parameters: map[string]string{"code": strconv.Itoa(n)}})
+		cancel()
+		if got := status.Code(err); got != codes.Code(n) {
+			t.Fatalf("code %d came back as %d (%v)", n, got, err)
+		}
+	}
+	mfs, err := c.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]map[string]bool{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "code" || l.GetName() == "grpc_status_code" || l.GetName() == "grpc_code" {
+					if seen[mf.GetName()] == nil {
+						seen[mf.GetName()] = map[string]bool{}
+					}
+					seen[mf.GetName()][l.GetValue()] = true
+				}
+			}
+		}
+	}
+	for _, name := range []string{"csi_sidecar_operations_seconds", "csibroker_csi_call_duration_seconds"} {
+		if !seen[name]["_OTHER"] {
+			t.Errorf("%s: code labels %v, want _OTHER for the undefined codes", name, seen[name])
+		}
+	}
+	for name, values := range seen {
+		for v := range values {
+			if strings.HasPrefix(v, "Code(") {
+				t.Errorf("%s has a series for code label %q", name, v)
+			}
+		}
+	}
 }

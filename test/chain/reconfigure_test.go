@@ -161,3 +161,52 @@ func retriedCount(t *testing.T, c *chaintest.Chain) float64 {
 	}
 	return n
 }
+
+// TestCloseEndsDrainingCalls: Broker.Close also ends the calls still in
+// flight on a connection drained by a move, instead of leaving them (and
+// the old proxy's socket) until the drain's grace ends; a registration
+// after Close is refused.
+func TestCloseEndsDrainingCalls(t *testing.T) {
+	e, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Retry: broker.RetryConfig{MaxAttempts: 1}})
+	spare := c.StartSpareProxy(t)
+	d, err := c.Broker.Driver(echoName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := d.Controller()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		_, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "slow", Parameters: map[string]string{"sleep-ms": "5000"}})
+		done <- err
+	}()
+	for e.calls.Load() < 1 {
+		if ctx.Err() != nil {
+			t.Fatal("the slow call did not reach the driver")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	moveDriver(t, c, spare.Addr)
+	closed := time.Now()
+	c.Broker.Close()
+	select {
+	case err := <-done:
+		if status.Code(err) != codes.Unavailable {
+			t.Errorf("the draining call ended with %v, want Unavailable (the broker closed)", err)
+		}
+		if d := time.Since(closed); d > 2*time.Second {
+			t.Errorf("the draining call ended %v after Close", d.Round(time.Millisecond))
+		}
+	case <-time.After(4 * time.Second):
+		t.Fatal("the draining call was still running 4s after Close")
+	}
+	cfg := d.Config()
+	if err := c.Broker.SetDriver(cfg); err == nil {
+		t.Error("SetDriver after Close succeeded")
+	}
+}
