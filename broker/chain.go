@@ -1,11 +1,16 @@
 package broker
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
+	"net/url"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -290,8 +295,10 @@ func (b *Broker) driverStats(name string) *driverStats {
 // "***stripped***". A raw frame is decoded first, by the method's type in the
 // protobuf registry; what cannot be decoded is described, never printed.
 // redactSecrets replaces, in err's status message, every value of the
-// request's csi_secret fields; everything else about the status (code,
-// details, the rest of the message) passes through unchanged.
+// request's csi_secret fields, as sent or as a driver may have escaped it
+// (Go quoting, JSON, URL encoding), and drops any status detail that holds
+// one; everything else about the status (code, the rest of the message,
+// the other details) passes through unchanged.
 func redactSecrets(err error, method string, req any) error {
 	var m proto.Message
 	switch r := req.(type) {
@@ -310,19 +317,58 @@ func redactSecrets(err error, method string, req any) error {
 	if len(values) == 0 || !ok {
 		return err
 	}
-	msg := st.Message()
-	changed := false
+	var forms []string
 	for _, v := range values {
-		if v != "" && strings.Contains(msg, v) {
-			msg, changed = strings.ReplaceAll(msg, v, "***stripped***"), true
+		forms = append(forms, secretForms(v)...)
+	}
+	// Longest first: a form that contains another is replaced whole.
+	slices.SortFunc(forms, func(a, b string) int { return len(b) - len(a) })
+	pb := st.Proto()
+	changed := false
+	for _, f := range forms {
+		if strings.Contains(pb.Message, f) {
+			pb.Message, changed = strings.ReplaceAll(pb.Message, f, "***stripped***"), true
 		}
+	}
+	details := pb.Details[:0:0]
+	for _, d := range pb.Details {
+		if slices.ContainsFunc(values, func(v string) bool { return v != "" && bytes.Contains(d.GetValue(), []byte(v)) }) {
+			changed = true
+			continue
+		}
+		details = append(details, d)
 	}
 	if !changed {
 		return err
 	}
-	pb := st.Proto()
-	pb.Message = msg
+	pb.Details = details
 	return status.FromProto(pb).Err()
+}
+
+// secretForms are a secret value as sent and as a driver's error message
+// may carry it escaped; empty values have none.
+func secretForms(v string) []string {
+	if v == "" {
+		return nil
+	}
+	forms := []string{v}
+	add := func(f string) {
+		if f != "" && !slices.Contains(forms, f) {
+			forms = append(forms, f)
+		}
+	}
+	if q := strconv.Quote(v); len(q) >= 2 {
+		add(q[1 : len(q)-1])
+	}
+	if q := strconv.QuoteToASCII(v); len(q) >= 2 {
+		add(q[1 : len(q)-1])
+	}
+	if j, err := json.Marshal(v); err == nil && len(j) >= 2 {
+		add(string(j[1 : len(j)-1]))
+	}
+	add(url.QueryEscape(v))
+	add(url.PathEscape(v))
+	return forms
 }
 
 // collectSecrets appends the values of m's csi_secret fields (at any depth).

@@ -2,7 +2,9 @@ package chain
 
 import (
 	"context"
+	"encoding/json"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -69,9 +71,20 @@ func (e *echoDriver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 			}
 		}
 	}
-	if p["echo-secret"] == "true" {
+	switch pw := req.GetSecrets()["password"]; p["echo-secret"] {
+	case "true":
 		// A careless driver quoting its credentials in an error.
-		return nil, status.Errorf(codes.PermissionDenied, "login refused for password %q", req.GetSecrets()["password"])
+		return nil, status.Errorf(codes.PermissionDenied, "login refused for password %q", pw)
+	case "json":
+		j, _ := json.Marshal(map[string]string{"password": pw})
+		return nil, status.Errorf(codes.PermissionDenied, "login refused: %s", j)
+	case "url":
+		return nil, status.Errorf(codes.PermissionDenied, "GET https://array.example/login?user=admin&password=%s: 401", url.QueryEscape(pw))
+	case "details":
+		st, _ := status.New(codes.PermissionDenied, "login refused").WithDetails(
+			&errdetails.ErrorInfo{Reason: "LOGIN", Domain: "echo.csi.test", Metadata: map[string]string{"tried": pw}},
+			&errdetails.ErrorInfo{Reason: "HINT", Domain: "echo.csi.test"})
+		return nil, st.Err()
 	}
 	if ms, err := strconv.Atoi(p["sleep-ms"]); err == nil {
 		time.Sleep(time.Duration(ms) * time.Millisecond)

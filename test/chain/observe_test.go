@@ -2,9 +2,12 @@ package chain
 
 import (
 	"context"
+	"encoding/json"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -168,6 +171,42 @@ func TestCanarySecretNeverLeaks(t *testing.T) {
 	if msg := status.Convert(err).Message(); status.Code(err) != codes.PermissionDenied || strings.Contains(msg, canary) || !strings.Contains(msg, `login refused for password "***stripped***"`) {
 		t.Fatalf("a driver error quoting the secret reached the caller as %v", err)
 	}
+	// A secret with characters that quoting, JSON and URLs escape, in
+	// each of those forms and in a status detail.
+	const canary2 = `CANARY-2b"9\z<&> é+/`
+	escaped := []string{canary2, strconv.Quote(canary2), strconv.QuoteToASCII(canary2), url.QueryEscape(canary2), url.PathEscape(canary2)}
+	if j, err := json.Marshal(canary2); err == nil {
+		escaped = append(escaped, string(j))
+	}
+	for i, e := range escaped {
+		if len(e) > 2 && e[0] == '"' {
+			escaped[i] = e[1 : len(e)-1]
+		}
+	}
+	for _, mode := range []string{"true", "json", "url", "details"} {
+		_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "canary2-" + mode, Secrets: map[string]string{"password": canary2},
+			Parameters: map[string]string{"echo-secret": mode}})
+		st := status.Convert(err)
+		if st.Code() != codes.PermissionDenied || st.Message() == "" {
+			t.Fatalf("echo-secret=%s: %v", mode, err)
+		}
+		for _, e := range escaped {
+			if strings.Contains(st.Message(), e) {
+				t.Errorf("echo-secret=%s: the secret, as %q, reached the caller in %q", mode, e, st.Message())
+			}
+		}
+		for _, d := range st.Proto().GetDetails() {
+			if strings.Contains(string(d.GetValue()), canary2) {
+				t.Errorf("echo-secret=%s: the secret reached the caller in a status detail", mode)
+			}
+		}
+		if mode == "details" && len(st.Details()) != 1 {
+			t.Errorf("echo-secret=details: %d details, want the one without the secret", len(st.Details()))
+		}
+		if mode != "details" && !strings.Contains(st.Message(), "***stripped***") {
+			t.Errorf("echo-secret=%s: message %q, want the secret stripped", mode, st.Message())
+		}
+	}
 
 	logs := c.Logs.String()
 	if !strings.Contains(logs, `"csi request"`) || !strings.Contains(logs, "***stripped***") {
@@ -175,6 +214,11 @@ func TestCanarySecretNeverLeaks(t *testing.T) {
 	}
 	if strings.Contains(logs, canary) {
 		t.Fatalf("canary in logs:\n%s", logs)
+	}
+	for _, e := range escaped {
+		if strings.Contains(logs, e) {
+			t.Fatalf("the second canary, as %q, in logs:\n%s", e, logs)
+		}
 	}
 	for _, s := range spans.Ended() {
 		check := func(where string, kvs []attribute.KeyValue) {
