@@ -716,9 +716,30 @@ func (c *feConn) sendDataLocked(st *feStream, data []byte) error {
 		}
 		n := min(int64(len(data)), c.sendWin, st.sendWin, int64(c.peer.MaxFrame))
 		if n <= 0 {
-			// Flush what is written before waiting for the caller.
+			if st.ctx != nil && st.ctx.Err() != nil {
+				// The call's deadline passed while the caller's windows
+				// stayed shut: the answer is given up, not held for ever.
+				c.writeErr(c.framer().WriteRSTStream(st.id, http2.ErrCodeCancel))
+				c.needFlush = true
+				c.flushLocked()
+				c.resetLocked(st)
+				return errCallGone
+			}
+			// Flush what is written before waiting for the caller (or
+			// for the call's end).
 			c.flushLocked()
+			var stop func() bool
+			if st.ctx != nil {
+				stop = context.AfterFunc(st.ctx, func() {
+					c.mu.Lock()
+					c.cond.Broadcast()
+					c.mu.Unlock()
+				})
+			}
 			c.cond.Wait()
+			if stop != nil {
+				stop()
+			}
 			continue
 		}
 		c.writeErr(c.framer().WriteData(st.id, false, data[:n]))

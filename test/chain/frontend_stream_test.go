@@ -335,3 +335,29 @@ func TestStreamsKeepTheDriversTimeout(t *testing.T) {
 		}
 	}
 }
+
+// TestFrontEndAnswerHeldByAShutWindowEndsAtTheDeadline: a caller that
+// never opens its flow-control window does not hold the answer (and the
+// broker's worker) past the call's deadline: the front end resets the
+// stream with CANCEL once grpc-timeout has passed.
+func TestFrontEndAnswerHeldByAShutWindowEndsAtTheDeadline(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	nc, err := net.Dial("unix", c.Front)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := rawPeer(t, nc, true, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
+	start := time.Now()
+	rawCall(t, r, 1, "/csi.v1.Controller/CreateVolume", hpack.HeaderField{Name: "content-type", Value: "application/grpc"}, hpack.HeaderField{Name: "grpc-timeout", Value: "500m"})
+	rst := r.wait(t, "RST_STREAM for the held answer", func(f http2.Frame) bool {
+		rs, ok := f.(*http2.RSTStreamFrame)
+		return ok && rs.StreamID == 1
+	}).(*http2.RSTStreamFrame)
+	if rst.ErrCode != http2.ErrCodeCancel {
+		t.Errorf("stream reset with %v, want CANCEL", rst.ErrCode)
+	}
+	if d := time.Since(start); d < 400*time.Millisecond {
+		t.Errorf("stream reset %v after the call, before its 500ms deadline", d.Round(time.Millisecond))
+	}
+}
