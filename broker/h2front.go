@@ -202,9 +202,11 @@ func (s *feServer) serveConn(nc net.Conn) {
 	}
 	c := newFEConn(s, nc)
 	if tc, ok := nc.(*tls.Conn); ok {
-		if certs := tc.ConnectionState().PeerCertificates; len(certs) > 0 {
+		cs := tc.ConnectionState()
+		if certs := cs.PeerCertificates; len(certs) > 0 {
 			c.caller, _ = mtls.PeerID(certs[0])
 		}
+		c.peerCheck = mtls.NewPeerCheck(s.tls, cs)
 	}
 	s.mu.Lock()
 	if s.stopping {
@@ -226,9 +228,12 @@ type feConn struct {
 	s      *feServer
 	nc     net.Conn
 	caller string // the TCP front end's caller: its certificate's SPIFFE ID
-	br     *bufio.Reader
-	fr     *http2.Framer
-	rd     *rawgrpc.FrameReader // reads fr, header blocks decoded
+	// peerCheck verifies the TCP caller's certificate again before each
+	// new call (nil on unix sockets).
+	peerCheck *mtls.PeerCheck
+	br        *bufio.Reader
+	fr        *http2.Framer
+	rd        *rawgrpc.FrameReader // reads fr, header blocks decoded
 
 	mu        sync.Mutex
 	cond      *sync.Cond // windows grew, a stream ended, or the connection closed
@@ -489,7 +494,24 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 		// A stream already finished here: its late frames are dropped.
 		return
 	}
+	prevID := c.lastID
 	c.lastID = id
+	if c.peerCheck != nil && !c.goingAway {
+		if err := c.peerCheck.Verify(); err != nil {
+			// The caller's certificate expired, or its CA left the bundle,
+			// since the handshake: no new call on this connection.
+			c.s.fe.b.log.Warn("CSI TCP front end refuses new calls from a connection whose certificate no longer verifies; closing it", "remote", c.nc.RemoteAddr().String(), "caller", c.caller, "err", err)
+			c.goingAway = true
+			c.writeErr(c.framer().WriteGoAway(prevID, http2.ErrCodeNo, nil))
+			if len(c.streams) == 0 {
+				c.writeErr(c.framer().WriteRSTStream(id, http2.ErrCodeRefusedStream))
+				c.needFlush = true
+				c.flushLocked()
+				c.closeLocked(err)
+				return
+			}
+		}
+	}
 	if c.goingAway || len(c.streams) >= feMaxStreams {
 		c.writeErr(c.framer().WriteRSTStream(id, http2.ErrCodeRefusedStream))
 		c.needFlush = true

@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
 
@@ -66,6 +67,8 @@ var (
 	errDriverChanged  = errors.New("the broker closed the connection (driver removed or reconfigured)")
 	errProxyGoingAway = errors.New("the proxy is going away")
 	errStreamIDsUsed  = errors.New("the connection's stream IDs are used up")
+	errOwnCertRenewed = errors.New("the broker's certificate files were reloaded; new calls go on a new connection")
+	errPeerNoLonger   = errors.New("the proxy's certificate no longer verifies; new calls go on a new connection")
 )
 
 // errClosedUpstream is a call's error on a connection the broker closed
@@ -238,7 +241,7 @@ func (u *upstream) get(ctx context.Context) (*upConn, error) {
 		return nil, errClosedUpstream(u.addr)
 	}
 	if c := u.conn; c != nil {
-		if c.takesCalls() {
+		if c.takesCalls() && c.current() {
 			u.mu.Unlock()
 			return c, nil
 		}
@@ -312,6 +315,7 @@ func (u *upstream) connect() (*upConn, error) {
 		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: the proxy did not agree to HTTP/2 (ALPN %q)", u.addr, p)
 	}
 	c := newUpConn(u, tc)
+	c.peerCheck = mtls.NewPeerCheck(u.tls, tc.ConnectionState())
 	tc.SetDeadline(time.Now().Add(upDialTimeout))
 	if err := c.start(); err != nil {
 		tc.Close()
@@ -374,6 +378,43 @@ type upConn struct {
 	retiring    chan struct{} // closed once the connection takes no new calls
 	retired     bool          // retiring is closed
 	deadline    time.Time
+
+	// peerCheck verifies the proxy's certificate again before a call is
+	// given this connection, and tells when the broker's own was renewed.
+	peerCheck *mtls.PeerCheck
+}
+
+// current reports whether c may take new calls as far as certificates go:
+// the proxy's still verifies (not expired, its CA still trusted) and the
+// broker's own is the one the connection was made with. Otherwise c takes
+// no new calls and closes after its last one, so the next call makes a
+// new handshake: a renewed certificate reaches the proxy before the old
+// one expires, and a peer no longer trusted is refused.
+func (c *upConn) current() bool {
+	pc := c.peerCheck
+	if pc == nil {
+		return true
+	}
+	why := errOwnCertRenewed
+	if !pc.Renewed() {
+		err := pc.Verify()
+		if err == nil {
+			return true
+		}
+		why = errPeerNoLonger
+		c.u.b.log.Warn("proxy connection: the proxy's certificate no longer verifies; new calls open a new connection", "proxy", c.u.addr, "err", err)
+	}
+	c.mu.Lock()
+	if !c.goingAway {
+		c.goingAway, c.drainErr = true, why
+		c.retireLocked()
+		if len(c.calls) == 0 {
+			c.failLocked(why)
+		}
+		c.cond.Broadcast()
+	}
+	c.mu.Unlock()
+	return false
 }
 
 // upCall is one call's answer as it arrives.
@@ -479,6 +520,8 @@ func (c *upConn) failLocked(err error) {
 		log.Info("proxy connection drained after GOAWAY")
 	case errors.Is(err, errStreamIDsUsed):
 		log.Info("proxy connection drained: its stream IDs are used up; calls go to a new connection")
+	case errors.Is(err, errOwnCertRenewed), errors.Is(err, errPeerNoLonger):
+		log.Info("proxy connection drained", "why", err.Error())
 	default:
 		log.Warn("proxy connection lost", "error", describeUpErr(err), "calls_in_flight", len(c.calls))
 	}

@@ -131,7 +131,26 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 		c.mu.Unlock()
 		return
 	}
+	prevID := c.lastID
 	c.lastID = id
+	if c.peerCheck != nil && !c.goingAway {
+		if err := c.peerCheck.Verify(); err != nil {
+			// The broker's certificate expired, or its CA left the bundle,
+			// since the handshake: no new call on this connection; those
+			// in flight end as they would.
+			p.log.Warn("proxy refuses new calls from a broker connection whose certificate no longer verifies; closing it", "peer", c.desc, "err", err)
+			c.goingAway, c.draining = true, true
+			c.writeErr(c.framer().WriteGoAway(prevID, http2.ErrCodeNo, nil))
+			if len(c.streams) == 0 {
+				c.writeErr(c.framer().WriteRSTStream(id, http2.ErrCodeRefusedStream))
+				c.needFlush = true
+				c.flushLocked()
+				c.closeLocked(err)
+				c.mu.Unlock()
+				return
+			}
+		}
+	}
 	if c.goingAway || len(c.streams) >= maxStreams {
 		// Draining, or a broker over the stream limit we announced (which
 		// bounds what the proxy holds per connection): not processed, so

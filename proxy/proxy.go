@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 	"github.com/csibroker/csibroker/internal/telemetry"
 	proxyinfov1 "github.com/csibroker/csibroker/proto/proxyinfo/v1"
@@ -208,6 +209,7 @@ func (p *Proxy) serveConn(ctx context.Context, nc net.Conn) {
 		return
 	}
 	c := newConn(p, tc, false, nc.RemoteAddr().String())
+	c.peerCheck = mtls.NewPeerCheck(p.tls, tc.ConnectionState())
 	tc.SetReadDeadline(time.Now().Add(10 * time.Second))
 	preface := make([]byte, len(http2.ClientPreface))
 	if _, err := io.ReadFull(c.br, preface); err != nil || string(preface) != http2.ClientPreface {

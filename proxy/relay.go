@@ -16,6 +16,7 @@ import (
 	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc/codes"
 
+	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
 
@@ -139,6 +140,9 @@ type conn struct {
 	needFlush bool
 	goingAway bool // no new streams on this connection
 	draining  bool // broker side: GOAWAY sent, close when idle
+	// peerCheck verifies a broker connection's certificate again before
+	// each new call (nil on the driver side).
+	peerCheck *mtls.PeerCheck
 	closed    bool
 	closeErr  error
 	wdlSet    time.Time // when the write deadline was last pushed forward

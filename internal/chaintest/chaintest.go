@@ -215,10 +215,14 @@ func CounterSum(g prometheus.Gatherer, name string) float64 {
 
 // StartSpareProxy starts a second proxy of the chain's driver (the same
 // identity and driver socket) on a new address, as a replacement pod
-// would be; it is stopped at t.Cleanup.
-func (c *Chain) StartSpareProxy(t testing.TB) *SpareProxy {
+// would be; it is stopped at t.Cleanup. material, if given, is its
+// certificate instead of the chain proxy's.
+func (c *Chain) StartSpareProxy(t testing.TB, material ...*mtls.Material) *SpareProxy {
 	t.Helper()
 	cfg := c.proxyCfg
+	if len(material) > 0 {
+		cfg.TLS = mtls.ServerConfig(mtls.StaticSource{M: material[0]}, mtls.AuthorizeOneOf(mtls.BrokerID(TrustDomain)))
+	}
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
 	p, err := proxy.New(cfg)

@@ -2,11 +2,13 @@ package mtls
 
 import (
 	"crypto/tls"
+	"crypto/x509"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -351,5 +353,57 @@ func TestCollector(t *testing.T) {
 	static := values(StaticSource{M: src.Current()})
 	if len(static) != 3 || static["csibroker_tls_reload_failures_total"] != 0 {
 		t.Errorf("static source: %v", static)
+	}
+}
+
+// swapSource is a Source whose material the test replaces.
+type swapSource struct{ m atomic.Pointer[Material] }
+
+func (s *swapSource) Current() *Material { return s.m.Load() }
+
+// TestPeerCheck: an established connection's peer is verified again once
+// our material changes; a reload of our own certificate under the same CA
+// keeps it (and is reported as renewed); a bundle that no longer trusts
+// the peer's CA refuses it, for good.
+func TestPeerCheck(t *testing.T) {
+	now := time.Now()
+	ca, err := NewCA("test CA", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := NewCA("other CA", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	issue := func(ca *CA, id string) *Material {
+		m, err := ca.IssueMaterial(Leaf{ID: id, NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	const td = "test.csibroker"
+	src := &swapSource{}
+	src.m.Store(issue(ca, DriverID(td, "d.csi")))
+	peer := issue(ca, BrokerID(td))
+	pc := NewPeerCheck(ServerConfig(src, AuthorizeOneOf(BrokerID(td))), tls.ConnectionState{PeerCertificates: []*x509.Certificate{peer.Leaf}})
+	if err := pc.Verify(); err != nil || pc.Renewed() {
+		t.Fatalf("fresh connection: %v, renewed %v", err, pc.Renewed())
+	}
+	src.m.Store(issue(ca, DriverID(td, "d.csi")))
+	if err := pc.Verify(); err != nil || !pc.Renewed() {
+		t.Fatalf("own certificate reloaded under the same CA: %v, renewed %v; want verified and renewed", err, pc.Renewed())
+	}
+	kept := src.Current()
+	src.m.Store(issue(other, DriverID(td, "d.csi"))) // the bundle trusts only the other CA now
+	if err := pc.Verify(); err == nil || !strings.Contains(err.Error(), "unknown authority") {
+		t.Fatalf("peer's CA left the bundle: %v, want refused", err)
+	}
+	src.m.Store(kept)
+	if err := pc.Verify(); err == nil {
+		t.Fatal("a refused peer was accepted again")
+	}
+	if err := NewPeerCheck(ServerConfig(src, AuthorizeOneOf(BrokerID(td))), tls.ConnectionState{}).Verify(); err == nil {
+		t.Fatal("a connection without a peer certificate verified")
 	}
 }

@@ -120,8 +120,8 @@ func TestTCPFrontEnd(t *testing.T) {
 	}()
 	t.Cleanup(func() { cancel(); <-done })
 
-	dial := func(id string) *grpc.ClientConn {
-		m, err := c.CA.IssueMaterial(mtls.Leaf{ID: id, NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+	dialUntil := func(id string, notAfter time.Time) *grpc.ClientConn {
+		m, err := c.CA.IssueMaterial(mtls.Leaf{ID: id, NotBefore: now.Add(-time.Minute), NotAfter: notAfter})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -133,6 +133,7 @@ func TestTCPFrontEnd(t *testing.T) {
 		t.Cleanup(func() { conn.Close() })
 		return conn
 	}
+	dial := func(id string) *grpc.ClientConn { return dialUntil(id, now.Add(time.Hour)) }
 	cctx, ccancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer ccancel()
 	// A tool with a client certificate of its own, not the broker's.
@@ -174,6 +175,18 @@ func TestTCPFrontEnd(t *testing.T) {
 	if !found {
 		t.Errorf("no span names the caller %s", client)
 	}
+	// A caller whose certificate expires while its connection is open
+	// makes no call on it after that.
+	expiry := time.Now().Add(1500 * time.Millisecond)
+	short := csi.NewIdentityClient(dialUntil(mtls.ClientID(chaintest.TrustDomain, "short-lived"), expiry))
+	if _, err := short.GetPluginInfo(metadata.AppendToOutgoingContext(cctx, broker.MetadataDriver, echoName), &csi.GetPluginInfoRequest{}); err != nil {
+		t.Fatalf("a call before the caller's certificate expired: %v", err)
+	}
+	time.Sleep(time.Until(expiry) + 200*time.Millisecond)
+	if _, err := short.GetPluginInfo(metadata.AppendToOutgoingContext(cctx, broker.MetadataDriver, echoName), &csi.GetPluginInfoRequest{}); status.Code(err) != codes.Unavailable {
+		t.Fatalf("a call after the caller's certificate expired: %v, want Unavailable", err)
+	}
+	waitLog(t, c, "CSI TCP front end refuses new calls", "expired")
 	// A client certificate reaches no proxy directly: the proxy admits the
 	// broker only.
 	m, err := c.CA.IssueMaterial(mtls.Leaf{ID: client, NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})

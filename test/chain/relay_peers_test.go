@@ -40,8 +40,15 @@ type rawBroker struct {
 
 func dialRawBroker(t *testing.T, c *chaintest.Chain, read bool, settings ...http2.Setting) *rawBroker {
 	t.Helper()
+	return dialRawBrokerUntil(t, c, time.Now().Add(time.Hour), read, settings...)
+}
+
+// dialRawBrokerUntil is dialRawBroker with a broker certificate that
+// expires at notAfter.
+func dialRawBrokerUntil(t *testing.T, c *chaintest.Chain, notAfter time.Time, read bool, settings ...http2.Setting) *rawBroker {
+	t.Helper()
 	now := time.Now()
-	m, err := c.CA.IssueMaterial(mtls.Leaf{ID: mtls.BrokerID(chaintest.TrustDomain), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+	m, err := c.CA.IssueMaterial(mtls.Leaf{ID: mtls.BrokerID(chaintest.TrustDomain), NotBefore: now.Add(-time.Minute), NotAfter: notAfter})
 	if err != nil {
 		t.Fatal(err)
 	}

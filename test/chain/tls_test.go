@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/net/http2"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -172,9 +173,17 @@ func waitLog(t *testing.T, c *chaintest.Chain, parts ...string) {
 }
 
 // TestCertificateRotationUnderLoad rotates the broker's certificate files
-// while calls flow, and forces reconnections so the new certificates are
-// used in real handshakes: no call may fail.
+// while calls flow: no call may fail, and the proxy must see each new
+// certificate in a real handshake. The broker opens a new connection for
+// new calls after each reload by itself ("rolled"); with "dropped" the
+// proxy's connections are also cut after each reload, as a network blip
+// would.
 func TestCertificateRotationUnderLoad(t *testing.T) {
+	t.Run("rolled", func(t *testing.T) { rotateUnderLoad(t, false) })
+	t.Run("dropped", func(t *testing.T) { rotateUnderLoad(t, true) })
+}
+
+func rotateUnderLoad(t *testing.T, drop bool) {
 	_, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, BrokerReload: 20 * time.Millisecond,
 		Retry: broker.RetryConfig{MaxAttempts: 10, IntervalStart: 10 * time.Millisecond, IntervalMax: 200 * time.Millisecond}})
@@ -227,7 +236,9 @@ func TestCertificateRotationUnderLoad(t *testing.T) {
 		for c.BrokerSource.Reloads() < int64(r+1) && time.Now().Before(deadline) {
 			time.Sleep(5 * time.Millisecond)
 		}
-		c.DropProxyConnections()
+		if drop {
+			c.DropProxyConnections()
+		}
 	}
 	time.Sleep(200 * time.Millisecond)
 	close(stop)
@@ -247,4 +258,74 @@ func TestCertificateRotationUnderLoad(t *testing.T) {
 	if ok.Load() == 0 {
 		t.Fatal("no call went through")
 	}
+}
+
+// TestExpiredPeerOnAnOpenConnection: a certificate that expires while its
+// connection is open stops serving new calls on it, on both ends. The
+// proxy refuses new calls from a broker connection whose certificate has
+// expired (GOAWAY, the stream refused, the connection closed). The broker
+// gives no new call to a connection whose proxy certificate has expired:
+// the call makes a new handshake, which the expired certificate fails.
+func TestExpiredPeerOnAnOpenConnection(t *testing.T) {
+	probe := func(r *rawBroker, id uint32) {
+		r.headers(id, "/csi.v1.Identity/Probe", false)
+		r.fr.WriteData(id, true, make([]byte, 5))
+	}
+	t.Run("proxy side", func(t *testing.T) {
+		_, ep := startEcho(t)
+		c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+		expiry := time.Now().Add(1500 * time.Millisecond)
+		r := dialRawBrokerUntil(t, c, expiry, true)
+		probe(r, 1)
+		r.wait(t, "the answer before expiry", func(f http2.Frame) bool {
+			h, ok := f.(*http2.MetaHeadersFrame)
+			return ok && h.StreamID == 1 && h.StreamEnded()
+		})
+		time.Sleep(time.Until(expiry) + 200*time.Millisecond)
+		probe(r, 3)
+		r.wait(t, "GOAWAY", func(f http2.Frame) bool { _, ok := f.(*http2.GoAwayFrame); return ok })
+		rst := r.wait(t, "the call refused", func(f http2.Frame) bool {
+			rs, ok := f.(*http2.RSTStreamFrame)
+			return ok && rs.StreamID == 3
+		}).(*http2.RSTStreamFrame)
+		if rst.ErrCode != http2.ErrCodeRefusedStream {
+			t.Errorf("the call after expiry was reset with %v, want REFUSED_STREAM", rst.ErrCode)
+		}
+		select {
+		case <-r.closed:
+		case <-time.After(5 * time.Second):
+			t.Fatal("the proxy kept the connection of an expired broker certificate open")
+		}
+		waitLog(t, c, "certificate no longer verifies", "expired")
+	})
+	t.Run("broker side", func(t *testing.T) {
+		_, ep := startEcho(t)
+		c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Retry: broker.RetryConfig{MaxAttempts: 1}})
+		now := time.Now()
+		expiry := now.Add(1500 * time.Millisecond)
+		m, err := c.CA.IssueMaterial(mtls.Leaf{ID: mtls.DriverID(chaintest.TrustDomain, echoName), NotBefore: now.Add(-time.Minute), NotAfter: expiry})
+		if err != nil {
+			t.Fatal(err)
+		}
+		spare := c.StartSpareProxy(t, m)
+		moveDriver(t, c, spare.Addr)
+		client := csi.NewIdentityClient(chaintest.Dial(t, c.Front))
+		call := func() error {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_, err := client.Probe(ctx, &csi.ProbeRequest{})
+			return err
+		}
+		if err := call(); err != nil {
+			t.Fatalf("a call before the proxy's certificate expired: %v", err)
+		}
+		time.Sleep(time.Until(expiry) + 200*time.Millisecond)
+		err = call()
+		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "expired") {
+			t.Fatalf("a call after the proxy's certificate expired: %v; want Unavailable from a new handshake refusing it", err)
+		}
+		if n := spare.Handled(); n != 1 {
+			t.Errorf("the proxy with the expired certificate answered %d calls, want only the one before expiry", n)
+		}
+	})
 }
