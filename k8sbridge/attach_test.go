@@ -338,19 +338,7 @@ func TestAttacherFinalizerOfAPVLeftTerminating(t *testing.T) {
 		t.Fatal(err)
 	}
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	err := testenv.WaitFor(ctx, 30*time.Second, "PV gone", func(ctx context.Context) (bool, string, error) {
-		got, err := c.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			return true, "", nil
-		}
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		return false, fmt.Sprintf("finalizers %v", got.Finalizers), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waitPVGone(t, c, pv.Name, 30*time.Second)
 }
 
 // TestReadOnlyPublishOnlyWhenTheDriverMayBeAsked: a read-only PV of a

@@ -526,6 +526,13 @@ func (b *Bridge) watchRegistrations(ctx context.Context) {
 // event records an Event on obj with the trace ID of ctx's span, if any.
 func (b *Bridge) event(ctx context.Context, obj corev1.ObjectReference, eventType, reason, format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
+	if ctx.Err() != nil {
+		// The leadership term (or the process) ended under the operation:
+		// what failed is the cancellation, not the object, and the next
+		// leader takes the object up again.
+		b.log.Debug("event not recorded: the term ended", "object", obj.Kind+" "+obj.Namespace+"/"+obj.Name, "reason", reason, "message", msg)
+		return
+	}
 	if sc := trace.SpanContextFromContext(ctx); sc.IsValid() {
 		msg += " (trace " + sc.TraceID().String() + ")"
 	}

@@ -424,6 +424,9 @@ func (c *capacityController) run(ctx context.Context) {
 		return
 	}
 	registry := c.registryState()
+	// The grace of an unregistered driver counts from this term's start:
+	// what an earlier term saw may be long out of date.
+	c.lastItems, c.goneSince = nil, nil
 	c.adoptUnregistered(inf.GetIndexer().List())
 	c.reconcile()
 	for range capacityWorkers {

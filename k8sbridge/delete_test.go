@@ -49,13 +49,7 @@ func TestDeletionBlockedByAttachment(t *testing.T) {
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, vaName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	err := testenv.WaitFor(ctx, 60*time.Second, "PV deleted after detach", func(ctx context.Context) (bool, string, error) {
-		_, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), "", nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left", n)
 	}
@@ -188,19 +182,7 @@ func TestRetainedPVLosesTheDeletionFinalizer(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pvName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	err = testenv.WaitFor(ctx, 30*time.Second, "retained PV gone", func(ctx context.Context) (bool, string, error) {
-		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			return true, "", nil
-		}
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		return false, fmt.Sprintf("finalizers %v, phase %s", pv.Finalizers, pv.Status.Phase), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waitPVGone(t, c, pvName, 30*time.Second)
 	if n := len(d.Volumes()); n != 1 || d.CallCount("DeleteVolume") != 0 {
 		t.Fatalf("retained volume: %d volumes, %d DeleteVolume calls; want it kept", n, d.CallCount("DeleteVolume"))
 	}
@@ -222,18 +204,14 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
 	pvName := claim.Spec.VolumeName
-	err := testenv.WaitFor(ctx, 30*time.Second, "PV Bound", func(ctx context.Context) (bool, string, error) {
-		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
+	waitPV(t, c, pvName, "Bound", 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+		if pv == nil {
+			return false, "gone"
 		}
-		return pv.Status.Phase == corev1.VolumeBound, string(pv.Status.Phase), nil
+		return pv.Status.Phase == corev1.VolumeBound, string(pv.Status.Phase)
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	// As an older provisioner left it: the other finalizers stay.
-	err = testenv.WaitFor(ctx, 30*time.Second, "finalizer removed", func(ctx context.Context) (bool, string, error) {
+	err := testenv.WaitFor(ctx, 30*time.Second, "finalizer removed", func(ctx context.Context) (bool, string, error) {
 		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error(), nil
@@ -247,16 +225,9 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = testenv.WaitFor(ctx, 30*time.Second, "finalizer added back", func(ctx context.Context) (bool, string, error) {
-		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		return hasFinalizer(pv, finalizerVolume), fmt.Sprint(pv.Finalizers), nil
+	waitPV(t, c, pvName, "finalizer added back", 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+		return pv != nil && hasFinalizer(pv, finalizerVolume), "no finalizer " + finalizerVolume
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	// The PV object first, then its claim: the volume is still deleted.
 	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pvName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
@@ -264,13 +235,7 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	err = testenv.WaitFor(ctx, 60*time.Second, "PV gone", func(ctx context.Context) (bool, string, error) {
-		_, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), "", nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 || d.CallCount("DeleteVolume") != 1 {
 		t.Fatalf("%d volumes left, %d DeleteVolume calls; want the volume deleted once", n, d.CallCount("DeleteVolume"))
 	}
@@ -310,13 +275,7 @@ func TestDeleteFallsBackToTheClassSecret(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	err := testenv.WaitFor(ctx, 60*time.Second, "PV deleted", func(ctx context.Context) (bool, string, error) {
-		_, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), "", nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left", n)
 	}

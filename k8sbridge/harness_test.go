@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -387,4 +388,35 @@ func (r *bridgeRun) metricValue(t *testing.T, name string, want map[string]strin
 		}
 	}
 	return sum
+}
+
+// waitPV waits until cond holds for PV name, asked of the API server; cond
+// gets nil once the PV is gone and returns what to report while waiting.
+func waitPV(t *testing.T, c kubernetes.Interface, name, what string, timeout time.Duration, cond func(*corev1.PersistentVolume) (bool, string)) {
+	t.Helper()
+	err := testenv.WaitFor(context.Background(), timeout, "PV "+name+": "+what, func(ctx context.Context) (bool, string, error) {
+		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			pv = nil
+		case err != nil:
+			return false, err.Error(), nil
+		}
+		ok, seen := cond(pv)
+		return ok, seen, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitPVGone waits until PV name no longer exists.
+func waitPVGone(t *testing.T, c kubernetes.Interface, name string, timeout time.Duration) {
+	t.Helper()
+	waitPV(t, c, name, "gone", timeout, func(pv *corev1.PersistentVolume) (bool, string) {
+		if pv == nil {
+			return true, ""
+		}
+		return false, fmt.Sprintf("finalizers %v, phase %s", pv.Finalizers, pv.Status.Phase)
+	})
 }

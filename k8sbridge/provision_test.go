@@ -11,7 +11,6 @@ import (
 	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/csibroker/csibroker/internal/chaintest"
@@ -97,19 +96,7 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "claim-a", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	err = testenv.WaitFor(ctx, 60*time.Second, "PV "+pvA.Name+" deleted", func(ctx context.Context) (bool, string, error) {
-		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvA.Name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			return true, "", nil
-		}
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		return false, fmt.Sprintf("phase %s finalizers %v", pv.Status.Phase, pv.Finalizers), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waitPVGone(t, c, pvA.Name, 60*time.Second)
 	if n := len(a.Volumes()); n != 0 {
 		t.Fatalf("driver A still has %d volumes", n)
 	}
@@ -121,16 +108,12 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "claim-b", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	err = testenv.WaitFor(ctx, 60*time.Second, "PV of claim-b Released", func(ctx context.Context) (bool, string, error) {
-		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, boundB.Spec.VolumeName, metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
+	waitPV(t, c, boundB.Spec.VolumeName, "Released", 60*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+		if pv == nil {
+			return false, "gone"
 		}
-		return pv.Status.Phase == corev1.VolumeReleased, string(pv.Status.Phase), nil
+		return pv.Status.Phase == corev1.VolumeReleased, string(pv.Status.Phase)
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	time.Sleep(time.Second) // give a wrong deletion the chance to happen
 	if n := len(b.Volumes()); n != 1 {
 		t.Fatalf("Retain: driver B has %d volumes, want 1", n)

@@ -171,16 +171,20 @@ func claimNeedsResize(c *corev1.PersistentVolumeClaim) bool {
 }
 
 // resizeTriggered says whether an update is worth a look: the request or
-// the storage-resizer annotation changed, the claim got bound, or the
-// informer resynced. The resizer's own status writes change none of these,
-// so they do not bring the claim back.
+// the storage-resizer annotation changed, the claim got bound, its
+// capacity changed (the kubelet finished a node expansion: a request raised
+// meanwhile can go on now), or the informer resynced. The resizer's own
+// status writes change none of these but the capacity an expansion ends
+// with, after which only a request raised meanwhile brings the claim back.
 func resizeTriggered(old, cur *corev1.PersistentVolumeClaim) bool {
 	if !claimNeedsResize(cur) {
 		return false
 	}
 	oldReq, curReq := old.Spec.Resources.Requests[corev1.ResourceStorage], cur.Spec.Resources.Requests[corev1.ResourceStorage]
+	oldCap, curCap := old.Status.Capacity[corev1.ResourceStorage], cur.Status.Capacity[corev1.ResourceStorage]
 	return old.ResourceVersion == cur.ResourceVersion ||
 		oldReq.Cmp(curReq) != 0 ||
+		oldCap.Cmp(curCap) != 0 ||
 		old.Annotations[annStorageResizer] != cur.Annotations[annStorageResizer] ||
 		old.Status.Phase != cur.Status.Phase ||
 		old.Spec.VolumeName != cur.Spec.VolumeName
@@ -365,6 +369,9 @@ func (r *resizer) sync(ctx context.Context, key string) error {
 func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver string, caps driverCaps, controllerExpand bool, target resource.Quantity) (string, error) {
 	key := claim.Namespace + "/" + claim.Name
 	failed := func(result string, err error) (string, error) {
+		if ctx.Err() != nil {
+			return result, err // the term ended: the next leader takes the claim up
+		}
 		r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed", "resize volume %q by resizer %q failed: %v", pv.Name, driver, err)
 		r.b.log.Warn("volume expansion failed", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
 		return result, err
@@ -396,7 +403,11 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 
 	claim, err := r.patchClaimStatus(ctx, claim, resizeInProgress(claim, target), true)
 	if err != nil {
-		return "not_called", fmt.Errorf("mark claim %s resizing: %w", key, err)
+		err = fmt.Errorf("mark claim %s resizing: %w", key, err)
+		if apierrors.IsConflict(err) {
+			return "not_called", err // a newer claim is on its way
+		}
+		return failed("not_called", err) // RBAC, a webhook: said on the claim
 	}
 	r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "Resizing", "External resizer is resizing volume %s", pv.Name)
 
@@ -453,6 +464,11 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 
 // driverFailed records a ControllerExpandVolume error on the claim.
 func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver string, err error) (string, error) {
+	if ctx.Err() != nil {
+		// The term ended during the call: nothing is recorded here; the
+		// next leader looks at the claim again.
+		return "in_progress", fmt.Errorf("resize volume %s: %w", pv.Name, err)
+	}
 	code := status.Code(err)
 	_, isStatus := status.FromError(err)
 	final := isStatus && resizeFinalError(code)

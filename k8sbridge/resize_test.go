@@ -790,3 +790,40 @@ func checkNoCanary(t *testing.T, c kubernetes.Interface, ns string, r *bridgeRun
 		}
 	}
 }
+
+// TestResizeTriggered: which claim updates bring a claim to the resizer. A
+// request raised while the kubelet finished the previous expansion is seen
+// when the kubelet writes the new capacity, not at the next resync.
+func TestResizeTriggered(t *testing.T) {
+	claim := func(rv, request, capacity string, mod func(*corev1.PersistentVolumeClaim)) *corev1.PersistentVolumeClaim {
+		c := &corev1.PersistentVolumeClaim{
+			ObjectMeta: metav1.ObjectMeta{Name: "c", Namespace: "ns", ResourceVersion: rv},
+			Spec: corev1.PersistentVolumeClaimSpec{VolumeName: "pv",
+				Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(request)}}},
+			Status: corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound, Capacity: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(capacity)}},
+		}
+		if mod != nil {
+			mod(c)
+		}
+		return c
+	}
+	pending := func(c *corev1.PersistentVolumeClaim) {
+		c.Status.AllocatedResourceStatuses = map[corev1.ResourceName]corev1.ClaimResourceStatus{corev1.ResourceStorage: corev1.PersistentVolumeClaimNodeResizePending}
+	}
+	for _, tc := range []struct {
+		name     string
+		old, cur *corev1.PersistentVolumeClaim
+		want     bool
+	}{
+		{"request raised", claim("1", "10Gi", "10Gi", nil), claim("2", "15Gi", "10Gi", nil), true},
+		{"resync", claim("1", "15Gi", "10Gi", nil), claim("1", "15Gi", "10Gi", nil), true},
+		{"the kubelet finished with a larger request waiting", claim("1", "20Gi", "10Gi", pending), claim("2", "20Gi", "15Gi", nil), true},
+		{"the resizer's own status write", claim("1", "20Gi", "10Gi", nil), claim("2", "20Gi", "10Gi", pending), false},
+		{"a label changed", claim("1", "20Gi", "10Gi", nil), claim("2", "20Gi", "10Gi", func(c *corev1.PersistentVolumeClaim) { c.Labels = map[string]string{"a": "b"} }), false},
+		{"the expansion finished, nothing more asked", claim("1", "15Gi", "10Gi", pending), claim("2", "15Gi", "15Gi", nil), false},
+	} {
+		if got := resizeTriggered(tc.old, tc.cur); got != tc.want {
+			t.Errorf("%s: triggered %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}

@@ -108,6 +108,19 @@ func DeprecatedSecretParamKeys(kind SecretKind) (nameKey, namespaceKey string) {
 	return keys[0], keys[1]
 }
 
+// kindTemplates are the templates of kind's secret: its own parameters
+// (the deprecated ones included) or, when the class sets none of them, the
+// default csi.storage.k8s.io/secret-name and -namespace; nil when neither.
+func kindTemplates(kind SecretKind, params map[string]string) (*secretSource, error) {
+	nameKey, nsKey := SecretParamKeys(kind)
+	depName, depNS := DeprecatedSecretParamKeys(kind)
+	src, err := secretTemplates(string(kind), params, nameKey, nsKey, depName, depNS)
+	if err != nil || src != nil {
+		return src, err
+	}
+	return secretTemplates("default", params, ParamDefaultSecretName, ParamDefaultSecretNamespace, "", "")
+}
+
 // SecretRef resolves the kind's secret reference from StorageClass parameters; nil (no error) when the class names none. claim may be nil (deletion: only ${pv.name} resolves).
 //
 // For deletion, upstream passes a claim carrying only the name and namespace
@@ -118,20 +131,9 @@ func SecretRef(kind SecretKind, params map[string]string, pvName string, claim *
 	if !kind.valid() {
 		return nil, fmt.Errorf("unknown secret kind %q: %w", kind, ErrSecretParameter)
 	}
-	nameKey, nsKey := SecretParamKeys(kind)
-	depName, depNS := DeprecatedSecretParamKeys(kind)
-	src, err := secretTemplates(string(kind), params, nameKey, nsKey, depName, depNS)
-	if err != nil {
+	src, err := kindTemplates(kind, params)
+	if err != nil || src == nil {
 		return nil, err
-	}
-	if src == nil {
-		src, err = secretTemplates("default", params, ParamDefaultSecretName, ParamDefaultSecretNamespace, "", "")
-		if err != nil {
-			return nil, err
-		}
-	}
-	if src == nil {
-		return nil, nil
 	}
 
 	ns, err := expandSecretTemplate(src.nsTemplate, false, pvName, claim)

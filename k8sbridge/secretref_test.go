@@ -271,6 +271,11 @@ func TestPolicySourceNamesTheKeysRead(t *testing.T) {
 			policy.SourceTemplate, "csiProvisionerSecretName", "ns/${pvc.name}"},
 		{map[string]string{"csiProvisionerSecretName": "s", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"},
 			policy.SourceTemplate, "csiProvisionerSecretName", "${pvc.namespace}/s"},
+		// No key of the kind's own: the default keys, as SecretRef reads them.
+		{map[string]string{"csi.storage.k8s.io/secret-name": "${pvc.annotations['team']}-creds", "csi.storage.k8s.io/secret-namespace": "ns"},
+			policy.SourceTemplate, "csi.storage.k8s.io/secret-name", "ns/${pvc.annotations['team']}-creds"},
+		{map[string]string{"csi.storage.k8s.io/secret-name": "creds", "csi.storage.k8s.io/secret-namespace": "ns"},
+			policy.SourceStorageClassParameter, "csi.storage.k8s.io/secret-name", ""},
 	} {
 		got := policySource(SecretProvisioner, tc.params)
 		if got.Kind != tc.kind || got.Key != tc.key || got.Template != tc.template {

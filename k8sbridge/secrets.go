@@ -101,10 +101,9 @@ func (b *Bridge) decideSecret(ctx context.Context, u secretUse) error {
 // policySource says where a reference came from, for the policy and its audit.
 // It names the keys SecretRef read, deprecated ones included.
 func policySource(kind SecretKind, params map[string]string) policy.Source {
-	nameKey, nsKey := SecretParamKeys(kind)
-	depName, depNS := DeprecatedSecretParamKeys(kind)
+	nameKey, _ := SecretParamKeys(kind)
 	src := policy.Source{Kind: policy.SourceStorageClassParameter, Key: nameKey}
-	if t, err := secretTemplates(string(kind), params, nameKey, nsKey, depName, depNS); err == nil && t != nil {
+	if t, err := kindTemplates(kind, params); err == nil && t != nil {
 		src.Key = t.nameKey
 		if strings.Contains(t.nameTemplate+t.nsTemplate, "${") {
 			src.Kind = policy.SourceTemplate

@@ -60,6 +60,8 @@ type kubeFlags struct {
 	PolicyURL      string
 	PolicyPath     string
 	PolicyInterval time.Duration
+	// policyErrs is the last policy-file load's invalid grants (logPolicyFileErrors).
+	policyErrs string
 }
 
 func (f *kubeFlags) register(fs *flag.FlagSet) {
@@ -196,9 +198,7 @@ func (f *kubeFlags) authorizer(log *slog.Logger) (*policy.Authorizer, *policy.St
 		if err != nil {
 			return nil, nil, err
 		}
-		for _, e := range errs {
-			log.Error("policy file: invalid grant not applied", "grant", e.Key(), "err", e.Message)
-		}
+		f.policyErrs = logPolicyFileErrors(log, errs, "")
 	}
 	a := &policy.Authorizer{Rules: store}
 	if f.PolicyURL != "" {
@@ -212,6 +212,31 @@ func (f *kubeFlags) authorizer(log *slog.Logger) (*policy.Authorizer, *policy.St
 	return a, store, nil
 }
 
+// logPolicyFileErrors logs the invalid grants of a load of the policy file
+// when they differ from the previous load's (last, as returned then), so an
+// edit that breaks a grant is said once, not at every re-read; it returns
+// what to pass as last next time.
+func logPolicyFileErrors(log *slog.Logger, errs []policy.RuleError, last string) string {
+	var b strings.Builder
+	for _, e := range errs {
+		fmt.Fprintf(&b, "%s: %s (fail-closed %t)\n", e.Key(), e.Message, e.FailClosed)
+	}
+	if b.String() == last {
+		return last
+	}
+	for _, e := range errs {
+		if e.FailClosed {
+			log.Error("policy file: invalid deny grant; it denies every secret of its namespace until fixed", "grant", e.Key(), "err", e.Message)
+		} else {
+			log.Error("policy file: invalid grant not applied", "grant", e.Key(), "err", e.Message)
+		}
+	}
+	if len(errs) == 0 && last != "" {
+		log.Info("policy file: every grant is valid again")
+	}
+	return b.String()
+}
+
 func (f *kubeFlags) watchPolicyFile(ctx context.Context, store *policy.Store, log *slog.Logger) {
 	if f.PolicyFile == "" {
 		return
@@ -223,9 +248,12 @@ func (f *kubeFlags) watchPolicyFile(ctx context.Context, store *policy.Store, lo
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			if _, err := store.LoadFile(f.PolicyFile); err != nil {
+			errs, err := store.LoadFile(f.PolicyFile)
+			if err != nil {
 				log.Error("policy file unreadable; keeping the previous rules", "file", f.PolicyFile, "err", err)
+				continue
 			}
+			f.policyErrs = logPolicyFileErrors(log, errs, f.policyErrs)
 		}
 	}
 }

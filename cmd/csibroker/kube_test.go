@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/base64"
 	"flag"
@@ -20,6 +21,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/csibroker/csibroker/internal/telemetry"
+	"github.com/csibroker/csibroker/policy"
 )
 
 // The clients of built-in kinds send and ask for the encoding of
@@ -163,5 +165,37 @@ func TestBrokerFlagsRefusedTogether(t *testing.T) {
 		if err := c.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: %v, want an error naming %s", tc.name, err, tc.want)
 		}
+	}
+}
+
+// TestPolicyFileErrorsLoggedOnChange: invalid grants of the policy file are
+// logged when a load's set differs from the previous one's (an edit that
+// breaks a grant at a re-read is said), once, not at every re-read.
+func TestPolicyFileErrorsLoggedOnChange(t *testing.T) {
+	var buf bytes.Buffer
+	log := slog.New(slog.NewTextHandler(&buf, nil))
+	typo := []policy.RuleError{{Namespace: "ns", Name: "g", Message: "spec.condition: undeclared reference to 'requst'"}}
+	deny := []policy.RuleError{{Namespace: "ns", Name: "d", Message: "spec.drivers: must list at least one driver", FailClosed: true}}
+	last := logPolicyFileErrors(log, nil, "")
+	if buf.Len() != 0 {
+		t.Fatalf("a valid file logged: %s", buf.String())
+	}
+	last = logPolicyFileErrors(log, typo, last)
+	if !strings.Contains(buf.String(), "invalid grant not applied") || !strings.Contains(buf.String(), "requst") {
+		t.Fatalf("a grant broken by an edit was not logged: %s", buf.String())
+	}
+	buf.Reset()
+	last = logPolicyFileErrors(log, typo, last)
+	if buf.Len() != 0 {
+		t.Fatalf("the same invalid grant logged again at a re-read: %s", buf.String())
+	}
+	last = logPolicyFileErrors(log, deny, last)
+	if !strings.Contains(buf.String(), "denies every secret of its namespace") {
+		t.Fatalf("an invalid deny grant was not logged as fail-closed: %s", buf.String())
+	}
+	buf.Reset()
+	logPolicyFileErrors(log, nil, last)
+	if !strings.Contains(buf.String(), "every grant is valid again") {
+		t.Fatalf("the fix was not logged: %s", buf.String())
 	}
 }
