@@ -98,6 +98,29 @@ type resizer struct {
 	// final error: nothing is in progress, so a changed request may be used.
 	finalErr map[types.UID]bool
 	nodeCaps map[string]resizeNodeCaps
+	// busy counts each driver's expansions in progress, against
+	// PerDriverWorkers: one slow driver cannot take every worker.
+	busy map[string]int
+}
+
+// errDriverBusy: the driver has PerDriverWorkers expansions in progress;
+// the claim is looked at again shortly, without backoff.
+var errDriverBusy = errors.New("driver busy")
+
+func (r *resizer) acquire(driver string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if n := r.b.cfg.PerDriverWorkers; n > 0 && r.busy[driver] >= n {
+		return false
+	}
+	r.busy[driver]++
+	return true
+}
+
+func (r *resizer) release(driver string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.busy[driver]--
 }
 
 // resizeNodeCaps caches whether a driver without controller expansion can
@@ -108,7 +131,7 @@ type resizeNodeCaps struct {
 }
 
 func newResizer(b *Bridge) (controller, error) {
-	r := &resizer{b: b, finalErr: map[types.UID]bool{}, nodeCaps: map[string]resizeNodeCaps{}}
+	r := &resizer{b: b, finalErr: map[types.UID]bool{}, nodeCaps: map[string]resizeNodeCaps{}, busy: map[string]int{}}
 	r.ops = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "csibroker", Name: "resize_operations_total",
 		Help: "Volume expansion attempts by driver and result (success, node_pending, infeasible, failed, in_progress, not_called).",
@@ -267,7 +290,9 @@ func (r *resizer) processNext(ctx context.Context, q workqueue.TypedRateLimiting
 	if ctx.Err() != nil {
 		return true // the term is over; the next one lists every claim again
 	}
-	if err := r.sync(ctx, key); err != nil {
+	if err := r.sync(ctx, key); errors.Is(err, errDriverBusy) {
+		q.AddAfter(key, 200*time.Millisecond)
+	} else if err != nil {
 		r.b.log.Debug("resize will be retried", "claim", key, "err", err)
 		q.AddRateLimited(key)
 	} else {
@@ -353,6 +378,10 @@ func (r *resizer) sync(ctx context.Context, key string) error {
 		return nil
 	}
 
+	if !r.acquire(driver) {
+		return errDriverBusy
+	}
+	defer r.release(driver)
 	ctx, span := r.b.tracer.Start(ctx, "resize "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
 		attribute.String("csi.driver", driver), attribute.String("k8s.pvc.namespace", ns), attribute.String("k8s.pvc.name", name),
 		attribute.String("k8s.pv.name", pv.Name), attribute.String("k8s.pvc.expand_to", target.String())))

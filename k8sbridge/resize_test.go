@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -825,5 +826,65 @@ func TestResizeTriggered(t *testing.T) {
 		if got := resizeTriggered(tc.old, tc.cur); got != tc.want {
 			t.Errorf("%s: triggered %v, want %v", tc.name, got, tc.want)
 		}
+	}
+}
+
+// countingDrivers counts the ControllerExpandVolume calls in flight.
+type countingDrivers struct {
+	*testDrivers
+	now, most atomic.Int32
+}
+
+func (d *countingDrivers) ControllerConn(driver string) (grpc.ClientConnInterface, error) {
+	c, err := d.testDrivers.ControllerConn(driver)
+	if err != nil {
+		return nil, err
+	}
+	return countingConn{ClientConnInterface: c, d: d}, nil
+}
+
+type countingConn struct {
+	grpc.ClientConnInterface
+	d *countingDrivers
+}
+
+func (c countingConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	if strings.HasSuffix(method, "/ControllerExpandVolume") {
+		n := c.d.now.Add(1)
+		defer c.d.now.Add(-1)
+		for m := c.d.most.Load(); n > m && !c.d.most.CompareAndSwap(m, n); m = c.d.most.Load() {
+		}
+	}
+	return c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...)
+}
+
+// TestResizeKeepsToPerDriverWorkers: expansions of one driver run at most
+// PerDriverWorkers at a time, so a slow driver cannot take every worker;
+// the others wait their turn and are all done.
+func TestResizeKeepsToPerDriverWorkers(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "slowexpand.csi.test")
+	drivers := &countingDrivers{testDrivers: &testDrivers{}}
+	drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
+		"ControllerExpandVolume": {Latency: 300 * time.Millisecond}}}})
+	class := makeResizeClass(t, c, clusterName(ns, "slow"), drv, "", "")
+	startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
+	names := []string{"a", "b", "c"}
+	for _, name := range names {
+		makeClaim(t, c, ns, name, class, "1Gi")
+	}
+	for _, name := range names {
+		waitBound(t, c, ns, name, 60*time.Second)
+		raiseRequest(t, c, ns, name, "2Gi")
+	}
+	for _, name := range names {
+		waitClaim(t, c, ns, name, "expanded on the controller", func(pvc *corev1.PersistentVolumeClaim) bool {
+			return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending
+		})
+	}
+	if most := drivers.most.Load(); most != 1 {
+		t.Errorf("%d ControllerExpandVolume calls of one driver at once, want at most PerDriverWorkers = 1", most)
 	}
 }
