@@ -450,7 +450,8 @@ func (c *capacityController) run(ctx context.Context) {
 		case <-regCheck.C:
 			if s := c.registryState(); s != registry {
 				registry = s
-				c.log.Info("registered drivers changed", "drivers", s)
+				c.log.Info("registered drivers or node proxies changed", "drivers", c.b.cfg.Drivers.DriverNames())
+				c.log.Debug("registry", "state", s)
 				c.reconcile()
 			}
 		case <-poll.C:
@@ -464,11 +465,18 @@ func (c *capacityController) run(ctx context.Context) {
 	}
 }
 
-// registryState is the set of registered drivers and their routing mode.
+// registryState is the set of registered drivers, their routing mode and,
+// for node-local ones, the nodes with a proxy.
 func (c *capacityController) registryState() string {
 	var b strings.Builder
 	for _, d := range c.b.cfg.Drivers.DriverNames() {
-		fmt.Fprintf(&b, "%s(node-local=%t) ", d, c.b.cfg.Drivers.NodeLocal(d))
+		if c.b.cfg.Drivers.NodeLocal(d) {
+			nodes := slices.Clone(c.b.cfg.Drivers.DriverNodes(d))
+			slices.Sort(nodes)
+			fmt.Fprintf(&b, "%s(node-local, nodes %s) ", d, strings.Join(nodes, ","))
+			continue
+		}
+		fmt.Fprintf(&b, "%s ", d)
 	}
 	return strings.TrimSpace(b.String())
 }
@@ -513,9 +521,20 @@ func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
 			nodes = append(nodes, NewTopologyNode(node, cn, driver))
 		}
 		nodeLocal := c.b.cfg.Drivers.NodeLocal(driver)
+		var proxies map[string]bool
+		if nodeLocal {
+			proxies = map[string]bool{}
+			for _, n := range c.b.cfg.Drivers.DriverNodes(driver) {
+				proxies[n] = true
+			}
+		}
 		for _, seg := range capacitySegments(nodes, nodeLocal) {
+			// A node-local driver's node with no proxy registered (not
+			// deployed there, or restarting) cannot be asked: its object,
+			// if any, stays as it is, and none is made.
+			kept := nodeLocal && !proxies[seg.node]
 			for _, sc := range driverClasses {
-				out[capacityKey{driver: driver, class: sc.Name, segment: seg.term.String()}] = capacityItem{segment: seg, nodeLoc: nodeLocal, selector: seg.term.labels(), classUID: sc.UID}
+				out[capacityKey{driver: driver, class: sc.Name, segment: seg.term.String()}] = capacityItem{segment: seg, nodeLoc: nodeLocal, selector: seg.term.labels(), classUID: sc.UID, kept: kept}
 			}
 		}
 	}

@@ -528,6 +528,92 @@ func TestCapacityNewLeaderKeepsObjectsOfDriversNotRegisteredYet(t *testing.T) {
 	}
 }
 
+// TestCapacityNodeLocalNodeWithoutProxy: a node that runs a node-local
+// driver (its CSINode lists it) but has no proxy registered gets no
+// object and no failing refreshes; a node whose proxy goes away keeps its
+// object as it was, and the object follows the driver again once the
+// proxy is back.
+func TestCapacityNodeLocalNodeWithoutProxy(t *testing.T) {
+	fastCapacityPolls(t)
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "local.csi.test")
+	nodeA, nodeB := clusterName(ns, "node-a"), clusterName(ns, "no-proxy")
+	for _, n := range []string{nodeA, nodeB} {
+		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: n}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), n, metav1.DeleteOptions{}) })
+		if err := env.AddCSINode(ctx, n, drv, n, []string{corev1.LabelHostname}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dA, chainA := nodeProxy(t, drv, nodeA, 4*gib)
+	br, err := broker.New(broker.Options{TrustDomain: chaintest.TrustDomain, TLS: chainA.BrokerSource})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(br.Close)
+	withA := broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second, Nodes: []broker.ProxyConfig{{Node: nodeA, Address: chainA.ProxyAddr}}}
+	if err := br.SetDriver(withA); err != nil {
+		t.Fatal(err)
+	}
+	class := makeClass(t, c, clusterName(ns, "local"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	run := startBridge(t, env, ns, br, bridgeOpts{})
+	keyA := segmentKey(class.Name, corev1.LabelHostname, nodeA)
+	before := waitCapacities(t, c, ns, drv, map[string]int64{keyA: 4 * gib})
+	time.Sleep(2 * time.Second) // polls and registry checks
+	if objs, err := capacityObjects(ctx, c, ns, drv); err != nil || len(objs) != 1 {
+		t.Fatalf("objects %s (%v), want node A's only: node B has no proxy", describeCapacities(objs), err)
+	}
+	failed := func() float64 {
+		return run.metricValue(t, "csibroker_capacity_refreshes_total", map[string]string{"driver": drv, "result": "failed"})
+	}
+	if f := failed(); f != 0 {
+		t.Errorf("%v failed refreshes: the node without a proxy was asked", f)
+	}
+
+	// Node A's proxy goes away (a restart; the driver keeps a proxy on a
+	// node of no segment here): its object stays as it was.
+	if err := br.SetDriver(broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second,
+		Nodes: []broker.ProxyConfig{{Node: clusterName(ns, "elsewhere"), Address: chainA.ProxyAddr}}}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Second)
+	kept, err := capacityObjects(ctx, c, ns, drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o, ok := kept[keyA]; !ok || o.UID != before[keyA].UID || o.Capacity.Value() != 4*gib {
+		t.Fatalf("node A's proxy gone: %s, want %s kept as it was", describeCapacities(kept), before[keyA].Name)
+	}
+	if f := failed(); f != 0 {
+		t.Errorf("%v failed refreshes while node A had no proxy", f)
+	}
+
+	// Back, with less room: the same object follows.
+	if err := br.SetDriver(withA); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := br.NodeConn(drv, nodeA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "used", CapacityRange: &csi.CapacityRange{RequiredBytes: gib},
+		VolumeCapabilities: CapacityRequest(class, nil).GetVolumeCapabilities()}); err != nil {
+		t.Fatal(err)
+	}
+	after := waitCapacities(t, c, ns, drv, map[string]int64{keyA: 3 * gib})
+	if after[keyA].UID != before[keyA].UID {
+		t.Errorf("node A's object recreated instead of updated")
+	}
+	if len(dA.Volumes()) != 1 {
+		t.Fatalf("node A volumes %d", len(dA.Volumes()))
+	}
+}
+
 // nodeProxy starts a sample driver for node behind its own real proxy whose
 // certificate names the node (spiffe://.../driver/<driver>/node/<node>).
 func nodeProxy(t *testing.T, driver, node string, capacity int64) (*sampledriver.Driver, *chaintest.Chain) {
