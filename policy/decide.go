@@ -78,26 +78,30 @@ func (rs *RuleSet) evaluate(req *Request) verdict {
 			if !r.matches(req, opBit) {
 				continue
 			}
+			var err error // an erroring Deny condition fails closed
 			if r.cond != nil {
 				if act == nil {
 					act = newActivation(req)
 				}
-				ok, err := r.cond.eval(act)
-				if err == nil && !ok {
+				var ok bool
+				if ok, err = r.cond.eval(act); err == nil && !ok {
 					continue
 				}
-				denyErr = err // an erroring Deny condition fails closed
 			}
-			deny = r
+			deny, denyErr = r, err
 			break
 		}
 	}
 	if deny != nil {
+		unknown := ""
+		if _, listed := deny.namespaces[req.Requester.Namespace]; !deny.anyRequester && !listed && req.Requester.NamespaceLabels == nil {
+			unknown = "; the requester's namespace labels are not known, which counts as a match of its namespaceSelector (fail closed)"
+		}
 		if denyErr != nil {
-			return verdict{rule: deny.key, reason: reasonf(req, "deny grant ", deny.key, " denies ", reqDesc,
+			return verdict{rule: deny.key, reason: reasonf(req, "deny grant ", deny.key, " denies ", reqDesc, unknown,
 				"; its condition failed to evaluate, which counts as a match (fail closed): ", denyErr.Error())}
 		}
-		return verdict{rule: deny.key, reason: reasonf(req, "deny grant ", deny.key, " denies ", reqDesc)}
+		return verdict{rule: deny.key, reason: reasonf(req, "deny grant ", deny.key, " denies ", reqDesc, unknown)}
 	}
 
 	// Allow grants: the first match (by grant name) decides.
@@ -172,7 +176,7 @@ func (r *rule) matches(req *Request, opBit uint32) bool {
 			return false
 		}
 		_, listed := r.namespaces[rq.Namespace]
-		if !listed && (r.nsSelector == nil || !r.nsSelector.matches(rq.NamespaceLabels)) {
+		if !listed && !r.selects(rq.NamespaceLabels) {
 			return false
 		}
 	}
@@ -183,6 +187,19 @@ func (r *rule) matches(req *Request, opBit uint32) bool {
 		return false
 	}
 	return true
+}
+
+// selects reports whether the grant's namespaceSelector picks a namespace
+// with these labels. Labels not known (nil) fail closed both ways: an Allow
+// grant's selector does not pick the namespace, a Deny grant's does.
+func (r *rule) selects(labels map[string]string) bool {
+	if r.nsSelector == nil {
+		return false
+	}
+	if labels == nil {
+		return r.action == ActionDeny
+	}
+	return r.nsSelector.matches(labels)
 }
 
 func (r *rule) matchesPrefix(name string) bool {

@@ -78,6 +78,7 @@ func TestDecide(t *testing.T) {
 		allowed bool
 		rule    string
 		reason  []string // substrings the reason must hold
+		not     []string // substrings it must not hold
 	}{
 		{name: "no grants: default deny", req: baseReq(), rule: RuleDefaultDeny,
 			reason: []string{"no grant in namespace store allows", testDriver, "store/creds", "NodeStageVolume", "PersistentVolumeClaim team-a/data"}},
@@ -220,6 +221,45 @@ func TestDecide(t *testing.T) {
 				}),
 			},
 			req: baseReq(), rule: "store/deny-gold"},
+		{name: "deny selector, requester's namespace labels unknown: fails closed",
+			grants: []Grant{
+				grant(testNS, "allow-all", func(s *GrantSpec) {
+					s.Drivers, s.SecretNames, s.Operations = []string{"*"}, []string{"*"}, []Operation{"*"}
+					s.Requesters = Requesters{Namespaces: []string{"*"}}
+				}),
+				grant(testNS, "deny-untrusted", func(s *GrantSpec) {
+					s.Action = ActionDeny
+					s.Requesters = Requesters{NamespaceSelector: &LabelSelector{MatchLabels: map[string]string{"tier": "untrusted"}}}
+				}),
+			},
+			req: baseReq(func(r *Request) { r.Requester.NamespaceLabels = nil }), rule: "store/deny-untrusted",
+			reason: []string{"deny grant store/deny-untrusted denies", "namespace labels are not known", "fail closed"}},
+		{name: "deny selector, known labels that do not match: the allow decides",
+			grants: []Grant{
+				grant(testNS, "allow-all", func(s *GrantSpec) {
+					s.Drivers, s.SecretNames, s.Operations = []string{"*"}, []string{"*"}, []Operation{"*"}
+					s.Requesters = Requesters{Namespaces: []string{"*"}}
+				}),
+				grant(testNS, "deny-untrusted", func(s *GrantSpec) {
+					s.Action = ActionDeny
+					s.Requesters = Requesters{NamespaceSelector: &LabelSelector{MatchLabels: map[string]string{"tier": "untrusted"}}}
+				}),
+			},
+			req: baseReq(), allowed: true, rule: "store/allow-all"},
+		{name: "allow selector, requester's namespace labels unknown: no match",
+			grants: []Grant{grant(testNS, "g", sel(expr("tier", LabelSelectorOpIn, "gold")))},
+			req:    baseReq(func(r *Request) { r.Requester.NamespaceLabels = nil }), rule: RuleDefaultDeny},
+		{name: "the deny that decides is the one named, with its own condition's error",
+			grants: []Grant{
+				// Found second (any driver), but first by name: it decides.
+				grant(testNS, "a-deny-any-driver", func(s *GrantSpec) { s.Action, s.Drivers = ActionDeny, []string{"*"} }),
+				// Found first (this driver), with a condition that errors.
+				grant(testNS, "b-deny", func(s *GrantSpec) {
+					s.Action = ActionDeny
+					s.Condition = `request.requester.labels["missing"] == "x"`
+				}),
+			},
+			req: baseReq(), rule: "store/a-deny-any-driver", not: []string{"failed to evaluate"}},
 		{name: "deny not matching leaves allow",
 			grants: []Grant{grant(testNS, "allow"), grant(testNS, "deny", func(s *GrantSpec) {
 				s.Action = ActionDeny
@@ -299,6 +339,11 @@ func TestDecide(t *testing.T) {
 			for _, s := range tc.reason {
 				if !strings.Contains(d.Reason, s) {
 					t.Errorf("reason %q lacks %q", d.Reason, s)
+				}
+			}
+			for _, s := range tc.not {
+				if strings.Contains(d.Reason, s) {
+					t.Errorf("reason %q holds %q", d.Reason, s)
 				}
 			}
 			if strings.ContainsAny(d.Reason, "\n\r") {

@@ -42,7 +42,9 @@
 //   - the requester's namespace is in spec.requesters.namespaces, or is
 //     selected by spec.requesters.namespaceSelector over the namespace's
 //     labels ("*" in namespaces admits every requester, including ones with
-//     no namespace; a selector never matches unknown (nil) labels);
+//     no namespace; when the namespace's labels are not known (nil), an
+//     Allow grant's selector does not select it and a Deny grant's does:
+//     both fail closed);
 //   - spec.requesters.storageClasses, if set, lists the StorageClass;
 //   - spec.requesters.nodes, if set, lists the node;
 //   - spec.condition, if set, evaluates to true.

@@ -121,8 +121,9 @@ type Requester struct {
 	Namespace string `json:"namespace"`
 	Name      string `json:"name"`
 	// NamespaceLabels are the labels of the requesting namespace. nil means
-	// "not known": a namespaceSelector then never matches (fail closed).
-	// Pass a non-nil map, even empty, when the labels are known.
+	// "not known", which fails closed: an Allow grant's namespaceSelector
+	// does not pick the namespace, a Deny grant's does. Pass a non-nil map,
+	// even empty, when the labels are known.
 	NamespaceLabels map[string]string `json:"namespaceLabels"`
 	// Labels are the requesting object's own labels.
 	Labels map[string]string `json:"labels"`

@@ -68,7 +68,8 @@ func compileSelector(path string, s *LabelSelector) (*selector, []string) {
 
 // matches reports whether labels satisfy every requirement. nil labels mean
 // "unknown" and never match, so a caller that did not look the namespace up
-// cannot be admitted by a NotIn or DoesNotExist requirement by accident.
+// cannot be admitted by a NotIn or DoesNotExist requirement by accident
+// (rule.selects makes a Deny grant match them instead).
 func (s *selector) matches(labels map[string]string) bool {
 	if labels == nil {
 		return false
