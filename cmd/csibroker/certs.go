@@ -33,7 +33,7 @@ func runCerts(_ context.Context, args []string, stdout, stderr io.Writer) error 
 	var drivers, nodes, clients listFlag
 	fs := flag.NewFlagSet("certs", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&o.Dir, "dir", "certs", "directory to write ca.crt, broker.crt/.key, proxy-<driver>[-<node>].crt/.key and client-<name>.crt/.key into (an existing ca.crt/ca.key is reused)")
+	fs.StringVar(&o.Dir, "dir", "certs", "directory to write ca.crt, broker.crt/.key, proxy-<driver>[-<node>].crt/.key and client-<name>.crt/.key into (an existing ca.crt/ca.key is reused; one that cannot be loaded is an error, never replaced)")
 	fs.StringVar(&o.TrustDomain, "trust-domain", "csibroker.local", "SPIFFE trust domain")
 	fs.Var(&drivers, "driver", "driver name to mint a proxy certificate for (repeatable or comma-separated)")
 	fs.Var(&nodes, "node", "node names: with --driver, also mint node-proxy certificates (repeatable or comma-separated)")

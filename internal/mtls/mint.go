@@ -5,11 +5,13 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"io/fs"
 	"math/big"
 	"net"
 	"net/url"
@@ -58,7 +60,15 @@ func NewCA(commonName string, notBefore, notAfter time.Time) (*CA, error) {
 	return &CA{Cert: cert, Key: key, CertPEM: encodeCert(der), KeyPEM: keyPEM}, nil
 }
 
-// LoadCA reads a CA certificate and key written by WriteDevCerts.
+// missing reports whether path does not exist.
+func missing(path string) bool {
+	_, err := os.Stat(path)
+	return errors.Is(err, fs.ErrNotExist)
+}
+
+// LoadCA reads a CA certificate and its key (PKCS#8, PKCS#1 or SEC 1 PEM,
+// as WriteDevCerts, openssl and cert-manager write them); the key must
+// match the certificate, which must be a CA.
 func LoadCA(certFile, keyFile string) (*CA, error) {
 	certPEM, err := os.ReadFile(certFile)
 	if err != nil {
@@ -68,22 +78,20 @@ func LoadCA(certFile, keyFile string) (*CA, error) {
 	if err != nil {
 		return nil, err
 	}
-	cb, _ := pem.Decode(certPEM)
-	kb, _ := pem.Decode(keyPEM)
-	if cb == nil || kb == nil {
-		return nil, fmt.Errorf("load CA %s: not PEM", certFile)
+	pair, err := tls.X509KeyPair(certPEM, keyPEM)
+	if err != nil {
+		return nil, fmt.Errorf("load CA %s, %s: %w", certFile, keyFile, err)
 	}
-	cert, err := x509.ParseCertificate(cb.Bytes)
+	cert, err := x509.ParseCertificate(pair.Certificate[0])
 	if err != nil {
 		return nil, fmt.Errorf("load CA %s: %w", certFile, err)
 	}
-	k, err := x509.ParsePKCS8PrivateKey(kb.Bytes)
-	if err != nil {
-		return nil, fmt.Errorf("load CA key %s: %w", keyFile, err)
+	if !cert.IsCA {
+		return nil, fmt.Errorf("load CA %s: the certificate is not a CA", certFile)
 	}
-	signer, ok := k.(crypto.Signer)
+	signer, ok := pair.PrivateKey.(crypto.Signer)
 	if !ok {
-		return nil, errors.New("load CA: key is not a signer")
+		return nil, fmt.Errorf("load CA key %s: not a signing key", keyFile)
 	}
 	return &CA{Cert: cert, Key: signer, CertPEM: certPEM, KeyPEM: keyPEM}, nil
 }
@@ -166,7 +174,11 @@ func WriteDevCerts(o DevCertsOptions) ([]string, error) {
 	now := time.Now().Add(-time.Minute)
 	caCert, caKey := filepath.Join(o.Dir, "ca.crt"), filepath.Join(o.Dir, "ca.key")
 	ca, err := LoadCA(caCert, caKey)
-	if err != nil {
+	switch {
+	case err == nil:
+	case missing(caCert) && missing(caKey):
+		// A new dev CA only where there is none: a CA that cannot be read
+		// is never replaced (its certificates would stop being trusted).
 		if ca, err = NewCA("csibroker dev CA", now, now.Add(10*365*24*time.Hour)); err != nil {
 			return nil, err
 		}
@@ -176,6 +188,8 @@ func WriteDevCerts(o DevCertsOptions) ([]string, error) {
 		if err := writeFile(caKey, ca.KeyPEM, 0o600); err != nil {
 			return nil, err
 		}
+	default:
+		return nil, fmt.Errorf("%w; nothing was written (remove both %s and %s to mint a new dev CA)", err, caCert, caKey)
 	}
 	written := []string{caCert}
 	issue := func(base, id string) error {

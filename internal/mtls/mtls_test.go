@@ -1,8 +1,11 @@
 package mtls
 
 import (
+	"bytes"
+	"crypto/ecdsa"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/pem"
 	"io"
 	"net"
 	"os"
@@ -405,5 +408,81 @@ func TestPeerCheck(t *testing.T) {
 	}
 	if err := NewPeerCheck(ServerConfig(src, AuthorizeOneOf(BrokerID(td))), tls.ConnectionState{}).Verify(); err == nil {
 		t.Fatal("a connection without a peer certificate verified")
+	}
+}
+
+// TestWriteDevCertsKeepsTheCA: an existing CA is reused whatever PEM form
+// its key has (SEC 1 "EC PRIVATE KEY", as cert-manager writes it); a CA
+// that cannot be loaded (its key gone, or not its key) is never replaced:
+// the command fails and writes nothing.
+func TestWriteDevCertsKeepsTheCA(t *testing.T) {
+	now := time.Now()
+	ca, err := NewCA("cluster CA", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ecKey, ok := ca.Key.(*ecdsa.PrivateKey)
+	if !ok {
+		t.Fatalf("CA key %T", ca.Key)
+	}
+	der, err := x509.MarshalECPrivateKey(ecKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sec1 := pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: der})
+
+	dir := t.TempDir()
+	caCert, caKey := filepath.Join(dir, "ca.crt"), filepath.Join(dir, "ca.key")
+	if err := os.WriteFile(caCert, ca.CertPEM, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(caKey, sec1, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"d.csi"}}); err != nil {
+		t.Fatalf("existing CA with a SEC 1 key: %v", err)
+	}
+	if got, _ := os.ReadFile(caCert); !bytes.Equal(got, ca.CertPEM) {
+		t.Fatal("ca.crt was replaced")
+	}
+	if got, _ := os.ReadFile(caKey); !bytes.Equal(got, sec1) {
+		t.Fatal("ca.key was replaced")
+	}
+	m, err := NewFileSource(filepath.Join(dir, "proxy-d.csi.crt"), filepath.Join(dir, "proxy-d.csi.key"), caCert, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Current().Leaf.Verify(x509.VerifyOptions{Roots: m.Current().Pool, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
+		t.Fatalf("the minted certificate does not chain to the existing CA: %v", err)
+	}
+
+	other, err := NewCA("other", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, setUp := range map[string]func(dir string) error{
+		"key gone": func(dir string) error { return os.WriteFile(filepath.Join(dir, "ca.crt"), ca.CertPEM, 0o644) },
+		"another CA's key": func(dir string) error {
+			if err := os.WriteFile(filepath.Join(dir, "ca.crt"), ca.CertPEM, 0o644); err != nil {
+				return err
+			}
+			return os.WriteFile(filepath.Join(dir, "ca.key"), other.KeyPEM, 0o600)
+		},
+	} {
+		dir := t.TempDir()
+		if err := setUp(dir); err != nil {
+			t.Fatal(err)
+		}
+		before, _ := os.ReadDir(dir)
+		if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"d.csi"}}); err == nil || !strings.Contains(err.Error(), "nothing was written") {
+			t.Errorf("%s: %v, want an error that leaves the CA alone", name, err)
+		}
+		after, _ := os.ReadDir(dir)
+		if len(after) != len(before) {
+			t.Errorf("%s: %d files before, %d after", name, len(before), len(after))
+		}
+		if got, _ := os.ReadFile(filepath.Join(dir, "ca.crt")); !bytes.Equal(got, ca.CertPEM) {
+			t.Errorf("%s: ca.crt was replaced", name)
+		}
 	}
 }
