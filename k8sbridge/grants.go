@@ -102,6 +102,7 @@ type GrantController struct {
 // grantResult is one grant's outcome in a compile.
 type grantResult struct {
 	namespace  string
+	uid        types.UID // a grant deleted and made again under its name is another grant
 	generation int64
 	invalid    bool
 	failClosed bool
@@ -144,9 +145,7 @@ func newGrantController(dyn dynamic.Interface, gvr schema.GroupVersionResource, 
 	c.handler, _ = c.informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc: func(any) { c.compileQ.Add(grantCompileKey) },
 		UpdateFunc: func(oldObj, newObj any) {
-			o, errOld := meta.Accessor(oldObj)
-			n, errNew := meta.Accessor(newObj)
-			if errOld == nil && errNew == nil && o.GetGeneration() == n.GetGeneration() {
+			if !grantSpecMayDiffer(oldObj, newObj) {
 				// Status or metadata only (our own writes, a resync): the
 				// rules are the same; check the status alone.
 				if key, err := cache.MetaNamespaceKeyFunc(newObj); err == nil {
@@ -159,6 +158,16 @@ func newGrantController(dyn dynamic.Interface, gvr schema.GroupVersionResource, 
 		DeleteFunc: func(any) { c.compileQ.Add(grantCompileKey) },
 	})
 	return c
+}
+
+// grantSpecMayDiffer says whether an update may change a grant's rules: its
+// generation moved, or it is another object (a relist reports a grant
+// deleted and made again under its name as an update, with the same
+// generation and another UID).
+func grantSpecMayDiffer(oldObj, newObj any) bool {
+	o, errOld := meta.Accessor(oldObj)
+	n, errNew := meta.Accessor(newObj)
+	return errOld != nil || errNew != nil || o.GetGeneration() != n.GetGeneration() || o.GetUID() != n.GetUID()
 }
 
 // stripManagedFields keeps managedFields out of the cache: the controller
@@ -264,8 +273,8 @@ func (c *GrantController) compile(ctx context.Context, _ string) error {
 	errs := c.store.UpdateSource(policy.SourceSecretGrants, grants)
 
 	results := make(map[string]grantResult, len(grants))
-	for _, g := range grants {
-		results[g.Key()] = grantResult{namespace: g.Namespace, generation: g.Generation}
+	for i, g := range grants {
+		results[g.Key()] = grantResult{namespace: g.Namespace, uid: live[i].GetUID(), generation: g.Generation}
 	}
 	for _, e := range errs {
 		r := results[e.Key()]
@@ -418,7 +427,7 @@ func (c *GrantController) syncStatus(ctx context.Context, key string) error {
 	c.mu.Lock()
 	r, ok := c.results[key]
 	c.mu.Unlock()
-	if !ok || r.generation != u.GetGeneration() {
+	if !ok || r.generation != u.GetGeneration() || r.uid != u.GetUID() {
 		return nil // not compiled yet: the pending compile queues it again
 	}
 	want, changed := statusUpdate(u, r)

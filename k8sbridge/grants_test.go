@@ -19,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/rand"
 	"k8s.io/client-go/dynamic"
 	"sigs.k8s.io/yaml"
@@ -628,5 +629,33 @@ func TestGrantStatusUpdate(t *testing.T) {
 	}
 	if s := grantTruncate(strings.Repeat("é", grantMaxMessage)); len(s) > grantMaxMessage || !strings.HasSuffix(s, "...") || !utf8.ValidString(s) {
 		t.Fatalf("truncated message: %d bytes, valid UTF-8 %v", len(s), utf8.ValidString(s))
+	}
+}
+
+// TestGrantSpecMayDiffer: a status or metadata update of the same grant
+// only has its status checked; a new generation, or a grant deleted and
+// made again under its name (same generation, another UID, as a relist
+// reports it), is compiled again.
+func TestGrantSpecMayDiffer(t *testing.T) {
+	obj := func(uid string, gen int64) *unstructured.Unstructured {
+		u := &unstructured.Unstructured{}
+		u.SetNamespace("ns")
+		u.SetName("g")
+		u.SetUID(types.UID(uid))
+		u.SetGeneration(gen)
+		return u
+	}
+	for _, tc := range []struct {
+		name     string
+		old, cur *unstructured.Unstructured
+		want     bool
+	}{
+		{"status write", obj("a", 1), obj("a", 1), false},
+		{"spec changed", obj("a", 1), obj("a", 2), true},
+		{"deleted and made again, seen at a relist", obj("a", 1), obj("b", 1), true},
+	} {
+		if got := grantSpecMayDiffer(tc.old, tc.cur); got != tc.want {
+			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
+		}
 	}
 }
