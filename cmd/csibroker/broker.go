@@ -66,6 +66,21 @@ func (c *BrokerCommandConfig) Validate() error {
 	return errors.Join(errs...)
 }
 
+// fillRetry fills each field a driver's registry entry leaves unset from
+// the --csi-retry-* flags (not only an entry that sets none of them).
+func (c *BrokerCommandConfig) fillRetry(r broker.RetryConfig) broker.RetryConfig {
+	if r.MaxAttempts <= 0 {
+		r.MaxAttempts = c.RetryAttempts
+	}
+	if r.IntervalStart <= 0 {
+		r.IntervalStart = c.RetryStart
+	}
+	if r.IntervalMax <= 0 {
+		r.IntervalMax = c.RetryMax
+	}
+	return r
+}
+
 func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	cfg := BrokerCommandConfig{}
 	fs := flag.NewFlagSet("broker", flag.ContinueOnError)
@@ -123,9 +138,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		if d.Timeout == 0 {
 			d.Timeout = cfg.Timeout
 		}
-		if d.Retry == (broker.RetryConfig{}) {
-			d.Retry = broker.RetryConfig{MaxAttempts: cfg.RetryAttempts, IntervalStart: cfg.RetryStart, IntervalMax: cfg.RetryMax}
-		}
+		d.Retry = cfg.fillRetry(d.Retry)
 		if err := b.SetDriver(d); err != nil {
 			return err
 		}
@@ -166,7 +179,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 			for _, d := range reg.Drivers {
 				static = append(static, d.Name)
 			}
-			template := broker.DriverConfig{Timeout: cfg.Timeout, Retry: broker.RetryConfig{MaxAttempts: cfg.RetryAttempts, IntervalStart: cfg.RetryStart, IntervalMax: cfg.RetryMax}}
+			template := broker.DriverConfig{Timeout: cfg.Timeout, Retry: cfg.fillRetry(broker.RetryConfig{})}
 			disc, err := k8sbridge.NewDiscovery(bridge.Client(), cfg.Kube.DiscoverProxies, cfg.Kube.discoverNamespaces(), b, template, static, log)
 			if err != nil {
 				return err

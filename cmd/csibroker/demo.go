@@ -124,6 +124,10 @@ func (d *demo) run(ctx context.Context) error {
 			return err
 		}
 	}
+	// Sockets are named by absolute path (unix:// URLs, the sample driver).
+	if d.dir, err = filepath.Abs(d.dir); err != nil {
+		return err
+	}
 	for _, sub := range []string{"certs", "sockets", "state", "logs", "traces"} {
 		if err := os.MkdirAll(filepath.Join(d.dir, sub), 0o755); err != nil {
 			return err

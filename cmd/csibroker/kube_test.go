@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 
+	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/telemetry"
 	"github.com/csibroker/csibroker/policy"
 )
@@ -197,5 +198,22 @@ func TestPolicyFileErrorsLoggedOnChange(t *testing.T) {
 	logPolicyFileErrors(log, nil, last)
 	if !strings.Contains(buf.String(), "every grant is valid again") {
 		t.Fatalf("the fix was not logged: %s", buf.String())
+	}
+}
+
+// TestRetryFlagsFillPartialRegistryEntries: a registry entry's retry block
+// that sets some fields takes the others from the --csi-retry-* flags.
+func TestRetryFlagsFillPartialRegistryEntries(t *testing.T) {
+	cfg := &BrokerCommandConfig{RetryAttempts: 1, RetryStart: time.Second, RetryMax: 5 * time.Second}
+	for _, tc := range []struct {
+		in, want broker.RetryConfig
+	}{
+		{broker.RetryConfig{}, broker.RetryConfig{MaxAttempts: 1, IntervalStart: time.Second, IntervalMax: 5 * time.Second}},
+		{broker.RetryConfig{IntervalMax: 10 * time.Second}, broker.RetryConfig{MaxAttempts: 1, IntervalStart: time.Second, IntervalMax: 10 * time.Second}},
+		{broker.RetryConfig{MaxAttempts: 6}, broker.RetryConfig{MaxAttempts: 6, IntervalStart: time.Second, IntervalMax: 5 * time.Second}},
+	} {
+		if got := cfg.fillRetry(tc.in); got != tc.want {
+			t.Errorf("registry %+v with the flags: %+v, want %+v", tc.in, got, tc.want)
+		}
 	}
 }
