@@ -184,8 +184,12 @@ func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 
-	srcDir, srcSize, srcVol, srcSnap, err := s.contentSource(req.GetVolumeContentSource())
-	if err != nil {
+	// A volume of this name is looked up before its source: a retry must
+	// get the volume even if the source was deleted since it was made.
+	cs := req.GetVolumeContentSource()
+	srcVol, srcSnap := cs.GetVolume().GetVolumeId(), cs.GetSnapshot().GetSnapshotId()
+	if cs != nil && srcVol == "" && srcSnap == "" {
+		_, _, _, _, err := s.contentSource(cs) // malformed: its error
 		return nil, err
 	}
 	for _, v := range s.st.Volumes {
@@ -203,6 +207,10 @@ func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with another content source", v.Name)
 		}
 		return &csi.CreateVolumeResponse{Volume: s.csiVolume(v)}, nil
+	}
+	srcDir, srcSize, _, _, err := s.contentSource(cs)
+	if err != nil {
+		return nil, err
 	}
 
 	size, err := pickSize(req.GetCapacityRange(), srcSize)

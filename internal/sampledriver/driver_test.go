@@ -311,7 +311,6 @@ func TestCreateVolumeSemantics(t *testing.T) {
 	req.VolumeContentSource.GetVolume().VolumeId = "sv-missing"
 	_, err = c.CreateVolume(ctx, req)
 	wantCode(t, "clone of a missing volume", err, codes.NotFound)
-
 	// Expand grows only, within the pool.
 	exp, err := c.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v1.GetVolumeId(), CapacityRange: &csi.CapacityRange{RequiredBytes: 5 << 20}})
 	if err != nil || exp.GetCapacityBytes() != 5<<20 || !exp.GetNodeExpansionRequired() {
@@ -339,6 +338,29 @@ func TestCreateVolumeSemantics(t *testing.T) {
 			t.Fatalf("volume directory %s left: %v", v.Path, err)
 		}
 	}
+	// A retried clone whose source was deleted since gets the clone: the
+	// name is looked up first.
+	src2 := mustCreate(t, c, "src2", 1<<20)
+	req.Name = "clone2"
+	req.VolumeContentSource.GetVolume().VolumeId = src2.GetVolumeId()
+	cl2, err := c.CreateVolume(ctx, req)
+	if err != nil {
+		t.Fatalf("clone2: %v", err)
+	}
+	if _, err := c.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: src2.GetVolumeId()}); err != nil {
+		t.Fatal(err)
+	}
+	again, err := c.CreateVolume(ctx, req)
+	if err != nil || again.GetVolume().GetVolumeId() != cl2.GetVolume().GetVolumeId() {
+		t.Fatalf("clone2 retried after its source was deleted: %v, %v; want %s", again.GetVolume(), err, cl2.GetVolume().GetVolumeId())
+	}
+	req.VolumeContentSource.GetVolume().VolumeId = ""
+	_, err = c.CreateVolume(ctx, req)
+	wantCode(t, "content source without an ID", err, codes.InvalidArgument)
+	if _, err := c.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: cl2.GetVolume().GetVolumeId()}); err != nil {
+		t.Fatal(err)
+	}
+
 	if got := freeBytes(nil); got != 10<<20 {
 		t.Fatalf("free after deleting all = %d", got)
 	}
@@ -522,6 +544,43 @@ func TestNodeMounts(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(roTarget, "g"), nil, 0o644); !errors.Is(err, syscall.EROFS) {
 		t.Fatalf("write to read-only target: %v, want EROFS", err)
 	}
+
+	// A publish whose record was lost (the driver stopped after the bind
+	// mount, before saving): the same publish, retried, adopts the mount;
+	// a mount of something else at a target is still refused.
+	lost := filepath.Join(filepath.Dir(target), "lost")
+	if err := os.MkdirAll(lost, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := bindMount(staging, lost, false); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if ok, _ := isMountPoint(lost); ok {
+			_ = unmount(lost)
+		}
+	})
+	if _, err := c.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: vol.GetVolumeId(), StagingTargetPath: staging,
+		TargetPath: lost, VolumeCapability: capa}); err != nil {
+		t.Fatalf("publish retried over its own unrecorded mount: %v", err)
+	}
+	if _, err := c.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: vol.GetVolumeId(), TargetPath: lost}); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := isMountPoint(lost); err != nil || ok {
+		t.Fatalf("the adopted mount at %s is still mounted after unpublish: %v", lost, err)
+	}
+	other := filepath.Join(filepath.Dir(target), "other")
+	if err := os.MkdirAll(other, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := bindMount(t.TempDir(), other, false); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unmount(other) })
+	_, err = c.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: vol.GetVolumeId(), StagingTargetPath: staging,
+		TargetPath: other, VolumeCapability: capa})
+	wantCode(t, "publish over a mount of something else", err, codes.AlreadyExists)
 
 	// Stats and expansion at the target.
 	stats, err := c.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: vol.GetVolumeId(), VolumePath: target})

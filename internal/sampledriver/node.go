@@ -280,7 +280,7 @@ func (s *server) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is published at %s and its access mode allows a single publication", id, t)
 		}
 	}
-	created := false
+	created, adopted := false, false
 	fi, err := os.Stat(target)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
@@ -298,18 +298,32 @@ func (s *server) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 			return nil, status.Errorf(codes.Internal, "check target path: %v", err)
 		}
 		if mounted {
-			return nil, status.Errorf(codes.AlreadyExists, "target path %s is already a mount point", target)
+			// This volume's own mount, left by a publish whose record was
+			// lost (the driver stopped before saving it), is adopted.
+			bound, curRO, err := boundTo(target, st.Source)
+			if err != nil {
+				return nil, status.Errorf(codes.Internal, "check target path: %v", err)
+			}
+			if !bound || curRO != ro {
+				return nil, status.Errorf(codes.AlreadyExists, "target path %s is already a mount point", target)
+			}
+			adopted = true
 		}
 	}
-	if err := bindMount(staging, target, ro); err != nil {
-		if created {
-			_ = os.Remove(target)
+	if !adopted {
+		if err := bindMount(staging, target, ro); err != nil {
+			if created {
+				_ = os.Remove(target)
+			}
+			return nil, status.Error(codes.Internal, err.Error())
 		}
-		return nil, status.Error(codes.Internal, err.Error())
 	}
 	s.st.Published[target] = &publication{VolumeID: id, TargetPath: target, StagingPath: staging, Source: st.Source, Readonly: ro, AccessMode: int32(mode)}
 	if err := s.save(); err != nil {
-		_ = unmount(target)
+		delete(s.st.Published, target)
+		if !adopted {
+			_ = unmount(target)
+		}
 		if created {
 			_ = os.Remove(target)
 		}
