@@ -62,7 +62,27 @@ func LoadFile(path string) ([]Grant, error) {
 	if err != nil {
 		return nil, fmt.Errorf("load policy file %s: %w", path, err)
 	}
+	if len(grants) == 0 && !hasDocument(data) {
+		// Most likely caught while being rewritten in place: dropping
+		// every grant of the file (its Deny grants too) is not what its
+		// writer meant.
+		return nil, fmt.Errorf("load policy file %s: no YAML or JSON document in it (empty, or comments only); write [] for a file with no grants", path)
+	}
 	return grants, nil
+}
+
+// hasDocument reports whether data holds a document that is not empty.
+func hasDocument(data []byte) bool {
+	docs, err := decodeDocuments(data)
+	if err != nil {
+		return true // not empty: malformed, which ParseGrants reports
+	}
+	for _, d := range docs {
+		if d != nil {
+			return true
+		}
+	}
+	return false
 }
 
 // LoadFile loads the grants of a file into the store, as its file source

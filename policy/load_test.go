@@ -203,3 +203,40 @@ func TestExampleGrantsLoad(t *testing.T) {
 		}
 	}
 }
+
+// TestLoadFileRefusesAFileWithNoDocument: a policy file that is empty or
+// holds only comments (caught while being rewritten in place) is an error,
+// so the store keeps its rules; an explicit empty list loads no grants.
+func TestLoadFileRefusesAFileWithNoDocument(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, content string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	full := write("full.yaml", `apiVersion: policy.csibroker.io/v1alpha1
+kind: SecretGrant
+metadata: {name: deny-all, namespace: n1}
+spec: {action: Deny, drivers: ["*"], secretNames: ["*"], operations: ["*"], requesters: {namespaces: ["*"]}}
+`)
+	st := NewStore(nil)
+	if errs, err := st.LoadFile(full); err != nil || len(errs) != 0 {
+		t.Fatalf("load: %v %v", errs, err)
+	}
+	for _, content := range []string{"", "  \n", "# being rewritten\n---\n"} {
+		if _, err := st.LoadFile(write("partial.yaml", content)); err == nil || !strings.Contains(err.Error(), "no YAML or JSON document") {
+			t.Errorf("file %q: %v, want an error", content, err)
+		}
+		if n := st.Load().Len(); n != 1 {
+			t.Errorf("file %q: %d grants in force, want the previous 1", content, n)
+		}
+	}
+	if _, err := st.LoadFile(write("none.yaml", "[]\n")); err != nil {
+		t.Fatalf("explicit empty list: %v", err)
+	}
+	if n := st.Load().Len(); n != 0 {
+		t.Errorf("explicit empty list: %d grants in force, want 0", n)
+	}
+}
