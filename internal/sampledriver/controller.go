@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -168,10 +169,7 @@ func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if _, err := pickSize(req.GetCapacityRange(), 0); err != nil {
 		return nil, toStatus(err)
 	}
-	segments := s.cfg.ControllerSegments
-	if len(segments) == 0 && len(s.cfg.Topology) > 0 {
-		segments = []map[string]string{s.cfg.Topology}
-	}
+	segments := s.segments()
 	placed, ok := pickSegment(segments, req.GetAccessibilityRequirements())
 	if !ok {
 		var served []string
@@ -487,14 +485,29 @@ func (s *server) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 	}, nil
 }
 
+// segments are the topology segments volumes are made in: the controller
+// segments, or the node's topology, or none.
+func (s *server) segments() []map[string]string {
+	if len(s.cfg.ControllerSegments) > 0 {
+		return s.cfg.ControllerSegments
+	}
+	if len(s.cfg.Topology) > 0 {
+		return []map[string]string{s.cfg.Topology}
+	}
+	return nil
+}
+
 func (s *server) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
 	for _, c := range req.GetVolumeCapabilities() {
 		if checkCapability(c) != nil {
 			return &csi.GetCapacityResponse{}, nil // nothing can be provisioned with it
 		}
 	}
-	if t := req.GetAccessibleTopology(); t != nil && len(s.cfg.Topology) > 0 && !topologyMatches(s.cfg.Topology, t) {
-		return &csi.GetCapacityResponse{}, nil
+	if t := req.GetAccessibleTopology(); t != nil {
+		segments := s.segments()
+		if len(segments) > 0 && !slices.ContainsFunc(segments, func(seg map[string]string) bool { return topologyMatches(seg, t) }) {
+			return &csi.GetCapacityResponse{}, nil // not a segment this driver serves
+		}
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

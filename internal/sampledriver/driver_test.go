@@ -919,3 +919,61 @@ func TestPickSegment(t *testing.T) {
 		})
 	}
 }
+
+// TestGetCapacityOfControllerSegments: a driver serving controller
+// segments reports its free space for those segments only, as CreateVolume
+// makes volumes in them only.
+func TestGetCapacityOfControllerSegments(t *testing.T) {
+	zone := "topology.kubernetes.io/zone"
+	ep, _ := StartTest(t, Config{CapacityBytes: 10 << 20, ControllerSegments: []map[string]string{{zone: "z1"}, {zone: "z2"}}})
+	c := dial(t, ep)
+	ctx := ctxT(t)
+	for z, want := range map[string]int64{"z1": 10 << 20, "z2": 10 << 20, "z3": 0} {
+		resp, err := c.GetCapacity(ctx, &csi.GetCapacityRequest{AccessibleTopology: &csi.Topology{Segments: map[string]string{zone: z}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.GetAvailableCapacity() != want {
+			t.Errorf("capacity in %s: %d, want %d", z, resp.GetAvailableCapacity(), want)
+		}
+	}
+}
+
+// TestUnstageAfterTheVolumeWasDeleted: with separate controller and node
+// instances the controller cannot see the node's staging; a volume deleted
+// while staged still has its staging mount removed by NodeUnstageVolume
+// (its directory is gone, the mount is still this volume's).
+func TestUnstageAfterTheVolumeWasDeleted(t *testing.T) {
+	ctrlEP, _ := StartTest(t, Config{NodeID: "controller", Nodes: []string{"worker-1"}})
+	nodeEP, _ := StartTest(t, Config{NodeID: "worker-1"})
+	cc, nc := dial(t, ctrlEP), dial(t, nodeEP)
+	ctx := ctxT(t)
+	vol := mustCreate(t, cc, "gone-while-staged", 1<<20)
+	capa := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	pub, err := cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: vol.GetVolumeId(), NodeId: "worker-1", VolumeCapability: capa})
+	if err != nil {
+		t.Fatal(err)
+	}
+	staging, _ := mountPaths(t)
+	if _, err := nc.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: vol.GetVolumeId(), StagingTargetPath: staging,
+		VolumeCapability: capa, PublishContext: pub.GetPublishContext()}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if ok, _ := isMountPoint(staging); ok {
+			_ = unmount(staging)
+		}
+	})
+	if _, err := cc.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: vol.GetVolumeId(), NodeId: "worker-1"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: vol.GetVolumeId()}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nc.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vol.GetVolumeId(), StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := isMountPoint(staging); err != nil || ok {
+		t.Fatalf("staging path %s still mounted after unstage: %v", staging, err)
+	}
+}

@@ -207,9 +207,21 @@ func (s *server) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is still published at %s", id, t)
 		}
 	}
-	if bound, _, err := boundTo(path, st.Source); err != nil {
+	bound, _, err := boundTo(path, st.Source)
+	if err != nil {
 		return nil, status.Errorf(codes.Internal, "check staging path: %v", err)
-	} else if bound {
+	}
+	if !bound {
+		// The volume's directory is gone (deleted while staged, by a
+		// controller instance that cannot see this node's mounts): the
+		// mount at the path this volume was staged at is still its own.
+		if _, serr := os.Stat(st.Source); errors.Is(serr, fs.ErrNotExist) {
+			if bound, err = isMountPoint(path); err != nil {
+				return nil, status.Errorf(codes.Internal, "check staging path: %v", err)
+			}
+		}
+	}
+	if bound {
 		if err := unmount(path); err != nil {
 			return nil, status.Error(codes.Internal, err.Error())
 		}
