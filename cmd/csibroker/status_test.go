@@ -38,7 +38,9 @@ func TestStatusWithARelativeSocketPath(t *testing.T) {
 	t.Cleanup(b.Close)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- serveStatus(ctx, filepath.Join(dir, "run", "status.sock"), &broker.StatusServer{B: b, Version: "test-version"}) }()
+	go func() {
+		done <- serveStatus(ctx, filepath.Join(dir, "run", "status.sock"), &broker.StatusServer{B: b, Version: "test-version"})
+	}()
 	t.Cleanup(func() { cancel(); <-done })
 	t.Chdir(dir)
 	var out, errOut bytes.Buffer

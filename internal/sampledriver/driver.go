@@ -101,9 +101,46 @@ func New(cfg Config) (*Driver, error) {
 		d.Close()
 		return nil, err
 	}
+	d.sweep()
 	d.log.Info("sample driver state loaded", "state_dir", dir, "volumes", len(d.st.Volumes),
 		"snapshots", len(d.st.Snapshots), "staged", len(d.st.Staged), "published", len(d.st.Published))
 	return d, nil
+}
+
+// sweep removes what a crash left in the state directory: the directories
+// of volumes and snapshots the state does not hold (made, or renamed to be
+// deleted, just before the driver stopped) and temporary state files. The
+// state is the truth: nothing it names is touched.
+func (d *Driver) sweep() {
+	remove := func(path, why string) {
+		if err := os.RemoveAll(path); err != nil {
+			d.log.Warn("state dir: cannot remove a leftover", "path", path, "why", why, "err", err)
+			return
+		}
+		d.log.Info("state dir: removed a leftover", "path", path, "why", why)
+	}
+	for _, dir := range []struct {
+		path  string
+		known func(string) bool
+	}{
+		{d.volumesDir, func(id string) bool { _, ok := d.st.Volumes[id]; return ok }},
+		{d.snapshotsDir, func(id string) bool { _, ok := d.st.Snapshots[id]; return ok }},
+	} {
+		entries, err := os.ReadDir(dir.path)
+		if err != nil {
+			continue
+		}
+		for _, e := range entries {
+			if !dir.known(e.Name()) {
+				remove(filepath.Join(dir.path, e.Name()), "not in the state (a crash between making or deleting it and saving the state)")
+			}
+		}
+	}
+	if tmps, err := filepath.Glob(filepath.Join(filepath.Dir(d.statePath), "."+filepath.Base(d.statePath)+".*.tmp")); err == nil {
+		for _, p := range tmps {
+			remove(p, "an unfinished state write")
+		}
+	}
 }
 
 // Close releases the StateDir lock. Mounts stay (see UnmountAll).

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io/fs"
 	"log/slog"
 	"net"
 	"os"
@@ -732,9 +733,26 @@ func TestRestartKeepsState(t *testing.T) {
 	}
 	before := d1.Volumes()
 	stop1()
+	// What a crash can leave: a volume renamed for deletion, a volume and
+	// a snapshot made but not saved, an unfinished state write.
+	leftovers := []string{filepath.Join(stateDir, "volumes", ".deleted-sv-gone"), filepath.Join(stateDir, "volumes", "sv-unsaved"),
+		filepath.Join(stateDir, "snapshots", "ss-unsaved"), filepath.Join(stateDir, ".state.json.123.tmp")}
+	for _, p := range leftovers {
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
 
 	c2, d2, stop2 := serveOn(t, cfg)
 	defer stop2()
+	for _, p := range leftovers {
+		if _, err := os.Stat(p); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("leftover %s still there after a restart: %v", p, err)
+		}
+	}
+	if _, err := os.Stat(before[0].Path); err != nil {
+		t.Fatalf("the volume's own directory: %v", err)
+	}
 	after := d2.Volumes()
 	if len(after) != 1 || after[0].ID != before[0].ID || after[0].CapacityBytes != 10<<20 ||
 		len(after[0].PublishedNodes) != 1 || after[0].PublishedNodes[0] != "node-1" {
