@@ -201,18 +201,7 @@ func (u *upstream) drain(grace time.Duration) {
 	u.mu.Lock()
 	u.drained = c
 	u.mu.Unlock()
-	c.mu.Lock()
-	if c.err == nil {
-		c.goingAway, c.drainErr = true, errDriverChanged
-		c.retireLocked()
-		if len(c.calls) == 0 {
-			c.failLocked(errDriverChanged)
-		}
-		// Calls waiting for a stream slot give up now: retried, they go to
-		// the driver's current proxy.
-		c.cond.Broadcast()
-	}
-	c.mu.Unlock()
+	c.stopTaking(errDriverChanged)
 	time.AfterFunc(grace, func() { c.fail(errDriverChanged) })
 }
 
@@ -404,17 +393,25 @@ func (c *upConn) current() bool {
 		why = errPeerNoLonger
 		c.u.b.log.Warn("proxy connection: the proxy's certificate no longer verifies; new calls open a new connection", "proxy", c.u.addr, "err", err)
 	}
-	c.mu.Lock()
-	if !c.goingAway {
-		c.goingAway, c.drainErr = true, why
-		c.retireLocked()
-		if len(c.calls) == 0 {
-			c.failLocked(why)
-		}
-		c.cond.Broadcast()
-	}
-	c.mu.Unlock()
+	c.stopTaking(why)
 	return false
+}
+
+// stopTaking makes c take no new calls and close after its last one (at
+// once if it has none), for why. Calls waiting for a stream slot give up
+// now: retried, they go to a new connection or the driver's current proxy.
+func (c *upConn) stopTaking(why error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err != nil || c.goingAway {
+		return
+	}
+	c.goingAway, c.drainErr = true, why
+	c.retireLocked()
+	if len(c.calls) == 0 {
+		c.failLocked(why)
+	}
+	c.cond.Broadcast()
 }
 
 // upCall is one call's answer as it arrives.

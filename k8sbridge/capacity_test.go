@@ -541,15 +541,7 @@ func TestCapacityNodeLocalNodeWithoutProxy(t *testing.T) {
 	ctx := context.Background()
 	drv := clusterName(ns, "local.csi.test")
 	nodeA, nodeB := clusterName(ns, "node-a"), clusterName(ns, "no-proxy")
-	for _, n := range []string{nodeA, nodeB} {
-		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: n}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), n, metav1.DeleteOptions{}) })
-		if err := env.AddCSINode(ctx, n, drv, n, []string{corev1.LabelHostname}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	addHostnameNodes(t, env, drv, nodeA, nodeB)
 	dA, chainA := nodeProxy(t, drv, nodeA, 4*gib)
 	br, err := broker.New(broker.Options{TrustDomain: chaintest.TrustDomain, TLS: chainA.BrokerSource})
 	if err != nil {
@@ -614,6 +606,22 @@ func TestCapacityNodeLocalNodeWithoutProxy(t *testing.T) {
 	}
 }
 
+// addHostnameNodes adds nodes whose CSINode lists drv with the hostname
+// as its topology key (a node-local driver), removed at the test's end.
+func addHostnameNodes(t *testing.T, env *testenv.Env, drv string, nodes ...string) {
+	t.Helper()
+	ctx, c := context.Background(), env.Client()
+	for _, n := range nodes {
+		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: n}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), n, metav1.DeleteOptions{}) })
+		if err := env.AddCSINode(ctx, n, drv, n, []string{corev1.LabelHostname}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // nodeProxy starts a sample driver for node behind its own real proxy whose
 // certificate names the node (spiffe://.../driver/<driver>/node/<node>).
 func nodeProxy(t *testing.T, driver, node string, capacity int64) (*sampledriver.Driver, *chaintest.Chain) {
@@ -645,15 +653,7 @@ func TestCapacityNodeLocalTwoNodes(t *testing.T) {
 	ctx := context.Background()
 	drv := clusterName(ns, "local.csi.test")
 	nodeA, nodeB := clusterName(ns, "node-a"), clusterName(ns, "node-b")
-	for _, n := range []string{nodeA, nodeB} {
-		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: n}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), n, metav1.DeleteOptions{}) })
-		if err := env.AddCSINode(ctx, n, drv, n, []string{corev1.LabelHostname}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	addHostnameNodes(t, env, drv, nodeA, nodeB)
 	dA, chainA := nodeProxy(t, drv, nodeA, 4*gib)
 	dB, chainB := nodeProxy(t, drv, nodeB, 6*gib)
 	br, err := broker.New(broker.Options{TrustDomain: chaintest.TrustDomain, TLS: chainA.BrokerSource})

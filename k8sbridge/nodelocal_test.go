@@ -201,16 +201,9 @@ func TestNodeLocalGrantByNode(t *testing.T) {
 // and returns the instances by node.
 func addLocalNodes(t *testing.T, env *testenv.Env, drivers *testDrivers, drv string, sizes map[string]int64, faults sampledriver.Faults) map[string]*sampledriver.Driver {
 	t.Helper()
-	ctx, c := context.Background(), env.Client()
 	inst := map[string]*sampledriver.Driver{}
 	for node, size := range sizes {
-		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-		if err := env.AddCSINode(ctx, node, drv, node, []string{corev1.LabelHostname}); err != nil {
-			t.Fatal(err)
-		}
+		addHostnameNodes(t, env, drv, node)
 		inst[node] = drivers.addNodeDriver(t, sampledriver.Config{Name: drv, CapacityBytes: size, Topology: map[string]string{corev1.LabelHostname: node}, Faults: faults}, node)
 	}
 	return inst

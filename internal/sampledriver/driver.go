@@ -14,6 +14,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -131,6 +132,17 @@ func (d *Driver) sweep() {
 			continue
 		}
 		for _, e := range entries {
+			if id, ok := strings.CutPrefix(e.Name(), ".deleted-"); ok && dir.known(id) {
+				// Renamed for deletion, but the state still holds the
+				// volume (the crash came before the state was saved):
+				// the volume is not deleted, so its data goes back.
+				if err := os.Rename(filepath.Join(dir.path, e.Name()), filepath.Join(dir.path, id)); err != nil {
+					d.log.Warn("state dir: cannot restore a volume renamed for deletion", "volume_id", id, "err", err)
+				} else {
+					d.log.Info("state dir: restored a volume whose deletion was not saved", "volume_id", id)
+				}
+				continue
+			}
 			if !dir.known(e.Name()) {
 				remove(filepath.Join(dir.path, e.Name()), "not in the state (a crash between making or deleting it and saving the state)")
 			}

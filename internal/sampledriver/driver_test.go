@@ -724,6 +724,13 @@ func TestRestartKeepsState(t *testing.T) {
 	}
 	vol := mustCreate(t, c1, "persisted", 10<<20)
 	attachAndMount(t, c1, vol, "node-1", staging, target, false)
+	t.Cleanup(func() { // a failed check must not leave the mounts behind
+		for _, p := range []string{target, staging} {
+			if ok, _ := isMountPoint(p); ok {
+				_ = unmount(p)
+			}
+		}
+	})
 	snap, err := c1.CreateSnapshot(ctxT(t), &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: vol.GetVolumeId()})
 	if err != nil {
 		t.Fatal(err)
@@ -742,6 +749,11 @@ func TestRestartKeepsState(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// And the volume renamed for a deletion whose state was never saved:
+	// it still exists, with its data.
+	if err := os.Rename(before[0].Path, filepath.Join(stateDir, "volumes", ".deleted-"+before[0].ID)); err != nil {
+		t.Fatal(err)
+	}
 
 	c2, d2, stop2 := serveOn(t, cfg)
 	defer stop2()
@@ -750,8 +762,8 @@ func TestRestartKeepsState(t *testing.T) {
 			t.Errorf("leftover %s still there after a restart: %v", p, err)
 		}
 	}
-	if _, err := os.Stat(before[0].Path); err != nil {
-		t.Fatalf("the volume's own directory: %v", err)
+	if b, err := os.ReadFile(filepath.Join(before[0].Path, "f")); err != nil || string(b) != "kept" {
+		t.Fatalf("the volume's own directory after a restart: %q, %v", b, err)
 	}
 	after := d2.Volumes()
 	if len(after) != 1 || after[0].ID != before[0].ID || after[0].CapacityBytes != 10<<20 ||
