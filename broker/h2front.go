@@ -205,8 +205,10 @@ func (s *feServer) serveConn(nc net.Conn) {
 		cs := tc.ConnectionState()
 		if certs := cs.PeerCertificates; len(certs) > 0 {
 			c.caller, _ = mtls.PeerID(certs[0])
+			// Checked again before each call (a config that asks for no
+			// client certificate has nothing to check).
+			c.peerCheck = mtls.NewPeerCheck(s.tls, cs, nil)
 		}
-		c.peerCheck = mtls.NewPeerCheck(s.tls, cs)
 	}
 	s.mu.Lock()
 	if s.stopping {

@@ -94,10 +94,16 @@ type upstream struct {
 	lastErr error // the last dial's error; nil once one succeeded
 	closed  bool
 	closing chan struct{} // closed with closed: callers waiting on a dial stop waiting
-	// drained is the connection drain left to its calls in flight; close
-	// fails it too.
-	drained *upConn
-	stop    context.CancelFunc
+	// old are connections that take no new calls but may still carry
+	// calls in flight (drained by a move, or replaced after a certificate
+	// change); close fails them too. Failed ones are pruned as others come.
+	old map[*upConn]struct{}
+	// renewing: a connection with the broker's reloaded certificate is
+	// being dialled to replace conn; renewAfter: when to try again after
+	// the proxy refused one.
+	renewing   bool
+	renewAfter time.Time
+	stop       context.CancelFunc
 	// gone is closed, readable without mu: the chain then asks the broker
 	// for the driver's current proxy before the next attempt.
 	gone atomic.Bool
@@ -180,14 +186,32 @@ func (u *upstream) state() string {
 func (u *upstream) close() {
 	c := u.shut()
 	u.mu.Lock()
-	d := u.drained
-	u.drained = nil
+	old := u.old
+	u.old = nil
 	u.mu.Unlock()
-	for _, x := range []*upConn{c, d} {
-		if x != nil {
-			x.fail(errBrokerClosed)
+	if c != nil {
+		c.fail(errBrokerClosed)
+	}
+	for x := range old {
+		x.fail(errBrokerClosed)
+	}
+}
+
+// keepOldLocked remembers c, which takes no new calls, until it fails (the
+// caller holds u.mu).
+func (u *upstream) keepOldLocked(c *upConn) {
+	if u.old == nil {
+		u.old = map[*upConn]struct{}{}
+	}
+	for x := range u.old {
+		x.mu.Lock()
+		gone := x.err != nil
+		x.mu.Unlock()
+		if gone {
+			delete(u.old, x)
 		}
 	}
+	u.old[c] = struct{}{}
 }
 
 // drain takes no new calls and closes the connection once the calls in
@@ -199,7 +223,7 @@ func (u *upstream) drain(grace time.Duration) {
 		return
 	}
 	u.mu.Lock()
-	u.drained = c
+	u.keepOldLocked(c)
 	u.mu.Unlock()
 	c.stopTaking(errDriverChanged)
 	time.AfterFunc(grace, func() { c.fail(errDriverChanged) })
@@ -230,7 +254,7 @@ func (u *upstream) get(ctx context.Context) (*upConn, error) {
 		return nil, errClosedUpstream(u.addr)
 	}
 	if c := u.conn; c != nil {
-		if c.takesCalls() && c.current() {
+		if c.takesCalls() && u.admitLocked(c) {
 			u.mu.Unlock()
 			return c, nil
 		}
@@ -294,6 +318,7 @@ func (u *upstream) connect() (*upConn, error) {
 	if err != nil {
 		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: %v", u.addr, err)
 	}
+	own := mtls.OwnCert(u.tls) // before the handshake: see NewPeerCheck
 	tc := tls.Client(raw, u.tls)
 	if err := tc.HandshakeContext(ctx); err != nil {
 		raw.Close()
@@ -304,7 +329,7 @@ func (u *upstream) connect() (*upConn, error) {
 		return nil, status.Errorf(codes.Unavailable, "csibroker: proxy %s: connection error: the proxy did not agree to HTTP/2 (ALPN %q)", u.addr, p)
 	}
 	c := newUpConn(u, tc)
-	c.peerCheck = mtls.NewPeerCheck(u.tls, tc.ConnectionState())
+	c.peerCheck = mtls.NewPeerCheck(u.tls, tc.ConnectionState(), own)
 	tc.SetDeadline(time.Now().Add(upDialTimeout))
 	if err := c.start(); err != nil {
 		tc.Close()
@@ -373,28 +398,82 @@ type upConn struct {
 	peerCheck *mtls.PeerCheck
 }
 
-// current reports whether c may take new calls as far as certificates go:
-// the proxy's still verifies (not expired, its CA still trusted) and the
-// broker's own is the one the connection was made with. Otherwise c takes
-// no new calls and closes after its last one, so the next call makes a
-// new handshake: a renewed certificate reaches the proxy before the old
-// one expires, and a peer no longer trusted is refused.
-func (c *upConn) current() bool {
+// admitLocked reports whether c may take a new call as far as
+// certificates go (the caller holds u.mu).
+//   - The proxy's certificate no longer verifies (expired, its CA left the
+//     bundle): c takes no new calls; the call makes a new handshake, which
+//     says what is wrong.
+//   - The broker's own certificate files were reloaded since c was made:
+//     a connection with the new certificate is dialled in the background
+//     and replaces c once the proxy has accepted it, so the proxy sees the
+//     new certificate before the old one expires, and a proxy that does not
+//     accept it yet costs no call. Only once the certificate c was made
+//     with has expired (the proxy would refuse the call) does c stop
+//     taking calls at once.
+func (u *upstream) admitLocked(c *upConn) bool {
 	pc := c.peerCheck
 	if pc == nil {
 		return true
 	}
-	why := errOwnCertRenewed
-	if !pc.Renewed() {
-		err := pc.Verify()
-		if err == nil {
-			return true
-		}
-		why = errPeerNoLonger
-		c.u.b.log.Warn("proxy connection: the proxy's certificate no longer verifies; new calls open a new connection", "proxy", c.u.addr, "err", err)
+	if err := pc.Verify(); err != nil {
+		u.b.log.Warn("proxy connection: the proxy's certificate no longer verifies; new calls open a new connection", "proxy", u.addr, "err", err)
+		u.retireLocked(c, errPeerNoLonger)
+		return false
 	}
+	if !pc.Renewed() {
+		return true
+	}
+	if pc.OwnExpired(time.Now()) {
+		u.retireLocked(c, errOwnCertRenewed)
+		return false
+	}
+	u.renewLocked(c)
+	return true
+}
+
+// retireLocked makes c take no new calls; calls in flight finish on it.
+func (u *upstream) retireLocked(c *upConn, why error) {
+	u.keepOldLocked(c)
 	c.stopTaking(why)
-	return false
+	if u.conn == c {
+		u.conn = nil
+	}
+}
+
+// upRenewRetry is how long the broker keeps using a connection made with
+// its previous certificate after the proxy refused one made with the new.
+var upRenewRetry = 10 * time.Second
+
+// renewLocked dials, in the background, a connection with the broker's
+// current certificate to replace c (the caller holds u.mu).
+func (u *upstream) renewLocked(c *upConn) {
+	if u.renewing || u.closed || time.Now().Before(u.renewAfter) {
+		return
+	}
+	u.renewing = true
+	go func() {
+		nc, err := u.connect()
+		u.mu.Lock()
+		defer u.mu.Unlock()
+		u.renewing = false
+		log := u.b.log.With("driver", u.p.driver, "node", u.p.cfg.Node, "proxy", u.addr)
+		if err != nil {
+			u.renewAfter = time.Now().Add(upRenewRetry)
+			log.Warn("the proxy refused a connection with the broker's reloaded certificate; calls stay on the connection made with the previous one until it expires",
+				"error", status.Convert(err).Message(), "retry_in", upRenewRetry)
+			return
+		}
+		if u.closed || (u.conn != nil && u.conn != c) {
+			nc.fail(errOwnCertRenewed) // closed, or another connection took c's place meanwhile
+			return
+		}
+		prev := u.conn
+		u.conn, u.lastErr = nc, nil
+		if prev == c {
+			u.retireLocked(c, errOwnCertRenewed)
+		}
+		log.Info("proxy connection renewed with the broker's reloaded certificate")
+	}()
 }
 
 // stopTaking makes c take no new calls and close after its last one (at

@@ -209,7 +209,7 @@ func (p *Proxy) serveConn(ctx context.Context, nc net.Conn) {
 		return
 	}
 	c := newConn(p, tc, false, nc.RemoteAddr().String())
-	c.peerCheck = mtls.NewPeerCheck(p.tls, tc.ConnectionState())
+	c.peerCheck = mtls.NewPeerCheck(p.tls, tc.ConnectionState(), nil)
 	tc.SetReadDeadline(time.Now().Add(10 * time.Second))
 	preface := make([]byte, len(http2.ClientPreface))
 	if _, err := io.ReadFull(c.br, preface); err != nil || string(preface) != http2.ClientPreface {

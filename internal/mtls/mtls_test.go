@@ -389,7 +389,7 @@ func TestPeerCheck(t *testing.T) {
 	src := &swapSource{}
 	src.m.Store(issue(ca, DriverID(td, "d.csi")))
 	peer := issue(ca, BrokerID(td))
-	pc := NewPeerCheck(ServerConfig(src, AuthorizeOneOf(BrokerID(td))), tls.ConnectionState{PeerCertificates: []*x509.Certificate{peer.Leaf}})
+	pc := NewPeerCheck(ServerConfig(src, AuthorizeOneOf(BrokerID(td))), tls.ConnectionState{PeerCertificates: []*x509.Certificate{peer.Leaf}}, nil)
 	if err := pc.Verify(); err != nil || pc.Renewed() {
 		t.Fatalf("fresh connection: %v, renewed %v", err, pc.Renewed())
 	}
@@ -406,7 +406,7 @@ func TestPeerCheck(t *testing.T) {
 	if err := pc.Verify(); err == nil {
 		t.Fatal("a refused peer was accepted again")
 	}
-	if err := NewPeerCheck(ServerConfig(src, AuthorizeOneOf(BrokerID(td))), tls.ConnectionState{}).Verify(); err == nil {
+	if err := NewPeerCheck(ServerConfig(src, AuthorizeOneOf(BrokerID(td))), tls.ConnectionState{}, nil).Verify(); err == nil {
 		t.Fatal("a connection without a peer certificate verified")
 	}
 }

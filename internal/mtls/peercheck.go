@@ -2,6 +2,7 @@ package mtls
 
 import (
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"sync"
 	"time"
@@ -10,51 +11,77 @@ import (
 // PeerCheck verifies an established connection's peer again, as its
 // handshake did, once that verdict may have changed: the CA bundle or our
 // own certificate was reloaded (a CA taken out of the bundle stops its
-// certificates here too), or a certificate of the peer's chain has expired.
+// certificates here too), or a certificate the peer presented has expired.
 // Otherwise Verify costs a lock and two comparisons, so it can run for
 // every call.
 type PeerCheck struct {
-	cfg      *tls.Config
-	raw      [][]byte
-	notAfter time.Time
-	// at is our certificate at the handshake.
-	at *tls.Certificate
+	cfg   *tls.Config
+	raw   [][]byte
+	certs []*x509.Certificate
+	// at is our certificate at the handshake; atExpiry when it expires.
+	at       *tls.Certificate
+	atExpiry time.Time
 
-	mu      sync.Mutex
-	checked *tls.Certificate // our certificate when the peer last verified
-	err     error            // sticky: a peer refused once stays refused
+	mu       sync.Mutex
+	notAfter time.Time        // the earliest expiry of the peer's certificates still valid at the last check
+	checked  *tls.Certificate // our certificate when the peer last verified
+	err      error            // sticky: a peer refused once stays refused
+}
+
+// OwnCert is the certificate cfg (ServerConfig or ClientConfig) hands out
+// now, from its callbacks.
+func OwnCert(cfg *tls.Config) *tls.Certificate {
+	switch {
+	case cfg.GetCertificate != nil:
+		c, _ := cfg.GetCertificate(&tls.ClientHelloInfo{})
+		return c
+	case cfg.GetClientCertificate != nil:
+		c, _ := cfg.GetClientCertificate(&tls.CertificateRequestInfo{})
+		return c
+	}
+	return nil
 }
 
 // NewPeerCheck keeps what cs's peer showed, to be verified again with cfg,
-// the config (ServerConfig or ClientConfig) that accepted it.
-func NewPeerCheck(cfg *tls.Config, cs tls.ConnectionState) *PeerCheck {
-	p := &PeerCheck{cfg: cfg}
-	for i, c := range cs.PeerCertificates {
+// the config that accepted it. own is our certificate as read before the
+// handshake (nil: read now); read before, a reload during the handshake
+// shows as a renewal, never as none.
+func NewPeerCheck(cfg *tls.Config, cs tls.ConnectionState, own *tls.Certificate) *PeerCheck {
+	p := &PeerCheck{cfg: cfg, certs: cs.PeerCertificates}
+	for _, c := range cs.PeerCertificates {
 		p.raw = append(p.raw, c.Raw)
-		if i == 0 || c.NotAfter.Before(p.notAfter) {
-			p.notAfter = c.NotAfter
+	}
+	if own == nil {
+		own = OwnCert(cfg)
+	}
+	p.at, p.checked = own, own
+	if own != nil {
+		leaf := own.Leaf
+		if leaf == nil && len(own.Certificate) > 0 {
+			leaf, _ = x509.ParseCertificate(own.Certificate[0])
+		}
+		if leaf != nil {
+			p.atExpiry = leaf.NotAfter
 		}
 	}
-	p.at = p.own()
-	p.checked = p.at
+	p.notAfter = p.earliestExpiry(time.Now())
 	if len(p.raw) == 0 {
 		p.err = errors.New("mtls: peer presented no certificate")
 	}
 	return p
 }
 
-// own is our certificate now, from cfg's callbacks (they hand out the
-// source's current one).
-func (p *PeerCheck) own() *tls.Certificate {
-	switch {
-	case p.cfg.GetCertificate != nil:
-		c, _ := p.cfg.GetCertificate(&tls.ClientHelloInfo{})
-		return c
-	case p.cfg.GetClientCertificate != nil:
-		c, _ := p.cfg.GetClientCertificate(&tls.CertificateRequestInfo{})
-		return c
+// earliestExpiry is the earliest NotAfter among the peer's certificates
+// still valid at now: one already expired (an extra certificate outside
+// the chain that verified) does not make every later check a full one.
+func (p *PeerCheck) earliestExpiry(now time.Time) time.Time {
+	var t time.Time
+	for _, c := range p.certs {
+		if c.NotAfter.After(now) && (t.IsZero() || c.NotAfter.Before(t)) {
+			t = c.NotAfter
+		}
 	}
-	return nil
+	return t
 }
 
 // Verify reports whether the peer would still be accepted now.
@@ -65,7 +92,7 @@ func (p *PeerCheck) Verify() error {
 	if p.err != nil {
 		return p.err
 	}
-	mine := p.own()
+	mine := OwnCert(p.cfg)
 	if mine == p.checked && now.Before(p.notAfter) {
 		return nil
 	}
@@ -77,10 +104,17 @@ func (p *PeerCheck) Verify() error {
 		return err
 	}
 	p.checked = mine
+	p.notAfter = p.earliestExpiry(now)
 	return nil
 }
 
 // Renewed reports whether our own certificate has changed since the
-// handshake: a client then opens a new connection for new calls, so the
+// handshake: a client then moves new calls to a new connection, so the
 // peer sees the new certificate before the old one expires.
-func (p *PeerCheck) Renewed() bool { return p.own() != p.at }
+func (p *PeerCheck) Renewed() bool { return OwnCert(p.cfg) != p.at }
+
+// OwnExpired reports whether the certificate we showed at the handshake
+// has expired: the peer refuses new calls on the connection from then on.
+func (p *PeerCheck) OwnExpired(now time.Time) bool {
+	return !p.atExpiry.IsZero() && !now.Before(p.atExpiry)
+}

@@ -329,3 +329,53 @@ func TestExpiredPeerOnAnOpenConnection(t *testing.T) {
 		}
 	})
 }
+
+// TestRenewalTheProxyRefusesCostsNoCall: the broker's certificate files
+// are reloaded with a certificate the proxy does not accept (its issuer
+// not yet in the proxy's bundle, say). The broker tries it on a new
+// connection in the background, says that the proxy refused it, and keeps
+// the calls on the connection made with the previous certificate: no call
+// fails, even with no retries.
+func TestRenewalTheProxyRefusesCostsNoCall(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, BrokerReload: 20 * time.Millisecond,
+		Retry: broker.RetryConfig{MaxAttempts: 1}})
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	call := func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "renew"})
+		return err
+	}
+	if err := call(); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	other, err := mtls.NewCA("an issuer the proxy does not trust yet", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, key, err := other.Issue(mtls.Leaf{ID: mtls.BrokerID(chaintest.TrustDomain), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Both files in one swap (as a Secret volume does): key, then cert.
+	if err := mtls.WriteFileAtomic(c.BrokerFiles.Key, key, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := mtls.WriteFileAtomic(c.BrokerFiles.Cert, cert, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); c.BrokerSource.Reloads() < 1; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the broker did not reload its certificate")
+		}
+	}
+	for i := 0; i < 30; i++ {
+		if err := call(); err != nil {
+			t.Fatalf("call %d after the reload: %v", i, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	waitLog(t, c, "the proxy refused a connection with the broker's reloaded certificate")
+}
