@@ -94,6 +94,13 @@ type IntentStore struct {
 	cache    *corev1.ConfigMap // last written or read copy
 	writes   int64
 	loaded   bool
+	// term counts the ends of leadership terms (failAll): a read begun in
+	// one term does not seed the cache of the next, which starts from a
+	// fresh read.
+	term uint64
+	// loadMu makes the first read of a term one read, however many
+	// provisioning workers ask for it at once (Lookup).
+	loadMu   sync.Mutex
 	firstRem time.Time // when the oldest queued Remove arrived
 	// Arrivals of Adds: the oldest and newest queued, and an exponentially
 	// decayed count over rateWindow for the arrival rate.
@@ -317,13 +324,20 @@ func (s *IntentStore) Get(volumeName string) (Intent, bool) {
 // term (a List, or a write): at the start of a term the store knows nothing
 // of the entries an earlier leader wrote.
 func (s *IntentStore) Lookup(ctx context.Context, volumeName string) (Intent, bool, error) {
-	s.mu.Lock()
-	known := s.loaded && s.cache != nil
-	s.mu.Unlock()
-	if !known {
-		if _, err := s.List(ctx); err != nil {
-			return Intent{}, false, err
+	known := func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.loaded && s.cache != nil
+	}
+	if !known() {
+		s.loadMu.Lock()
+		if !known() {
+			if _, err := s.List(ctx); err != nil {
+				s.loadMu.Unlock()
+				return Intent{}, false, err
+			}
 		}
+		s.loadMu.Unlock()
 	}
 	in, ok := s.Get(volumeName)
 	return in, ok, nil
@@ -333,12 +347,15 @@ func (s *IntentStore) Lookup(ctx context.Context, volumeName string) (Intent, bo
 // start-up and for recovery), without the entries this store has been asked
 // to remove and has not written yet.
 func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
+	s.mu.Lock()
+	term := s.term
+	s.mu.Unlock()
 	cm, err := s.read(ctx)
 	if err != nil {
 		return nil, err
 	}
 	s.mu.Lock()
-	if !s.loaded {
+	if !s.loaded && s.term == term {
 		// Only the first read seeds the cache: later the cache holds what
 		// this store wrote, which a read racing a write could predate.
 		s.cache, s.loaded = cm, true
@@ -494,6 +511,7 @@ func (s *IntentStore) failAll(err error) {
 	// meanwhile), which starts from a fresh read.
 	clear(s.removes)
 	s.cache, s.loaded = nil, false
+	s.term++
 }
 
 // flush writes every queued change in one update (re-reading on conflict).

@@ -680,3 +680,71 @@ func TestIntentTermEndForgetsItsRemoves(t *testing.T) {
 		t.Fatalf("record after the next term's first write: %+v, want v kept and w added", ins)
 	}
 }
+
+// TestIntentLookupReadsEachTermOnce: the first lookups of a term read the
+// record from the API server once however many ask at once, and a new term
+// reads it again: an entry another leader wrote in between is seen.
+func TestIntentLookupReadsEachTermOnce(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var mu sync.Mutex
+	gets := 0
+	cfg := env.RESTConfig()
+	cfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(req *http.Request) (*http.Response, error) {
+			if req.Method == http.MethodGet && strings.HasSuffix(req.URL.Path, "/configmaps/csibroker-intents") {
+				mu.Lock()
+				gets++
+				mu.Unlock()
+			}
+			return rt.RoundTrip(req)
+		})
+	}
+	s := NewIntentStore(kubernetes.NewForConfigOrDie(cfg), ns, "csibroker-intents", nil)
+	readsOf := func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return gets
+	}
+	other := NewIntentStore(env.Client(), ns, "csibroker-intents", nil) // another leader
+	otherCtx, otherStop := context.WithCancel(ctx)
+	go other.Run(otherCtx)
+	if err := other.Add(ctx, Intent{VolumeName: "pvc-first", Driver: "d", Node: "n1", Created: metav1.Now()}); err != nil {
+		t.Fatal(err)
+	}
+
+	term1, end1 := context.WithCancel(ctx)
+	go s.Run(term1)
+	var wg sync.WaitGroup
+	for range 20 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if in, ok, err := s.Lookup(ctx, "pvc-first"); err != nil || !ok || in.Node != "n1" {
+				t.Errorf("lookup in term 1: %+v %v %v", in, ok, err)
+			}
+		}()
+	}
+	wg.Wait()
+	if n := readsOf(); n != 1 {
+		t.Errorf("20 first lookups of a term read the record %d times, want 1", n)
+	}
+	end1()
+
+	if err := other.Add(ctx, Intent{VolumeName: "pvc-second", Driver: "d", Node: "n2", Created: metav1.Now()}); err != nil {
+		t.Fatal(err)
+	}
+	otherStop()
+	term2, end2 := context.WithCancel(ctx)
+	defer end2()
+	go s.Run(term2)
+	err := testenv.WaitFor(ctx, 10*time.Second, "the second term's lookup to see the other leader's entry", func(ctx context.Context) (bool, string, error) {
+		in, ok, err := s.Lookup(ctx, "pvc-second")
+		return ok && in.Node == "n2", fmt.Sprintf("%+v %v", in, ok), err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
