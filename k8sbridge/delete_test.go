@@ -124,6 +124,13 @@ func TestDeleteAfterNamespaceIsGone(t *testing.T) {
 	authz := &policy.Authorizer{Rules: policy.NewStore(rs)}
 	first := startBridge(t, env, storageNS, drivers, bridgeOpts{policy: authz})
 	bound := waitBound(t, c, tenant, makeClaim(t, c, tenant, "data", class.Name, "1Gi").Name, 60*time.Second)
+	// A PV that does not record its claim's namespace labels (made by
+	// another provisioner, say).
+	unrecorded := waitBound(t, c, tenant, makeClaim(t, c, tenant, "unrecorded", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, unrecorded, types.MergePatchType,
+		[]byte(`{"metadata":{"annotations":{"`+annNamespaceLabels+`":null}}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
 
 	// The namespace disappears while no broker runs, so that the next one
 	// meets the Released volume with no namespace left to read labels from.
@@ -141,10 +148,21 @@ func TestDeleteAfterNamespaceIsGone(t *testing.T) {
 	startBridge(t, env, storageNS, drivers, bridgeOpts{policy: authz, identity: "broker-1"})
 	err = testenv.WaitFor(ctx, 60*time.Second, "volume of the deleted namespace deleted", func(ctx context.Context) (bool, string, error) {
 		_, err := c.CoreV1().PersistentVolumes().Get(ctx, bound.Spec.VolumeName, metav1.GetOptions{})
-		return apierrors.IsNotFound(err) && len(d.Volumes()) == 0, eventsOf(c, "default", bound.Spec.VolumeName), nil
+		return apierrors.IsNotFound(err) && len(d.Volumes()) == 1, eventsOf(c, "default", bound.Spec.VolumeName), nil
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+	// The PV without recorded labels is not decided for with labels nobody
+	// knows; its Event says how to give them, and giving them unblocks it.
+	waitEvent(t, c, "default", unrecorded, "VolumeFailedDelete", annNamespaceLabels+" annotation")
+	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, unrecorded, types.MergePatchType,
+		[]byte(`{"metadata":{"annotations":{"`+annNamespaceLabels+`":"{\"team\":\"a\"}"}}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitPVGone(t, c, unrecorded, 60*time.Second)
+	if n := len(d.Volumes()); n != 0 {
+		t.Fatalf("%d volumes left", n)
 	}
 }
 

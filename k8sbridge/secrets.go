@@ -93,7 +93,14 @@ func (b *Bridge) decideSecret(ctx context.Context, u secretUse) error {
 	b.metrics.secretDecision.WithLabelValues(u.driver, string(u.op), d.Result()).Inc()
 	policy.Audit(b.log, req, d)
 	if !d.Allowed {
-		return fmt.Errorf("%w: %s", errSecretDenied, d.Reason)
+		hint := ""
+		if req.Requester.Namespace != "" && req.Requester.NamespaceLabels == nil {
+			// A Deny grant's namespaceSelector matched labels nobody knows
+			// (fail closed): say how to make them known.
+			hint = fmt.Sprintf(" (namespace %s is not in the cache; for a PersistentVolume whose claim's namespace is gone, its %s annotation, a JSON object, gives the labels to decide with)",
+				req.Requester.Namespace, annNamespaceLabels)
+		}
+		return fmt.Errorf("%w: %s%s", errSecretDenied, d.Reason, hint)
 	}
 	return nil
 }
