@@ -270,8 +270,9 @@ func (b *Broker) CallTimeout(driver, method string) time.Duration {
 	return d.cfg.Timeout
 }
 
-// ControllerConn returns the connection to driver's controller proxy (or its
-// only proxy); k8sbridge uses the broker through this and NodeConn.
+// ControllerConn returns the connection to driver's controller proxy (for
+// a node-local driver without one, a node proxy); k8sbridge uses the broker
+// through this and NodeConn.
 func (b *Broker) ControllerConn(driver string) (grpc.ClientConnInterface, error) {
 	d, err := b.Driver(driver)
 	if err != nil {
@@ -280,8 +281,10 @@ func (b *Broker) ControllerConn(driver string) (grpc.ClientConnInterface, error)
 	pc, err := d.route("/csi.v1.Controller/ControllerGetCapabilities", "")
 	if err != nil {
 		// A node-local driver may have node proxies only: any of them
-		// answers capability questions.
-		if nodes := d.Nodes(); len(nodes) > 0 {
+		// answers capability questions. Any other driver waits for its
+		// controller proxy (a controller pod restarting): its node
+		// plugins know nothing of publications.
+		if nodes := d.Nodes(); d.cfg.NodeLocal && len(nodes) > 0 {
 			return frameConn{d.nodes[nodes[0]]}, nil
 		}
 		return nil, err

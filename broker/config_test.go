@@ -77,6 +77,11 @@ func TestRoute(t *testing.T) {
 		{"node-local create needs node", mk(false, []string{"n1", "n2"}, true), "/csi.v1.Controller/CreateVolume", "", "", "must name one of nodes"},
 		{"node-local publish goes to controller", mk(true, []string{"n1"}, true), "/csi.v1.Controller/ControllerPublishVolume", "", "ctrl", ""},
 		{"no controller", mk(false, []string{"n1", "n2"}, false), "/csi.v1.Controller/ListVolumes", "", "", "needs a controller proxy"},
+		// A controller proxy missing for a while (its pod restarting) does
+		// not send controller calls to a node plugin, which knows nothing
+		// of publications.
+		{"no controller, one node proxy", mk(false, []string{"n1"}, false), "/csi.v1.Controller/ControllerUnpublishVolume", "", "", "needs a controller proxy"},
+		{"node-local, no controller, one node proxy", mk(false, []string{"n1"}, true), "/csi.v1.Controller/ControllerGetCapabilities", "", "addr-n1", ""},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -162,12 +162,12 @@ func (d *Driver) route(method, node string) (*proxyConn, error) {
 			return d.controller, nil
 		case node != "":
 			return byNode()
-		case len(d.nodes) == 1:
+		case len(d.nodes) == 1 && d.cfg.NodeLocal:
 			for _, pc := range d.nodes {
 				return pc, nil
 			}
 		}
-		return nil, fmt.Errorf("driver %q: %w: %s needs a controller proxy", d.name, ErrNoProxy, short)
+		return nil, fmt.Errorf("driver %q: %w: %s needs a controller proxy (none is registered now)", d.name, ErrNoProxy, short)
 	}
 	if node != "" {
 		return byNode()

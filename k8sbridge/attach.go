@@ -360,21 +360,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
 	}
-	// Finalizer and node ID in one write, so a detach never lacks either.
 	fin := attacherFinalizer(driver)
-	if !containsString(va.Finalizers, fin) || va.Annotations[annVANodeID] != nodeID {
-		cp := va.DeepCopy()
-		if !containsString(cp.Finalizers, fin) {
-			cp.Finalizers = append(cp.Finalizers, fin)
-		}
-		if cp.Annotations == nil {
-			cp.Annotations = map[string]string{}
-		}
-		cp.Annotations[annVANodeID] = nodeID
-		if va, err = a.b.cfg.Client.StorageV1().VolumeAttachments().Update(ctx, cp, metav1.UpdateOptions{}); err != nil {
-			return err
-		}
-	}
 	if src.pv != nil && !hasFinalizer(src.pv, fin) {
 		cp := src.pv.DeepCopy()
 		cp.Finalizers = append(cp.Finalizers, fin)
@@ -387,13 +373,30 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	}
 	requester := a.requester(va, src)
 	secrets, err := a.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpControllerPublishVolume, ref: src.csi.ControllerPublishSecretRef,
-		source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: requester})
+		source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: requester, recordedNSLabels: recordedNamespaceLabels(src.pv)})
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
 	}
 	volCap, err := capability(src, caps.singleNodeMultiWriter)
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
+	}
+	// The VA's finalizer and node ID last, in one write, just before the
+	// call (as external-attacher): a VA that was never published (its PV
+	// being deleted, its secret missing or denied) has nothing to detach
+	// and can go; a detach never lacks either.
+	if !containsString(va.Finalizers, fin) || va.Annotations[annVANodeID] != nodeID {
+		cp := va.DeepCopy()
+		if !containsString(cp.Finalizers, fin) {
+			cp.Finalizers = append(cp.Finalizers, fin)
+		}
+		if cp.Annotations == nil {
+			cp.Annotations = map[string]string{}
+		}
+		cp.Annotations[annVANodeID] = nodeID
+		if va, err = a.b.cfg.Client.StorageV1().VolumeAttachments().Update(ctx, cp, metav1.UpdateOptions{}); err != nil {
+			return err
+		}
 	}
 	conn, err := a.b.cfg.Drivers.ControllerConn(driver)
 	if err != nil {
@@ -452,7 +455,7 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 			}
 		}
 		secrets, err := a.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpControllerUnpublishVolume, ref: src.csi.ControllerPublishSecretRef,
-			source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: a.requester(va, src)})
+			source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: a.requester(va, src), recordedNSLabels: recordedNamespaceLabels(src.pv)})
 		if err != nil {
 			return a.attachFailed(ctx, va, true, err)
 		}

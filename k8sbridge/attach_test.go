@@ -418,3 +418,42 @@ func newAttachSetup(t *testing.T, name string, cfg sampledriver.Config) *attachS
 	startBridge(t, env, s.ns, s.drivers, bridgeOpts{})
 	return s
 }
+
+// TestVANeverPublishedCanGo: a VolumeAttachment whose publish cannot be
+// made (its controller-publish secret is missing) takes no finalizer, so
+// deleting it is not blocked on a detach that would fail the same way.
+func TestVANeverPublishedCanGo(t *testing.T) {
+	s := newAttachSetup(t, "nosecret.csi.test", sampledriver.Config{})
+	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
+	class := makeClass(t, c, clusterName(ns, "nosecret"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+		"csi.storage.k8s.io/controller-publish-secret-name": "missing", "csi.storage.k8s.io/controller-publish-secret-namespace": ns})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va")},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
+	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error recorded")
+	if !strings.Contains(got.Status.AttachError.Message, "missing") || containsString(got.Finalizers, attacherFinalizer(drv)) {
+		t.Fatalf("attach without its secret: status %+v, finalizers %v; want the error and no finalizer", got.Status, got.Finalizers)
+	}
+	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := testenv.WaitFor(ctx, 20*time.Second, "the VolumeAttachment gone", func(ctx context.Context) (bool, string, error) {
+		cur, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, "", nil
+		}
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return false, fmt.Sprintf("finalizers %v, detach error %+v", cur.Finalizers, cur.Status.DetachError), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := d.CallCount("ControllerPublishVolume") + d.CallCount("ControllerUnpublishVolume"); n != 0 {
+		t.Fatalf("%d publish/unpublish calls for a VA that could not be published", n)
+	}
+}

@@ -197,11 +197,7 @@ func (d *deleter) sync(ctx context.Context, name string) error {
 			return nil
 		}
 	}
-	var recorded map[string]string
-	if a := pv.Annotations[annNamespaceLabels]; a != "" {
-		_ = json.Unmarshal([]byte(a), &recorded)
-	}
-	if err := d.b.prov.deleteVolumeWith(ctx, driver, node, pv.Spec.CSI.VolumeHandle, secretRef, requester, recorded); err != nil {
+	if err := d.b.prov.deleteVolumeWith(ctx, driver, node, pv.Spec.CSI.VolumeHandle, secretRef, requester, recordedNamespaceLabels(pv)); err != nil {
 		d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", "%v", err)
 		d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
 		return err

@@ -2,6 +2,7 @@ package k8sbridge
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -31,6 +32,20 @@ type secretUse struct {
 // annNamespaceLabels records, on a PV, the labels of its claim's namespace
 // at provisioning, for policy decisions after the namespace is deleted.
 const annNamespaceLabels = "csibroker.io/claim-namespace-labels"
+
+// recordedNamespaceLabels are the labels pv records of its claim's
+// namespace (nil when it records none): decisions made after the
+// namespace is gone use them.
+func recordedNamespaceLabels(pv *corev1.PersistentVolume) map[string]string {
+	var recorded map[string]string
+	if pv == nil {
+		return nil
+	}
+	if a := pv.Annotations[annNamespaceLabels]; a != "" {
+		_ = json.Unmarshal([]byte(a), &recorded)
+	}
+	return recorded
+}
 
 func (b *Bridge) namespaceLabels(ns string) map[string]string {
 	n, err := b.namespaces.Get(ns)

@@ -124,7 +124,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("tracing: %w", err)
 	}
-	defer tp.Shutdown(context.WithoutCancel(ctx))
+	defer telemetry.ShutdownTracing(ctx, tp, log)
 	promReg := prometheus.NewRegistry()
 	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 

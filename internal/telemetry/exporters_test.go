@@ -1,9 +1,14 @@
 package telemetry
 
 import (
+	"bytes"
 	"context"
+	"log/slog"
 	"strings"
 	"testing"
+	"time"
+
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 )
 
 func TestSpanExporters(t *testing.T) {
@@ -42,5 +47,33 @@ func TestSpanExporters(t *testing.T) {
 				_ = e.Shutdown(context.Background())
 			}
 		})
+	}
+}
+
+// stuckProcessor is a span processor whose flush never finishes (an
+// exporter whose collector is gone).
+type stuckProcessor struct{}
+
+func (stuckProcessor) OnStart(context.Context, sdktrace.ReadWriteSpan) {}
+func (stuckProcessor) OnEnd(sdktrace.ReadOnlySpan)                     {}
+func (stuckProcessor) ForceFlush(ctx context.Context) error            { <-ctx.Done(); return ctx.Err() }
+func (stuckProcessor) Shutdown(ctx context.Context) error              { <-ctx.Done(); return ctx.Err() }
+
+// TestShutdownTracingIsBounded: stopping does not wait on an exporter that
+// cannot flush past TracingShutdownTimeout, and says what was lost.
+func TestShutdownTracingIsBounded(t *testing.T) {
+	prev := TracingShutdownTimeout
+	TracingShutdownTimeout = 200 * time.Millisecond
+	t.Cleanup(func() { TracingShutdownTimeout = prev })
+	var buf bytes.Buffer
+	log := slog.New(slog.NewTextHandler(&buf, nil))
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(stuckProcessor{}))
+	start := time.Now()
+	ShutdownTracing(context.Background(), tp, log)
+	if d := time.Since(start); d > 2*time.Second {
+		t.Fatalf("shutdown took %v with a %v bound", d, TracingShutdownTimeout)
+	}
+	if !strings.Contains(buf.String(), "spans not exported before stopping") {
+		t.Fatalf("nothing logged: %q", buf.String())
 	}
 }

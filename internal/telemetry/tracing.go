@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"strings"
+	"time"
 
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
@@ -107,4 +109,19 @@ func spanExporters(ctx context.Context) ([]sdktrace.SpanExporter, error) {
 		}
 	}
 	return out, nil
+}
+
+// TracingShutdownTimeout bounds ShutdownTracing: a stopping process does not
+// wait on an exporter whose collector is gone past its own grace period.
+var TracingShutdownTimeout = 5 * time.Second
+
+// ShutdownTracing flushes and stops tp within TracingShutdownTimeout (ctx's
+// cancellation aside: it is the process's, which is ending), and logs what
+// could not be flushed.
+func ShutdownTracing(ctx context.Context, tp *sdktrace.TracerProvider, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), TracingShutdownTimeout)
+	defer cancel()
+	if err := tp.Shutdown(ctx); err != nil && log != nil {
+		log.Warn("tracing: spans not exported before stopping", "err", err, "timeout", TracingShutdownTimeout)
+	}
 }

@@ -2,6 +2,7 @@ package chain
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -208,5 +209,30 @@ func TestCloseEndsDrainingCalls(t *testing.T) {
 	cfg := d.Config()
 	if err := c.Broker.SetDriver(cfg); err == nil {
 		t.Error("SetDriver after Close succeeded")
+	}
+}
+
+// TestControllerCallsWaitForTheControllerProxy: a driver registered with
+// node proxies only (its controller pod not ready: discovery skips it)
+// gets no controller call through a node proxy, whose plugin knows nothing
+// of publications; a node-local driver, whose node plugins are its
+// controllers, does.
+func TestControllerCallsWaitForTheControllerProxy(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Node: "n1"})
+	if _, err := c.Broker.ControllerConn(echoName); err != nil {
+		t.Fatalf("node-local driver with a node proxy only: %v", err)
+	}
+	d, err := c.Broker.Driver(echoName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := d.Config()
+	cfg.NodeLocal = false
+	if err := c.Broker.SetDriver(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Broker.ControllerConn(echoName); !errors.Is(err, broker.ErrNoProxy) {
+		t.Fatalf("driver with a node proxy only: %v, want ErrNoProxy (wait for the controller proxy)", err)
 	}
 }

@@ -75,7 +75,7 @@ func RunProxy(ctx context.Context, name, version string, args []string, stderr i
 	if err != nil {
 		return fmt.Errorf("tracing: %w", err)
 	}
-	defer tp.Shutdown(context.WithoutCancel(ctx))
+	defer telemetry.ShutdownTracing(ctx, tp, log)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), mtls.NewCollector(src))
 
