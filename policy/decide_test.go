@@ -67,6 +67,15 @@ func expr(key string, op LabelSelectorOperator, values ...string) *LabelSelector
 	return &LabelSelector{MatchExpressions: []LabelSelectorRequirement{{Key: key, Operator: op, Values: values}}}
 }
 
+// allowAll is an Allow grant of every secret of testNS to every driver,
+// operation and requester.
+func allowAll() Grant {
+	return grant(testNS, "allow-all", func(s *GrantSpec) {
+		s.Drivers, s.SecretNames, s.Operations = []string{"*"}, []string{"*"}, []Operation{"*"}
+		s.Requesters = Requesters{Namespaces: []string{"*"}}
+	})
+}
+
 func cond(c string) func(*GrantSpec) { return func(g *GrantSpec) { g.Condition = c } }
 
 func TestDecide(t *testing.T) {
@@ -211,10 +220,7 @@ func TestDecide(t *testing.T) {
 			req:    baseReq(), rule: "store/z-deny", reason: []string{"deny grant store/z-deny denies"}},
 		{name: "deny beats wildcard allow",
 			grants: []Grant{
-				grant(testNS, "allow-all", func(s *GrantSpec) {
-					s.Drivers, s.SecretNames, s.Operations = []string{"*"}, []string{"*"}, []Operation{"*"}
-					s.Requesters = Requesters{Namespaces: []string{"*"}}
-				}),
+				allowAll(),
 				grant(testNS, "deny-gold", func(s *GrantSpec) {
 					s.Action = ActionDeny
 					s.Requesters = Requesters{NamespaceSelector: expr("tier", LabelSelectorOpIn, "gold")}
@@ -223,10 +229,7 @@ func TestDecide(t *testing.T) {
 			req: baseReq(), rule: "store/deny-gold"},
 		{name: "deny selector, requester's namespace labels unknown: fails closed",
 			grants: []Grant{
-				grant(testNS, "allow-all", func(s *GrantSpec) {
-					s.Drivers, s.SecretNames, s.Operations = []string{"*"}, []string{"*"}, []Operation{"*"}
-					s.Requesters = Requesters{Namespaces: []string{"*"}}
-				}),
+				allowAll(),
 				grant(testNS, "deny-untrusted", func(s *GrantSpec) {
 					s.Action = ActionDeny
 					s.Requesters = Requesters{NamespaceSelector: &LabelSelector{MatchLabels: map[string]string{"tier": "untrusted"}}}
@@ -236,10 +239,7 @@ func TestDecide(t *testing.T) {
 			reason: []string{"deny grant store/deny-untrusted denies", "namespace labels are not known", "fail closed"}},
 		{name: "deny selector, known labels that do not match: the allow decides",
 			grants: []Grant{
-				grant(testNS, "allow-all", func(s *GrantSpec) {
-					s.Drivers, s.SecretNames, s.Operations = []string{"*"}, []string{"*"}, []Operation{"*"}
-					s.Requesters = Requesters{Namespaces: []string{"*"}}
-				}),
+				allowAll(),
 				grant(testNS, "deny-untrusted", func(s *GrantSpec) {
 					s.Action = ActionDeny
 					s.Requesters = Requesters{NamespaceSelector: &LabelSelector{MatchLabels: map[string]string{"tier": "untrusted"}}}
