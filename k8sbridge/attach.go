@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -86,6 +87,20 @@ func init() { extraControllers = append(extraControllers, newAttacher) }
 type attacher struct {
 	b     *Bridge
 	queue *termQueue
+
+	// force holds the attachments the reconcile found not published:
+	// their next sync publishes again although their status says attached.
+	mu    sync.Mutex
+	force map[string]bool
+}
+
+// takeForce reports (once) whether name is to be published again.
+func (a *attacher) takeForce(name string) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	f := a.force[name]
+	delete(a.force, name)
+	return f
 }
 
 func newAttacher(b *Bridge) (controller, error) {
@@ -286,7 +301,7 @@ func (a *attacher) syncVA(ctx context.Context, name string) error {
 	if va.DeletionTimestamp != nil {
 		return a.detach(ctx, va)
 	}
-	if va.Status.Attached {
+	if va.Status.Attached && !a.takeForce(name) {
 		return nil
 	}
 	return a.attach(ctx, va)
@@ -558,12 +573,18 @@ func (a *attacher) reconcile(ctx context.Context) {
 			if published[src.csi.VolumeHandle][va.Annotations[annVANodeID]] {
 				continue
 			}
-			a.b.log.Warn("attach reconcile: driver does not report the volume as published; attaching again", "volumeattachment", va.Name, "volume", src.csi.VolumeHandle, "node", va.Spec.NodeName)
-			cp := va.DeepCopy()
-			cp.Status.Attached = false
-			if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, cp, metav1.UpdateOptions{}); err != nil {
-				a.b.log.Error("attach reconcile: mark detached", "volumeattachment", va.Name, "err", err)
+			// Published again through the queue, as external-attacher does;
+			// the status stays attached (false would make the
+			// attach-detach controller count the volume as detached from a
+			// node that may be using it).
+			a.b.log.Warn("attach reconcile: driver does not report the volume as published; publishing it again", "volumeattachment", va.Name, "volume", src.csi.VolumeHandle, "node", va.Spec.NodeName)
+			a.mu.Lock()
+			if a.force == nil {
+				a.force = map[string]bool{}
 			}
+			a.force[va.Name] = true
+			a.mu.Unlock()
+			a.queue.Add("va/" + va.Name)
 		}
 	}
 }

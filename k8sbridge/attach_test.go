@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"regexp"
+	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -455,5 +457,72 @@ func TestVANeverPublishedCanGo(t *testing.T) {
 	}
 	if n := d.CallCount("ControllerPublishVolume") + d.CallCount("ControllerUnpublishVolume"); n != 0 {
 		t.Fatalf("%d publish/unpublish calls for a VA that could not be published", n)
+	}
+}
+
+// TestAttachReconcilePublishesAgain: when the driver no longer reports an
+// attached volume as published (ListVolumes), the reconcile publishes it
+// again, as external-attacher does, and the VolumeAttachment stays
+// attached throughout (false would make the attach-detach controller count
+// the volume as detached from a node that may be using it).
+func TestAttachReconcilePublishesAgain(t *testing.T) {
+	prev := attachReconcileInterval
+	attachReconcileInterval = 300 * time.Millisecond
+	t.Cleanup(func() { attachReconcileInterval = prev })
+	s := newAttachSetup(t, "relist.csi.test", sampledriver.Config{})
+	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
+	class := makeClass(t, c, clusterName(ns, "relist"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va")},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
+	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.StorageV1().VolumeAttachments().Delete(context.Background(), va.Name, metav1.DeleteOptions{})
+	})
+	attached := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
+	// Every version of the attachment from now on, to see whether any
+	// says detached, however briefly.
+	w, err := c.StorageV1().VolumeAttachments().Watch(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + va.Name, ResourceVersion: attached.ResourceVersion})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	var detachedSeen atomic.Bool
+	go func() {
+		for ev := range w.ResultChan() {
+			if cur, ok := ev.Object.(*storagev1.VolumeAttachment); ok && !cur.Status.Attached && cur.DeletionTimestamp == nil {
+				detachedSeen.Store(true)
+			}
+		}
+	}()
+
+	// Behind the broker's back the driver forgets the publication.
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := s.drivers.ControllerConn(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := csi.NewControllerClient(conn).ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, NodeId: node}); err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 30*time.Second, "the volume published again", func(ctx context.Context) (bool, string, error) {
+		for _, v := range d.Volumes() {
+			if v.ID == pv.Spec.CSI.VolumeHandle && slices.Contains(v.PublishedNodes, node) {
+				return true, "", nil
+			}
+		}
+		return false, fmt.Sprintf("%d ControllerPublishVolume calls", d.CallCount("ControllerPublishVolume")), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond) // the watch delivers what came before
+	if detachedSeen.Load() {
+		t.Fatal("the VolumeAttachment was marked detached on the way")
 	}
 }
