@@ -110,9 +110,6 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 		return err
 	}
 	cfg = cfg.withDefaults()
-	if b.isClosed() {
-		return errBrokerClosed
-	}
 	var retired []*proxyConn
 	// Drained once the registry lock is released (a drain may wait on a
 	// connection's socket).
@@ -123,6 +120,9 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 	}()
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if b.closed {
+		return errBrokerClosed
+	}
 	old := b.drivers[cfg.Name]
 	d := &Driver{name: cfg.Name, cfg: cfg, b: b, nodes: map[string]*proxyConn{}}
 	if old != nil {
@@ -186,11 +186,6 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 				retired = append(retired, pc)
 			}
 		}
-	}
-	if b.closed {
-		// Closed while this registration dialled.
-		retired = nil
-		return fail(errBrokerClosed)
 	}
 	b.drivers[cfg.Name] = d
 	b.log.Info("driver registered", "driver", cfg.Name, "controller", cfg.Controller != nil, "node_proxies", len(cfg.Nodes), "node_local", cfg.NodeLocal)
@@ -280,13 +275,6 @@ func (b *Broker) ControllerConn(driver string) (grpc.ClientConnInterface, error)
 	}
 	pc, err := d.route("/csi.v1.Controller/ControllerGetCapabilities", "")
 	if err != nil {
-		// A node-local driver may have node proxies only: any of them
-		// answers capability questions. Any other driver waits for its
-		// controller proxy (a controller pod restarting): its node
-		// plugins know nothing of publications.
-		if nodes := d.Nodes(); d.cfg.NodeLocal && len(nodes) > 0 {
-			return frameConn{d.nodes[nodes[0]]}, nil
-		}
 		return nil, err
 	}
 	return frameConn{pc}, nil
@@ -334,12 +322,6 @@ func (b *Broker) Close() {
 	for pc := range draining {
 		pc.close()
 	}
-}
-
-func (b *Broker) isClosed() bool {
-	b.mu.RLock()
-	defer b.mu.RUnlock()
-	return b.closed
 }
 
 // dial opens the connection to one proxy with the client chain.

@@ -85,12 +85,11 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 				}
 				b.onRetry(ctx, p, d, attempt, err)
 			}
-			if ap.up.gone.Load() {
-				// The driver was reconfigured or removed since: the
-				// attempt goes to the proxy that serves it now.
-				if n := b.current(ap); n != ap {
-					ap, ad = n, b.desc(n, method)
-				}
+			// The driver reconfigured since: the attempt goes to the
+			// proxy that serves it now (removed: the attempt fails on the
+			// closed connection, saying so).
+			if n, lerr := ap.live(); lerr == nil && n != ap {
+				ap, ad = n, b.desc(n, method)
 			}
 			resp, hdr, trl, err = ap.up.attempt(ctx, ad, method, md, req)
 			if err == nil {
@@ -99,7 +98,7 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 			if err == nil || ctx.Err() != nil || status.Code(err) != codes.Unavailable {
 				return err
 			}
-			if ap.up.gone.Load() && b.current(ap) == ap {
+			if _, lerr := ap.live(); lerr != nil {
 				return err // the driver was removed: no proxy will take a retry
 			}
 		}

@@ -162,10 +162,12 @@ func (d *Driver) route(method, node string) (*proxyConn, error) {
 			return d.controller, nil
 		case node != "":
 			return byNode()
-		case len(d.nodes) == 1 && d.cfg.NodeLocal:
-			for _, pc := range d.nodes {
-				return pc, nil
-			}
+		case d.cfg.NodeLocal && len(d.nodes) > 0:
+			// A node-local driver's node plugins are its controllers:
+			// any of them answers (capabilities, say). Any other driver
+			// waits for its controller proxy (a controller pod
+			// restarting): its node plugins know nothing of publications.
+			return d.nodes[d.Nodes()[0]], nil
 		}
 		return nil, fmt.Errorf("driver %q: %w: %s needs a controller proxy (none is registered now)", d.name, ErrNoProxy, short)
 	}

@@ -415,12 +415,13 @@ func (u *upstream) admitLocked(c *upConn) bool {
 	if pc == nil {
 		return true
 	}
-	if err := pc.Verify(); err != nil {
+	renewed, err := pc.Check()
+	if err != nil {
 		u.b.log.Warn("proxy connection: the proxy's certificate no longer verifies; new calls open a new connection", "proxy", u.addr, "err", err)
 		u.retireLocked(c, errPeerNoLonger)
 		return false
 	}
-	if !pc.Renewed() {
+	if !renewed {
 		return true
 	}
 	if pc.OwnExpired(time.Now()) {

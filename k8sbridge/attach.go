@@ -94,6 +94,15 @@ type attacher struct {
 	force map[string]bool
 }
 
+func (a *attacher) setForce(name string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.force == nil {
+		a.force = map[string]bool{}
+	}
+	a.force[name] = true
+}
+
 // takeForce reports (once) whether name is to be published again.
 func (a *attacher) takeForce(name string) bool {
 	a.mu.Lock()
@@ -284,6 +293,7 @@ func capability(src *attachSource, singleNodeMultiWriter bool) (*csi.VolumeCapab
 }
 
 func (a *attacher) syncVA(ctx context.Context, name string) error {
+	force := a.takeForce(name) // consumed whatever happens: no entry outlives its VA
 	va, err := a.b.attachments.Get(name)
 	if apierrors.IsNotFound(err) {
 		return nil
@@ -301,10 +311,14 @@ func (a *attacher) syncVA(ctx context.Context, name string) error {
 	if va.DeletionTimestamp != nil {
 		return a.detach(ctx, va)
 	}
-	if va.Status.Attached && !a.takeForce(name) {
+	if va.Status.Attached && !force {
 		return nil
 	}
-	return a.attach(ctx, va)
+	err = a.attach(ctx, va)
+	if err != nil && force {
+		a.setForce(name) // the retry publishes again too
+	}
+	return err
 }
 
 // attachFailed records the error in the attachment's status and as an Event.
@@ -578,12 +592,7 @@ func (a *attacher) reconcile(ctx context.Context) {
 			// attach-detach controller count the volume as detached from a
 			// node that may be using it).
 			a.b.log.Warn("attach reconcile: driver does not report the volume as published; publishing it again", "volumeattachment", va.Name, "volume", src.csi.VolumeHandle, "node", va.Spec.NodeName)
-			a.mu.Lock()
-			if a.force == nil {
-				a.force = map[string]bool{}
-			}
-			a.force[va.Name] = true
-			a.mu.Unlock()
+			a.setForce(va.Name)
 			a.queue.Add("va/" + va.Name)
 		}
 	}

@@ -390,12 +390,21 @@ func TestPeerCheck(t *testing.T) {
 	src.m.Store(issue(ca, DriverID(td, "d.csi")))
 	peer := issue(ca, BrokerID(td))
 	pc := NewPeerCheck(ServerConfig(src, AuthorizeOneOf(BrokerID(td))), tls.ConnectionState{PeerCertificates: []*x509.Certificate{peer.Leaf}}, nil)
-	if err := pc.Verify(); err != nil || pc.Renewed() {
-		t.Fatalf("fresh connection: %v, renewed %v", err, pc.Renewed())
+	if renewed, err := pc.Check(); err != nil || renewed {
+		t.Fatalf("fresh connection: %v, renewed %v", err, renewed)
+	}
+	// The files reloaded with the same certificate (a new CA bundle, say):
+	// new material, the same leaf, nothing renewed.
+	same := *src.Current()
+	sameCert := *same.Cert
+	same.Cert = &sameCert
+	src.m.Store(&same)
+	if renewed, err := pc.Check(); err != nil || renewed {
+		t.Fatalf("material reloaded with the same leaf: %v, renewed %v; want verified, not renewed", err, renewed)
 	}
 	src.m.Store(issue(ca, DriverID(td, "d.csi")))
-	if err := pc.Verify(); err != nil || !pc.Renewed() {
-		t.Fatalf("own certificate reloaded under the same CA: %v, renewed %v; want verified and renewed", err, pc.Renewed())
+	if renewed, err := pc.Check(); err != nil || !renewed {
+		t.Fatalf("own certificate reloaded under the same CA: %v, renewed %v; want verified and renewed", err, renewed)
 	}
 	kept := src.Current()
 	src.m.Store(issue(other, DriverID(td, "d.csi"))) // the bundle trusts only the other CA now

@@ -1,6 +1,7 @@
 package mtls
 
 import (
+	"bytes"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
@@ -25,6 +26,7 @@ type PeerCheck struct {
 	mu       sync.Mutex
 	notAfter time.Time        // the earliest expiry of the peer's certificates still valid at the last check
 	checked  *tls.Certificate // our certificate when the peer last verified
+	renewed  bool             // checked is another leaf than at
 	err      error            // sticky: a peer refused once stays refused
 }
 
@@ -86,32 +88,47 @@ func (p *PeerCheck) earliestExpiry(now time.Time) time.Time {
 
 // Verify reports whether the peer would still be accepted now.
 func (p *PeerCheck) Verify() error {
+	_, err := p.Check()
+	return err
+}
+
+// Check is Verify, and also reports whether our own certificate (its leaf,
+// not merely the reloaded material: a new CA bundle alone renews nothing)
+// has changed since the handshake: a client then moves new calls to a new
+// connection, so the peer sees the new certificate before the old one
+// expires. Our material is read once per call.
+func (p *PeerCheck) Check() (renewed bool, err error) {
 	now := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.err != nil {
-		return p.err
+		return p.renewed, p.err
 	}
 	mine := OwnCert(p.cfg)
 	if mine == p.checked && now.Before(p.notAfter) {
-		return nil
+		return p.renewed, nil
 	}
-	if p.cfg.VerifyPeerCertificate == nil {
-		return nil
-	}
-	if err := p.cfg.VerifyPeerCertificate(p.raw, nil); err != nil {
-		p.err = err
-		return err
+	if p.cfg.VerifyPeerCertificate != nil {
+		if err := p.cfg.VerifyPeerCertificate(p.raw, nil); err != nil {
+			p.err = err
+			return p.renewed, err
+		}
 	}
 	p.checked = mine
+	p.renewed = !sameLeaf(mine, p.at)
 	p.notAfter = p.earliestExpiry(now)
-	return nil
+	return p.renewed, nil
 }
 
-// Renewed reports whether our own certificate has changed since the
-// handshake: a client then moves new calls to a new connection, so the
-// peer sees the new certificate before the old one expires.
-func (p *PeerCheck) Renewed() bool { return OwnCert(p.cfg) != p.at }
+func sameLeaf(a, b *tls.Certificate) bool {
+	if a == b {
+		return true
+	}
+	if a == nil || b == nil || len(a.Certificate) == 0 || len(b.Certificate) == 0 {
+		return false
+	}
+	return bytes.Equal(a.Certificate[0], b.Certificate[0])
+}
 
 // OwnExpired reports whether the certificate we showed at the handshake
 // has expired: the peer refuses new calls on the connection from then on.
