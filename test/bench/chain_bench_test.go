@@ -264,6 +264,7 @@ func BenchmarkThroughputC32(b *testing.B) {
 			var dSum, cSum float64
 			var dCPU, cCPU time.Duration
 			var dN, cN int
+			var dSys, cSys uint64
 			b.ResetTimer()
 			for r := 0; r < rounds; r++ {
 				t0 := cpuTime(b, direct, chain)
@@ -275,6 +276,8 @@ func BenchmarkThroughputC32(b *testing.B) {
 				t2 := cpuTime(b, direct, chain)
 				dCPU += t1.self - t0.self + t1.direct - t0.direct
 				cCPU += t2.self - t1.self + t2.chain - t1.chain
+				dSys += t1.selfSys - t0.selfSys + t1.directSys - t0.directSys
+				cSys += t2.selfSys - t1.selfSys + t2.chainSys - t1.chainSys
 			}
 			b.StopTimer()
 			d, c := dSum/rounds, cSum/rounds
@@ -288,14 +291,23 @@ func BenchmarkThroughputC32(b *testing.B) {
 			// changes.
 			b.ReportMetric(us(dCPU)/float64(dN), "direct-cpu-µs/call")
 			b.ReportMetric(us(cCPU)/float64(cN), "chain-cpu-µs/call")
+			// Read and write system calls per call, counted the same way:
+			// how well each side batches frames into socket reads and
+			// writes.
+			b.ReportMetric(float64(dSys)/float64(dN), "direct-rw-syscalls/call")
+			b.ReportMetric(float64(cSys)/float64(cN), "chain-rw-syscalls/call")
 			b.ReportMetric(0, "ns/op")
 		})
 	}
 }
 
 // cpuSample is the CPU time used so far by this process and by the two
-// sides' driver processes.
-type cpuSample struct{ self, direct, chain time.Duration }
+// sides' driver processes, and the read and write system calls each made
+// (/proc/<pid>/io).
+type cpuSample struct {
+	self, direct, chain          time.Duration
+	selfSys, directSys, chainSys uint64
+}
 
 func cpuTime(b *testing.B, direct, chain *side) cpuSample {
 	var ru syscall.Rusage
@@ -304,10 +316,28 @@ func cpuTime(b *testing.B, direct, chain *side) cpuSample {
 	}
 	d, err1 := procCPU(direct.driverPID)
 	c, err2 := procCPU(chain.driverPID)
-	if err := errors.Join(err1, err2); err != nil {
+	s, err3 := procSyscalls(os.Getpid())
+	ds, err4 := procSyscalls(direct.driverPID)
+	cs, err5 := procSyscalls(chain.driverPID)
+	if err := errors.Join(err1, err2, err3, err4, err5); err != nil {
 		b.Fatal(err)
 	}
-	return cpuSample{self: time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), direct: d, chain: c}
+	return cpuSample{self: time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), direct: d, chain: c,
+		selfSys: s, directSys: ds, chainSys: cs}
+}
+
+// procSyscalls is the number of read and write system calls a process made
+// so far.
+func procSyscalls(pid int) (uint64, error) {
+	p, err := procfs.NewProc(pid)
+	if err != nil {
+		return 0, err
+	}
+	io, err := p.IO()
+	if err != nil {
+		return 0, err
+	}
+	return io.SyscR + io.SyscW, nil
 }
 
 // procCPU is the CPU time (user and system) a process used so far.
