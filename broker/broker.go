@@ -341,7 +341,7 @@ func (b *Broker) dial(d *Driver, pc ProxyConfig) (*proxyConn, error) {
 			MinConnectTimeout: 5 * time.Second,
 		}),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
-		grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelOpts...)),
+		grpc.WithStatsHandler(codeOnlyStats{otelgrpc.NewClientHandler(otelOpts...)}),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(b.opts.MaxMsgSize), grpc.MaxCallSendMsgSize(b.opts.MaxMsgSize)),
 		grpc.WithChainStreamInterceptor(b.streamChain(p)...),
 	)...)

@@ -26,6 +26,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -116,23 +117,22 @@ func (b *Broker) streamChain(p *proxyConn) []grpc.StreamClientInterceptor {
 			// The driver's timeout for the method bounds the whole stream,
 			// as it bounds a unary call.
 			ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
-			ctx, span := b.tracer.Start(ctx, "broker "+method, trace.WithSpanKind(trace.SpanKindInternal),
-				trace.WithAttributes(attribute.String("csi.driver", p.driver), attribute.String("csi.node", p.cfg.Node), attribute.String("rpc.method", shortMethod(method))))
 			d := b.desc(p, method)
-			d.inflight.Inc()
+			ctx, span := b.tracer.Start(ctx, d.spanName, d.spanOpts...)
+			stats := b.began(p, d)
 			start := time.Now()
 			cs, err := streamer(ctx, desc, cc, method, opts...)
 			if err != nil {
 				span.SetStatus(otelcodes.Error, status.Code(err).String())
 				span.End()
-				b.streamEnded(p, d, start, err)
+				b.streamEnded(p, d, stats, start, err)
 				cancel()
 				return nil, err
 			}
 			// The span covers opening the stream; the per-attempt span from
 			// otelgrpc covers the whole stream.
 			span.End()
-			bs := &boundStream{ClientStream: cs, done: func(err error) { b.streamEnded(p, d, start, err); cancel() }}
+			bs := &boundStream{ClientStream: cs, method: method, done: func(err error) { b.streamEnded(p, d, stats, start, err); cancel() }}
 			// A stream its caller abandons without reading it to the end
 			// ends with its context.
 			context.AfterFunc(ctx, func() { bs.end(status.FromContextError(ctx.Err()).Err()) })
@@ -141,28 +141,69 @@ func (b *Broker) streamChain(p *proxyConn) []grpc.StreamClientInterceptor {
 	}
 }
 
-// streamEnded records a stream's end in the call metrics (as observe does
-// for a unary call).
-func (b *Broker) streamEnded(p *proxyConn, d *callDesc, start time.Time, err error) {
-	d.inflight.Dec()
-	code := status.Code(err)
-	elapsed := time.Since(start).Seconds()
-	b.metrics.calls.WithLabelValues(p.driver, d.metricShort, rawgrpc.CodeLabel(code)).Observe(elapsed)
-	b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, rawgrpc.CodeLabel(code)).Observe(elapsed)
-	if err != nil {
+// streamEnded records a stream's end as observe records a unary call's.
+func (b *Broker) streamEnded(p *proxyConn, d *callDesc, stats *driverStats, start time.Time, err error) {
+	if code := b.ended(p, d, stats, time.Since(start), err); err != nil {
 		b.log.Info("csi stream failed", "driver", p.driver, "node", p.cfg.Node, "method", d.short, "code", code.String())
 	}
 }
 
+// began counts a call (unary or stream) in flight, in the metrics and in
+// its driver's status counts, which it returns for ended.
+func (b *Broker) began(p *proxyConn, d *callDesc) *driverStats {
+	stats := b.driverStats(p.driver)
+	d.inflight.Inc()
+	stats.inflight.Add(1)
+	return stats
+}
+
+// ended records the end of a call that began: the latency histograms and
+// the driver's status counts.
+func (b *Broker) ended(p *proxyConn, d *callDesc, stats *driverStats, elapsed time.Duration, err error) codes.Code {
+	d.inflight.Dec()
+	stats.inflight.Add(-1)
+	stats.total.Add(1)
+	code := status.Code(err)
+	if code == codes.OK {
+		d.okCalls.Observe(elapsed.Seconds())
+		d.okSidecar.Observe(elapsed.Seconds())
+	} else {
+		stats.failed.Add(1)
+		b.metrics.calls.WithLabelValues(p.driver, d.metricShort, rawgrpc.CodeLabel(code)).Observe(elapsed.Seconds())
+		b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, rawgrpc.CodeLabel(code)).Observe(elapsed.Seconds())
+	}
+	return code
+}
+
 // boundStream calls done once, when the stream ends (RecvMsg's io.EOF, its
-// error, or a failed SendMsg's status read back).
+// error, or a failed SendMsg's status read back), and strips from the
+// stream's status the secrets its requests carried, as observe does for a
+// unary call.
 type boundStream struct {
 	grpc.ClientStream
-	once sync.Once
-	done func(error)
+	method string
+	once   sync.Once
+	done   func(error)
+
+	mu      sync.Mutex
+	secrets []string // the csi_secret values of the requests sent so far
 }
 
 func (s *boundStream) end(err error) { s.once.Do(func() { s.done(err) }) }
+
+func (s *boundStream) SendMsg(m any) error {
+	// Noted before the request leaves: the answer may come first.
+	if values := secretValues(s.method, m); len(values) > 0 {
+		s.mu.Lock()
+		for _, v := range values {
+			if !slices.Contains(s.secrets, v) {
+				s.secrets = append(s.secrets, v)
+			}
+		}
+		s.mu.Unlock()
+	}
+	return s.ClientStream.SendMsg(m)
+}
 
 func (s *boundStream) RecvMsg(m any) error {
 	err := s.ClientStream.RecvMsg(m)
@@ -171,9 +212,27 @@ func (s *boundStream) RecvMsg(m any) error {
 	case errors.Is(err, io.EOF):
 		s.end(nil)
 	default:
+		s.mu.Lock()
+		err = redactValues(err, s.secrets)
+		s.mu.Unlock()
 		s.end(err)
 	}
 	return err
+}
+
+// codeOnlyStats passes gRPC's stats to otelgrpc's handler with an ended
+// stream's status reduced to its code: a driver's message may quote its
+// request's secrets (the unary path's spans record the code only too).
+type codeOnlyStats struct{ stats.Handler }
+
+func (h codeOnlyStats) HandleRPC(ctx context.Context, rs stats.RPCStats) {
+	if e, ok := rs.(*stats.End); ok && e.Error != nil {
+		code := status.Code(e.Error)
+		ended := *e
+		ended.Error = status.Error(code, code.String())
+		rs = &ended
+	}
+	h.Handler.HandleRPC(ctx, rs)
 }
 
 // methodTimeout is the driver's timeout for method.
@@ -239,9 +298,7 @@ func (b *Broker) observe(ctx context.Context, p *proxyConn, d *callDesc, method 
 	ctx, span := b.tracer.Start(ctx, d.spanName, d.spanOpts...)
 	defer span.End()
 
-	stats := b.driverStats(p.driver)
-	d.inflight.Inc()
-	stats.inflight.Add(1)
+	stats := b.began(p, d)
 	debug := b.log.Enabled(ctx, slog.LevelDebug)
 	if debug {
 		b.log.Debug("csi request", "driver", p.driver, "node", p.cfg.Node, "method", short, "request", sanitized(method, req, true))
@@ -254,21 +311,9 @@ func (b *Broker) observe(ctx context.Context, p *proxyConn, d *callDesc, method 
 		// the request's secret values never leave in an error message.
 		err = redactSecrets(err, method, req)
 	}
-	d.inflight.Dec()
-	stats.inflight.Add(-1)
-	stats.total.Add(1)
-
-	code := status.Code(err)
-	if code == codes.OK {
-		d.okCalls.Observe(elapsed.Seconds())
-		d.okSidecar.Observe(elapsed.Seconds())
-	} else {
-		b.metrics.calls.WithLabelValues(p.driver, d.metricShort, rawgrpc.CodeLabel(code)).Observe(elapsed.Seconds())
-		b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, rawgrpc.CodeLabel(code)).Observe(elapsed.Seconds())
-	}
+	code := b.ended(p, d, stats, elapsed, err)
 	span.SetAttributes(attribute.String("rpc.grpc.status_code", code.String()))
 	if err != nil {
-		stats.failed.Add(1)
 		span.SetStatus(otelcodes.Error, code.String())
 		// The driver's message passes through unchanged (design.md); it is
 		// logged as the driver sent it, never with request contents.
@@ -290,28 +335,40 @@ func (b *Broker) driverStats(name string) *driverStats {
 	return d.stats
 }
 
-// sanitized renders a CSI message with every csi_secret field replaced by
-// "***stripped***". A raw frame is decoded first, by the method's type in the
-// protobuf registry; what cannot be decoded is described, never printed.
 // redactSecrets replaces, in err's status message, every value of the
 // request's csi_secret fields, as sent or as a driver may have escaped it
 // (Go quoting, JSON, URL encoding), and drops any status detail that holds
 // one; everything else about the status (code, the rest of the message,
 // the other details) passes through unchanged.
 func redactSecrets(err error, method string, req any) error {
+	if err == nil {
+		return nil
+	}
+	return redactValues(err, secretValues(method, req))
+}
+
+// secretValues returns the values of req's csi_secret fields; req is a
+// message or a raw frame of method's request type (nil if the method is
+// not known).
+func secretValues(method string, req any) []string {
 	var m proto.Message
 	switch r := req.(type) {
 	case *rawgrpc.Frame:
 		if m = newMessage(method, true); m == nil || proto.Unmarshal(r.Payload, m) != nil {
-			return err
+			return nil
 		}
 	case proto.Message:
 		m = r
 	default:
-		return err
+		return nil
 	}
 	var values []string
 	collectSecrets(m.ProtoReflect(), &values)
+	return values
+}
+
+// redactValues is redactSecrets with the secret values given.
+func redactValues(err error, values []string) error {
 	st, ok := status.FromError(err)
 	if len(values) == 0 || !ok {
 		return err
@@ -406,6 +463,9 @@ func collectSecrets(m protoreflect.Message, into *[]string) {
 	})
 }
 
+// sanitized renders a CSI message with every csi_secret field replaced by
+// "***stripped***". A raw frame is decoded first, by the method's type in the
+// protobuf registry; what cannot be decoded is described, never printed.
 func sanitized(method string, msg any, request bool) string {
 	if f, ok := msg.(*rawgrpc.Frame); ok {
 		m := newMessage(method, request)

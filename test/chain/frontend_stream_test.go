@@ -361,3 +361,66 @@ func TestFrontEndAnswerHeldByAShutWindowEndsAtTheDeadline(t *testing.T) {
 		t.Errorf("stream reset %v after the call, before its 500ms deadline", d.Round(time.Millisecond))
 	}
 }
+
+// TestStreamsCountInTheStatus: streams are calls like any other in the
+// driver's counts that `csibroker status` shows: in flight while open, then
+// total, and failed when they end in an error.
+func TestStreamsCountInTheStatus(t *testing.T) {
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: startStreamDriver(t)})
+	conn := chaintest.Dial(t, c.Front)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	counts := func() (inflight, total, failed int64) {
+		t.Helper()
+		st := c.Broker.Status()
+		if len(st) != 1 {
+			t.Fatalf("status %+v", st)
+		}
+		return st[0].Inflight, st[0].Total, st[0].Failed
+	}
+	waitCounts := func(inflight, total, failed int64) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			i, n, f := counts()
+			if i == inflight && n == total && f == failed {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("status counts in flight %d, total %d, failed %d; want %d, %d, %d", i, n, f, inflight, total, failed)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	i0, n0, f0 := counts()
+
+	// A client stream that ends well.
+	cs, err := conn.NewStream(ctx, &grpc.StreamDesc{ClientStreams: true}, "/csi.v2.Counter/Count")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cs.SendMsg(wrapperspb.Bytes([]byte("abc"))); err != nil {
+		t.Fatal(err)
+	}
+	waitCounts(i0+1, n0, f0)
+	if err := cs.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	if err := cs.RecvMsg(&wrapperspb.Int64Value{}); err != nil {
+		t.Fatal(err)
+	}
+	waitCounts(i0, n0+1, f0)
+
+	// A server stream the caller abandons: it ends Canceled.
+	sctx, scancel := context.WithCancel(ctx)
+	st, err := csi.NewSnapshotMetadataClient(conn).GetMetadataAllocated(sctx, &csi.GetMetadataAllocatedRequest{SnapshotId: "s"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Recv(); err != nil {
+		t.Fatal(err)
+	}
+	waitCounts(i0+1, n0+1, f0)
+	scancel()
+	waitCounts(i0, n0+2, f0+1)
+}

@@ -7,6 +7,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -39,9 +40,23 @@ func startTracedEcho(t *testing.T, tp *sdktrace.TracerProvider) (*echoDriver, st
 	srv := grpc.NewServer(grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(tp), otelgrpc.WithPropagators(telemetry.Propagator()))))
 	csi.RegisterIdentityServer(srv, e)
 	csi.RegisterControllerServer(srv, e)
+	csi.RegisterSnapshotMetadataServer(srv, secretQuotingSnapshots{})
 	go srv.Serve(lis)
 	t.Cleanup(func() { srv.Stop(); os.Remove(path) })
 	return e, "unix://" + path
+}
+
+// secretQuotingSnapshots is a careless driver's streaming method: it sends
+// one message, then fails quoting the request's password.
+type secretQuotingSnapshots struct {
+	csi.UnimplementedSnapshotMetadataServer
+}
+
+func (secretQuotingSnapshots) GetMetadataAllocated(req *csi.GetMetadataAllocatedRequest, srv csi.SnapshotMetadata_GetMetadataAllocatedServer) error {
+	if err := srv.Send(&csi.GetMetadataAllocatedResponse{VolumeCapacityBytes: 1}); err != nil {
+		return err
+	}
+	return status.Errorf(codes.PermissionDenied, "snapshot service login refused for password %q", req.GetSecrets()["password"])
 }
 
 // TestOneTracePerCall checks that a call through the front end makes one
@@ -152,7 +167,8 @@ func TestCanarySecretNeverLeaks(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
 	_, ep := startTracedEcho(t, tp)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Tracer: tp, Spans: spans, LogLevel: -8})
-	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	conn := chaintest.Dial(t, c.Front)
+	client := csi.NewControllerClient(conn)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	secrets := map[string]string{"password": canary, "token": canary}
@@ -207,6 +223,27 @@ func TestCanarySecretNeverLeaks(t *testing.T) {
 			t.Errorf("echo-secret=%s: message %q, want the secret stripped", mode, st.Message())
 		}
 	}
+	// A streaming method (secrets in its request too) whose driver quotes
+	// the secret in the status that ends the stream.
+	for _, secret := range []string{canary, canary2} {
+		stream, err := csi.NewSnapshotMetadataClient(conn).GetMetadataAllocated(ctx, &csi.GetMetadataAllocatedRequest{SnapshotId: "s", Secrets: map[string]string{"password": secret}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := stream.Recv(); err != nil {
+			t.Fatalf("the stream's first message: %v", err)
+		}
+		_, err = stream.Recv()
+		st := status.Convert(err)
+		if st.Code() != codes.PermissionDenied || !strings.Contains(st.Message(), `login refused for password "***stripped***"`) {
+			t.Fatalf("a stream's status quoting the secret reached the caller as %v", err)
+		}
+		for _, e := range append([]string{canary}, escaped...) {
+			if strings.Contains(st.Message(), e) {
+				t.Errorf("the secret, as %q, reached a stream's caller in %q", e, st.Message())
+			}
+		}
+	}
 
 	logs := c.Logs.String()
 	if !strings.Contains(logs, `"csi request"`) || !strings.Contains(logs, "***stripped***") {
@@ -220,20 +257,27 @@ func TestCanarySecretNeverLeaks(t *testing.T) {
 			t.Fatalf("the second canary, as %q, in logs:\n%s", e, logs)
 		}
 	}
+	forms := append([]string{canary}, escaped...)
+	leaks := func(v string) bool {
+		return slices.ContainsFunc(forms, func(f string) bool { return strings.Contains(v, f) })
+	}
 	for _, s := range spans.Ended() {
 		check := func(where string, kvs []attribute.KeyValue) {
 			for _, kv := range kvs {
-				if strings.Contains(kv.Value.Emit(), canary) || strings.Contains(string(kv.Key), canary) {
-					t.Errorf("canary in span %q %s attribute %s", s.Name(), where, kv.Key)
+				if leaks(kv.Value.Emit()) || leaks(string(kv.Key)) {
+					t.Errorf("a canary in span %q %s attribute %s", s.Name(), where, kv.Key)
 				}
 			}
 		}
 		check("", s.Attributes())
 		for _, ev := range s.Events() {
 			check("event "+ev.Name, ev.Attributes)
+			if leaks(ev.Name) {
+				t.Errorf("a canary in span %q event name", s.Name())
+			}
 		}
-		if strings.Contains(s.Status().Description, canary) {
-			t.Errorf("canary in span %q status", s.Name())
+		if leaks(s.Status().Description) {
+			t.Errorf("a canary in span %q status %q", s.Name(), s.Status().Description)
 		}
 	}
 	if len(spans.Ended()) == 0 {
@@ -244,8 +288,8 @@ func TestCanarySecretNeverLeaks(t *testing.T) {
 		t.Fatalf("metrics: %d families, %v", len(mfs), gerr)
 	}
 	for _, mf := range mfs {
-		if strings.Contains(mf.String(), canary) {
-			t.Fatalf("canary in metric %s", mf.GetName())
+		if leaks(mf.String()) {
+			t.Fatalf("a canary in metric %s", mf.GetName())
 		}
 	}
 }
