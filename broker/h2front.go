@@ -438,15 +438,28 @@ func (c *feConn) connErrorLocked(code http2.ErrCode, why string) {
 func (c *feConn) goAway() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.closed || c.goingAway {
+	if !c.goingAway {
+		c.goAwayLocked(c.lastID, 0, errors.New("front end stopped"))
+	}
+}
+
+// goAwayLocked tells the caller to open no more streams (those up to
+// lastID finish as they would), refuses stream refuse if not 0, and closes
+// the connection with why once none is left: at once if none is open.
+func (c *feConn) goAwayLocked(lastID, refuse uint32, why error) {
+	if c.closed {
 		return
 	}
 	c.goingAway = true
-	c.writeErr(c.framer().WriteGoAway(c.lastID, http2.ErrCodeNo, nil))
+	c.writeErr(c.framer().WriteGoAway(lastID, http2.ErrCodeNo, nil))
+	if refuse != 0 {
+		// After the GOAWAY, so the caller retries it on another connection.
+		c.writeErr(c.framer().WriteRSTStream(refuse, http2.ErrCodeRefusedStream))
+	}
 	c.needFlush = true
 	c.flushLocked()
 	if len(c.streams) == 0 {
-		c.closeLocked(errors.New("front end stopped"))
+		c.closeLocked(why)
 	}
 }
 
@@ -503,15 +516,8 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 			// The caller's certificate expired, or its CA left the bundle,
 			// since the handshake: no new call on this connection.
 			c.s.fe.b.log.Warn("CSI TCP front end refuses new calls from a connection whose certificate no longer verifies; closing it", "remote", c.nc.RemoteAddr().String(), "caller", c.caller, "err", err)
-			c.goingAway = true
-			c.writeErr(c.framer().WriteGoAway(prevID, http2.ErrCodeNo, nil))
-			if len(c.streams) == 0 {
-				c.writeErr(c.framer().WriteRSTStream(id, http2.ErrCodeRefusedStream))
-				c.needFlush = true
-				c.flushLocked()
-				c.closeLocked(err)
-				return
-			}
+			c.goAwayLocked(prevID, id, err)
+			return
 		}
 	}
 	if c.goingAway || len(c.streams) >= feMaxStreams {

@@ -139,16 +139,9 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 			// since the handshake: no new call on this connection; those
 			// in flight end as they would.
 			p.log.Warn("proxy refuses new calls from a broker connection whose certificate no longer verifies; closing it", "peer", c.desc, "err", err)
-			c.goingAway, c.draining = true, true
-			c.writeErr(c.framer().WriteGoAway(prevID, http2.ErrCodeNo, nil))
-			if len(c.streams) == 0 {
-				c.writeErr(c.framer().WriteRSTStream(id, http2.ErrCodeRefusedStream))
-				c.needFlush = true
-				c.flushLocked()
-				c.closeLocked(err)
-				c.mu.Unlock()
-				return
-			}
+			c.goAwayLocked(prevID, id, err)
+			c.mu.Unlock()
+			return
 		}
 	}
 	if c.goingAway || len(c.streams) >= maxStreams {

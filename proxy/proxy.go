@@ -254,13 +254,7 @@ func (p *Proxy) drain() {
 	p.bmu.Unlock()
 	for _, c := range conns {
 		c.mu.Lock()
-		c.goingAway, c.draining = true, true
-		c.writeErr(c.framer().WriteGoAway(c.lastID, http2.ErrCodeNo, nil))
-		c.needFlush = true
-		c.flushLocked()
-		if len(c.streams) == 0 {
-			c.closeLocked(errors.New("proxy stopping"))
-		}
+		c.goAwayLocked(c.lastID, 0, errors.New("proxy stopping"))
 		c.mu.Unlock()
 	}
 	deadline := time.After(10 * time.Second)

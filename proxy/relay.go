@@ -272,6 +272,27 @@ func (c *conn) connErrorLocked(code http2.ErrCode, why string) {
 	c.closeLocked(fmt.Errorf("%s: %s", code, why))
 }
 
+// goAwayLocked tells the broker to open no more streams on this
+// connection (those up to lastID finish as they would), refuses stream
+// refuse if not 0, and closes it with why once none is left: at once if
+// none is open.
+func (c *conn) goAwayLocked(lastID, refuse uint32, why error) {
+	if c.closed {
+		return
+	}
+	c.goingAway, c.draining = true, true
+	c.writeErr(c.framer().WriteGoAway(lastID, http2.ErrCodeNo, nil))
+	if refuse != 0 {
+		// After the GOAWAY, so the broker retries it on another connection.
+		c.writeErr(c.framer().WriteRSTStream(refuse, http2.ErrCodeRefusedStream))
+	}
+	c.needFlush = true
+	c.flushLocked()
+	if len(c.streams) == 0 {
+		c.closeLocked(why)
+	}
+}
+
 // writeHeadersLocked writes fields as HEADERS (+ CONTINUATION) on stream id.
 func (c *conn) writeHeadersLocked(id uint32, fields []hpack.HeaderField, end bool) {
 	c.writeErr(rawgrpc.WriteHeaderBlock(c.framer(), c.enc, &c.hbuf, id, fields, end, c.peer.MaxFrame))
