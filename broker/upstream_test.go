@@ -246,7 +246,10 @@ func TestUpstreamKeepalive(t *testing.T) {
 
 	addr, cfg := startPeer(t, &h2peer{maxStreams: 10, answerPings: true})
 	au := newTestUpstream(t, addr, cfg)
-	au.kaTime, au.kaTimeout = 50*time.Millisecond, 50*time.Millisecond
+	// Pings every 50 ms, each given 500 ms: a machine stalled for 50 ms
+	// must not look like a dead proxy.
+	au.kaTime, au.kaTimeout = 50*time.Millisecond, 500*time.Millisecond
+	start := time.Now()
 	alive, err := au.get(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -269,6 +272,8 @@ func TestUpstreamKeepalive(t *testing.T) {
 	if why == nil || !strings.Contains(why.Error(), "keepalive") {
 		t.Fatalf("the silent proxy's connection: %v, want closed after an unanswered keepalive ping", why)
 	}
+	// Long enough for three unanswered pings to have closed it.
+	time.Sleep(time.Until(start.Add(1500 * time.Millisecond)))
 	if !alive.takesCalls() {
 		t.Fatal("the connection to a proxy that answers pings was closed")
 	}

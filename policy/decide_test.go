@@ -88,6 +88,7 @@ func TestDecide(t *testing.T) {
 		rule    string
 		reason  []string // substrings the reason must hold
 		not     []string // substrings it must not hold
+		invalid int      // grants Compile must refuse (every other grant compiles)
 	}{
 		{name: "no grants: default deny", req: baseReq(), rule: RuleDefaultDeny,
 			reason: []string{"no grant in namespace store allows", testDriver, "store/creds", "NodeStageVolume", "PersistentVolumeClaim team-a/data"}},
@@ -302,19 +303,19 @@ func TestDecide(t *testing.T) {
 		// invalid grants
 		{name: "invalid allow grant is not applied",
 			grants: []Grant{grant(testNS, "g", cond(`request.nosuchfield == 1`))},
-			req:    baseReq(), rule: RuleDefaultDeny},
+			req:    baseReq(), rule: RuleDefaultDeny, invalid: 1},
 		{name: "invalid deny grant locks its namespace",
 			grants: []Grant{grant(testNS, "allow"), grant(testNS, "deny", func(s *GrantSpec) {
 				s.Action = ActionDeny
 				s.Condition = `request.nosuchfield == 1`
 			})},
-			req: baseReq(), rule: "store/deny", reason: []string{"invalid Deny grant", "every secret in namespace store"}},
+			req: baseReq(), rule: "store/deny", reason: []string{"invalid Deny grant", "every secret in namespace store"}, invalid: 1},
 		{name: "invalid deny grant does not affect other namespaces",
 			grants: []Grant{grant("other", "allow"), grant(testNS, "deny", func(s *GrantSpec) {
 				s.Action = ActionDeny
 				s.Drivers = nil
 			})},
-			req: baseReq(func(r *Request) { r.Secret.Namespace = "other" }), allowed: true, rule: "other/allow"},
+			req: baseReq(func(r *Request) { r.Secret.Namespace = "other" }), allowed: true, rule: "other/allow", invalid: 1},
 
 		// malformed requests
 		{name: "empty driver", grants: base, req: baseReq(func(r *Request) { r.Driver = "" }), rule: RuleInvalidRequest},
@@ -325,7 +326,11 @@ func TestDecide(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			rs, errs := Compile(tc.grants)
-			_ = errs // the invalid-grant cases check behaviour, not errors
+			// A grant refused by mistake would leave many cases at their
+			// default deny for the wrong reason.
+			if len(errs) != tc.invalid {
+				t.Fatalf("Compile refused %d grants, want %d: %v", len(errs), tc.invalid, errs)
+			}
 			d := rs.Decide(tc.req)
 			if d.Allowed != tc.allowed || d.Rule != tc.rule {
 				t.Fatalf("Decide = allowed %v rule %q, want allowed %v rule %q\nreason: %s", d.Allowed, d.Rule, tc.allowed, tc.rule, d.Reason)

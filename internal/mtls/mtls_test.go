@@ -267,8 +267,24 @@ func TestFileSourceReload(t *testing.T) {
 		t.Fatal(err)
 	}
 	cur := src.Current()
-	WriteFileAtomic(keyF, k, 0o600)
-	WriteFileAtomic(certF, c, 0o644)
+	write := func(key, cert []byte) {
+		t.Helper()
+		if err := WriteFileAtomic(keyF, key, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := WriteFileAtomic(certF, cert, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	issue := func(l Leaf) (cert, key []byte) {
+		t.Helper()
+		cert, key, err := ca.Issue(l)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cert, key
+	}
+	write(k, c)
 	if _, err := src.Reload(); err == nil || !strings.Contains(err.Error(), "expired") {
 		t.Fatalf("err = %v", err)
 	}
@@ -276,12 +292,11 @@ func TestFileSourceReload(t *testing.T) {
 		t.Fatal("expired certificate replaced a valid one")
 	}
 	// A mismatched key is refused.
-	_, k2, _ := ca.Issue(Leaf{ID: BrokerID("td"), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour)})
-	c3, _, _ := ca.Issue(Leaf{ID: BrokerID("td"), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour)})
-	WriteFileAtomic(keyF, k2, 0o600)
-	WriteFileAtomic(certF, c3, 0o644)
-	if _, err := src.Reload(); err == nil {
-		t.Fatal("mismatched key accepted")
+	_, k2 := issue(Leaf{ID: BrokerID("td"), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour)})
+	c3, _ := issue(Leaf{ID: BrokerID("td"), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour)})
+	write(k2, c3)
+	if _, err := src.Reload(); err == nil || !strings.Contains(err.Error(), "does not match") {
+		t.Fatalf("mismatched key: err = %v", err)
 	}
 	if src.Current() != cur {
 		t.Fatal("mismatched pair replaced a valid one")
@@ -289,9 +304,8 @@ func TestFileSourceReload(t *testing.T) {
 
 	// A certificate naming another identity is refused: every peer would
 	// refuse it.
-	c, k, _ = ca.Issue(Leaf{ID: DriverID("td", "d1"), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour)})
-	WriteFileAtomic(keyF, k, 0o600)
-	WriteFileAtomic(certF, c, 0o644)
+	c, k = issue(Leaf{ID: DriverID("td", "d1"), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour)})
+	write(k, c)
 	if _, err := src.Reload(); err == nil || !strings.Contains(err.Error(), "names "+DriverID("td", "d1")) {
 		t.Fatalf("another identity: err = %v", err)
 	}
@@ -300,9 +314,8 @@ func TestFileSourceReload(t *testing.T) {
 	}
 
 	// A certificate not valid yet waits: refused now, taken once valid.
-	c, k, _ = ca.Issue(Leaf{ID: BrokerID("td"), NotBefore: time.Now().Add(time.Hour), NotAfter: time.Now().Add(2 * time.Hour)})
-	WriteFileAtomic(keyF, k, 0o600)
-	WriteFileAtomic(certF, c, 0o644)
+	c, k = issue(Leaf{ID: BrokerID("td"), NotBefore: time.Now().Add(time.Hour), NotAfter: time.Now().Add(2 * time.Hour)})
+	write(k, c)
 	if _, err := src.Reload(); err == nil || !strings.Contains(err.Error(), "not valid before") {
 		t.Fatalf("not valid yet: err = %v", err)
 	}

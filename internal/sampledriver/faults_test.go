@@ -29,18 +29,20 @@ func faults(t *testing.T, specs ...string) Faults {
 }
 
 func TestFaultLatency(t *testing.T) {
-	ep, d := StartTest(t, Config{Faults: faults(t, "CreateVolume=latency:150ms")})
+	// A latency long enough that a machine's stall is not mistaken for it.
+	const latency = time.Second
+	ep, d := StartTest(t, Config{Faults: faults(t, "CreateVolume=latency:1s")})
 	c := dial(t, ep)
 	start := time.Now()
 	mustCreate(t, c, "slow", 1<<20)
-	if el := time.Since(start); el < 150*time.Millisecond {
-		t.Fatalf("CreateVolume took %v, want at least 150ms", el)
+	if el := time.Since(start); el < latency {
+		t.Fatalf("CreateVolume took %v, want at least %v", el, latency)
 	}
 	start = time.Now()
 	if _, err := c.Probe(ctxT(t), &csi.ProbeRequest{}); err != nil {
 		t.Fatal(err)
 	}
-	if el := time.Since(start); el > 100*time.Millisecond {
+	if el := time.Since(start); el >= latency {
 		t.Fatalf("Probe took %v; latency leaked to another method", el)
 	}
 	// The caller's deadline cuts the latency short and nothing happens.
@@ -48,7 +50,9 @@ func TestFaultLatency(t *testing.T) {
 	defer cancel()
 	_, err := c.CreateVolume(ctx, createReq("never", 1<<20))
 	wantCode(t, "CreateVolume past its deadline", err, codes.DeadlineExceeded)
-	time.Sleep(200 * time.Millisecond) // let the server side see the cancellation
+	// Past the latency: a call that ignored its cancellation would have
+	// made its volume by now.
+	time.Sleep(latency + 200*time.Millisecond)
 	for _, v := range d.Volumes() {
 		if v.Name == "never" {
 			t.Fatal("a call cancelled during its injected latency still created a volume")

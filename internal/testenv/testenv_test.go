@@ -280,8 +280,15 @@ func startChild(t *testing.T, mode string) *child {
 		case "READY":
 			c := &child{cmd: cmd, dir: f[1]}
 			for _, p := range f[2:] {
-				pid, _ := strconv.Atoi(p)
+				pid, err := strconv.Atoi(p)
+				if err != nil {
+					t.Fatalf("helper: bad pid in %q", sc.Text())
+				}
 				c.pids = append(c.pids, pid)
+			}
+			if len(c.pids) == 0 {
+				// The clean-up checks would pass on nothing.
+				t.Fatalf("helper named no process: %q", sc.Text())
 			}
 			go func() { _, _ = bufio.NewReader(out).WriteTo(nopWriter{}) }()
 			return c

@@ -150,9 +150,13 @@ func BenchmarkFloor(b *testing.B) {
 		dl, cl := make([]time.Duration, 0, b.N), make([]time.Duration, 0, b.N)
 		for i := 0; i < b.N; i++ {
 			t0 := time.Now()
-			probe.call(ctx, direct)
+			if err := probe.call(ctx, direct); err != nil {
+				b.Fatal(err)
+			}
 			t1 := time.Now()
-			probe.call(ctx, chain)
+			if err := probe.call(ctx, chain); err != nil {
+				b.Fatal(err)
+			}
 			t2 := time.Now()
 			dl, cl = append(dl, t1.Sub(t0)), append(cl, t2.Sub(t1))
 		}

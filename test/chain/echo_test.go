@@ -43,6 +43,18 @@ func (e *echoDriver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (
 	return &csi.GetPluginInfoResponse{Name: "echo.csi.test", VendorVersion: "1"}, nil
 }
 
+// waitCreateCalls waits until the driver has received n CreateVolume calls.
+func (e *echoDriver) waitCreateCalls(t *testing.T, n int64) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for e.calls.Load() < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("the driver received %d CreateVolume calls, want %d", e.calls.Load(), n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 func (e *echoDriver) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
 	return &csi.ProbeResponse{}, nil
 }

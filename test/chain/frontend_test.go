@@ -71,7 +71,7 @@ func TestFrontEndBinaryMetadata(t *testing.T) {
 // TestFrontEndDrainsOnStop: stopping the broker's front end lets a call in
 // flight finish with its answer, and the socket then refuses new callers.
 func TestFrontEndDrainsOnStop(t *testing.T) {
-	_, ep := startEcho(t)
+	echo, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
 	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -84,7 +84,7 @@ func TestFrontEndDrainsOnStop(t *testing.T) {
 		_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "slow", Parameters: map[string]string{"sleep-ms": "500"}})
 		done <- err
 	}()
-	time.Sleep(150 * time.Millisecond) // the slow call is at the driver
+	echo.waitCreateCalls(t, 2) // the slow call is at the driver
 	stopped := make(chan struct{})
 	go func() { c.Stop(); close(stopped) }()
 	if err := <-done; err != nil {

@@ -162,7 +162,7 @@ func TestRelayDriverStreamLimit(t *testing.T) {
 // process on the same socket.
 func TestRelayDriverGracefulRestart(t *testing.T) {
 	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
-	_, srv := serveDriver(t, path)
+	echo, srv := serveDriver(t, path)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
 	conn := brokerConn(t, c)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -176,7 +176,7 @@ func TestRelayDriverGracefulRestart(t *testing.T) {
 		_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "inflight", Parameters: map[string]string{"sleep-ms": "300"}})
 		errc <- err
 	}()
-	time.Sleep(100 * time.Millisecond)
+	echo.waitCreateCalls(t, 2) // the call is at the driver
 	stopped := make(chan struct{})
 	go func() { srv.GracefulStop(); close(stopped) }()
 	if err := <-errc; err != nil {

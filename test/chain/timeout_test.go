@@ -85,7 +85,9 @@ func TestNoRetryWaitBeyondTheDeadline(t *testing.T) {
 	if status.Code(err) != codes.Unavailable || !strings.Contains(status.Convert(err).Message(), "driver says Unavailable") {
 		t.Fatalf("err = %v, want the driver's Unavailable", err)
 	}
-	if took > 500*time.Millisecond || echo.calls.Load() != 1 {
+	// Under the 1 s deadline: the call did not wait for it (the code and
+	// message say it did not end at it either).
+	if took > 900*time.Millisecond || echo.calls.Load() != 1 {
 		t.Fatalf("%d attempts in %v: the call waited for a retry that could not start in time", echo.calls.Load(), took)
 	}
 }
