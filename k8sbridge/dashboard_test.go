@@ -3,10 +3,12 @@ package k8sbridge
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -14,6 +16,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	dto "github.com/prometheus/client_model/go"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -118,6 +121,55 @@ func TestDashboardMetricsAreExported(t *testing.T) {
 		t.Fatalf("the dashboard queries metrics the live /metrics does not export: %v", missing)
 	}
 	t.Logf("all %d metrics the dashboard queries are exported", len(wanted))
+
+	// The table test/deploy checks the dashboard's and the alerts' label
+	// use against: each metric in it, live, with its type and labels.
+	raw, err = os.ReadFile("../test/deploy/testdata/metrics.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var table struct {
+		Metrics map[string]struct {
+			Type   string   `json:"type"`
+			Labels []string `json:"labels"`
+		} `json:"metrics"`
+	}
+	if err := json.Unmarshal(raw, &table); err != nil {
+		t.Fatal(err)
+	}
+	live := map[string]*dto.MetricFamily{}
+	for _, g := range gatherers {
+		mfs, err := g.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			live[mf.GetName()] = mf
+		}
+	}
+	for name, want := range table.Metrics {
+		mf := live[name]
+		if mf == nil {
+			t.Errorf("test/deploy/testdata/metrics.json lists %s, which no process exports", name)
+			continue
+		}
+		if typ := strings.ToLower(mf.GetType().String()); typ != want.Type {
+			t.Errorf("%s is a %s, the table says %s", name, typ, want.Type)
+		}
+		var labels []string
+		for _, m := range mf.GetMetric() {
+			for _, lp := range m.GetLabel() {
+				if !slices.Contains(labels, lp.GetName()) {
+					labels = append(labels, lp.GetName())
+				}
+			}
+		}
+		sort.Strings(labels)
+		wantLabels := slices.Sorted(slices.Values(want.Labels))
+		if !slices.Equal(labels, wantLabels) {
+			t.Errorf("%s has the labels %v, the table says %v", name, labels, wantLabels)
+		}
+	}
 }
 
 func scrape(t *testing.T, g prometheus.Gatherer, into map[string]bool) {

@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -78,7 +79,17 @@ func TestDemoEndToEnd(t *testing.T) {
 	} else if _, err := os.Stat(m[1]); !os.IsNotExist(err) {
 		t.Errorf("work directory %s left behind (%v)", m[1], err)
 	}
-	for _, m := range regexp.MustCompile(`started (\S+) \(pid (\d+)\)`).FindAllStringSubmatch(out.String(), -1) {
+	started := regexp.MustCompile(`started (\S+) \(pid (\d+)\)`).FindAllStringSubmatch(out.String(), -1)
+	var names []string
+	for _, m := range started {
+		names = append(names, m[1])
+	}
+	// The check below proves nothing unless the demo named its processes.
+	if !slices.Contains(names, "broker") || !slices.ContainsFunc(names, func(n string) bool { return strings.HasSuffix(n, "-driver") }) ||
+		!slices.ContainsFunc(names, func(n string) bool { return strings.HasSuffix(n, "-proxy") }) {
+		t.Errorf("the demo named the processes %v; want the broker, a driver and a proxy with their pids", names)
+	}
+	for _, m := range started {
 		pid, _ := strconv.Atoi(m[2])
 		if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
 			t.Errorf("%s (pid %d) still running after the demo exited", m[1], pid)

@@ -22,34 +22,60 @@ type metricDef struct {
 	labels    []string
 }
 
-// exported lists what the broker and the proxy export, with their labels
-// (broker/metrics.go, k8sbridge/metrics.go; the proxy's go-grpc-middleware
-// server metrics). Another test checks the list against a live /metrics.
-var exported = map[string]metricDef{
-	"csibroker_csi_call_duration_seconds":     {true, []string{"driver", "method", "code"}},
-	"csi_sidecar_operations_seconds":          {true, []string{"driver_name", "method_name", "grpc_status_code"}},
-	"csibroker_csi_retries_total":             {false, []string{"driver", "method", "code"}},
-	"csibroker_csi_inflight_calls":            {false, []string{"driver", "method"}},
-	"csibroker_proxy_connection_state":        {false, []string{"driver", "node", "address", "state"}},
-	"csibroker_provision_operations_total":    {false, []string{"driver", "storage_class", "result"}},
-	"csibroker_provision_duration_seconds":    {true, []string{"driver", "storage_class"}},
-	"csibroker_delete_operations_total":       {false, []string{"driver", "result"}},
-	"csibroker_secret_policy_decisions_total": {false, []string{"driver", "operation", "decision"}},
-	"csibroker_recovered_volumes_total":       {false, []string{"driver", "result"}},
-	"csibroker_leader":                        {false, nil},
-	"csibroker_workqueue_depth":               {false, []string{"queue"}},
-	// Both processes' (internal/mtls.NewCollector).
-	"csibroker_tls_certificate_not_after_timestamp_seconds": {false, nil},
-	"csibroker_tls_reloads_total":                           {false, nil},
-	"csibroker_tls_reload_failures_total":                   {false, nil},
-	// The proxy's, plus the target labels the PodMonitor adds (proxyTargetLabels).
-	"grpc_server_handled_total":    {false, []string{"grpc_type", "grpc_service", "grpc_method", "grpc_code", "driver", "node"}},
-	"grpc_server_handling_seconds": {true, []string{"grpc_type", "grpc_service", "grpc_method", "driver", "node"}},
+// exported lists what the broker and the proxy export, with their labels,
+// from testdata/metrics.json (k8sbridge's TestDashboardMetricsAreExported
+// checks that file against live registries). A proxy metric's labels
+// include those its PodMonitor adds when scraping (proxyTargetLabels).
+var (
+	table    = loadTable("testdata/metrics.json")
+	exported = table.defs()
+	// proxyTargetLabels are set on every proxy series by the PodMonitor's
+	// relabelings (from the pod's csibroker.io/driver annotation and its
+	// node).
+	proxyTargetLabels = table.scrapeLabels()
+)
+
+// metricTable is testdata/metrics.json.
+type metricTable struct {
+	Metrics map[string]struct {
+		Type         string   `json:"type"`
+		Labels       []string `json:"labels"`
+		ScrapeLabels []string `json:"scrape_labels"`
+	} `json:"metrics"`
 }
 
-// proxyTargetLabels are set on every proxy series by the PodMonitor's
-// relabelings (from the pod's csibroker.io/driver annotation and its node).
-var proxyTargetLabels = []string{"driver", "node"}
+func loadTable(path string) metricTable {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		panic(err)
+	}
+	var tbl metricTable
+	if err := json.Unmarshal(raw, &tbl); err != nil {
+		panic(fmt.Sprintf("%s: %v", path, err))
+	}
+	return tbl
+}
+
+func (tbl metricTable) defs() map[string]metricDef {
+	out := map[string]metricDef{}
+	for name, m := range tbl.Metrics {
+		out[name] = metricDef{histogram: m.Type == "histogram", labels: append(slices.Clone(m.Labels), m.ScrapeLabels...)}
+	}
+	return out
+}
+
+func (tbl metricTable) scrapeLabels() []string {
+	var out []string
+	for _, m := range tbl.Metrics {
+		for _, l := range m.ScrapeLabels {
+			if !slices.Contains(out, l) {
+				out = append(out, l)
+			}
+		}
+	}
+	sort.Strings(out)
+	return out
+}
 
 // targetLabels are the labels Prometheus (via the Prometheus Operator) adds
 // to every scraped series.
