@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -822,6 +823,15 @@ func (c *feConn) finish(st *feStream, headersSent bool, err error, trailer metad
 		if st.in != nil {
 			st.in.abort()
 		}
+	}
+	if len(c.streams) > 1 && c.needFlush && !c.closed {
+		// Other calls are in flight on this connection: let those whose
+		// answers are ready write them before the flush, so that under
+		// load several answers share one socket write. A lone call's
+		// answer goes out at once.
+		c.mu.Unlock()
+		runtime.Gosched()
+		c.mu.Lock()
 	}
 	c.flushLocked()
 	c.removeLocked(st)

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -712,6 +713,15 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 		if last {
 			break
 		}
+	}
+	if len(c.calls) > 1 && c.needFlush {
+		// Other calls are in flight on this connection: let those ready to
+		// send write their requests before the flush, so that under load
+		// several requests share one socket write (and one TLS record). A
+		// lone call flushes at once.
+		c.mu.Unlock()
+		runtime.Gosched()
+		c.mu.Lock()
 	}
 	c.flushLocked()
 	c.mu.Unlock()
