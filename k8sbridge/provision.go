@@ -48,8 +48,9 @@ type provisioner struct {
 	b     *Bridge
 	queue *termQueue
 
+	slots *driverSlots // operations in flight per driver (PerDriverWorkers)
+
 	mu       sync.Mutex
-	perDrv   map[string]int           // operations in flight per driver
 	inflight map[string]bool          // volume names being provisioned here
 	started  map[string]time.Time     // first pick-up of a claim, for the duration metric
 	recover  chan struct{}            // nudges the recovery loop
@@ -64,7 +65,7 @@ func newProvisioner(b *Bridge) *provisioner {
 	p := &provisioner{
 		b:        b,
 		queue:    newTermQueue("provision", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
-		perDrv:   map[string]int{},
+		slots:    newDriverSlots(b.cfg.PerDriverWorkers),
 		inflight: map[string]bool{},
 		started:  map[string]time.Time{},
 		recover:  make(chan struct{}, 1),
@@ -153,23 +154,24 @@ func (p *provisioner) enqueueAll() {
 	}
 }
 
-// acquire takes a per-driver slot; false means the driver is at its limit.
+// acquire takes a per-driver slot and the volume; false means the driver
+// is at its limit or the volume is being worked on already (by a worker or
+// by recovery).
 func (p *provisioner) acquire(driver, volume string) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.perDrv[driver] >= p.b.cfg.PerDriverWorkers || p.inflight[volume] {
+	if p.inflight[volume] || !p.slots.acquire(driver) {
 		return false
 	}
-	p.perDrv[driver]++
 	p.inflight[volume] = true
 	return true
 }
 
 func (p *provisioner) release(driver, volume string) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.perDrv[driver]--
 	delete(p.inflight, volume)
+	p.mu.Unlock()
+	p.slots.release(driver)
 }
 
 func (p *provisioner) isInflight(volume string) bool {
@@ -224,7 +226,7 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		return 0, nil // the scheduler has not picked a node yet
 	}
 	if !p.acquire(driver, pvName) {
-		return 200 * time.Millisecond, nil
+		return driverBusyRetry, nil
 	}
 	defer p.release(driver, pvName)
 	p.mu.Lock()

@@ -119,3 +119,45 @@ func (t *termQueue) work(ctx context.Context, n int, fill func(), handle func(co
 	q.ShutDown()
 	wg.Wait()
 }
+
+// driverBusyRetry is how soon a key whose driver has no free slot is looked
+// at again: a plain requeue, since waiting for a slot is not a failure.
+const driverBusyRetry = 200 * time.Millisecond
+
+// driverSlots counts each driver's operations in progress against
+// Config.PerDriverWorkers, so that one slow driver cannot take every worker
+// of a controller. Each controller that honours the limit has its own:
+// --worker-threads and --per-driver-workers (whose default is
+// --worker-threads) count one controller's workers, and expansions waiting
+// for a slow driver must not hold up provisioning for it.
+type driverSlots struct {
+	limit int // Validate makes it at least 1
+
+	mu   sync.Mutex
+	busy map[string]int
+}
+
+func newDriverSlots(limit int) *driverSlots {
+	return &driverSlots{limit: limit, busy: map[string]int{}}
+}
+
+// acquire takes one of driver's slots; false means the driver is at its
+// limit and the caller requeues its key after driverBusyRetry.
+func (s *driverSlots) acquire(driver string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.busy[driver] >= s.limit {
+		return false
+	}
+	s.busy[driver]++
+	return true
+}
+
+// release gives back a slot taken by acquire.
+func (s *driverSlots) release(driver string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.busy[driver]--; s.busy[driver] <= 0 {
+		delete(s.busy, driver)
+	}
+}

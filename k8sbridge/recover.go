@@ -3,6 +3,7 @@ package k8sbridge
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -180,6 +181,7 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 	defer span.End()
 	id, requester, stage, err := p.learnVolumeID(ctx, in)
 	if err != nil {
+		detail := err.Error()
 		switch stage {
 		case stageRequest:
 			log.Error("recovery: unreadable recorded request; leaving the entry for an admin", "err", err)
@@ -191,38 +193,20 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 			// A secret denied or gone (its namespace deleted, say):
 			// retried with the same backoff as a failed call.
 			p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
+		case stageCreate:
+			detail = statusText(err)
 		}
 		// Even a final error does not prove that no volume of that name
 		// exists (a clone source deleted since, rotated credentials): the
-		// entry stays and is retried, each time after a longer wait
-		// (recoveryBackoff); after a few failures it is reported so an
-		// administrator can look.
-		detail := err.Error()
-		if stage == stageCreate {
-			detail = statusText(err)
-		}
-		n, wait := p.recoveryFailed(in.VolumeName, now)
-		if n == 3 {
-			p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
-			log.Error("recovery: cannot learn the volume ID of an orphaned volume; the intent record keeps it (delete the entry once the volume is dealt with)",
-				"configmap", p.b.cfg.Namespace+"/csibroker-intents", "attempts", n, "retry_in", wait, "err", detail)
-		} else {
-			log.Warn("recovery: cannot re-issue CreateVolume to learn the volume ID; will retry", "attempt", n, "retry_in", wait, "err", detail)
-		}
+		// entry stays and is retried.
+		p.orphanFailed(log, in, now, "learn the volume ID of an orphaned volume", detail)
 		return
 	}
 	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, id, in.ProvisionerSecret, requester, in.NamespaceLabels); err != nil {
-		// The same backoff as a failed re-issue, and reported as stuck
-		// after as many failures (a DeleteVolume secret denied, say).
+		// Retried and reported like a failed re-issue (a DeleteVolume
+		// secret denied, say).
 		p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
-		n, wait := p.recoveryFailed(in.VolumeName, now)
-		if n == 3 {
-			p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
-			log.Error("recovery: cannot delete an orphaned volume; the intent record keeps it (delete the entry once the volume is dealt with)",
-				"configmap", p.b.cfg.Namespace+"/csibroker-intents", "volume_id", id, "attempts", n, "retry_in", wait, "err", err)
-		} else {
-			log.Warn("recovery: DeleteVolume of an orphaned volume failed; will retry", "volume_id", id, "attempt", n, "retry_in", wait, "err", err)
-		}
+		p.orphanFailed(log.With("volume_id", id), in, now, "delete an orphaned volume", err.Error())
 		return
 	}
 	p.mu.Lock()
@@ -231,6 +215,22 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 	log.Info("recovery: deleted an orphaned volume", "volume_id", id)
 	p.b.metrics.leaked.WithLabelValues(in.Driver, "deleted").Inc()
 	p.b.intents.Remove(in.VolumeName)
+}
+
+// orphanFailed counts a failed attempt at in's orphaned volume in the pass
+// that started at now: the entry stays and is retried, each time after a
+// longer wait (recoveryBackoff), and at its recoveryStuckAfter-th failure
+// in a row it is reported as stuck, so an administrator can look. what
+// says what could not be done.
+func (p *provisioner) orphanFailed(log *slog.Logger, in Intent, now time.Time, what, detail string) {
+	n, wait := p.recoveryFailed(in.VolumeName, now)
+	if n == recoveryStuckAfter {
+		p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
+		log.Error("recovery: cannot "+what+"; the intent record keeps it (delete the entry once the volume is dealt with)",
+			"configmap", p.b.cfg.Namespace+"/csibroker-intents", "attempts", n, "retry_in", wait, "err", detail)
+		return
+	}
+	log.Warn("recovery: cannot "+what+"; will retry", "attempt", n, "retry_in", wait, "err", detail)
 }
 
 // undoOnNode deletes the volume of an intent on its node, if it exists
@@ -262,6 +262,10 @@ const (
 	recoveryBackoffIntervals = 32
 	recoveryBackoffMax       = 10 * time.Minute
 )
+
+// recoveryStuckAfter is the failure in a row at which an entry is reported
+// as stuck (once: it is still retried).
+const recoveryStuckAfter = 3
 
 // recoveryBackoff is the wait after the nth consecutive failure of an
 // entry: one interval after the first, doubling after each further one, at

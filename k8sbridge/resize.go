@@ -25,7 +25,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/strategicpatch"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/workqueue"
 
 	"github.com/csibroker/csibroker/policy"
 )
@@ -49,8 +48,10 @@ import (
 //     expansion ControllerResizeInfeasible, so the user may lower the request
 //     again; other errors leave it ControllerResizeInProgress (the driver may
 //     still be working on it) and the same size is retried. Every failure is
-//     a VolumeResizeFailed Event with the driver's code and message, and is
-//     retried with the claim's backoff;
+//     logged and retried with the claim's backoff, and is a VolumeResizeFailed
+//     Event with the driver's code and message, once per request: the same
+//     failure again gets no new Event until the request changes, the
+//     expansion succeeds or another term of leadership starts;
 //   - a driver without the EXPAND_VOLUME controller capability whose plugin
 //     answers NodeGetCapabilities with EXPAND_VOLUME is expanded on the node
 //     only (external-resizer's trivial resizer): no CSI call, PV capacity set,
@@ -89,38 +90,21 @@ func init() { extraControllers = append(extraControllers, newResizer) }
 type resizer struct {
 	b   *Bridge
 	ops *prometheus.CounterVec
-
-	mu sync.Mutex
 	// queue exists while this replica leads; claims seen before are found
 	// again by run's initial listing.
-	queue workqueue.TypedRateLimitingInterface[string]
+	queue *termQueue
+	// slots counts each driver's expansions in progress, against
+	// PerDriverWorkers: one slow driver cannot take every worker.
+	slots *driverSlots
+	// warned is the last VolumeResizeFailed Event of each claim, so that a
+	// failure retried with backoff is reported once.
+	warned *resizeWarnings
+
+	mu sync.Mutex
 	// finalErr holds claims whose last ControllerExpandVolume ended with a
 	// final error: nothing is in progress, so a changed request may be used.
 	finalErr map[types.UID]bool
 	nodeCaps map[string]resizeNodeCaps
-	// busy counts each driver's expansions in progress, against
-	// PerDriverWorkers: one slow driver cannot take every worker.
-	busy map[string]int
-}
-
-// errDriverBusy: the driver has PerDriverWorkers expansions in progress;
-// the claim is looked at again shortly, without backoff.
-var errDriverBusy = errors.New("driver busy")
-
-func (r *resizer) acquire(driver string) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if n := r.b.cfg.PerDriverWorkers; n > 0 && r.busy[driver] >= n {
-		return false
-	}
-	r.busy[driver]++
-	return true
-}
-
-func (r *resizer) release(driver string) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.busy[driver]--
 }
 
 // resizeNodeCaps caches whether a driver without controller expansion can
@@ -131,7 +115,8 @@ type resizeNodeCaps struct {
 }
 
 func newResizer(b *Bridge) (controller, error) {
-	r := &resizer{b: b, finalErr: map[types.UID]bool{}, nodeCaps: map[string]resizeNodeCaps{}, busy: map[string]int{}}
+	r := &resizer{b: b, queue: newTermQueue("resize", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), slots: newDriverSlots(b.cfg.PerDriverWorkers),
+		warned: &resizeWarnings{}, finalErr: map[types.UID]bool{}, nodeCaps: map[string]resizeNodeCaps{}}
 	r.ops = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "csibroker", Name: "resize_operations_total",
 		Help: "Volume expansion attempts by driver and result (success, node_pending, infeasible, failed, in_progress, not_called).",
@@ -149,7 +134,7 @@ func newResizer(b *Bridge) (controller, error) {
 			r.ops = existing
 		}
 	}
-	b.metrics.queueDepth("resize", r.queueLen)
+	b.metrics.queueDepth("resize", r.queue.Len)
 	b.on(b.factory.Core().V1().PersistentVolumeClaims().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) {
 			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok && claimNeedsResize(c) {
@@ -173,10 +158,10 @@ func newResizer(b *Bridge) (controller, error) {
 			}
 			r.mu.Lock()
 			delete(r.finalErr, c.UID)
-			q := r.queue
 			r.mu.Unlock()
-			if key, err := cache.MetaNamespaceKeyFunc(c); err == nil && q != nil {
-				q.Forget(key)
+			r.warned.forget(c.UID)
+			if key, err := cache.MetaNamespaceKeyFunc(c); err == nil {
+				r.queue.Forget(key)
 			}
 		},
 	})
@@ -214,25 +199,9 @@ func resizeTriggered(old, cur *corev1.PersistentVolumeClaim) bool {
 }
 
 func (r *resizer) enqueue(c *corev1.PersistentVolumeClaim) {
-	key, err := cache.MetaNamespaceKeyFunc(c)
-	if err != nil {
-		return
+	if key, err := cache.MetaNamespaceKeyFunc(c); err == nil {
+		r.queue.Add(key)
 	}
-	r.mu.Lock()
-	q := r.queue
-	r.mu.Unlock()
-	if q != nil {
-		q.Add(key)
-	}
-}
-
-func (r *resizer) queueLen() int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.queue == nil {
-		return 0
-	}
-	return r.queue.Len()
 }
 
 // enqueueAll adds every claim asking for more than it has (start of a
@@ -250,55 +219,24 @@ func (r *resizer) enqueueAll() {
 // run expands claims while this replica leads. Each term of leadership has
 // its own queue, so a replica that leads again starts afresh.
 func (r *resizer) run(ctx context.Context) {
-	q := workqueue.NewTypedRateLimitingQueueWithConfig(
-		workqueue.NewTypedItemExponentialFailureRateLimiter[string](r.b.cfg.RetryIntervalStart, r.b.cfg.RetryIntervalMax),
-		workqueue.TypedRateLimitingQueueConfig[string]{Name: "resize"})
 	r.mu.Lock()
-	r.queue = q
 	// Final errors are of this term: under another leader the driver may
 	// have been asked again, and may still be working, since.
 	clear(r.finalErr)
 	r.mu.Unlock()
-	defer func() {
-		r.mu.Lock()
-		r.queue = nil
-		r.mu.Unlock()
-		q.ShutDown()
-	}()
+	// So are the failures reported: the first failure of a term gets its
+	// Event even if it is the one the previous term ended with, since
+	// another leader may have reported others in between, and an Event
+	// dropped because the previous term ended may be remembered as sent.
+	r.warned.reset()
 	// Requests raised while another replica led are in the cache already.
-	r.enqueueAll()
-	var wg sync.WaitGroup
-	for i := 0; i < r.b.cfg.WorkerThreads; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for r.processNext(ctx, q) {
-			}
-		}()
-	}
-	<-ctx.Done()
-	q.ShutDown()
-	wg.Wait()
-}
-
-func (r *resizer) processNext(ctx context.Context, q workqueue.TypedRateLimitingInterface[string]) bool {
-	key, quit := q.Get()
-	if quit {
-		return false
-	}
-	defer q.Done(key)
-	if ctx.Err() != nil {
-		return true // the term is over; the next one lists every claim again
-	}
-	if err := r.sync(ctx, key); errors.Is(err, errDriverBusy) {
-		q.AddAfter(key, 200*time.Millisecond)
-	} else if err != nil {
-		r.b.log.Debug("resize will be retried", "claim", key, "err", err)
-		q.AddRateLimited(key)
-	} else {
-		q.Forget(key)
-	}
-	return true
+	r.queue.work(ctx, r.b.cfg.WorkerThreads, r.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
+		requeue, err := r.sync(ctx, key)
+		if err != nil {
+			r.b.log.Debug("resize will be retried", "claim", key, "err", err)
+		}
+		return requeue, err
+	})
 }
 
 func (r *resizer) registered(driver string) bool {
@@ -310,63 +248,64 @@ func (r *resizer) registered(driver string) bool {
 	return false
 }
 
-// sync expands one claim if it needs it; an error retries with backoff.
-func (r *resizer) sync(ctx context.Context, key string) error {
+// sync expands one claim if it needs it. An error retries with backoff; a
+// positive duration looks at the claim again then (its driver is busy).
+func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	ns, name, err := cache.SplitMetaNamespaceKey(key)
 	if err != nil {
-		return nil
+		return 0, nil
 	}
 	claim, err := r.b.claims.PersistentVolumeClaims(ns).Get(name)
 	if apierrors.IsNotFound(err) {
-		return nil
+		return 0, nil
 	}
 	if err != nil {
-		return err
+		return 0, err
 	}
 	if !claimNeedsResize(claim) || claim.DeletionTimestamp != nil {
-		return nil
+		return 0, nil
 	}
 	pv, err := r.b.volumes.Get(claim.Spec.VolumeName)
 	if err != nil {
 		// Bound to a PV the cache has not seen (yet): look again later.
-		return fmt.Errorf("claim %s: volume %s: %w", key, claim.Spec.VolumeName, err)
+		return 0, fmt.Errorf("claim %s: volume %s: %w", key, claim.Spec.VolumeName, err)
 	}
 	if cr := pv.Spec.ClaimRef; cr == nil || cr.Namespace != claim.Namespace || cr.UID != claim.UID {
-		return nil
+		return 0, nil
 	}
 	var driver string
 	switch {
 	case pv.Spec.CSI != nil:
 		if !r.registered(pv.Spec.CSI.Driver) {
-			return nil
+			return 0, nil
 		}
 		driver = pv.Spec.CSI.Driver
 	case r.registered(claim.Annotations[annStorageResizer]):
-		r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed",
+		r.warn(ctx, claim, "",
 			"volume %s is an in-tree volume migrated to CSI driver %s (annotation %s); csibroker does not translate in-tree volume sources, expand it with the driver's own external-resizer",
 			pv.Name, claim.Annotations[annStorageResizer], annStorageResizer)
-		return nil
+		return 0, nil
 	default:
-		return nil
+		return 0, nil
 	}
 
 	caps, err := r.b.caps.get(ctx, driver)
 	if err != nil {
 		r.b.caps.forget(driver)
-		r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed", "resize volume %q by resizer %q failed: driver is not reachable: %v", pv.Name, driver, err)
-		return err
+		r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: driver is not reachable: %v", pv.Name, driver, err)
+		return 0, err
 	}
 	controllerExpand := caps.expand
 	if !controllerExpand {
 		nodeOnly, err := r.nodeExpansion(ctx, driver)
 		if err != nil {
-			r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed", "resize volume %q by resizer %q failed: %v", pv.Name, driver, err)
-			return err
+			r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: %v", pv.Name, driver, err)
+			return 0, err
 		}
 		if !nodeOnly {
-			r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed",
+			r.warn(ctx, claim, "",
 				"driver %s supports neither controller nor node volume expansion (no EXPAND_VOLUME capability); volume %s cannot be expanded", driver, pv.Name)
-			return nil
+			return 0, nil
 		}
 	}
 
@@ -375,13 +314,13 @@ func (r *resizer) sync(ctx context.Context, key string) error {
 	r.mu.Unlock()
 	target, ok := expansionTarget(expansionInputOf(claim, pv, lastFinal, controllerExpand))
 	if !ok {
-		return nil
+		return 0, nil
 	}
 
-	if !r.acquire(driver) {
-		return errDriverBusy
+	if !r.slots.acquire(driver) {
+		return driverBusyRetry, nil
 	}
-	defer r.release(driver)
+	defer r.slots.release(driver)
 	ctx, span := r.b.tracer.Start(ctx, "resize "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
 		attribute.String("csi.driver", driver), attribute.String("k8s.pvc.namespace", ns), attribute.String("k8s.pvc.name", name),
 		attribute.String("k8s.pv.name", pv.Name), attribute.String("k8s.pvc.expand_to", target.String())))
@@ -390,8 +329,11 @@ func (r *resizer) sync(ctx context.Context, key string) error {
 	r.ops.WithLabelValues(driver, result).Inc()
 	if err != nil {
 		span.SetStatus(otelcodes.Error, result)
+		return 0, err
 	}
-	return err
+	// Done (or over to the kubelet): a failure after this one is news.
+	r.warned.forget(claim.UID)
+	return 0, nil
 }
 
 // expand runs one expansion attempt and returns its result label.
@@ -401,7 +343,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 		if ctx.Err() != nil {
 			return result, err // the term ended: the next leader takes the claim up
 		}
-		r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed", "resize volume %q by resizer %q failed: %v", pv.Name, driver, err)
+		r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: %v", pv.Name, driver, err)
 		r.b.log.Warn("volume expansion failed", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
 		return result, err
 	}
@@ -491,6 +433,77 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 	return "success", nil
 }
 
+// warn records a VolumeResizeFailed Event on claim, unless the last one
+// recorded for it (this term, since its last expansion succeeded) was for
+// the same request and the same failure. A failure is retried with backoff
+// for as long as it lasts (an offline-only driver answers FailedPrecondition
+// for as long as a pod uses the volume), and every Event carries its
+// attempt's trace ID, so the recorder would write each one anew: the claim
+// would fill up with copies, on the Events' budget. failure names the
+// failure: for a driver's answer its method and code, since drivers put
+// what changes on every call (a request ID, an attempt counter) into their
+// messages; "" for the message itself. The caller logs every attempt.
+func (r *resizer) warn(ctx context.Context, claim *corev1.PersistentVolumeClaim, failure, format string, args ...any) {
+	const reason = "VolumeResizeFailed"
+	if ctx.Err() != nil {
+		return // b.event records nothing either: nothing to remember
+	}
+	msg := fmt.Sprintf(format, args...)
+	if failure == "" {
+		failure = msg
+	}
+	w := resizeWarning{request: claim.Spec.Resources.Requests[corev1.ResourceStorage], reason: reason, failure: failure}
+	if !r.warned.first(claim.UID, w) {
+		r.b.log.Debug("expansion failure reported on the claim already; no Event", "claim", claim.Namespace+"/"+claim.Name, "request", w.request.String(), "reason", reason)
+		return
+	}
+	r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, reason, "%s", msg)
+}
+
+// resizeWarning is a Warning Event recorded on a claim for the expansion
+// to the claim's request.
+type resizeWarning struct {
+	request         resource.Quantity
+	reason, failure string
+}
+
+// resizeWarnings is the last Warning Event recorded on each claim: one
+// entry per claim, dropped when the claim is deleted or its expansion
+// succeeds, and all of them when a term starts.
+type resizeWarnings struct {
+	mu   sync.Mutex
+	last map[types.UID]resizeWarning
+}
+
+// first remembers w as claim's last Warning and reports whether it differs
+// from the one before (so is to be recorded).
+func (ws *resizeWarnings) first(claim types.UID, w resizeWarning) bool {
+	ws.mu.Lock()
+	defer ws.mu.Unlock()
+	if prev, ok := ws.last[claim]; ok && prev.request.Cmp(w.request) == 0 && prev.reason == w.reason && prev.failure == w.failure {
+		return false
+	}
+	if ws.last == nil {
+		ws.last = map[types.UID]resizeWarning{}
+	}
+	ws.last[claim] = w
+	return true
+}
+
+// forget drops what was recorded on claim.
+func (ws *resizeWarnings) forget(claim types.UID) {
+	ws.mu.Lock()
+	defer ws.mu.Unlock()
+	delete(ws.last, claim)
+}
+
+// reset drops everything (a new term).
+func (ws *resizeWarnings) reset() {
+	ws.mu.Lock()
+	defer ws.mu.Unlock()
+	clear(ws.last)
+}
+
 // driverFailed records a ControllerExpandVolume error on the claim.
 func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver string, err error) (string, error) {
 	if ctx.Err() != nil {
@@ -522,8 +535,13 @@ func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolu
 			r.b.log.Warn("recording an expansion failure on the claim failed", "claim", claim.Namespace+"/"+claim.Name, "err", perr)
 		}
 	}
-	r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed", "resize volume %q by resizer %q failed: %s", pv.Name, driver, msg)
-	r.b.log.Warn("ControllerExpandVolume failed", "claim", claim.Namespace+"/"+claim.Name, "pv", pv.Name, "driver", driver, "code", code.String(), "final", final)
+	failure := "" // not the driver's answer: the message names it
+	if isStatus {
+		failure = "ControllerExpandVolume " + code.String()
+	}
+	r.warn(ctx, claim, failure, "resize volume %q by resizer %q failed: %s", pv.Name, driver, msg)
+	// The Event may not be recorded again: the log has every answer.
+	r.b.log.Warn("ControllerExpandVolume failed", "claim", claim.Namespace+"/"+claim.Name, "pv", pv.Name, "driver", driver, "code", code.String(), "final", final, "err", msg)
 	return result, fmt.Errorf("resize volume %s: %w", pv.Name, err)
 }
 

@@ -888,3 +888,191 @@ func TestResizeKeepsToPerDriverWorkers(t *testing.T) {
 		t.Errorf("%d ControllerExpandVolume calls of one driver at once, want at most PerDriverWorkers = 1", most)
 	}
 }
+
+// TestResizeFailureReportedOncePerRequest: an expansion the driver refuses
+// with FailedPrecondition (an offline-only driver while a pod uses the
+// volume) is retried with backoff and logged on every attempt, but its
+// VolumeResizeFailed Event is recorded once per requested size, although
+// the driver's message differs on every call (the sample driver counts
+// them in it): a raised request is reported again, and so is the first
+// failure of a new term of leadership.
+func TestResizeFailureReportedOncePerRequest(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "offline.csi.test")
+	spy := &resizeSpy{testDrivers: &testDrivers{}}
+	spy.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
+		"ControllerExpandVolume": {Rate: 1, Code: codes.FailedPrecondition}}}})
+	r := startBridge(t, env, ns, spy, bridgeOpts{leader: true})
+	makeClaim(t, c, ns, "busy", makeResizeClass(t, c, clusterName(ns, "offline"), drv, "", ""), "1Gi")
+	claim := waitBound(t, c, ns, "busy", 60*time.Second)
+	vol := volumeHandle(t, c, claim.Spec.VolumeName)
+
+	// refused counts the driver's FailedPrecondition answers for size.
+	refused := func(size int64) int {
+		n := 0
+		for _, s := range spy.requests(vol) {
+			if s.code == codes.FailedPrecondition && (size == 0 || s.requiredBytes == size) {
+				n++
+			}
+		}
+		return n
+	}
+	waitRefused := func(size int64, n int) {
+		t.Helper()
+		err := testenv.WaitFor(ctx, 60*time.Second, fmt.Sprintf("%d refused expansions to %d bytes", n, size), func(context.Context) (bool, string, error) {
+			return refused(size) >= n, fmt.Sprint(spy.requests(vol)), nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// settle waits until the resizer has started another attempt, so every
+	// attempt before it has recorded what it records, then until the
+	// bridge's Events recorded so far are written (they are written in
+	// order); it returns how many calls the driver had answered before.
+	flushes := 0
+	settle := func() int {
+		t.Helper()
+		n := len(spy.requests(vol))
+		err := testenv.WaitFor(ctx, 60*time.Second, "another expansion attempt", func(context.Context) (bool, string, error) {
+			return len(spy.requests(vol)) > n, fmt.Sprintf("%d calls", len(spy.requests(vol))), nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		flushes++
+		marker := fmt.Sprintf("flush %d", flushes)
+		r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "TestFlush", "%s", marker)
+		waitEvent(t, c, ns, "busy", "TestFlush", marker)
+		return n
+	}
+	// warnings counts the VolumeResizeFailed Events recorded on the claim
+	// (an Event the recorder repeated counts as often as it was recorded).
+	warnings := func() int {
+		t.Helper()
+		evs, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=busy"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for _, e := range evs.Items {
+			if e.Reason != "VolumeResizeFailed" || e.InvolvedObject.UID != claim.UID {
+				continue
+			}
+			if !strings.Contains(e.Message, "FailedPrecondition") || !strings.Contains(e.Message, "injected fault in ControllerExpandVolume") {
+				t.Errorf("event %q does not carry the driver's code and message", e.Message)
+			}
+			n += int(max(e.Count, 1))
+		}
+		return n
+	}
+	// logged counts the bridge's log lines of refused expansions of the claim.
+	logged := func() int {
+		n := 0
+		for _, l := range strings.Split(r.logs.String(), "\n") {
+			if strings.Contains(l, `msg="ControllerExpandVolume failed"`) && strings.Contains(l, "claim="+ns+"/busy ") {
+				n++
+			}
+		}
+		return n
+	}
+
+	// Several refusals of one request: one Event, a log line each.
+	raiseRequest(t, c, ns, "busy", "2Gi")
+	waitRefused(2<<30, 3)
+	answered := settle()
+	if n := warnings(); n != 1 {
+		t.Errorf("%d VolumeResizeFailed Events after %d refusals of the same request, want 1:%s", n, refused(2<<30), eventsOf(c, ns, "busy"))
+	}
+	if n := logged(); n < answered {
+		t.Errorf("%d log lines of refused expansions after %d refusals, want one per refusal", n, answered)
+	}
+
+	// A new request is reported again, once.
+	raiseRequest(t, c, ns, "busy", "3Gi")
+	waitRefused(3<<30, 3)
+	settle()
+	if n := warnings(); n != 2 {
+		t.Errorf("%d VolumeResizeFailed Events after %d refusals of 2Gi and %d of 3Gi, want 2 (one per request):%s", n, refused(2<<30), refused(3<<30), eventsOf(c, ns, "busy"))
+	}
+
+	// Another holder takes the Lease for a moment: the first refusal of
+	// the broker's next term is reported again, and only the first.
+	lease, err := c.CoordinationV1().Leases(ns).Get(ctx, "csibroker-leader", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	intruder, secs, now := "intruder", int32(3), metav1.NewMicroTime(time.Now())
+	lease.Spec.HolderIdentity, lease.Spec.LeaseDurationSeconds, lease.Spec.RenewTime, lease.Spec.AcquireTime = &intruder, &secs, &now, &now
+	if _, err := c.CoordinationV1().Leases(ns).Update(ctx, lease, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []bool{false, true} {
+		if err := testenv.WaitFor(ctx, 30*time.Second, fmt.Sprintf("the broker leading: %v", want), func(context.Context) (bool, string, error) {
+			ok, _ := r.b.Leader()
+			return ok == want, "", nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := refused(0)
+	err = testenv.WaitFor(ctx, 30*time.Second, "a VolumeResizeFailed Event in the new term", func(context.Context) (bool, string, error) {
+		return warnings() >= 3, eventsOf(c, ns, "busy"), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitRefused(0, before+3)
+	settle()
+	if n := warnings(); n != 3 {
+		t.Errorf("%d VolumeResizeFailed Events after %d refusals in the new term, want 3 (one more):%s", n, refused(0)-before, eventsOf(c, ns, "busy"))
+	}
+}
+
+// TestResizeWarnings: what the resizer remembers of the Warnings it
+// recorded, and when it records one again.
+func TestResizeWarnings(t *testing.T) {
+	q := resource.MustParse
+	a2 := resizeWarning{request: q("2Gi"), reason: "VolumeResizeFailed", failure: "ControllerExpandVolume FailedPrecondition"}
+	a2other := resizeWarning{request: q("2048Mi"), reason: a2.reason, failure: a2.failure} // the same size, written otherwise
+	b2 := resizeWarning{request: q("2Gi"), reason: a2.reason, failure: "ControllerExpandVolume Internal"}
+	a3 := resizeWarning{request: q("3Gi"), reason: a2.reason, failure: a2.failure}
+	other := resizeWarning{request: q("2Gi"), reason: "Other", failure: a2.failure}
+	var ws resizeWarnings
+	steps := []struct {
+		name  string
+		claim types.UID
+		w     resizeWarning
+		do    func()
+		want  bool
+	}{
+		{name: "first failure", claim: "c1", w: a2, want: true},
+		{name: "the same again", claim: "c1", w: a2, want: false},
+		{name: "the same size written otherwise", claim: "c1", w: a2other, want: false},
+		{name: "another claim", claim: "c2", w: a2, want: true},
+		{name: "another failure", claim: "c1", w: b2, want: true},
+		{name: "the first failure back", claim: "c1", w: a2, want: true},
+		{name: "another reason", claim: "c1", w: other, want: true},
+		{name: "a new request", claim: "c1", w: a3, want: true},
+		{name: "the new request again", claim: "c1", w: a3, want: false},
+		{name: "after a success", claim: "c1", w: a3, do: func() { ws.forget("c1") }, want: true},
+		{name: "other claims keep theirs", claim: "c2", w: a2, want: false},
+		{name: "a new term", claim: "c2", w: a2, do: ws.reset, want: true},
+	}
+	for _, s := range steps {
+		if s.do != nil {
+			s.do()
+		}
+		if got := ws.first(s.claim, s.w); got != s.want {
+			t.Errorf("%s: record %v, want %v", s.name, got, s.want)
+		}
+	}
+	ws.forget("c1")
+	ws.forget("c2")
+	if len(ws.last) != 0 {
+		t.Errorf("%d claims remembered after every claim was forgotten", len(ws.last))
+	}
+}
