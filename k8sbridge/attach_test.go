@@ -2,11 +2,12 @@ package k8sbridge
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"regexp"
 	"slices"
 	"strings"
-	"sync/atomic"
+	"sync"
 	"testing"
 	"time"
 
@@ -489,13 +490,30 @@ func TestAttachReconcilePublishesAgain(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer w.Stop()
-	var detachedSeen atomic.Bool
+	var (
+		watchMu      sync.Mutex
+		detachedSeen bool
+		watchedRV    = attached.ResourceVersion // the last version the watch delivered
+		watchProblem string
+	)
 	go func() {
 		for ev := range w.ResultChan() {
-			if cur, ok := ev.Object.(*storagev1.VolumeAttachment); ok && !cur.Status.Attached && cur.DeletionTimestamp == nil {
-				detachedSeen.Store(true)
+			watchMu.Lock()
+			if cur, ok := ev.Object.(*storagev1.VolumeAttachment); ok {
+				watchedRV = cur.ResourceVersion
+				if !cur.Status.Attached && cur.DeletionTimestamp == nil {
+					detachedSeen = true
+				}
+			} else {
+				watchProblem = fmt.Sprintf("watch event %s: %v", ev.Type, ev.Object)
 			}
+			watchMu.Unlock()
 		}
+		watchMu.Lock()
+		if watchProblem == "" {
+			watchProblem = "the watch ended"
+		}
+		watchMu.Unlock()
 	}()
 
 	// Behind the broker's back the driver forgets the publication.
@@ -521,8 +539,30 @@ func TestAttachReconcilePublishesAgain(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(200 * time.Millisecond) // the watch delivers what came before
-	if detachedSeen.Load() {
+	// Every version of the attachment up to now: the watch has delivered
+	// them once it has delivered the current one (a watch delivers an
+	// object's versions in order).
+	now, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 30*time.Second, "the watch to deliver version "+now.ResourceVersion, func(context.Context) (bool, string, error) {
+		watchMu.Lock()
+		defer watchMu.Unlock()
+		if watchedRV == now.ResourceVersion {
+			return true, "", nil
+		}
+		if watchProblem != "" {
+			return false, "", errors.New(watchProblem)
+		}
+		return false, "last delivered " + watchedRV, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	watchMu.Lock()
+	defer watchMu.Unlock()
+	if detachedSeen {
 		t.Fatal("the VolumeAttachment was marked detached on the way")
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -36,6 +37,37 @@ func fastCapacityPolls(t *testing.T) {
 	poll, reg, grace := capacityPollInterval, capacityRegistryInterval, capacityUnregisteredGrace
 	capacityPollInterval, capacityRegistryInterval, capacityUnregisteredGrace = 500*time.Millisecond, 200*time.Millisecond, 4*time.Second
 	t.Cleanup(func() { capacityPollInterval, capacityRegistryInterval, capacityUnregisteredGrace = poll, reg, grace })
+}
+
+// longCapacityGrace makes the grace period of bridges started by this test
+// after the call 15s: long enough that a loaded machine watching the
+// objects through it does not see it end early. Call it after
+// fastCapacityPolls and before starting a bridge.
+func longCapacityGrace(t *testing.T) {
+	t.Helper()
+	prev := capacityUnregisteredGrace
+	capacityUnregisteredGrace = 15 * time.Second
+	t.Cleanup(func() { capacityUnregisteredGrace = prev })
+}
+
+// waitLogLine waits until a line of r's log holds every one of parts.
+func waitLogLine(t *testing.T, r *bridgeRun, parts ...string) {
+	t.Helper()
+	err := testenv.WaitFor(context.Background(), 30*time.Second, fmt.Sprintf("a log line with %q", parts), func(context.Context) (bool, string, error) {
+		for _, line := range strings.Split(r.logs.String(), "\n") {
+			found := true
+			for _, p := range parts {
+				found = found && strings.Contains(line, p)
+			}
+			if found {
+				return true, "", nil
+			}
+		}
+		return false, "", nil
+	})
+	if err != nil {
+		t.Fatalf("%v\n%s", err, tail(r.logs.String(), 30))
+	}
 }
 
 func TestCapacitySegments(t *testing.T) {
@@ -356,6 +388,10 @@ type switchDrivers struct {
 	*testDrivers
 	down, gone atomic.Bool
 	dead       *grpc.ClientConn
+	// reconcilesWhileGone counts the capacity controller's passes over the
+	// registry (desiredItems: at every poll, registry change and object
+	// event) that found the driver unregistered.
+	reconcilesWhileGone atomic.Int64
 }
 
 func (s *switchDrivers) ControllerConn(d string) (grpc.ClientConnInterface, error) {
@@ -367,9 +403,43 @@ func (s *switchDrivers) ControllerConn(d string) (grpc.ClientConnInterface, erro
 
 func (s *switchDrivers) DriverNames() []string {
 	if s.gone.Load() {
+		if calledFrom(".(*capacityController).desiredItems") {
+			s.reconcilesWhileGone.Add(1)
+		}
 		return nil
 	}
 	return s.testDrivers.DriverNames()
+}
+
+// calledFrom reports whether a function whose name ends in fn is on the
+// caller's stack.
+func calledFrom(fn string) bool {
+	pcs := make([]uintptr, 32)
+	frames := runtime.CallersFrames(pcs[:runtime.Callers(2, pcs)])
+	for {
+		f, more := frames.Next()
+		if strings.HasSuffix(f.Function, fn) {
+			return true
+		}
+		if !more {
+			return false
+		}
+	}
+}
+
+// waitReconcilesWhileGone waits until the capacity controller has decided n
+// times in all, with the driver unregistered, which objects it wants: the
+// polls (every 500ms here) that could have dropped the driver's objects
+// have run.
+func (s *switchDrivers) waitReconcilesWhileGone(t *testing.T, n int64) {
+	t.Helper()
+	err := testenv.WaitFor(context.Background(), 30*time.Second, fmt.Sprintf("%d capacity reconciles while the driver is unregistered", n), func(context.Context) (bool, string, error) {
+		got := s.reconcilesWhileGone.Load()
+		return got >= n, fmt.Sprintf("%d", got), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 }
 
 // zoneCapacity is one zonal driver (8 GiB, zone z1) on one node with a
@@ -437,6 +507,7 @@ func (z zoneCapacity) useCapacity(t *testing.T, name string, size int64) {
 // unregisters a discovered driver for a moment), then are deleted.
 func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
 	z := setUpZoneCapacity(t)
+	longCapacityGrace(t)
 	ns, c, ctx, drv, drivers, d, key := z.ns, z.c, context.Background(), z.drv, z.drivers, z.d, z.key
 	run := startBridge(t, z.env, ns, drivers, bridgeOpts{})
 	before := waitCapacities(t, c, ns, drv, map[string]int64{key: 8 * gib})
@@ -474,17 +545,21 @@ func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
 		t.Fatalf("driver volumes %+v", d.Volumes())
 	}
 
-	// Unregistered: its objects stay for the grace period (4 s here), then go.
+	// Unregistered: its objects stay for the grace period (15 s here), then
+	// go. The controller says it keeps them; several polls later they are
+	// still there, as they were.
+	gone := time.Now() // no later than the controller notices
 	drivers.gone.Store(true)
-	gone := time.Now()
-	time.Sleep(2 * time.Second) // several registry checks and polls
+	waitLogLine(t, run, "driver unregistered; its capacity objects keep their last value", "driver="+drv)
+	drivers.waitReconcilesWhileGone(t, 5)
 	kept, err := capacityObjects(ctx, c, ns, drv)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if o, ok := kept[key]; !ok || o.UID != after[key].UID {
-		t.Fatalf("%v after the driver was unregistered: %s, want %s kept through the grace period", time.Since(gone).Round(time.Millisecond), describeCapacities(kept), after[key].Name)
+	if o, ok := kept[key]; !ok || o.UID != after[key].UID || o.Capacity.Value() != 5*gib {
+		t.Fatalf("%v after the driver was unregistered (grace %v): %s, want %s kept through the grace period", time.Since(gone).Round(time.Millisecond), capacityUnregisteredGrace, describeCapacities(kept), after[key].Name)
 	}
+	t.Logf("kept through %d capacity reconciles, %v after the driver was unregistered", drivers.reconcilesWhileGone.Load(), time.Since(gone).Round(time.Millisecond))
 	waitCapacities(t, c, ns, drv, map[string]int64{})
 	if d := time.Since(gone); d < capacityUnregisteredGrace {
 		t.Fatalf("objects deleted %v after the driver was unregistered, before the %v grace period", d, capacityUnregisteredGrace)
@@ -497,25 +572,27 @@ func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
 // them, and updates the same objects once the driver registers.
 func TestCapacityNewLeaderKeepsObjectsOfDriversNotRegisteredYet(t *testing.T) {
 	z := setUpZoneCapacity(t)
+	longCapacityGrace(t)
 	first := startBridge(t, z.env, z.ns, z.drivers, bridgeOpts{identity: "broker-0"})
 	before := waitCapacities(t, z.c, z.ns, z.drv, map[string]int64{z.key: 8 * gib})
 	first.stop()
 
 	z.drivers.gone.Store(true) // the next broker's discovery has not found it yet
+	started := time.Now()
 	next := startBridge(t, z.env, z.ns, z.drivers, bridgeOpts{identity: "broker-1"})
-	// Within the 4 s grace: its term has started, with several polls and
-	// registry checks (a deletion, without the grace, takes well under 1 s).
-	time.Sleep(2500 * time.Millisecond)
+	// Its term has started (it says it keeps the objects), then several
+	// polls (a deletion, without the grace, takes well under 1 s), all
+	// within the 15 s grace.
+	waitLogLine(t, next, "capacity objects of a driver not registered yet are kept", "driver="+z.drv)
+	z.drivers.waitReconcilesWhileGone(t, 5)
 	kept, err := capacityObjects(context.Background(), z.c, z.ns, z.drv)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if o, ok := kept[z.key]; !ok || o.UID != before[z.key].UID || o.Capacity.Value() != 8*gib {
-		t.Fatalf("new leader, driver not registered yet: %s, want %s kept as it was", describeCapacities(kept), before[z.key].Name)
+		t.Fatalf("new leader, driver not registered yet, %v after it started (grace %v): %s, want %s kept as it was", time.Since(started).Round(time.Millisecond), capacityUnregisteredGrace, describeCapacities(kept), before[z.key].Name)
 	}
-	if !strings.Contains(next.logs.String(), "not registered yet are kept") {
-		t.Errorf("the new leader did not log that it keeps the objects")
-	}
+	t.Logf("kept through %d capacity reconciles, %v after the new leader started", z.drivers.reconcilesWhileGone.Load(), time.Since(started).Round(time.Millisecond))
 
 	z.useCapacity(t, "made-elsewhere", 3*gib)
 	z.drivers.gone.Store(false)

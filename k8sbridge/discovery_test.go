@@ -2,15 +2,25 @@ package k8sbridge
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"reflect"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/util/retry"
 
 	"github.com/csibroker/csibroker/broker"
+	"github.com/csibroker/csibroker/internal/chaintest"
+	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 )
 
@@ -93,55 +103,90 @@ func (f *fakeRegistry) get(n string) (broker.DriverConfig, bool) {
 
 var _ Registry = (*fakeRegistry)(nil)
 
+// makeReadyProxyPod creates a proxy pod of driver drv in namespace pns,
+// labelled for selector "csibroker-test=<label>", and marks it Running and
+// Ready at ip, as a kubelet would.
+func makeReadyProxyPod(t *testing.T, ctx context.Context, c kubernetes.Interface, label, pns, drv, name, ip, port string, nodeProxy bool) {
+	t.Helper()
+	p := proxyPod(name, drv, "", "", nodeProxy, false, port)
+	p.Namespace = pns
+	p.Labels = map[string]string{"csibroker-test": label}
+	p.Spec.Containers = []corev1.Container{{Name: "proxy", Image: "csibroker"}}
+	p.Status = corev1.PodStatus{}
+	created, err := c.CoreV1().Pods(pns).Create(ctx, p, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The scheduler updates the pod too (no node can take it), so retry
+	// on conflicts, as a kubelet would.
+	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		cur, err := c.CoreV1().Pods(pns).Get(ctx, created.Name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		cur.Status = corev1.PodStatus{PodIP: ip, Phase: corev1.PodRunning, Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}}
+		_, err = c.CoreV1().Pods(pns).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// runDiscovery runs d until the test ends and fails the test if Run
+// returns an error.
+func runDiscovery(t *testing.T, d *Discovery) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("discovery: Run: %v", err)
+			}
+		case <-time.After(20 * time.Second):
+			t.Errorf("discovery: Run did not return within 20s of its context's end")
+		}
+	})
+}
+
 // TestDiscoveryOnRealAPIServer: proxy pods appear, become ready, move and go
-// away; the registry follows. The static driver is never touched.
+// away; the registry follows. The static driver is never touched, even when
+// a Ready proxy pod names it.
 func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	reg := &fakeRegistry{drivers: map[string]broker.DriverConfig{}}
+	const static = "static.csi.test"
+	staticCfg := broker.DriverConfig{Name: static, Controller: &broker.ProxyConfig{Address: "192.0.2.1:7443"}, Timeout: time.Minute}
+	reg := &fakeRegistry{drivers: map[string]broker.DriverConfig{static: staticCfg}}
 	drv := clusterName(ns, "disc.csi.test")
 	selector := "csibroker-test=" + ns
+	logs := &chaintest.SyncBuffer{}
 	// Two proxy namespaces (one watch of all namespaces, filtered); a
 	// tenant's namespace is not one of them.
 	tenant := env.NewNamespace(t)
-	d, err := NewDiscovery(c, selector, []string{ns, env.NewNamespace(t)}, reg, broker.DriverConfig{}, []string{"static.csi.test"}, nil)
+	d, err := NewDiscovery(c, selector, []string{ns, env.NewNamespace(t)}, reg, broker.DriverConfig{}, []string{static}, slog.New(slog.NewTextHandler(logs, nil)))
 	if err != nil {
 		t.Fatal(err)
 	}
-	go d.Run(ctx)
+	runDiscovery(t, d)
 
 	mk := func(pns, drv, name, ip string, nodeProxy bool) {
-		p := proxyPod(name, drv, "", "", nodeProxy, false, "")
-		p.Namespace = pns
-		p.Labels = map[string]string{"csibroker-test": ns}
-		p.Spec.Containers = []corev1.Container{{Name: "proxy", Image: "csibroker"}}
-		p.Status = corev1.PodStatus{}
-		created, err := c.CoreV1().Pods(pns).Create(ctx, p, metav1.CreateOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		// The scheduler updates the pod too (no node can take it), so retry
-		// on conflicts, as a kubelet would.
-		err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
-			cur, err := c.CoreV1().Pods(pns).Get(ctx, created.Name, metav1.GetOptions{})
-			if err != nil {
-				return err
-			}
-			cur.Status = corev1.PodStatus{PodIP: ip, Phase: corev1.PodRunning, Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}}
-			_, err = c.CoreV1().Pods(pns).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
-			return err
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
+		t.Helper()
+		makeReadyProxyPod(t, ctx, c, ns, pns, drv, name, ip, "", nodeProxy)
 	}
 	// A Ready pod in the tenant's namespace, offering a proxy of its own
+	// driver, and a Ready pod in a proxy namespace naming the static
 	// driver: created first, and never registered.
 	impostor := clusterName(tenant, "impostor.csi.test")
 	mk(tenant, impostor, "impostor", "10.9.9.9", false)
+	mk(ns, static, "static-proxy", "10.8.8.8", false)
 	mk(ns, drv, "controller", "10.1.0.1", false)
 	err = testenv.WaitFor(ctx, 30*time.Second, "driver discovered", func(context.Context) (bool, string, error) {
 		cfg, ok := reg.get(drv)
@@ -153,8 +198,20 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	if cfg, ok := reg.get(impostor); ok {
 		t.Fatalf("a pod outside the proxy namespaces was registered: %+v", cfg)
 	}
-	if err := c.CoreV1().Pods(ns).Delete(ctx, "controller", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
-		t.Fatal(err)
+	// The pass that registered drv saw the static driver's pod (made
+	// before it): it said so and left the static entry as it was.
+	if !strings.Contains(logs.String(), "the static entry wins") || !strings.Contains(logs.String(), "driver="+static) {
+		t.Errorf("no warning about the pod naming the static driver:\n%s", logs.String())
+	}
+	if cfg, ok := reg.get(static); !ok || !reflect.DeepEqual(cfg, staticCfg) {
+		t.Fatalf("static entry %s (present %v), want %s untouched", describeDriverConfig(cfg), ok, describeDriverConfig(staticCfg))
+	}
+	// The static driver's pod goes first: the pass that removes drv has
+	// seen it gone.
+	for _, pod := range []string{"static-proxy", "controller"} {
+		if err := c.CoreV1().Pods(ns).Delete(ctx, pod, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+			t.Fatal(err)
+		}
 	}
 	err = testenv.WaitFor(ctx, 30*time.Second, "driver removed", func(context.Context) (bool, string, error) {
 		_, ok := reg.get(drv)
@@ -163,4 +220,118 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Its pod gone too, the static driver is still registered as it was.
+	if cfg, ok := reg.get(static); !ok || !reflect.DeepEqual(cfg, staticCfg) {
+		t.Fatalf("static entry %s (present %v) after its pod went away, want %s untouched", describeDriverConfig(cfg), ok, describeDriverConfig(staticCfg))
+	}
+}
+
+func describeDriverConfig(c broker.DriverConfig) string {
+	ctrl := "none"
+	if c.Controller != nil {
+		ctrl = c.Controller.Address
+	}
+	return fmt.Sprintf("{name %s controller %s nodes %v timeout %v}", c.Name, ctrl, c.Nodes, c.Timeout)
+}
+
+// TestDiscoveryFeedsBroker: discovery registers a proxy pod's driver with a
+// real broker, whose calls then reach that driver through its proxy over
+// mTLS; a pod naming the broker's static driver changes nothing; the
+// driver is unregistered when its pod goes away.
+func TestDiscoveryFeedsBroker(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	found, static := clusterName(ns, "found.csi.test"), clusterName(ns, "static.csi.test")
+	quiet := slog.New(slog.DiscardHandler)
+	// The discovered driver's proxy (its certificate names found); the
+	// broker of its chain is not used.
+	ep, _ := sampledriver.StartTest(t, sampledriver.Config{Name: found, Logger: quiet})
+	foundChain := chaintest.Start(t, chaintest.Options{Driver: found, DriverEndpoint: ep, LogLevel: slog.LevelWarn, Timeout: 30 * time.Second})
+	// The broker under test, with static registered at start-up.
+	ep, _ = sampledriver.StartTest(t, sampledriver.Config{Name: static, Logger: quiet})
+	brokerChain := chaintest.Start(t, chaintest.Options{Driver: static, DriverEndpoint: ep, LogLevel: slog.LevelWarn, Timeout: 30 * time.Second})
+	br := brokerChain.Broker
+	staticStatus := driverStatus(t, br, static)
+
+	d, err := NewDiscovery(c, "csibroker-test="+ns, []string{ns}, br, broker.DriverConfig{Timeout: 30 * time.Second}, []string{static}, quiet)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runDiscovery(t, d)
+	host, port, err := net.SplitHostPort(foundChain.ProxyAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A pod naming the static driver, at an address nobody serves: made
+	// first, so the pass that registers found has seen it.
+	makeReadyProxyPod(t, ctx, c, ns, ns, static, "static-proxy", host, "1", false)
+	makeReadyProxyPod(t, ctx, c, ns, ns, found, "found-proxy", host, port, false)
+
+	pluginName := func(ctx context.Context, driver string) (string, error) {
+		conn, err := br.ControllerConn(driver)
+		if err != nil {
+			return "", err
+		}
+		resp, err := csi.NewIdentityClient(conn).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
+		return resp.GetName(), err
+	}
+	err = testenv.WaitFor(ctx, 30*time.Second, "the broker to reach "+found+" through the discovered proxy", func(ctx context.Context) (bool, string, error) {
+		name, err := pluginName(ctx, found)
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		if name != found {
+			return false, "", fmt.Errorf("GetPluginInfo through %s's route answered %q", found, name)
+		}
+		return true, "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := driverStatus(t, br, found); len(st.Proxies) != 1 || st.Proxies[0].Address != foundChain.ProxyAddr || st.Proxies[0].Node != "" {
+		t.Errorf("%s registered as %+v, want its controller proxy at %s", found, st.Proxies, foundChain.ProxyAddr)
+	}
+	if st := driverStatus(t, br, static); !reflect.DeepEqual(st.Proxies, staticStatus.Proxies) {
+		t.Errorf("static driver %s: proxies %+v, want %+v untouched by the pod naming it", static, st.Proxies, staticStatus.Proxies)
+	}
+	if name, err := pluginName(ctx, static); err != nil || name != static {
+		t.Errorf("static driver %s: GetPluginInfo answered %q, %v", static, name, err)
+	}
+
+	// Both pods go: found is unregistered, static stays.
+	for _, pod := range []string{"static-proxy", "found-proxy"} {
+		if err := c.CoreV1().Pods(ns).Delete(ctx, pod, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	err = testenv.WaitFor(ctx, 30*time.Second, found+" unregistered", func(context.Context) (bool, string, error) {
+		_, err := br.ControllerConn(found)
+		return errors.Is(err, broker.ErrUnknownDriver), fmt.Sprint(err), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := br.DriverNames(); !reflect.DeepEqual(got, []string{static}) {
+		t.Errorf("registered drivers %v, want only the static %s", got, static)
+	}
+	if name, err := pluginName(ctx, static); err != nil || name != static {
+		t.Errorf("static driver %s after the pods went: GetPluginInfo answered %q, %v", static, name, err)
+	}
+}
+
+func driverStatus(t *testing.T, br *broker.Broker, driver string) broker.DriverStatus {
+	t.Helper()
+	for _, s := range br.Status() {
+		if s.Name == driver {
+			for i := range s.Proxies {
+				s.Proxies[i].State = "" // connection state comes and goes
+			}
+			return s
+		}
+	}
+	t.Fatalf("driver %s is not registered with the broker (%v)", driver, br.DriverNames())
+	return broker.DriverStatus{}
 }

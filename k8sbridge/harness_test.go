@@ -2,6 +2,7 @@ package k8sbridge
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"sort"
@@ -161,11 +162,16 @@ func (t *testDrivers) addDriver(tb testing.TB, cfg sampledriver.Config, opts ...
 	return d
 }
 
-// addDeadDriver registers a driver whose proxy fronts a socket nobody serves.
-func (t *testDrivers) addDeadDriver(tb testing.TB, name string) {
+// addDeadDriver registers a driver whose proxy fronts a socket nobody
+// serves; opts change the chain's options.
+func (t *testDrivers) addDeadDriver(tb testing.TB, name string, opts ...func(*chaintest.Options)) {
 	tb.Helper()
 	dir := chaintest.ShortTempDir(tb)
-	c := chaintest.Start(tb, chaintest.Options{Driver: name, DriverEndpoint: "unix://" + dir + "/gone.sock", LogLevel: slog.LevelWarn, Timeout: 5 * time.Second})
+	co := chaintest.Options{Driver: name, DriverEndpoint: "unix://" + dir + "/gone.sock", LogLevel: slog.LevelWarn, Timeout: 5 * time.Second}
+	for _, o := range opts {
+		o(&co)
+	}
+	c := chaintest.Start(tb, co)
 	t.mu.Lock()
 	if t.chains == nil {
 		t.chains, t.drivers, t.nodeLocal = map[string]*chaintest.Chain{}, map[string]*sampledriver.Driver{}, map[string]bool{}
@@ -176,12 +182,28 @@ func (t *testDrivers) addDeadDriver(tb testing.TB, name string) {
 
 // bridgeRun is a running Bridge for one test.
 type bridgeRun struct {
-	b      *Bridge
-	spans  *tracetest.SpanRecorder
-	reg    *prometheus.Registry
-	logs   *chaintest.SyncBuffer
-	cancel context.CancelFunc
-	done   chan error
+	t        *testing.T
+	identity string
+	b        *Bridge
+	spans    *tracetest.SpanRecorder
+	reg      *prometheus.Registry
+	logs     *chaintest.SyncBuffer
+	cancel   context.CancelFunc
+	// exited is closed once Run has returned; runErr is then what it
+	// returned.
+	exited chan struct{}
+	runErr error
+}
+
+// exitedEarly reports whether Run has returned, and with what, although
+// the test has not stopped the bridge.
+func (r *bridgeRun) exitedEarly() (bool, error) {
+	select {
+	case <-r.exited:
+		return true, r.runErr
+	default:
+		return false, nil
+	}
 }
 
 type bridgeOpts struct {
@@ -192,6 +214,9 @@ type bridgeOpts struct {
 	strict       bool
 	configureCfg func(*Config)
 	configure    func(*Bridge)
+	// allLogs makes the bridge log at every level, below debug too
+	// (tests that secrets appear at no verbosity).
+	allLogs bool
 }
 
 func startBridge(t *testing.T, env *testenv.Env, ns string, drivers Drivers, o bridgeOpts) *bridgeRun {
@@ -204,12 +229,16 @@ func startBridge(t *testing.T, env *testenv.Env, ns string, drivers Drivers, o b
 	if o.identity == "" {
 		o.identity = "broker-0"
 	}
-	r := &bridgeRun{spans: tracetest.NewSpanRecorder(), reg: prometheus.NewRegistry(), logs: &chaintest.SyncBuffer{}, done: make(chan error, 1)}
+	logLevel := slog.LevelDebug
+	if o.allLogs {
+		logLevel = mostVerbose
+	}
+	r := &bridgeRun{t: t, identity: o.identity, spans: tracetest.NewSpanRecorder(), reg: prometheus.NewRegistry(), logs: &chaintest.SyncBuffer{}, exited: make(chan struct{})}
 	cfg := Config{
 		Client: env.Client(), Drivers: drivers, Policy: o.policy, Namespace: ns, Identity: o.identity,
 		LeaderElection: o.leader, WorkerThreads: 8, RetryIntervalStart: 100 * time.Millisecond, RetryIntervalMax: 2 * time.Second,
 		Timeout: o.timeout, StrictTopology: o.strict, ImmediateTopology: true, RecoveryInterval: 2 * time.Second,
-		Logger:         slog.New(slog.NewTextHandler(r.logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		Logger:         slog.New(slog.NewTextHandler(r.logs, &slog.HandlerOptions{Level: logLevel})),
 		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(r.spans)),
 		Registerer:     r.reg,
 	}
@@ -226,7 +255,10 @@ func startBridge(t *testing.T, env *testenv.Env, ns string, drivers Drivers, o b
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	r.cancel = cancel
-	go func() { r.done <- b.Run(ctx) }()
+	go func() {
+		defer close(r.exited)
+		r.runErr = b.Run(ctx)
+	}()
 	t.Cleanup(func() {
 		r.stop()
 		if t.Failed() {
@@ -236,16 +268,30 @@ func startBridge(t *testing.T, env *testenv.Env, ns string, drivers Drivers, o b
 	return r
 }
 
+// stop stops the bridge and waits for Run to return. The test fails if
+// Run had returned before (the controllers stopped on their own), returned
+// an error other than its context's end, or did not return within 20s.
 func (r *bridgeRun) stop() {
+	r.t.Helper()
 	if r.cancel == nil {
 		return
 	}
+	early, err := r.exitedEarly()
 	r.cancel()
-	select {
-	case <-r.done:
-	case <-time.After(20 * time.Second):
-	}
 	r.cancel = nil
+	if early {
+		r.t.Errorf("bridge %s: Run returned before the test stopped it: %v", r.identity, err)
+		return
+	}
+	select {
+	case <-r.exited:
+		// Stopped before its caches synced: Run says so with ctx's error.
+		if r.runErr != nil && !errors.Is(r.runErr, context.Canceled) {
+			r.t.Errorf("bridge %s: Run: %v", r.identity, r.runErr)
+		}
+	case <-time.After(20 * time.Second):
+		r.t.Errorf("bridge %s: Run did not return within 20s of its context's end", r.identity)
+	}
 }
 
 func tail(s string, n int) string {

@@ -79,7 +79,10 @@ func TestClaimDeletedWhileCreateVolumeIsSlow(t *testing.T) {
 	}
 	// ...and nothing is left behind: no volume, no PV, no intent.
 	noLeaks(t, env, ns, d, drv)
-	pvs, _ := c.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+	pvs, err := c.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, pv := range pvs.Items {
 		if pv.Spec.CSI != nil && pv.Spec.CSI.Driver == drv {
 			t.Fatalf("PV %s made for a deleted claim", pv.Name)

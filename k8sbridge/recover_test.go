@@ -272,21 +272,19 @@ func testRecoverBacksOff(t *testing.T, method string) {
 	const interval = 400 * time.Millisecond
 	r := startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.RecoveryInterval = interval }})
 
-	// When each call of method reaches the driver.
-	var calls []time.Time
-	deadline := time.Now().Add(60 * time.Second)
-	for len(calls) < failures+1 && time.Now().Before(deadline) {
-		if n := int(d.CallCount(method)); n > len(calls) {
-			for len(calls) < n {
-				calls = append(calls, time.Now())
-			}
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	if len(calls) < failures+1 {
-		t.Fatalf("%d %s calls in 60s, want %d", len(calls), method, failures+1)
+	err = testenv.WaitFor(ctx, 60*time.Second, fmt.Sprintf("%d %s calls", failures+1, method), func(context.Context) (bool, string, error) {
+		n := d.CallCount(method)
+		return n >= failures+1, fmt.Sprintf("%d calls", n), nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 	noLeaks(t, env, ns, d, drv)
+	// When each call of method reached the driver, as the driver saw it.
+	calls := d.CallTimes(method)
+	if len(calls) != failures+1 {
+		t.Fatalf("driver recorded %d %s calls, want %d", len(calls), method, failures+1)
+	}
 
 	// Once per pass, the five calls would come one interval apart; with
 	// the backoff the k-th wait is 2^(k-1) intervals, up to half an

@@ -419,6 +419,12 @@ func (d *Driver) Calls() map[string]int64 { return d.calls.snapshot() }
 // CallCount returns the number of calls received for one method.
 func (d *Driver) CallCount(method string) int64 { return d.calls.get(method) }
 
+// CallTimes returns when each of the last (at most 1000) calls of method
+// reached the driver, before any injected latency or fault, oldest first;
+// failed and faulted calls included. With fewer than 1000 calls, the i-th
+// time is that of the call CallCount counted as i+1.
+func (d *Driver) CallTimes(method string) []time.Time { return d.calls.arrivals(method) }
+
 func sortedKeys[V any](m map[string]V) []string {
 	if len(m) == 0 {
 		return nil

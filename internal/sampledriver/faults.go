@@ -266,23 +266,47 @@ func shortMethod(full string) string {
 	return full
 }
 
-// callCounter counts calls per method and in total.
+// callCounter counts calls per method and in total, and keeps when the
+// last maxCallTimes calls of each method arrived.
 type callCounter struct {
 	mu     sync.Mutex
 	byName map[string]int64
 	total  int64
+	times  map[string][]time.Time // up to 2*maxCallTimes, the last maxCallTimes are kept
 }
+
+// maxCallTimes bounds the arrival times kept per method.
+const maxCallTimes = 1000
 
 // inc records a call and returns its 1-based index for the method and overall.
 func (c *callCounter) inc(method string) (n, total int64) {
+	now := time.Now()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.byName == nil {
-		c.byName = map[string]int64{}
+		c.byName, c.times = map[string]int64{}, map[string][]time.Time{}
 	}
 	c.byName[method]++
 	c.total++
+	ts := c.times[method]
+	if len(ts) >= 2*maxCallTimes {
+		// Trimmed in bulk, so that recording stays O(1) amortized.
+		ts = append(make([]time.Time, 0, 2*maxCallTimes), ts[len(ts)-maxCallTimes+1:]...)
+	}
+	c.times[method] = append(ts, now)
 	return c.byName[method], c.total
+}
+
+// arrivals returns when the last (at most maxCallTimes) calls of method
+// arrived, oldest first.
+func (c *callCounter) arrivals(method string) []time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	ts := c.times[method]
+	if len(ts) > maxCallTimes {
+		ts = ts[len(ts)-maxCallTimes:]
+	}
+	return append([]time.Time(nil), ts...)
 }
 
 func (c *callCounter) snapshot() map[string]int64 {
