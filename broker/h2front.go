@@ -824,7 +824,11 @@ func (c *feConn) finish(st *feStream, headersSent bool, err error, trailer metad
 			st.in.abort()
 		}
 	}
-	if len(c.streams) > 1 && c.needFlush && !c.closed {
+	// Removed before the answer can reach the caller, so that a caller
+	// keeping to the stream limit is never refused (the removal closes a
+	// draining connection once its last call is done, flushing first).
+	c.removeLocked(st)
+	if len(c.streams) > 0 && c.needFlush && !c.closed {
 		// Other calls are in flight on this connection: let those whose
 		// answers are ready write them before the flush, so that under
 		// load several answers share one socket write. A lone call's
@@ -834,7 +838,6 @@ func (c *feConn) finish(st *feStream, headersSent bool, err error, trailer metad
 		c.mu.Lock()
 	}
 	c.flushLocked()
-	c.removeLocked(st)
 }
 
 // shrinkStatus makes the trailers of a status whose trailers are over the

@@ -9,6 +9,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/retry"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
@@ -114,15 +116,7 @@ func TestLeadsAgainAfterLosingTheLease(t *testing.T) {
 	waitBound(t, c, ns, makeClaim(t, c, ns, "before", class.Name, "1Gi").Name, 60*time.Second)
 
 	// Take the Lease: a holder that renewed just now, for 3s.
-	lease, err := c.CoordinationV1().Leases(ns).Get(ctx, "csibroker-leader", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	intruder, secs, now := "intruder", int32(3), metav1.NewMicroTime(time.Now())
-	lease.Spec.HolderIdentity, lease.Spec.LeaseDurationSeconds, lease.Spec.RenewTime, lease.Spec.AcquireTime = &intruder, &secs, &now, &now
-	if _, err := c.CoordinationV1().Leases(ns).Update(ctx, lease, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	takeLease(t, c, ns, "intruder", 3)
 	if err := testenv.WaitFor(ctx, 30*time.Second, "the broker to stop leading", func(context.Context) (bool, string, error) {
 		ok, _ := r.b.Leader()
 		return !ok, "", nil
@@ -136,4 +130,25 @@ func TestLeadsAgainAfterLosingTheLease(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitBound(t, c, ns, makeClaim(t, c, ns, "after", class.Name, "1Gi").Name, 60*time.Second)
+}
+
+// takeLease makes holder the broker's leader Lease holder, renewed now, for
+// secs seconds. The broker renews the Lease every half second, so the
+// update is retried on a conflict.
+func takeLease(t *testing.T, c kubernetes.Interface, ns, holder string, secs int32) {
+	t.Helper()
+	ctx := context.Background()
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		lease, err := c.CoordinationV1().Leases(ns).Get(ctx, "csibroker-leader", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		now := metav1.NewMicroTime(time.Now())
+		lease.Spec.HolderIdentity, lease.Spec.LeaseDurationSeconds, lease.Spec.RenewTime, lease.Spec.AcquireTime = &holder, &secs, &now, &now
+		_, err = c.CoordinationV1().Leases(ns).Update(ctx, lease, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil {
+		t.Fatalf("take the Lease for %s: %v", holder, err)
+	}
 }

@@ -97,8 +97,9 @@ type resizer struct {
 	// PerDriverWorkers: one slow driver cannot take every worker.
 	slots *driverSlots
 	// warned is the last VolumeResizeFailed Event of each claim, so that a
-	// failure retried with backoff is reported once.
-	warned *resizeWarnings
+	// failure retried with backoff is reported once; announced is the last
+	// Resizing Event, for the same reason.
+	warned, announced *resizeWarnings
 
 	mu sync.Mutex
 	// finalErr holds claims whose last ControllerExpandVolume ended with a
@@ -116,7 +117,7 @@ type resizeNodeCaps struct {
 
 func newResizer(b *Bridge) (controller, error) {
 	r := &resizer{b: b, queue: newTermQueue("resize", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), slots: newDriverSlots(b.cfg.PerDriverWorkers),
-		warned: &resizeWarnings{}, finalErr: map[types.UID]bool{}, nodeCaps: map[string]resizeNodeCaps{}}
+		warned: &resizeWarnings{}, announced: &resizeWarnings{}, finalErr: map[types.UID]bool{}, nodeCaps: map[string]resizeNodeCaps{}}
 	r.ops = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "csibroker", Name: "resize_operations_total",
 		Help: "Volume expansion attempts by driver and result (success, node_pending, infeasible, failed, in_progress, not_called).",
@@ -160,6 +161,7 @@ func newResizer(b *Bridge) (controller, error) {
 			delete(r.finalErr, c.UID)
 			r.mu.Unlock()
 			r.warned.forget(c.UID)
+			r.announced.forget(c.UID)
 			if key, err := cache.MetaNamespaceKeyFunc(c); err == nil {
 				r.queue.Forget(key)
 			}
@@ -229,6 +231,7 @@ func (r *resizer) run(ctx context.Context) {
 	// another leader may have reported others in between, and an Event
 	// dropped because the previous term ended may be remembered as sent.
 	r.warned.reset()
+	r.announced.reset()
 	// Requests raised while another replica led are in the cache already.
 	r.queue.work(ctx, r.b.cfg.WorkerThreads, r.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
 		requeue, err := r.sync(ctx, key)
@@ -293,6 +296,7 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	if err != nil {
 		r.b.caps.forget(driver)
 		r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: driver is not reachable: %v", pv.Name, driver, err)
+		r.b.log.Warn("volume expansion: driver not reachable; will retry", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
 		return 0, err
 	}
 	controllerExpand := caps.expand
@@ -300,6 +304,7 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 		nodeOnly, err := r.nodeExpansion(ctx, driver)
 		if err != nil {
 			r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: %v", pv.Name, driver, err)
+			r.b.log.Warn("volume expansion: cannot learn whether the driver expands on the node; will retry", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
 			return 0, err
 		}
 		if !nodeOnly {
@@ -331,8 +336,10 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 		span.SetStatus(otelcodes.Error, result)
 		return 0, err
 	}
-	// Done (or over to the kubelet): a failure after this one is news.
+	// Done (or over to the kubelet): a failure or a new attempt after
+	// this one is news.
 	r.warned.forget(claim.UID)
+	r.announced.forget(claim.UID)
 	return 0, nil
 }
 
@@ -380,7 +387,10 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 		}
 		return failed("not_called", err) // RBAC, a webhook: said on the claim
 	}
-	r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "Resizing", "External resizer is resizing volume %s", pv.Name)
+	// Once per request, as its failure: a retried attempt is no news.
+	if r.announced.first(claim.UID, resizeWarning{request: claim.Spec.Resources.Requests[corev1.ResourceStorage], reason: "Resizing"}) {
+		r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "Resizing", "External resizer is resizing volume %s", pv.Name)
+	}
 
 	newSize, nodeRequired := target, true
 	if req != nil {
@@ -460,14 +470,15 @@ func (r *resizer) warn(ctx context.Context, claim *corev1.PersistentVolumeClaim,
 	r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, reason, "%s", msg)
 }
 
-// resizeWarning is a Warning Event recorded on a claim for the expansion
-// to the claim's request.
+// resizeWarning is an Event recorded on a claim for the expansion to the
+// claim's request (a VolumeResizeFailed Warning, or the Resizing
+// announcement).
 type resizeWarning struct {
 	request         resource.Quantity
 	reason, failure string
 }
 
-// resizeWarnings is the last Warning Event recorded on each claim: one
+// resizeWarnings is the last Event of one kind recorded on each claim: one
 // entry per claim, dropped when the claim is deleted or its expansion
 // succeeds, and all of them when a term starts.
 type resizeWarnings struct {

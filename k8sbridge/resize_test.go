@@ -921,7 +921,9 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 		}
 		flushes++
 		marker := fmt.Sprintf("flush %d", flushes)
-		r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "TestFlush", "%s", marker)
+		// A Warning: the claim's Normal Events (provisioning, Resizing)
+		// must not use up the recorder's per-object budget for markers.
+		r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "TestFlush", "%s", marker)
 		waitEvent(t, c, ns, "busy", "TestFlush", marker)
 		return n
 	}
@@ -945,6 +947,22 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 		}
 		return n
 	}
+	// announced counts the Resizing Events recorded on the claim: one per
+	// request too, not one per attempt.
+	announced := func() int {
+		t.Helper()
+		evs, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=busy"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for _, e := range evs.Items {
+			if e.Reason == "Resizing" && e.InvolvedObject.UID == claim.UID {
+				n += int(max(e.Count, 1))
+			}
+		}
+		return n
+	}
 	// logged counts the bridge's log lines of refused expansions of the claim.
 	logged := func() int {
 		n := 0
@@ -963,6 +981,9 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 	if n := warnings(); n != 1 {
 		t.Errorf("%d VolumeResizeFailed Events after %d refusals of the same request, want 1:%s", n, refused(2<<30), eventsOf(c, ns, "busy"))
 	}
+	if n := announced(); n != 1 {
+		t.Errorf("%d Resizing Events after %d attempts at the same request, want 1:%s", n, refused(2<<30), eventsOf(c, ns, "busy"))
+	}
 	if n := logged(); n < answered {
 		t.Errorf("%d log lines of refused expansions after %d refusals, want one per refusal", n, answered)
 	}
@@ -974,18 +995,13 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 	if n := warnings(); n != 2 {
 		t.Errorf("%d VolumeResizeFailed Events after %d refusals of 2Gi and %d of 3Gi, want 2 (one per request):%s", n, refused(2<<30), refused(3<<30), eventsOf(c, ns, "busy"))
 	}
+	if n := announced(); n != 2 {
+		t.Errorf("%d Resizing Events after attempts at 2Gi and 3Gi, want 2 (one per request):%s", n, eventsOf(c, ns, "busy"))
+	}
 
 	// Another holder takes the Lease for a moment: the first refusal of
 	// the broker's next term is reported again, and only the first.
-	lease, err := c.CoordinationV1().Leases(ns).Get(ctx, "csibroker-leader", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	intruder, secs, now := "intruder", int32(3), metav1.NewMicroTime(time.Now())
-	lease.Spec.HolderIdentity, lease.Spec.LeaseDurationSeconds, lease.Spec.RenewTime, lease.Spec.AcquireTime = &intruder, &secs, &now, &now
-	if _, err := c.CoordinationV1().Leases(ns).Update(ctx, lease, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	takeLease(t, c, ns, "intruder", 3)
 	for _, want := range []bool{false, true} {
 		if err := testenv.WaitFor(ctx, 30*time.Second, fmt.Sprintf("the broker leading: %v", want), func(context.Context) (bool, string, error) {
 			ok, _ := r.b.Leader()
@@ -995,7 +1011,7 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 		}
 	}
 	before := refused(0)
-	err = testenv.WaitFor(ctx, 30*time.Second, "a VolumeResizeFailed Event in the new term", func(context.Context) (bool, string, error) {
+	err := testenv.WaitFor(ctx, 30*time.Second, "a VolumeResizeFailed Event in the new term", func(context.Context) (bool, string, error) {
 		return warnings() >= 3, eventsOf(c, ns, "busy"), nil
 	})
 	if err != nil {

@@ -254,7 +254,11 @@ func (p *Proxy) drain() {
 	p.bmu.Unlock()
 	for _, c := range conns {
 		c.mu.Lock()
-		c.goAwayLocked(c.lastID, 0, errors.New("proxy stopping"))
+		if !c.draining {
+			// (A connection refused by the peer check has had its GOAWAY,
+			// with a lower last stream: a second may not raise it.)
+			c.goAwayLocked(c.lastID, 0, errors.New("proxy stopping"))
+		}
 		c.mu.Unlock()
 	}
 	deadline := time.After(10 * time.Second)
