@@ -214,6 +214,69 @@ func BenchmarkLatencyC1(b *testing.B) {
 	}
 }
 
+// BenchmarkLatencyC8 is BenchmarkLatencyC1 for Probe at concurrency 8: the
+// sides alternate in eight rounds of b.N/8 calls each, eight callers at a
+// time; it reports both sides' p50/p99 and the added p50 and p99. Under
+// moderate load calls have company on their connections, which c=1 and
+// c=32 (throughput) do not show: what sharing a socket write costs a
+// call's latency, or saves it.
+func BenchmarkLatencyC8(b *testing.B) {
+	const conc, rounds = 8, 8
+	m := methods[0]
+	direct, chain := setup(b)
+	ctx := context.Background()
+	timed(ctx, b, m, direct, 64, conc)
+	timed(ctx, b, m, chain, 64, conc)
+	per := max(b.N/rounds, conc)
+	var dl, cl []time.Duration
+	b.ResetTimer()
+	for r := 0; r < rounds; r++ {
+		dl = append(dl, timed(ctx, b, m, direct, per, conc)...)
+		cl = append(cl, timed(ctx, b, m, chain, per, conc)...)
+	}
+	b.StopTimer()
+	dp50, dp99, cp50, cp99 := quantile(dl, .5), quantile(dl, .99), quantile(cl, .5), quantile(cl, .99)
+	b.ReportMetric(us(dp50), "direct-p50-µs")
+	b.ReportMetric(us(dp99), "direct-p99-µs")
+	b.ReportMetric(us(cp50), "chain-p50-µs")
+	b.ReportMetric(us(cp99), "chain-p99-µs")
+	b.ReportMetric(us(cp50-dp50), "added-p50-µs")
+	b.ReportMetric(us(cp99-dp99), "added-p99-µs")
+	b.ReportMetric(0, "ns/op")
+}
+
+// timed makes n calls with c workers and returns each call's latency.
+func timed(ctx context.Context, b *testing.B, m method, s *side, n, c int) []time.Duration {
+	var next atomic.Int64
+	lat := make([][]time.Duration, c)
+	errs := make(chan error, c)
+	var wg sync.WaitGroup
+	for w := 0; w < c; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for next.Add(1) <= int64(n) {
+				t0 := time.Now()
+				if err := m.call(ctx, s); err != nil {
+					errs <- err
+					return
+				}
+				lat[w] = append(lat[w], time.Since(t0))
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		b.Fatalf("%s %s: %v", s.name, m.name, err)
+	}
+	var out []time.Duration
+	for _, l := range lat {
+		out = append(out, l...)
+	}
+	return out
+}
+
 // run makes at least n calls with c workers, and goes on until at least
 // minDur has passed; it returns the calls made and calls per second.
 func run(ctx context.Context, b *testing.B, m method, s *side, n, c int, minDur time.Duration) (int, float64) {
