@@ -87,6 +87,7 @@ func init() { extraControllers = append(extraControllers, newAttacher) }
 type attacher struct {
 	b     *Bridge
 	queue *termQueue
+	slots *driverSlots // attachments and detachments in progress per driver (PerDriverWorkers)
 
 	// force holds the attachments the reconcile found not published:
 	// their next sync publishes again although their status says attached.
@@ -113,7 +114,7 @@ func (a *attacher) takeForce(name string) bool {
 }
 
 func newAttacher(b *Bridge) (controller, error) {
-	a := &attacher{b: b, queue: newTermQueue("attach", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax)}
+	a := &attacher{b: b, queue: newTermQueue("attach", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), slots: newDriverSlots(b.cfg.PerDriverWorkers)}
 	b.metrics.queueDepth("attach", a.queue.Len)
 	b.on(b.factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) { a.enqueueVA(obj) },
@@ -203,7 +204,7 @@ func vaChanged(o, n *storagev1.VolumeAttachment) bool {
 func (a *attacher) sync(ctx context.Context, key string) (time.Duration, error) {
 	switch {
 	case strings.HasPrefix(key, "va/"):
-		return 0, a.syncVA(ctx, strings.TrimPrefix(key, "va/"))
+		return a.syncVA(ctx, strings.TrimPrefix(key, "va/"))
 	case strings.HasPrefix(key, "pv/"):
 		return 0, a.syncPV(ctx, strings.TrimPrefix(key, "pv/"))
 	}
@@ -292,33 +293,43 @@ func capability(src *attachSource, singleNodeMultiWriter bool) (*csi.VolumeCapab
 	return c, nil
 }
 
-func (a *attacher) syncVA(ctx context.Context, name string) error {
+// syncVA attaches or detaches VolumeAttachment name as it asks. A positive
+// duration looks at it again then (its driver is busy).
+func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, error) {
 	force := a.takeForce(name) // consumed whatever happens: no entry outlives its VA
 	va, err := a.b.attachments.Get(name)
 	if apierrors.IsNotFound(err) {
-		return nil
+		return 0, nil
 	}
 	if err != nil {
-		return err
+		return 0, err
 	}
 	driver := va.Spec.Attacher
 	if !a.registered(driver) {
-		return nil
+		return 0, nil
 	}
+	if va.DeletionTimestamp == nil && va.Status.Attached && !force {
+		return 0, nil
+	}
+	// --per-driver-workers: one slow driver cannot take every worker.
+	if !a.slots.acquire(driver) {
+		if force {
+			a.setForce(name) // still to publish again
+		}
+		return driverBusyRetry, nil
+	}
+	defer a.slots.release(driver)
 	ctx, span := a.b.tracer.Start(ctx, "attach "+name, trace.WithAttributes(attribute.String("csi.driver", driver),
 		attribute.String("k8s.node", va.Spec.NodeName), attribute.Bool("detach", va.DeletionTimestamp != nil)))
 	defer span.End()
 	if va.DeletionTimestamp != nil {
-		return a.detach(ctx, va)
-	}
-	if va.Status.Attached && !force {
-		return nil
+		return 0, a.detach(ctx, va)
 	}
 	err = a.attach(ctx, va)
 	if err != nil && force {
 		a.setForce(name) // the retry publishes again too
 	}
-	return err
+	return 0, err
 }
 
 // attachFailed records the error in the attachment's status and as an Event.

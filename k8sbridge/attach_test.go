@@ -33,6 +33,18 @@ func makeCSIDriver(t *testing.T, c kubernetes.Interface, name string, attach boo
 	t.Cleanup(func() { c.StorageV1().CSIDrivers().Delete(context.Background(), name, metav1.DeleteOptions{}) })
 }
 
+// addAttachNode adds a node of the test's own (zone z1) for pods to be
+// attached to, deleted when the test ends.
+func addAttachNode(t *testing.T, env *testenv.Env, ns string) string {
+	t.Helper()
+	node := clusterName(ns, "node")
+	if _, err := env.AddNodes(context.Background(), testenv.NodeSpec{Name: node, Zone: "z1"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { env.Client().CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+	return node
+}
+
 // vaFor waits for the attach/detach controller's VolumeAttachment of pv.
 func vaFor(t *testing.T, c kubernetes.Interface, pv string, cond func(*storagev1.VolumeAttachment) bool, what string) *storagev1.VolumeAttachment {
 	t.Helper()
@@ -67,11 +79,7 @@ func TestAttachDetach(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	node := clusterName(ns, "node")
-	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: "z1"}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+	node := addAttachNode(t, env, ns)
 
 	pub, triv, bad := clusterName(ns, "pub.csi.test"), clusterName(ns, "triv.csi.test"), clusterName(ns, "bad.csi.test")
 	drivers := &testDrivers{}
@@ -564,5 +572,63 @@ func TestAttachReconcilePublishesAgain(t *testing.T) {
 	defer watchMu.Unlock()
 	if detachedSeen {
 		t.Fatal("the VolumeAttachment was marked detached on the way")
+	}
+}
+
+// TestAttachAndDeleteKeepToPerDriverWorkers: attachments and deletions of
+// one driver run at most PerDriverWorkers at a time, as provisioning and
+// expansion do, so a slow driver cannot take every worker of the attacher
+// or the deleter; the others wait their turn and are all done.
+func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	node := addAttachNode(t, env, ns)
+	drv := clusterName(ns, "sa.csi.test")
+	drivers := newCountingDrivers()
+	drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
+		"ControllerPublishVolume": {Latency: 300 * time.Millisecond}, "DeleteVolume": {Latency: 300 * time.Millisecond}}}})
+	makeCSIDriver(t, c, drv, true)
+	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
+		t.Fatal(err)
+	}
+	class := makeClass(t, c, clusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
+
+	// Three claims used by pods on the node (attached), three left alone
+	// (deleted).
+	used, spare := []string{"a", "b", "c"}, []string{"x", "y", "z"}
+	pvOf := map[string]string{}
+	for _, name := range append(slices.Clone(used), spare...) {
+		makeClaim(t, c, ns, name, class.Name, "1Gi")
+	}
+	for _, name := range append(slices.Clone(used), spare...) {
+		pvOf[name] = waitBound(t, c, ns, name, 60*time.Second).Spec.VolumeName
+	}
+	for _, name := range used {
+		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "pod-" + name, Namespace: ns}, Spec: corev1.PodSpec{NodeName: node,
+			Containers: []corev1.Container{{Name: "c", Image: "busybox"}},
+			Volumes:    []corev1.Volume{{Name: "v", VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: name}}}}}}
+		if _, err := c.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, name := range spare {
+		if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, name := range used {
+		vaFor(t, c, pvOf[name], func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, name+" attached")
+	}
+	for _, name := range spare {
+		waitPVGone(t, c, pvOf[name], 60*time.Second)
+	}
+	if most := drivers.most("ControllerPublishVolume"); most != 1 {
+		t.Errorf("%d ControllerPublishVolume calls of one driver at once, want at most PerDriverWorkers = 1", most)
+	}
+	if most := drivers.most("DeleteVolume"); most != 1 {
+		t.Errorf("%d DeleteVolume calls of one driver at once, want at most PerDriverWorkers = 1", most)
 	}
 }

@@ -24,6 +24,7 @@ import (
 type deleter struct {
 	b     *Bridge
 	queue *termQueue
+	slots *driverSlots // deletions in progress per driver (PerDriverWorkers)
 	// done holds the UIDs of the PVs whose volume was deleted and whose
 	// object was let go, until the informer sees them gone: an event that
 	// arrives before the cache catches up does not delete the volume again.
@@ -32,7 +33,8 @@ type deleter struct {
 }
 
 func newDeleter(b *Bridge) *deleter {
-	d := &deleter{b: b, queue: newTermQueue("delete", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), done: map[types.UID]struct{}{}}
+	d := &deleter{b: b, queue: newTermQueue("delete", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), slots: newDriverSlots(b.cfg.PerDriverWorkers),
+		done: map[types.UID]struct{}{}}
 	b.metrics.queueDepth("delete", d.queue.Len)
 	return d
 }
@@ -104,9 +106,7 @@ func needsDelete(pv *corev1.PersistentVolume) bool {
 }
 
 func (d *deleter) run(ctx context.Context) {
-	d.queue.work(ctx, d.b.cfg.WorkerThreads, d.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
-		return 0, d.sync(ctx, key)
-	})
+	d.queue.work(ctx, d.b.cfg.WorkerThreads, d.enqueueAll, d.sync)
 }
 
 func (d *deleter) enqueueAll() {
@@ -121,35 +121,48 @@ func pvRef(pv *corev1.PersistentVolume) corev1.ObjectReference {
 	return corev1.ObjectReference{Kind: "PersistentVolume", APIVersion: "v1", Name: pv.Name, UID: pv.UID, ResourceVersion: pv.ResourceVersion}
 }
 
-func (d *deleter) sync(ctx context.Context, name string) error {
+// sync reclaims PV name if it is due: its volume deleted, then the object.
+// A positive duration looks at it again then (its driver is busy).
+func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) {
 	pv, err := d.b.volumes.Get(name)
 	if apierrors.IsNotFound(err) {
-		return nil
+		return 0, nil
 	}
 	if err != nil {
-		return err
+		return 0, err
 	}
 	if !d.ours(pv) {
-		return nil
+		return 0, nil
 	}
 	if protectionStale(pv) {
 		if err := d.patchFinalizer(ctx, name, false); err != nil {
-			return fmt.Errorf("remove finalizer %s from pv %s (reclaim policy %s): %w", finalizerVolume, name, pv.Spec.PersistentVolumeReclaimPolicy, err)
+			return 0, fmt.Errorf("remove finalizer %s from pv %s (reclaim policy %s): %w", finalizerVolume, name, pv.Spec.PersistentVolumeReclaimPolicy, err)
 		}
 		d.b.log.Info("removed the volume-deletion finalizer of a PV no longer reclaimed by Delete", "pv", name, "reclaim_policy", string(pv.Spec.PersistentVolumeReclaimPolicy))
-		return nil
+		return 0, nil
 	}
 	if protectionMissing(pv) {
 		if err := d.patchFinalizer(ctx, name, true); err != nil {
-			return fmt.Errorf("add finalizer %s to pv %s: %w", finalizerVolume, name, err)
+			return 0, fmt.Errorf("add finalizer %s to pv %s: %w", finalizerVolume, name, err)
 		}
 		d.b.log.Info("added the volume-deletion finalizer to a bound PV that lacked it", "pv", name)
-		return nil
+		return 0, nil
 	}
 	if !needsDelete(pv) || d.isDone(pv.UID) {
-		return nil
+		return 0, nil
 	}
 	driver := pv.Spec.CSI.Driver
+	// --per-driver-workers: one slow driver cannot take every worker.
+	if !d.slots.acquire(driver) {
+		return driverBusyRetry, nil
+	}
+	defer d.slots.release(driver)
+	return 0, d.reclaim(ctx, pv, driver)
+}
+
+// reclaim deletes the volume of pv, a PV due for deletion, then the PV.
+func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driver string) error {
+	name := pv.Name
 	ctx, span := d.b.tracer.Start(ctx, "delete "+name, trace.WithAttributes(attribute.String("csi.driver", driver), attribute.String("k8s.pv.name", name)))
 	defer span.End()
 

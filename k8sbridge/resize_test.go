@@ -805,11 +805,33 @@ func TestResizeTriggered(t *testing.T) {
 	}
 }
 
-// countingDrivers counts the ControllerExpandVolume calls in flight.
+// countingDrivers counts, per CSI method, the controller calls in flight
+// and the most seen at once.
 type countingDrivers struct {
 	*testDrivers
-	now, most atomic.Int32
+	mu     sync.Mutex
+	counts map[string]*inflightCount
 }
+
+type inflightCount struct{ now, most atomic.Int32 }
+
+func newCountingDrivers() *countingDrivers {
+	return &countingDrivers{testDrivers: &testDrivers{}, counts: map[string]*inflightCount{}}
+}
+
+func (d *countingDrivers) count(method string) *inflightCount {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := d.counts[method]
+	if n == nil {
+		n = &inflightCount{}
+		d.counts[method] = n
+	}
+	return n
+}
+
+// most is the most calls of method seen in flight at once.
+func (d *countingDrivers) most(method string) int32 { return d.count(method).most.Load() }
 
 func (d *countingDrivers) ControllerConn(driver string) (grpc.ClientConnInterface, error) {
 	c, err := d.testDrivers.ControllerConn(driver)
@@ -825,11 +847,10 @@ type countingConn struct {
 }
 
 func (c countingConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
-	if strings.HasSuffix(method, "/ControllerExpandVolume") {
-		n := c.d.now.Add(1)
-		defer c.d.now.Add(-1)
-		for m := c.d.most.Load(); n > m && !c.d.most.CompareAndSwap(m, n); m = c.d.most.Load() {
-		}
+	cnt := c.d.count(method[strings.LastIndex(method, "/")+1:])
+	n := cnt.now.Add(1)
+	defer cnt.now.Add(-1)
+	for m := cnt.most.Load(); n > m && !cnt.most.CompareAndSwap(m, n); m = cnt.most.Load() {
 	}
 	return c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...)
 }
@@ -842,7 +863,7 @@ func TestResizeKeepsToPerDriverWorkers(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := clusterName(ns, "slowexpand.csi.test")
-	drivers := &countingDrivers{testDrivers: &testDrivers{}}
+	drivers := newCountingDrivers()
 	drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
 		"ControllerExpandVolume": {Latency: 300 * time.Millisecond}}}})
 	class := makeResizeClass(t, c, clusterName(ns, "slow"), drv, "", "")
@@ -860,7 +881,7 @@ func TestResizeKeepsToPerDriverWorkers(t *testing.T) {
 			return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending
 		})
 	}
-	if most := drivers.most.Load(); most != 1 {
+	if most := drivers.most("ControllerExpandVolume"); most != 1 {
 		t.Errorf("%d ControllerExpandVolume calls of one driver at once, want at most PerDriverWorkers = 1", most)
 	}
 }
@@ -927,9 +948,9 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 		waitEvent(t, c, ns, "busy", "TestFlush", marker)
 		return n
 	}
-	// warnings counts the VolumeResizeFailed Events recorded on the claim
-	// (an Event the recorder repeated counts as often as it was recorded).
-	warnings := func() int {
+	// events counts the Events with reason recorded on the claim (an Event
+	// the recorder repeated counts as often as it was recorded).
+	events := func(reason string) int {
 		t.Helper()
 		evs, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=busy"})
 		if err != nil {
@@ -937,32 +958,20 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 		}
 		n := 0
 		for _, e := range evs.Items {
-			if e.Reason != "VolumeResizeFailed" || e.InvolvedObject.UID != claim.UID {
+			if e.Reason != reason || e.InvolvedObject.UID != claim.UID {
 				continue
 			}
-			if !strings.Contains(e.Message, "FailedPrecondition") || !strings.Contains(e.Message, "injected fault in ControllerExpandVolume") {
+			if reason == "VolumeResizeFailed" && (!strings.Contains(e.Message, "FailedPrecondition") || !strings.Contains(e.Message, "injected fault in ControllerExpandVolume")) {
 				t.Errorf("event %q does not carry the driver's code and message", e.Message)
 			}
 			n += int(max(e.Count, 1))
 		}
 		return n
 	}
-	// announced counts the Resizing Events recorded on the claim: one per
-	// request too, not one per attempt.
-	announced := func() int {
-		t.Helper()
-		evs, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=busy"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		n := 0
-		for _, e := range evs.Items {
-			if e.Reason == "Resizing" && e.InvolvedObject.UID == claim.UID {
-				n += int(max(e.Count, 1))
-			}
-		}
-		return n
-	}
+	// warnings counts the VolumeResizeFailed Events; announced the Resizing
+	// ones: one per request too, not one per attempt.
+	warnings := func() int { return events("VolumeResizeFailed") }
+	announced := func() int { return events("Resizing") }
 	// logged counts the bridge's log lines of refused expansions of the claim.
 	logged := func() int {
 		n := 0
