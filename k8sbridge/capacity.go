@@ -61,6 +61,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -981,8 +982,9 @@ func (c *capacityController) getCapacity(ctx context.Context, driver string, ite
 	defer span.End()
 	resp, err := csi.NewControllerClient(conn).GetCapacity(ctx, req)
 	if err != nil {
-		span.RecordError(err)
-		span.SetStatus(otelcodes.Error, "GetCapacity failed")
+		// The code only, as every span of the broker: a driver's message
+		// may quote what it was sent.
+		span.SetStatus(otelcodes.Error, "GetCapacity failed: "+status.Code(err).String())
 		where := "controller"
 		if item.nodeLoc {
 			where = "node " + item.segment.node
