@@ -463,8 +463,9 @@ func (p *proxyConn) drain() {
 	}
 	b.draining[p] = struct{}{}
 	b.mu.Unlock()
-	p.up.drain(grace)
+	p.up.drain()
 	time.AfterFunc(grace, func() {
+		p.up.failOld(errDriverChanged)
 		p.conn.Close()
 		b.mu.Lock()
 		delete(b.draining, p)

@@ -185,17 +185,10 @@ func (u *upstream) state() string {
 
 // close closes the connection; calls in flight fail with Unavailable.
 func (u *upstream) close() {
-	c := u.shut()
-	u.mu.Lock()
-	old := u.old
-	u.old = nil
-	u.mu.Unlock()
-	if c != nil {
+	if c := u.shut(); c != nil {
 		c.fail(errBrokerClosed)
 	}
-	for x := range old {
-		x.fail(errBrokerClosed)
-	}
+	u.failOld(errBrokerClosed)
 }
 
 // keepOldLocked remembers c, which takes no new calls, until it fails (the
@@ -216,9 +209,10 @@ func (u *upstream) keepOldLocked(c *upConn) {
 }
 
 // drain takes no new calls and closes the connection once the calls in
-// flight have ended, or after grace at the latest (a driver reconfigured
-// or removed: its calls in flight finish on the old proxy).
-func (u *upstream) drain(grace time.Duration) {
+// flight have ended (a driver reconfigured or removed: its calls in flight
+// finish on the old proxy); failOld ends what is left when the grace
+// period is over.
+func (u *upstream) drain() {
 	c := u.shut()
 	if c == nil {
 		return
@@ -227,7 +221,18 @@ func (u *upstream) drain(grace time.Duration) {
 	u.keepOldLocked(c)
 	u.mu.Unlock()
 	c.stopTaking(errDriverChanged)
-	time.AfterFunc(grace, func() { c.fail(errDriverChanged) })
+}
+
+// failOld ends the connections that took no new calls (drained, or
+// replaced by one with a renewed certificate) and the calls still on them.
+func (u *upstream) failOld(err error) {
+	u.mu.Lock()
+	old := u.old
+	u.old = nil
+	u.mu.Unlock()
+	for c := range old {
+		c.fail(err)
+	}
 }
 
 // shut marks the upstream closed and returns its connection, if any.
