@@ -213,14 +213,17 @@ func (u *upstream) keepOldLocked(c *upConn) {
 // finish on the old proxy); failOld ends what is left when the grace
 // period is over.
 func (u *upstream) drain() {
-	c := u.shut()
-	if c == nil {
-		return
-	}
 	u.mu.Lock()
-	u.keepOldLocked(c)
+	// Kept in the same hold as the shut, so that a Close running now
+	// finds the connection in u.old and ends it.
+	c := u.shutLocked()
+	if c != nil {
+		u.keepOldLocked(c)
+	}
 	u.mu.Unlock()
-	c.stopTaking(errDriverChanged)
+	if c != nil {
+		c.stopTaking(errDriverChanged)
+	}
 }
 
 // failOld ends the connections that took no new calls (drained, or
@@ -239,6 +242,11 @@ func (u *upstream) failOld(err error) {
 func (u *upstream) shut() *upConn {
 	u.mu.Lock()
 	defer u.mu.Unlock()
+	return u.shutLocked()
+}
+
+// shutLocked is shut with u.mu held.
+func (u *upstream) shutLocked() *upConn {
 	if u.stop != nil {
 		u.stop()
 	}

@@ -161,6 +161,12 @@ func (a *attacher) enqueueVA(obj any) {
 }
 
 func (a *attacher) run(ctx context.Context) {
+	// Forced re-publishes are of a term: the term's reconcile finds the
+	// attachments not published again (an entry whose VA went while
+	// another replica led would otherwise stay).
+	a.mu.Lock()
+	clear(a.force)
+	a.mu.Unlock()
 	a.queue.work(ctx, a.b.cfg.WorkerThreads, a.enqueueAll, a.sync, a.reconcileLoop)
 }
 
@@ -310,6 +316,9 @@ func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, erro
 	}
 	if va.DeletionTimestamp == nil && va.Status.Attached && !force {
 		return 0, nil
+	}
+	if va.DeletionTimestamp != nil && !hasAttacherFinalizer(va.Finalizers, driver) {
+		return 0, nil // nothing of ours to undo: no slot needed
 	}
 	// --per-driver-workers: one slow driver cannot take every worker.
 	if !a.slots.acquire(driver) {

@@ -614,6 +614,28 @@ func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// Detached while the bridge still runs (clean-ups run last first), so
+	// that no VolumeAttachment is left with the broker's finalizer.
+	t.Cleanup(func() {
+		for _, name := range used {
+			c.CoreV1().Pods(ns).Delete(context.Background(), "pod-"+name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
+		}
+		err := testenv.WaitFor(context.Background(), 60*time.Second, "the test's VolumeAttachments gone", func(ctx context.Context) (bool, string, error) {
+			vas, err := c.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, err.Error(), nil
+			}
+			for _, va := range vas.Items {
+				if va.Spec.Attacher == drv {
+					return false, va.Name + " still there", nil
+				}
+			}
+			return true, "", nil
+		})
+		if err != nil {
+			t.Error(err)
+		}
+	})
 	for _, name := range spare {
 		if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
