@@ -29,7 +29,9 @@ import (
 
 // heldSnapshots answers GetMetadataAllocated with one message whose
 // capacity is the request's snapshot ID length, then keeps the stream open
-// until the caller ends it.
+// until the caller ends it or its deadline passes, and ends it with that
+// status (a driver answering OK there would race the caller's own
+// DeadlineExceeded).
 type heldSnapshots struct {
 	csi.UnimplementedSnapshotMetadataServer
 }
@@ -39,7 +41,7 @@ func (heldSnapshots) GetMetadataAllocated(req *csi.GetMetadataAllocatedRequest, 
 		return err
 	}
 	<-srv.Context().Done()
-	return nil
+	return status.FromContextError(srv.Context().Err()).Err()
 }
 
 // counterDesc is a client-streaming method of a CSI service newer than the
