@@ -412,13 +412,17 @@ type attachSetup struct {
 // (its name and node ID set here).
 func newAttachSetup(t *testing.T, name string, cfg sampledriver.Config) *attachSetup {
 	t.Helper()
+	return newAttachSetupWith(t, name, cfg, &testDrivers{}, nil, bridgeOpts{})
+}
+
+// newAttachSetupWith is newAttachSetup with the bridge's options, and its
+// drivers: td (the test drivers the setup adds its driver to), seen by the
+// bridge through wrap if wrap is not nil.
+func newAttachSetupWith(t *testing.T, name string, cfg sampledriver.Config, td *testDrivers, wrap Drivers, o bridgeOpts) *attachSetup {
+	t.Helper()
 	env := testenv.Shared(t)
-	s := &attachSetup{ctx: context.Background(), c: env.Client(), ns: env.NewNamespace(t), drivers: &testDrivers{}}
-	s.node = clusterName(s.ns, "node")
-	if _, err := env.AddNodes(s.ctx, testenv.NodeSpec{Name: s.node}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.c.CoreV1().Nodes().Delete(context.Background(), s.node, metav1.DeleteOptions{}) })
+	s := &attachSetup{ctx: context.Background(), c: env.Client(), ns: env.NewNamespace(t), drivers: td}
+	s.node = addAttachNode(t, env, s.ns)
 	s.drv = clusterName(s.ns, name)
 	cfg.Name, cfg.NodeID = s.drv, s.node
 	s.d = s.drivers.addDriver(t, cfg)
@@ -426,7 +430,10 @@ func newAttachSetup(t *testing.T, name string, cfg sampledriver.Config) *attachS
 	if err := env.AddCSINode(s.ctx, s.node, s.drv, s.node, nil); err != nil {
 		t.Fatal(err)
 	}
-	startBridge(t, env, s.ns, s.drivers, bridgeOpts{})
+	if wrap == nil {
+		wrap = td
+	}
+	startBridge(t, env, s.ns, wrap, o)
 	return s
 }
 
@@ -580,21 +587,12 @@ func TestAttachReconcilePublishesAgain(t *testing.T) {
 // expansion do, so a slow driver cannot take every worker of the attacher
 // or the deleter; the others wait their turn and are all done.
 func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	node := addAttachNode(t, env, ns)
-	drv := clusterName(ns, "sa.csi.test")
 	drivers := newCountingDrivers()
-	drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
-		"ControllerPublishVolume": {Latency: 300 * time.Millisecond}, "DeleteVolume": {Latency: 300 * time.Millisecond}}}})
-	makeCSIDriver(t, c, drv, true)
-	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
-		t.Fatal(err)
-	}
+	s := newAttachSetupWith(t, "sa.csi.test", sampledriver.Config{Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
+		"ControllerPublishVolume": {Latency: 300 * time.Millisecond}, "DeleteVolume": {Latency: 300 * time.Millisecond}}}},
+		drivers.testDrivers, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
+	ctx, c, ns, node, drv := s.ctx, s.c, s.ns, s.node, s.drv
 	class := makeClass(t, c, clusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
 
 	// Three claims used by pods on the node (attached), three left alone
 	// (deleted).
