@@ -13,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -208,7 +209,9 @@ type Bridge struct {
 	// what /readyz says while they are not there.
 	waitFor []readiness
 
-	recorder    record.EventRecorder
+	recorder record.EventRecorder
+	// sent is what eventOnce recorded last on each object, per reason.
+	sent        eventMemory
 	broadcaster record.EventBroadcaster
 	caps        *capsCache
 	intents     *IntentStore
@@ -466,6 +469,10 @@ func (b *Bridge) setLeader(leading bool, id string) {
 func (b *Bridge) lead(ctx context.Context) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// What was reported is of a term: another leader may have reported
+	// other things since, and an Event dropped as the last term ended may
+	// be remembered as sent.
+	b.sent.reset()
 	var wg sync.WaitGroup
 	run := func(f func(context.Context)) {
 		wg.Add(1)
@@ -521,6 +528,67 @@ func (b *Bridge) watchRegistrations(ctx context.Context) {
 			}
 		}
 	}
+}
+
+// eventOnce records an Event as event does, unless the last Event with
+// this reason that eventOnce recorded on obj (this term, since forgetEvents)
+// was about the same thing: what. A failure retried with backoff is
+// reported once instead of on every attempt (every Event carries its
+// attempt's trace ID, so the recorder would write each one anew, on the
+// Events' budget); the caller logs every attempt.
+func (b *Bridge) eventOnce(ctx context.Context, obj corev1.ObjectReference, eventType, reason, what, format string, args ...any) {
+	if ctx.Err() != nil {
+		return // event records nothing either: nothing to remember
+	}
+	if !b.sent.first(obj.UID, reason, what) {
+		b.log.Debug("reported on the object already; no Event", "object", obj.Kind+" "+obj.Namespace+"/"+obj.Name, "reason", reason)
+		return
+	}
+	b.event(ctx, obj, eventType, reason, format, args...)
+}
+
+// forgetEvents drops what eventOnce remembers of obj (it succeeded, or is
+// gone): whatever comes next is news.
+func (b *Bridge) forgetEvents(obj types.UID) { b.sent.forget(obj) }
+
+// eventMemory is, per object and reason, what the last Event recorded was
+// about: one entry per object and reason, dropped with the object (forget)
+// and at each term's start (reset).
+type eventMemory struct {
+	mu   sync.Mutex
+	last map[types.UID]map[string]string // object → reason → what
+}
+
+// first remembers what as obj's last reason and reports whether it
+// differs from the one before (so is to be recorded).
+func (m *eventMemory) first(obj types.UID, reason, what string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	byReason := m.last[obj]
+	if prev, ok := byReason[reason]; ok && prev == what {
+		return false
+	}
+	if byReason == nil {
+		if m.last == nil {
+			m.last = map[types.UID]map[string]string{}
+		}
+		byReason = map[string]string{}
+		m.last[obj] = byReason
+	}
+	byReason[reason] = what
+	return true
+}
+
+func (m *eventMemory) forget(obj types.UID) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	delete(m.last, obj)
+}
+
+func (m *eventMemory) reset() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	clear(m.last)
 }
 
 // event records an Event on obj with the trace ID of ctx's span, if any.

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
@@ -96,10 +97,6 @@ type resizer struct {
 	// slots counts each driver's expansions in progress, against
 	// PerDriverWorkers: one slow driver cannot take every worker.
 	slots *driverSlots
-	// warned is the last VolumeResizeFailed Event of each claim, so that a
-	// failure retried with backoff is reported once; announced is the last
-	// Resizing Event, for the same reason.
-	warned, announced *resizeWarnings
 
 	mu sync.Mutex
 	// finalErr holds claims whose last ControllerExpandVolume ended with a
@@ -117,7 +114,7 @@ type resizeNodeCaps struct {
 
 func newResizer(b *Bridge) (controller, error) {
 	r := &resizer{b: b, queue: newTermQueue("resize", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), slots: newDriverSlots(b.cfg.PerDriverWorkers),
-		warned: &resizeWarnings{}, announced: &resizeWarnings{}, finalErr: map[types.UID]bool{}, nodeCaps: map[string]resizeNodeCaps{}}
+		finalErr: map[types.UID]bool{}, nodeCaps: map[string]resizeNodeCaps{}}
 	r.ops = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "csibroker", Name: "resize_operations_total",
 		Help: "Volume expansion attempts by driver and result (success, node_pending, infeasible, failed, in_progress, not_called).",
@@ -160,8 +157,7 @@ func newResizer(b *Bridge) (controller, error) {
 			r.mu.Lock()
 			delete(r.finalErr, c.UID)
 			r.mu.Unlock()
-			r.warned.forget(c.UID)
-			r.announced.forget(c.UID)
+			b.forgetEvents(c.UID)
 			if key, err := cache.MetaNamespaceKeyFunc(c); err == nil {
 				r.queue.Forget(key)
 			}
@@ -226,12 +222,6 @@ func (r *resizer) run(ctx context.Context) {
 	// have been asked again, and may still be working, since.
 	clear(r.finalErr)
 	r.mu.Unlock()
-	// So are the failures reported: the first failure of a term gets its
-	// Event even if it is the one the previous term ended with, since
-	// another leader may have reported others in between, and an Event
-	// dropped because the previous term ended may be remembered as sent.
-	r.warned.reset()
-	r.announced.reset()
 	// Requests raised while another replica led are in the cache already.
 	r.queue.work(ctx, r.b.cfg.WorkerThreads, r.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
 		requeue, err := r.sync(ctx, key)
@@ -338,8 +328,7 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	}
 	// Done (or over to the kubelet): a failure or a new attempt after
 	// this one is news.
-	r.warned.forget(claim.UID)
-	r.announced.forget(claim.UID)
+	r.b.forgetEvents(claim.UID)
 	return 0, nil
 }
 
@@ -388,9 +377,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 		return failed("not_called", err) // RBAC, a webhook: said on the claim
 	}
 	// Once per request, as its failure: a retried attempt is no news.
-	if r.announced.first(claim.UID, resizeWarning{request: claim.Spec.Resources.Requests[corev1.ResourceStorage], reason: "Resizing"}) {
-		r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "Resizing", "External resizer is resizing volume %s", pv.Name)
-	}
+	r.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeNormal, "Resizing", requestOf(claim), "External resizer is resizing volume %s", pv.Name)
 
 	newSize, nodeRequired := target, true
 	if req != nil {
@@ -443,76 +430,23 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 	return "success", nil
 }
 
-// warn records a VolumeResizeFailed Event on claim, unless the last one
-// recorded for it (this term, since its last expansion succeeded) was for
-// the same request and the same failure. A failure is retried with backoff
-// for as long as it lasts (an offline-only driver answers FailedPrecondition
-// for as long as a pod uses the volume), and every Event carries its
-// attempt's trace ID, so the recorder would write each one anew: the claim
-// would fill up with copies, on the Events' budget. failure names the
-// failure: for a driver's answer its method and code, since drivers put
-// what changes on every call (a request ID, an attempt counter) into their
-// messages; "" for the message itself. The caller logs every attempt.
+// warn records a VolumeResizeFailed Event on claim once per request and
+// failure (eventOnce). failure names the failure: for a driver's answer its
+// method and code, since drivers put what changes on every call (a request
+// ID, an attempt counter) into their messages; "" for the message itself.
 func (r *resizer) warn(ctx context.Context, claim *corev1.PersistentVolumeClaim, failure, format string, args ...any) {
-	const reason = "VolumeResizeFailed"
-	if ctx.Err() != nil {
-		return // b.event records nothing either: nothing to remember
-	}
 	msg := fmt.Sprintf(format, args...)
 	if failure == "" {
 		failure = msg
 	}
-	w := resizeWarning{request: claim.Spec.Resources.Requests[corev1.ResourceStorage], reason: reason, failure: failure}
-	if !r.warned.first(claim.UID, w) {
-		r.b.log.Debug("expansion failure reported on the claim already; no Event", "claim", claim.Namespace+"/"+claim.Name, "request", w.request.String(), "reason", reason)
-		return
-	}
-	r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, reason, "%s", msg)
+	r.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed", requestOf(claim)+" "+failure, "%s", msg)
 }
 
-// resizeWarning is an Event recorded on a claim for the expansion to the
-// claim's request (a VolumeResizeFailed Warning, or the Resizing
-// announcement).
-type resizeWarning struct {
-	request         resource.Quantity
-	reason, failure string
-}
-
-// resizeWarnings is the last Event of one kind recorded on each claim: one
-// entry per claim, dropped when the claim is deleted or its expansion
-// succeeds, and all of them when a term starts.
-type resizeWarnings struct {
-	mu   sync.Mutex
-	last map[types.UID]resizeWarning
-}
-
-// first remembers w as claim's last Warning and reports whether it differs
-// from the one before (so is to be recorded).
-func (ws *resizeWarnings) first(claim types.UID, w resizeWarning) bool {
-	ws.mu.Lock()
-	defer ws.mu.Unlock()
-	if prev, ok := ws.last[claim]; ok && prev.request.Cmp(w.request) == 0 && prev.reason == w.reason && prev.failure == w.failure {
-		return false
-	}
-	if ws.last == nil {
-		ws.last = map[types.UID]resizeWarning{}
-	}
-	ws.last[claim] = w
-	return true
-}
-
-// forget drops what was recorded on claim.
-func (ws *resizeWarnings) forget(claim types.UID) {
-	ws.mu.Lock()
-	defer ws.mu.Unlock()
-	delete(ws.last, claim)
-}
-
-// reset drops everything (a new term).
-func (ws *resizeWarnings) reset() {
-	ws.mu.Lock()
-	defer ws.mu.Unlock()
-	clear(ws.last)
+// requestOf is the claim's storage request in bytes, the same however it
+// is written (2Gi, 2048Mi).
+func requestOf(claim *corev1.PersistentVolumeClaim) string {
+	q := claim.Spec.Resources.Requests[corev1.ResourceStorage]
+	return strconv.FormatInt(q.Value(), 10)
 }
 
 // driverFailed records a ControllerExpandVolume error on the claim.

@@ -1033,20 +1033,26 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 	}
 }
 
-// TestResizeWarnings: what the resizer remembers of the Warnings it
-// recorded, and when it records one again.
+// TestResizeWarnings: what the bridge remembers of the Events eventOnce
+// recorded (the resizer's warnings: a request and a failure), and when it
+// records one again.
 func TestResizeWarnings(t *testing.T) {
-	q := resource.MustParse
-	a2 := resizeWarning{request: q("2Gi"), reason: "VolumeResizeFailed", failure: "ControllerExpandVolume FailedPrecondition"}
-	a2other := resizeWarning{request: q("2048Mi"), reason: a2.reason, failure: a2.failure} // the same size, written otherwise
-	b2 := resizeWarning{request: q("2Gi"), reason: a2.reason, failure: "ControllerExpandVolume Internal"}
-	a3 := resizeWarning{request: q("3Gi"), reason: a2.reason, failure: a2.failure}
-	other := resizeWarning{request: q("2Gi"), reason: "Other", failure: a2.failure}
-	var ws resizeWarnings
+	type warning struct{ reason, what string }
+	failed := func(request, failure string) warning {
+		claim := &corev1.PersistentVolumeClaim{Spec: corev1.PersistentVolumeClaimSpec{Resources: corev1.VolumeResourceRequirements{
+			Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(request)}}}}
+		return warning{"VolumeResizeFailed", requestOf(claim) + " " + failure}
+	}
+	a2 := failed("2Gi", "ControllerExpandVolume FailedPrecondition")
+	a2other := failed("2048Mi", "ControllerExpandVolume FailedPrecondition") // the same size, written otherwise
+	b2 := failed("2Gi", "ControllerExpandVolume Internal")
+	a3 := failed("3Gi", "ControllerExpandVolume FailedPrecondition")
+	other := warning{"Other", a2.what}
+	var ws eventMemory
 	steps := []struct {
 		name  string
 		claim types.UID
-		w     resizeWarning
+		w     warning
 		do    func()
 		want  bool
 	}{
@@ -1067,7 +1073,7 @@ func TestResizeWarnings(t *testing.T) {
 		if s.do != nil {
 			s.do()
 		}
-		if got := ws.first(s.claim, s.w); got != s.want {
+		if got := ws.first(s.claim, s.w.reason, s.w.what); got != s.want {
 			t.Errorf("%s: record %v, want %v", s.name, got, s.want)
 		}
 	}
