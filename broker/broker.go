@@ -174,6 +174,7 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 		d.nodes[n.Node] = pc
 		made = append(made, pc)
 	}
+	d.nodesSet()
 	if old != nil {
 		keep := map[*proxyConn]bool{}
 		for _, pc := range made {
@@ -361,7 +362,10 @@ type Driver struct {
 	b          *Broker
 	controller *proxyConn
 	nodes      map[string]*proxyConn
-	stats      *driverStats
+	// firstNode is the node proxy of the first node by name: a node-local
+	// driver's controller calls go there when it has no controller proxy.
+	firstNode *proxyConn
+	stats     *driverStats
 }
 
 type driverStats struct {
@@ -399,6 +403,13 @@ func (d *Driver) Nodes() []string {
 	}
 	sort.Strings(out)
 	return out
+}
+
+// nodesSet is called once d.nodes is filled: it picks firstNode.
+func (d *Driver) nodesSet() {
+	if len(d.nodes) > 0 {
+		d.firstNode = d.nodes[d.Nodes()[0]]
+	}
 }
 
 func (d *Driver) all() []*proxyConn {

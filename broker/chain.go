@@ -119,20 +119,20 @@ func (b *Broker) streamChain(p *proxyConn) []grpc.StreamClientInterceptor {
 			ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
 			d := b.desc(p, method)
 			ctx, span := b.tracer.Start(ctx, d.spanName, d.spanOpts...)
-			stats := b.began(p, d)
+			ds := b.began(p, d)
 			start := time.Now()
 			cs, err := streamer(ctx, desc, cc, method, opts...)
 			if err != nil {
 				span.SetStatus(otelcodes.Error, status.Code(err).String())
 				span.End()
-				b.streamEnded(p, d, stats, start, err)
+				b.streamEnded(p, d, ds, start, err)
 				cancel()
 				return nil, err
 			}
 			// The span covers opening the stream; the per-attempt span from
 			// otelgrpc covers the whole stream.
 			span.End()
-			bs := &boundStream{ClientStream: cs, method: method, done: func(err error) { b.streamEnded(p, d, stats, start, err); cancel() }}
+			bs := &boundStream{ClientStream: cs, method: method, done: func(err error) { b.streamEnded(p, d, ds, start, err); cancel() }}
 			// A stream its caller abandons without reading it to the end
 			// ends with its context.
 			context.AfterFunc(ctx, func() { bs.end(status.FromContextError(ctx.Err()).Err()) })
@@ -142,8 +142,8 @@ func (b *Broker) streamChain(p *proxyConn) []grpc.StreamClientInterceptor {
 }
 
 // streamEnded records a stream's end as observe records a unary call's.
-func (b *Broker) streamEnded(p *proxyConn, d *callDesc, stats *driverStats, start time.Time, err error) {
-	if code := b.ended(p, d, stats, time.Since(start), err); err != nil {
+func (b *Broker) streamEnded(p *proxyConn, d *callDesc, ds *driverStats, start time.Time, err error) {
+	if code := b.ended(p, d, ds, time.Since(start), err); err != nil {
 		b.log.Info("csi stream failed", "driver", p.driver, "node", p.cfg.Node, "method", d.short, "code", code.String())
 	}
 }
@@ -151,24 +151,24 @@ func (b *Broker) streamEnded(p *proxyConn, d *callDesc, stats *driverStats, star
 // began counts a call (unary or stream) in flight, in the metrics and in
 // its driver's status counts, which it returns for ended.
 func (b *Broker) began(p *proxyConn, d *callDesc) *driverStats {
-	stats := b.driverStats(p.driver)
+	ds := b.driverStats(p.driver)
 	d.inflight.Inc()
-	stats.inflight.Add(1)
-	return stats
+	ds.inflight.Add(1)
+	return ds
 }
 
 // ended records the end of a call that began: the latency histograms and
 // the driver's status counts.
-func (b *Broker) ended(p *proxyConn, d *callDesc, stats *driverStats, elapsed time.Duration, err error) codes.Code {
+func (b *Broker) ended(p *proxyConn, d *callDesc, ds *driverStats, elapsed time.Duration, err error) codes.Code {
 	d.inflight.Dec()
-	stats.inflight.Add(-1)
-	stats.total.Add(1)
+	ds.inflight.Add(-1)
+	ds.total.Add(1)
 	code := status.Code(err)
 	if code == codes.OK {
 		d.okCalls.Observe(elapsed.Seconds())
 		d.okSidecar.Observe(elapsed.Seconds())
 	} else {
-		stats.failed.Add(1)
+		ds.failed.Add(1)
 		b.metrics.calls.WithLabelValues(p.driver, d.metricShort, rawgrpc.CodeLabel(code)).Observe(elapsed.Seconds())
 		b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, rawgrpc.CodeLabel(code)).Observe(elapsed.Seconds())
 	}
@@ -298,7 +298,7 @@ func (b *Broker) observe(ctx context.Context, p *proxyConn, d *callDesc, method 
 	ctx, span := b.tracer.Start(ctx, d.spanName, d.spanOpts...)
 	defer span.End()
 
-	stats := b.began(p, d)
+	ds := b.began(p, d)
 	debug := b.log.Enabled(ctx, slog.LevelDebug)
 	if debug {
 		b.log.Debug("csi request", "driver", p.driver, "node", p.cfg.Node, "method", short, "request", sanitized(method, req, true))
@@ -311,7 +311,7 @@ func (b *Broker) observe(ctx context.Context, p *proxyConn, d *callDesc, method 
 		// the request's secret values never leave in an error message.
 		err = redactSecrets(err, method, req)
 	}
-	code := b.ended(p, d, stats, elapsed, err)
+	code := b.ended(p, d, ds, elapsed, err)
 	span.SetAttributes(attribute.String("rpc.grpc.status_code", code.String()))
 	if err != nil {
 		span.SetStatus(otelcodes.Error, code.String())
@@ -341,9 +341,6 @@ func (b *Broker) driverStats(name string) *driverStats {
 // one; everything else about the status (code, the rest of the message,
 // the other details) passes through unchanged.
 func redactSecrets(err error, method string, req any) error {
-	if err == nil {
-		return nil
-	}
 	return redactValues(err, secretValues(method, req))
 }
 

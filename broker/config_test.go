@@ -56,6 +56,7 @@ func TestRoute(t *testing.T) {
 		for _, n := range nodes {
 			d.nodes[n] = &proxyConn{cfg: ProxyConfig{Address: "addr-" + n, Node: n}}
 		}
+		d.nodesSet()
 		return d
 	}
 	cases := []struct {

@@ -162,12 +162,12 @@ func (d *Driver) route(method, node string) (*proxyConn, error) {
 			return d.controller, nil
 		case node != "":
 			return byNode()
-		case d.cfg.NodeLocal && len(d.nodes) > 0:
+		case d.cfg.NodeLocal && d.firstNode != nil:
 			// A node-local driver's node plugins are its controllers:
 			// any of them answers (capabilities, say). Any other driver
 			// waits for its controller proxy (a controller pod
 			// restarting): its node plugins know nothing of publications.
-			return d.nodes[d.Nodes()[0]], nil
+			return d.firstNode, nil
 		}
 		return nil, fmt.Errorf("driver %q: %w: %s needs a controller proxy (none is registered now)", d.name, ErrNoProxy, short)
 	}

@@ -741,6 +741,12 @@ func (c *feConn) sendMessage(st *feStream, payload []byte) error {
 }
 
 func (c *feConn) sendDataLocked(st *feStream, data []byte) error {
+	var stop func() bool
+	defer func() {
+		if stop != nil {
+			stop()
+		}
+	}()
 	for len(data) > 0 {
 		if st.reset || c.closed {
 			return errCallGone
@@ -759,8 +765,8 @@ func (c *feConn) sendDataLocked(st *feStream, data []byte) error {
 			// Flush what is written before waiting for the caller (or
 			// for the call's end).
 			c.flushLocked()
-			var stop func() bool
-			if st.ctx != nil {
+			if stop == nil && st.ctx != nil {
+				// The wait ends with the call too; registered once.
 				stop = context.AfterFunc(st.ctx, func() {
 					c.mu.Lock()
 					c.cond.Broadcast()
@@ -768,9 +774,6 @@ func (c *feConn) sendDataLocked(st *feStream, data []byte) error {
 				})
 			}
 			c.cond.Wait()
-			if stop != nil {
-				stop()
-			}
 			continue
 		}
 		c.writeErr(c.framer().WriteData(st.id, false, data[:n]))

@@ -301,6 +301,11 @@ func (u *upstream) dialOnce(d *upDial) {
 		c, err = nil, errClosedUpstream(u.addr)
 	}
 	if err == nil {
+		if prev := u.conn; prev != nil {
+			// Not to be dropped unseen (its reader and keepalive would run
+			// on): it finishes its calls, and Close finds it.
+			u.retireLocked(prev, errOwnCertRenewed)
+		}
 		u.conn = c
 	}
 	u.lastErr = err
@@ -478,8 +483,10 @@ func (u *upstream) renewLocked(c *upConn) {
 				"error", status.Convert(err).Message(), "retry_in", upRenewRetry)
 			return
 		}
-		if u.closed || (u.conn != nil && u.conn != c) {
-			nc.fail(errOwnCertRenewed) // closed, or another connection took c's place meanwhile
+		if u.closed || u.dial != nil || (u.conn != nil && u.conn != c) {
+			// Closed, or another connection took c's place meanwhile (or is
+			// being dialled to: it will be u.conn).
+			nc.fail(errOwnCertRenewed)
 			return
 		}
 		prev := u.conn

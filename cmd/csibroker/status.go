@@ -5,13 +5,13 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"path/filepath"
 	"text/tabwriter"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/csibroker/csibroker/internal/telemetry"
 	brokerstatusv1 "github.com/csibroker/csibroker/proto/brokerstatus/v1"
 )
 
@@ -27,12 +27,13 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	// unix://relative/path would read "relative" as an authority.
-	path, err := filepath.Abs(*socket)
+	// A relative path is made absolute (unix://relative/path would read
+	// "relative" as an authority).
+	_, target, err := telemetry.UnixTarget(*socket)
 	if err != nil {
 		return err
 	}
-	conn, err := grpc.NewClient("unix://"+path, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(target, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		return err
 	}
