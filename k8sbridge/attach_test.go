@@ -45,6 +45,21 @@ func addAttachNode(t *testing.T, env *testenv.Env, ns string) string {
 	return node
 }
 
+// createVA creates a VolumeAttachment of PV pvName to node for driver drv,
+// as the attach/detach controller does, deleted when the test ends.
+func createVA(t *testing.T, c kubernetes.Interface, ns, drv, node, pvName string) *storagev1.VolumeAttachment {
+	t.Helper()
+	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va")},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
+	if _, err := c.StorageV1().VolumeAttachments().Create(context.Background(), va, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.StorageV1().VolumeAttachments().Delete(context.Background(), va.Name, metav1.DeleteOptions{})
+	})
+	return va
+}
+
 // vaFor waits for the attach/detach controller's VolumeAttachment of pv.
 func vaFor(t *testing.T, c kubernetes.Interface, pv string, cond func(*storagev1.VolumeAttachment) bool, what string) *storagev1.VolumeAttachment {
 	t.Helper()
@@ -305,14 +320,7 @@ func TestNoAttachOfAPVBeingDeleted(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pvName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va")},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
-	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.StorageV1().VolumeAttachments().Delete(context.Background(), va.Name, metav1.DeleteOptions{})
-	})
+	createVA(t, c, ns, drv, node, pvName)
 	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error recorded")
 	if !strings.Contains(got.Status.AttachError.Message, "marked for deletion") || got.Status.Attached {
 		t.Fatalf("attach of a PV being deleted: %+v", got.Status)
@@ -380,14 +388,7 @@ func TestReadOnlyPublishOnlyWhenTheDriverMayBeAsked(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), pvName, metav1.DeleteOptions{}) })
-	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va")},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
-	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.StorageV1().VolumeAttachments().Delete(context.Background(), va.Name, metav1.DeleteOptions{})
-	})
+	createVA(t, c, ns, drv, node, pvName)
 	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached || va.Status.AttachError != nil }, "attached or failed")
 	if !got.Status.Attached {
 		t.Fatalf("read-only PV of a driver without PUBLISH_READONLY: %+v", got.Status.AttachError)
@@ -446,11 +447,7 @@ func TestVANeverPublishedCanGo(t *testing.T) {
 	class := makeClass(t, c, clusterName(ns, "nosecret"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
 		"csi.storage.k8s.io/controller-publish-secret-name": "missing", "csi.storage.k8s.io/controller-publish-secret-namespace": ns})
 	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va")},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
-	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	va := createVA(t, c, ns, drv, node, pvName)
 	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error recorded")
 	if !strings.Contains(got.Status.AttachError.Message, "missing") || containsString(got.Finalizers, attacherFinalizer(drv)) {
 		t.Fatalf("attach without its secret: status %+v, finalizers %v; want the error and no finalizer", got.Status, got.Finalizers)
@@ -489,14 +486,7 @@ func TestAttachReconcilePublishesAgain(t *testing.T) {
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
 	class := makeClass(t, c, clusterName(ns, "relist"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va")},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
-	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.StorageV1().VolumeAttachments().Delete(context.Background(), va.Name, metav1.DeleteOptions{})
-	})
+	va := createVA(t, c, ns, drv, node, pvName)
 	attached := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
 	// Every version of the attachment from now on, to see whether any
 	// says detached, however briefly.

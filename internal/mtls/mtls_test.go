@@ -116,16 +116,21 @@ func handshake(t *testing.T, server, client *tls.Config) (clientErr, serverErr e
 	return err, <-srvErr
 }
 
+// testCA is a CA valid from an hour ago to an hour from now.
+func testCA(t *testing.T, name string) *CA {
+	t.Helper()
+	now := time.Now()
+	ca, err := NewCA(name, now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ca
+}
+
 func TestHandshakes(t *testing.T) {
 	now := time.Now()
-	ca, err := NewCA("test CA", now.Add(-time.Hour), now.Add(time.Hour))
-	if err != nil {
-		t.Fatal(err)
-	}
-	other, err := NewCA("other CA", now.Add(-time.Hour), now.Add(time.Hour))
-	if err != nil {
-		t.Fatal(err)
-	}
+	ca := testCA(t, "test CA")
+	other := testCA(t, "other CA")
 	mat := func(ca *CA, id string, nb, na time.Time) *Material {
 		c, k, err := ca.Issue(Leaf{ID: id, NotBefore: nb, NotAfter: na})
 		if err != nil {
@@ -383,14 +388,8 @@ func (s *swapSource) Current() *Material { return s.m.Load() }
 // the peer's CA refuses it, for good.
 func TestPeerCheck(t *testing.T) {
 	now := time.Now()
-	ca, err := NewCA("test CA", now.Add(-time.Hour), now.Add(time.Hour))
-	if err != nil {
-		t.Fatal(err)
-	}
-	other, err := NewCA("other CA", now.Add(-time.Hour), now.Add(time.Hour))
-	if err != nil {
-		t.Fatal(err)
-	}
+	ca := testCA(t, "test CA")
+	other := testCA(t, "other CA")
 	issue := func(ca *CA, id string) *Material {
 		m, err := ca.IssueMaterial(Leaf{ID: id, NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
 		if err != nil {
@@ -438,11 +437,7 @@ func TestPeerCheck(t *testing.T) {
 // that cannot be loaded (its key gone, or not its key) is never replaced:
 // the command fails and writes nothing.
 func TestWriteDevCertsKeepsTheCA(t *testing.T) {
-	now := time.Now()
-	ca, err := NewCA("cluster CA", now.Add(-time.Hour), now.Add(time.Hour))
-	if err != nil {
-		t.Fatal(err)
-	}
+	ca := testCA(t, "cluster CA")
 	ecKey, ok := ca.Key.(*ecdsa.PrivateKey)
 	if !ok {
 		t.Fatalf("CA key %T", ca.Key)
@@ -478,10 +473,7 @@ func TestWriteDevCertsKeepsTheCA(t *testing.T) {
 		t.Fatalf("the minted certificate does not chain to the existing CA: %v", err)
 	}
 
-	other, err := NewCA("other", now.Add(-time.Hour), now.Add(time.Hour))
-	if err != nil {
-		t.Fatal(err)
-	}
+	other := testCA(t, "other")
 	for name, setUp := range map[string]func(dir string) error{
 		"key gone": func(dir string) error { return os.WriteFile(filepath.Join(dir, "ca.crt"), ca.CertPEM, 0o644) },
 		"another CA's key": func(dir string) error {
