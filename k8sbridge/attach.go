@@ -563,8 +563,8 @@ func (a *attacher) syncPV(ctx context.Context, name string) error {
 }
 
 // reconcileLoop checks attached volumes against what drivers report as
-// published; an attachment the driver does not know is marked detached so
-// it is attached again.
+// published; an attachment the driver does not know is published again
+// through the queue, its status staying attached.
 func (a *attacher) reconcileLoop(ctx context.Context) {
 	t := time.NewTicker(attachReconcileInterval)
 	defer t.Stop()

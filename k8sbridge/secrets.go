@@ -110,8 +110,9 @@ func (b *Bridge) decideSecret(ctx context.Context, u secretUse) error {
 	if !d.Allowed {
 		hint := ""
 		if req.Requester.Namespace != "" && req.Requester.NamespaceLabels == nil {
-			// A Deny grant's namespaceSelector matched labels nobody knows
-			// (fail closed): say how to make them known.
+			// Decided without the namespace's labels (a Deny grant's
+			// namespaceSelector fails closed on them, an Allow grant's
+			// selects nothing): say how to make them known.
 			hint = fmt.Sprintf(" (namespace %s is not in the cache; for a PersistentVolume whose claim's namespace is gone, its %s annotation, a JSON object, gives the labels to decide with)",
 				req.Requester.Namespace, annNamespaceLabels)
 		}
