@@ -82,10 +82,7 @@ func LoadCA(certFile, keyFile string) (*CA, error) {
 	if err != nil {
 		return nil, fmt.Errorf("load CA %s, %s: %w", certFile, keyFile, err)
 	}
-	cert, err := x509.ParseCertificate(pair.Certificate[0])
-	if err != nil {
-		return nil, fmt.Errorf("load CA %s: %w", certFile, err)
-	}
+	cert := pair.Leaf // X509KeyPair parsed it
 	if !cert.IsCA {
 		return nil, fmt.Errorf("load CA %s: the certificate is not a CA", certFile)
 	}
