@@ -114,7 +114,8 @@ func (a *attacher) takeForce(name string) bool {
 }
 
 func newAttacher(b *Bridge) (controller, error) {
-	a := &attacher{b: b, queue: newTermQueue("attach", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), slots: newDriverSlots(b.cfg.PerDriverWorkers)}
+	a := &attacher{b: b, queue: newTermQueue("attach", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax)}
+	a.slots = a.queue.withSlots(b.cfg.PerDriverWorkers)
 	b.metrics.queueDepth("attach", a.queue.Len)
 	b.on(b.factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) { a.enqueueVA(obj) },
@@ -133,7 +134,12 @@ func newAttacher(b *Bridge) (controller, error) {
 			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 				obj = t.Obj // its deletion was seen only by a relist
 			}
-			if va, ok := obj.(*storagev1.VolumeAttachment); ok && va.Spec.Source.PersistentVolumeName != nil {
+			va, ok := obj.(*storagev1.VolumeAttachment)
+			if !ok {
+				return
+			}
+			b.forgetEvents(va.UID)
+			if va.Spec.Source.PersistentVolumeName != nil {
 				a.queue.Add("pv/" + *va.Spec.Source.PersistentVolumeName)
 			}
 		},
@@ -299,8 +305,8 @@ func capability(src *attachSource, singleNodeMultiWriter bool) (*csi.VolumeCapab
 	return c, nil
 }
 
-// syncVA attaches or detaches VolumeAttachment name as it asks. A positive
-// duration looks at it again then (its driver is busy).
+// syncVA attaches or detaches VolumeAttachment name as it asks, or
+// returns waitForSlot while its driver is busy.
 func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, error) {
 	force := a.takeForce(name) // consumed whatever happens: no entry outlives its VA
 	va, err := a.b.attachments.Get(name)
@@ -321,11 +327,11 @@ func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, erro
 		return 0, nil // nothing of ours to undo: no slot needed
 	}
 	// --per-driver-workers: one slow driver cannot take every worker.
-	if !a.slots.acquire(driver) {
+	if !a.slots.acquire(driver, "va/"+name) {
 		if force {
 			a.setForce(name) // still to publish again
 		}
-		return driverBusyRetry, nil
+		return waitForSlot, nil
 	}
 	defer a.slots.release(driver)
 	ctx, span := a.b.tracer.Start(ctx, "attach "+name, trace.WithAttributes(attribute.String("csi.driver", driver),
@@ -341,7 +347,9 @@ func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, erro
 	return 0, err
 }
 
-// attachFailed records the error in the attachment's status and as an Event.
+// attachFailed records the error in the attachment's status and the log on
+// every attempt, and as an Event once per failure (eventOnce: a driver's
+// answer named by its method and code).
 func (a *attacher) attachFailed(ctx context.Context, va *storagev1.VolumeAttachment, detach bool, err error) error {
 	a.b.metrics.attach.WithLabelValues(va.Spec.Attacher, map[bool]string{false: "attach", true: "detach"}[detach], "failed").Inc()
 	ve := &storagev1.VolumeError{Time: metav1.Now(), Message: err.Error()}
@@ -360,7 +368,9 @@ func (a *attacher) attachFailed(ctx context.Context, va *storagev1.VolumeAttachm
 	if _, uerr := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, cp, metav1.UpdateOptions{}); uerr != nil && !apierrors.IsNotFound(uerr) && !apierrors.IsConflict(uerr) {
 		a.b.log.Error("record attachment error", "volumeattachment", va.Name, "err", uerr)
 	}
-	a.b.event(ctx, vaRef(va), corev1.EventTypeWarning, reason, "%v", err)
+	op := map[bool]string{false: "ControllerPublishVolume", true: "ControllerUnpublishVolume"}[detach]
+	a.b.log.Warn("attachment failed", "volumeattachment", va.Name, "driver", va.Spec.Attacher, "node", va.Spec.NodeName, "detach", detach, "err", err)
+	a.b.eventOnce(ctx, vaRef(va), corev1.EventTypeWarning, reason, failureOf(op, err), "%v", err)
 	return err
 }
 
@@ -468,6 +478,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	}
 	a.b.metrics.attach.WithLabelValues(driver, "attach", "success").Inc()
 	a.b.log.Info("volume attached", "volumeattachment", va.Name, "driver", driver, "node", node, "volume", src.csi.VolumeHandle)
+	a.b.forgetEvents(va.UID) // a failure after this one is news
 	return nil
 }
 

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
+	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -530,21 +531,38 @@ func (b *Bridge) watchRegistrations(ctx context.Context) {
 	}
 }
 
+// eventRepeat is how long an Event that eventOnce recorded stands for the
+// failure it reports: a failure that lasts is recorded again after it, so
+// that its Event outlives the API server's Event lifetime (--event-ttl,
+// one hour by default) instead of vanishing while the failure goes on.
+const eventRepeat = 10 * time.Minute
+
 // eventOnce records an Event as event does, unless the last Event with
 // this reason that eventOnce recorded on obj (this term, since forgetEvents)
-// was about the same thing: what. A failure retried with backoff is
-// reported once instead of on every attempt (every Event carries its
-// attempt's trace ID, so the recorder would write each one anew, on the
-// Events' budget); the caller logs every attempt.
+// was about the same thing, what, and less than eventRepeat ago. A failure
+// retried with backoff is reported once instead of on every attempt (every
+// Event carries its attempt's trace ID, so the recorder would write each
+// one anew, on the Events' budget); the caller logs every attempt.
 func (b *Bridge) eventOnce(ctx context.Context, obj corev1.ObjectReference, eventType, reason, what, format string, args ...any) {
 	if ctx.Err() != nil {
 		return // event records nothing either: nothing to remember
 	}
-	if !b.sent.first(obj.UID, reason, what) {
+	if !b.sent.first(obj.UID, reason, what, time.Now()) {
 		b.log.Debug("reported on the object already; no Event", "object", obj.Kind+" "+obj.Namespace+"/"+obj.Name, "reason", reason)
 		return
 	}
 	b.event(ctx, obj, eventType, reason, format, args...)
+}
+
+// failureOf names err for eventOnce: a gRPC status (a driver's answer) by
+// method and code, since drivers put what changes on every call (a request
+// ID, an attempt counter) into their messages; anything else by its
+// message.
+func failureOf(method string, err error) string {
+	if st, ok := status.FromError(err); ok {
+		return method + " " + st.Code().String()
+	}
+	return err.Error()
 }
 
 // forgetEvents drops what eventOnce remembers of obj (it succeeded, or is
@@ -552,30 +570,36 @@ func (b *Bridge) eventOnce(ctx context.Context, obj corev1.ObjectReference, even
 func (b *Bridge) forgetEvents(obj types.UID) { b.sent.forget(obj) }
 
 // eventMemory is, per object and reason, what the last Event recorded was
-// about: one entry per object and reason, dropped with the object (forget)
-// and at each term's start (reset).
+// about and when: one entry per object and reason, dropped with the object
+// (forget) and at each term's start (reset).
 type eventMemory struct {
 	mu   sync.Mutex
-	last map[types.UID]map[string]string // object → reason → what
+	last map[types.UID]map[string]sentEvent // object → reason → the last one
 }
 
-// first remembers what as obj's last reason and reports whether it
-// differs from the one before (so is to be recorded).
-func (m *eventMemory) first(obj types.UID, reason, what string) bool {
+type sentEvent struct {
+	what string
+	at   time.Time
+}
+
+// first reports whether an Event about what, with reason, is to be
+// recorded on obj at now: the last one was about something else, or
+// eventRepeat ago or more. If so, it is remembered as the last.
+func (m *eventMemory) first(obj types.UID, reason, what string, now time.Time) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	byReason := m.last[obj]
-	if prev, ok := byReason[reason]; ok && prev == what {
+	if prev, ok := byReason[reason]; ok && prev.what == what && now.Sub(prev.at) < eventRepeat {
 		return false
 	}
 	if byReason == nil {
 		if m.last == nil {
-			m.last = map[types.UID]map[string]string{}
+			m.last = map[types.UID]map[string]sentEvent{}
 		}
-		byReason = map[string]string{}
+		byReason = map[string]sentEvent{}
 		m.last[obj] = byReason
 	}
-	byReason[reason] = what
+	byReason[reason] = sentEvent{what, now}
 	return true
 }
 

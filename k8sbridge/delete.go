@@ -33,8 +33,8 @@ type deleter struct {
 }
 
 func newDeleter(b *Bridge) *deleter {
-	d := &deleter{b: b, queue: newTermQueue("delete", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), slots: newDriverSlots(b.cfg.PerDriverWorkers),
-		done: map[types.UID]struct{}{}}
+	d := &deleter{b: b, queue: newTermQueue("delete", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), done: map[types.UID]struct{}{}}
+	d.slots = d.queue.withSlots(b.cfg.PerDriverWorkers)
 	b.metrics.queueDepth("delete", d.queue.Len)
 	return d
 }
@@ -51,6 +51,7 @@ func (d *deleter) volumeHandler() cache.ResourceEventHandler {
 				d.doneMu.Lock()
 				delete(d.done, pv.UID)
 				d.doneMu.Unlock()
+				d.b.forgetEvents(pv.UID)
 			}
 		},
 	}
@@ -153,11 +154,20 @@ func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 	}
 	driver := pv.Spec.CSI.Driver
 	// --per-driver-workers: one slow driver cannot take every worker.
-	if !d.slots.acquire(driver) {
-		return driverBusyRetry, nil
+	if !d.slots.acquire(driver, name) {
+		return waitForSlot, nil
 	}
 	defer d.slots.release(driver)
 	return 0, d.reclaim(ctx, pv, driver)
+}
+
+// warn logs a failed deletion attempt and records it as a
+// VolumeFailedDelete Event on pv once per failure (eventOnce; what names
+// the failure).
+func (d *deleter) warn(ctx context.Context, pv *corev1.PersistentVolume, what, format string, args ...any) {
+	msg := fmt.Sprintf(format, args...)
+	d.b.log.Warn("volume deletion failed", "pv", pv.Name, "err", msg)
+	d.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", what, "%s", msg)
 }
 
 // reclaim deletes the volume of pv, a PV due for deletion, then the PV.
@@ -173,7 +183,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 	}
 	for _, va := range vas {
 		if src := va.Spec.Source.PersistentVolumeName; src != nil && *src == name {
-			d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", "persistentvolume %s is still attached to node %s (VolumeAttachment %s); waiting for detach", name, va.Spec.NodeName, va.Name)
+			d.warn(ctx, pv, "attached "+va.Name, "persistentvolume %s is still attached to node %s (VolumeAttachment %s); waiting for detach", name, va.Spec.NodeName, va.Name)
 			d.b.metrics.deletions.WithLabelValues(driver, "blocked").Inc()
 			return fmt.Errorf("pv %s still attached by %s", name, va.Name)
 		}
@@ -183,7 +193,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 	if n, ns := pv.Annotations[annDeletionSecretName], pv.Annotations[annDeletionSecretNS]; n != "" || ns != "" {
 		secretRef = &corev1.SecretReference{Name: n, Namespace: ns}
 	} else if secretRef, err = d.classDeletionSecret(pv); err != nil {
-		d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", "%v", err)
+		d.warn(ctx, pv, err.Error(), "%v", err)
 		d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
 		return err
 	}
@@ -197,21 +207,21 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 		requester.Node = node // the node whose proxy receives the secret
 		if node == "" {
 			err := errNodeUnknown(pv, driver)
-			d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", "%v", err)
+			d.warn(ctx, pv, err.Error(), "%v", err)
 			d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
 			return fmt.Errorf("pv %s: %w", name, err)
 		}
 		if _, err := d.b.nodes.Get(node); apierrors.IsNotFound(err) {
 			// Nobody can reach the volume: leave the PV to an administrator
 			// instead of retrying forever.
-			d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete",
+			d.warn(ctx, pv, "node gone "+node,
 				"node %s of node-local volume %s no longer exists; the PersistentVolume is left for an administrator (delete it once the volume is dealt with)", node, pv.Spec.CSI.VolumeHandle)
 			d.b.metrics.deletions.WithLabelValues(driver, "node_gone").Inc()
 			return nil
 		}
 	}
 	if err := d.b.prov.deleteVolumeWith(ctx, driver, node, pv.Spec.CSI.VolumeHandle, secretRef, requester, recordedNamespaceLabels(pv)); err != nil {
-		d.b.event(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", "%v", err)
+		d.warn(ctx, pv, failureOf("DeleteVolume", err), "%v", err)
 		d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
 		return err
 	}

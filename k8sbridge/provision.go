@@ -65,11 +65,11 @@ func newProvisioner(b *Bridge) *provisioner {
 	p := &provisioner{
 		b:        b,
 		queue:    newTermQueue("provision", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
-		slots:    newDriverSlots(b.cfg.PerDriverWorkers),
 		inflight: map[string]bool{},
 		started:  map[string]time.Time{},
 		recover:  make(chan struct{}, 1),
 	}
+	p.slots = p.queue.withSlots(b.cfg.PerDriverWorkers)
 	b.metrics.queueDepth("provision", p.queue.Len)
 	return p
 }
@@ -82,7 +82,11 @@ func (p *provisioner) claimHandler() cache.ResourceEventHandler {
 			// A claim deleted while its volume is being made: recovery
 			// deletes the volume if it exists. Other deletions (bound
 			// claims, a namespace teardown) cost no recovery pass.
-			if c := claimOf(obj); c != nil && p.b.intents.Has(VolumeName(p.b.cfg.VolumeNamePrefix, c.UID, p.b.cfg.VolumeNameUUIDLength)) {
+			c := claimOf(obj)
+			if c != nil {
+				p.b.forgetEvents(c.UID)
+			}
+			if c != nil && p.b.intents.Has(VolumeName(p.b.cfg.VolumeNamePrefix, c.UID, p.b.cfg.VolumeNameUUIDLength)) {
 				p.nudgeRecovery()
 			}
 			if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
@@ -154,17 +158,26 @@ func (p *provisioner) enqueueAll() {
 	}
 }
 
-// acquire takes a per-driver slot and the volume; false means the driver
-// is at its limit or the volume is being worked on already (by a worker or
-// by recovery).
-func (p *provisioner) acquire(driver, volume string) bool {
+// volumeBusyRetry is how soon a claim whose volume recovery is working on
+// is looked at again.
+const volumeBusyRetry = 200 * time.Millisecond
+
+// acquire takes the volume and a per-driver slot for key ("" for
+// recovery, which never waits in a driver's line). 0 means both are
+// taken; otherwise the volume is being worked on already, by a worker or
+// by recovery (volumeBusyRetry), or key waits in the driver's line
+// (waitForSlot).
+func (p *provisioner) acquire(driver, volume, key string) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.inflight[volume] || !p.slots.acquire(driver) {
-		return false
+	if p.inflight[volume] {
+		return volumeBusyRetry
+	}
+	if !p.slots.acquire(driver, key) {
+		return waitForSlot
 	}
 	p.inflight[volume] = true
-	return true
+	return 0
 }
 
 func (p *provisioner) release(driver, volume string) {
@@ -215,7 +228,9 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 	}
 	class, err := p.b.classes.Get(className)
 	if err != nil {
-		p.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "ProvisioningFailed", "storageclass %q not found", className)
+		msg := fmt.Sprintf("storageclass %q not found", className)
+		p.b.log.Warn("provisioning failed", "claim", key, "driver", driver, "err", msg)
+		p.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "ProvisioningFailed", msg, "%s", msg)
 		return 0, fmt.Errorf("claim %s: storageclass %q: %w", key, className, err)
 	}
 	if class.Provisioner != driver {
@@ -225,8 +240,8 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 	if class.VolumeBindingMode != nil && *class.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer && selectedNode == "" {
 		return 0, nil // the scheduler has not picked a node yet
 	}
-	if !p.acquire(driver, pvName) {
-		return driverBusyRetry, nil
+	if wait := p.acquire(driver, pvName, key); wait != 0 {
+		return wait, nil
 	}
 	defer p.release(driver, pvName)
 	p.mu.Lock()
@@ -290,10 +305,19 @@ func (p *provisioner) nodeGone(ctx context.Context, node string) bool {
 // provision runs one attempt and returns its result label.
 func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string) (string, error) {
 	ref := claimRef(claim)
+	// Failures are logged on every attempt and recorded as an Event once
+	// per failure (eventOnce): a driver's answer is named by its method
+	// and code (drivers put counters and request IDs in their messages),
+	// anything else by its message.
+	warn := func(what, format string, args ...any) {
+		msg := fmt.Sprintf(format, args...)
+		p.b.log.Warn("provisioning failed", "claim", claim.Namespace+"/"+claim.Name, "driver", driver, "err", msg)
+		p.b.eventOnce(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", what, "%s", msg)
+	}
 	fail := func(format string, args ...any) (string, error) {
 		err := fmt.Errorf(format, args...)
-		p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: %v", class.Name, err)
-		p.b.log.Warn("provisioning failed", "claim", claim.Namespace+"/"+claim.Name, "driver", driver, "err", err)
+		msg := fmt.Sprintf("failed to provision volume with StorageClass %q: %v", class.Name, err)
+		warn(msg, "%s", msg)
 		return "failed", err
 	}
 	caps, err := p.b.caps.get(ctx, driver)
@@ -308,7 +332,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if scheduled && p.nodeGone(ctx, selectedNode) {
 		// The intent record keeps any entry of an earlier attempt: the
 		// volume it may have made is still accounted for.
-		p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: selected node %q no longer exists; asking the scheduler for another node", class.Name, selectedNode)
+		warn("node gone "+selectedNode, "failed to provision volume with StorageClass %q: selected node %q no longer exists; asking the scheduler for another node", class.Name, selectedNode)
 		if rerr := p.reschedule(ctx, claim); rerr != nil {
 			return "rescheduled", rerr
 		}
@@ -407,7 +431,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		}
 		return fail("record the intent to create volume %s before calling the driver: %v", pvName, err)
 	}
-	p.b.event(ctx, ref, corev1.EventTypeNormal, "Provisioning", "External provisioner is provisioning volume for claim %q", claim.Namespace+"/"+claim.Name)
+	p.b.eventOnce(ctx, ref, corev1.EventTypeNormal, "Provisioning", "", "External provisioner is provisioning volume for claim %q", claim.Namespace+"/"+claim.Name)
 
 	conn, err := p.conn(driver, node)
 	if err != nil {
@@ -419,22 +443,23 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	cancel()
 	req.Secrets = nil
 	if err != nil {
+		failure := "CreateVolume " + status.Code(err).String()
 		switch ClassifyCreateError(err, caps.accessibility && scheduled) {
 		case CreateInProgress:
 			// The volume may still appear: keep the intent and re-issue
 			// the same request later.
-			p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: %s (may still be in progress; retrying with the same name)", class.Name, statusText(err))
+			warn(failure, "failed to provision volume with StorageClass %q: %s (may still be in progress; retrying with the same name)", class.Name, statusText(err))
 			return "in_progress", err
 		case CreateReschedule:
 			p.b.intents.Remove(pvName)
-			p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: %s; asking the scheduler for another node", class.Name, statusText(err))
+			warn(failure+" reschedule", "failed to provision volume with StorageClass %q: %s; asking the scheduler for another node", class.Name, statusText(err))
 			if rerr := p.reschedule(ctx, claim); rerr != nil {
 				return "rescheduled", rerr
 			}
 			return "rescheduled", nil
 		default:
 			p.b.intents.Remove(pvName)
-			p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "failed to provision volume with StorageClass %q: %s", class.Name, statusText(err))
+			warn(failure, "failed to provision volume with StorageClass %q: %s", class.Name, statusText(err))
 			return "failed", err
 		}
 	}
@@ -485,11 +510,12 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if _, err := p.b.cfg.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		// Intent kept: the next attempt re-issues CreateVolume (same
 		// name, same volume) and tries the PV again.
-		p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", "volume %s was created but saving PersistentVolume %s failed: %v (retrying)", resp.GetVolume().GetVolumeId(), pvName, err)
+		warn("save PV "+string(apierrors.ReasonForError(err)), "volume %s was created but saving PersistentVolume %s failed: %v (retrying)", resp.GetVolume().GetVolumeId(), pvName, err)
 		return "failed", err
 	}
 	p.b.intents.Remove(pvName)
 	p.b.event(ctx, ref, corev1.EventTypeNormal, "ProvisioningSucceeded", "Successfully provisioned volume %s", pvName)
+	p.b.forgetEvents(claim.UID)
 	return "success", nil
 }
 
@@ -761,7 +787,8 @@ func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volume
 	defer cancel()
 	_, err = csi.NewControllerClient(conn).DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: volumeID, Secrets: secrets})
 	if err != nil && status.Code(err) != codes.NotFound {
-		return fmt.Errorf("DeleteVolume %s on driver %s: %s", volumeID, driver, statusText(err))
+		// The status as text and wrapped: its code names the failure (failureOf).
+		return fmt.Errorf("DeleteVolume %s on driver %s: %w", volumeID, driver, status.Convert(err).Err())
 	}
 	return nil
 }

@@ -3,6 +3,7 @@ package k8sbridge
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -175,6 +176,49 @@ func TestPerMethodTimeoutLongerThanTheDefault(t *testing.T) {
 	waitBound(t, c, ns, makeClaim(t, c, ns, "slow", class.Name, "1Gi").Name, 60*time.Second)
 	if n := d.CallCount("CreateVolume"); n != 1 {
 		t.Fatalf("%d CreateVolume calls, want 1 (the call cut short and re-issued)", n)
+	}
+}
+
+// TestPerDriverWorkersServeClaimsInOrder: with one slot per driver and a
+// slow driver, claims that arrive while the slot is taken wait in line and
+// are provisioned in the order they arrived, each as soon as the one
+// before is done (no claim can overtake another by polling at the right
+// moment), and the claims waiting count in the queue's depth.
+func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "inline.csi.test")
+	drivers := newCountingDrivers()
+	drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
+		"CreateVolume": {Latency: 1500 * time.Millisecond}}}})
+	class := makeClass(t, c, clusterName(ns, "inline"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	r := startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
+	var want []string
+	for i := range 5 {
+		claim := makeClaim(t, c, ns, fmt.Sprintf("c%d", i), class.Name, "1Gi")
+		want = append(want, VolumeName(r.b.cfg.VolumeNamePrefix, claim.UID, r.b.cfg.VolumeNameUUIDLength))
+		// Each claim in line before the next is made: the first in the
+		// driver, then one more waiting each time.
+		err := testenv.WaitFor(context.Background(), 30*time.Second, fmt.Sprintf("claim c%d handled", i), func(context.Context) (bool, string, error) {
+			called, waiting := len(drivers.names("CreateVolume")), r.b.prov.queue.Len()
+			return called == 1 && waiting == i, fmt.Sprintf("%d CreateVolume calls, %d claims waiting", called, waiting), nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range 5 {
+		waitBound(t, c, ns, fmt.Sprintf("c%d", i), 60*time.Second)
+	}
+	if got := drivers.names("CreateVolume"); !slices.Equal(got, want) {
+		t.Errorf("CreateVolume calls for %v, want them in the claims' order %v", got, want)
+	}
+	if most := drivers.most("CreateVolume"); most != 1 {
+		t.Errorf("%d CreateVolume calls at once, want at most PerDriverWorkers = 1", most)
+	}
+	if n := r.b.prov.queue.Len(); n != 0 {
+		t.Errorf("%d keys still waiting after every claim was bound", n)
 	}
 }
 

@@ -16,6 +16,8 @@ type termQueue struct {
 	name       string
 	start, max time.Duration
 
+	slots *driverSlots // set by withSlots, if the keys take per-driver slots
+
 	mu sync.Mutex
 	q  workqueue.TypedRateLimitingInterface[string]
 }
@@ -66,19 +68,29 @@ func (t *termQueue) Forget(key string) {
 	}
 }
 
-// Len is the number of waiting keys (0 between terms).
+// Len is the number of waiting keys, those in a driver's line included
+// (0 between terms).
 func (t *termQueue) Len() int {
-	if q := t.current(); q != nil {
-		return q.Len()
+	q := t.current()
+	if q == nil {
+		return 0
 	}
-	return 0
+	n := q.Len()
+	if t.slots != nil {
+		n += t.slots.waitingLen()
+	}
+	return n
 }
 
 // work runs one term of a controller: a fresh queue filled by fill, n
 // workers calling handle for each key until ctx ends. handle's error requeues
 // the key with its backoff; a positive duration requeues it plainly (waiting,
-// not failing); otherwise the key's backoff is forgotten.
+// not failing); waitForSlot leaves it to its driver's line (its backoff
+// kept); otherwise the key's backoff is forgotten.
 func (t *termQueue) work(ctx context.Context, n int, fill func(), handle func(context.Context, string) (time.Duration, error), extra ...func(context.Context)) {
+	if t.slots != nil {
+		t.slots.reset()
+	}
 	q := t.begin()
 	defer t.end()
 	fill()
@@ -99,11 +111,15 @@ func (t *termQueue) work(ctx context.Context, n int, fill func(), handle func(co
 					continue
 				}
 				requeue, err := handle(ctx, key)
+				if t.slots != nil {
+					t.slots.settle(key)
+				}
 				switch {
 				case err != nil:
 					q.AddRateLimited(key)
 				case requeue > 0:
 					q.AddAfter(key, requeue)
+				case requeue == waitForSlot:
 				default:
 					q.Forget(key)
 				}
@@ -120,9 +136,10 @@ func (t *termQueue) work(ctx context.Context, n int, fill func(), handle func(co
 	wg.Wait()
 }
 
-// driverBusyRetry is how soon a key whose driver has no free slot is looked
-// at again: a plain requeue, since waiting for a slot is not a failure.
-const driverBusyRetry = 200 * time.Millisecond
+// waitForSlot is what a handler returns when its key waits in its
+// driver's line (driverSlots.acquire said so): neither a failure nor a
+// timed requeue, since the slot's release queues the key again.
+const waitForSlot time.Duration = -1
 
 // driverSlots counts each driver's operations in progress against
 // Config.PerDriverWorkers, so that one slow driver cannot take every worker
@@ -130,34 +147,132 @@ const driverBusyRetry = 200 * time.Millisecond
 // --worker-threads and --per-driver-workers (whose default is
 // --worker-threads) count one controller's workers, and expansions waiting
 // for a slow driver must not hold up provisioning for it.
+//
+// A key that finds its driver at the limit waits in the driver's line,
+// first come first served, instead of looking again and again: a slot
+// given back goes to the first key in line, which is queued again (wake)
+// holding it, so a key that arrives meanwhile cannot take it first. A key
+// handed a slot that it does not take (its object changed or went) gives
+// it on when its handler returns (settle).
 type driverSlots struct {
-	limit int // Validate makes it at least 1
+	limit int              // Validate makes it at least 1
+	wake  func(key string) // queues a key again
 
-	mu   sync.Mutex
-	busy map[string]int
+	mu      sync.Mutex
+	busy    map[string]int      // driver → slots taken or handed to a key
+	line    map[string][]string // driver → keys waiting, in arrival order
+	waiting map[string]string   // key → the driver whose line it is in
+	handed  map[string]string   // key → the driver whose slot it was handed
 }
 
-func newDriverSlots(limit int) *driverSlots {
-	return &driverSlots{limit: limit, busy: map[string]int{}}
+func newDriverSlots(limit int, wake func(string)) *driverSlots {
+	return &driverSlots{limit: limit, wake: wake, busy: map[string]int{}, line: map[string][]string{},
+		waiting: map[string]string{}, handed: map[string]string{}}
 }
 
-// acquire takes one of driver's slots; false means the driver is at its
-// limit and the caller requeues its key after driverBusyRetry.
-func (s *driverSlots) acquire(driver string) bool {
+// withSlots gives the queue's keys per-driver slots: a key waiting in a
+// driver's line counts in Len, the slot's release queues it again, and
+// work settles each key's handed slot after its handler.
+func (t *termQueue) withSlots(limit int) *driverSlots {
+	t.slots = newDriverSlots(limit, t.Add)
+	return t.slots
+}
+
+// acquire takes one of driver's slots for key. false means the driver is
+// at its limit: key is in the driver's line (keeping its place if it was
+// already) and the caller returns waitForSlot. An empty key (work that
+// is not a queue's) never waits in line.
+func (s *driverSlots) acquire(driver, key string) bool {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.busy[driver] >= s.limit {
-		return false
+	var next string
+	defer func() {
+		s.mu.Unlock()
+		if next != "" {
+			s.wake(next)
+		}
+	}()
+	if d, ok := s.handed[key]; ok {
+		delete(s.handed, key)
+		if d == driver {
+			return true
+		}
+		next = s.giveBackLocked(d) // its driver changed: the slot goes on
 	}
-	s.busy[driver]++
-	return true
+	if s.busy[driver] < s.limit {
+		s.busy[driver]++
+		return true
+	}
+	if key != "" && s.waiting[key] == "" {
+		s.waiting[key] = driver
+		s.line[driver] = append(s.line[driver], key)
+	}
+	return false
 }
 
 // release gives back a slot taken by acquire.
 func (s *driverSlots) release(driver string) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
+	next := s.giveBackLocked(driver)
+	s.mu.Unlock()
+	if next != "" {
+		s.wake(next)
+	}
+}
+
+// settle gives on a slot handed to key that key's handler did not take.
+func (s *driverSlots) settle(key string) {
+	s.mu.Lock()
+	d, ok := s.handed[key]
+	if !ok {
+		s.mu.Unlock()
+		return
+	}
+	delete(s.handed, key)
+	next := s.giveBackLocked(d)
+	s.mu.Unlock()
+	if next != "" {
+		s.wake(next)
+	}
+}
+
+// giveBackLocked hands driver's freed slot to the first key in its line,
+// which the caller wakes, or frees it if none waits.
+func (s *driverSlots) giveBackLocked(driver string) (next string) {
+	if l := s.line[driver]; len(l) > 0 {
+		next = l[0]
+		if len(l) == 1 {
+			delete(s.line, driver)
+		} else {
+			s.line[driver] = l[1:]
+		}
+		delete(s.waiting, next)
+		s.handed[next] = driver
+		return next
+	}
 	if s.busy[driver]--; s.busy[driver] <= 0 {
 		delete(s.busy, driver)
 	}
+	return ""
+}
+
+// reset starts a term: the lines and the slots handed but not taken are
+// of the last term's queue, whose keys the new term lists again.
+func (s *driverSlots) reset() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, d := range s.handed {
+		if s.busy[d]--; s.busy[d] <= 0 {
+			delete(s.busy, d)
+		}
+	}
+	clear(s.handed)
+	clear(s.line)
+	clear(s.waiting)
+}
+
+// waitingLen is the number of keys waiting in a line.
+func (s *driverSlots) waitingLen() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.waiting)
 }

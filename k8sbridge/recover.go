@@ -172,7 +172,7 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 // and deletes the volume; why says why it is an orphan. now is the start of
 // the recovery pass, from which a failure's backoff is counted.
 func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time, why string) {
-	if !p.acquire(in.Driver, in.VolumeName) {
+	if p.acquire(in.Driver, in.VolumeName, "") != 0 {
 		return
 	}
 	defer p.release(in.Driver, in.VolumeName)

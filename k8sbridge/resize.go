@@ -113,8 +113,9 @@ type resizeNodeCaps struct {
 }
 
 func newResizer(b *Bridge) (controller, error) {
-	r := &resizer{b: b, queue: newTermQueue("resize", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), slots: newDriverSlots(b.cfg.PerDriverWorkers),
+	r := &resizer{b: b, queue: newTermQueue("resize", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
 		finalErr: map[types.UID]bool{}, nodeCaps: map[string]resizeNodeCaps{}}
+	r.slots = r.queue.withSlots(b.cfg.PerDriverWorkers)
 	r.ops = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "csibroker", Name: "resize_operations_total",
 		Help: "Volume expansion attempts by driver and result (success, node_pending, infeasible, failed, in_progress, not_called).",
@@ -312,8 +313,8 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 		return 0, nil
 	}
 
-	if !r.slots.acquire(driver) {
-		return driverBusyRetry, nil
+	if !r.slots.acquire(driver, key) {
+		return waitForSlot, nil
 	}
 	defer r.slots.release(driver)
 	ctx, span := r.b.tracer.Start(ctx, "resize "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(

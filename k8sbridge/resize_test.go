@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -806,17 +807,27 @@ func TestResizeTriggered(t *testing.T) {
 }
 
 // countingDrivers counts, per CSI method, the controller calls in flight
-// and the most seen at once.
+// and the most seen at once, and keeps the names the calls that name
+// something (CreateVolume) were made for, in the order they started.
 type countingDrivers struct {
 	*testDrivers
 	mu     sync.Mutex
 	counts map[string]*inflightCount
+	named  map[string][]string
 }
 
 type inflightCount struct{ now, most atomic.Int32 }
 
 func newCountingDrivers() *countingDrivers {
-	return &countingDrivers{testDrivers: &testDrivers{}, counts: map[string]*inflightCount{}}
+	return &countingDrivers{testDrivers: &testDrivers{}, counts: map[string]*inflightCount{}, named: map[string][]string{}}
+}
+
+// names is the names method's calls were made for, in the order they
+// started.
+func (d *countingDrivers) names(method string) []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.named[method])
 }
 
 func (d *countingDrivers) count(method string) *inflightCount {
@@ -847,7 +858,13 @@ type countingConn struct {
 }
 
 func (c countingConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
-	cnt := c.d.count(method[strings.LastIndex(method, "/")+1:])
+	short := method[strings.LastIndex(method, "/")+1:]
+	if named, ok := args.(interface{ GetName() string }); ok {
+		c.d.mu.Lock()
+		c.d.named[short] = append(c.d.named[short], named.GetName())
+		c.d.mu.Unlock()
+	}
+	cnt := c.d.count(short)
 	n := cnt.now.Add(1)
 	defer cnt.now.Add(-1)
 	for m := cnt.most.Load(); n > m && !cnt.most.CompareAndSwap(m, n); m = cnt.most.Load() {
@@ -1035,7 +1052,8 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 
 // TestResizeWarnings: what the bridge remembers of the Events eventOnce
 // recorded (the resizer's warnings: a request and a failure), and when it
-// records one again.
+// records one again: about something else, or the same once eventRepeat
+// has passed since it was recorded.
 func TestResizeWarnings(t *testing.T) {
 	type warning struct{ reason, what string }
 	failed := func(request, failure string) warning {
@@ -1049,11 +1067,13 @@ func TestResizeWarnings(t *testing.T) {
 	a3 := failed("3Gi", "ControllerExpandVolume FailedPrecondition")
 	other := warning{"Other", a2.what}
 	var ws eventMemory
+	t0 := time.Now()
 	steps := []struct {
 		name  string
 		claim types.UID
 		w     warning
 		do    func()
+		after time.Duration // since t0
 		want  bool
 	}{
 		{name: "first failure", claim: "c1", w: a2, want: true},
@@ -1068,12 +1088,15 @@ func TestResizeWarnings(t *testing.T) {
 		{name: "after a success", claim: "c1", w: a3, do: func() { ws.forget("c1") }, want: true},
 		{name: "other claims keep theirs", claim: "c2", w: a2, want: false},
 		{name: "a new term", claim: "c2", w: a2, do: ws.reset, want: true},
+		{name: "the same, a little before eventRepeat", claim: "c2", w: a2, after: eventRepeat - time.Second, want: false},
+		{name: "the same, eventRepeat after it was recorded", claim: "c2", w: a2, after: eventRepeat, want: true},
+		{name: "and not again right after", claim: "c2", w: a2, after: eventRepeat + time.Second, want: false},
 	}
 	for _, s := range steps {
 		if s.do != nil {
 			s.do()
 		}
-		if got := ws.first(s.claim, s.w.reason, s.w.what); got != s.want {
+		if got := ws.first(s.claim, s.w.reason, s.w.what, t0.Add(s.after)); got != s.want {
 			t.Errorf("%s: record %v, want %v", s.name, got, s.want)
 		}
 	}
