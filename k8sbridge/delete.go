@@ -123,7 +123,8 @@ func pvRef(pv *corev1.PersistentVolume) corev1.ObjectReference {
 }
 
 // sync reclaims PV name if it is due: its volume deleted, then the object.
-// A positive duration looks at it again then (its driver is busy).
+// It returns waitForSlot while the driver is busy, and a positive duration
+// to look at the PV again then (its node-local volume's node is gone).
 func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) {
 	pv, err := d.b.volumes.Get(name)
 	if apierrors.IsNotFound(err) {
@@ -158,7 +159,7 @@ func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 		return waitForSlot, nil
 	}
 	defer d.slots.release(driver)
-	return 0, d.reclaim(ctx, pv, driver)
+	return d.reclaim(ctx, pv, driver)
 }
 
 // warn logs a failed deletion attempt and records it as a
@@ -170,8 +171,9 @@ func (d *deleter) warn(ctx context.Context, pv *corev1.PersistentVolume, what, f
 	d.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", what, "%s", msg)
 }
 
-// reclaim deletes the volume of pv, a PV due for deletion, then the PV.
-func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driver string) error {
+// reclaim deletes the volume of pv, a PV due for deletion, then the PV;
+// a positive duration looks at the PV again then.
+func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driver string) (time.Duration, error) {
 	name := pv.Name
 	ctx, span := d.b.tracer.Start(ctx, "delete "+name, trace.WithAttributes(attribute.String("csi.driver", driver), attribute.String("k8s.pv.name", name)))
 	defer span.End()
@@ -179,13 +181,13 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 	// Never delete a volume that is still attached somewhere.
 	vas, err := d.b.attachments.List(labels.Everything())
 	if err != nil {
-		return err
+		return 0, err
 	}
 	for _, va := range vas {
 		if src := va.Spec.Source.PersistentVolumeName; src != nil && *src == name {
 			d.warn(ctx, pv, "attached "+va.Name, "persistentvolume %s is still attached to node %s (VolumeAttachment %s); waiting for detach", name, va.Spec.NodeName, va.Name)
 			d.b.metrics.deletions.WithLabelValues(driver, "blocked").Inc()
-			return fmt.Errorf("pv %s still attached by %s", name, va.Name)
+			return 0, fmt.Errorf("pv %s still attached by %s", name, va.Name)
 		}
 	}
 
@@ -195,7 +197,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 	} else if secretRef, err = d.classDeletionSecret(pv); err != nil {
 		d.warn(ctx, pv, err.Error(), "%v", err)
 		d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
-		return err
+		return 0, err
 	}
 	requester := policy.Requester{Kind: policy.KindPersistentVolume, Name: pv.Name, StorageClass: pv.Spec.StorageClassName}
 	if cr := pv.Spec.ClaimRef; cr != nil {
@@ -209,7 +211,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 			err := errNodeUnknown(pv, driver)
 			d.warn(ctx, pv, err.Error(), "%v", err)
 			d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
-			return fmt.Errorf("pv %s: %w", name, err)
+			return 0, fmt.Errorf("pv %s: %w", name, err)
 		}
 		if _, err := d.b.nodes.Get(node); apierrors.IsNotFound(err) {
 			// Nobody can reach the volume: leave the PV to an administrator
@@ -217,26 +219,31 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 			d.warn(ctx, pv, "node gone "+node,
 				"node %s of node-local volume %s no longer exists; the PersistentVolume is left for an administrator (delete it once the volume is dealt with)", node, pv.Spec.CSI.VolumeHandle)
 			d.b.metrics.deletions.WithLabelValues(driver, "node_gone").Inc()
-			return nil
+			// Looked at again now and then: the Event is recorded again
+			// while the PV stays, and a node back under its name gets
+			// the deletion.
+			return eventRepeat, nil
 		}
 	}
 	if err := d.b.prov.deleteVolumeWith(ctx, driver, node, pv.Spec.CSI.VolumeHandle, secretRef, requester, recordedNamespaceLabels(pv)); err != nil {
 		d.warn(ctx, pv, failureOf("DeleteVolume", err), "%v", err)
 		d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
-		return err
+		return 0, err
 	}
 	// Two writes at most, as external-provisioner: drop our finalizer,
 	// then delete the object (or only the former if a user deleted it).
 	if hasFinalizer(pv, finalizerVolume) {
 		if err := d.patchFinalizer(ctx, name, false); err != nil {
-			return fmt.Errorf("remove finalizer from pv %s: %w", name, err)
+			d.b.log.Warn("volume deleted; removing the PV's finalizer failed (will retry)", "pv", name, "err", err)
+			return 0, fmt.Errorf("remove finalizer from pv %s: %w", name, err)
 		}
 	}
 	if pv.DeletionTimestamp == nil {
 		uid := pv.UID
 		err := d.b.cfg.Client.CoreV1().PersistentVolumes().Delete(ctx, name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
 		if err != nil && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("delete pv %s: %w", name, err)
+			d.b.log.Warn("volume deleted; deleting the PV failed (will retry)", "pv", name, "err", err)
+			return 0, fmt.Errorf("delete pv %s: %w", name, err)
 		}
 	}
 	d.doneMu.Lock()
@@ -244,7 +251,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 	d.doneMu.Unlock()
 	d.b.metrics.deletions.WithLabelValues(driver, "success").Inc()
 	d.b.log.Info("volume deleted", "pv", name, "driver", driver, "volume_id", pv.Spec.CSI.VolumeHandle)
-	return nil
+	return 0, nil
 }
 
 // patchFinalizer adds or removes the volume-deletion finalizer of PV name

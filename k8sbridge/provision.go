@@ -162,10 +162,9 @@ func (p *provisioner) enqueueAll() {
 // is looked at again.
 const volumeBusyRetry = 200 * time.Millisecond
 
-// acquire takes the volume and a per-driver slot for key ("" for
-// recovery, which never waits in a driver's line). 0 means both are
-// taken; otherwise the volume is being worked on already, by a worker or
-// by recovery (volumeBusyRetry), or key waits in the driver's line
+// acquire takes the volume and a per-driver slot for key. 0 means both
+// are taken; otherwise the volume is being worked on already, by a worker
+// or by recovery (volumeBusyRetry), or key waits in the driver's line
 // (waitForSlot).
 func (p *provisioner) acquire(driver, volume, key string) time.Duration {
 	p.mu.Lock()
@@ -181,10 +180,26 @@ func (p *provisioner) acquire(driver, volume, key string) time.Duration {
 }
 
 func (p *provisioner) release(driver, volume string) {
+	p.dropVolume(volume)
+	p.slots.release(driver)
+}
+
+// takeVolume takes the volume alone (recovery); false means a worker or
+// recovery is working on it already.
+func (p *provisioner) takeVolume(volume string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.inflight[volume] {
+		return false
+	}
+	p.inflight[volume] = true
+	return true
+}
+
+func (p *provisioner) dropVolume(volume string) {
 	p.mu.Lock()
 	delete(p.inflight, volume)
 	p.mu.Unlock()
-	p.slots.release(driver)
 }
 
 func (p *provisioner) isInflight(volume string) bool {
@@ -314,16 +329,22 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		p.b.log.Warn("provisioning failed", "claim", claim.Namespace+"/"+claim.Name, "driver", driver, "err", msg)
 		p.b.eventOnce(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", what, "%s", msg)
 	}
-	fail := func(format string, args ...any) (string, error) {
+	// failAs fails the attempt with a failure named by what ("": by the
+	// message).
+	failAs := func(what, format string, args ...any) (string, error) {
 		err := fmt.Errorf(format, args...)
 		msg := fmt.Sprintf("failed to provision volume with StorageClass %q: %v", class.Name, err)
-		warn(msg, "%s", msg)
+		if what == "" {
+			what = msg
+		}
+		warn(what, "%s", msg)
 		return "failed", err
 	}
+	fail := func(format string, args ...any) (string, error) { return failAs("", format, args...) }
 	caps, err := p.b.caps.get(ctx, driver)
 	if err != nil {
 		p.b.caps.forget(driver)
-		return fail("driver %s is not reachable: %v", driver, err)
+		return failAs(failureOf("unreachable", err), "driver %s is not reachable: %v", driver, err)
 	}
 	if !caps.createDelete {
 		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
@@ -364,7 +385,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 				// The scheduler moved the claim: the volume the earlier
 				// attempt may have made is deleted there first.
 				if err := p.undoOnNode(ctx, prev); err != nil {
-					return fail("an earlier attempt may have made volume %s on node %s; it must be deleted there before the volume is made on node %s: %v", pvName, prev.Node, selectedNode, err)
+					return failAs(failureOf("undo on "+prev.Node, err), "an earlier attempt may have made volume %s on node %s; it must be deleted there before the volume is made on node %s: %v", pvName, prev.Node, selectedNode, err)
 				}
 				p.b.log.Info("deleted the volume an earlier attempt may have made on another node", "volume", pvName, "node", prev.Node, "selected_node", selectedNode)
 			}
@@ -431,7 +452,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		}
 		return fail("record the intent to create volume %s before calling the driver: %v", pvName, err)
 	}
-	p.b.eventOnce(ctx, ref, corev1.EventTypeNormal, "Provisioning", "", "External provisioner is provisioning volume for claim %q", claim.Namespace+"/"+claim.Name)
+	p.b.eventOnce(ctx, ref, corev1.EventTypeNormal, "Provisioning", selectedNode, "External provisioner is provisioning volume for claim %q", claim.Namespace+"/"+claim.Name)
 
 	conn, err := p.conn(driver, node)
 	if err != nil {
@@ -452,7 +473,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			return "in_progress", err
 		case CreateReschedule:
 			p.b.intents.Remove(pvName)
-			warn(failure+" reschedule", "failed to provision volume with StorageClass %q: %s; asking the scheduler for another node", class.Name, statusText(err))
+			warn(failure+" reschedule from "+selectedNode, "failed to provision volume with StorageClass %q: %s; asking the scheduler for another node", class.Name, statusText(err))
 			if rerr := p.reschedule(ctx, claim); rerr != nil {
 				return "rescheduled", rerr
 			}

@@ -179,9 +179,9 @@ func TestPerMethodTimeoutLongerThanTheDefault(t *testing.T) {
 	}
 }
 
-// TestPerDriverWorkersServeClaimsInOrder: with one slot per driver and a
-// slow driver, claims that arrive while the slot is taken wait in line and
-// are provisioned in the order they arrived, each as soon as the one
+// TestPerDriverWorkersServeClaimsInOrder: with one slot per driver, claims
+// that arrive while the slot is taken (its CreateVolume held) wait in line
+// and are provisioned in the order they arrived, each as soon as the one
 // before is done (no claim can overtake another by polling at the right
 // moment), and the claims waiting count in the queue's depth.
 func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
@@ -190,8 +190,9 @@ func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
 	c := env.Client()
 	drv := clusterName(ns, "inline.csi.test")
 	drivers := newCountingDrivers()
-	drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
-		"CreateVolume": {Latency: 1500 * time.Millisecond}}}})
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	letGo := drivers.hold("CreateVolume")
+	defer letGo()
 	class := makeClass(t, c, clusterName(ns, "inline"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
 	var want []string
@@ -208,6 +209,7 @@ func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	letGo()
 	for i := range 5 {
 		waitBound(t, c, ns, fmt.Sprintf("c%d", i), 60*time.Second)
 	}

@@ -69,7 +69,8 @@ func (t *termQueue) Forget(key string) {
 }
 
 // Len is the number of waiting keys, those in a driver's line included
-// (0 between terms).
+// (0 between terms). A key in line that an update queued again counts
+// twice until it runs.
 func (t *termQueue) Len() int {
 	q := t.current()
 	if q == nil {
@@ -111,7 +112,10 @@ func (t *termQueue) work(ctx context.Context, n int, fill func(), handle func(co
 					continue
 				}
 				requeue, err := handle(ctx, key)
-				if t.slots != nil {
+				if t.slots != nil && requeue != waitForSlot {
+					// After waitForSlot, a slot handed to key was handed
+					// after its acquire (which takes one handed before):
+					// the key is queued again and takes it then.
 					t.slots.settle(key)
 				}
 				switch {

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -172,10 +173,13 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 // and deletes the volume; why says why it is an orphan. now is the start of
 // the recovery pass, from which a failure's backoff is counted.
 func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time, why string) {
-	if p.acquire(in.Driver, in.VolumeName, "") != 0 {
+	// Outside the driver's --per-driver-workers slots: recovery cleans up
+	// one volume at a time, and must not wait behind a line of claims
+	// that never lets a slot go free.
+	if !p.takeVolume(in.VolumeName) {
 		return
 	}
-	defer p.release(in.Driver, in.VolumeName)
+	defer p.dropVolume(in.VolumeName)
 	log := p.b.log.With("volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName, "reason", why)
 	ctx, span := p.b.tracer.Start(ctx, "recover "+in.VolumeName)
 	defer span.End()
@@ -239,7 +243,8 @@ func (p *provisioner) undoOnNode(ctx context.Context, in Intent) error {
 	id, requester, stage, err := p.learnVolumeID(ctx, in)
 	if err != nil {
 		if stage == stageCreate {
-			return fmt.Errorf("CreateVolume to learn the volume's ID: %s", statusText(err))
+			// The status as text and wrapped: its code names the failure.
+			return fmt.Errorf("CreateVolume to learn the volume's ID: %w", status.Convert(err).Err())
 		}
 		return err
 	}

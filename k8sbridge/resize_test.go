@@ -814,12 +814,26 @@ type countingDrivers struct {
 	mu     sync.Mutex
 	counts map[string]*inflightCount
 	named  map[string][]string
+	held   map[string]chan struct{} // method → closed when its calls may go on
 }
 
 type inflightCount struct{ now, most atomic.Int32 }
 
 func newCountingDrivers() *countingDrivers {
 	return &countingDrivers{testDrivers: &testDrivers{}, counts: map[string]*inflightCount{}, named: map[string][]string{}}
+}
+
+// hold keeps method's calls from reaching the driver until the returned
+// function is called.
+func (d *countingDrivers) hold(method string) (letGo func()) {
+	ch := make(chan struct{})
+	d.mu.Lock()
+	if d.held == nil {
+		d.held = map[string]chan struct{}{}
+	}
+	d.held[method] = ch
+	d.mu.Unlock()
+	return sync.OnceFunc(func() { close(ch) })
 }
 
 // names is the names method's calls were made for, in the order they
@@ -859,10 +873,18 @@ type countingConn struct {
 
 func (c countingConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
 	short := method[strings.LastIndex(method, "/")+1:]
+	c.d.mu.Lock()
 	if named, ok := args.(interface{ GetName() string }); ok {
-		c.d.mu.Lock()
 		c.d.named[short] = append(c.d.named[short], named.GetName())
-		c.d.mu.Unlock()
+	}
+	held := c.d.held[short]
+	c.d.mu.Unlock()
+	if held != nil {
+		select {
+		case <-held:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 	}
 	cnt := c.d.count(short)
 	n := cnt.now.Add(1)

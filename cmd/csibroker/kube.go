@@ -85,7 +85,7 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&f.StrictTopology, "strict-topology", false, "send only the selected node's topology (late binding)")
 	fs.BoolVar(&f.ImmediateTopology, "immediate-topology", true, "send cluster topology for Immediate claims without allowedTopologies")
 	fs.IntVar(&f.WorkerThreads, "worker-threads", 100, "concurrent operations per controller")
-	fs.IntVar(&f.PerDriverWorkers, "per-driver-workers", 0, "concurrent operations per driver in each controller (0: --worker-threads), so one slow driver cannot take every worker; the others wait their turn in arrival order")
+	fs.IntVar(&f.PerDriverWorkers, "per-driver-workers", 0, "concurrent operations per driver in each controller (0: --worker-threads), so one slow driver cannot take every worker; the others wait in line in arrival order")
 	fs.DurationVar(&f.RetryIntervalStart, "retry-interval-start", time.Second, "first backoff of a failed claim or volume (doubles per failure)")
 	fs.DurationVar(&f.RetryIntervalMax, "retry-interval-max", 5*time.Minute, "largest backoff of a failed claim or volume")
 	fs.StringVar(&f.DiscoverProxies, "discover-proxies", "", "label selector of proxy pods to register as drivers' proxies (annotations csibroker.io/driver, csibroker.io/proxy-port, csibroker.io/node-proxy, csibroker.io/node-local); empty: off")
