@@ -444,6 +444,23 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if p.b.cfg.Drivers.NodeLocal(driver) {
 		node = selectedNode
 	}
+	// An entry there already is an earlier attempt's (this leader's or
+	// another's) that may have made the volume: whatever this attempt's
+	// answer, the entry stays until the volume is accounted for.
+	_, earlier, err := p.b.intents.Lookup(ctx, pvName)
+	if err != nil {
+		return fail("read the intent record: %v", err)
+	}
+	// forget drops the entry after a refusal, unless an earlier attempt
+	// may have made the volume.
+	forget := func() {
+		if earlier {
+			p.b.log.Info("CreateVolume refused; the intent entry stays, since an earlier attempt may have made the volume (recovery deletes it if the claim goes)",
+				"claim", claim.Namespace+"/"+claim.Name, "volume", pvName)
+			return
+		}
+		p.b.intents.Remove(pvName)
+	}
 	if err := p.b.intents.Add(ctx, Intent{VolumeName: pvName, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID),
 		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, NamespaceLabels: p.b.namespaceLabels(claim.Namespace), Created: metav1.Now()}); err != nil {
 		// Nothing was called yet: back off and try again.
@@ -472,14 +489,14 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			warn(failure, "failed to provision volume with StorageClass %q: %s (may still be in progress; retrying with the same name)", class.Name, statusText(err))
 			return "in_progress", err
 		case CreateReschedule:
-			p.b.intents.Remove(pvName)
+			forget()
 			warn(failure+" reschedule from "+selectedNode, "failed to provision volume with StorageClass %q: %s; asking the scheduler for another node", class.Name, statusText(err))
 			if rerr := p.reschedule(ctx, claim); rerr != nil {
 				return "rescheduled", rerr
 			}
 			return "rescheduled", nil
 		default:
-			p.b.intents.Remove(pvName)
+			forget()
 			warn(failure, "failed to provision volume with StorageClass %q: %s", class.Name, statusText(err))
 			return "failed", err
 		}
@@ -498,6 +515,17 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	// a deletion it has not seen yet leaves a PV whose claim is gone, which
 	// the PV controller releases and the deleter then deletes.
 	if cur, gerr := p.b.claims.PersistentVolumeClaims(claim.Namespace).Get(claim.Name); apierrors.IsNotFound(gerr) || (gerr == nil && (cur.UID != claim.UID || cur.DeletionTimestamp != nil)) {
+		// An earlier attempt (the previous leader's, whose PV the cache
+		// has not shown yet) may have made the PV: its reclaim policy
+		// decides then, not this attempt.
+		switch found, perr := p.pvExists(ctx, pvName); {
+		case perr != nil:
+			return "failed", perr // intent kept: retried
+		case found:
+			p.b.log.Info("claim deleted during provisioning, but its PersistentVolume exists; the volume is left to the PV's reclaim policy", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName)
+			p.b.intents.Remove(pvName)
+			return "claim_deleted", nil
+		}
 		p.b.log.Info("claim deleted during provisioning; deleting its volume", "claim", claim.Namespace+"/"+claim.Name, "volume", resp.GetVolume().GetVolumeId())
 		// The same requester as the CreateVolume's (its node, its labels):
 		// a grant that let the secret go to this node lets it go again.

@@ -5,10 +5,14 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -268,5 +272,87 @@ func TestRecordedTopology(t *testing.T) {
 	}
 	if got := recordedTopology(nil); got != nil {
 		t.Errorf("no requirement recorded as %v", got)
+	}
+}
+
+// scriptedDrivers answers CreateVolume calls by script: the nth call
+// (counted from 1) goes as script(n) says.
+type scriptedDrivers struct {
+	*testDrivers
+	mu     sync.Mutex
+	calls  int
+	script func(n int, call func() error) error
+}
+
+func (d *scriptedDrivers) ControllerConn(driver string) (grpc.ClientConnInterface, error) {
+	c, err := d.testDrivers.ControllerConn(driver)
+	if err != nil {
+		return nil, err
+	}
+	return scriptedConn{ClientConnInterface: c, d: d}, nil
+}
+
+type scriptedConn struct {
+	grpc.ClientConnInterface
+	d *scriptedDrivers
+}
+
+func (c scriptedConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	call := func() error { return c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...) }
+	if !strings.HasSuffix(method, "/CreateVolume") {
+		return call()
+	}
+	c.d.mu.Lock()
+	c.d.calls++
+	n := c.d.calls
+	c.d.mu.Unlock()
+	return c.d.script(n, call)
+}
+
+// TestRefusalAfterAnAttemptInProgressKeepsTheIntent: the driver makes the
+// volume on the first CreateVolume but the answer is lost (the broker sees
+// DeadlineExceeded: in progress), then refuses the retry with a final
+// code. The intent entry must stay, since the first attempt made the
+// volume; when the claim is deleted, recovery deletes that volume.
+// (Removing the entry on the final refusal left the volume on the driver
+// with nothing accounting for it.)
+func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "lost.csi.test")
+	drivers := &scriptedDrivers{testDrivers: &testDrivers{}, script: func(n int, call func() error) error {
+		switch n {
+		case 1:
+			if err := call(); err != nil {
+				return err
+			}
+			return status.Error(codes.DeadlineExceeded, "answer lost (test)")
+		case 2:
+			return status.Error(codes.InvalidArgument, "refused (test)")
+		}
+		return call() // recovery's re-issue learns the volume's ID
+	}}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "lost"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	r := startBridge(t, env, ns, drivers, bridgeOpts{})
+	claim := makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	pvName := VolumeName(r.b.cfg.VolumeNamePrefix, claim.UID, r.b.cfg.VolumeNameUUIDLength)
+	waitEvent(t, c, ns, "data", "ProvisioningFailed", "refused (test)")
+	if n := len(d.Volumes()); n != 1 {
+		t.Fatalf("%d volumes on the driver after the lost answer, want 1", n)
+	}
+	if !r.b.intents.Has(pvName) {
+		t.Fatalf("intent entry of %s removed after the final refusal, while the first attempt's volume exists", pvName)
+	}
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := testenv.WaitFor(ctx, 60*time.Second, "the first attempt's volume deleted and its entry gone", func(context.Context) (bool, string, error) {
+		return len(d.Volumes()) == 0 && !r.b.intents.Has(pvName), fmt.Sprintf("%d volumes, entry %v", len(d.Volumes()), r.b.intents.Has(pvName)), nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }

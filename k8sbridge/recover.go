@@ -180,6 +180,17 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 		return
 	}
 	defer p.dropVolume(in.VolumeName)
+	// The pass works from a list read at its start, and the PV cache may
+	// lag: a worker (or the previous leader) may have made the PV since.
+	// Asked of the API server before any volume is deleted.
+	switch found, err := p.pvExists(ctx, in.VolumeName); {
+	case err != nil:
+		p.b.log.Warn("recovery: cannot read PersistentVolume; will retry", "volume", in.VolumeName, "err", err)
+		return
+	case found:
+		p.b.intents.Remove(in.VolumeName)
+		return
+	}
 	log := p.b.log.With("volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName, "reason", why)
 	ctx, span := p.b.tracer.Start(ctx, "recover "+in.VolumeName)
 	defer span.End()
