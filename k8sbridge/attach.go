@@ -2,7 +2,6 @@ package k8sbridge
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -370,19 +369,10 @@ func (a *attacher) attachFailed(ctx context.Context, va *storagev1.VolumeAttachm
 		a.b.log.Error("record attachment error", "volumeattachment", va.Name, "err", uerr)
 	}
 	op := map[bool]string{false: "ControllerPublishVolume", true: "ControllerUnpublishVolume"}[detach]
-	if errors.As(err, new(unreachable)) {
-		op = "unreachable" // the capabilities lookup's answer, not the publish's
-	}
 	a.b.log.Warn("attachment failed", "volumeattachment", va.Name, "driver", va.Spec.Attacher, "node", va.Spec.NodeName, "detach", detach, "err", err)
 	a.b.eventOnce(ctx, vaRef(va), corev1.EventTypeWarning, reason, failureOf(op, err), "%v", err)
 	return err
 }
-
-// unreachable marks the failure of the driver's capabilities lookup, so
-// that its Event is told apart from the driver's publish answers.
-type unreachable struct{ error }
-
-func (u unreachable) Unwrap() error { return u.error }
 
 // unwrapStatus finds a gRPC status in a wrapped error chain.
 func unwrapStatus(err error) error {

@@ -559,11 +559,20 @@ func (b *Bridge) eventOnce(ctx context.Context, obj corev1.ObjectReference, even
 // ID, an attempt counter) into their messages; anything else by its
 // message.
 func failureOf(method string, err error) string {
+	if errors.As(err, new(unreachable)) {
+		method = "unreachable" // the capabilities lookup's answer, not the method's
+	}
 	if st, ok := status.FromError(err); ok {
 		return method + " " + st.Code().String()
 	}
 	return err.Error()
 }
+
+// unreachable marks the failure of a driver's capabilities lookup, so that
+// failureOf tells it apart from the answers of the method it came before.
+type unreachable struct{ error }
+
+func (u unreachable) Unwrap() error { return u.error }
 
 // forgetEvents drops what eventOnce remembers of obj (it succeeded, or is
 // gone): whatever comes next is news.

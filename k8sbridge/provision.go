@@ -344,7 +344,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	caps, err := p.b.caps.get(ctx, driver)
 	if err != nil {
 		p.b.caps.forget(driver)
-		return failAs(failureOf("unreachable", err), "driver %s is not reachable: %v", driver, err)
+		return failAs(failureOf("CreateVolume", unreachable{err}), "driver %s is not reachable: %v", driver, err)
 	}
 	if !caps.createDelete {
 		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
@@ -359,15 +359,17 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		}
 		return "rescheduled", nil
 	}
+	// The record as the API server has it, read once per term. An entry
+	// there already is an earlier attempt's (this leader's or the previous
+	// one's) that may have made the volume (on prev.Node, for a node-local
+	// driver): whatever this attempt's answer, the entry stays until that
+	// volume is accounted for.
+	prev, earlier, err := p.b.intents.Lookup(ctx, pvName)
+	if err != nil {
+		return fail("read the intent record: %v", err)
+	}
 	if p.b.cfg.Drivers.NodeLocal(driver) {
-		// The record as the API server has it, read once per term: an
-		// attempt of the previous leader may have made the volume on a
-		// node.
-		prev, ok, err := p.b.intents.Lookup(ctx, pvName)
-		if err != nil {
-			return fail("%v", err)
-		}
-		if ok && prev.Node != "" && prev.ClaimUID == string(claim.UID) {
+		if earlier && prev.Node != "" && prev.ClaimUID == string(claim.UID) {
 			// An earlier attempt asked prev.Node's proxy for this volume
 			// and may have made it there (its answer was "may still be in
 			// progress", or the broker stopped before the answer).
@@ -443,13 +445,6 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	node := ""
 	if p.b.cfg.Drivers.NodeLocal(driver) {
 		node = selectedNode
-	}
-	// An entry there already is an earlier attempt's (this leader's or
-	// another's) that may have made the volume: whatever this attempt's
-	// answer, the entry stays until the volume is accounted for.
-	_, earlier, err := p.b.intents.Lookup(ctx, pvName)
-	if err != nil {
-		return fail("read the intent record: %v", err)
 	}
 	// forget drops the entry after a refusal, unless an earlier attempt
 	// may have made the volume.

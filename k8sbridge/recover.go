@@ -71,15 +71,8 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 				// Bound to another PV (an admin pre-bound it to a static
 				// one): the broker will never make a PV of this name, so
 				// a volume made under it is an orphan.
-				if !p.recoveryDue(in.VolumeName, now) {
-					continue
-				}
-				switch found, err := p.pvExists(ctx, in.VolumeName); {
-				case err != nil:
-					p.b.log.Warn("recovery: cannot read PersistentVolume; will retry", "volume", in.VolumeName, "err", err)
-				case found:
-					p.b.intents.Remove(in.VolumeName)
-				default:
+				// deleteOrphan makes sure the entry's PV does not exist.
+				if p.recoveryDue(in.VolumeName, now) {
 					p.deleteOrphan(ctx, in, now, "claim is bound to PersistentVolume "+claim.Spec.VolumeName)
 				}
 			}
