@@ -474,6 +474,9 @@ func (b *Bridge) lead(ctx context.Context) {
 	// other things since, and an Event dropped as the last term ended may
 	// be remembered as sent.
 	b.sent.reset()
+	// Before any worker may record an intent: Run, started below with
+	// them, may come later.
+	b.intents.startTerm()
 	var wg sync.WaitGroup
 	run := func(f func(context.Context)) {
 		wg.Add(1)

@@ -98,6 +98,11 @@ type IntentStore struct {
 	// one term does not seed the cache of the next, which starts from a
 	// fresh read.
 	term uint64
+	// ended: the term is over (failAll) and the next has not begun
+	// (startTerm). Workers of the ended term may still be finishing: what
+	// they ask is refused, so it is not written in a later term, when
+	// another leader may have changed the record meanwhile.
+	ended bool
 	// loadMu makes the first read of a term one read, however many
 	// provisioning workers ask for it at once (Lookup).
 	loadMu   sync.Mutex
@@ -223,6 +228,10 @@ func (s *IntentStore) Add(ctx context.Context, in Intent) error {
 	p := &pendingAdd{intent: in, done: make(chan error, 1)}
 	now := time.Now()
 	s.mu.Lock()
+	if s.ended {
+		s.mu.Unlock()
+		return errTermEnded
+	}
 	if len(s.adds) == 0 {
 		s.oldestAdd = now
 	}
@@ -254,9 +263,17 @@ func (s *IntentStore) Add(ctx context.Context, in Intent) error {
 
 // Remove forgets an intent; it is written with the next batch of Adds, or
 // alone once Adds have stopped for a while.
+//
+// A Remove after the term's end is dropped: the entry stays, and whoever
+// leads next finds it settled (its PV exists, or its volume is gone) and
+// drops it. Written in a later term instead, it could delete an entry
+// another leader recorded again in between, for a volume that may exist.
 func (s *IntentStore) Remove(volumeName string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.ended {
+		return
+	}
 	if p, ok := s.adds[volumeName]; ok {
 		delete(s.adds, volumeName)
 		p.done <- errors.New("intent removed before it was written")
@@ -427,8 +444,20 @@ func (s *IntentStore) get(ctx context.Context, prepaid *bool) (*corev1.ConfigMap
 	return cm, nil
 }
 
-// Run writes batches until ctx is done.
+// errTermEnded is Add's answer after the term's end (failAll).
+var errTermEnded = errors.New("intent record: the leadership term has ended")
+
+// startTerm begins a term: Add and Remove are taken again. The bridge
+// calls it before it starts the term's workers; Run calls it too.
+func (s *IntentStore) startTerm() {
+	s.mu.Lock()
+	s.ended = false
+	s.mu.Unlock()
+}
+
+// Run writes batches until ctx is done, which ends the term.
 func (s *IntentStore) Run(ctx context.Context) {
+	s.startTerm()
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
@@ -512,6 +541,7 @@ func (s *IntentStore) failAll(err error) {
 	clear(s.removes)
 	s.cache, s.loaded = nil, false
 	s.term++
+	s.ended = true
 }
 
 // flush writes every queued change in one update (re-reading on conflict).

@@ -275,6 +275,7 @@ func TestIntentAddNeedsASuccessfulWrite(t *testing.T) {
 	faults.set("")
 	runCtx, stopRun = context.WithCancel(ctx)
 	defer stopRun()
+	s.startTerm() // as the bridge does before the term's workers start
 	go s.Run(runCtx)
 	if err := s.Add(ctx, Intent{VolumeName: "ok", Request: []byte{1}}); err != nil {
 		t.Fatal(err)
@@ -628,9 +629,10 @@ func TestIntentReaderCreatesMissingRecordOnBudget(t *testing.T) {
 }
 
 // TestIntentTermEndForgetsItsRemoves: a Remove queued when a leadership
-// term ends is not carried into this replica's next term: meanwhile
-// another leader may have added the entry again (a create in flight), and
-// the next term must see it and keep it.
+// term ends, or asked by a worker still finishing after its end, is not
+// carried into this replica's next term: meanwhile another leader may have
+// added the entry again (a create in flight), and the next term must see
+// it and keep it. An Add after the end is refused.
 func TestIntentTermEndForgetsItsRemoves(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
@@ -647,6 +649,11 @@ func TestIntentTermEndForgetsItsRemoves(t *testing.T) {
 	s.Remove("v") // queued, never written: the term ends
 	end1()
 	<-done1
+	// A worker of the ended term finishes after the store's Run stopped.
+	s.Remove("v")
+	if err := s.Add(ctx, Intent{VolumeName: "late", ClaimNamespace: ns, ClaimName: "late"}); !errors.Is(err, errTermEnded) {
+		t.Fatalf("Add after the term's end: %v, want errTermEnded", err)
+	}
 
 	// Another leader, meanwhile, records "v" again.
 	other := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
@@ -658,6 +665,7 @@ func TestIntentTermEndForgetsItsRemoves(t *testing.T) {
 	endOther()
 
 	// This replica leads again.
+	s.startTerm()
 	go s.Run(ctx)
 	ins, err := s.List(ctx)
 	if err != nil {
