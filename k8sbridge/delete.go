@@ -299,8 +299,6 @@ func (d *deleter) classDeletionSecret(pv *corev1.PersistentVolume) (*corev1.Secr
 	return ref, nil
 }
 
-// pvNode is the node of a node-local PV: recorded at provisioning, else the
-// single hostname its affinity names, else "".
 // errNodeUnknown: a node-local driver's volume whose PV says nothing of
 // its node cannot be routed to a node's proxy.
 func errNodeUnknown(pv *corev1.PersistentVolume, driver string) error {
@@ -308,6 +306,8 @@ func errNodeUnknown(pv *corev1.PersistentVolume, driver string) error {
 		pv.Spec.CSI.VolumeHandle, driver, annVolumeNode)
 }
 
+// pvNode is the node of a node-local PV: recorded at provisioning, else the
+// single hostname its affinity names, else "".
 func pvNode(pv *corev1.PersistentVolume) string {
 	if n := pv.Annotations[annVolumeNode]; n != "" {
 		return n

@@ -3,6 +3,7 @@ package k8sbridge
 import (
 	"context"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -333,4 +334,103 @@ func TestNodeLocalAttemptsOfAnEarlierLeader(t *testing.T) {
 		t.Errorf("big node has %d volumes, want 1 (claim lost's)", n)
 	}
 	waitEvent(t, c, ns, "lost", "ProvisioningOrphan", "on node "+gone+", which no longer exists")
+}
+
+// TestNodeLocalSecondVolumeOfAnExistingPV: a node-local PV that exists
+// already, saved by an earlier attempt with its volume on another node,
+// does not let the volume this broker made on its own node go unaccounted.
+// A provisioning attempt whose PV create finds that PV deletes the second
+// volume it made (the previous leader saved the PV while this attempt
+// called the driver, unseen by the cache); recovery deletes the volume of
+// an intent entry whose PV names another node.
+func TestNodeLocalSecondVolumeOfAnExistingPV(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "local.csi.test")
+	small, big := clusterName(ns, "small"), clusterName(ns, "big")
+	drivers := &testDrivers{}
+	inst := addLocalNodes(t, env, drivers, drv, map[string]int64{small: 10 << 30, big: 100 << 30}, sampledriver.Faults{})
+	class := makeClass(t, c, clusterName(ns, "imm"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+
+	// saveOnSmall makes volume name on the small node and saves its PV
+	// for claim, as an earlier leader would have.
+	saveOnSmall := func(ctx context.Context, name string, claim *corev1.PersistentVolumeClaim) error {
+		conn, err := drivers.NodeConn(drv, small)
+		if err != nil {
+			return err
+		}
+		resp, err := csi.NewControllerClient(conn).CreateVolume(ctx, createRequest(name))
+		if err != nil {
+			return err
+		}
+		pv := &corev1.PersistentVolume{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Annotations: map[string]string{annVolumeNode: small}},
+			Spec: corev1.PersistentVolumeSpec{
+				Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+				AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+				ClaimRef:                      &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: claim.Namespace, Name: claim.Name, UID: claim.UID},
+				StorageClassName:              class.Name,
+				PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimDelete,
+				PersistentVolumeSource:        corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: resp.GetVolume().GetVolumeId()}},
+			},
+		}
+		_, err = c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
+		return err
+	}
+
+	// Recovery: the earlier leader saved "recorded"'s PV on small, and an
+	// attempt of its own on big left a volume and its entry there.
+	recorded := makeClaim(t, c, ns, "recorded", class.Name, "1Gi")
+	recordedPV := VolumeName("pvc", recorded.UID, 0)
+	if err := saveOnSmall(ctx, recordedPV, recorded); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := drivers.NodeConn(drv, big)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := csi.NewControllerClient(conn).CreateVolume(ctx, createRequest(recordedPV)); err != nil {
+		t.Fatal(err)
+	}
+	in := intentFor(t, drv, recordedPV, recorded)
+	in.Node = big
+	recordIntent(t, c, ns, in)
+
+	// Provisioning: "meanwhile" is placed on big (more room); while its
+	// CreateVolume runs, the earlier leader's PV appears, on small.
+	meanwhile := makeClaim(t, c, ns, "meanwhile", class.Name, "1Gi")
+	meanwhilePV := VolumeName("pvc", meanwhile.UID, 0)
+	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) {
+		var once sync.Once
+		b.prov.afterCreate = func(ctx context.Context, vol string) {
+			if vol != meanwhilePV {
+				return
+			}
+			once.Do(func() {
+				if err := saveOnSmall(ctx, vol, meanwhile); err != nil {
+					t.Errorf("save the earlier leader's PV: %v", err)
+				}
+			})
+		}
+	}})
+
+	for _, name := range []string{"recorded", "meanwhile"} {
+		if got := waitBound(t, c, ns, name, 60*time.Second); got.Spec.VolumeName != VolumeName("pvc", got.UID, 0) {
+			t.Fatalf("claim %s bound to %s", name, got.Spec.VolumeName)
+		}
+	}
+	err = testenv.WaitFor(ctx, 60*time.Second, "only the PVs' volumes, on small", func(ctx context.Context) (bool, string, error) {
+		onBig, onSmall := len(inst[big].Volumes()), len(inst[small].Volumes())
+		seen := fmt.Sprintf("volumes on big %d, on small %d", onBig, onSmall)
+		intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+		if err != nil {
+			return false, seen + "; " + err.Error(), nil
+		}
+		return onBig == 0 && onSmall == 2 && len(intents) == 0, fmt.Sprintf("%s; intent entries %d", seen, len(intents)), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 }

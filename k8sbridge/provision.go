@@ -286,6 +286,42 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 	return 0, nil
 }
 
+// settleExistingPV is called when PV pvName turned out to exist already
+// after this attempt's CreateVolume returned volumeID (on node, for a
+// node-local driver). If the PV holds that volume, nothing is left to do.
+// If it names another node, the volume made here is a second one: it is
+// deleted (an error keeps the intent entry, whose volume recovery then
+// deletes). A PV that holds another volume of a driver that is not
+// node-local is reported and left alone: the driver answered one name
+// with two IDs, and deleting either could delete the PV's data.
+func (p *provisioner) settleExistingPV(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver, node, pvName, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester) error {
+	pv, err := p.b.cfg.Client.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+	if err != nil {
+		// Gone again (or unreadable): the next attempt saves it anew.
+		return fmt.Errorf("read it: %w", err)
+	}
+	log := p.b.log.With("claim", claim.Namespace+"/"+claim.Name, "driver", driver, "pv", pvName, "volume_id", volumeID)
+	if other := pvNode(pv); !holdsNodeVolume(other, node) {
+		if err := p.deleteVolume(ctx, driver, node, volumeID, secretRef, requester); err != nil {
+			p.b.metrics.leaked.WithLabelValues(driver, "failed").Inc()
+			return fmt.Errorf("it holds the volume of node %s, and deleting the second volume this attempt made on node %s failed: %w", other, node, err)
+		}
+		p.b.metrics.leaked.WithLabelValues(driver, "deleted").Inc()
+		log.Info("an earlier attempt saved this PersistentVolume with its volume on another node; deleted the second volume this attempt made", "pv_node", other, "node", node)
+		return nil
+	}
+	if src := pv.Spec.CSI; src == nil || src.Driver != driver || src.VolumeHandle != volumeID {
+		handle := ""
+		if src != nil {
+			handle = src.Driver + " " + src.VolumeHandle
+		}
+		log.Error("PersistentVolume exists with another volume; the volume the driver returned is left for an administrator", "pv_volume", handle)
+		p.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "ProvisioningOrphan",
+			"PersistentVolume %s exists already and holds volume %q, but driver %s answered CreateVolume %s with volume %s; that volume is left to an administrator", pvName, handle, driver, pvName, volumeID)
+	}
+	return nil
+}
+
 // recordedTopologyMax is how many topology segments a recorded request
 // keeps as they were sent.
 const recordedTopologyMax = 16
@@ -513,10 +549,10 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		// An earlier attempt (the previous leader's, whose PV the cache
 		// has not shown yet) may have made the PV: its reclaim policy
 		// decides then, not this attempt.
-		switch found, perr := p.pvExists(ctx, pvName); {
+		switch held, perr := p.pvHolds(ctx, pvName, node); {
 		case perr != nil:
 			return "failed", perr // intent kept: retried
-		case found:
+		case held:
 			p.b.log.Info("claim deleted during provisioning, but its PersistentVolume exists; the volume is left to the PV's reclaim policy", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName)
 			p.b.intents.Remove(pvName)
 			return "claim_deleted", nil
@@ -551,7 +587,19 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		pv.Spec.NodeAffinity = &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
 			MatchExpressions: []corev1.NodeSelectorRequirement{{Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpIn, Values: []string{node}}}}}}}
 	}
-	if _, err := p.b.cfg.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+	_, err = p.b.cfg.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		// An earlier attempt (the previous leader's, or this leader's
+		// whose PV the cache has not shown yet) saved the PV: it must
+		// hold the volume this attempt made, or that volume is a second
+		// one nothing accounts for.
+		err = p.settleExistingPV(ctx, claim, driver, node, pvName, resp.GetVolume().GetVolumeId(), provSecretRef, requester)
+		if err != nil {
+			warn(failureOf("save PV", err), "volume %s was created but PersistentVolume %s exists already: %v", resp.GetVolume().GetVolumeId(), pvName, err)
+			return "failed", err // intent kept: recovery deletes the second volume
+		}
+	}
+	if err != nil {
 		// Intent kept: the next attempt re-issues CreateVolume (same
 		// name, same volume) and tries the PV again.
 		warn("save PV "+string(apierrors.ReasonForError(err)), "volume %s was created but saving PersistentVolume %s failed: %v (retrying)", resp.GetVolume().GetVolumeId(), pvName, err)

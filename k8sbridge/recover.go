@@ -19,7 +19,8 @@ import (
 // dropped, entries of pending claims are provisioned as usual, and entries
 // whose claim is gone (or bound to another PV) have their volume deleted
 // (the request is re-issued, which CSI makes idempotent by name, to learn
-// the volume's ID). It runs when leadership starts, when a claim is
+// the volume's ID); so does an entry of a node-local volume whose PV names
+// another node (its volume is a second one). It runs when leadership starts, when a claim is
 // deleted, and every RecoveryInterval.
 func (p *provisioner) recoveryLoop(ctx context.Context) {
 	t := time.NewTicker(p.b.cfg.RecoveryInterval)
@@ -54,7 +55,16 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 		if p.isInflight(in.VolumeName) {
 			continue
 		}
-		if _, err := p.b.volumes.Get(in.VolumeName); err == nil {
+		if pv, err := p.b.volumes.Get(in.VolumeName); err == nil {
+			if other := pvNode(pv); !holdsNodeVolume(other, in.Node) {
+				// An attempt whose PV create found the PV saved with
+				// the volume of another node made a second volume
+				// (settleExistingPV), which it could not delete.
+				if p.recoveryDue(in.VolumeName, now) {
+					p.deleteOrphan(ctx, in, now, "its PersistentVolume holds the volume made on node "+other)
+				}
+				continue
+			}
 			p.b.intents.Remove(in.VolumeName)
 			continue
 		}
@@ -71,7 +81,8 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 				// Bound to another PV (an admin pre-bound it to a static
 				// one): the broker will never make a PV of this name, so
 				// a volume made under it is an orphan.
-				// deleteOrphan makes sure the entry's PV does not exist.
+				// deleteOrphan makes sure the entry's PV does not hold
+				// the volume.
 				if p.recoveryDue(in.VolumeName, now) {
 					p.deleteOrphan(ctx, in, now, "claim is bound to PersistentVolume "+claim.Spec.VolumeName)
 				}
@@ -108,6 +119,28 @@ func (p *provisioner) settleBoundToGonePV(ctx context.Context, in Intent) {
 			"volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName)
 	}
 	p.b.intents.Remove(in.VolumeName)
+}
+
+// holdsNodeVolume reports whether a PV whose node-local volume is on
+// pvNode ("": not said) accounts for the volume an attempt made on node
+// ("": not node-local). Only a PV that names another node does not.
+func holdsNodeVolume(pvNode, node string) bool {
+	return node == "" || pvNode == "" || pvNode == node
+}
+
+// pvHolds asks the API server (not the cache, which may lag) whether PV
+// name exists and accounts for the volume an attempt made on node ("": not
+// node-local; see holdsNodeVolume).
+func (p *provisioner) pvHolds(ctx context.Context, name, node string) (bool, error) {
+	pv, err := p.b.cfg.Client.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
+	switch {
+	case err == nil:
+		return holdsNodeVolume(pvNode(pv), node), nil
+	case apierrors.IsNotFound(err):
+		return false, nil
+	default:
+		return false, fmt.Errorf("get PersistentVolume %s: %w", name, err)
+	}
 }
 
 // pvExists asks the API server (not the cache, which may lag) whether PV
@@ -176,11 +209,11 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 	// The pass works from a list read at its start, and the PV cache may
 	// lag: a worker (or the previous leader) may have made the PV since.
 	// Asked of the API server before any volume is deleted.
-	switch found, err := p.pvExists(ctx, in.VolumeName); {
+	switch held, err := p.pvHolds(ctx, in.VolumeName, in.Node); {
 	case err != nil:
 		p.b.log.Warn("recovery: cannot read PersistentVolume; will retry", "volume", in.VolumeName, "err", err)
 		return
-	case found:
+	case held:
 		p.b.intents.Remove(in.VolumeName)
 		return
 	}
