@@ -93,6 +93,51 @@ type attacher struct {
 	// their next sync publishes again although their status says attached.
 	mu    sync.Mutex
 	force map[string]bool
+	// marked holds, per attachment this term marked attached, the
+	// versions it had before (see staleUnattached).
+	marked map[string][2]string
+}
+
+// noteMarked remembers that this term marked attachment name attached,
+// over versions before (as the cache had it) and written (after the
+// finalizer write, if there was one).
+func (a *attacher) noteMarked(name, before, written string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.marked == nil {
+		a.marked = map[string][2]string{}
+	}
+	a.marked[name] = [2]string{before, written}
+}
+
+// staleUnattached reports whether va, as the cache has it, is a version
+// from before this term marked it attached: the watch event of the status
+// write has not arrived yet, and publishing again would only repeat the
+// call (the event queues the attachment again anyway). Any other version
+// drops what was remembered.
+func (a *attacher) staleUnattached(va *storagev1.VolumeAttachment) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	m, ok := a.marked[va.Name]
+	if !ok {
+		return false
+	}
+	if !va.Status.Attached && va.DeletionTimestamp == nil && (va.ResourceVersion == m[0] || va.ResourceVersion == m[1]) {
+		return true
+	}
+	delete(a.marked, va.Name)
+	return false
+}
+
+// writeFailed handles a failed write of va (or of its PV) during an attach
+// or detach: a conflict or a deletion is news on its way (retried quietly);
+// anything else (an admission webhook's refusal, missing permissions) is
+// reported like a failed driver call, what naming the write.
+func (a *attacher) writeFailed(ctx context.Context, va *storagev1.VolumeAttachment, detach bool, what string, err error) error {
+	if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
+		return err
+	}
+	return a.attachFailed(ctx, va, detach, fmt.Errorf("%s: %w", what, err))
 }
 
 func (a *attacher) setForce(name string) {
@@ -172,6 +217,7 @@ func (a *attacher) run(ctx context.Context) {
 	// another replica led would otherwise stay).
 	a.mu.Lock()
 	clear(a.force)
+	clear(a.marked)
 	a.mu.Unlock()
 	a.queue.work(ctx, a.b.cfg.WorkerThreads, a.enqueueAll, a.sync, a.reconcileLoop)
 }
@@ -246,9 +292,15 @@ func (a *attacher) source(va *storagev1.VolumeAttachment) (*attachSource, error)
 		if pv.Spec.CSI == nil {
 			return nil, fmt.Errorf("persistentvolume %s is not a CSI volume", *n)
 		}
+		if pv.Spec.CSI.Driver != va.Spec.Attacher {
+			return nil, fmt.Errorf("persistentvolume %s is a volume of driver %s, not of the attachment's attacher %s", *n, pv.Spec.CSI.Driver, va.Spec.Attacher)
+		}
 		return &attachSource{pv: pv, csi: pv.Spec.CSI, accessModes: pv.Spec.AccessModes, volumeMode: pv.Spec.VolumeMode, mountOptions: pv.Spec.MountOptions}, nil
 	}
 	if spec := va.Spec.Source.InlineVolumeSpec; spec != nil && spec.CSI != nil {
+		if spec.CSI.Driver != va.Spec.Attacher {
+			return nil, fmt.Errorf("the attachment's inline volume is of driver %s, not of its attacher %s", spec.CSI.Driver, va.Spec.Attacher)
+		}
 		return &attachSource{csi: spec.CSI, accessModes: spec.AccessModes, volumeMode: spec.VolumeMode, mountOptions: spec.MountOptions}, nil
 	}
 	return nil, fmt.Errorf("volumeattachment %s names no CSI volume", va.Name)
@@ -311,6 +363,9 @@ func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, erro
 	force := a.takeForce(name) // consumed whatever happens: no entry outlives its VA
 	va, err := a.b.attachments.Get(name)
 	if apierrors.IsNotFound(err) {
+		a.mu.Lock()
+		delete(a.marked, name)
+		a.mu.Unlock()
 		return 0, nil
 	}
 	if err != nil {
@@ -318,6 +373,9 @@ func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, erro
 	}
 	driver := va.Spec.Attacher
 	if !a.registered(driver) {
+		return 0, nil
+	}
+	if a.staleUnattached(va) && !force {
 		return 0, nil
 	}
 	if va.DeletionTimestamp == nil && va.Status.Attached && !force {
@@ -401,8 +459,9 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		cp := va.DeepCopy()
 		cp.Status.Attached, cp.Status.AttachError = true, nil
 		if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, cp, metav1.UpdateOptions{}); err != nil {
-			return err
+			return a.writeFailed(ctx, va, false, "mark the attachment attached", err)
 		}
+		a.noteMarked(va.Name, va.ResourceVersion, va.ResourceVersion)
 		a.b.metrics.attach.WithLabelValues(driver, "attach", "success").Inc()
 		return nil
 	}
@@ -424,10 +483,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		cp := src.pv.DeepCopy()
 		cp.Finalizers = append(cp.Finalizers, fin)
 		if _, err := a.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil {
-			if apierrors.IsConflict(err) {
-				return err // a newer version is on its way: retried
-			}
-			return a.attachFailed(ctx, va, false, fmt.Errorf("add finalizer %s to PersistentVolume %s: %w", fin, src.pv.Name, err))
+			return a.writeFailed(ctx, va, false, fmt.Sprintf("add finalizer %s to PersistentVolume %s", fin, src.pv.Name), err)
 		}
 	}
 	requester := a.requester(va, src)
@@ -444,6 +500,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	// call (as external-attacher): a VA that was never published (its PV
 	// being deleted, its secret missing or denied) has nothing to detach
 	// and can go; a detach never lacks either.
+	before := va.ResourceVersion
 	if !containsString(va.Finalizers, fin) || va.Annotations[annVANodeID] != nodeID {
 		cp := va.DeepCopy()
 		if !containsString(cp.Finalizers, fin) {
@@ -453,9 +510,11 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 			cp.Annotations = map[string]string{}
 		}
 		cp.Annotations[annVANodeID] = nodeID
-		if va, err = a.b.cfg.Client.StorageV1().VolumeAttachments().Update(ctx, cp, metav1.UpdateOptions{}); err != nil {
-			return err
+		updated, err := a.b.cfg.Client.StorageV1().VolumeAttachments().Update(ctx, cp, metav1.UpdateOptions{})
+		if err != nil {
+			return a.writeFailed(ctx, va, false, fmt.Sprintf("add finalizer %s and node ID to the attachment", fin), err)
 		}
+		va = updated
 	}
 	conn, err := a.b.cfg.Drivers.ControllerConn(driver)
 	if err != nil {
@@ -474,8 +533,11 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	cp := va.DeepCopy()
 	cp.Status.Attached, cp.Status.AttachmentMetadata, cp.Status.AttachError = true, resp.GetPublishContext(), nil
 	if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, cp, metav1.UpdateOptions{}); err != nil {
-		return err
+		// Published: the retry publishes again (idempotent) and writes
+		// the status again.
+		return a.writeFailed(ctx, va, false, "volume published, but marking the attachment attached failed", err)
 	}
+	a.noteMarked(va.Name, before, va.ResourceVersion)
 	a.b.metrics.attach.WithLabelValues(driver, "attach", "success").Inc()
 	a.b.log.Info("volume attached", "volumeattachment", va.Name, "driver", driver, "node", node, "volume", src.csi.VolumeHandle)
 	a.b.forgetEvents(va.UID) // a failure after this one is news
@@ -503,7 +565,10 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		a.b.caps.forget(driver)
 		return a.attachFailed(ctx, va, true, unreachable{fmt.Errorf("driver %s is not reachable: %w", driver, err)})
 	}
-	if caps.publishUnpublish {
+	// Our finalizer is there, so a publish was made or attempted: it is
+	// undone even if the driver's capabilities say today that it has no
+	// publish step (a capability may come and go across its versions).
+	{
 		src, err := a.source(va)
 		if err != nil {
 			return a.attachFailed(ctx, va, true, err)
@@ -526,14 +591,18 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		callCtx, cancel := a.b.callContext(ctx, driver, "ControllerUnpublishVolume")
 		_, err = csi.NewControllerClient(conn).ControllerUnpublishVolume(callCtx, &csi.ControllerUnpublishVolumeRequest{VolumeId: src.csi.VolumeHandle, NodeId: nodeID, Secrets: secrets})
 		cancel()
-		if err != nil && status.Code(err) != codes.NotFound {
+		switch code := status.Code(err); {
+		case err == nil, code == codes.NotFound:
+		case code == codes.Unimplemented && !caps.publishUnpublish:
+			// No publish step after all.
+		default:
 			return a.attachFailed(ctx, va, true, fmt.Errorf("ControllerUnpublishVolume %s from node %s (ID %s): %w", src.csi.VolumeHandle, node, nodeID, err))
 		}
 	}
 	cp := va.DeepCopy()
 	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
 	if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
-		return err
+		return a.writeFailed(ctx, va, true, "volume unpublished, but removing the attacher finalizer failed", err)
 	}
 	a.b.metrics.attach.WithLabelValues(driver, "detach", "success").Inc()
 	a.b.log.Info("volume detached", "volumeattachment", va.Name, "driver", driver, "node", node)
@@ -568,6 +637,11 @@ func (a *attacher) syncPV(ctx context.Context, name string) error {
 	cp := pv.DeepCopy()
 	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, pv.Spec.CSI.Driver)
 	if _, err := a.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		if !apierrors.IsConflict(err) {
+			a.b.log.Warn("remove the attacher finalizer of a PersistentVolume being deleted", "pv", name, "driver", pv.Spec.CSI.Driver, "err", err)
+			a.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "DetachFailed", "remove finalizer "+string(apierrors.ReasonForError(err)),
+				"no attachment uses the volume any more, but removing finalizer %s failed: %v", attacherFinalizer(pv.Spec.CSI.Driver), err)
+		}
 		return err
 	}
 	return nil
@@ -636,6 +710,7 @@ func (a *attacher) listPublished(ctx context.Context, driver string) (map[string
 	}
 	out := map[string]map[string]bool{}
 	token := ""
+	seen := map[string]bool{}
 	for {
 		callCtx, cancel := a.b.callContext(ctx, driver, "ListVolumes")
 		resp, err := csi.NewControllerClient(conn).ListVolumes(callCtx, &csi.ListVolumesRequest{StartingToken: token, MaxEntries: 500})
@@ -653,6 +728,10 @@ func (a *attacher) listPublished(ctx context.Context, driver string) (map[string
 		if token = resp.GetNextToken(); token == "" {
 			return out, nil
 		}
+		if seen[token] {
+			return nil, fmt.Errorf("ListVolumes answered page token %q twice: the driver's paging does not end", token)
+		}
+		seen[token] = true
 	}
 }
 

@@ -12,7 +12,9 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -138,8 +140,8 @@ func TestAttachDetach(t *testing.T) {
 	if !containsString(va.Finalizers, fin) || !hasFinalizer(pv, fin) || va.Annotations[annVANodeID] != node {
 		t.Fatalf("finalizers VA %v PV %v, node ID %q", va.Finalizers, pv.Finalizers, va.Annotations[annVANodeID])
 	}
-	if dPub.CallCount("ControllerPublishVolume") == 0 {
-		t.Fatal("the driver was never asked to publish")
+	if n := dPub.CallCount("ControllerPublishVolume"); n != 1 {
+		t.Fatalf("the driver was asked to publish %d times, want once", n)
 	}
 
 	vaFor(t, c, pvOf["triv"], func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "trivial attach")
@@ -640,5 +642,163 @@ func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
 	}
 	if most := drivers.most("DeleteVolume"); most != 1 {
 		t.Errorf("%d DeleteVolume calls of one driver at once, want at most PerDriverWorkers = 1", most)
+	}
+}
+
+// TestAttachRefusalsAreReported: what stops an attach before the driver is
+// asked is said in the attachment's status and an Event. An admission
+// policy that refuses the attacher's finalizer (a webhook or policy engine
+// of the cluster) is reported as such, not retried in silence; an
+// attachment whose attacher is not the driver of its volume is refused
+// without asking either driver.
+func TestAttachRefusalsAreReported(t *testing.T) {
+	s := newAttachSetup(t, "refused.csi.test", sampledriver.Config{})
+	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
+	class := makeClass(t, c, clusterName(ns, "refused"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+
+	// A volume of another driver, attached by this one's name.
+	other := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "other-pv")}, Spec: corev1.PersistentVolumeSpec{
+		Capacity:               corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+		AccessModes:            []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+		PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: clusterName(ns, "other.csi.test"), VolumeHandle: "other-volume"}}}}
+	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, other, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.CoreV1().PersistentVolumes().Delete(context.Background(), other.Name, metav1.DeleteOptions{})
+	})
+	mixed := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "mixed")},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &other.Name}}}
+	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, mixed, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.StorageV1().VolumeAttachments().Delete(context.Background(), mixed.Name, metav1.DeleteOptions{})
+	})
+	got := vaFor(t, c, other.Name, func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error of the mixed attachment")
+	if msg := got.Status.AttachError.Message; !strings.Contains(msg, "not of the attachment's attacher") || got.Status.Attached || containsString(got.Finalizers, attacherFinalizer(drv)) {
+		t.Fatalf("attachment of another driver's volume: %+v, finalizers %v", got.Status, got.Finalizers)
+	}
+	waitEvent(t, c, "default", mixed.Name, "AttachFailed", "not of the attachment's attacher")
+
+	// The cluster refuses the attacher's finalizer on this driver's
+	// attachments.
+	fail := admissionregistrationv1.Fail
+	policy := &admissionregistrationv1.ValidatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "no-attacher-finalizer")},
+		Spec: admissionregistrationv1.ValidatingAdmissionPolicySpec{
+			FailurePolicy: &fail,
+			MatchConstraints: &admissionregistrationv1.MatchResources{ResourceRules: []admissionregistrationv1.NamedRuleWithOperations{{
+				RuleWithOperations: admissionregistrationv1.RuleWithOperations{
+					Operations: []admissionregistrationv1.OperationType{admissionregistrationv1.Create, admissionregistrationv1.Update},
+					Rule:       admissionregistrationv1.Rule{APIGroups: []string{"storage.k8s.io"}, APIVersions: []string{"v1"}, Resources: []string{"volumeattachments"}}}}}},
+			MatchConditions: []admissionregistrationv1.MatchCondition{{Name: "this-driver", Expression: fmt.Sprintf("object.spec.attacher == %q", drv)}},
+			Validations: []admissionregistrationv1.Validation{{
+				Expression: "!has(object.metadata.finalizers) || object.metadata.finalizers.all(f, !f.startsWith('external-attacher/'))",
+				Message:    "attacher finalizers are refused by the test's policy"}},
+		}}
+	if _, err := c.AdmissionregistrationV1().ValidatingAdmissionPolicies().Create(ctx, policy, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.AdmissionregistrationV1().ValidatingAdmissionPolicies().Delete(context.Background(), policy.Name, metav1.DeleteOptions{})
+	})
+	binding := &admissionregistrationv1.ValidatingAdmissionPolicyBinding{ObjectMeta: metav1.ObjectMeta{Name: policy.Name},
+		Spec: admissionregistrationv1.ValidatingAdmissionPolicyBindingSpec{PolicyName: policy.Name, ValidationActions: []admissionregistrationv1.ValidationAction{admissionregistrationv1.Deny}}}
+	if _, err := c.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Delete(context.Background(), binding.Name, metav1.DeleteOptions{})
+	})
+	// The policy is in force once a dry run of such an attachment is refused.
+	probe := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "probe"), Finalizers: []string{attacherFinalizer(drv)}},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
+	err := testenv.WaitFor(ctx, 30*time.Second, "the admission policy to refuse the finalizer", func(ctx context.Context) (bool, string, error) {
+		_, err := c.StorageV1().VolumeAttachments().Create(ctx, probe, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err != nil && strings.Contains(err.Error(), "refused by the test's policy"), fmt.Sprint(err), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	createVA(t, c, ns, drv, node, pvName)
+	got = vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error of the refused write")
+	if msg := got.Status.AttachError.Message; !strings.Contains(msg, "add finalizer") || !strings.Contains(msg, "refused by the test's policy") || got.Status.Attached {
+		t.Fatalf("attachment whose finalizer is refused: %+v", got.Status)
+	}
+	waitEvent(t, c, "default", got.Name, "AttachFailed", "refused by the test's policy")
+	if n := d.CallCount("ControllerPublishVolume"); n != 0 {
+		t.Fatalf("%d ControllerPublishVolume calls, want none", n)
+	}
+}
+
+// TestDetachUndoesAPublishWhateverTheCapabilities: an attachment that
+// carries the attacher's finalizer was published (or a publish was tried),
+// so its detach asks the driver to unpublish even when the driver's
+// capabilities no longer list a publish step (here: a driver version
+// without it), and takes Unimplemented as nothing to undo.
+func TestDetachUndoesAPublishWhateverTheCapabilities(t *testing.T) {
+	s := newAttachSetup(t, "nopub.csi.test", sampledriver.Config{DisablePublish: true})
+	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
+	class := makeClass(t, c, clusterName(ns, "nopub"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	// What an attach with a publish step left.
+	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{attacherFinalizer(drv)}, Annotations: map[string]string{annVANodeID: node}},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
+	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
+	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := testenv.WaitFor(ctx, 30*time.Second, "the attachment gone", func(ctx context.Context) (bool, string, error) {
+		cur, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, "", nil
+		}
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return false, fmt.Sprintf("finalizers %v, detach error %v", cur.Finalizers, cur.Status.DetachError), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := d.CallCount("ControllerUnpublishVolume"); n != 1 {
+		t.Fatalf("%d ControllerUnpublishVolume calls, want 1", n)
+	}
+}
+
+// loopingLister answers every ListVolumes with the same next page token.
+type loopingLister struct {
+	Drivers // nil: only ControllerConn is used
+	calls   int
+}
+
+func (d *loopingLister) ControllerConn(string) (grpc.ClientConnInterface, error) { return d, nil }
+
+func (d *loopingLister) Invoke(_ context.Context, method string, _, reply any, _ ...grpc.CallOption) error {
+	d.calls++
+	if d.calls > 100 {
+		return errors.New("still paging after 100 pages")
+	}
+	reply.(*csi.ListVolumesResponse).NextToken = "again"
+	return nil
+}
+
+func (d *loopingLister) NewStream(context.Context, *grpc.StreamDesc, string, ...grpc.CallOption) (grpc.ClientStream, error) {
+	return nil, errors.New("no streams")
+}
+
+// TestListPublishedStopsOnARepeatedToken: a driver whose ListVolumes paging
+// never ends (the same token again) is an error after the repeat, not a
+// loop of calls for the rest of the term.
+func TestListPublishedStopsOnARepeatedToken(t *testing.T) {
+	d := &loopingLister{}
+	a := &attacher{b: &Bridge{cfg: Config{Drivers: d, Timeout: time.Second}}}
+	_, err := a.listPublished(context.Background(), "loop.csi.test")
+	if err == nil || !strings.Contains(err.Error(), "twice") || d.calls != 2 {
+		t.Fatalf("after %d ListVolumes calls: %v; want an error about the repeated token after 2", d.calls, err)
 	}
 }

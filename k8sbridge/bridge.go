@@ -419,6 +419,14 @@ func (b *Bridge) Run(ctx context.Context) error {
 					termDone = done
 					termMu.Unlock()
 					defer close(done)
+					if ctx.Err() != nil {
+						// Started after Run had returned (client-go
+						// starts this in a goroutine, and cancels ctx
+						// as Run returns): the loop may be in the
+						// next term already, which must not be
+						// disturbed.
+						return
+					}
 					b.log.Info("became leader", "identity", b.cfg.Identity)
 					b.setLeader(true, b.cfg.Identity)
 					b.lead(ctx)

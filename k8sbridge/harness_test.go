@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -465,4 +467,120 @@ func waitPVGone(t *testing.T, c kubernetes.Interface, name string, timeout time.
 		}
 		return false, fmt.Sprintf("finalizers %v, phase %s", pv.Finalizers, pv.Status.Phase)
 	})
+}
+
+// countingDrivers counts, per CSI method, the controller calls in flight
+// and the most seen at once, keeps the names the calls that name something
+// (CreateVolume) were made for, in the order they started, and can hold a
+// method's calls or answer them by script.
+type countingDrivers struct {
+	*testDrivers
+	mu      sync.Mutex
+	counts  map[string]*inflightCount
+	named   map[string][]string
+	held    map[string]chan struct{} // method → closed when its calls may go on
+	scripts map[string]*script       // method → how its calls are answered
+}
+
+// script answers a method's calls: the nth (counted from 1) as answer says,
+// call making the real one.
+type script struct {
+	calls  int
+	answer func(n int, call func() error) error
+}
+
+type inflightCount struct{ now, most atomic.Int32 }
+
+func newCountingDrivers() *countingDrivers {
+	return &countingDrivers{testDrivers: &testDrivers{}, counts: map[string]*inflightCount{}, named: map[string][]string{}}
+}
+
+// hold keeps method's calls from reaching the driver until the returned
+// function is called.
+func (d *countingDrivers) hold(method string) (letGo func()) {
+	ch := make(chan struct{})
+	d.mu.Lock()
+	if d.held == nil {
+		d.held = map[string]chan struct{}{}
+	}
+	d.held[method] = ch
+	d.mu.Unlock()
+	return sync.OnceFunc(func() { close(ch) })
+}
+
+// script makes answer say how method's calls are answered.
+func (d *countingDrivers) script(method string, answer func(n int, call func() error) error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.scripts == nil {
+		d.scripts = map[string]*script{}
+	}
+	d.scripts[method] = &script{answer: answer}
+}
+
+// names is the names method's calls were made for, in the order they
+// started.
+func (d *countingDrivers) names(method string) []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.named[method])
+}
+
+func (d *countingDrivers) count(method string) *inflightCount {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := d.counts[method]
+	if n == nil {
+		n = &inflightCount{}
+		d.counts[method] = n
+	}
+	return n
+}
+
+// most is the most calls of method seen in flight at once.
+func (d *countingDrivers) most(method string) int32 { return d.count(method).most.Load() }
+
+func (d *countingDrivers) ControllerConn(driver string) (grpc.ClientConnInterface, error) {
+	c, err := d.testDrivers.ControllerConn(driver)
+	if err != nil {
+		return nil, err
+	}
+	return countingConn{ClientConnInterface: c, d: d}, nil
+}
+
+type countingConn struct {
+	grpc.ClientConnInterface
+	d *countingDrivers
+}
+
+func (c countingConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	short := method[strings.LastIndex(method, "/")+1:]
+	c.d.mu.Lock()
+	if named, ok := args.(interface{ GetName() string }); ok {
+		c.d.named[short] = append(c.d.named[short], named.GetName())
+	}
+	held := c.d.held[short]
+	answer, nth := func(int, func() error) error { return nil }, 0
+	if s := c.d.scripts[short]; s != nil {
+		s.calls++
+		answer, nth = s.answer, s.calls
+	}
+	c.d.mu.Unlock()
+	if held != nil {
+		select {
+		case <-held:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	cnt := c.d.count(short)
+	n := cnt.now.Add(1)
+	defer cnt.now.Add(-1)
+	for m := cnt.most.Load(); n > m && !cnt.most.CompareAndSwap(m, n); m = cnt.most.Load() {
+	}
+	call := func() error { return c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...) }
+	if nth == 0 {
+		return call()
+	}
+	return answer(nth, call)
 }

@@ -5,12 +5,10 @@ import (
 	"fmt"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -275,40 +273,6 @@ func TestRecordedTopology(t *testing.T) {
 	}
 }
 
-// scriptedDrivers answers CreateVolume calls by script: the nth call
-// (counted from 1) goes as script(n) says.
-type scriptedDrivers struct {
-	*testDrivers
-	mu     sync.Mutex
-	calls  int
-	script func(n int, call func() error) error
-}
-
-func (d *scriptedDrivers) ControllerConn(driver string) (grpc.ClientConnInterface, error) {
-	c, err := d.testDrivers.ControllerConn(driver)
-	if err != nil {
-		return nil, err
-	}
-	return scriptedConn{ClientConnInterface: c, d: d}, nil
-}
-
-type scriptedConn struct {
-	grpc.ClientConnInterface
-	d *scriptedDrivers
-}
-
-func (c scriptedConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
-	call := func() error { return c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...) }
-	if !strings.HasSuffix(method, "/CreateVolume") {
-		return call()
-	}
-	c.d.mu.Lock()
-	c.d.calls++
-	n := c.d.calls
-	c.d.mu.Unlock()
-	return c.d.script(n, call)
-}
-
 // TestRefusalAfterAnAttemptInProgressKeepsTheIntent: the driver makes the
 // volume on the first CreateVolume but the answer is lost (the broker sees
 // DeadlineExceeded: in progress), then refuses the retry with a final
@@ -322,7 +286,8 @@ func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
 	c := env.Client()
 	ctx := context.Background()
 	drv := clusterName(ns, "lost.csi.test")
-	drivers := &scriptedDrivers{testDrivers: &testDrivers{}, script: func(n int, call func() error) error {
+	drivers := newCountingDrivers()
+	drivers.script("CreateVolume", func(n int, call func() error) error {
 		switch n {
 		case 1:
 			if err := call(); err != nil {
@@ -333,7 +298,7 @@ func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
 			return status.Error(codes.InvalidArgument, "refused (test)")
 		}
 		return call() // recovery's re-issue learns the volume's ID
-	}}
+	})
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	class := makeClass(t, c, clusterName(ns, "lost"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})

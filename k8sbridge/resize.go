@@ -283,10 +283,26 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 		return 0, nil
 	}
 
+	// Whether there is anything to do now does not depend on the
+	// driver's capabilities (only the size to expand to may): a claim
+	// waiting for the kubelet asks the driver nothing.
+	r.mu.Lock()
+	lastFinal := r.finalErr[claim.UID]
+	r.mu.Unlock()
+	if _, ok := expansionTarget(expansionInputOf(claim, pv, lastFinal, true)); !ok {
+		return 0, nil
+	}
+	// --per-driver-workers: one slow or unreachable driver cannot take
+	// every worker, its capability lookups included.
+	if !r.slots.acquire(driver, key) {
+		return waitForSlot, nil
+	}
+	defer r.slots.release(driver)
+
 	caps, err := r.b.caps.get(ctx, driver)
 	if err != nil {
 		r.b.caps.forget(driver)
-		r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: driver is not reachable: %v", pv.Name, driver, err)
+		r.warn(ctx, claim, failureOf("ControllerExpandVolume", unreachable{err}), "resize volume %q by resizer %q failed: driver is not reachable: %v", pv.Name, driver, err)
 		r.b.log.Warn("volume expansion: driver not reachable; will retry", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
 		return 0, err
 	}
@@ -305,18 +321,11 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 		}
 	}
 
-	r.mu.Lock()
-	lastFinal := r.finalErr[claim.UID]
-	r.mu.Unlock()
 	target, ok := expansionTarget(expansionInputOf(claim, pv, lastFinal, controllerExpand))
 	if !ok {
 		return 0, nil
 	}
 
-	if !r.slots.acquire(driver, key) {
-		return waitForSlot, nil
-	}
-	defer r.slots.release(driver)
 	ctx, span := r.b.tracer.Start(ctx, "resize "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
 		attribute.String("csi.driver", driver), attribute.String("k8s.pvc.namespace", ns), attribute.String("k8s.pvc.name", name),
 		attribute.String("k8s.pv.name", pv.Name), attribute.String("k8s.pvc.expand_to", target.String())))
@@ -339,6 +348,13 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 	failed := func(result string, err error) (string, error) {
 		if ctx.Err() != nil {
 			return result, err // the term ended: the next leader takes the claim up
+		}
+		if apierrors.IsConflict(err) {
+			// A newer claim is on its way (its owner raised the request
+			// again, say): retried with it, quietly. After a successful
+			// ControllerExpandVolume the retry asks the driver again,
+			// which expansion's idempotence allows.
+			return result, err
 		}
 		r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: %v", pv.Name, driver, err)
 		r.b.log.Warn("volume expansion failed", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
@@ -371,11 +387,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 
 	claim, err := r.patchClaimStatus(ctx, claim, resizeInProgress(claim, target), true)
 	if err != nil {
-		err = fmt.Errorf("mark claim %s resizing: %w", key, err)
-		if apierrors.IsConflict(err) {
-			return "not_called", err // a newer claim is on its way
-		}
-		return failed("not_called", err) // RBAC, a webhook: said on the claim
+		return failed("not_called", fmt.Errorf("mark claim %s resizing: %w", key, err)) // RBAC, a webhook: said on the claim
 	}
 	// Once per request, as its failure: a retried attempt is no news.
 	r.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeNormal, "Resizing", requestOf(claim), "External resizer is resizing volume %s", pv.Name)

@@ -4,10 +4,8 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -806,94 +804,6 @@ func TestResizeTriggered(t *testing.T) {
 	}
 }
 
-// countingDrivers counts, per CSI method, the controller calls in flight
-// and the most seen at once, and keeps the names the calls that name
-// something (CreateVolume) were made for, in the order they started.
-type countingDrivers struct {
-	*testDrivers
-	mu     sync.Mutex
-	counts map[string]*inflightCount
-	named  map[string][]string
-	held   map[string]chan struct{} // method → closed when its calls may go on
-}
-
-type inflightCount struct{ now, most atomic.Int32 }
-
-func newCountingDrivers() *countingDrivers {
-	return &countingDrivers{testDrivers: &testDrivers{}, counts: map[string]*inflightCount{}, named: map[string][]string{}}
-}
-
-// hold keeps method's calls from reaching the driver until the returned
-// function is called.
-func (d *countingDrivers) hold(method string) (letGo func()) {
-	ch := make(chan struct{})
-	d.mu.Lock()
-	if d.held == nil {
-		d.held = map[string]chan struct{}{}
-	}
-	d.held[method] = ch
-	d.mu.Unlock()
-	return sync.OnceFunc(func() { close(ch) })
-}
-
-// names is the names method's calls were made for, in the order they
-// started.
-func (d *countingDrivers) names(method string) []string {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return slices.Clone(d.named[method])
-}
-
-func (d *countingDrivers) count(method string) *inflightCount {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	n := d.counts[method]
-	if n == nil {
-		n = &inflightCount{}
-		d.counts[method] = n
-	}
-	return n
-}
-
-// most is the most calls of method seen in flight at once.
-func (d *countingDrivers) most(method string) int32 { return d.count(method).most.Load() }
-
-func (d *countingDrivers) ControllerConn(driver string) (grpc.ClientConnInterface, error) {
-	c, err := d.testDrivers.ControllerConn(driver)
-	if err != nil {
-		return nil, err
-	}
-	return countingConn{ClientConnInterface: c, d: d}, nil
-}
-
-type countingConn struct {
-	grpc.ClientConnInterface
-	d *countingDrivers
-}
-
-func (c countingConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
-	short := method[strings.LastIndex(method, "/")+1:]
-	c.d.mu.Lock()
-	if named, ok := args.(interface{ GetName() string }); ok {
-		c.d.named[short] = append(c.d.named[short], named.GetName())
-	}
-	held := c.d.held[short]
-	c.d.mu.Unlock()
-	if held != nil {
-		select {
-		case <-held:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
-	cnt := c.d.count(short)
-	n := cnt.now.Add(1)
-	defer cnt.now.Add(-1)
-	for m := cnt.most.Load(); n > m && !cnt.most.CompareAndSwap(m, n); m = cnt.most.Load() {
-	}
-	return c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...)
-}
-
 // TestResizeKeepsToPerDriverWorkers: expansions of one driver run at most
 // PerDriverWorkers at a time, so a slow driver cannot take every worker;
 // the others wait their turn and are all done.
@@ -1126,5 +1036,40 @@ func TestResizeWarnings(t *testing.T) {
 	ws.forget("c2")
 	if len(ws.last) != 0 {
 		t.Errorf("%d claims remembered after every claim was forgotten", len(ws.last))
+	}
+}
+
+// TestResizeClaimWaitingForTheKubeletAsksNoDriver: a claim whose expansion
+// waits for the kubelet (NodeResizePending) has nothing for the driver, so
+// a new term does not ask its driver anything for it: with the driver
+// unreachable, only a claim that does need the driver is told so.
+func TestResizeClaimWaitingForTheKubeletAsksNoDriver(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "gone.csi.test")
+	live := &testDrivers{}
+	live.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeResizeClass(t, c, clusterName(ns, "gone"), drv, "", "")
+	first := startBridge(t, env, ns, live, bridgeOpts{})
+	makeClaim(t, c, ns, "waiting", class, "1Gi")
+	makeClaim(t, c, ns, "other", class, "1Gi")
+	waitBound(t, c, ns, "other", 60*time.Second)
+	waitBound(t, c, ns, "waiting", 60*time.Second)
+	raiseRequest(t, c, ns, "waiting", "2Gi")
+	waitClaim(t, c, ns, "waiting", "NodeResizePending", func(pvc *corev1.PersistentVolumeClaim) bool {
+		return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending
+	})
+	first.stop()
+
+	// The driver is gone; "other" now needs it.
+	raiseRequest(t, c, ns, "other", "2Gi")
+	dead := &testDrivers{}
+	dead.addDeadDriver(t, drv)
+	startBridge(t, env, ns, dead, bridgeOpts{configureCfg: func(cfg *Config) { cfg.WorkerThreads = 1 }})
+	waitEvent(t, c, ns, "other", "VolumeResizeFailed", "not reachable")
+	time.Sleep(2 * time.Second) // the one worker has had time for "waiting" too
+	if evs := eventsOf(c, ns, "waiting"); strings.Contains(evs, "VolumeResizeFailed") {
+		t.Fatalf("a claim waiting for the kubelet was reported as failed:%s", evs)
 	}
 }
