@@ -43,6 +43,21 @@ type Intent struct {
 	// the namespace is deleted.
 	NamespaceLabels map[string]string `json:"namespaceLabels,omitempty"`
 	Created         metav1.Time       `json:"created"`
+	// Superseded marks the entry of an attempt on a node that was deleted
+	// while the volume may have been made there, kept when the claim was
+	// provisioned anew elsewhere: if the node comes back under its name,
+	// recovery deletes that volume. Its key is Key's, not VolumeName.
+	Superseded bool `json:"superseded,omitempty"`
+}
+
+// Key is the entry's key in the record: VolumeName, or for a superseded
+// entry VolumeName_Node ('_' appears in neither name, and a ConfigMap key
+// may hold it).
+func (in Intent) Key() string {
+	if in.Superseded {
+		return in.VolumeName + "_" + in.Node
+	}
+	return in.VolumeName
 }
 
 // IntentStore keeps the in-flight intents of all drivers in one ConfigMap and
@@ -246,11 +261,12 @@ func (s *IntentStore) Add(ctx context.Context, in Intent) error {
 	}
 	s.arrivals++
 	s.lastArrival = now
-	if old, ok := s.adds[in.VolumeName]; ok {
+	key := in.Key()
+	if old, ok := s.adds[key]; ok {
 		old.done <- errors.New("intent superseded by a newer Add of the same volume")
 	}
-	s.adds[in.VolumeName] = p
-	delete(s.removes, in.VolumeName)
+	s.adds[key] = p
+	delete(s.removes, key)
 	s.signal()
 	s.mu.Unlock()
 	select {
@@ -261,21 +277,22 @@ func (s *IntentStore) Add(ctx context.Context, in Intent) error {
 	}
 }
 
-// Remove forgets an intent; it is written with the next batch of Adds, or
+// Remove forgets the intent of key (its Key: the volume name, but for a
+// superseded entry); it is written with the next batch of Adds, or
 // alone once Adds have stopped for a while.
 //
 // A Remove after the term's end is dropped: the entry stays, and whoever
 // leads next finds it settled (its PV exists, or its volume is gone) and
 // drops it. Written in a later term instead, it could delete an entry
 // another leader recorded again in between, for a volume that may exist.
-func (s *IntentStore) Remove(volumeName string) {
+func (s *IntentStore) Remove(key string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.ended {
 		return
 	}
-	if p, ok := s.adds[volumeName]; ok {
-		delete(s.adds, volumeName)
+	if p, ok := s.adds[key]; ok {
+		delete(s.adds, key)
 		p.done <- errors.New("intent removed before it was written")
 	}
 	if len(s.removes) == 0 {
@@ -284,7 +301,7 @@ func (s *IntentStore) Remove(volumeName string) {
 		// queued, another one changes nothing about when to write.
 		s.signal()
 	}
-	s.removes[volumeName] = true
+	s.removes[key] = true
 }
 
 func (s *IntentStore) signal() {
@@ -380,7 +397,7 @@ func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
 	all := decodeIntents(cm, s.log)
 	out := all[:0]
 	for _, in := range all {
-		if !s.removedLocked(in.VolumeName) {
+		if !s.removedLocked(in.Key()) {
 			out = append(out, in)
 		}
 	}
@@ -398,7 +415,7 @@ func decodeIntents(cm *corev1.ConfigMap, log *slog.Logger) []Intent {
 		}
 		out = append(out, in)
 	}
-	sort.Slice(out, func(i, j int) bool { return out[i].VolumeName < out[j].VolumeName })
+	sort.Slice(out, func(i, j int) bool { return out[i].Key() < out[j].Key() })
 	return out
 }
 

@@ -3,6 +3,7 @@ package k8sbridge
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -432,5 +433,90 @@ func TestNodeLocalSecondVolumeOfAnExistingPV(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestNodeLocalVolumeOfANodeThatComesBack: an earlier attempt may have
+// made a claim's volume on a node that is deleted before the claim is
+// provisioned; the claim is provisioned anew on another node, and the
+// earlier attempt's entry is kept apart, so that when the node registers
+// again under its name (its storage kept), recovery deletes the volume
+// left there.
+func TestNodeLocalVolumeOfANodeThatComesBack(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "local.csi.test")
+	stay, flaky := clusterName(ns, "stay"), clusterName(ns, "flaky")
+	drivers := &testDrivers{}
+	inst := addLocalNodes(t, env, drivers, drv, map[string]int64{stay: 100 << 30, flaky: 10 << 30}, sampledriver.Faults{})
+	class := makeClass(t, c, clusterName(ns, "imm"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+
+	// The earlier leader's attempt on flaky made the volume; then the
+	// node object went (its storage, and here its proxy, stay).
+	claim := makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	pvName := VolumeName("pvc", claim.UID, 0)
+	conn, err := drivers.NodeConn(drv, flaky)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := csi.NewControllerClient(conn).CreateVolume(ctx, createRequest(pvName)); err != nil {
+		t.Fatal(err)
+	}
+	in := intentFor(t, drv, pvName, claim)
+	in.Node = flaky
+	recordIntent(t, c, ns, in)
+	if err := c.CoreV1().Nodes().Delete(ctx, flaky, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	bound := waitBound(t, c, ns, "data", 60*time.Second)
+	waitEvent(t, c, ns, "data", "ProvisioningOrphan", "deleted if the node comes back")
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, bound.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := pv.Annotations[annVolumeNode]; got != stay {
+		t.Fatalf("provisioned anew on node %q, want %s", got, stay)
+	}
+	// Once the new attempt's entry is dropped (its PV exists), the record
+	// holds the attempt on flaky only.
+	err = testenv.WaitFor(ctx, 30*time.Second, "the record to hold only the attempt on "+flaky, func(ctx context.Context) (bool, string, error) {
+		intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		var seen []string
+		for _, in := range intents {
+			seen = append(seen, fmt.Sprintf("%s on %s (superseded %v)", in.VolumeName, in.Node, in.Superseded))
+		}
+		return len(intents) == 1 && intents[0].Superseded && intents[0].Node == flaky && intents[0].VolumeName == pvName, strings.Join(seen, ", "), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(inst[flaky].Volumes()); n != 1 {
+		t.Fatalf("%d volumes on %s while it is gone, want the earlier attempt's", n, flaky)
+	}
+
+	// The node registers again.
+	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: flaky}); err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 60*time.Second, "the volume left on "+flaky+" deleted and its entry gone", func(ctx context.Context) (bool, string, error) {
+		left := len(inst[flaky].Volumes())
+		intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return left == 0 && len(intents) == 0, fmt.Sprintf("%d volumes on %s, %d intent entries", left, flaky, len(intents)), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(inst[stay].Volumes()); n != 1 {
+		t.Fatalf("%d volumes on %s, want the claim's", n, stay)
 	}
 }

@@ -404,6 +404,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if err != nil {
 		return fail("read the intent record: %v", err)
 	}
+	var gone *Intent // an earlier attempt's entry on a node deleted since
 	if p.b.cfg.Drivers.NodeLocal(driver) {
 		if earlier && prev.Node != "" && prev.ClaimUID == string(claim.UID) {
 			// An earlier attempt asked prev.Node's proxy for this volume
@@ -411,10 +412,13 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			// progress", or the broker stopped before the answer).
 			switch {
 			case p.nodeGone(ctx, prev.Node):
-				// Nobody can reach that volume any more; the new entry
-				// replaces the old one when this attempt is recorded.
+				// Nobody can reach that volume now; its entry is kept
+				// under a key of its own (superseded) when this attempt
+				// is recorded, so that recovery deletes the volume if
+				// the node comes back under its name.
+				gone = &prev
 				p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningOrphan",
-					"an earlier attempt may have made volume %s on node %s, which no longer exists; that volume is left to an administrator and the claim is provisioned anew", pvName, prev.Node)
+					"an earlier attempt may have made volume %s on node %s, which no longer exists; the claim is provisioned anew, and that volume is deleted if the node comes back", pvName, prev.Node)
 				p.b.log.Warn("an earlier attempt's node is gone; provisioning anew", "claim", claim.Namespace+"/"+claim.Name, "volume", pvName, "node", prev.Node)
 			case selectedNode == "":
 				// Placed by the broker: finish on the same node.
@@ -491,6 +495,16 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			return
 		}
 		p.b.intents.Remove(pvName)
+	}
+	if gone != nil && gone.Node != node {
+		kept := *gone
+		kept.Superseded = true
+		if err := p.b.intents.Add(ctx, kept); err != nil {
+			if ctx.Err() != nil {
+				return "failed", err
+			}
+			return fail("keep the intent of the attempt on node %s, which is gone, before provisioning anew: %v", gone.Node, err)
+		}
 	}
 	if err := p.b.intents.Add(ctx, Intent{VolumeName: pvName, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID),
 		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, NamespaceLabels: p.b.namespaceLabels(claim.Namespace), Created: metav1.Now()}); err != nil {

@@ -55,17 +55,21 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 		if p.isInflight(in.VolumeName) {
 			continue
 		}
+		if in.Superseded {
+			p.recoverSuperseded(ctx, in, now)
+			continue
+		}
 		if pv, err := p.b.volumes.Get(in.VolumeName); err == nil {
 			if other := pvNode(pv); !holdsNodeVolume(other, in.Node) {
 				// An attempt whose PV create found the PV saved with
 				// the volume of another node made a second volume
 				// (settleExistingPV), which it could not delete.
-				if p.recoveryDue(in.VolumeName, now) {
+				if p.recoveryDue(in.Key(), now) {
 					p.deleteOrphan(ctx, in, now, "its PersistentVolume holds the volume made on node "+other)
 				}
 				continue
 			}
-			p.b.intents.Remove(in.VolumeName)
+			p.b.intents.Remove(in.Key())
 			continue
 		}
 		claim, err := p.b.claims.PersistentVolumeClaims(in.ClaimNamespace).Get(in.ClaimName)
@@ -83,13 +87,13 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 				// a volume made under it is an orphan.
 				// deleteOrphan makes sure the entry's PV does not hold
 				// the volume.
-				if p.recoveryDue(in.VolumeName, now) {
+				if p.recoveryDue(in.Key(), now) {
 					p.deleteOrphan(ctx, in, now, "claim is bound to PersistentVolume "+claim.Spec.VolumeName)
 				}
 			}
 			continue
 		}
-		if !p.recoveryDue(in.VolumeName, now) {
+		if !p.recoveryDue(in.Key(), now) {
 			continue
 		}
 		// The cache says the claim is gone; make sure before deleting.
@@ -118,7 +122,25 @@ func (p *provisioner) settleBoundToGonePV(ctx context.Context, in Intent) {
 		p.b.log.Info("recovery: claim is bound to this volume's PersistentVolume, which no longer exists; its reclaim policy or an administrator decided the volume's fate, so the intent entry is dropped and the volume left alone",
 			"volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName)
 	}
-	p.b.intents.Remove(in.VolumeName)
+	p.b.intents.Remove(in.Key())
+}
+
+// recoverSuperseded deletes the volume a superseded entry's attempt may
+// have made on its node, once that node is back (a node deleted and
+// registered again under its name, its storage kept); while the node is
+// gone there is nothing to reach, and nothing is logged (the claim's
+// ProvisioningOrphan Event said so).
+func (p *provisioner) recoverSuperseded(ctx context.Context, in Intent, now time.Time) {
+	if cur, ok := p.b.intents.Get(in.VolumeName); ok && cur.Node == in.Node {
+		// A later attempt is on the same node again, under the same name:
+		// its entry accounts for the volume.
+		p.b.intents.Remove(in.Key())
+		return
+	}
+	if !p.recoveryDue(in.Key(), now) || p.nodeGone(ctx, in.Node) {
+		return
+	}
+	p.deleteOrphan(ctx, in, now, "an attempt on node "+in.Node+", which was gone when the claim was provisioned anew")
 }
 
 // holdsNodeVolume reports whether a PV whose node-local volume is on
@@ -214,7 +236,7 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 		p.b.log.Warn("recovery: cannot read PersistentVolume; will retry", "volume", in.VolumeName, "err", err)
 		return
 	case held:
-		p.b.intents.Remove(in.VolumeName)
+		p.b.intents.Remove(in.Key())
 		return
 	}
 	log := p.b.log.With("volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName, "reason", why)
@@ -251,11 +273,11 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 		return
 	}
 	p.mu.Lock()
-	delete(p.recFails, in.VolumeName)
+	delete(p.recFails, in.Key())
 	p.mu.Unlock()
 	log.Info("recovery: deleted an orphaned volume", "volume_id", id)
 	p.b.metrics.leaked.WithLabelValues(in.Driver, "deleted").Inc()
-	p.b.intents.Remove(in.VolumeName)
+	p.b.intents.Remove(in.Key())
 }
 
 // orphanFailed counts a failed attempt at in's orphaned volume in the pass
@@ -264,7 +286,7 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 // in a row it is reported as stuck, so an administrator can look. what
 // says what could not be done.
 func (p *provisioner) orphanFailed(log *slog.Logger, in Intent, now time.Time, what, detail string) {
-	n, wait := p.recoveryFailed(in.VolumeName, now)
+	n, wait := p.recoveryFailed(in.Key(), now)
 	if n == recoveryStuckAfter {
 		p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
 		log.Error("recovery: cannot "+what+"; the intent record keeps it (delete the entry once the volume is dealt with)",
@@ -363,7 +385,7 @@ func (p *provisioner) forgetSettled(intents []Intent) {
 	}
 	recorded := make(map[string]bool, len(intents))
 	for _, in := range intents {
-		recorded[in.VolumeName] = true
+		recorded[in.Key()] = true
 	}
 	for v := range p.recFails {
 		if !recorded[v] {
