@@ -130,7 +130,7 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 	} else {
 		d.stats = &driverStats{}
 	}
-	var made, dialed []*proxyConn
+	var made, dialed, reused []*proxyConn
 	reuse := func(pc ProxyConfig) (*proxyConn, error) {
 		if old != nil {
 			var prev *proxyConn
@@ -140,7 +140,9 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 				prev = old.nodes[pc.Node]
 			}
 			if prev != nil && prev.cfg == pc && prev.retry == cfg.Retry {
-				prev.driverCfg.Store(&d.cfg)
+				// Given the new configuration (timeouts) only once the
+				// whole registration succeeds.
+				reused = append(reused, prev)
 				return prev, nil
 			}
 		}
@@ -175,6 +177,9 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 		made = append(made, pc)
 	}
 	d.nodesSet()
+	for _, pc := range reused {
+		pc.driverCfg.Store(&d.cfg)
+	}
 	if old != nil {
 		keep := map[*proxyConn]bool{}
 		for _, pc := range made {

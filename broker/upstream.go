@@ -272,7 +272,13 @@ func (u *upstream) get(ctx context.Context) (*upConn, error) {
 			u.mu.Unlock()
 			return c, nil
 		}
-		u.conn = nil
+		if u.conn == c {
+			// Going away (the proxy's GOAWAY, or its stream IDs used
+			// up): its calls in flight finish on it, and Close and a
+			// drain's end still reach it.
+			u.keepOldLocked(c)
+			u.conn = nil
+		}
 	}
 	d := u.dial
 	if d == nil {
@@ -694,6 +700,16 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 	for c.err == nil && !c.goingAway && uint32(len(c.calls)) >= c.peer.MaxStreams && ctx.Err() == nil {
 		wait()
 	}
+	if dl, ok := ctx.Deadline(); ok && ctx.Err() == nil {
+		// What is left now, as gRPC computes it when it writes the
+		// headers: the driver's deadline is not later than the caller's.
+		left := time.Until(dl)
+		if left <= 0 {
+			c.mu.Unlock()
+			return nil, status.Error(codes.DeadlineExceeded, context.DeadlineExceeded.Error())
+		}
+		fields = append(fields, hpack.HeaderField{Name: "grpc-timeout", Value: rawgrpc.EncodeTimeout(left)})
+	}
 	switch {
 	case ctx.Err() != nil:
 		c.mu.Unlock()
@@ -978,13 +994,8 @@ func (u *upstream) attempt(ctx context.Context, d *callDesc, method string, md m
 		hpack.HeaderField{Name: "content-type", Value: "application/grpc"},
 		hpack.HeaderField{Name: "te", Value: "trailers"},
 		hpack.HeaderField{Name: "user-agent", Value: "csibroker"})
-	if dl, ok := ctx.Deadline(); ok {
-		left := time.Until(dl)
-		if left <= 0 {
-			return nil, nil, nil, status.Error(codes.DeadlineExceeded, context.DeadlineExceeded.Error())
-		}
-		fields = append(fields, hpack.HeaderField{Name: "grpc-timeout", Value: rawgrpc.EncodeTimeout(left)})
-	}
+	// grpc-timeout is added as the headers are written (roundTrip): a
+	// dial or a wait for a stream slot before then uses up time.
 	b.opts.Propagator.Inject(ctx, rawgrpc.FieldsCarrier{Fields: &fields})
 	fields = appendMD(fields, md)
 

@@ -236,3 +236,28 @@ func TestControllerCallsWaitForTheControllerProxy(t *testing.T) {
 		t.Fatalf("driver with a node proxy only: %v, want ErrNoProxy (wait for the controller proxy)", err)
 	}
 }
+
+// TestRefusedReconfigurationChangesNothing: a new registration that fails
+// (a proxy address that cannot be dialled) leaves the driver as it was,
+// the timeouts of the connections it would have kept included.
+func TestRefusedReconfigurationChangesNothing(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Timeout: 10 * time.Second,
+		Retry: broker.RetryConfig{MaxAttempts: 1}})
+	d, err := c.Broker.Driver(echoName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := d.Config()
+	cfg.Timeout = 50 * time.Millisecond
+	cfg.Nodes = append(cfg.Nodes, broker.ProxyConfig{Node: "n1", Address: "10.0.0.5:%zz"})
+	if err := c.Broker.SetDriver(cfg); err == nil {
+		t.Fatal("a registration with an address that cannot be dialled was accepted")
+	}
+	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "slow", Parameters: map[string]string{"sleep-ms": "300"}}); err != nil {
+		t.Fatalf("a 300 ms call under the registration in force (10 s timeout): %v", err)
+	}
+}
