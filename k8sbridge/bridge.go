@@ -485,6 +485,12 @@ func (b *Bridge) lead(ctx context.Context) {
 	// Before any worker may record an intent: Run, started below with
 	// them, may come later.
 	b.intents.startTerm()
+	// The drivers known before the controllers list their objects: one
+	// registered from here on is seen as new, and its objects listed again.
+	known := map[string]bool{}
+	for _, n := range b.cfg.Drivers.DriverNames() {
+		known[n] = true
+	}
 	var wg sync.WaitGroup
 	run := func(f func(context.Context)) {
 		wg.Add(1)
@@ -497,7 +503,7 @@ func (b *Bridge) lead(ctx context.Context) {
 	for _, c := range b.extra {
 		run(c.run)
 	}
-	run(b.watchRegistrations)
+	run(func(ctx context.Context) { b.watchRegistrations(ctx, known) })
 	<-ctx.Done()
 	wg.Wait()
 }
@@ -506,11 +512,7 @@ func (b *Bridge) lead(ctx context.Context) {
 // is registered (a static entry at start-up, or a proxy discovered later):
 // objects of a driver the broker did not know yet were skipped when they
 // were last seen.
-func (b *Bridge) watchRegistrations(ctx context.Context) {
-	known := map[string]bool{}
-	for _, n := range b.cfg.Drivers.DriverNames() {
-		known[n] = true
-	}
+func (b *Bridge) watchRegistrations(ctx context.Context, known map[string]bool) {
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	for {

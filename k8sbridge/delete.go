@@ -205,7 +205,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 	}
 	node := ""
 	if d.b.cfg.Drivers.NodeLocal(driver) {
-		node = pvNode(pv)
+		node = d.b.nodeOfPV(pv)
 		requester.Node = node // the node whose proxy receives the secret
 		if node == "" {
 			err := errNodeUnknown(pv, driver)
@@ -304,6 +304,25 @@ func (d *deleter) classDeletionSecret(pv *corev1.PersistentVolume) (*corev1.Secr
 func errNodeUnknown(pv *corev1.PersistentVolume, driver string) error {
 	return fmt.Errorf("volume %s of node-local driver %s names no node (no %s annotation, no single hostname in its node affinity); cannot tell which node's proxy holds it",
 		pv.Spec.CSI.VolumeHandle, driver, annVolumeNode)
+}
+
+// nodeOfPV is the name of the node of a node-local PV: recorded at
+// provisioning, else the node whose kubernetes.io/hostname label is the
+// single hostname its affinity names (a node's name and hostname label may
+// differ), else that hostname; "" when the PV says nothing of its node.
+func (b *Bridge) nodeOfPV(pv *corev1.PersistentVolume) string {
+	n := pvNode(pv)
+	if n == "" || pv.Annotations[annVolumeNode] != "" {
+		return n
+	}
+	if _, err := b.nodes.Get(n); err == nil {
+		return n
+	}
+	nodes, err := b.nodes.List(labels.SelectorFromSet(labels.Set{corev1.LabelHostname: n}))
+	if err == nil && len(nodes) == 1 {
+		return nodes[0].Name
+	}
+	return n
 }
 
 // pvNode is the node of a node-local PV: recorded at provisioning, else the

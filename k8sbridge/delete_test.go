@@ -11,6 +11,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
@@ -299,5 +301,43 @@ func TestDeleteFallsBackToTheClassSecret(t *testing.T) {
 	}
 	if got := r.metricValue(t, "csibroker_secret_policy_decisions_total", map[string]string{"operation": "DeleteVolume", "decision": "allow"}); got < 1 {
 		t.Fatalf("DeleteVolume secret decisions allowed: %v, want the class's secret decided and used", got)
+	}
+}
+
+// TestNodeOfPV: the node of a node-local PV is the one recorded at
+// provisioning; for a PV without it (made by external-provisioner), the
+// node whose hostname label its affinity names, which may differ from the
+// node's name; the hostname itself when no single node carries it.
+func TestNodeOfPV(t *testing.T) {
+	idx := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	for _, n := range []struct{ name, hostname string }{{"ip-10-0-0-1.ec2.internal", "ip-10-0-0-1"}, {"plain", "plain"}} {
+		idx.Add(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.name, Labels: map[string]string{corev1.LabelHostname: n.hostname}}})
+	}
+	b := &Bridge{nodes: corelisters.NewNodeLister(idx)}
+	pv := func(ann, hostname string) *corev1.PersistentVolume {
+		p := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: "pv"}}
+		if ann != "" {
+			p.Annotations = map[string]string{annVolumeNode: ann}
+		}
+		if hostname != "" {
+			p.Spec.NodeAffinity = &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
+				MatchExpressions: []corev1.NodeSelectorRequirement{{Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpIn, Values: []string{hostname}}}}}}}
+		}
+		return p
+	}
+	for _, tc := range []struct {
+		name string
+		pv   *corev1.PersistentVolume
+		want string
+	}{
+		{"recorded", pv("recorded-node", "ip-10-0-0-1"), "recorded-node"},
+		{"hostname label of a node named otherwise", pv("", "ip-10-0-0-1"), "ip-10-0-0-1.ec2.internal"},
+		{"hostname that is the node's name", pv("", "plain"), "plain"},
+		{"hostname of no node", pv("", "gone"), "gone"},
+		{"nothing said", pv("", ""), ""},
+	} {
+		if got := b.nodeOfPV(tc.pv); got != tc.want {
+			t.Errorf("%s: node %q, want %q", tc.name, got, tc.want)
+		}
 	}
 }

@@ -3,6 +3,7 @@ package k8sbridge
 import (
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 
@@ -10,6 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/types"
 )
 
@@ -198,7 +200,19 @@ func CapacityRange(claim *corev1.PersistentVolumeClaim) (*csi.CapacityRange, err
 	if q.Sign() <= 0 {
 		return nil, fmt.Errorf("claim %s/%s requests %s of storage; it must be positive: %w", claim.Namespace, claim.Name, q.String(), ErrInvalidParameters)
 	}
+	if err := fitsCSISize(q); err != nil {
+		return nil, fmt.Errorf("claim %s/%s: %w", claim.Namespace, claim.Name, err)
+	}
 	return &csi.CapacityRange{RequiredBytes: q.Value()}, nil
+}
+
+// fitsCSISize refuses a size CSI cannot carry (its sizes are int64 bytes):
+// Quantity.Value would wrap it to 0 or a negative number without a word.
+func fitsCSISize(q resource.Quantity) error {
+	if q.CmpInt64(math.MaxInt64) > 0 {
+		return fmt.Errorf("a size of %s is more than CSI can express (at most %d bytes): %w", q.String(), int64(math.MaxInt64), ErrInvalidParameters)
+	}
+	return nil
 }
 
 // CreateErrorClass classifies a CreateVolume error like external-provisioner:

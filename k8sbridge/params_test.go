@@ -232,6 +232,9 @@ func TestCapacityRange(t *testing.T) {
 		{"tiny request rounds up to one byte", withRequest("1m"), 1, ""},
 		{"zero", withRequest("0"), 0, "must be positive"},
 		{"negative", withRequest("-1Gi"), 0, "must be positive"},
+		{"the largest size CSI carries", withRequest("9223372036854775807"), 9223372036854775807, ""},
+		{"one byte more than CSI carries", withRequest("9223372036854775808"), 0, "more than CSI can express"},
+		{"exabytes beyond int64", withRequest("10E"), 0, "a size of 10E is more than CSI can express"},
 		{"no storage request", &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: "c", Namespace: "n"}}, 0, "n/c requests no storage"},
 		{"no claim", nil, 0, "no claim"},
 	}

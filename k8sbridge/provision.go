@@ -799,7 +799,7 @@ func (p *provisioner) contentSource(claim *corev1.PersistentVolumeClaim, driver 
 	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != driver {
 		return nil, fmt.Errorf("clone source claim %s/%s belongs to another driver", claim.Namespace, ds.Name)
 	}
-	if q, ok := pv.Spec.Capacity[corev1.ResourceStorage]; ok && capRange != nil && q.Value() > capRange.RequiredBytes {
+	if q, ok := pv.Spec.Capacity[corev1.ResourceStorage]; ok && capRange != nil && q.CmpInt64(capRange.RequiredBytes) > 0 {
 		return nil, fmt.Errorf("clone source claim %s/%s (%s) is larger than the requested size", claim.Namespace, ds.Name, q.String())
 	}
 	return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: pv.Spec.CSI.VolumeHandle}}}, nil

@@ -363,6 +363,9 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 
 	// Everything that can fail before the driver is asked fails before the
 	// claim is marked: nothing is in progress, so nothing is written.
+	if err := fitsCSISize(target); err != nil {
+		return failed("not_called", err)
+	}
 	var req *csi.ControllerExpandVolumeRequest
 	if controllerExpand {
 		if r.b.cfg.Drivers.NodeLocal(driver) && pvNode(pv) == "" {
@@ -376,7 +379,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 			driver: driver, op: policy.OpControllerExpandVolume, ref: pv.Spec.CSI.ControllerExpandSecretRef,
 			source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerExpandSecretRef"},
 			requester: policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name,
-				Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName, Node: expandNode(r.b.cfg.Drivers, driver, pv)},
+				Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName, Node: r.expandNode(driver, pv)},
 		})
 		if err != nil {
 			return failed("not_called", err)
@@ -395,7 +398,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 	newSize, nodeRequired := target, true
 	if req != nil {
 		var conn grpc.ClientConnInterface
-		if node := expandNode(r.b.cfg.Drivers, driver, pv); node != "" {
+		if node := r.expandNode(driver, pv); node != "" {
 			conn, err = r.b.cfg.Drivers.NodeConn(driver, node)
 		} else {
 			conn, err = r.b.cfg.Drivers.ControllerConn(driver)
@@ -840,9 +843,9 @@ func (r *resizer) patchClaimStatus(ctx context.Context, old, cur *corev1.Persist
 
 // expandNode is the node whose proxy receives a volume's expansion: its
 // own for a node-local driver's volume, none (the controller's) otherwise.
-func expandNode(drivers Drivers, driver string, pv *corev1.PersistentVolume) string {
-	if !drivers.NodeLocal(driver) {
+func (r *resizer) expandNode(driver string, pv *corev1.PersistentVolume) string {
+	if !r.b.cfg.Drivers.NodeLocal(driver) {
 		return ""
 	}
-	return pvNode(pv)
+	return r.b.nodeOfPV(pv)
 }

@@ -92,12 +92,21 @@ func (b *Bridge) fetchSecret(ctx context.Context, u secretUse) (map[string]strin
 // audited.
 func (b *Bridge) decideSecret(ctx context.Context, u secretUse) error {
 	if u.requester.Namespace != "" && u.requester.NamespaceLabels == nil {
-		if ns, err := b.namespaces.Get(u.requester.Namespace); err == nil {
+		ns, err := b.namespaces.Get(u.requester.Namespace)
+		if err != nil && u.recordedNSLabels == nil {
+			// Not in the cache, and nothing recorded: a namespace made
+			// with its claim may not have reached the cache yet. Asked of
+			// the API server, so that its labels decide (unknown labels
+			// fail closed, which would refuse a legitimate claim).
+			ns, err = b.cfg.Client.CoreV1().Namespaces().Get(ctx, u.requester.Namespace, metav1.GetOptions{})
+		}
+		switch {
+		case err == nil:
 			u.requester.NamespaceLabels = ns.Labels
 			if u.requester.NamespaceLabels == nil {
 				u.requester.NamespaceLabels = map[string]string{}
 			}
-		} else if u.recordedNSLabels != nil {
+		case u.recordedNSLabels != nil:
 			// The namespace is gone (its volumes are being cleaned up):
 			// decide with the labels it had when the volume was made.
 			u.requester.NamespaceLabels = u.recordedNSLabels

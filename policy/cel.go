@@ -9,6 +9,7 @@ import (
 
 	"cel.dev/cel-go/cel"
 	"cel.dev/cel-go/checker"
+	celast "cel.dev/cel-go/common/ast"
 	"cel.dev/cel-go/common/types"
 	"cel.dev/cel-go/ext"
 	"cel.dev/cel-go/interpreter"
@@ -57,7 +58,16 @@ type condition struct {
 	text      string
 	costLimit uint64
 	prg       cel.Program
+	// readsNSLabels: the condition reads request.requester.namespaceLabels,
+	// so it cannot be decided while they are not known (nil).
+	readsNSLabels bool
 }
+
+// errNSLabelsUnknown is the evaluation error of a condition that reads the
+// requester's namespace labels while they are not known: like an erroring
+// condition, it fails closed (a Deny grant matches, an Allow grant does
+// not), as a namespaceSelector does. CEL would see an empty map instead.
+var errNSLabelsUnknown = errors.New("the condition reads request.requester.namespaceLabels, and the requester's namespace labels are not known")
 
 // compileCondition parses, type-checks and plans text. It fails when the
 // expression is not a bool, or when even its cheapest evaluation would run
@@ -87,12 +97,18 @@ func compileCondition(text string, costLimit uint64) (*condition, error) {
 	if err != nil {
 		return nil, errors.New(oneLine(err.Error()))
 	}
-	return &condition{text: text, costLimit: costLimit, prg: prg}, nil
+	reads := celast.MatchDescendants(celast.NavigateAST(ast.NativeRep()), func(e celast.NavigableExpr) bool {
+		return e.Kind() == celast.SelectKind && e.AsSelect().FieldName() == "namespaceLabels"
+	})
+	return &condition{text: text, costLimit: costLimit, prg: prg, readsNSLabels: len(reads) > 0}, nil
 }
 
 // eval runs the condition. An error (no such key, cost limit exceeded, a
 // non-bool result) is returned as such; the caller decides what it means.
 func (c *condition) eval(act *requestActivation) (bool, error) {
+	if c.readsNSLabels && act.req.Requester.NamespaceLabels == nil {
+		return false, errNSLabelsUnknown
+	}
 	out, _, err := c.prg.Eval(act)
 	if err != nil {
 		return false, errors.New(truncate(oneLine(err.Error()), 200))

@@ -238,6 +238,34 @@ func TestDecide(t *testing.T) {
 			},
 			req: baseReq(func(r *Request) { r.Requester.NamespaceLabels = nil }), rule: "store/deny-untrusted",
 			reason: []string{"deny grant store/deny-untrusted denies", "namespace labels are not known", "fail closed"}},
+		{name: "deny condition over namespace labels, labels unknown: fails closed",
+			grants: []Grant{
+				allowAll(),
+				grant(testNS, "deny-restricted", func(s *GrantSpec) {
+					s.Action = ActionDeny
+					s.Requesters = Requesters{Namespaces: []string{"*"}}
+					s.Condition = `"tier" in request.requester.namespaceLabels && request.requester.namespaceLabels["tier"] == "restricted"`
+				}),
+			},
+			req: baseReq(func(r *Request) { r.Requester.NamespaceLabels = nil }), rule: "store/deny-restricted",
+			reason: []string{"deny grant store/deny-restricted denies", "namespace labels are not known", "fail closed"}},
+		{name: "deny condition over namespace labels, known labels that do not match: the allow decides",
+			grants: []Grant{
+				allowAll(),
+				grant(testNS, "deny-restricted", func(s *GrantSpec) {
+					s.Action = ActionDeny
+					s.Requesters = Requesters{Namespaces: []string{"*"}}
+					s.Condition = `"tier" in request.requester.namespaceLabels && request.requester.namespaceLabels["tier"] == "restricted"`
+				}),
+			},
+			req: baseReq(), allowed: true, rule: "store/allow-all"},
+		{name: "allow condition over namespace labels, labels unknown: no match",
+			grants: []Grant{grant(testNS, "g", cond(`!has(request.requester.namespaceLabels.tier)`))},
+			req:    baseReq(func(r *Request) { r.Requester.NamespaceLabels = nil }), rule: "store/g",
+			reason: []string{"failed to evaluate", "namespace labels are not known"}},
+		{name: "allow condition not over namespace labels, labels unknown: decides as usual",
+			grants: []Grant{grant(testNS, "g", cond(`request.requester.labels["app"] == "db"`))},
+			req:    baseReq(func(r *Request) { r.Requester.NamespaceLabels = nil }), allowed: true, rule: "store/g"},
 		{name: "deny selector, known labels that do not match: the allow decides",
 			grants: []Grant{
 				allowAll(),
