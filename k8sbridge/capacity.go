@@ -200,16 +200,20 @@ func capacitySegments(nodes []TopologyNode, nodeLocal bool) []capacitySegment {
 // the segment as accessible topology.
 func CapacityRequest(class *storagev1.StorageClass, segment map[string]string) *csi.GetCapacityRequest {
 	params := map[string]string{}
+	fsType := class.Parameters[ParamFSType]
 	for k, v := range class.Parameters {
 		if !strings.HasPrefix(k, ParameterPrefix) {
 			params[k] = v
+			if fsType == "" && strings.ToLower(k) == legacyFSTypeKey {
+				fsType = v // the deprecated key, as CreateParameters reads it
+			}
 		}
 	}
 	req := &csi.GetCapacityRequest{
 		Parameters: params,
 		VolumeCapabilities: []*csi.VolumeCapability{{
 			AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{
-				FsType: class.Parameters[ParamFSType], MountFlags: slices.Clone(class.MountOptions)}},
+				FsType: fsType, MountFlags: slices.Clone(class.MountOptions)}},
 			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
 		}},
 	}

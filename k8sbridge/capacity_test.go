@@ -181,6 +181,12 @@ func TestCapacityRequest(t *testing.T) {
 	if r := CapacityRequest(&storagev1.StorageClass{}, nil); r.GetAccessibleTopology() != nil || r.GetParameters() == nil {
 		t.Errorf("no segment: %v", r)
 	}
+	// The deprecated unprefixed key, as provisioning reads it (and passes
+	// it on to the driver).
+	legacy := CapacityRequest(&storagev1.StorageClass{Parameters: map[string]string{"fsType": "ext4"}}, nil)
+	if got := legacy.GetVolumeCapabilities()[0].GetMount().GetFsType(); got != "ext4" || legacy.GetParameters()["fsType"] != "ext4" {
+		t.Errorf("deprecated fsType key: capability fstype %q, parameters %v", got, legacy.GetParameters())
+	}
 }
 
 // capacityObjects lists the broker's capacity objects of driver in ns, keyed

@@ -60,6 +60,9 @@ type Discovery struct {
 
 	mu      sync.Mutex
 	current map[string]broker.DriverConfig
+	// warned holds the warnings of the last sync: one that stands is
+	// logged once, not at every pod event.
+	warned map[string]bool
 }
 
 // NewDiscovery watches pods matching selector in namespaces (all namespaces
@@ -206,33 +209,46 @@ func (d *Discovery) sync() {
 		d.log.Error("list proxy pods", "err", err)
 		return
 	}
+	now := map[string]bool{}
+	warn := func(level slog.Level, msg string, args ...any) {
+		key := fmt.Sprint(append([]any{msg}, args...)...)
+		now[key] = true
+		if !d.warned[key] {
+			d.log.Log(context.Background(), level, msg, args...)
+		}
+	}
+	defer func() {
+		d.mu.Lock()
+		d.warned = now
+		d.mu.Unlock()
+	}()
 	if d.namespaces != nil {
 		mine := pods[:0]
 		for _, p := range pods {
 			if d.namespaces[p.Namespace] {
 				mine = append(mine, p)
 			} else {
-				d.log.Warn("proxy discovery: a pod outside the proxy namespaces matches the selector; ignored", "pod", p.Namespace+"/"+p.Name)
+				warn(slog.LevelWarn, "proxy discovery: a pod outside the proxy namespaces matches the selector; ignored", "pod", p.Namespace+"/"+p.Name)
 			}
 		}
 		pods = mine
 	}
 	want, problems := DriversFromPods(pods, d.template)
 	for _, p := range problems {
-		d.log.Warn("proxy discovery", "problem", p)
+		warn(slog.LevelWarn, "proxy discovery", "problem", p)
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for name, cfg := range want {
 		if d.static[name] {
-			d.log.Warn("proxy pods name a driver of the static registry; the static entry wins", "driver", name)
+			warn(slog.LevelWarn, "proxy pods name a driver of the static registry; the static entry wins", "driver", name)
 			continue
 		}
 		if prev, ok := d.current[name]; ok && reflect.DeepEqual(prev, cfg) {
 			continue
 		}
 		if err := d.registry.SetDriver(cfg); err != nil {
-			d.log.Error("register discovered driver", "driver", name, "err", err)
+			warn(slog.LevelError, "register discovered driver", "driver", name, "err", err)
 			continue
 		}
 		d.current[name] = cfg

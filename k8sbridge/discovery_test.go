@@ -1,6 +1,7 @@
 package k8sbridge
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -16,6 +17,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
 
 	"github.com/csibroker/csibroker/broker"
@@ -334,4 +337,32 @@ func driverStatus(t *testing.T, br *broker.Broker, driver string) broker.DriverS
 	}
 	t.Fatalf("driver %s is not registered with the broker (%v)", driver, br.DriverNames())
 	return broker.DriverStatus{}
+}
+
+// TestDiscoveryWarnsOncePerProblem: a problem that stands (a pod's bad port
+// annotation) is logged when it appears, not again at every later sync,
+// and again once it has gone and come back.
+func TestDiscoveryWarnsOncePerProblem(t *testing.T) {
+	idx := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	bad := proxyPod("bad-port", "d3", "10.0.2.1", "n1", false, true, "http")
+	idx.Add(bad)
+	var logs bytes.Buffer
+	d, err := NewDiscovery(nil, "app=proxy", nil, &fakeRegistry{drivers: map[string]broker.DriverConfig{}}, broker.DriverConfig{}, nil, slog.New(slog.NewTextHandler(&logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.pods = corelisters.NewPodLister(idx)
+	count := func() int { return strings.Count(logs.String(), "bad-port") }
+	d.sync()
+	d.sync()
+	if n := count(); n != 1 {
+		t.Fatalf("after two syncs the pod's problem was logged %d times, want once:\n%s", n, logs.String())
+	}
+	idx.Delete(bad)
+	d.sync()
+	idx.Add(bad)
+	d.sync()
+	if n := count(); n != 2 {
+		t.Fatalf("a problem back after it went was logged %d times in all, want twice:\n%s", n, logs.String())
+	}
 }
