@@ -1,12 +1,14 @@
 package k8sbridge
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math"
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -34,6 +36,11 @@ type Intent struct {
 	// Request is the CreateVolumeRequest without secrets, protobuf-encoded,
 	// so it can be re-issued exactly.
 	Request []byte `json:"request"`
+	// EarlierRequests are the differing requests of earlier attempts whose
+	// volume may exist (oldest first, at most maxEarlierRequests): a
+	// driver that checks a repeated request against the volume it made
+	// answers only the request that made it, which may be one of these.
+	EarlierRequests [][]byte `json:"earlierRequests,omitempty"`
 	// ProvisionerSecret is the resolved provisioner secret reference (never
 	// its content), needed to re-issue and delete.
 	ProvisionerSecret *corev1.SecretReference `json:"provisionerSecret,omitempty"`
@@ -48,6 +55,31 @@ type Intent struct {
 	// provisioned anew elsewhere: if the node comes back under its name,
 	// recovery deletes that volume. Its key is Key's, not VolumeName.
 	Superseded bool `json:"superseded,omitempty"`
+}
+
+// maxEarlierRequests bounds Intent.EarlierRequests.
+const maxEarlierRequests = 3
+
+// withEarlier is next, an attempt's entry for the volume of prev, with
+// prev's requests kept (see EarlierRequests) when they differ from next's.
+func withEarlier(next, prev Intent) Intent {
+	var out [][]byte
+	for _, r := range append(slices.Clone(prev.EarlierRequests), prev.Request) {
+		if len(r) == 0 || bytes.Equal(r, next.Request) || slices.ContainsFunc(out, func(o []byte) bool { return bytes.Equal(o, r) }) {
+			continue
+		}
+		if len(out) < maxEarlierRequests {
+			out = append(out, r)
+		}
+	}
+	next.EarlierRequests = out
+	return next
+}
+
+// requests are the requests recovery may re-issue for the entry's volume:
+// the latest first, then the earlier ones.
+func (in Intent) requests() [][]byte {
+	return append([][]byte{in.Request}, in.EarlierRequests...)
 }
 
 // Key is the entry's key in the record: VolumeName, or for a superseded

@@ -506,8 +506,14 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			return fail("keep the intent of the attempt on node %s, which is gone, before provisioning anew: %v", gone.Node, err)
 		}
 	}
-	if err := p.b.intents.Add(ctx, Intent{VolumeName: pvName, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID),
-		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, NamespaceLabels: p.b.namespaceLabels(claim.Namespace), Created: metav1.Now()}); err != nil {
+	entry := Intent{VolumeName: pvName, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID),
+		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, NamespaceLabels: p.b.namespaceLabels(claim.Namespace), Created: metav1.Now()}
+	if earlier && gone == nil && prev.Node == node && prev.ClaimUID == string(claim.UID) {
+		// The same volume, asked for again: an earlier request (other
+		// topology, say) may be the one that made it.
+		entry = withEarlier(entry, prev)
+	}
+	if err := p.b.intents.Add(ctx, entry); err != nil {
 		// Nothing was called yet: back off and try again.
 		if ctx.Err() != nil {
 			return "failed", err // the term is over, not the claim's fault

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -194,9 +195,13 @@ const (
 // which stage. requester is whom the volume's secrets are used for.
 func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, requester policy.Requester, stage reissueStage, err error) {
 	requester = policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, StorageClass: in.StorageClass, Node: in.Node}
-	req := &csi.CreateVolumeRequest{}
-	if err := proto.Unmarshal(in.Request, req); err != nil {
-		return "", requester, stageRequest, fmt.Errorf("unreadable recorded request: %w", err)
+	var reqs []*csi.CreateVolumeRequest
+	for _, raw := range in.requests() {
+		req := &csi.CreateVolumeRequest{}
+		if err := proto.Unmarshal(raw, req); err != nil {
+			return "", requester, stageRequest, fmt.Errorf("unreadable recorded request: %w", err)
+		}
+		reqs = append(reqs, req)
 	}
 	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: policy.Source{Kind: policy.SourceStatic, Key: "intent record"}, requester: requester, recordedNSLabels: in.NamespaceLabels})
 	if err != nil {
@@ -206,15 +211,23 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 	if err != nil {
 		return "", requester, stageConn, err
 	}
-	callCtx, cancel := p.b.callContext(ctx, in.Driver, "CreateVolume")
-	req.Secrets = secrets
-	resp, err := csi.NewControllerClient(conn).CreateVolume(callCtx, req)
-	cancel()
-	req.Secrets = nil
-	if err != nil {
-		return "", requester, stageCreate, err
+	// The latest request first; AlreadyExists (the volume exists, made by
+	// another request) moves on to the earlier ones.
+	for _, req := range reqs {
+		callCtx, cancel := p.b.callContext(ctx, in.Driver, "CreateVolume")
+		req.Secrets = secrets
+		var resp *csi.CreateVolumeResponse
+		resp, err = csi.NewControllerClient(conn).CreateVolume(callCtx, req)
+		cancel()
+		req.Secrets = nil
+		if err == nil {
+			return resp.GetVolume().GetVolumeId(), requester, 0, nil
+		}
+		if status.Code(err) != codes.AlreadyExists {
+			break
+		}
 	}
-	return resp.GetVolume().GetVolumeId(), requester, 0, nil
+	return "", requester, stageCreate, err
 }
 
 // deleteOrphan re-issues the recorded CreateVolume to learn the volume's ID

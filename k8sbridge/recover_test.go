@@ -1,14 +1,17 @@
 package k8sbridge
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -319,4 +322,61 @@ func gaps(ts []time.Time) []time.Duration {
 		out = append(out, ts[i].Sub(ts[i-1]).Round(time.Millisecond))
 	}
 	return out
+}
+
+// TestWithEarlier: an attempt's entry keeps the differing requests of the
+// earlier attempts for the same volume, oldest first, each once, at most
+// maxEarlierRequests of them.
+func TestWithEarlier(t *testing.T) {
+	r := func(s string) []byte { return []byte(s) }
+	prev := Intent{Request: r("b"), EarlierRequests: [][]byte{r("a")}}
+	got := withEarlier(Intent{Request: r("c")}, prev)
+	if want := [][]byte{r("a"), r("b")}; !slices.EqualFunc(got.EarlierRequests, want, bytes.Equal) {
+		t.Errorf("earlier requests %q, want %q", got.EarlierRequests, want)
+	}
+	if got := withEarlier(Intent{Request: r("b")}, prev); !slices.EqualFunc(got.EarlierRequests, [][]byte{r("a")}, bytes.Equal) {
+		t.Errorf("the same request again: earlier requests %q, want only a", got.EarlierRequests)
+	}
+	long := Intent{Request: r("e"), EarlierRequests: [][]byte{r("a"), r("b"), r("c"), r("a")}}
+	if got := withEarlier(Intent{Request: r("f")}, long); !slices.EqualFunc(got.EarlierRequests, [][]byte{r("a"), r("b"), r("c")}, bytes.Equal) {
+		t.Errorf("bounded: earlier requests %q, want the oldest %d", got.EarlierRequests, maxEarlierRequests)
+	}
+}
+
+// TestLearnVolumeIDFromAnEarlierRequest: recovery re-issues the entry's
+// latest request to learn the volume's ID; a driver that made the volume
+// for an earlier, different request answers AlreadyExists to it, and the
+// earlier request, re-issued next, gets the ID.
+func TestLearnVolumeIDFromAnEarlierRequest(t *testing.T) {
+	drivers := &testDrivers{}
+	drv := "strict.csi.test"
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	made := createRequest("pvc-strict")
+	conn, err := drivers.ControllerConn(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := csi.NewControllerClient(conn).CreateVolume(context.Background(), made)
+	if err != nil {
+		t.Fatal(err)
+	}
+	later := createRequest("pvc-strict")
+	later.CapacityRange.RequiredBytes *= 2
+	raw := func(r *csi.CreateVolumeRequest) []byte {
+		b, err := proto.Marshal(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	p := &provisioner{b: &Bridge{cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
+	in := Intent{VolumeName: "pvc-strict", Driver: drv, Request: raw(later)}
+	if _, _, _, err := p.learnVolumeID(context.Background(), in); status.Code(err) != codes.AlreadyExists {
+		t.Fatalf("the later request alone: %v, want AlreadyExists (the driver checks the request)", err)
+	}
+	in.EarlierRequests = [][]byte{raw(made)}
+	id, _, _, err := p.learnVolumeID(context.Background(), in)
+	if err != nil || id != resp.GetVolume().GetVolumeId() {
+		t.Fatalf("with the earlier request: ID %q, %v; want %q", id, err, resp.GetVolume().GetVolumeId())
+	}
 }
