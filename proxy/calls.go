@@ -222,6 +222,7 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 		d.writeLocked(dl, o, nil)
 	} else {
 		dl.pending = append(dl.pending, o)
+		dl.queuedAt = time.Now() // its grpc-timeout is shortened when it opens
 	}
 	d.mu.Unlock()
 	f.mark(d)

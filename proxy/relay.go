@@ -71,6 +71,7 @@ type leg struct {
 	c           *conn
 	s           *stream
 	id          uint32     // 0 until the stream is opened on c
+	queuedAt    time.Time  // when the leg waited for a stream slot (zero: it did not)
 	sendWin     int64      // what the peer lets us send on this stream
 	recvWin     int64      // what we let the peer send on this stream
 	unacked     uint32     // bytes read on this leg and passed on, not yet credited back
@@ -471,6 +472,27 @@ func (c *conn) openLocked(l *leg) bool {
 	return true
 }
 
+// shortenTimeoutLocked takes the time a queued leg waited for a stream
+// slot off the grpc-timeout of its request headers, as gRPC computes the
+// field when it writes them: the driver's deadline is then no later than
+// the caller's.
+func (l *leg) shortenTimeoutLocked() {
+	if l.queuedAt.IsZero() || len(l.pending) == 0 || l.pending[0].isData {
+		return
+	}
+	waited := time.Since(l.queuedAt)
+	fields := l.pending[0].fields
+	for i, hf := range fields {
+		if hf.Name != "grpc-timeout" {
+			continue
+		}
+		if d, err := rawgrpc.ParseTimeout(hf.Value); err == nil {
+			fields[i].Value = rawgrpc.EncodeTimeout(max(d-waited, time.Nanosecond))
+		}
+		return
+	}
+}
+
 // openWaitingLocked opens queued legs as the driver's stream limit allows
 // (none once it sent GOAWAY: they fail with it) and flushes what it wrote:
 // the caller that freed the slot may have nothing else to send here.
@@ -489,6 +511,7 @@ func (c *conn) openWaitingLocked() {
 		}
 		c.openLocked(l)
 		opened = true
+		l.shortenTimeoutLocked()
 		// Credits owed for what was queued go to the broker's connection,
 		// whose lock is never taken while holding this one: a rare path (a
 		// call queued behind the driver's stream limit), so a goroutine.

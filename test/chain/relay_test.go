@@ -192,3 +192,36 @@ func TestRelayDriverGracefulRestart(t *testing.T) {
 		t.Fatalf("the restarted driver saw %d calls, want 1", echo2.calls.Load())
 	}
 }
+
+// TestRelayQueuedCallKeepsItsDeadline: a call the proxy queues behind the
+// driver's stream limit reaches the driver with the time it has left, not
+// the timeout it arrived with.
+func TestRelayQueuedCallKeepsItsDeadline(t *testing.T) {
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	echo, _ := serveDriver(t, path, grpc.MaxConcurrentStreams(1))
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
+	conn := brokerConn(t, c)
+	client := csi.NewControllerClient(conn)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	first := make(chan error, 1)
+	go func() {
+		_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "holds-the-slot", Parameters: map[string]string{"sleep-ms": "500", "quiet": "true"}})
+		first <- err
+	}()
+	echo.waitCreateCalls(t, 1)
+	queued, cancelQueued := context.WithTimeout(ctx, 2*time.Second)
+	defer cancelQueued()
+	if _, err := client.CreateVolume(queued, &csi.CreateVolumeRequest{Name: "queued", Parameters: map[string]string{"quiet": "true"}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	echo.mu.Lock()
+	left := echo.deadline
+	echo.mu.Unlock()
+	if left <= 0 || left > 1700*time.Millisecond {
+		t.Fatalf("the queued call reached the driver with %v left; it waited about 500 ms of its 2 s", left)
+	}
+}
