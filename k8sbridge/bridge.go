@@ -405,6 +405,11 @@ func (b *Bridge) Run(ctx context.Context) error {
 		// last one's controllers have stopped.
 		var termMu sync.Mutex
 		var termDone chan struct{}
+		// The elector runs until the process stops and the term's
+		// controllers have stopped (below): the lease is released only
+		// then, so a standby cannot start while this leader's workers
+		// are still finishing.
+		elCtx, elCancel := context.WithCancel(context.WithoutCancel(ctx))
 		le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
 			Lock:            lock,
 			LeaseDuration:   b.cfg.LeaderElectionLease,
@@ -413,23 +418,29 @@ func (b *Bridge) Run(ctx context.Context) error {
 			ReleaseOnCancel: !b.keepLeaseOnStop,
 			Name:            b.cfg.LeaderElectionLockName,
 			Callbacks: leaderelection.LeaderCallbacks{
-				OnStartedLeading: func(ctx context.Context) {
+				OnStartedLeading: func(leCtx context.Context) {
 					done := make(chan struct{})
 					termMu.Lock()
 					termDone = done
 					termMu.Unlock()
 					defer close(done)
-					if ctx.Err() != nil {
+					if leCtx.Err() != nil || ctx.Err() != nil {
 						// Started after Run had returned (client-go
-						// starts this in a goroutine, and cancels ctx
+						// starts this in a goroutine, and cancels leCtx
 						// as Run returns): the loop may be in the
 						// next term already, which must not be
 						// disturbed.
 						return
 					}
+					// The term ends when the lease is lost or when the
+					// process stops, whichever comes first.
+					termCtx, endTerm := context.WithCancel(leCtx)
+					defer endTerm()
+					stop := context.AfterFunc(ctx, endTerm)
+					defer stop()
 					b.log.Info("became leader", "identity", b.cfg.Identity)
 					b.setLeader(true, b.cfg.Identity)
-					b.lead(ctx)
+					b.lead(termCtx)
 				},
 				OnStoppedLeading: func() {
 					b.log.Info("stopped leading", "identity", b.cfg.Identity)
@@ -446,9 +457,29 @@ func (b *Bridge) Run(ctx context.Context) error {
 			},
 		})
 		if err != nil {
+			elCancel()
 			return err
 		}
-		le.Run(ctx)
+		ran := make(chan struct{})
+		go func() {
+			select {
+			case <-ran:
+				return
+			case <-ctx.Done():
+			}
+			// The process stops: the term first, then the elector
+			// (which releases the lease).
+			termMu.Lock()
+			done := termDone
+			termMu.Unlock()
+			if done != nil {
+				<-done
+			}
+			elCancel()
+		}()
+		le.Run(elCtx)
+		close(ran)
+		elCancel()
 		termMu.Lock()
 		done := termDone
 		termMu.Unlock()

@@ -152,3 +152,51 @@ func takeLease(t *testing.T, c kubernetes.Interface, ns, holder string, secs int
 		t.Fatalf("take the Lease for %s: %v", holder, err)
 	}
 }
+
+// TestLeaseHeldUntilTheTermHasStopped: a leader that stops (SIGTERM)
+// releases its Lease only once its controllers have stopped, so a standby
+// cannot start its own while a worker of this term is still finishing.
+func TestLeaseHeldUntilTheTermHasStopped(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "lease.csi.test")
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "lease"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	entered := make(chan struct{}, 1)
+	r := startBridge(t, env, ns, drivers, bridgeOpts{leader: true, configure: func(b *Bridge) {
+		b.prov.afterCreate = func(ctx context.Context, _ string) {
+			entered <- struct{}{}
+			<-ctx.Done()
+			time.Sleep(1500 * time.Millisecond) // a worker slow to notice
+		}
+	}})
+	makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	select {
+	case <-entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("CreateVolume never returned")
+	}
+	holder := func() string {
+		l, err := c.CoordinationV1().Leases(ns).Get(ctx, "csibroker-leader", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l.Spec.HolderIdentity == nil {
+			return ""
+		}
+		return *l.Spec.HolderIdentity
+	}
+	stopped := make(chan struct{})
+	go func() { r.stop(); close(stopped) }()
+	time.Sleep(700 * time.Millisecond)
+	if h := holder(); h != "broker-0" {
+		t.Fatalf("while a worker of the term is still running, the Lease is held by %q, want broker-0", h)
+	}
+	<-stopped
+	if h := holder(); h != "" {
+		t.Fatalf("after the stop the Lease is held by %q, want it released", h)
+	}
+}
