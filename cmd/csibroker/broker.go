@@ -146,6 +146,16 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 			sockets[d.Name] = filepath.Join(cfg.SocketDir, d.Name+".sock")
 		}
 	}
+	statusPath := cfg.StatusSocket
+	if statusPath == "" && cfg.SocketDir != "" {
+		statusPath = filepath.Join(cfg.SocketDir, "csibroker-status.sock")
+	}
+	for name, path := range sockets {
+		if statusPath != "" && filepath.Clean(path) == filepath.Clean(statusPath) {
+			// Each server would remove the other's socket file.
+			return fmt.Errorf("driver %s's front-end socket %s is the status socket: set --status-socket to another path", name, path)
+		}
+	}
 
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { src.Run(ctx, cfg.TLS.ReloadInterval); return nil })
@@ -201,10 +211,6 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		g.Go(func() error {
 			return b.ServeTCP(ctx, lis, mtls.ServerConfig(src, mtls.AuthorizeFrontEndCaller(cfg.TLS.TrustDomain)))
 		})
-	}
-	statusPath := cfg.StatusSocket
-	if statusPath == "" && cfg.SocketDir != "" {
-		statusPath = filepath.Join(cfg.SocketDir, "csibroker-status.sock")
 	}
 	if statusPath != "" {
 		g.Go(func() error {

@@ -12,10 +12,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/util/flowcontrol"
 	"k8s.io/klog/v2"
 
@@ -154,6 +156,25 @@ func (f *kubeFlags) validate() error {
 	}
 	if f.RenewDeadline >= f.LeaseDuration {
 		errs = append(errs, errors.New("--leader-election-renew-deadline must be shorter than --leader-election-lease-duration"))
+	}
+	if f.RetryPeriod <= 0 || float64(f.RenewDeadline) <= leaderelection.JitterFactor*float64(f.RetryPeriod) {
+		// client-go's own rule, said here with the flags' names.
+		errs = append(errs, fmt.Errorf("--leader-election-retry-period %v: must be positive, and --leader-election-renew-deadline (%v) more than %.1f times it",
+			f.RetryPeriod, f.RenewDeadline, leaderelection.JitterFactor))
+	}
+	if f.WorkerThreads <= 0 {
+		errs = append(errs, fmt.Errorf("--worker-threads %d: must be positive", f.WorkerThreads))
+	}
+	if f.PerDriverWorkers < 0 {
+		errs = append(errs, fmt.Errorf("--per-driver-workers %d: 0 (as many as --worker-threads) or positive", f.PerDriverWorkers))
+	}
+	if f.RetryIntervalStart <= 0 || f.RetryIntervalMax < f.RetryIntervalStart {
+		errs = append(errs, fmt.Errorf("--retry-interval-start %v and --retry-interval-max %v: the start must be positive and not above the max", f.RetryIntervalStart, f.RetryIntervalMax))
+	}
+	if f.DiscoverProxies != "" {
+		if _, err := labels.Parse(f.DiscoverProxies); err != nil {
+			errs = append(errs, fmt.Errorf("--discover-proxies %q: not a label selector: %w", f.DiscoverProxies, err))
+		}
 	}
 	return errors.Join(errs...)
 }

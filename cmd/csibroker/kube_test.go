@@ -160,6 +160,13 @@ func TestBrokerFlagsRefusedTogether(t *testing.T) {
 		{"short volume name UID", "--volume-name-uuid-length", func(c *BrokerCommandConfig) { c.Kube.VolumeNameUUIDLength = 4 }},
 		{"metrics path without slash", "--metrics-path", func(c *BrokerCommandConfig) { c.MetricsPath = "metrics" }},
 		{"metrics path on the health endpoint", "--metrics-path", func(c *BrokerCommandConfig) { c.MetricsPath = "/readyz" }},
+		{"no workers", "--worker-threads", func(c *BrokerCommandConfig) { c.Kube.WorkerThreads = 0 }},
+		{"negative per-driver workers", "--per-driver-workers", func(c *BrokerCommandConfig) { c.Kube.PerDriverWorkers = -1 }},
+		{"backoff start above its max", "--retry-interval-start", func(c *BrokerCommandConfig) { c.Kube.RetryIntervalStart = time.Hour }},
+		{"no backoff", "--retry-interval-start", func(c *BrokerCommandConfig) { c.Kube.RetryIntervalStart = 0 }},
+		{"renew deadline within client-go's jitter of the retry period", "--leader-election-retry-period", func(c *BrokerCommandConfig) { c.Kube.RetryPeriod = 2500 * time.Millisecond }},
+		{"no retry period", "--leader-election-retry-period", func(c *BrokerCommandConfig) { c.Kube.RetryPeriod = 0 }},
+		{"discovery selector that does not parse", "--discover-proxies", func(c *BrokerCommandConfig) { c.Kube.Mode, c.Kube.DiscoverProxies = "on", "app in (a" }},
 	} {
 		c := base()
 		tc.mut(&c)
