@@ -90,14 +90,14 @@ func TestRBACLeastPrivilege(t *testing.T) {
 			{"", "persistentvolumeclaims/status", ""}:          sorted("patch"),
 			{"", "nodes", ""}:                                  read,
 			{"", "namespaces", ""}:                             read,
-			{"", "pods", ""}:                                   read,
+			{"", "pods", ""}:                                   sorted("list", "watch"),
 			{"storage.k8s.io", "storageclasses", ""}:           read,
 			{"storage.k8s.io", "csinodes", ""}:                 read,
 			{"storage.k8s.io", "volumeattachments", ""}:        sorted("get", "list", "watch", "update"),
 			{"storage.k8s.io", "volumeattachments/status", ""}: sorted("update"),
 			{"", "events", ""}:                                 sorted("create", "update", "patch"),
 			{"policy.csibroker.io", "secretgrants", ""}:        read,
-			{"policy.csibroker.io", "secretgrants/status", ""}: sorted("update", "patch"),
+			{"policy.csibroker.io", "secretgrants/status", ""}: sorted("patch"),
 			{"", "secrets", ""}:                                {"get"},
 		}
 		compareGrants(t, got, want)
@@ -118,7 +118,7 @@ func TestRBACLeastPrivilege(t *testing.T) {
 			{"coordination.k8s.io", "leases", "csibroker-leader"}: sorted("get", "update"),
 			{"", "configmaps", ""}:                                {"create"},
 			{"", "configmaps", "csibroker-intents"}:               sorted("get", "update"),
-			{"storage.k8s.io", "csistoragecapacities", ""}:        sorted("get", "list", "watch", "create", "update", "patch", "delete"),
+			{"storage.k8s.io", "csistoragecapacities", ""}:        sorted("get", "list", "watch", "create", "update", "delete"),
 		}
 		compareGrants(t, got, want)
 	})
@@ -209,7 +209,8 @@ func TestRBACSubjectAccessReview(t *testing.T) {
 		{verb: "create", group: "storage.k8s.io", resource: "csistoragecapacities", namespace: brokerNamespace},
 		{verb: "create", resource: "events", namespace: "sample-app"},
 		{verb: "watch", group: "policy.csibroker.io", resource: "secretgrants"},
-		{verb: "update", group: "policy.csibroker.io", resource: "secretgrants", subresource: "status", namespace: "sample-storage", name: "sample-provisioner"},
+		{verb: "patch", group: "policy.csibroker.io", resource: "secretgrants", subresource: "status", namespace: "sample-storage", name: "sample-provisioner"},
+		{verb: "get", resource: "namespaces", name: "sample-app"},
 		{verb: "create", group: "coordination.k8s.io", resource: "leases", namespace: brokerNamespace},
 		{verb: "update", group: "coordination.k8s.io", resource: "leases", namespace: brokerNamespace, name: "csibroker-leader"},
 		{verb: "get", resource: "configmaps", namespace: brokerNamespace, name: "csibroker-intents"},
@@ -238,6 +239,9 @@ func TestRBACSubjectAccessReview(t *testing.T) {
 		{verb: "update", resource: "persistentvolumeclaims", namespace: "sample-app", name: "data"},
 		{verb: "update", resource: "persistentvolumeclaims", subresource: "status", namespace: "sample-app", name: "data"},
 		{verb: "patch", group: "storage.k8s.io", resource: "volumeattachments", subresource: "status", name: "csi-1"},
+		{verb: "get", resource: "pods", namespace: "sample-storage", name: "proxy-0"},
+		{verb: "update", group: "policy.csibroker.io", resource: "secretgrants", subresource: "status", namespace: "sample-storage", name: "sample-provisioner"},
+		{verb: "patch", group: "storage.k8s.io", resource: "csistoragecapacities", namespace: brokerNamespace, name: "csisc-1"},
 	}
 
 	// RBAC objects reach the authorizer through its informers.
