@@ -3,6 +3,7 @@ package broker
 import (
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"strings"
 	"sync"
@@ -82,6 +83,18 @@ func (c DriverConfig) withDefaults() DriverConfig {
 }
 
 // Validate reports what is wrong with one driver's configuration.
+// checkAddress refuses a proxy address that is not host:port (a missing
+// port would only show at every dial).
+func checkAddress(addr string) error {
+	if addr == "" {
+		return errors.New("required")
+	}
+	if _, port, err := net.SplitHostPort(addr); err != nil || port == "" {
+		return fmt.Errorf("%q: want host:port", addr)
+	}
+	return nil
+}
+
 func (c DriverConfig) Validate() error {
 	var errs []error
 	if c.Name == "" {
@@ -93,13 +106,17 @@ func (c DriverConfig) Validate() error {
 	if c.Controller == nil && len(c.Nodes) == 0 {
 		errs = append(errs, errors.New("needs a controller proxy or at least one node proxy"))
 	}
-	if c.Controller != nil && c.Controller.Address == "" {
-		errs = append(errs, errors.New("controller.address is required"))
+	if c.Controller != nil {
+		if err := checkAddress(c.Controller.Address); err != nil {
+			errs = append(errs, fmt.Errorf("controller.address: %w", err))
+		}
 	}
 	seen := map[string]bool{}
 	for i, n := range c.Nodes {
 		if n.Node == "" || n.Address == "" {
 			errs = append(errs, fmt.Errorf("nodes[%d]: node and address are required", i))
+		} else if err := checkAddress(n.Address); err != nil {
+			errs = append(errs, fmt.Errorf("nodes[%d].address: %w", i, err))
 		}
 		if seen[n.Node] {
 			errs = append(errs, fmt.Errorf("nodes[%d]: node %q listed twice", i, n.Node))

@@ -20,15 +20,17 @@ func TestLoadRegistryConfigExample(t *testing.T) {
 
 func TestLoadRegistryConfigErrors(t *testing.T) {
 	cases := []struct{ name, yaml, want string }{
-		{"unknown field", "drivers:\n  - name: a\n    controler: {address: x}\n", "field controler not found"},
+		{"unknown field", "drivers:\n  - name: a\n    controler: {address: \"x:1\"}\n", "field controler not found"},
 		{"no proxy", "drivers:\n  - name: a\n", `driver "a": needs a controller proxy or at least one node proxy`},
-		{"no name", "drivers:\n  - controller: {address: x}\n", "name is required"},
-		{"duplicate driver", "drivers:\n  - {name: a, controller: {address: x}}\n  - {name: a, controller: {address: y}}\n", `driver "a" listed twice`},
-		{"duplicate node", "drivers:\n  - name: a\n    nodes: [{node: n, address: x}, {node: n, address: y}]\n", `node "n" listed twice`},
-		{"bad duration", "drivers:\n  - name: a\n    controller: {address: x}\n    timeout: soon\n", "soon"},
-		{"negative method timeout", "drivers:\n  - name: a\n    controller: {address: x}\n    methodTimeouts: {CreateVolume: -1s}\n", "methodTimeouts[CreateVolume] must be positive"},
-		{"slash in name", "drivers:\n  - name: a/b\n    controller: {address: x}\n", "must not contain"},
-		{"unknown method timeout", "drivers:\n  - name: a\n    controller: {address: x}\n    methodTimeouts: {createVolume: 2m}\n", "methodTimeouts[createVolume]: not the name of a CSI method"},
+		{"no name", "drivers:\n  - controller: {address: \"x:1\"}\n", "name is required"},
+		{"duplicate driver", "drivers:\n  - {name: a, controller: {address: \"x:1\"}}\n  - {name: a, controller: {address: \"y:1\"}}\n", `driver "a" listed twice`},
+		{"duplicate node", "drivers:\n  - name: a\n    nodes: [{node: n, address: \"x:1\"}, {node: n, address: \"y:1\"}]\n", `node "n" listed twice`},
+		{"bad duration", "drivers:\n  - name: a\n    controller: {address: \"x:1\"}\n    timeout: soon\n", "soon"},
+		{"negative method timeout", "drivers:\n  - name: a\n    controller: {address: \"x:1\"}\n    methodTimeouts: {CreateVolume: -1s}\n", "methodTimeouts[CreateVolume] must be positive"},
+		{"controller address without a port", "drivers:\n  - name: a\n    controller: {address: 127.0.0.1}\n", `controller.address: "127.0.0.1": want host:port`},
+		{"node address without a port", "drivers:\n  - name: a\n    nodes: [{node: n, address: proxy.local}]\n", `nodes[0].address: "proxy.local": want host:port`},
+		{"slash in name", "drivers:\n  - name: a/b\n    controller: {address: \"x:1\"}\n", "must not contain"},
+		{"unknown method timeout", "drivers:\n  - name: a\n    controller: {address: \"x:1\"}\n    methodTimeouts: {createVolume: 2m}\n", "methodTimeouts[createVolume]: not the name of a CSI method"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

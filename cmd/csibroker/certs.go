@@ -45,6 +45,9 @@ func runCerts(_ context.Context, args []string, stdout, stderr io.Writer) error 
 	if len(nodes) > 0 && len(drivers) == 0 {
 		return errors.New("--node needs at least one --driver")
 	}
+	if o.Validity <= 0 {
+		return fmt.Errorf("--validity %v: must be positive", o.Validity)
+	}
 	o.Drivers, o.Nodes, o.Clients = drivers, nodes, clients
 	files, err := mtls.WriteDevCerts(o)
 	if err != nil {
