@@ -65,7 +65,8 @@ func TestBuiltinClientEncoding(t *testing.T) {
 	}
 
 	f := &kubeFlags{Mode: "off", PolicyMode: "enforce", QPS: 5, Burst: 10, EventsQPS: 20, EventsBurst: 50,
-		LeaseDuration: 3e9, RenewDeadline: 2e9, ContentType: "application/yaml", VolumeNameUUIDLength: -1}
+		LeaseDuration: 3e9, RenewDeadline: 2e9, RetryPeriod: 5e8, WorkerThreads: 1, RetryIntervalStart: 1e9, RetryIntervalMax: 1e9,
+		ContentType: "application/yaml", VolumeNameUUIDLength: -1}
 	err := f.validate()
 	if err == nil || !strings.Contains(err.Error(), "--kube-api-content-type") {
 		t.Errorf("validate of an unknown encoding: %v, want an error naming --kube-api-content-type", err)
