@@ -409,6 +409,7 @@ type attachSetup struct {
 	drv      string
 	drivers  *testDrivers
 	d        *sampledriver.Driver
+	r        *bridgeRun
 }
 
 // newAttachSetup starts it; the driver is named after name and runs cfg
@@ -436,7 +437,7 @@ func newAttachSetupWith(t *testing.T, name string, cfg sampledriver.Config, td *
 	if wrap == nil {
 		wrap = td
 	}
-	startBridge(t, env, s.ns, wrap, o)
+	s.r = startBridge(t, env, s.ns, wrap, o)
 	return s
 }
 
@@ -580,9 +581,7 @@ func TestAttachReconcilePublishesAgain(t *testing.T) {
 // or the deleter; the others wait their turn and are all done.
 func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
 	drivers := newCountingDrivers()
-	s := newAttachSetupWith(t, "sa.csi.test", sampledriver.Config{Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
-		"ControllerPublishVolume": {Latency: 300 * time.Millisecond}, "DeleteVolume": {Latency: 300 * time.Millisecond}}}},
-		drivers.testDrivers, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
+	s := newAttachSetupWith(t, "sa.csi.test", sampledriver.Config{}, drivers.testDrivers, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
 	ctx, c, ns, node, drv := s.ctx, s.c, s.ns, s.node, s.drv
 	class := makeClass(t, c, clusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 
@@ -596,6 +595,12 @@ func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
 	for _, name := range append(slices.Clone(used), spare...) {
 		pvOf[name] = waitBound(t, c, ns, name, 60*time.Second).Spec.VolumeName
 	}
+	// The first publish and the first deletion are held at the driver
+	// until the other two of each wait for the driver's slot: they
+	// contend for it.
+	letPublish, letDelete := drivers.hold("ControllerPublishVolume"), drivers.hold("DeleteVolume")
+	defer letPublish()
+	defer letDelete()
 	for _, name := range used {
 		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "pod-" + name, Namespace: ns}, Spec: corev1.PodSpec{NodeName: node,
 			Containers: []corev1.Container{{Name: "c", Image: "busybox"}},
@@ -631,6 +636,16 @@ func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	at := extraOf[*attacher](t, s.r.b)
+	err := testenv.WaitFor(ctx, 60*time.Second, "two attachments and two deletions waiting for the driver's slot", func(context.Context) (bool, string, error) {
+		na, nd := at.queue.Len(), s.r.b.del.queue.Len()
+		return na == 2 && nd == 2, fmt.Sprintf("%d attachments and %d deletions waiting", na, nd), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	letPublish()
+	letDelete()
 	for _, name := range used {
 		vaFor(t, c, pvOf[name], func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, name+" attached")
 	}

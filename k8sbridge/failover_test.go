@@ -165,12 +165,13 @@ func TestLeaseHeldUntilTheTermHasStopped(t *testing.T) {
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
 	class := makeClass(t, c, clusterName(ns, "lease"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	entered := make(chan struct{}, 1)
+	entered, ended, finish := make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{})
 	r := startBridge(t, env, ns, drivers, bridgeOpts{leader: true, configure: func(b *Bridge) {
 		b.prov.afterCreate = func(ctx context.Context, _ string) {
 			entered <- struct{}{}
 			<-ctx.Done()
-			time.Sleep(1500 * time.Millisecond) // a worker slow to notice
+			ended <- struct{}{}
+			<-finish // a worker slow to finish, until the test lets it
 		}
 	}})
 	makeClaim(t, c, ns, "data", class.Name, "1Gi")
@@ -189,13 +190,31 @@ func TestLeaseHeldUntilTheTermHasStopped(t *testing.T) {
 		}
 		return *l.Spec.HolderIdentity
 	}
-	stopped := make(chan struct{})
-	go func() { r.stop(); close(stopped) }()
-	time.Sleep(700 * time.Millisecond)
-	if h := holder(); h != "broker-0" {
-		t.Fatalf("while a worker of the term is still running, the Lease is held by %q, want broker-0", h)
+	r.cancel() // as SIGTERM does
+	r.cancel = nil
+	select {
+	case <-ended:
+	case <-time.After(10 * time.Second):
+		close(finish)
+		t.Fatal("the term never ended")
 	}
-	<-stopped
+	// The worker stays busy until finish is closed: the Lease must stay
+	// held all that time (a release with the term's end shows at once).
+	var released string
+	for deadline := time.Now().Add(time.Second); time.Now().Before(deadline) && released == ""; time.Sleep(50 * time.Millisecond) {
+		if h := holder(); h != "broker-0" {
+			released = fmt.Sprintf("%q", h)
+		}
+	}
+	close(finish)
+	select {
+	case <-r.exited:
+	case <-time.After(20 * time.Second):
+		t.Fatal("Run did not return")
+	}
+	if released != "" {
+		t.Fatalf("while a worker of the term was still running, the Lease was held by %s, want broker-0", released)
+	}
 	if h := holder(); h != "" {
 		t.Fatalf("after the stop the Lease is held by %q, want it released", h)
 	}

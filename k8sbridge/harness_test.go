@@ -584,3 +584,17 @@ func (c countingConn) Invoke(ctx context.Context, method string, args, reply any
 	}
 	return answer(nth, call)
 }
+
+// extraOf is the bridge's controller of type T (the resizer, the
+// attacher...).
+func extraOf[T any](t *testing.T, b *Bridge) T {
+	t.Helper()
+	for _, c := range b.extra {
+		if x, ok := c.(T); ok {
+			return x
+		}
+	}
+	var zero T
+	t.Fatalf("the bridge has no controller of type %T", zero)
+	return zero
+}

@@ -47,7 +47,7 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	}
 	classA := makeClass(t, c, clusterName(ns, "a"), drvA, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{"label": "blue"})
 	classB := makeClass(t, c, clusterName(ns, "b"), drvB, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimRetain, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{})
+	r := startBridge(t, env, ns, drivers, bridgeOpts{})
 
 	claimA := makeClaim(t, c, ns, "claim-a", classA.Name, "1Gi")
 	claimB := makeClaim(t, c, ns, "claim-b", classB.Name, "2Gi")
@@ -82,6 +82,22 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	if q := pvA.Spec.Capacity[corev1.ResourceStorage]; q.Value() != 1<<30 {
 		t.Errorf("capacity %s", q.String())
 	}
+	pvB, err := c.CoreV1().PersistentVolumes().Get(ctx, boundB.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	switch q := pvB.Spec.Capacity[corev1.ResourceStorage]; {
+	case pvB.Name != "pvc-"+string(claimB.UID):
+		t.Errorf("claim-b PV name %s", pvB.Name)
+	case pvB.Spec.CSI == nil || pvB.Spec.CSI.Driver != drvB || pvB.Spec.CSI.VolumeHandle == "":
+		t.Errorf("claim-b PV CSI source %+v", pvB.Spec.CSI)
+	case pvB.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimRetain:
+		t.Errorf("claim-b PV reclaim %s", pvB.Spec.PersistentVolumeReclaimPolicy)
+	case pvB.Spec.ClaimRef == nil || pvB.Spec.ClaimRef.UID != claimB.UID || pvB.Spec.StorageClassName != classB.Name:
+		t.Errorf("claim-b PV claimRef %+v, class %q", pvB.Spec.ClaimRef, pvB.Spec.StorageClassName)
+	case q.Value() != 2<<30:
+		t.Errorf("claim-b PV capacity %s", q.String())
+	}
 	vols := a.Volumes()
 	if len(vols) != 1 || vols[0].ID != src.VolumeHandle || vols[0].Parameters["label"] != "blue" {
 		t.Fatalf("driver A volumes %+v", vols)
@@ -90,9 +106,18 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 		t.Fatalf("driver B volumes %+v", b.Volumes())
 	}
 	waitEvent(t, c, ns, "claim-a", "ProvisioningSucceeded", "Successfully provisioned volume "+pvA.Name)
+	// The Event names the trace of the claim's provisioning.
 	ev := waitEvent(t, c, ns, "claim-a", "Provisioning", "(trace ")
-	if !strings.Contains(ev.Message, "trace ") {
-		t.Fatalf("event without trace ID: %s", ev.Message)
+	id := ev.Message[strings.LastIndex(ev.Message, "(trace ")+len("(trace "):]
+	id = strings.TrimSuffix(id, ")")
+	var traced []string
+	for _, sp := range r.spans.Ended() {
+		if sp.Name() == "provision "+ns+"/claim-a" {
+			traced = append(traced, sp.SpanContext().TraceID().String())
+		}
+	}
+	if !slices.Contains(traced, id) {
+		t.Fatalf("the Provisioning Event names trace %q; the claim's provisioning spans are in traces %v", id, traced)
 	}
 
 	// Reclaim Delete: claim deleted → volume deleted → PV gone.
@@ -121,7 +146,6 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	if n := len(b.Volumes()); n != 1 {
 		t.Fatalf("Retain: driver B has %d volumes, want 1", n)
 	}
-	_ = claimB
 }
 
 // TestSelectedNodeGoneReschedules: a WaitForFirstConsumer claim whose

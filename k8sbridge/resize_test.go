@@ -813,18 +813,32 @@ func TestResizeKeepsToPerDriverWorkers(t *testing.T) {
 	c := env.Client()
 	drv := clusterName(ns, "slowexpand.csi.test")
 	drivers := newCountingDrivers()
-	drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
-		"ControllerExpandVolume": {Latency: 300 * time.Millisecond}}}})
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
 	class := makeResizeClass(t, c, clusterName(ns, "slow"), drv, "", "")
-	startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
+	r := startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
 	names := []string{"a", "b", "c"}
 	for _, name := range names {
 		makeClaim(t, c, ns, name, class, "1Gi")
 	}
 	for _, name := range names {
 		waitBound(t, c, ns, name, 60*time.Second)
+	}
+	// The first expansion is held at the driver until the other two wait
+	// for its slot: they contend for it.
+	letGo := drivers.hold("ControllerExpandVolume")
+	defer letGo()
+	for _, name := range names {
 		raiseRequest(t, c, ns, name, "2Gi")
 	}
+	rs := extraOf[*resizer](t, r.b)
+	err := testenv.WaitFor(context.Background(), 30*time.Second, "two expansions waiting for the driver's slot", func(context.Context) (bool, string, error) {
+		n := rs.queue.Len()
+		return n == 2, fmt.Sprintf("%d claims waiting", n), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	letGo()
 	for _, name := range names {
 		waitClaim(t, c, ns, name, "expanded on the controller", func(pvc *corev1.PersistentVolumeClaim) bool {
 			return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending
