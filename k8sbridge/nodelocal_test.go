@@ -276,6 +276,9 @@ func TestNodeLocalResizeOfVolumeWithoutNode(t *testing.T) {
 			t.Errorf("volume %s expanded to %d bytes on node %s's driver, whose PV names no node", v.ID, v.CapacityBytes, node)
 		}
 	}
+	if n := inst[node].CallCount("ControllerExpandVolume"); n != 0 {
+		t.Errorf("node %s's driver got %d ControllerExpandVolume calls for a volume whose PV names no node", node, n)
+	}
 }
 
 // TestNodeLocalAttemptsOfAnEarlierLeader: the first attempt of a term sees

@@ -252,6 +252,11 @@ func rotateUnderLoad(t *testing.T, drop bool) {
 	if c.BrokerSource.Reloads() != rotations {
 		t.Fatalf("reloads = %d, want %d", c.BrokerSource.Reloads(), rotations)
 	}
+	if c.BrokerSource.Failures() < 1 {
+		// The 30 ms between the key and its certificate went unseen:
+		// the refusal of a mismatched pair was not exercised.
+		t.Fatalf("no reload was refused, want the mismatched key and certificate refused at least once")
+	}
 	if len(serials) != rotations+1 {
 		t.Fatalf("proxy accepted %d distinct broker certificates, want %d (the first and each rotation)", len(serials), rotations+1)
 	}

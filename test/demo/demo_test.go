@@ -72,6 +72,12 @@ func TestDemoEndToEnd(t *testing.T) {
 	if err != nil {
 		t.Fatalf("demo: %v", err)
 	}
+	select {
+	case <-running:
+	default:
+		// --wait was asked for: the Ctrl-C shutdown above was never tried.
+		t.Fatal("the demo exited without saying it keeps running until Ctrl-C")
+	}
 	// Everything it started is gone: its work directory and every process
 	// whose pid it printed.
 	if m := regexp.MustCompile(`work directory (\S+)`).FindStringSubmatch(out.String()); m == nil {
