@@ -37,6 +37,9 @@ type echoDriver struct {
 	lastMD    metadata.MD
 	deadline  time.Duration // remaining time seen by the last call, 0 if none
 	cancelled chan struct{} // receives when a waiting call sees its context end
+	// snapshotSent counts the messages of the snapshot metadata streams
+	// (serveDriver's snapshotDriver) sent so far.
+	snapshotSent atomic.Int64
 }
 
 func (e *echoDriver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {

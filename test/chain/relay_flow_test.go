@@ -49,7 +49,7 @@ func TestRelayEarlyAnswerToLargeRequests(t *testing.T) {
 // DATA for them: the driver connection's window is not lost with them.
 func TestRelayCancelledStreamsFreeTheirWindows(t *testing.T) {
 	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
-	serveDriver(t, path)
+	echo, _ := serveDriver(t, path)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
 	conn := brokerConn(t, c)
 	for i := 0; i < 4; i++ {
@@ -62,7 +62,7 @@ func TestRelayCancelledStreamsFreeTheirWindows(t *testing.T) {
 			t.Fatalf("stream %d: first message: %v", i, err)
 		}
 		t.Logf("stream %d: first message received", i)
-		time.Sleep(300 * time.Millisecond) // let the proxy queue what the broker window refuses
+		waitSendsBlocked(t, echo, i+1) // the proxy holds what the broker's window refuses
 		cancel()
 	}
 	time.Sleep(time.Second)
@@ -111,7 +111,7 @@ func TestRelayEarlyAnswerToLargeStreams(t *testing.T) {
 // unrelated call.
 func TestRelaySlowReaderBlocksNoOtherCall(t *testing.T) {
 	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
-	serveDriver(t, path)
+	echo, _ := serveDriver(t, path)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
 	conn := brokerConn(t, c)
 	ctx0, cancel0 := context.WithCancel(context.Background())
@@ -125,7 +125,7 @@ func TestRelaySlowReaderBlocksNoOtherCall(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	time.Sleep(500 * time.Millisecond)
+	waitSendsBlocked(t, echo, 4) // every window on the way is full
 	conn2 := brokerConn(t, c)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()

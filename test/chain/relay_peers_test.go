@@ -220,13 +220,13 @@ func TestRelayRefusesInvalidSettings(t *testing.T) {
 // calls of another broker connection.
 func TestRelayStuckBrokerStallsNoOtherBroker(t *testing.T) {
 	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
-	serveDriver(t, path)
+	echo, _ := serveDriver(t, path)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
 	r := dialRawBroker(t, c, false, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1<<31 - 1})
 	r.fr.WriteWindowUpdate(0, 1<<31-1-65535)
 	r.headers(1, "/csi.v1.SnapshotMetadata/GetMetadataAllocated", false)
 	r.fr.WriteData(1, true, []byte{0, 0, 0, 0, 3, 0x0a, 1, 's'}) // GetMetadataAllocatedRequest{snapshot_id: "s"}
-	time.Sleep(2 * time.Second)                                  // ~7 MB of answer fills the socket buffers
+	waitSendsBlocked(t, echo, 1)                                 // ~7 MB of answer fills the socket buffers
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if _, err := csi.NewControllerClient(brokerConn(t, c)).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "small"}); err != nil {

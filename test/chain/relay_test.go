@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -25,6 +26,7 @@ import (
 type snapshotDriver struct {
 	csi.UnimplementedSnapshotMetadataServer
 	messages, blocksPer int
+	sent                *atomic.Int64 // messages sent, over all streams
 }
 
 func (d *snapshotDriver) GetMetadataAllocated(req *csi.GetMetadataAllocatedRequest, srv csi.SnapshotMetadata_GetMetadataAllocatedServer) error {
@@ -36,8 +38,28 @@ func (d *snapshotDriver) GetMetadataAllocated(req *csi.GetMetadataAllocatedReque
 		if err := srv.Send(&csi.GetMetadataAllocatedResponse{BlockMetadata: blocks, VolumeCapacityBytes: int64(i)}); err != nil {
 			return err
 		}
+		d.sent.Add(1)
 	}
 	return nil
+}
+
+// waitSendsBlocked waits until the driver's snapshot streams have sent
+// fewer than 300 messages per stream (of streams opened) and sent nothing
+// more for a while: what is left is held back by flow control on the way.
+func waitSendsBlocked(t *testing.T, e *echoDriver, streams int) {
+	t.Helper()
+	last, still := int64(-1), 0
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		n := e.snapshotSent.Load()
+		if n == last && n < int64(300*streams) {
+			if still++; still == 6 {
+				return
+			}
+			continue
+		}
+		last, still = n, 0
+	}
+	t.Fatalf("the driver's streams never stalled (%d messages sent): nothing is held back", e.snapshotSent.Load())
 }
 
 // serveDriver serves an echo driver (and the snapshot metadata service) on
@@ -52,7 +74,7 @@ func serveDriver(t *testing.T, path string, opts ...grpc.ServerOption) (*echoDri
 	srv := grpc.NewServer(opts...)
 	csi.RegisterIdentityServer(srv, e)
 	csi.RegisterControllerServer(srv, e)
-	csi.RegisterSnapshotMetadataServer(srv, &snapshotDriver{messages: 300, blocksPer: 2000})
+	csi.RegisterSnapshotMetadataServer(srv, &snapshotDriver{messages: 300, blocksPer: 2000, sent: &e.snapshotSent})
 	go srv.Serve(lis)
 	t.Cleanup(func() { srv.Stop(); os.Remove(path) })
 	return e, srv
