@@ -73,14 +73,25 @@ func startPeer(t *testing.T, p *h2peer) (addr string, client *tls.Config) {
 		t.Fatal(err)
 	}
 	p.lis = lis
-	t.Cleanup(func() { lis.Close() })
+	var accepted []net.Conn
+	var acceptedMu sync.Mutex
+	t.Cleanup(func() {
+		lis.Close()
+		acceptedMu.Lock()
+		defer acceptedMu.Unlock()
+		for _, nc := range accepted {
+			nc.Close()
+		}
+	})
 	go func() {
 		for {
 			nc, err := lis.Accept()
 			if err != nil {
 				return
 			}
-			t.Cleanup(func() { nc.Close() })
+			acceptedMu.Lock()
+			accepted = append(accepted, nc)
+			acceptedMu.Unlock()
 			go p.serve(nc)
 		}
 	}()

@@ -13,6 +13,7 @@ type TestingT interface {
 	Helper()
 	Cleanup(func())
 	Fatalf(format string, args ...any)
+	Errorf(format string, args ...any)
 	Logf(format string, args ...any)
 }
 
@@ -59,11 +60,13 @@ func StartTest(t TestingT, cfg Config) (endpoint string, d *Driver) {
 	go func() { done <- d.Serve(ctx, lis) }()
 	t.Cleanup(func() {
 		cancel()
+		// A driver that stopped serving on its own, or leaves mounts
+		// behind, fails the test that started it.
 		if err := <-done; err != nil {
-			t.Logf("sample driver: serve: %v", err)
+			t.Errorf("sample driver: serve: %v", err)
 		}
 		if err := d.UnmountAll(); err != nil {
-			t.Logf("sample driver: unmount: %v", err)
+			t.Errorf("sample driver: unmount: %v", err)
 		}
 		d.Close()
 	})

@@ -114,8 +114,16 @@ func TestDriverRestartWithCallsInFlight(t *testing.T) {
 	// Supervisor: restart the driver 100ms after it dies.
 	var exitedAt, restartedAt atomic.Int64
 	restarted := make(chan *driverProc, 1)
+	// Its t calls must happen while the test runs: it gives up once the
+	// test body has returned (a driver that never died).
+	testEnded := make(chan struct{})
+	defer close(testEnded)
 	go func() {
-		<-first.done
+		select {
+		case <-first.done:
+		case <-testEnded:
+			return
+		}
 		exitedAt.Store(time.Now().UnixNano())
 		time.Sleep(100 * time.Millisecond)
 		restartedAt.Store(time.Now().UnixNano())
