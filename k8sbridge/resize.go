@@ -290,6 +290,7 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	lastFinal := r.finalErr[claim.UID]
 	r.mu.Unlock()
 	if _, ok := expansionTarget(expansionInputOf(claim, pv, lastFinal, true)); !ok {
+		r.b.log.Debug("volume expansion: nothing for the driver now; the kubelet has the next step", "claim", key, "driver", driver)
 		return 0, nil
 	}
 	// --per-driver-workers: one slow or unreachable driver cannot take

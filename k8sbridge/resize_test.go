@@ -1080,9 +1080,21 @@ func TestResizeClaimWaitingForTheKubeletAsksNoDriver(t *testing.T) {
 	raiseRequest(t, c, ns, "other", "2Gi")
 	dead := &testDrivers{}
 	dead.addDeadDriver(t, drv)
-	startBridge(t, env, ns, dead, bridgeOpts{configureCfg: func(cfg *Config) { cfg.WorkerThreads = 1 }})
+	second := startBridge(t, env, ns, dead, bridgeOpts{})
 	waitEvent(t, c, ns, "other", "VolumeResizeFailed", "not reachable")
-	time.Sleep(2 * time.Second) // the one worker has had time for "waiting" too
+	// Handled, and found to have nothing for the driver.
+	handled := "nothing for the driver now"
+	err := testenv.WaitFor(context.Background(), 30*time.Second, "the waiting claim handled", func(context.Context) (bool, string, error) {
+		for _, line := range strings.Split(second.logs.String(), "\n") {
+			if strings.Contains(line, handled) && strings.Contains(line, "claim="+ns+"/waiting") {
+				return true, "", nil
+			}
+		}
+		return false, "no log line of it", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	if evs := eventsOf(c, ns, "waiting"); strings.Contains(evs, "VolumeResizeFailed") {
 		t.Fatalf("a claim waiting for the kubelet was reported as failed:%s", evs)
 	}
