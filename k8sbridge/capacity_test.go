@@ -639,7 +639,18 @@ func TestCapacityNodeLocalNodeWithoutProxy(t *testing.T) {
 	run := startBridge(t, env, ns, br, bridgeOpts{})
 	keyA := segmentKey(class.Name, corev1.LabelHostname, nodeA)
 	before := waitCapacities(t, c, ns, drv, map[string]int64{keyA: 4 * gib})
-	time.Sleep(2 * time.Second) // polls and registry checks
+	// Node A's object polled a few times more: node B's would have been
+	// asked for by now.
+	unchanged := func() float64 {
+		return run.metricValue(t, "csibroker_capacity_refreshes_total", map[string]string{"driver": drv, "result": "unchanged"})
+	}
+	polled := unchanged()
+	if err := testenv.WaitFor(ctx, 30*time.Second, "node A's capacity polled again", func(context.Context) (bool, string, error) {
+		n := unchanged()
+		return n >= polled+3, fmt.Sprintf("%v unchanged refreshes", n), nil
+	}); err != nil {
+		t.Fatal(err)
+	}
 	if objs, err := capacityObjects(ctx, c, ns, drv); err != nil || len(objs) != 1 {
 		t.Fatalf("objects %s (%v), want node A's only: node B has no proxy", describeCapacities(objs), err)
 	}
