@@ -292,15 +292,9 @@ func (a *attacher) source(va *storagev1.VolumeAttachment) (*attachSource, error)
 		if pv.Spec.CSI == nil {
 			return nil, fmt.Errorf("persistentvolume %s is not a CSI volume", *n)
 		}
-		if pv.Spec.CSI.Driver != va.Spec.Attacher {
-			return nil, fmt.Errorf("persistentvolume %s is a volume of driver %s, not of the attachment's attacher %s", *n, pv.Spec.CSI.Driver, va.Spec.Attacher)
-		}
 		return &attachSource{pv: pv, csi: pv.Spec.CSI, accessModes: pv.Spec.AccessModes, volumeMode: pv.Spec.VolumeMode, mountOptions: pv.Spec.MountOptions}, nil
 	}
 	if spec := va.Spec.Source.InlineVolumeSpec; spec != nil && spec.CSI != nil {
-		if spec.CSI.Driver != va.Spec.Attacher {
-			return nil, fmt.Errorf("the attachment's inline volume is of driver %s, not of its attacher %s", spec.CSI.Driver, va.Spec.Attacher)
-		}
 		return &attachSource{csi: spec.CSI, accessModes: spec.AccessModes, volumeMode: spec.VolumeMode, mountOptions: spec.MountOptions}, nil
 	}
 	return nil, fmt.Errorf("volumeattachment %s names no CSI volume", va.Name)
@@ -468,6 +462,15 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	src, err := a.source(va)
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
+	}
+	if src.csi.Driver != driver {
+		// Checked before any publish (a detach of what an earlier
+		// release published anyway is not refused).
+		what := "the attachment's inline volume"
+		if src.pv != nil {
+			what = "persistentvolume " + src.pv.Name
+		}
+		return a.attachFailed(ctx, va, false, fmt.Errorf("%s is a volume of driver %s, not of the attachment's attacher %s", what, src.csi.Driver, driver))
 	}
 	if src.pv != nil && src.pv.DeletionTimestamp != nil {
 		// As external-attacher: a volume being deleted is not published

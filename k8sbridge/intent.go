@@ -3,6 +3,8 @@ package k8sbridge
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -61,16 +63,20 @@ type Intent struct {
 const maxEarlierRequests = 3
 
 // withEarlier is next, an attempt's entry for the volume of prev, with
-// prev's requests kept (see EarlierRequests) when they differ from next's.
+// prev's requests kept (see EarlierRequests) when they differ from next's,
+// after the earlier requests next holds already. Over the bound, the
+// oldest ones and the newest (prev's own) are kept: the first attempt to
+// reach the driver, or the last one, is the likeliest to have made it.
 func withEarlier(next, prev Intent) Intent {
 	var out [][]byte
-	for _, r := range append(slices.Clone(prev.EarlierRequests), prev.Request) {
+	for _, r := range slices.Concat(next.EarlierRequests, prev.EarlierRequests, [][]byte{prev.Request}) {
 		if len(r) == 0 || bytes.Equal(r, next.Request) || slices.ContainsFunc(out, func(o []byte) bool { return bytes.Equal(o, r) }) {
 			continue
 		}
-		if len(out) < maxEarlierRequests {
-			out = append(out, r)
-		}
+		out = append(out, r)
+	}
+	if len(out) > maxEarlierRequests {
+		out = append(out[:maxEarlierRequests-1], out[len(out)-1])
 	}
 	next.EarlierRequests = out
 	return next
@@ -86,11 +92,20 @@ func (in Intent) requests() [][]byte {
 // entry VolumeName_Node ('_' appears in neither name, and a ConfigMap key
 // may hold it).
 func (in Intent) Key() string {
-	if in.Superseded {
-		return in.VolumeName + "_" + in.Node
+	if !in.Superseded {
+		return in.VolumeName
 	}
-	return in.VolumeName
+	if k := in.VolumeName + "_" + in.Node; len(k) <= maxIntentKey {
+		return k
+	}
+	// A ConfigMap key holds at most 253 characters: a long node name is
+	// named by its hash.
+	sum := sha256.Sum256([]byte(in.Node))
+	return in.VolumeName + "_" + hex.EncodeToString(sum[:12])
 }
+
+// maxIntentKey is the longest key a ConfigMap takes.
+const maxIntentKey = 253
 
 // IntentStore keeps the in-flight intents of all drivers in one ConfigMap and
 // writes it in batches: every Add waits for a write that holds it, and one

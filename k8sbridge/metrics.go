@@ -36,7 +36,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"driver", "operation", "decision"}),
 		leaked: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "recovered_volumes_total",
-			Help: "Volumes created for claims that vanished (or by a broker that died) and deleted by recovery, by driver and result.",
+			Help: "Volumes created for claims that vanished (or by a broker that died) and deleted by recovery, by driver and result (deleted; failed; stuck: reported for an administrator; abandoned: an attempt's node gone for a week).",
 		}, []string{"driver", "result"}),
 		attach: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "attach_operations_total",

@@ -523,3 +523,45 @@ func TestNodeLocalVolumeOfANodeThatComesBack(t *testing.T) {
 		t.Fatalf("%d volumes on %s, want the claim's", n, stay)
 	}
 }
+
+// TestSupersededEntryGivenUp: the entry of an attempt on a node that is
+// gone waits for the node to come back, and is given up, with a log line,
+// once its attempt is older than supersededKeep.
+func TestSupersededEntryGivenUp(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "local.csi.test")
+	drivers := &testDrivers{}
+	addLocalNodes(t, env, drivers, drv, map[string]int64{clusterName(ns, "here"): 10 << 30}, sampledriver.Faults{})
+	claim := makeClaim(t, c, ns, "gone", "no-such-class", "1Gi")
+	old := intentFor(t, drv, "pvc-old", claim)
+	old.Node, old.Superseded, old.Created = clusterName(ns, "gone-long-ago"), true, metav1.NewTime(time.Now().Add(-supersededKeep-time.Hour))
+	recent := intentFor(t, drv, "pvc-recent", claim)
+	recent.Node, recent.Superseded = clusterName(ns, "gone-lately"), true
+	recordIntent(t, c, ns, old)
+	recordIntent(t, c, ns, recent)
+
+	r := startBridge(t, env, ns, drivers, bridgeOpts{})
+	err := testenv.WaitFor(ctx, 30*time.Second, "the old entry given up, the recent one kept", func(ctx context.Context) (bool, string, error) {
+		intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		var keys []string
+		for _, in := range intents {
+			keys = append(keys, in.Key())
+		}
+		return len(keys) == 1 && keys[0] == recent.Key(), strings.Join(keys, ", "), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if logs := r.logs.String(); !strings.Contains(logs, "its entry is given up") || !strings.Contains(logs, old.Node) {
+		t.Fatalf("no log line says the old entry was given up:\n%s", tail(logs, 20))
+	}
+	if got := r.metricValue(t, "csibroker_recovered_volumes_total", map[string]string{"driver": drv, "result": "abandoned"}); got != 1 {
+		t.Fatalf("abandoned entries counted %v, want 1", got)
+	}
+}

@@ -301,7 +301,7 @@ func (p *provisioner) settleExistingPV(ctx context.Context, claim *corev1.Persis
 		return fmt.Errorf("read it: %w", err)
 	}
 	log := p.b.log.With("claim", claim.Namespace+"/"+claim.Name, "driver", driver, "pv", pvName, "volume_id", volumeID)
-	if other := pvNode(pv); !holdsNodeVolume(other, node) {
+	if other := recordedNode(pv); !holdsNodeVolume(other, node) {
 		if err := p.deleteVolume(ctx, driver, node, volumeID, secretRef, requester); err != nil {
 			p.b.metrics.leaked.WithLabelValues(driver, "failed").Inc()
 			return fmt.Errorf("it holds the volume of node %s, and deleting the second volume this attempt made on node %s failed: %w", other, node, err)
@@ -513,12 +513,23 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		// topology, say) may be the one that made it.
 		entry = withEarlier(entry, prev)
 	}
+	folded := ""
+	if node != "" {
+		// Back on a node an attempt was superseded on (it was gone, and
+		// registered again): that attempt's requests join this entry's.
+		if kept, ok := p.b.intents.Get(Intent{VolumeName: pvName, Node: node, Superseded: true}.Key()); ok && kept.ClaimUID == string(claim.UID) {
+			entry, folded = withEarlier(entry, kept), kept.Key()
+		}
+	}
 	if err := p.b.intents.Add(ctx, entry); err != nil {
 		// Nothing was called yet: back off and try again.
 		if ctx.Err() != nil {
 			return "failed", err // the term is over, not the claim's fault
 		}
 		return fail("record the intent to create volume %s before calling the driver: %v", pvName, err)
+	}
+	if folded != "" {
+		p.b.intents.Remove(folded)
 	}
 	p.b.eventOnce(ctx, ref, corev1.EventTypeNormal, "Provisioning", selectedNode, "External provisioner is provisioning volume for claim %q", claim.Namespace+"/"+claim.Name)
 

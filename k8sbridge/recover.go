@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -61,7 +62,7 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 			continue
 		}
 		if pv, err := p.b.volumes.Get(in.VolumeName); err == nil {
-			if other := pvNode(pv); !holdsNodeVolume(other, in.Node) {
+			if other := recordedNode(pv); !holdsNodeVolume(other, in.Node) {
 				// An attempt whose PV create found the PV saved with
 				// the volume of another node made a second volume
 				// (settleExistingPV), which it could not delete.
@@ -126,19 +127,34 @@ func (p *provisioner) settleBoundToGonePV(ctx context.Context, in Intent) {
 	p.b.intents.Remove(in.Key())
 }
 
+// supersededKeep is how long a superseded entry waits for its node to come
+// back (counted from its attempt) before it is given up.
+const supersededKeep = 7 * 24 * time.Hour
+
 // recoverSuperseded deletes the volume a superseded entry's attempt may
 // have made on its node, once that node is back (a node deleted and
-// registered again under its name, its storage kept); while the node is
-// gone there is nothing to reach, and nothing is logged (the claim's
-// ProvisioningOrphan Event said so).
+// registered again under its name, its storage kept). While the node is
+// gone there is nothing to reach: the node is looked at again less and
+// less often, nothing is logged (the claim's ProvisioningOrphan Event said
+// so), and after supersededKeep the entry is given up, saying so.
 func (p *provisioner) recoverSuperseded(ctx context.Context, in Intent, now time.Time) {
 	if cur, ok := p.b.intents.Get(in.VolumeName); ok && cur.Node == in.Node {
 		// A later attempt is on the same node again, under the same name:
-		// its entry accounts for the volume.
-		p.b.intents.Remove(in.Key())
+		// provisioning folds this entry's requests into its own.
 		return
 	}
-	if !p.recoveryDue(in.Key(), now) || p.nodeGone(ctx, in.Node) {
+	if !p.recoveryDue(in.Key(), now) {
+		return
+	}
+	if p.nodeGone(ctx, in.Node) {
+		if now.Sub(in.Created.Time) > supersededKeep {
+			p.b.log.Warn("recovery: the node of an earlier attempt has not come back; its entry is given up, and the volume it may have made there is left to an administrator",
+				"volume", in.VolumeName, "driver", in.Driver, "node", in.Node, "claim", in.ClaimNamespace+"/"+in.ClaimName, "since", in.Created.Time)
+			p.b.metrics.leaked.WithLabelValues(in.Driver, "abandoned").Inc()
+			p.b.intents.Remove(in.Key())
+			return
+		}
+		p.recoveryFailed(in.Key(), now) // looked at again later, backing off
 		return
 	}
 	p.deleteOrphan(ctx, in, now, "an attempt on node "+in.Node+", which was gone when the claim was provisioned anew")
@@ -151,14 +167,22 @@ func holdsNodeVolume(pvNode, node string) bool {
 	return node == "" || pvNode == "" || pvNode == node
 }
 
+// recordedNode is the node the broker recorded on a node-local PV it made
+// ("": none recorded). Only a recorded node says that a volume on another
+// node is not the PV's: a hostname from the affinity need not be the
+// node's name (nodeOfPV maps it, for routing only).
+func recordedNode(pv *corev1.PersistentVolume) string { return pv.Annotations[annVolumeNode] }
+
 // pvHolds asks the API server (not the cache, which may lag) whether PV
 // name exists and accounts for the volume an attempt made on node ("": not
-// node-local; see holdsNodeVolume).
+// node-local; see holdsNodeVolume). A node-local volume is known by its
+// node and ID together (drivers may derive the ID from the name), so a PV
+// that names another node does not hold it, whatever its handle.
 func (p *provisioner) pvHolds(ctx context.Context, name, node string) (bool, error) {
 	pv, err := p.b.cfg.Client.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
 	switch {
 	case err == nil:
-		return holdsNodeVolume(pvNode(pv), node), nil
+		return holdsNodeVolume(recordedNode(pv), node), nil
 	case apierrors.IsNotFound(err):
 		return false, nil
 	default:

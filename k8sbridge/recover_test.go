@@ -338,8 +338,31 @@ func TestWithEarlier(t *testing.T) {
 		t.Errorf("the same request again: earlier requests %q, want only a", got.EarlierRequests)
 	}
 	long := Intent{Request: r("e"), EarlierRequests: [][]byte{r("a"), r("b"), r("c"), r("a")}}
-	if got := withEarlier(Intent{Request: r("f")}, long); !slices.EqualFunc(got.EarlierRequests, [][]byte{r("a"), r("b"), r("c")}, bytes.Equal) {
-		t.Errorf("bounded: earlier requests %q, want the oldest %d", got.EarlierRequests, maxEarlierRequests)
+	if got := withEarlier(Intent{Request: r("f")}, long); !slices.EqualFunc(got.EarlierRequests, [][]byte{r("a"), r("b"), r("e")}, bytes.Equal) {
+		t.Errorf("bounded: earlier requests %q, want the oldest %d and the newest", got.EarlierRequests, maxEarlierRequests-1)
+	}
+	// Folding a second entry in keeps what the first folded.
+	got = withEarlier(withEarlier(Intent{Request: r("c")}, prev), Intent{Request: r("x")})
+	if want := [][]byte{r("a"), r("b"), r("x")}; !slices.EqualFunc(got.EarlierRequests, want, bytes.Equal) {
+		t.Errorf("two entries folded: earlier requests %q, want %q", got.EarlierRequests, want)
+	}
+}
+
+// TestSupersededKey: a superseded entry's key names its node, by hash when
+// the key would be longer than a ConfigMap key may be.
+func TestSupersededKey(t *testing.T) {
+	short := Intent{VolumeName: "pvc-1", Node: "n1", Superseded: true}
+	if k := short.Key(); k != "pvc-1_n1" {
+		t.Errorf("key %q, want pvc-1_n1", k)
+	}
+	long := Intent{VolumeName: "pvc-" + strings.Repeat("u", 36), Node: strings.Repeat("n", 240), Superseded: true}
+	other := long
+	other.Node = strings.Repeat("n", 239) + "m"
+	if k := long.Key(); len(k) > maxIntentKey || k == other.Key() || !strings.HasPrefix(k, long.VolumeName+"_") {
+		t.Errorf("long node name: key %q (%d characters), other node's %q", k, len(k), other.Key())
+	}
+	if k := (Intent{VolumeName: "pvc-1", Node: "n1"}).Key(); k != "pvc-1" {
+		t.Errorf("an entry that is not superseded has key %q, want its volume name", k)
 	}
 }
 
