@@ -80,6 +80,12 @@ func cond(c string) func(*GrantSpec) { return func(g *GrantSpec) { g.Condition =
 
 func TestDecide(t *testing.T) {
 	base := []Grant{grant(testNS, "g")}
+	// A Deny grant whose condition reads the requester's namespace labels.
+	denyRestricted := grant(testNS, "deny-restricted", func(s *GrantSpec) {
+		s.Action = ActionDeny
+		s.Requesters = Requesters{Namespaces: []string{"*"}}
+		s.Condition = `"tier" in request.requester.namespaceLabels && request.requester.namespaceLabels["tier"] == "restricted"`
+	})
 	tests := []struct {
 		name    string
 		grants  []Grant
@@ -241,22 +247,14 @@ func TestDecide(t *testing.T) {
 		{name: "deny condition over namespace labels, labels unknown: fails closed",
 			grants: []Grant{
 				allowAll(),
-				grant(testNS, "deny-restricted", func(s *GrantSpec) {
-					s.Action = ActionDeny
-					s.Requesters = Requesters{Namespaces: []string{"*"}}
-					s.Condition = `"tier" in request.requester.namespaceLabels && request.requester.namespaceLabels["tier"] == "restricted"`
-				}),
+				denyRestricted,
 			},
 			req: baseReq(func(r *Request) { r.Requester.NamespaceLabels = nil }), rule: "store/deny-restricted",
 			reason: []string{"deny grant store/deny-restricted denies", "namespace labels are not known", "fail closed"}},
 		{name: "deny condition over namespace labels, known labels that do not match: the allow decides",
 			grants: []Grant{
 				allowAll(),
-				grant(testNS, "deny-restricted", func(s *GrantSpec) {
-					s.Action = ActionDeny
-					s.Requesters = Requesters{Namespaces: []string{"*"}}
-					s.Condition = `"tier" in request.requester.namespaceLabels && request.requester.namespaceLabels["tier"] == "restricted"`
-				}),
+				denyRestricted,
 			},
 			req: baseReq(), allowed: true, rule: "store/allow-all"},
 		{name: "allow condition over namespace labels, labels unknown: no match",
