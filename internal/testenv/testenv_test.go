@@ -257,10 +257,10 @@ type child struct {
 	pids []int
 }
 
-func startChild(t *testing.T, mode string) *child {
+func startChild(t *testing.T, mode string, env ...string) *child {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperProcess$", "-test.count=1")
-	cmd.Env = append(os.Environ(), helperEnv+"="+mode)
+	cmd.Env = append(append(os.Environ(), helperEnv+"="+mode), env...)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -342,7 +342,19 @@ func TestInterruptCleansUp(t *testing.T) {
 }
 
 func TestAbruptDeathKillsComponents(t *testing.T) {
-	c := startChild(t, "die")
+	// The helper's directory goes in a temporary directory of this test's
+	// own: the sweeps of other test processes running now (they scan the
+	// system's) must not remove it before this test looks.
+	tmp, err := os.MkdirTemp("", "tenv")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(tmp) })
+	c := startChild(t, "die", "TMPDIR="+tmp)
+	if !strings.HasPrefix(c.dir, tmp+string(filepath.Separator)) {
+		t.Fatalf("the helper's directory %s is not in %s", c.dir, tmp)
+	}
+	t.Setenv("TMPDIR", tmp) // sweepStaleDirs below scans it
 	_ = c.cmd.Wait()
 	waitGone(t, c.pids) // Pdeathsig
 	if _, err := os.Stat(filepath.Join(c.dir, ownerPIDFile)); err != nil {
