@@ -82,7 +82,6 @@ func (c DriverConfig) withDefaults() DriverConfig {
 	return c
 }
 
-// Validate reports what is wrong with one driver's configuration.
 // checkAddress refuses a proxy address that is not host:port (a missing
 // port would only show at every dial).
 func checkAddress(addr string) error {
@@ -95,6 +94,7 @@ func checkAddress(addr string) error {
 	return nil
 }
 
+// Validate reports what is wrong with one driver's configuration.
 func (c DriverConfig) Validate() error {
 	var errs []error
 	if c.Name == "" {

@@ -571,36 +571,34 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	// Our finalizer is there, so a publish was made or attempted: it is
 	// undone even if the driver's capabilities say today that it has no
 	// publish step (a capability may come and go across its versions).
-	{
-		src, err := a.source(va)
-		if err != nil {
+	src, err := a.source(va)
+	if err != nil {
+		return a.attachFailed(ctx, va, true, err)
+	}
+	nodeID := va.Annotations[annVANodeID]
+	if nodeID == "" {
+		if nodeID, err = a.nodeID(driver, node); err != nil {
 			return a.attachFailed(ctx, va, true, err)
 		}
-		nodeID := va.Annotations[annVANodeID]
-		if nodeID == "" {
-			if nodeID, err = a.nodeID(driver, node); err != nil {
-				return a.attachFailed(ctx, va, true, err)
-			}
-		}
-		secrets, err := a.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpControllerUnpublishVolume, ref: src.csi.ControllerPublishSecretRef,
-			source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: a.requester(va, src), recordedNSLabels: recordedNamespaceLabels(src.pv)})
-		if err != nil {
-			return a.attachFailed(ctx, va, true, err)
-		}
-		conn, err := a.b.cfg.Drivers.ControllerConn(driver)
-		if err != nil {
-			return a.attachFailed(ctx, va, true, err)
-		}
-		callCtx, cancel := a.b.callContext(ctx, driver, "ControllerUnpublishVolume")
-		_, err = csi.NewControllerClient(conn).ControllerUnpublishVolume(callCtx, &csi.ControllerUnpublishVolumeRequest{VolumeId: src.csi.VolumeHandle, NodeId: nodeID, Secrets: secrets})
-		cancel()
-		switch code := status.Code(err); {
-		case err == nil, code == codes.NotFound:
-		case code == codes.Unimplemented && !caps.publishUnpublish:
-			// No publish step after all.
-		default:
-			return a.attachFailed(ctx, va, true, fmt.Errorf("ControllerUnpublishVolume %s from node %s (ID %s): %w", src.csi.VolumeHandle, node, nodeID, err))
-		}
+	}
+	secrets, err := a.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpControllerUnpublishVolume, ref: src.csi.ControllerPublishSecretRef,
+		source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: a.requester(va, src), recordedNSLabels: recordedNamespaceLabels(src.pv)})
+	if err != nil {
+		return a.attachFailed(ctx, va, true, err)
+	}
+	conn, err := a.b.cfg.Drivers.ControllerConn(driver)
+	if err != nil {
+		return a.attachFailed(ctx, va, true, err)
+	}
+	callCtx, cancel := a.b.callContext(ctx, driver, "ControllerUnpublishVolume")
+	_, err = csi.NewControllerClient(conn).ControllerUnpublishVolume(callCtx, &csi.ControllerUnpublishVolumeRequest{VolumeId: src.csi.VolumeHandle, NodeId: nodeID, Secrets: secrets})
+	cancel()
+	switch code := status.Code(err); {
+	case err == nil, code == codes.NotFound:
+	case code == codes.Unimplemented && !caps.publishUnpublish:
+		// No publish step after all.
+	default:
+		return a.attachFailed(ctx, va, true, fmt.Errorf("ControllerUnpublishVolume %s from node %s (ID %s): %w", src.csi.VolumeHandle, node, nodeID, err))
 	}
 	cp := va.DeepCopy()
 	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)

@@ -200,15 +200,12 @@ func capacitySegments(nodes []TopologyNode, nodeLocal bool) []capacitySegment {
 // the segment as accessible topology.
 func CapacityRequest(class *storagev1.StorageClass, segment map[string]string) *csi.GetCapacityRequest {
 	params := map[string]string{}
-	fsType := class.Parameters[ParamFSType]
 	for k, v := range class.Parameters {
 		if !strings.HasPrefix(k, ParameterPrefix) {
 			params[k] = v
-			if fsType == "" && strings.ToLower(k) == legacyFSTypeKey {
-				fsType = v // the deprecated key, as CreateParameters reads it
-			}
 		}
 	}
+	fsType, _ := classFSType(class.Parameters) // as provisioning reads it
 	req := &csi.GetCapacityRequest{
 		Parameters: params,
 		VolumeCapabilities: []*csi.VolumeCapability{{

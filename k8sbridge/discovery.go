@@ -58,11 +58,13 @@ type Discovery struct {
 	synced  cache.InformerSynced
 	kick    chan struct{}
 
+	// warned holds the warnings of the last sync (sync runs on Run's
+	// goroutine only): one that stands is logged once, not at every pod
+	// event.
+	warned map[string]bool
+
 	mu      sync.Mutex
 	current map[string]broker.DriverConfig
-	// warned holds the warnings of the last sync: one that stands is
-	// logged once, not at every pod event.
-	warned map[string]bool
 }
 
 // NewDiscovery watches pods matching selector in namespaces (all namespaces
@@ -217,11 +219,7 @@ func (d *Discovery) sync() {
 			d.log.Log(context.Background(), level, msg, args...)
 		}
 	}
-	defer func() {
-		d.mu.Lock()
-		d.warned = now
-		d.mu.Unlock()
-	}()
+	defer func() { d.warned = now }()
 	if d.namespaces != nil {
 		mine := pods[:0]
 		for _, p := range pods {

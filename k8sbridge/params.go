@@ -50,6 +50,19 @@ func knownPrefixedParams() map[string]bool {
 	return known
 }
 
+// classFSType is the fstype params set, from csi.storage.k8s.io/fstype or
+// the deprecated "fstype" key (any case), and the keys that set one (more
+// than one is an error CreateParameters reports).
+func classFSType(params map[string]string) (fsType string, keys []string) {
+	for k, v := range params {
+		if k == ParamFSType || strings.ToLower(k) == legacyFSTypeKey {
+			keys = append(keys, k)
+			fsType = v
+		}
+	}
+	return fsType, keys
+}
+
 // CreateParameters removes the csi.storage.k8s.io/ keys the provisioner understands (secrets, fstype) from the class parameters and returns the rest for the driver plus the fstype; an unknown csi.storage.k8s.io/ key is an error naming it (as upstream). With extraMetadata, adds csi.storage.k8s.io/pvc/name, /pvc/namespace, /pv/name.
 //
 // The fstype comes from csi.storage.k8s.io/fstype or the deprecated "fstype"
@@ -59,13 +72,7 @@ func knownPrefixedParams() map[string]bool {
 // (csiProvisionerSecretName...) stay in the driver's parameters, as upstream.
 // params is not modified; driverParams is never nil on success.
 func CreateParameters(params map[string]string, extraMetadata bool, pvName string, claim *corev1.PersistentVolumeClaim) (driverParams map[string]string, fsType string, err error) {
-	var fsKeys []string
-	for k, v := range params {
-		if k == ParamFSType || strings.ToLower(k) == legacyFSTypeKey {
-			fsKeys = append(fsKeys, k)
-			fsType = v
-		}
-	}
+	fsType, fsKeys := classFSType(params)
 	if len(fsKeys) > 1 {
 		slices.Sort(fsKeys)
 		return nil, "", fmt.Errorf("fstype set more than once, by parameters %s: %w", strings.Join(fsKeys, ", "), ErrInvalidParameters)

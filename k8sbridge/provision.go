@@ -543,7 +543,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	cancel()
 	req.Secrets = nil
 	if err != nil {
-		failure := "CreateVolume " + status.Code(err).String()
+		failure := failureOf("CreateVolume", err)
 		switch ClassifyCreateError(err, caps.accessibility && scheduled) {
 		case CreateInProgress:
 			// The volume may still appear: keep the intent and re-issue

@@ -22,8 +22,8 @@ import (
 // whose claim is gone (or bound to another PV) have their volume deleted
 // (the request is re-issued, which CSI makes idempotent by name, to learn
 // the volume's ID); so does an entry of a node-local volume whose PV names
-// another node (its volume is a second one). It runs when leadership starts, when a claim is
-// deleted, and every RecoveryInterval.
+// another node (its volume is a second one). It runs when leadership
+// starts, when a claim is deleted, and every RecoveryInterval.
 func (p *provisioner) recoveryLoop(ctx context.Context) {
 	t := time.NewTicker(p.b.cfg.RecoveryInterval)
 	defer t.Stop()
@@ -115,7 +115,7 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 // existed, so the PV's own lifecycle (its reclaim policy, or an admin) has
 // decided the volume's fate, and recovery must not overrule it.
 func (p *provisioner) settleBoundToGonePV(ctx context.Context, in Intent) {
-	found, err := p.pvExists(ctx, in.VolumeName)
+	found, err := p.pvHolds(ctx, in.VolumeName, "") // "": whatever node it names
 	if err != nil {
 		p.b.log.Warn("recovery: cannot read PersistentVolume; will retry", "volume", in.VolumeName, "err", err)
 		return
@@ -183,20 +183,6 @@ func (p *provisioner) pvHolds(ctx context.Context, name, node string) (bool, err
 	switch {
 	case err == nil:
 		return holdsNodeVolume(recordedNode(pv), node), nil
-	case apierrors.IsNotFound(err):
-		return false, nil
-	default:
-		return false, fmt.Errorf("get PersistentVolume %s: %w", name, err)
-	}
-}
-
-// pvExists asks the API server (not the cache, which may lag) whether PV
-// name exists.
-func (p *provisioner) pvExists(ctx context.Context, name string) (bool, error) {
-	_, err := p.b.cfg.Client.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
-	switch {
-	case err == nil:
-		return true, nil
 	case apierrors.IsNotFound(err):
 		return false, nil
 	default:

@@ -92,25 +92,25 @@ func (b *Bridge) fetchSecret(ctx context.Context, u secretUse) (map[string]strin
 // audited.
 func (b *Bridge) decideSecret(ctx context.Context, u secretUse) error {
 	if u.requester.Namespace != "" && u.requester.NamespaceLabels == nil {
-		ns, err := b.namespaces.Get(u.requester.Namespace)
-		if err != nil && u.recordedNSLabels == nil {
+		nsLabels := b.namespaceLabels(u.requester.Namespace)
+		if nsLabels == nil && u.recordedNSLabels == nil {
 			// Not in the cache, and nothing recorded: a namespace made
 			// with its claim may not have reached the cache yet. Asked of
 			// the API server, so that its labels decide (unknown labels
 			// fail closed, which would refuse a legitimate claim).
-			ns, err = b.cfg.Client.CoreV1().Namespaces().Get(ctx, u.requester.Namespace, metav1.GetOptions{})
-		}
-		switch {
-		case err == nil:
-			u.requester.NamespaceLabels = ns.Labels
-			if u.requester.NamespaceLabels == nil {
-				u.requester.NamespaceLabels = map[string]string{}
+			if ns, err := b.cfg.Client.CoreV1().Namespaces().Get(ctx, u.requester.Namespace, metav1.GetOptions{}); err == nil {
+				nsLabels = ns.Labels
+				if nsLabels == nil {
+					nsLabels = map[string]string{}
+				}
 			}
-		case u.recordedNSLabels != nil:
+		}
+		if nsLabels == nil {
 			// The namespace is gone (its volumes are being cleaned up):
 			// decide with the labels it had when the volume was made.
-			u.requester.NamespaceLabels = u.recordedNSLabels
+			nsLabels = u.recordedNSLabels
 		}
+		u.requester.NamespaceLabels = nsLabels
 	}
 	req := policy.Request{Driver: u.driver, Operation: u.op, Secret: policy.SecretRef{Namespace: u.ref.Namespace, Name: u.ref.Name}, Source: u.source, Requester: u.requester}
 	d := b.cfg.Policy.Decide(ctx, req)
@@ -122,7 +122,7 @@ func (b *Bridge) decideSecret(ctx context.Context, u secretUse) error {
 			// Decided without the namespace's labels (a Deny grant's
 			// namespaceSelector fails closed on them, an Allow grant's
 			// selects nothing): say how to make them known.
-			hint = fmt.Sprintf(" (namespace %s is not in the cache; for a PersistentVolume whose claim's namespace is gone, its %s annotation, a JSON object, gives the labels to decide with)",
+			hint = fmt.Sprintf(" (namespace %s could not be read; for a PersistentVolume whose claim's namespace is gone, its %s annotation, a JSON object, gives the labels to decide with)",
 				req.Requester.Namespace, annNamespaceLabels)
 		}
 		return fmt.Errorf("%w: %s%s", errSecretDenied, d.Reason, hint)
