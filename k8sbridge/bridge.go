@@ -332,6 +332,10 @@ func (b *Bridge) Leader() (bool, string) {
 	return b.leading, b.leader
 }
 
+// Recorder records Events through the bridge's broadcaster, on the Events'
+// own client budget; they are sent while Run runs.
+func (b *Bridge) Recorder() record.EventRecorder { return b.recorder }
+
 // Client is the bridge's rate-limited Kubernetes client.
 func (b *Bridge) Client() kubernetes.Interface { return b.cfg.Client }
 

@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
 
 	"github.com/csibroker/csibroker/broker"
 )
@@ -34,6 +35,38 @@ const (
 	// DefaultProxyPort is used when a pod does not name its port.
 	DefaultProxyPort = 7443
 )
+
+// Reasons of the Warning Events discovery records on proxy pods it cannot
+// use as they stand.
+const (
+	// ReasonProxyAnnotationInvalid: the driver annotation is missing, or
+	// the port annotation is not a port.
+	ReasonProxyAnnotationInvalid = "ProxyAnnotationInvalid"
+	// ReasonProxyOutsideNamespaces: the pod matches the selector in a
+	// namespace proxies are not discovered in.
+	ReasonProxyOutsideNamespaces = "ProxyOutsideNamespaces"
+	// ReasonProxyShadowed: the pod names a driver of the static registry,
+	// whose entry is used instead.
+	ReasonProxyShadowed = "ProxyShadowedByStaticDriver"
+	// ReasonProxyRegistrationFailed: the broker refused the driver's
+	// configuration built from its pods.
+	ReasonProxyRegistrationFailed = "ProxyRegistrationFailed"
+)
+
+// discoveryLeaderPoll is how often Run looks whether this replica leads, so
+// that a new leader records the Events of the problems that stand.
+const discoveryLeaderPoll = 2 * time.Second
+
+// Problem is a proxy pod discovery cannot use as it stands, and why.
+type Problem struct {
+	Pod     *corev1.Pod
+	Reason  string // of the Event on the pod
+	Message string // says what is wrong, not which pod
+}
+
+func (p Problem) String() string {
+	return fmt.Sprintf("pod %s/%s: %s", p.Pod.Namespace, p.Pod.Name, p.Message)
+}
 
 // Registry is the part of the broker that discovery updates.
 type Registry interface {
@@ -63,6 +96,13 @@ type Discovery struct {
 	// event.
 	warned map[string]bool
 
+	// Events on problem pods (ReportTo): recorded by the leader only, once
+	// while a problem stands; evented holds those of the last sync.
+	recorder   record.EventRecorder
+	leading    func() bool
+	leaderPoll time.Duration // discoveryLeaderPoll; tests shorten it
+	evented    map[string]bool
+
 	mu      sync.Mutex
 	current map[string]broker.DriverConfig
 }
@@ -80,7 +120,7 @@ func NewDiscovery(client kubernetes.Interface, selector string, namespaces []str
 		log = slog.New(slog.DiscardHandler)
 	}
 	d := &Discovery{client: client, selector: selector, registry: registry, template: template, static: map[string]bool{}, log: log.With("component", "discovery"),
-		kick: make(chan struct{}, 1), current: map[string]broker.DriverConfig{}}
+		kick: make(chan struct{}, 1), current: map[string]broker.DriverConfig{}, leaderPoll: discoveryLeaderPoll}
 	for _, s := range static {
 		d.static[s] = true
 	}
@@ -110,6 +150,16 @@ func NewDiscovery(client kubernetes.Interface, selector string, namespaces []str
 	return d, nil
 }
 
+// ReportTo makes discovery record a Warning Event on each proxy pod it
+// cannot use (a missing or bad annotation, a namespace proxies are not
+// discovered in, a driver of the static registry, a configuration the
+// broker refuses), besides its log line. Every replica discovers; only the
+// one for which leading reports true records, so a problem gets one Event
+// and not one per replica. Call it before Run.
+func (d *Discovery) ReportTo(rec record.EventRecorder, leading func() bool) {
+	d.recorder, d.leading = rec, leading
+}
+
 func (d *Discovery) nudge() {
 	select {
 	case d.kick <- struct{}{}:
@@ -127,6 +177,10 @@ func (d *Discovery) Run(ctx context.Context) error {
 	if !cache.WaitForCacheSync(ctx.Done(), d.synced) {
 		return ctx.Err()
 	}
+	if d.recorder != nil && d.leading != nil {
+		// Read before the first sync: a change after it is one to act on.
+		go d.watchLeadership(ctx, d.leading())
+	}
 	for {
 		d.sync()
 		select {
@@ -141,18 +195,39 @@ func (d *Discovery) Run(ctx context.Context) error {
 	}
 }
 
+// watchLeadership syncs again when this replica becomes the leader (it
+// led or not when Run read leading), so the Events of the problems that
+// stand are recorded by it.
+func (d *Discovery) watchLeadership(ctx context.Context, leading bool) {
+	tick := time.NewTicker(d.leaderPoll)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		now := d.leading()
+		if now && !leading {
+			d.nudge()
+		}
+		leading = now
+	}
+}
+
 // DriversFromPods computes driver configurations from proxy pods: the
 // first ready pod (by name) that is not a node proxy is the controller
 // proxy; node proxies are keyed by their pod's node. Pods without an IP,
 // being deleted, or not Ready are skipped.
-func DriversFromPods(pods []*corev1.Pod, template broker.DriverConfig) (map[string]broker.DriverConfig, []string) {
+func DriversFromPods(pods []*corev1.Pod, template broker.DriverConfig) (map[string]broker.DriverConfig, []Problem) {
 	sort.Slice(pods, func(i, j int) bool { return pods[i].Namespace+"/"+pods[i].Name < pods[j].Namespace+"/"+pods[j].Name })
 	out := map[string]broker.DriverConfig{}
-	var problems []string
+	var problems []Problem
 	for _, p := range pods {
 		name := p.Annotations[AnnDriver]
 		if name == "" {
-			problems = append(problems, fmt.Sprintf("pod %s/%s matches the proxy selector but has no %s annotation", p.Namespace, p.Name, AnnDriver))
+			problems = append(problems, Problem{Pod: p, Reason: ReasonProxyAnnotationInvalid,
+				Message: fmt.Sprintf("matches the proxy selector but has no %s annotation naming its driver; ignored", AnnDriver)})
 			continue
 		}
 		if p.DeletionTimestamp != nil || p.Status.PodIP == "" || !podReady(p) {
@@ -162,7 +237,8 @@ func DriversFromPods(pods []*corev1.Pod, template broker.DriverConfig) (map[stri
 		if s := p.Annotations[AnnProxyPort]; s != "" {
 			n, err := strconv.Atoi(s)
 			if err != nil || n <= 0 || n > 65535 {
-				problems = append(problems, fmt.Sprintf("pod %s/%s: %s %q is not a port", p.Namespace, p.Name, AnnProxyPort, s))
+				problems = append(problems, Problem{Pod: p, Reason: ReasonProxyAnnotationInvalid,
+					Message: fmt.Sprintf("%s %q is not a port (1-65535); the pod is not used as a proxy of %s", AnnProxyPort, s, name)})
 				continue
 			}
 			port = n
@@ -220,33 +296,66 @@ func (d *Discovery) sync() {
 		}
 	}
 	defer func() { d.warned = now }()
+	// A problem is logged once while it stands (warn) and, by the leader,
+	// recorded once as an Event on its pod.
+	leading := d.recorder != nil && (d.leading == nil || d.leading())
+	evented := map[string]bool{}
+	defer func() { d.evented = evented }()
+	report := func(level slog.Level, p Problem) {
+		warn(level, "proxy discovery: a pod cannot be used as a proxy", "pod", p.Pod.Namespace+"/"+p.Pod.Name, "reason", p.Reason, "problem", p.Message)
+		if !leading {
+			return
+		}
+		key := string(p.Pod.UID) + "\x00" + p.Reason + "\x00" + p.Message
+		evented[key] = true
+		if !d.evented[key] {
+			d.recorder.Event(p.Pod, corev1.EventTypeWarning, p.Reason, p.Message)
+		}
+	}
 	if d.namespaces != nil {
 		mine := pods[:0]
 		for _, p := range pods {
 			if d.namespaces[p.Namespace] {
 				mine = append(mine, p)
 			} else {
-				warn(slog.LevelWarn, "proxy discovery: a pod outside the proxy namespaces matches the selector; ignored", "pod", p.Namespace+"/"+p.Name)
+				report(slog.LevelWarn, Problem{Pod: p, Reason: ReasonProxyOutsideNamespaces,
+					Message: fmt.Sprintf("matches the proxy selector in namespace %s, where proxies are not discovered (--discover-proxies-namespace); ignored", p.Namespace)})
 			}
 		}
 		pods = mine
 	}
 	want, problems := DriversFromPods(pods, d.template)
 	for _, p := range problems {
-		warn(slog.LevelWarn, "proxy discovery", "problem", p)
+		report(slog.LevelWarn, p)
+	}
+	// The pods offering each driver, to report what concerns the driver.
+	podsOf := func(driver string) []*corev1.Pod {
+		var of []*corev1.Pod
+		for _, p := range pods {
+			if p.Annotations[AnnDriver] == driver && p.DeletionTimestamp == nil {
+				of = append(of, p)
+			}
+		}
+		return of
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for name, cfg := range want {
 		if d.static[name] {
-			warn(slog.LevelWarn, "proxy pods name a driver of the static registry; the static entry wins", "driver", name)
+			for _, p := range podsOf(name) {
+				report(slog.LevelWarn, Problem{Pod: p, Reason: ReasonProxyShadowed,
+					Message: fmt.Sprintf("names driver %s, which the broker's static registry configures; the static entry is used and this pod is not", name)})
+			}
 			continue
 		}
 		if prev, ok := d.current[name]; ok && reflect.DeepEqual(prev, cfg) {
 			continue
 		}
 		if err := d.registry.SetDriver(cfg); err != nil {
-			warn(slog.LevelError, "register discovered driver", "driver", name, "err", err)
+			for _, p := range podsOf(name) {
+				report(slog.LevelError, Problem{Pod: p, Reason: ReasonProxyRegistrationFailed,
+					Message: fmt.Sprintf("the broker refused driver %s as its proxy pods describe it: %v", name, err)})
+			}
 			continue
 		}
 		d.current[name] = cfg

@@ -8,8 +8,10 @@ import (
 	"log/slog"
 	"net"
 	"reflect"
+	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,8 +19,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/retry"
 
 	"github.com/csibroker/csibroker/broker"
@@ -74,6 +79,11 @@ func TestDriversFromPods(t *testing.T) {
 	if _, ok := got["d3"]; ok || len(problems) != 2 {
 		t.Fatalf("problems %v", problems)
 	}
+	for i, want := range []struct{ pod, says string }{{"bad-port", `"http" is not a port`}, {"no-driver", "no " + AnnDriver + " annotation"}} {
+		if p := problems[i]; p.Pod.Name != want.pod || p.Reason != ReasonProxyAnnotationInvalid || !strings.Contains(p.Message, want.says) {
+			t.Errorf("problem %d: %s (reason %s), want pod %s, %s, saying %q", i, p, p.Reason, want.pod, ReasonProxyAnnotationInvalid, want.says)
+		}
+	}
 	if err := d1.Validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -115,13 +125,15 @@ func makeReadyProxyPod(t *testing.T, ctx context.Context, c kubernetes.Interface
 	p.Namespace = pns
 	p.Labels = map[string]string{"csibroker-test": label}
 	p.Spec.Containers = []corev1.Container{{Name: "proxy", Image: "csibroker"}}
+	// No scheduler takes it, so the pod changes only when the test
+	// changes it.
+	p.Spec.SchedulerName = "csibroker-test-no-scheduler"
 	p.Status = corev1.PodStatus{}
 	created, err := c.CoreV1().Pods(pns).Create(ctx, p, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The scheduler updates the pod too (no node can take it), so retry
-	// on conflicts, as a kubelet would.
+	// Retry on conflicts, as a kubelet would.
 	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		cur, err := c.CoreV1().Pods(pns).Get(ctx, created.Name, metav1.GetOptions{})
 		if err != nil {
@@ -178,6 +190,13 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Events go to the API server, as the broker's do; this replica is a
+	// standby until the test says otherwise.
+	bcast := record.NewBroadcaster(record.WithContext(ctx))
+	bcast.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.CoreV1().Events("")})
+	defer bcast.Shutdown()
+	var leading atomic.Bool
+	d.ReportTo(bcast.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "csibroker-test"}), leading.Load)
 	runDiscovery(t, d)
 
 	mk := func(pns, drv, name, ip string, nodeProxy bool) {
@@ -190,6 +209,7 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	impostor := clusterName(tenant, "impostor.csi.test")
 	mk(tenant, impostor, "impostor", "10.9.9.9", false)
 	mk(ns, static, "static-proxy", "10.8.8.8", false)
+	makeReadyProxyPod(t, ctx, c, ns, ns, drv, "bad-port", "10.1.0.9", "http", false)
 	mk(ns, drv, "controller", "10.1.0.1", false)
 	err = testenv.WaitFor(ctx, 30*time.Second, "driver discovered", func(context.Context) (bool, string, error) {
 		cfg, ok := reg.get(drv)
@@ -203,9 +223,15 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	}
 	// The pass that registered drv saw the static driver's pod (made
 	// before it): it said so and left the static entry as it was.
-	if !strings.Contains(logs.String(), "the static entry wins") || !strings.Contains(logs.String(), "driver="+static) {
+	if !strings.Contains(logs.String(), "reason="+ReasonProxyShadowed) || !strings.Contains(logs.String(), "names driver "+static) {
 		t.Errorf("no warning about the pod naming the static driver:\n%s", logs.String())
 	}
+	// This replica becomes the leader: each pod it cannot use gets its
+	// Warning Event, with no pod changing.
+	leading.Store(true)
+	waitEvent(t, c, tenant, "impostor", ReasonProxyOutsideNamespaces, "namespace "+tenant+", where proxies are not discovered")
+	waitEvent(t, c, ns, "static-proxy", ReasonProxyShadowed, "names driver "+static)
+	waitEvent(t, c, ns, "bad-port", ReasonProxyAnnotationInvalid, `csibroker.io/proxy-port "http" is not a port`)
 	if cfg, ok := reg.get(static); !ok || !reflect.DeepEqual(cfg, staticCfg) {
 		t.Fatalf("static entry %s (present %v), want %s untouched", describeDriverConfig(cfg), ok, describeDriverConfig(staticCfg))
 	}
@@ -364,5 +390,85 @@ func TestDiscoveryWarnsOncePerProblem(t *testing.T) {
 	d.sync()
 	if n := count(); n != 2 {
 		t.Fatalf("a problem back after it went was logged %d times in all, want twice:\n%s", n, logs.String())
+	}
+}
+
+// TestDiscoveryEventsFromTheLeader: a problem pod gets a Warning Event
+// from the replica that leads, once while the problem stands; a standby
+// records none, and a replica that becomes the leader records the problems
+// that stand.
+func TestDiscoveryEventsFromTheLeader(t *testing.T) {
+	idx := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	bad := proxyPod("bad-port", "d3", "10.0.2.1", "n1", false, true, "http")
+	bad.UID = "uid-bad-port"
+	static := proxyPod("static-proxy", "static.csi.test", "10.0.2.2", "n1", false, true, "")
+	static.UID = "uid-static"
+	idx.Add(bad)
+	idx.Add(static)
+	d, err := NewDiscovery(nil, "app=proxy", nil, &fakeRegistry{drivers: map[string]broker.DriverConfig{}}, broker.DriverConfig{}, []string{"static.csi.test"}, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.pods = corelisters.NewPodLister(idx)
+	rec := record.NewFakeRecorder(100)
+	var leading atomic.Bool
+	d.ReportTo(rec, leading.Load)
+	events := func() []string {
+		var got []string
+		for {
+			select {
+			case e := <-rec.Events:
+				got = append(got, e)
+			default:
+				sort.Strings(got)
+				return got
+			}
+		}
+	}
+	d.sync()
+	if got := events(); len(got) != 0 {
+		t.Fatalf("a standby recorded Events: %q", got)
+	}
+	leading.Store(true)
+	d.sync()
+	d.sync()
+	got := events()
+	if len(got) != 2 || !strings.HasPrefix(got[0], "Warning "+ReasonProxyAnnotationInvalid+` csibroker.io/proxy-port "http" is not a port`) ||
+		!strings.HasPrefix(got[1], "Warning "+ReasonProxyShadowed+" names driver static.csi.test, which the broker's static registry configures") {
+		t.Fatalf("the leader's Events over two syncs: %q, want one %s and one %s", got, ReasonProxyAnnotationInvalid, ReasonProxyShadowed)
+	}
+	// Leadership lost, then won again: the problems that stand are
+	// recorded by the new term.
+	leading.Store(false)
+	d.sync()
+	leading.Store(true)
+	idx.Delete(static)
+	d.sync()
+	if got := events(); len(got) != 1 || !strings.HasPrefix(got[0], "Warning "+ReasonProxyAnnotationInvalid) {
+		t.Fatalf("Events after leadership came back: %q, want the bad port's again", got)
+	}
+}
+
+// TestDiscoveryNudgedWhenItBecomesTheLeader: a standby that becomes the
+// leader syncs again though no pod changed, so that it records the Events
+// of the problems that stand (TestDiscoveryEventsFromTheLeader: a sync as
+// the leader records them).
+func TestDiscoveryNudgedWhenItBecomesTheLeader(t *testing.T) {
+	d, err := NewDiscovery(nil, "app=proxy", nil, &fakeRegistry{drivers: map[string]broker.DriverConfig{}}, broker.DriverConfig{}, nil, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.leaderPoll = 10 * time.Millisecond
+	var leading atomic.Bool
+	d.ReportTo(record.NewFakeRecorder(1), leading.Load)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); d.watchLeadership(ctx, false) }()
+	defer func() { cancel(); <-done }()
+	leading.Store(true)
+	select {
+	case <-d.kick:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no sync asked for 10s after this replica became the leader")
 	}
 }

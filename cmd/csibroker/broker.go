@@ -194,6 +194,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 			if err != nil {
 				return err
 			}
+			disc.ReportTo(bridge.Recorder(), func() bool { leading, _ := bridge.Leader(); return leading })
 			g.Go(func() error { return disc.Run(ctx) })
 		}
 		g.Go(func() error { cfg.Kube.watchPolicyFile(ctx, store, log); return nil })
