@@ -101,6 +101,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
+	cfg.Kube.noteGiven(fs)
 	if err := cfg.Validate(); err != nil {
 		return err
 	}

@@ -64,9 +64,24 @@ type kubeFlags struct {
 	PolicyInterval time.Duration
 	// policyErrs is the last policy-file load's invalid grants (logPolicyFileErrors).
 	policyErrs string
+
+	// names are the flags register added; given those of them set on the
+	// command line (noteGiven), which validate refuses with Kubernetes off.
+	names map[string]bool
+	given []string
 }
 
 func (f *kubeFlags) register(fs *flag.FlagSet) {
+	before := map[string]bool{}
+	fs.VisitAll(func(fl *flag.Flag) { before[fl.Name] = true })
+	defer func() {
+		f.names = map[string]bool{}
+		fs.VisitAll(func(fl *flag.Flag) {
+			if !before[fl.Name] {
+				f.names[fl.Name] = true
+			}
+		})
+	}()
 	fs.StringVar(&f.Mode, "kubernetes", "auto", "run the Kubernetes controllers: on, off, or auto (on when --kubeconfig is set or running in a pod)")
 	fs.StringVar(&f.Kubeconfig, "kubeconfig", "", "kubeconfig file (empty: in-cluster configuration)")
 	fs.Float64Var(&f.QPS, "kube-api-qps", 5, "QPS of the client for Kubernetes objects")
@@ -98,6 +113,16 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.PolicyURL, "policy-opa-url", "", "external decision point with OPA's data API, asked after the local grants allow (e.g. http://127.0.0.1:8181)")
 	fs.StringVar(&f.PolicyPath, "policy-opa-path", "csibroker/allow", "data document path of the external decision point")
 	fs.DurationVar(&f.PolicyInterval, "policy-reload-interval", 10*time.Second, "how often --policy-file is re-read")
+}
+
+// noteGiven records which of the Kubernetes flags fs's command line set.
+func (f *kubeFlags) noteGiven(fs *flag.FlagSet) {
+	f.given = nil
+	fs.Visit(func(fl *flag.Flag) {
+		if f.names[fl.Name] && fl.Name != "kubernetes" {
+			f.given = append(f.given, "--"+fl.Name)
+		}
+	})
 }
 
 func envOr(k, def string) string {
@@ -136,8 +161,23 @@ func (f *kubeFlags) validate() error {
 	var errs []error
 	if on, err := f.enabled(); err != nil {
 		errs = append(errs, err)
-	} else if !on && f.DiscoverProxies != "" {
-		errs = append(errs, fmt.Errorf("--discover-proxies finds proxies in Kubernetes, which is off here (--kubernetes %s, no --kubeconfig, not in a pod)", f.Mode))
+	} else if !on {
+		why := "--kubernetes off"
+		if f.Mode == "auto" {
+			why = "--kubernetes auto, no --kubeconfig, not in a pod"
+		}
+		if f.DiscoverProxies != "" {
+			errs = append(errs, fmt.Errorf("--discover-proxies finds proxies in Kubernetes, which is off here (%s)", why))
+		}
+		var ignored []string
+		for _, g := range f.given {
+			if g != "--discover-proxies" {
+				ignored = append(ignored, g)
+			}
+		}
+		if len(ignored) > 0 {
+			errs = append(errs, fmt.Errorf("%s: Kubernetes flags, but Kubernetes is off here (%s); drop them or turn it on", strings.Join(ignored, ", "), why))
+		}
 	}
 	if f.PolicyFile != "" && f.PolicyInterval <= 0 {
 		errs = append(errs, errors.New("--policy-reload-interval must be positive"))

@@ -168,6 +168,13 @@ func TestBrokerFlagsRefusedTogether(t *testing.T) {
 		{"renew deadline within client-go's jitter of the retry period", "--leader-election-retry-period", func(c *BrokerCommandConfig) { c.Kube.RetryPeriod = 2500 * time.Millisecond }},
 		{"no retry period", "--leader-election-retry-period", func(c *BrokerCommandConfig) { c.Kube.RetryPeriod = 0 }},
 		{"discovery selector that does not parse", "--discover-proxies", func(c *BrokerCommandConfig) { c.Kube.Mode, c.Kube.DiscoverProxies = "on", "app in (a" }},
+		{"Kubernetes flags with Kubernetes off", "--leader-election, --policy-file: Kubernetes flags, but Kubernetes is off here (--kubernetes off)", func(c *BrokerCommandConfig) {
+			c.Kube.given = []string{"--leader-election", "--policy-file"}
+		}},
+		{"Kubernetes flags with no cluster found", "--kubernetes auto, no --kubeconfig, not in a pod", func(c *BrokerCommandConfig) {
+			t.Setenv("KUBERNETES_SERVICE_HOST", "")
+			c.Kube.Mode, c.Kube.given = "auto", []string{"--worker-threads"}
+		}},
 	} {
 		c := base()
 		tc.mut(&c)
