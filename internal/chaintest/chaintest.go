@@ -10,6 +10,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"os"
@@ -91,6 +92,23 @@ type Chain struct {
 	proxyDone   chan struct{}
 	peerMu      sync.Mutex
 	peers       map[string]int // serial of each broker certificate the proxy accepted
+
+	// t is Start's test; Stop fails it with what a server's Serve
+	// returned other than a graceful end (served).
+	t         testing.TB
+	serveMu   sync.Mutex
+	serveErrs []error
+}
+
+// served records what a proxy's or the front end's Serve returned: nil
+// after a graceful stop, else an error Stop fails the test with.
+func (c *Chain) served(what string, err error) {
+	if err == nil {
+		return
+	}
+	c.serveMu.Lock()
+	defer c.serveMu.Unlock()
+	c.serveErrs = append(c.serveErrs, fmt.Errorf("%s: Serve: %w", what, err))
 }
 
 // recordPeers wraps a server config so the chain can tell which broker
@@ -149,7 +167,7 @@ func (c *Chain) startProxy(t testing.TB, addr string) {
 	go func() {
 		defer c.wg.Done()
 		defer close(done)
-		_ = p.Serve(ctx, lis)
+		c.served("proxy", p.Serve(ctx, lis))
 	}()
 }
 
@@ -238,7 +256,7 @@ func (c *Chain) StartSpareProxy(t testing.TB, material ...*mtls.Material) *Spare
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		_ = p.Serve(ctx, lis)
+		c.served("spare proxy", p.Serve(ctx, lis))
 	}()
 	var once sync.Once
 	stop := func() {
@@ -332,7 +350,7 @@ func SharedCA(t testing.TB) *mtls.CA {
 // Start builds the chain; everything is stopped at t.Cleanup.
 func Start(t testing.TB, o Options) *Chain {
 	t.Helper()
-	c := &Chain{Dir: ShortTempDir(t), Spans: tracetest.NewSpanRecorder(), Registry: prometheus.NewRegistry(), Logs: &SyncBuffer{}}
+	c := &Chain{Dir: ShortTempDir(t), Spans: tracetest.NewSpanRecorder(), Registry: prometheus.NewRegistry(), Logs: &SyncBuffer{}, t: t}
 	c.Tracer = sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(c.Spans))
 	if o.Tracer != nil {
 		c.Tracer, c.Spans = o.Tracer, o.Spans
@@ -418,7 +436,7 @@ func Start(t testing.TB, o Options) *Chain {
 	}
 	c.Front = filepath.Join(c.Dir, "front.sock")
 	c.wg.Add(1)
-	go func() { defer c.wg.Done(); _ = b.ServeSocket(ctx, o.Driver, c.Front) }()
+	go func() { defer c.wg.Done(); c.served("front end", b.ServeSocket(ctx, o.Driver, c.Front)) }()
 
 	t.Cleanup(c.Stop)
 	waitCtx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -446,6 +464,12 @@ func (c *Chain) Stop() {
 	c.wg.Wait()
 	c.Broker.Close()
 	c.Proxy.Close()
+	c.serveMu.Lock()
+	defer c.serveMu.Unlock()
+	for _, err := range c.serveErrs {
+		c.t.Errorf("chain: %v", err)
+	}
+	c.serveErrs = nil
 }
 
 // Dial opens a plain CSI client connection to a unix socket.
