@@ -10,6 +10,7 @@ import (
 	"cel.dev/cel-go/cel"
 	"cel.dev/cel-go/checker"
 	celast "cel.dev/cel-go/common/ast"
+	"cel.dev/cel-go/common/operators"
 	"cel.dev/cel-go/common/types"
 	"cel.dev/cel-go/ext"
 	"cel.dev/cel-go/interpreter"
@@ -58,7 +59,8 @@ type condition struct {
 	text      string
 	costLimit uint64
 	prg       cel.Program
-	// readsNSLabels: the condition reads request.requester.namespaceLabels,
+	// readsNSLabels: the condition may read request.requester.namespaceLabels
+	// (mayReadNSLabels),
 	// so it cannot be decided while they are not known (nil).
 	readsNSLabels bool
 }
@@ -97,10 +99,37 @@ func compileCondition(text string, costLimit uint64) (*condition, error) {
 	if err != nil {
 		return nil, errors.New(oneLine(err.Error()))
 	}
-	reads := celast.MatchDescendants(celast.NavigateAST(ast.NativeRep()), func(e celast.NavigableExpr) bool {
-		return e.Kind() == celast.SelectKind && e.AsSelect().FieldName() == "namespaceLabels"
-	})
+	reads := celast.MatchDescendants(celast.NavigateAST(ast.NativeRep()), mayReadNSLabels)
 	return &condition{text: text, costLimit: costLimit, prg: prg, readsNSLabels: len(reads) > 0}, nil
+}
+
+// mayReadNSLabels matches the expressions through which a condition may
+// read request.requester.namespaceLabels: the field by name (a select or
+// has()), the name as a string (an index like
+// dyn(request.requester)['namespaceLabels']), and an index by a computed key
+// into a value the checker could not type (dyn), which may be the
+// requester. A false match only makes a condition fail closed while the
+// labels are unknown; a miss would let it see them as empty.
+func mayReadNSLabels(e celast.NavigableExpr) bool {
+	switch e.Kind() {
+	case celast.SelectKind:
+		return e.AsSelect().FieldName() == "namespaceLabels"
+	case celast.LiteralKind:
+		s, ok := e.AsLiteral().(types.String)
+		return ok && string(s) == "namespaceLabels"
+	case celast.CallKind:
+		call := e.AsCall()
+		if call.FunctionName() != operators.Index && call.FunctionName() != operators.OptIndex {
+			return false
+		}
+		args := e.Children()
+		if len(args) != 2 || args[1].Kind() == celast.LiteralKind {
+			return false
+		}
+		k := args[0].Type().Kind()
+		return k == types.DynKind || k == types.AnyKind
+	}
+	return false
 }
 
 // eval runs the condition. An error (no such key, cost limit exceeded, a

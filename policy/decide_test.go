@@ -575,3 +575,37 @@ func TestStoreSourcesKeepEachOthersGrants(t *testing.T) {
 		t.Fatal("a grant defined in both sources was applied")
 	}
 }
+
+// TestConditionReadingNamespaceLabelsIndirectly: a condition that reaches
+// the namespace labels other than by the field's name (by index through
+// dyn, by a computed key) fails closed as well while they are unknown;
+// one that cannot reach them decides as usual.
+func TestConditionReadingNamespaceLabelsIndirectly(t *testing.T) {
+	for _, tc := range []struct {
+		cond  string
+		reads bool
+	}{
+		{`!('quarantined' in dyn(request.requester)['namespaceLabels'])`, true},
+		{`dyn(request.requester)['namespace' + 'Labels'].size() == 0`, true},
+		{`[dyn(request.requester)][0][request.secret.name].size() == 0`, true},
+		{`has(dyn(request.requester).namespaceLabels)`, true},
+		{`request.requester.labels[request.secret.name] == "x"`, false},
+		{`dyn(request.requester)['labels'].size() == 0`, false},
+	} {
+		c, err := compileCondition(tc.cond, DefaultCostLimit)
+		if err != nil {
+			t.Errorf("%s: %v", tc.cond, err)
+			continue
+		}
+		if c.readsNSLabels != tc.reads {
+			t.Errorf("%s: reads namespace labels %v, want %v", tc.cond, c.readsNSLabels, tc.reads)
+		}
+	}
+	// Decided end to end: an allow grant's condition that would be true
+	// over empty labels does not match while they are unknown.
+	rs := mustCompile(t, []Grant{grant(testNS, "g", cond(`!('quarantined' in dyn(request.requester)['namespaceLabels'])`))})
+	d := rs.Decide(baseReq(func(r *Request) { r.Requester.NamespaceLabels = nil }))
+	if d.Allowed || !strings.Contains(d.Reason, "namespace labels are not known") {
+		t.Fatalf("decision %+v, want denied: the labels are not known", d)
+	}
+}
