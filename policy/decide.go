@@ -97,6 +97,9 @@ func (rs *RuleSet) evaluate(req *Request) verdict {
 		if _, listed := deny.namespaces[req.Requester.Namespace]; !deny.anyRequester && !listed && req.Requester.NamespaceLabels == nil {
 			unknown = "; the requester's namespace labels are not known, which counts as a match of its namespaceSelector (fail closed)"
 		}
+		if deny.nodes != nil && deny.nodeUnknownDenies(req) {
+			unknown += "; the node is not known when this secret is handed out (any node may use the volume), which counts as a match of its nodes (fail closed)"
+		}
 		if denyErr != nil {
 			return verdict{rule: deny.key, reason: reasonf(req, "deny grant ", deny.key, " denies ", reqDesc, unknown,
 				"; its condition failed to evaluate, which counts as a match (fail closed): ", denyErr.Error())}
@@ -183,10 +186,19 @@ func (r *rule) matches(req *Request, opBit uint32) bool {
 	if r.storageClass != nil && !contains(r.storageClass, rq.StorageClass) {
 		return false
 	}
-	if r.nodes != nil && !contains(r.nodes, rq.Node) {
+	if r.nodes != nil && !contains(r.nodes, rq.Node) && !r.nodeUnknownDenies(req) {
 		return false
 	}
 	return true
+}
+
+// nodeUnknownDenies: a node operation's secret decided before its node is
+// known (a node stage secret is written into the PV at provisioning, for
+// whichever node's kubelet uses the volume) fails closed against a grant
+// that names nodes, as unknown namespace labels do against a selector: a
+// Deny grant matches it, an Allow grant does not.
+func (r *rule) nodeUnknownDenies(req *Request) bool {
+	return r.action == ActionDeny && req.Requester.Node == "" && req.Operation.onNode()
 }
 
 // selects reports whether the grant's namespaceSelector picks a namespace

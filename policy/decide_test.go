@@ -257,6 +257,27 @@ func TestDecide(t *testing.T) {
 				denyRestricted,
 			},
 			req: baseReq(), allowed: true, rule: "store/allow-all"},
+		{name: "deny naming nodes, node operation with its node not known: fails closed",
+			grants: []Grant{allowAll(), grant(testNS, "deny-edge", func(s *GrantSpec) {
+				s.Action, s.Requesters = ActionDeny, Requesters{Namespaces: []string{"*"}, Nodes: []string{"edge-1"}}
+			})},
+			req: baseReq(func(r *Request) { r.Requester.Node = "" }), rule: "store/deny-edge",
+			reason: []string{"deny grant store/deny-edge denies", "the node is not known", "fail closed"}},
+		{name: "deny naming nodes, node operation on another node: the allow decides",
+			grants: []Grant{allowAll(), grant(testNS, "deny-edge", func(s *GrantSpec) {
+				s.Action, s.Requesters = ActionDeny, Requesters{Namespaces: []string{"*"}, Nodes: []string{"edge-1"}}
+			})},
+			req: baseReq(), allowed: true, rule: "store/allow-all"},
+		{name: "deny naming nodes, controller operation with no node: the allow decides",
+			grants: []Grant{allowAll(), grant(testNS, "deny-edge", func(s *GrantSpec) {
+				s.Action, s.Requesters = ActionDeny, Requesters{Namespaces: []string{"*"}, Nodes: []string{"edge-1"}}
+			})},
+			req: baseReq(func(r *Request) { r.Operation, r.Requester.Node = OpCreateVolume, "" }), allowed: true, rule: "store/allow-all"},
+		{name: "allow naming nodes, node operation with its node not known: no match",
+			grants: []Grant{grant(testNS, "allow-edge", func(s *GrantSpec) {
+				s.Requesters = Requesters{Namespaces: []string{"*"}, Nodes: []string{"node-1"}}
+			})},
+			req: baseReq(func(r *Request) { r.Requester.Node = "" }), rule: RuleDefaultDeny},
 		{name: "allow condition over namespace labels, labels unknown: no match",
 			grants: []Grant{grant(testNS, "g", cond(`!has(request.requester.namespaceLabels.tier)`))},
 			req:    baseReq(func(r *Request) { r.Requester.NamespaceLabels = nil }), rule: "store/g",

@@ -95,7 +95,11 @@ type Requesters struct {
 	StorageClasses []string `json:"storageClasses,omitempty"`
 	// Nodes, when set, are the node names a node operation (or a controller
 	// operation bound to a node) must be for. Omitted means any node,
-	// including none; an explicitly empty list is rejected.
+	// including none; an explicitly empty list is rejected. A node
+	// operation's secret decided before its node is known (a volume that
+	// any node may use: its node stage secret is decided at provisioning)
+	// fails closed: a Deny grant naming nodes matches it, an Allow grant
+	// naming nodes does not.
 	Nodes []string `json:"nodes,omitempty"`
 }
 

@@ -63,6 +63,12 @@ func (o Operation) bit() uint32 {
 // Valid reports whether o is one of the known operations ("*" is not).
 func (o Operation) Valid() bool { return o.bit() != 0 }
 
+// onNode reports whether the operation runs on a node: its secret goes to
+// that node's plugin, wherever the volume is used.
+func (o Operation) onNode() bool {
+	return o == OpNodeStageVolume || o == OpNodePublishVolume || o == OpNodeExpandVolume
+}
+
 // SecretRef names a Kubernetes Secret. It is a reference only: this package
 // never sees secret content.
 type SecretRef struct {
