@@ -138,14 +138,19 @@ func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 	}
 	if protectionStale(pv) {
 		if err := d.patchFinalizer(ctx, name, false); err != nil {
-			return 0, fmt.Errorf("remove finalizer %s from pv %s (reclaim policy %s): %w", finalizerVolume, name, pv.Spec.PersistentVolumeReclaimPolicy, err)
+			err = fmt.Errorf("remove finalizer %s from pv %s (reclaim policy %s): %w", finalizerVolume, name, pv.Spec.PersistentVolumeReclaimPolicy, err)
+			d.finalizerFailed(ctx, pv, err)
+			return 0, err
 		}
 		d.b.log.Info("removed the volume-deletion finalizer of a PV no longer reclaimed by Delete", "pv", name, "reclaim_policy", string(pv.Spec.PersistentVolumeReclaimPolicy))
 		return 0, nil
 	}
 	if protectionMissing(pv) {
 		if err := d.patchFinalizer(ctx, name, true); err != nil {
-			return 0, fmt.Errorf("add finalizer %s to pv %s: %w", finalizerVolume, name, err)
+			// Without it, deleting the PV object first leaks its volume.
+			err = fmt.Errorf("add finalizer %s to pv %s, which keeps its volume from leaking if the PV is deleted first: %w", finalizerVolume, name, err)
+			d.finalizerFailed(ctx, pv, err)
+			return 0, err
 		}
 		d.b.log.Info("added the volume-deletion finalizer to a bound PV that lacked it", "pv", name)
 		return 0, nil
@@ -160,6 +165,14 @@ func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 	}
 	defer d.slots.release(driver)
 	return d.reclaim(ctx, pv, driver)
+}
+
+// finalizerFailed reports a refused finalizer write (RBAC, an admission
+// webhook or policy): a log line on every attempt, an Event on pv once per
+// failure.
+func (d *deleter) finalizerFailed(ctx context.Context, pv *corev1.PersistentVolume, err error) {
+	d.b.log.Warn("updating the volume-deletion finalizer failed (will retry)", "pv", pv.Name, "err", err)
+	d.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "FinalizerUpdateFailed", failureOf("", err), "%v", err)
 }
 
 // warn logs a failed deletion attempt and records it as a
@@ -191,13 +204,25 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 		}
 	}
 
+	// The deletion secret the PV records, as external-provisioner reads
+	// it: both annotations set name it, both present and empty say there
+	// is none; a PV without them (an older provisioner's) has its class's.
 	var secretRef *corev1.SecretReference
-	if n, ns := pv.Annotations[annDeletionSecretName], pv.Annotations[annDeletionSecretNS]; n != "" || ns != "" {
+	n, hasName := pv.Annotations[annDeletionSecretName]
+	ns, hasNS := pv.Annotations[annDeletionSecretNS]
+	switch {
+	case hasName && hasNS && n != "" && ns != "":
 		secretRef = &corev1.SecretReference{Name: n, Namespace: ns}
-	} else if secretRef, err = d.classDeletionSecret(pv); err != nil {
-		d.warn(ctx, pv, err.Error(), "%v", err)
-		d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
-		return 0, err
+	case hasName && hasNS:
+		if n != "" || ns != "" {
+			d.b.log.Warn("the PV names half a deletion secret; deleting its volume without one", "pv", name, "name", n, "namespace", ns)
+		}
+	default:
+		if secretRef, err = d.classDeletionSecret(pv); err != nil {
+			d.warn(ctx, pv, err.Error(), "%v", err)
+			d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
+			return 0, err
+		}
 	}
 	requester := policy.Requester{Kind: policy.KindPersistentVolume, Name: pv.Name, StorageClass: pv.Spec.StorageClassName}
 	if cr := pv.Spec.ClaimRef; cr != nil {
@@ -225,7 +250,8 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 			return eventRepeat, nil
 		}
 	}
-	if err := d.b.prov.deleteVolumeWith(ctx, driver, node, pv.Spec.CSI.VolumeHandle, secretRef, requester, recordedNamespaceLabels(pv)); err != nil {
+	ref := pvRef(pv)
+	if err := d.b.prov.deleteVolumeWith(ctx, driver, node, pv.Spec.CSI.VolumeHandle, secretRef, requester, recordedNamespaceLabels(pv), &ref); err != nil {
 		d.warn(ctx, pv, failureOf("DeleteVolume", err), "%v", err)
 		d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
 		return 0, err

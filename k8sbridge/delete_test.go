@@ -3,9 +3,11 @@ package k8sbridge
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -340,4 +342,162 @@ func TestNodeOfPV(t *testing.T) {
 			t.Errorf("%s: node %q, want %q", tc.name, got, tc.want)
 		}
 	}
+}
+
+// TestDeleteWhenTheDeletionSecretIsGone: a volume whose deletion secret
+// was deleted (as it may go with its namespace) is deleted without
+// credentials, as external-provisioner does, and the PV says so in a
+// Warning Event, instead of waiting forever for the secret.
+func TestDeleteWhenTheDeletionSecretIsGone(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "gone.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: ns}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	rs, errs := policy.Compile([]policy.Grant{{Namespace: ns, Name: "g", Spec: policy.GrantSpec{
+		Drivers: []string{drv}, SecretNames: []string{"creds"}, Operations: []policy.Operation{policy.OpCreateVolume, policy.OpDeleteVolume},
+		Requesters: policy.Requesters{Namespaces: []string{ns}}}}})
+	if len(errs) != 0 {
+		t.Fatal(errs)
+	}
+	class := makeClass(t, c, clusterName(ns, "gone"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
+	startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	if err := c.CoreV1().Secrets(ns).Delete(ctx, "creds", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitPVGone(t, c, pvName, 60*time.Second)
+	if n := len(d.Volumes()); n != 0 || d.CallCount("DeleteVolume") != 1 {
+		t.Fatalf("%d volumes left, %d DeleteVolume calls; want the volume deleted once", n, d.CallCount("DeleteVolume"))
+	}
+	waitEvent(t, c, "default", pvName, "DeletionSecretNotFound", "secret "+ns+"/creds")
+}
+
+// TestDeleteByTheSecretThePVRecords: a PV made without a deletion secret
+// records that (both annotations empty, as external-provisioner writes
+// them), and is deleted without one even when its StorageClass, replaced
+// since, names a secret (here one the policy refuses).
+func TestDeleteByTheSecretThePVRecords(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "rec.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	name := clusterName(ns, "rec")
+	class := makeClass(t, c, name, drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	// Enforced, with no grant: any secret named is refused.
+	r := startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(nil)}})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, hasName := pv.Annotations[annDeletionSecretName]
+	nsAnn, hasNS := pv.Annotations[annDeletionSecretNS]
+	if !hasName || !hasNS || n != "" || nsAnn != "" {
+		t.Fatalf("PV annotations %v: want %s and %s present and empty", pv.Annotations, annDeletionSecretName, annDeletionSecretNS)
+	}
+	if err := c.StorageV1().StorageClasses().Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	makeClass(t, c, name, drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": ns})
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitPVGone(t, c, pvName, 60*time.Second)
+	if n := len(d.Volumes()); n != 0 {
+		t.Fatalf("%d volumes left", n)
+	}
+	if got := r.metricValue(t, "csibroker_secret_policy_decisions_total", map[string]string{"operation": "DeleteVolume"}); got != 0 {
+		t.Fatalf("%v DeleteVolume secret decisions, want none: the PV records that it needs no secret", got)
+	}
+}
+
+// TestFinalizerRefusalIsReported: when the cluster refuses the
+// volume-deletion finalizer on a bound PV that lacks it (an admission
+// policy, missing RBAC), the PV gets a Warning Event saying so; once the
+// refusal is lifted, the finalizer is added.
+func TestFinalizerRefusalIsReported(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "finref.csi.test")
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "finref"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	// The cluster refuses adding the finalizer to this class's PVs.
+	fail := admissionregistrationv1.Fail
+	vap := &admissionregistrationv1.ValidatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "no-volume-finalizer")},
+		Spec: admissionregistrationv1.ValidatingAdmissionPolicySpec{
+			FailurePolicy: &fail,
+			MatchConstraints: &admissionregistrationv1.MatchResources{ResourceRules: []admissionregistrationv1.NamedRuleWithOperations{{
+				RuleWithOperations: admissionregistrationv1.RuleWithOperations{
+					Operations: []admissionregistrationv1.OperationType{admissionregistrationv1.Update},
+					Rule:       admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"persistentvolumes"}}}}}},
+			MatchConditions: []admissionregistrationv1.MatchCondition{{Name: "this-class", Expression: fmt.Sprintf("object.spec.storageClassName == %q", class.Name)}},
+			Validations: []admissionregistrationv1.Validation{{
+				Expression: fmt.Sprintf("!has(object.metadata.finalizers) || !(%[1]q in object.metadata.finalizers) || (has(oldObject.metadata.finalizers) && %[1]q in oldObject.metadata.finalizers)", finalizerVolume),
+				Message:    "the volume finalizer is refused by the test's policy"}},
+		}}
+	if _, err := c.AdmissionregistrationV1().ValidatingAdmissionPolicies().Create(ctx, vap, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.AdmissionregistrationV1().ValidatingAdmissionPolicies().Delete(context.Background(), vap.Name, metav1.DeleteOptions{})
+	})
+	binding := &admissionregistrationv1.ValidatingAdmissionPolicyBinding{ObjectMeta: metav1.ObjectMeta{Name: vap.Name},
+		Spec: admissionregistrationv1.ValidatingAdmissionPolicyBindingSpec{PolicyName: vap.Name, ValidationActions: []admissionregistrationv1.ValidationAction{admissionregistrationv1.Deny}}}
+	if _, err := c.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	unbind := func() {
+		err := c.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Delete(context.Background(), binding.Name, metav1.DeleteOptions{})
+		if err != nil && !apierrors.IsNotFound(err) {
+			t.Error(err)
+		}
+	}
+	t.Cleanup(unbind)
+
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	// The PV is created with the finalizer (the policy refuses updates
+	// only); it is taken off as an older provisioner would have left it,
+	// once the policy is seen in force on this PV.
+	err := testenv.WaitFor(ctx, 30*time.Second, "the PV without its finalizer, and the policy refusing it back", func(ctx context.Context) (bool, string, error) {
+		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		if hasFinalizer(pv, finalizerVolume) {
+			pv.Finalizers = removeString(pv.Finalizers, finalizerVolume)
+			if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
+				return false, err.Error(), nil
+			}
+			return false, "finalizer removed; probing the policy", nil
+		}
+		pv.Finalizers = append(pv.Finalizers, finalizerVolume)
+		_, err = c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err != nil && strings.Contains(err.Error(), "refused by the test's policy"), fmt.Sprint(err), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitEvent(t, c, "default", pvName, "FinalizerUpdateFailed", "refused by the test's policy")
+	unbind()
+	waitPV(t, c, pvName, "finalizer added once allowed", 60*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+		return pv != nil && hasFinalizer(pv, finalizerVolume), "no finalizer " + finalizerVolume
+	})
 }

@@ -3,6 +3,7 @@ package k8sbridge
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -582,6 +583,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		// decides then, not this attempt.
 		switch held, perr := p.pvHolds(ctx, pvName, node); {
 		case perr != nil:
+			p.b.log.Warn("claim deleted during provisioning; could not tell whether its PersistentVolume holds the volume (the intent record keeps it; retried)", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName, "err", perr)
 			return "failed", perr // intent kept: retried
 		case held:
 			p.b.log.Info("claim deleted during provisioning, but its PersistentVolume exists; the volume is left to the PV's reclaim policy", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName)
@@ -592,6 +594,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		// The same requester as the CreateVolume's (its node, its labels):
 		// a grant that let the secret go to this node lets it go again.
 		if derr := p.deleteVolume(ctx, driver, node, resp.GetVolume().GetVolumeId(), provSecretRef, requester); derr != nil {
+			p.b.log.Error("claim deleted during provisioning; deleting its volume failed (the intent record keeps it; recovery retries)", "claim", claim.Namespace+"/"+claim.Name, "driver", driver, "volume", resp.GetVolume().GetVolumeId(), "err", derr)
 			p.b.metrics.leaked.WithLabelValues(driver, "failed").Inc()
 			return "failed", derr // intent kept: recovery retries
 		}
@@ -872,6 +875,9 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 	if reclaim == corev1.PersistentVolumeReclaimDelete {
 		pv.Finalizers = []string{finalizerVolume}
 	}
+	// As external-provisioner: the deletion secret, or that there is none
+	// (both empty), so the PV's deletion does not depend on its class.
+	pv.Annotations[annDeletionSecretName], pv.Annotations[annDeletionSecretNS] = "", ""
 	if provSecret != nil {
 		pv.Annotations[annDeletionSecretName] = provSecret.Name
 		pv.Annotations[annDeletionSecretNS] = provSecret.Namespace
@@ -892,14 +898,28 @@ func (p *provisioner) reschedule(ctx context.Context, claim *corev1.PersistentVo
 
 // deleteVolume deletes a volume with its provisioner secret (through policy).
 func (p *provisioner) deleteVolume(ctx context.Context, driver, node, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester) error {
-	return p.deleteVolumeWith(ctx, driver, node, volumeID, secretRef, requester, nil)
+	return p.deleteVolumeWith(ctx, driver, node, volumeID, secretRef, requester, nil, nil)
 }
 
 // deleteVolumeWith is deleteVolume with the namespace labels recorded at
 // provisioning, for when the claim's namespace is gone.
-func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester, recordedNSLabels map[string]string) error {
+//
+// A secret the policy allows but that is gone does not keep the volume:
+// as external-provisioner, it is deleted without credentials (the secret
+// may have gone with its namespace, with the claims), which is logged and,
+// with on, recorded as an Event on that object.
+func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester, recordedNSLabels map[string]string, on *corev1.ObjectReference) error {
 	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpDeleteVolume, ref: secretRef, source: policy.Source{Kind: policy.SourcePVField, Key: "provisioner secret"}, requester: requester, recordedNSLabels: recordedNSLabels})
-	if err != nil {
+	var gone secretNotFound
+	switch {
+	case errors.As(err, &gone):
+		p.b.log.Warn("the deletion secret is gone; deleting the volume without credentials", "driver", driver, "volume", volumeID, "err", err)
+		if on != nil {
+			p.b.eventOnce(ctx, *on, corev1.EventTypeWarning, "DeletionSecretNotFound", secretRef.Namespace+"/"+secretRef.Name,
+				"%v; deleting volume %s without credentials", err, volumeID)
+		}
+		secrets = nil
+	case err != nil:
 		return err
 	}
 	conn, err := p.conn(driver, node)

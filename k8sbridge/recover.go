@@ -288,7 +288,7 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 		p.orphanFailed(log, in, now, "learn the volume ID of an orphaned volume", detail)
 		return
 	}
-	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, id, in.ProvisionerSecret, requester, in.NamespaceLabels); err != nil {
+	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, id, in.ProvisionerSecret, requester, in.NamespaceLabels, nil); err != nil {
 		// Retried and reported like a failed re-issue (a DeleteVolume
 		// secret denied, say).
 		p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
@@ -330,7 +330,7 @@ func (p *provisioner) undoOnNode(ctx context.Context, in Intent) error {
 		}
 		return err
 	}
-	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, id, in.ProvisionerSecret, requester, in.NamespaceLabels); err != nil {
+	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, id, in.ProvisionerSecret, requester, in.NamespaceLabels, nil); err != nil {
 		return err
 	}
 	p.b.metrics.leaked.WithLabelValues(in.Driver, "deleted").Inc()

@@ -58,6 +58,11 @@ func (b *Bridge) namespaceLabels(ns string) map[string]string {
 	return n.Labels
 }
 
+// secretNotFound is fetchSecret's error for a secret that does not exist.
+type secretNotFound struct{ error }
+
+func (e secretNotFound) Unwrap() error { return e.error }
+
 // fetchSecret asks the policy, and only on an allow GETs the secret (no
 // Secret informer: the broker never lists or watches Secrets). The returned
 // map goes into the CSI request and nowhere else.
@@ -75,7 +80,7 @@ func (b *Bridge) fetchSecret(ctx context.Context, u secretUse) (map[string]strin
 			if u.source.Key != "" {
 				from = " (named by " + u.source.Key + ")"
 			}
-			return nil, fmt.Errorf("secret %s/%s%s for %s of driver %s not found: create it, or correct the reference", u.ref.Namespace, u.ref.Name, from, u.op, u.driver)
+			return nil, secretNotFound{fmt.Errorf("secret %s/%s%s for %s of driver %s not found: create it, or correct the reference", u.ref.Namespace, u.ref.Name, from, u.op, u.driver)}
 		}
 		// The API error names the object, never its content.
 		return nil, fmt.Errorf("get secret %s/%s: %w", u.ref.Namespace, u.ref.Name, err)
