@@ -691,7 +691,11 @@ func TestAttachRefusalsAreReported(t *testing.T) {
 	t.Cleanup(func() {
 		c.StorageV1().VolumeAttachments().Delete(context.Background(), mixed.Name, metav1.DeleteOptions{})
 	})
-	got := vaFor(t, c, other.Name, func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error of the mixed attachment")
+	// (Until the broker's cache has the new PV, its attempts fail on that,
+	// and are retried.)
+	got := vaFor(t, c, other.Name, func(va *storagev1.VolumeAttachment) bool {
+		return va.Status.AttachError != nil && strings.Contains(va.Status.AttachError.Message, "not of the attachment's attacher")
+	}, "attach error of the mixed attachment")
 	if msg := got.Status.AttachError.Message; !strings.Contains(msg, "not of the attachment's attacher") || got.Status.Attached || containsString(got.Finalizers, attacherFinalizer(drv)) {
 		t.Fatalf("attachment of another driver's volume: %+v, finalizers %v", got.Status, got.Finalizers)
 	}

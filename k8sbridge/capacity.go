@@ -136,7 +136,8 @@ type capacitySegment struct {
 	// term is the segment: the object's nodeTopology matches exactly its
 	// labels.
 	term topoTerm
-	// request is the accessible topology sent with GetCapacity: term, or for
+	// request is the accessible topology sent with GetCapacity (to a driver
+	// with VOLUME_ACCESSIBILITY_CONSTRAINTS; to others none): term, or for
 	// a node-local driver the node's values of the driver's own topology keys
 	// when its CSINode lists some (the keys the driver understands).
 	request topoTerm
@@ -752,7 +753,14 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 		c.log.Debug("driver has no GET_CAPACITY capability: no capacity objects", "driver", key.driver)
 		return c.remove(ctx, key)
 	}
-	resp, err := c.getCapacity(ctx, key.driver, item, CapacityRequest(class, item.segment.request.labels()))
+	// The spec lets a request carry a topology only to a driver with
+	// VOLUME_ACCESSIBILITY_CONSTRAINTS; a node-local driver without it is
+	// asked on its node's proxy, which says where.
+	var topology map[string]string
+	if caps.accessibility {
+		topology = item.segment.request.labels()
+	}
+	resp, err := c.getCapacity(ctx, key.driver, item, CapacityRequest(class, topology))
 	if err != nil {
 		// Keep the object with its last value: stale beats missing.
 		c.refreshes.WithLabelValues(key.driver, "failed").Inc()

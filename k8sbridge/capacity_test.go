@@ -732,6 +732,49 @@ func nodeProxy(t *testing.T, driver, node string, capacity int64) (*sampledriver
 	return d, chaintest.Start(t, chaintest.Options{Driver: driver, DriverEndpoint: ep, ProxyMaterial: mat, NoWait: true, LogLevel: slog.LevelError})
 }
 
+// TestCapacityNodeLocalWithoutTopology: a node-local driver that has no
+// topology of its own (no VOLUME_ACCESSIBILITY_CONSTRAINTS, its CSINode
+// lists no keys) still gets a capacity object per node, by hostname, and is
+// asked on its node's proxy without a topology in the request, which the
+// spec forbids it (the sample driver refuses one).
+func TestCapacityNodeLocalWithoutTopology(t *testing.T) {
+	fastCapacityPolls(t)
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "plain.csi.test")
+	node := clusterName(ns, "node")
+	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
+		t.Fatal(err)
+	}
+	ep, d := sampledriver.StartTest(t, sampledriver.Config{Name: drv, NodeID: node, CapacityBytes: 4 * gib, Logger: slog.New(slog.DiscardHandler)})
+	now := time.Now()
+	mat, err := chaintest.SharedCA(t).IssueMaterial(mtls.Leaf{ID: mtls.NodeDriverID(chaintest.TrustDomain, drv, node), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	chain := chaintest.Start(t, chaintest.Options{Driver: drv, DriverEndpoint: ep, ProxyMaterial: mat, NoWait: true, LogLevel: slog.LevelError})
+	br, err := broker.New(broker.Options{TrustDomain: chaintest.TrustDomain, TLS: chain.BrokerSource})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(br.Close)
+	if err := br.SetDriver(broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second, Nodes: []broker.ProxyConfig{{Node: node, Address: chain.ProxyAddr}}}); err != nil {
+		t.Fatal(err)
+	}
+	class := makeClass(t, c, clusterName(ns, "plain"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, br, bridgeOpts{})
+	waitCapacities(t, c, ns, drv, map[string]int64{segmentKey(class.Name, corev1.LabelHostname, node): 4 * gib})
+	if n := d.CallCount("GetCapacity"); n == 0 {
+		t.Fatal("no GetCapacity call reached the node's driver")
+	}
+}
+
 // TestCapacityNodeLocalTwoNodes: a node-local driver with an instance (and
 // a node proxy) on each of two nodes, registered in a real broker with node
 // proxies only: one object per node with what that node's instance reports,

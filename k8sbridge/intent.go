@@ -19,6 +19,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+
+	"github.com/csibroker/csibroker/policy"
 )
 
 // Intent is one in-flight CreateVolume, recorded on the API server before the
@@ -51,7 +53,14 @@ type Intent struct {
 	// NamespaceLabels of the claim's namespace, for policy decisions after
 	// the namespace is deleted.
 	NamespaceLabels map[string]string `json:"namespaceLabels,omitempty"`
-	Created         metav1.Time       `json:"created"`
+	// ClaimLabels and SecretSource are what the provisioner secret was
+	// decided on (the claim's own labels, where its reference came from),
+	// so that recovery is decided on the same, not on less: a grant whose
+	// condition reads them would otherwise refuse recovery, and the volume
+	// would leak. Entries written before they were recorded have neither.
+	ClaimLabels  map[string]string `json:"claimLabels,omitempty"`
+	SecretSource *policy.Source    `json:"secretSource,omitempty"`
+	Created      metav1.Time       `json:"created"`
 	// Superseded marks the entry of an attempt on a node that was deleted
 	// while the volume may have been made there, kept when the claim was
 	// provisioned anew elsewhere: if the node comes back under its name,

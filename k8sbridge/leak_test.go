@@ -12,6 +12,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/policy"
 )
 
 // noLeaks waits until every volume of the driver is referenced by a PV and
@@ -139,5 +140,62 @@ func TestBrokerKilledAfterCreateVolume(t *testing.T) {
 	vols := d.Volumes()
 	if len(vols) != 1 || vols[0].Name != bound.Spec.VolumeName {
 		t.Fatalf("driver volumes %+v, want only %s", vols, bound.Spec.VolumeName)
+	}
+}
+
+// TestRecoveryDecidesAsTheAttemptDid: a claim deleted while the broker was
+// down leaves a volume made with a provisioner secret that a grant allows
+// on the claim's own labels. Recovery decides the secret on the same
+// requester (its labels, recorded in the intent) and deletes the volume;
+// deciding on less, it was refused and the volume leaked.
+func TestRecoveryDecidesAsTheAttemptDid(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "labels.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: ns}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	rs, errs := policy.Compile([]policy.Grant{
+		{Namespace: ns, Name: "create-for-test-apps", Spec: policy.GrantSpec{Drivers: []string{drv}, SecretNames: []string{"creds"},
+			Operations: []policy.Operation{policy.OpCreateVolume}, Requesters: policy.Requesters{Namespaces: []string{ns}},
+			Condition: `request.requester.labels["app"] == "test" && request.source.kind == "Template"`}},
+		{Namespace: ns, Name: "delete", Spec: policy.GrantSpec{Drivers: []string{drv}, SecretNames: []string{"creds"},
+			Operations: []policy.Operation{policy.OpDeleteVolume}, Requesters: policy.Requesters{Namespaces: []string{ns}}}},
+	})
+	if len(errs) != 0 {
+		t.Fatal(errs)
+	}
+	authz := &policy.Authorizer{Rules: policy.NewStore(rs)}
+	class := makeClass(t, c, clusterName(ns, "labels"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
+
+	died := make(chan string, 1)
+	first := startBridge(t, env, ns, drivers, bridgeOpts{identity: "doomed-broker", leader: true, policy: authz, configure: func(b *Bridge) {
+		b.prov.afterCreate = func(ctx context.Context, vol string) {
+			died <- vol
+			<-ctx.Done() // the process is gone: nothing after this point runs
+		}
+	}})
+	makeClaim(t, c, ns, "gone", class.Name, "1Gi") // labelled app=test
+	select {
+	case <-died:
+	case <-time.After(30 * time.Second):
+		t.Fatal("CreateVolume never returned")
+	}
+	first.stop()
+	if n := len(d.Volumes()); n != 1 {
+		t.Fatalf("driver has %d volumes, want 1 made before the crash", n)
+	}
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "gone", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	startBridge(t, env, ns, drivers, bridgeOpts{identity: "new-leader", leader: true, policy: authz})
+	noLeaks(t, env, ns, d, drv)
+	if n := len(d.Volumes()); n != 0 {
+		t.Fatalf("driver has %d volumes, want the deleted claim's deleted", n)
 	}
 }

@@ -452,7 +452,8 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		// can say which nodes' proxies may receive the secret.
 		requester.Node = selectedNode
 	}
-	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpCreateVolume, ref: provSecretRef, source: policySource(SecretProvisioner, class.Parameters), requester: requester})
+	provSource := policySource(SecretProvisioner, class.Parameters)
+	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpCreateVolume, ref: provSecretRef, source: provSource, requester: requester})
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -509,6 +510,9 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	}
 	entry := Intent{VolumeName: pvName, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID),
 		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, NamespaceLabels: p.b.namespaceLabels(claim.Namespace), Created: metav1.Now()}
+	if provSecretRef != nil {
+		entry.ClaimLabels, entry.SecretSource = claim.Labels, &provSource
+	}
 	if earlier && gone == nil && prev.Node == node && prev.ClaimUID == string(claim.UID) {
 		// The same volume, asked for again: an earlier request (other
 		// topology, say) may be the one that made it.

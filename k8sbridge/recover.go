@@ -204,7 +204,7 @@ const (
 // it idempotent by name) to learn the volume's ID; on failure it says at
 // which stage. requester is whom the volume's secrets are used for.
 func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, requester policy.Requester, stage reissueStage, err error) {
-	requester = policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, StorageClass: in.StorageClass, Node: in.Node}
+	requester = policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, Labels: in.ClaimLabels, StorageClass: in.StorageClass, Node: in.Node}
 	var reqs []*csi.CreateVolumeRequest
 	for _, raw := range in.requests() {
 		req := &csi.CreateVolumeRequest{}
@@ -213,7 +213,13 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 		}
 		reqs = append(reqs, req)
 	}
-	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: policy.Source{Kind: policy.SourceStatic, Key: "intent record"}, requester: requester, recordedNSLabels: in.NamespaceLabels})
+	// Decided as the recorded attempt was, on the same requester and
+	// source (an older entry without them: as recorded by the broker).
+	source := policy.Source{Kind: policy.SourceStatic, Key: "intent record"}
+	if in.SecretSource != nil {
+		source = *in.SecretSource
+	}
+	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: source, requester: requester, recordedNSLabels: in.NamespaceLabels})
 	if err != nil {
 		return "", requester, stageSecret, err
 	}

@@ -170,6 +170,9 @@ func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return nil, toStatus(err)
 	}
 	segments := s.segments()
+	if req.GetAccessibilityRequirements() != nil && len(segments) == 0 {
+		return nil, invalid("accessibility_requirements set, but this plugin does not advertise VOLUME_ACCESSIBILITY_CONSTRAINTS")
+	}
 	placed, ok := pickSegment(segments, req.GetAccessibilityRequirements())
 	if !ok {
 		var served []string
@@ -505,7 +508,11 @@ func (s *server) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (
 	}
 	if t := req.GetAccessibleTopology(); t != nil {
 		segments := s.segments()
-		if len(segments) > 0 && !slices.ContainsFunc(segments, func(seg map[string]string) bool { return topologyMatches(seg, t) }) {
+		if len(segments) == 0 {
+			// The spec: not set unless the plugin advertises it.
+			return nil, invalid("accessible_topology set, but this plugin does not advertise VOLUME_ACCESSIBILITY_CONSTRAINTS")
+		}
+		if !slices.ContainsFunc(segments, func(seg map[string]string) bool { return topologyMatches(seg, t) }) {
 			return &csi.GetCapacityResponse{}, nil // not a segment this driver serves
 		}
 	}

@@ -969,6 +969,27 @@ func TestGetCapacityOfControllerSegments(t *testing.T) {
 	}
 }
 
+// TestTopologyOnlyWithTheCapability: a driver without topology does not
+// advertise VOLUME_ACCESSIBILITY_CONSTRAINTS, and refuses requests that
+// carry one, as the spec forbids sending it then (a strict driver would).
+func TestTopologyOnlyWithTheCapability(t *testing.T) {
+	ep, _ := StartTest(t, Config{CapacityBytes: 10 << 20})
+	c := dial(t, ep)
+	ctx := ctxT(t)
+	topo := &csi.Topology{Segments: map[string]string{"kubernetes.io/hostname": "n1"}}
+	if _, err := c.GetCapacity(ctx, &csi.GetCapacityRequest{AccessibleTopology: topo}); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("GetCapacity with a topology: %v, want InvalidArgument", err)
+	}
+	if resp, err := c.GetCapacity(ctx, &csi.GetCapacityRequest{}); err != nil || resp.GetAvailableCapacity() != 10<<20 {
+		t.Errorf("GetCapacity without one: %v, %v", resp, err)
+	}
+	_, err := c.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: []*csi.VolumeCapability{mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)},
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{topo}}})
+	if status.Code(err) != codes.InvalidArgument {
+		t.Errorf("CreateVolume with accessibility requirements: %v, want InvalidArgument", err)
+	}
+}
+
 // TestUnstageAfterTheVolumeWasDeleted: with separate controller and node
 // instances the controller cannot see the node's staging; a volume deleted
 // while staged still has its staging mount removed by NodeUnstageVolume
