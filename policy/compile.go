@@ -40,7 +40,8 @@ type RuleError struct {
 	Message string
 	// FailClosed: the grant was a Deny grant (or its action could not be
 	// read), so instead of being dropped, which would widen access, it
-	// denies every request for a secret in its namespace until fixed.
+	// denies every request for a secret in its namespace until fixed (in
+	// every namespace, when its namespace is missing or not a name).
 	FailClosed bool
 }
 
@@ -64,8 +65,12 @@ type RuleSet struct {
 	costLimit uint64
 	valid     int
 	byNS      map[string]*nsRules
-	errs      []RuleError
-	conds     map[string]*condition // by condition text, for WithPrevious
+	// lockAll is the first invalid Deny grant whose namespace is not a
+	// namespace name (a file's grant without metadata.namespace): the
+	// secrets it meant to protect are unknown, so every one is denied.
+	lockAll *RuleError
+	errs    []RuleError
+	conds   map[string]*condition // by condition text, for WithPrevious
 }
 
 // nsRules holds the grants of one namespace, that is, every grant that can
@@ -169,12 +174,21 @@ func Compile(grants []Grant, opts ...CompileOption) (*RuleSet, []RuleError) {
 		}
 		if len(problems) > 0 {
 			e := RuleError{Namespace: g.Namespace, Name: g.Name, Generation: g.Generation, Message: strings.Join(problems, "; ")}
-			if g.Spec.Action != "" && g.Spec.Action != ActionAllow && dnsLabel(g.Namespace) {
+			switch {
+			case g.Spec.Action == "" || g.Spec.Action == ActionAllow:
+			case dnsLabel(g.Namespace):
 				e.FailClosed = true
 				ns := rs.namespace(g.Namespace)
 				if ns.lock == nil {
 					lock := e
 					ns.lock = &lock
+				}
+			default:
+				e.FailClosed = true
+				e.Message += "; as a Deny grant without a valid metadata.namespace, it denies every secret in every namespace until fixed"
+				if rs.lockAll == nil {
+					lock := e
+					rs.lockAll = &lock
 				}
 			}
 			errs = append(errs, e)

@@ -34,6 +34,10 @@ func (rs *RuleSet) evaluate(req *Request) verdict {
 	if err := req.validate(); err != nil {
 		return verdict{rule: RuleInvalidRequest, reason: "invalid request, denied: " + err.Error()}
 	}
+	if l := rs.lockAll; l != nil {
+		return verdict{rule: l.Key(), reason: reasonf(req, "grant ", l.Key(), " is an invalid Deny grant without a namespace, so every secret is denied until it is fixed (",
+			truncate(l.Message, 200), "); denied ", reqDesc)}
+	}
 	ns := rs.byNS[req.Secret.Namespace]
 	if ns == nil {
 		return defaultDeny(req)

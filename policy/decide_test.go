@@ -357,6 +357,10 @@ func TestDecide(t *testing.T) {
 				s.Condition = `request.nosuchfield == 1`
 			})},
 			req: baseReq(), rule: "store/deny", reason: []string{"invalid Deny grant", "every secret in namespace store"}, invalid: 1},
+		{name: "deny grant without a namespace locks every namespace",
+			grants: []Grant{grant("other", "allow"), grant("", "deny", func(s *GrantSpec) { s.Action = ActionDeny })},
+			req:    baseReq(func(r *Request) { r.Secret.Namespace = "other" }), rule: "/deny",
+			reason: []string{"invalid Deny grant without a namespace", "every secret is denied"}, invalid: 1},
 		{name: "invalid deny grant does not affect other namespaces",
 			grants: []Grant{grant("other", "allow"), grant(testNS, "deny", func(s *GrantSpec) {
 				s.Action = ActionDeny

@@ -287,7 +287,7 @@ func logPolicyFileErrors(log *slog.Logger, errs []policy.RuleError, last string)
 	}
 	for _, e := range errs {
 		if e.FailClosed {
-			log.Error("policy file: invalid deny grant; it denies every secret of its namespace until fixed", "grant", e.Key(), "err", e.Message)
+			log.Error("policy file: invalid deny grant; it denies every secret of its namespace (or, without one, every secret) until fixed", "grant", e.Key(), "err", e.Message)
 		} else {
 			log.Error("policy file: invalid grant not applied", "grant", e.Key(), "err", e.Message)
 		}
