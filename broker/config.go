@@ -3,6 +3,7 @@ package broker
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"strings"
@@ -126,6 +127,9 @@ func (c DriverConfig) Validate() error {
 	if c.Retry.MaxAttempts < 0 || c.Retry.IntervalStart < 0 || c.Retry.IntervalMax < 0 || c.Timeout < 0 {
 		errs = append(errs, errors.New("timeouts and retry values must not be negative"))
 	}
+	if c.Retry.IntervalStart > 0 && c.Retry.IntervalMax > 0 && c.Retry.IntervalStart > c.Retry.IntervalMax {
+		errs = append(errs, fmt.Errorf("retry.intervalStart %v is above retry.intervalMax %v", c.Retry.IntervalStart, c.Retry.IntervalMax))
+	}
 	for m, d := range c.MethodTimeouts {
 		if d <= 0 {
 			errs = append(errs, fmt.Errorf("methodTimeouts[%s] must be positive", m))
@@ -150,6 +154,9 @@ func LoadRegistryConfig(path string) (*RegistryConfig, error) {
 	dec := yaml.NewDecoder(strings.NewReader(string(b)))
 	dec.KnownFields(true)
 	if err := dec.Decode(&rc); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, fmt.Errorf("driver registry %s is empty: list the drivers under \"drivers:\" (write \"drivers: []\" for none)", path)
+		}
 		return nil, fmt.Errorf("driver registry %s: %w", path, err)
 	}
 	seen := map[string]bool{}

@@ -31,6 +31,9 @@ func TestLoadRegistryConfigErrors(t *testing.T) {
 		{"node address without a port", "drivers:\n  - name: a\n    nodes: [{node: n, address: proxy.local}]\n", `nodes[0].address: "proxy.local": want host:port`},
 		{"slash in name", "drivers:\n  - name: a/b\n    controller: {address: \"x:1\"}\n", "must not contain"},
 		{"unknown method timeout", "drivers:\n  - name: a\n    controller: {address: \"x:1\"}\n    methodTimeouts: {createVolume: 2m}\n", "methodTimeouts[createVolume]: not the name of a CSI method"},
+		{"backoff start above its max", "drivers:\n  - name: a\n    controller: {address: \"x:1\"}\n    retry: {intervalStart: 5s, intervalMax: 1s}\n", "retry.intervalStart 5s is above retry.intervalMax 1s"},
+		{"empty file", "", `is empty: list the drivers under "drivers:"`},
+		{"comments only", "# nothing yet\n", `is empty`},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

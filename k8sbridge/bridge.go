@@ -339,6 +339,11 @@ func (b *Bridge) Recorder() record.EventRecorder { return b.recorder }
 // Client is the bridge's rate-limited Kubernetes client.
 func (b *Bridge) Client() kubernetes.Interface { return b.cfg.Client }
 
+// InformerClient is the client of the bridge's informers, whose lists and
+// watches have a budget of their own (another informer, such as proxy
+// discovery's, should use it too).
+func (b *Bridge) InformerClient() kubernetes.Interface { return b.cfg.InformerClient }
+
 // Ready reports whether the informer caches have synced; standby replicas
 // keep theirs warm too, so a standby is ready as soon as the leader is. The
 // broker's /readyz answers with it.

@@ -191,7 +191,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 				static = append(static, d.Name)
 			}
 			template := broker.DriverConfig{Timeout: cfg.Timeout, Retry: cfg.fillRetry(broker.RetryConfig{})}
-			disc, err := k8sbridge.NewDiscovery(bridge.Client(), cfg.Kube.DiscoverProxies, cfg.Kube.discoverNamespaces(), b, template, static, log)
+			disc, err := k8sbridge.NewDiscovery(bridge.InformerClient(), cfg.Kube.DiscoverProxies, cfg.Kube.discoverNamespaces(), b, template, static, log)
 			if err != nil {
 				return err
 			}

@@ -39,6 +39,7 @@ func runCerts(_ context.Context, args []string, stdout, stderr io.Writer) error 
 	fs.Var(&nodes, "node", "node names: with --driver, also mint node-proxy certificates (repeatable or comma-separated)")
 	fs.Var(&clients, "client", "client name to mint a certificate for the broker's TCP front end (--listen) for (repeatable or comma-separated); proxies refuse it")
 	fs.DurationVar(&o.Validity, "validity", 30*24*time.Hour, "lifetime of the leaf certificates")
+	fs.BoolVar(&o.OnlyNodes, "only-nodes", false, "mint only the node-proxy certificates of --driver and --node, from the CA already in --dir (no broker, controller-proxy or client certificate: a node gets nothing that could act as the broker)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}

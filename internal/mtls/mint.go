@@ -17,6 +17,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"time"
 )
 
@@ -153,15 +154,62 @@ type DevCertsOptions struct {
 	Nodes       []string // with Drivers: one node-proxy certificate per driver and node
 	Clients     []string // one TCP front-end client certificate each
 	Validity    time.Duration
+	// OnlyNodes mints the node-proxy certificates only (no broker,
+	// controller-proxy or client certificate), for a node's proxy issued
+	// from a CA that also signs the broker's identity.
+	OnlyNodes bool
+}
+
+// checkIDParts refuses, before anything is written, a trust domain or a
+// name that would not make a valid SPIFFE ID segment (or file name): the
+// trust domain's characters are SPIFFE's (lower-case letters, digits, '.',
+// '-', '_'), a name's also upper-case letters.
+func checkIDParts(o DevCertsOptions) error {
+	var errs []error
+	if o.TrustDomain == "" {
+		errs = append(errs, errors.New("trust domain is required"))
+	} else if !segmentOK(o.TrustDomain, false) {
+		errs = append(errs, fmt.Errorf("trust domain %q: use lower-case letters, digits, '.', '-' and '_' only", o.TrustDomain))
+	}
+	for _, l := range []struct {
+		what  string
+		names []string
+	}{{"driver", o.Drivers}, {"node", o.Nodes}, {"client", o.Clients}} {
+		for _, n := range l.names {
+			if !segmentOK(n, true) || n == "." || n == ".." {
+				errs = append(errs, fmt.Errorf("%s name %q: use letters, digits, '.', '-' and '_' only", l.what, n))
+			}
+		}
+	}
+	if o.OnlyNodes && (len(o.Drivers) == 0 || len(o.Nodes) == 0 || len(o.Clients) > 0) {
+		errs = append(errs, errors.New("only node-proxy certificates asked for: give drivers and nodes, and no clients"))
+	}
+	return errors.Join(errs...)
+}
+
+func segmentOK(s string, upper bool) bool {
+	if s == "" {
+		return false
+	}
+	for _, r := range s {
+		switch {
+		case r >= 'a' && r <= 'z', r >= '0' && r <= '9', r == '.', r == '-', r == '_':
+		case upper && r >= 'A' && r <= 'Z':
+		default:
+			return false
+		}
+	}
+	return true
 }
 
 // WriteDevCerts writes ca.crt/ca.key, broker.crt/broker.key and, per driver,
 // proxy-<driver>.crt/.key (plus proxy-<driver>-<node>.crt/.key per node) and,
 // per client, client-<name>.crt/.key into Dir. An existing CA in Dir is reused so certificates can be re-minted.
 func WriteDevCerts(o DevCertsOptions) ([]string, error) {
-	if o.TrustDomain == "" {
-		return nil, errors.New("trust domain is required")
+	if err := checkIDParts(o); err != nil {
+		return nil, fmt.Errorf("%w; nothing was written", err)
 	}
+	o.Drivers, o.Nodes, o.Clients = dedupe(o.Drivers), dedupe(o.Nodes), dedupe(o.Clients)
 	if o.Validity <= 0 {
 		o.Validity = 30 * 24 * time.Hour
 	}
@@ -173,6 +221,8 @@ func WriteDevCerts(o DevCertsOptions) ([]string, error) {
 	ca, err := LoadCA(caCert, caKey)
 	switch {
 	case err == nil:
+	case missing(caCert) && missing(caKey) && o.OnlyNodes:
+		return nil, fmt.Errorf("no CA in %s (ca.crt and ca.key): node-proxy certificates alone are issued from the CA that signs the broker's; nothing was written", o.Dir)
 	case missing(caCert) && missing(caKey):
 		// A new dev CA only where there is none: a CA that cannot be read
 		// is never replaced (its certificates would stop being trusted).
@@ -200,12 +250,16 @@ func WriteDevCerts(o DevCertsOptions) ([]string, error) {
 		written = append(written, filepath.Join(o.Dir, base+".crt"))
 		return writeFile(filepath.Join(o.Dir, base+".key"), k, 0o600)
 	}
-	if err := issue("broker", BrokerID(o.TrustDomain)); err != nil {
-		return nil, err
+	if !o.OnlyNodes {
+		if err := issue("broker", BrokerID(o.TrustDomain)); err != nil {
+			return nil, err
+		}
 	}
 	for _, d := range o.Drivers {
-		if err := issue("proxy-"+d, DriverID(o.TrustDomain, d)); err != nil {
-			return nil, err
+		if !o.OnlyNodes {
+			if err := issue("proxy-"+d, DriverID(o.TrustDomain, d)); err != nil {
+				return nil, err
+			}
 		}
 		for _, n := range o.Nodes {
 			if err := issue("proxy-"+d+"-"+n, NodeDriverID(o.TrustDomain, d, n)); err != nil {
@@ -214,6 +268,9 @@ func WriteDevCerts(o DevCertsOptions) ([]string, error) {
 		}
 	}
 	for _, c := range o.Clients {
+		if o.OnlyNodes {
+			break
+		}
 		if err := issue("client-"+c, ClientID(o.TrustDomain, c)); err != nil {
 			return nil, err
 		}
@@ -267,4 +324,15 @@ func encodeKey(k *ecdsa.PrivateKey) ([]byte, error) {
 		return nil, err
 	}
 	return pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), nil
+}
+
+// dedupe drops repeated names, keeping the first of each.
+func dedupe(names []string) []string {
+	var out []string
+	for _, n := range names {
+		if !slices.Contains(out, n) {
+			out = append(out, n)
+		}
+	}
+	return out
 }

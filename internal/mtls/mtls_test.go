@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -497,6 +498,53 @@ func TestWriteDevCertsKeepsTheCA(t *testing.T) {
 		}
 		if got, _ := os.ReadFile(filepath.Join(dir, "ca.crt")); !bytes.Equal(got, ca.CertPEM) {
 			t.Errorf("%s: ca.crt was replaced", name)
+		}
+	}
+}
+
+// TestWriteDevCertsOnlyNodes: --only-nodes mints the node-proxy
+// certificates alone from the CA in the directory (nothing that could act
+// as the broker), and refuses to start a CA of its own; names that would
+// not make a SPIFFE ID are refused before anything is written.
+func TestWriteDevCertsOnlyNodes(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"d.csi"}, Nodes: []string{"n1"}, OnlyNodes: true}); err == nil || !strings.Contains(err.Error(), "no CA in") {
+		t.Fatalf("--only-nodes without a CA: %v, want a refusal", err)
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		t.Fatalf("%d files written by a refusal", len(entries))
+	}
+	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td"}); err != nil { // the CA (and a broker)
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(dir, "broker.crt")); err != nil {
+		t.Fatal(err)
+	}
+	files, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"d.csi", "d.csi"}, Nodes: []string{"n1"}, OnlyNodes: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{filepath.Join(dir, "ca.crt"), filepath.Join(dir, "proxy-d.csi-n1.crt")}
+	if !slices.Equal(files, want) {
+		t.Fatalf("written %v, want %v", files, want)
+	}
+	for _, f := range []string{"broker.crt", "proxy-d.csi.crt"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); !os.IsNotExist(err) {
+			t.Errorf("%s: %v, want it not written", f, err)
+		}
+	}
+	for _, o := range []DevCertsOptions{
+		{TrustDomain: "Example.ORG/x"},
+		{TrustDomain: "td", Drivers: []string{"bad driver/name"}},
+		{TrustDomain: "td", Drivers: []string{"d"}, Nodes: []string{".."}},
+		{TrustDomain: "td", Clients: []string{"a b"}},
+	} {
+		o.Dir = t.TempDir()
+		if _, err := WriteDevCerts(o); err == nil || !strings.Contains(err.Error(), "nothing was written") {
+			t.Errorf("%+v: %v, want a refusal", o, err)
+		}
+		if entries, _ := os.ReadDir(o.Dir); len(entries) != 0 {
+			t.Errorf("%+v: %d files written by a refusal", o, len(entries))
 		}
 	}
 }
