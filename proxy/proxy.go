@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 
@@ -104,6 +105,25 @@ type Proxy struct {
 
 	infoMu sync.Mutex
 	info   *proxyinfov1.GetInfoResponse // driver name/version, cached once known
+
+	// driverDown: the last dial of the driver's socket failed (logged when
+	// it starts failing and when it answers again, not at every call).
+	driverMu   sync.Mutex
+	driverDown bool
+}
+
+// noteDial logs a change of whether the driver's socket can be dialled.
+func (p *Proxy) noteDial(err error) {
+	p.driverMu.Lock()
+	defer p.driverMu.Unlock()
+	switch {
+	case err != nil && !p.driverDown:
+		p.driverDown = true
+		p.log.Warn("cannot reach the driver's socket; calls fail with Unavailable until it answers", "err", err)
+	case err == nil && p.driverDown:
+		p.driverDown = false
+		p.log.Info("the driver's socket answers again")
+	}
 }
 
 // New prepares the proxy; the driver is dialled when the first call comes.
@@ -170,6 +190,10 @@ func (p *Proxy) logRefusals(cfg *tls.Config) *tls.Config {
 // asks them to go away and waits up to 10s for their calls to finish.
 func (p *Proxy) Serve(ctx context.Context, lis net.Listener) error {
 	p.log.Info("proxy serving", "listen", lis.Addr().String(), "node", p.cfg.Node)
+	if _, err := os.Stat(p.target); err != nil {
+		// Not fatal: a driver container may start after its proxy.
+		p.log.Warn("the driver's socket is not there yet; calls fail with Unavailable until it is", "err", err)
+	}
 	stop := context.AfterFunc(ctx, func() { lis.Close() })
 	defer stop()
 	var delay time.Duration
@@ -315,6 +339,7 @@ func (p *Proxy) driverConn(bc *conn) (*conn, error) {
 		return nil, errors.New("the broker's connection is closed")
 	}
 	nc, err := net.DialTimeout("unix", p.target, time.Second)
+	p.noteDial(err)
 	if err != nil {
 		return nil, err
 	}

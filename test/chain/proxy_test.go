@@ -90,9 +90,21 @@ func TestProxyNotReadyWhenDriverGone(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_, err := csi.NewIdentityClient(chaintest.Dial(t, c.Front)).Probe(ctx, &csi.ProbeRequest{})
-	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "csibroker proxy: driver at") {
-		t.Fatalf("probe with the driver gone: %v", err)
+	client := csi.NewIdentityClient(chaintest.Dial(t, c.Front))
+	for i := 0; i < 3; i++ {
+		_, err := client.Probe(ctx, &csi.ProbeRequest{})
+		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "csibroker proxy: driver at") {
+			t.Fatalf("probe %d with the driver gone: %v", i, err)
+		}
+	}
+	// The proxy says so in its log: at start, and once when calls start
+	// failing, not at every call.
+	logs := c.Logs.String()
+	if n := strings.Count(logs, "the driver's socket is not there yet"); n != 1 {
+		t.Errorf("start-up warning logged %d times, want once:\n%s", n, logs)
+	}
+	if n := strings.Count(logs, "cannot reach the driver's socket"); n != 1 {
+		t.Errorf("unreachable driver logged %d times over three calls, want once:\n%s", n, logs)
 	}
 }
 
