@@ -33,7 +33,7 @@ func main() {
 	stop()
 	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			os.Exit(2)
+			os.Exit(0) // help asked for, as Go's flag package exits
 		}
 		fmt.Fprintln(os.Stderr, "csibroker-proxy:", err)
 		os.Exit(1)

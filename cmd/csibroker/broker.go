@@ -119,7 +119,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		return err
 	}
 	if id, err := mtls.ParseID(src.Current().ID); err != nil || id.Role != mtls.RoleBroker || id.TrustDomain != cfg.TLS.TrustDomain {
-		return fmt.Errorf("--tls-cert: identity %s is not %s: proxies would refuse it", src.Current().ID, mtls.BrokerID(cfg.TLS.TrustDomain))
+		return fmt.Errorf("--tls-cert: identity %s is not %s (the broker's identity in --trust-domain %s): proxies would refuse it", src.Current().ID, mtls.BrokerID(cfg.TLS.TrustDomain), cfg.TLS.TrustDomain)
 	}
 	tp, err := telemetry.NewTracerProvider(ctx, "csibroker-broker")
 	if err != nil {
@@ -201,7 +201,12 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		g.Go(func() error { cfg.Kube.watchPolicyFile(ctx, store, log); return nil })
 	}
 	for name, path := range sockets {
-		g.Go(func() error { return b.ServeSocket(ctx, name, path) })
+		g.Go(func() error {
+			if err := b.ServeSocket(ctx, name, path); err != nil {
+				return fmt.Errorf("--socket-dir %s: %w", cfg.SocketDir, err)
+			}
+			return nil
+		})
 	}
 	if cfg.Listen != "" {
 		lis, err := net.Listen("tcp", cfg.Listen)
@@ -237,12 +242,12 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 
 func serveStatus(ctx context.Context, path string, s *broker.StatusServer) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return err
+		return fmt.Errorf("status socket (--status-socket, or under --socket-dir): %w", err)
 	}
 	_ = os.Remove(path)
 	lis, err := net.Listen("unix", path)
 	if err != nil {
-		return fmt.Errorf("status socket: %w", err)
+		return fmt.Errorf("status socket (--status-socket, or under --socket-dir): %w", err)
 	}
 	defer os.Remove(path)
 	srv := grpc.NewServer()

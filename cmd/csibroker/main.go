@@ -40,15 +40,21 @@ func main() {
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	if err != nil {
-		if !errors.Is(err, flag.ErrHelp) {
+		// Help and a bare usage were printed already.
+		if !errors.Is(err, flag.ErrHelp) && err != errUsage {
 			fmt.Fprintln(os.Stderr, "csibroker:", err)
 		}
 		os.Exit(exitCode(err))
 	}
 }
 
+// exitCode: 0 for help asked for (as Go's flag package does), 2 for a
+// command line that is not one, 1 for anything else.
 func exitCode(err error) int {
-	if errors.Is(err, flag.ErrHelp) || errors.Is(err, errUsage) {
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		return 0
+	case errors.Is(err, errUsage):
 		return 2
 	}
 	return 1
@@ -63,6 +69,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return errUsage
 		}
 		return nil
+	}
+	if args[0] == "--version" || args[0] == "-version" {
+		args = append([]string{"version"}, args[1:]...)
 	}
 	cmd, ok := commands[args[0]]
 	if !ok {

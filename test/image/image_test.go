@@ -118,9 +118,9 @@ func TestDockerfileBuildsAStaticBinaryServingTheManifestsSubcommands(t *testing.
 	}
 	for s := range subs {
 		out, err := exec.Command(bin, s, "-h").CombinedOutput()
-		// -h prints the flags and exits 2 (flag.ErrHelp); an unknown
-		// subcommand says so.
-		if strings.Contains(string(out), "unknown subcommand") || !strings.Contains(string(out), "-") {
+		// -h prints the flags and exits 0; an unknown subcommand says so
+		// (and exits 2).
+		if err != nil || strings.Contains(string(out), "unknown subcommand") || !strings.Contains(string(out), "-") {
 			t.Errorf("subcommand %q: %v\n%s", s, err, out)
 		}
 	}

@@ -56,7 +56,7 @@ type LogFlags struct {
 
 // Register adds the flags to fs.
 func (f *LogFlags) Register(fs *flag.FlagSet) {
-	fs.IntVar(&f.V, "v", 0, "log verbosity: 0 info, 4 and above debug (sanitized CSI requests and responses; secrets are never logged: client-go, which logs response bodies from 8, is capped at 7)")
+	fs.IntVar(&f.V, "v", 0, "log verbosity: 0 info, 4 and above debug (sanitized CSI requests and responses; secrets are never logged; in the broker, client-go, which logs response bodies from 8, is capped at 7)")
 	fs.StringVar(&f.Format, "log-format", "text", "log format: text or json")
 }
 
@@ -89,7 +89,7 @@ func ParseFlags(fs *flag.FlagSet, args []string) error {
 func ServeHTTP(ctx context.Context, addr string, h http.Handler, log *slog.Logger) error {
 	lis, err := net.Listen("tcp", addr)
 	if err != nil {
-		return fmt.Errorf("http endpoint: %w", err)
+		return fmt.Errorf("--http-endpoint %q: %w", addr, err)
 	}
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
