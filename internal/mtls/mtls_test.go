@@ -7,6 +7,7 @@ import (
 	"crypto/x509"
 	"encoding/pem"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -222,7 +223,8 @@ func TestFileSourceReload(t *testing.T) {
 		t.Fatal(err)
 	}
 	certF, keyF, caF := filepath.Join(dir, "broker.crt"), filepath.Join(dir, "broker.key"), filepath.Join(dir, "ca.crt")
-	src, err := NewFileSource(certF, keyF, caF, nil)
+	var logs bytes.Buffer
+	src, err := NewFileSource(certF, keyF, caF, slog.New(slog.NewTextHandler(&logs, nil)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -243,6 +245,13 @@ func TestFileSourceReload(t *testing.T) {
 	}
 	if src.Current() != first || src.Failures() != 1 {
 		t.Fatalf("old material not kept (failures=%d)", src.Failures())
+	}
+	// Polled again, the same refusal is counted, not logged again.
+	if _, err := src.Reload(); err == nil || src.Failures() != 2 {
+		t.Fatalf("second look at the garbage: %v, failures=%d", err, src.Failures())
+	}
+	if n := strings.Count(logs.String(), "files refused"); n != 1 {
+		t.Fatalf("a refusal that stands was logged %d times, want once:\n%s", n, logs.String())
 	}
 
 	// A new valid certificate is picked up.

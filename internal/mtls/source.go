@@ -46,6 +46,7 @@ type FileSource struct {
 
 	mu       sync.Mutex // serializes reloads
 	lastRead [3][]byte
+	refused  string // the last refusal logged, so one that stands is logged once
 	reloads  atomic.Int64
 	failures atomic.Int64
 }
@@ -106,6 +107,7 @@ func (s *FileSource) Reload() (bool, error) {
 		}
 	}
 	s.lastRead = raw
+	s.refused = ""
 	first := s.cur.Load() == nil
 	s.cur.Store(m)
 	if !first {
@@ -115,10 +117,15 @@ func (s *FileSource) Reload() (bool, error) {
 	return true, nil
 }
 
+// refuse counts a refused reload and logs it, once while the same refusal
+// stands (Run polls every interval); called with mu held.
 func (s *FileSource) refuse(err error) error {
 	if s.cur.Load() != nil {
 		s.failures.Add(1)
-		s.log.Error("mtls: new certificate files refused, keeping the previous ones", "err", err)
+		if msg := err.Error(); msg != s.refused {
+			s.refused = msg
+			s.log.Error("mtls: new certificate files refused, keeping the previous ones (logged again only if the refusal changes)", "err", err)
+		}
 	}
 	return err
 }
