@@ -548,7 +548,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 }
 
 func (a *attacher) requester(va *storagev1.VolumeAttachment, src *attachSource) policy.Requester {
-	r := policy.Requester{Kind: policy.KindVolumeAttachment, Name: va.Name, Node: va.Spec.NodeName}
+	r := policy.Requester{Kind: policy.KindVolumeAttachment, Name: va.Name, Labels: va.Labels, Node: va.Spec.NodeName}
 	if src != nil && src.pv != nil {
 		r.StorageClass = src.pv.Spec.StorageClassName
 		if cr := src.pv.Spec.ClaimRef; cr != nil {

@@ -224,7 +224,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 			return 0, err
 		}
 	}
-	requester := policy.Requester{Kind: policy.KindPersistentVolume, Name: pv.Name, StorageClass: pv.Spec.StorageClassName}
+	requester := policy.Requester{Kind: policy.KindPersistentVolume, Name: pv.Name, Labels: pv.Labels, StorageClass: pv.Spec.StorageClassName}
 	if cr := pv.Spec.ClaimRef; cr != nil {
 		requester.Namespace = cr.Namespace
 	}

@@ -280,7 +280,13 @@ func TestDeleteFallsBackToTheClassSecret(t *testing.T) {
 	}
 	rs, errs := policy.Compile([]policy.Grant{{Namespace: ns, Name: "g", Spec: policy.GrantSpec{
 		Drivers: []string{drv}, SecretNames: []string{"creds"}, Operations: []policy.Operation{policy.OpCreateVolume, policy.OpDeleteVolume},
-		Requesters: policy.Requesters{Namespaces: []string{ns}}}}})
+		Requesters: policy.Requesters{Namespaces: []string{ns}}}},
+		// A PV's own labels are its requests' (here: a PV labelled frozen
+		// keeps its volume).
+		{Namespace: ns, Name: "frozen", Spec: policy.GrantSpec{Action: policy.ActionDeny,
+			Drivers: []string{drv}, SecretNames: []string{"creds"}, Operations: []policy.Operation{policy.OpDeleteVolume},
+			Requesters: policy.Requesters{Namespaces: []string{ns}}, Condition: `"frozen" in request.requester.labels && request.requester.labels["frozen"] == "true"`}},
+	})
 	if len(errs) != 0 {
 		t.Fatal(errs)
 	}
@@ -290,11 +296,15 @@ func TestDeleteFallsBackToTheClassSecret(t *testing.T) {
 	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
 	pvName := claim.Spec.VolumeName
 	// As an old provisioner left it: no deletion-secret annotations.
-	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:null,%q:null}}}`, annDeletionSecretName, annDeletionSecretNS)
+	patch := fmt.Sprintf(`{"metadata":{"labels":{"frozen":"true"},"annotations":{%q:null,%q:null}}}`, annDeletionSecretName, annDeletionSecretNS)
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitEvent(t, c, "default", pvName, "VolumeFailedDelete", "deny grant "+ns+"/frozen")
+	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, []byte(`{"metadata":{"labels":{"frozen":null}}}`), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	waitPVGone(t, c, pvName, 60*time.Second)
