@@ -74,13 +74,29 @@ func (c DriverConfig) withDefaults() DriverConfig {
 	if c.Retry.MaxAttempts <= 0 {
 		c.Retry.MaxAttempts = DefaultMaxAttempts
 	}
-	if c.Retry.IntervalStart <= 0 {
-		c.Retry.IntervalStart = DefaultIntervalStart
-	}
-	if c.Retry.IntervalMax <= 0 {
-		c.Retry.IntervalMax = DefaultIntervalMax
-	}
+	c.Retry = c.Retry.Fill(RetryConfig{IntervalStart: DefaultIntervalStart, IntervalMax: DefaultIntervalMax})
 	return c
+}
+
+// Fill returns r with its unset intervals taken from def, so that an entry
+// that sets one only is never left with a start above its max: a start set
+// above def's max raises the max to it; a max set below def's start lowers
+// the start to it.
+func (r RetryConfig) Fill(def RetryConfig) RetryConfig {
+	startSet, maxSet := r.IntervalStart > 0, r.IntervalMax > 0
+	if !startSet {
+		r.IntervalStart = def.IntervalStart
+		if maxSet {
+			r.IntervalStart = min(r.IntervalStart, r.IntervalMax)
+		}
+	}
+	if !maxSet {
+		r.IntervalMax = def.IntervalMax
+		if startSet {
+			r.IntervalMax = max(r.IntervalMax, r.IntervalStart)
+		}
+	}
+	return r
 }
 
 // checkAddress refuses a proxy address that is not host:port (a missing

@@ -111,6 +111,13 @@ func compileCondition(text string, costLimit uint64) (*condition, error) {
 // requester. A false match only makes a condition fail closed while the
 // labels are unknown; a miss would let it see them as empty.
 func mayReadNSLabels(e celast.NavigableExpr) bool {
+	// The request or its requester used whole (compared, put in a list,
+	// passed to a function) carries the labels with it.
+	if t := e.Type(); t.Kind() == types.StructKind && (t.TypeName() == "policy.Request" || t.TypeName() == "policy.Requester") {
+		if p, ok := e.Parent(); !ok || p.Kind() != celast.SelectKind {
+			return true
+		}
+	}
 	switch e.Kind() {
 	case celast.SelectKind:
 		return e.AsSelect().FieldName() == "namespaceLabels"

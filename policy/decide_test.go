@@ -614,8 +614,11 @@ func TestConditionReadingNamespaceLabelsIndirectly(t *testing.T) {
 		{`dyn(request.requester)['namespace' + 'Labels'].size() == 0`, true},
 		{`[dyn(request.requester)][0][request.secret.name].size() == 0`, true},
 		{`has(dyn(request.requester).namespaceLabels)`, true},
+		{`request.requester != policy.Requester{kind: request.requester.kind}`, true},
+		{`[request.requester].size() == 1`, true},
 		{`request.requester.labels[request.secret.name] == "x"`, false},
-		{`dyn(request.requester)['labels'].size() == 0`, false},
+		{`has(request.requester.labels) && request.requester.kind == "PersistentVolumeClaim"`, false},
+		{`dyn(request.requester)['labels'].size() == 0`, true}, // dyn of the whole requester: it could reach them
 	} {
 		c, err := compileCondition(tc.cond, DefaultCostLimit)
 		if err != nil {

@@ -72,13 +72,7 @@ func (c *BrokerCommandConfig) fillRetry(r broker.RetryConfig) broker.RetryConfig
 	if r.MaxAttempts <= 0 {
 		r.MaxAttempts = c.RetryAttempts
 	}
-	if r.IntervalStart <= 0 {
-		r.IntervalStart = c.RetryStart
-	}
-	if r.IntervalMax <= 0 {
-		r.IntervalMax = c.RetryMax
-	}
-	return r
+	return r.Fill(broker.RetryConfig{IntervalStart: c.RetryStart, IntervalMax: c.RetryMax})
 }
 
 func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {

@@ -226,9 +226,17 @@ func TestRetryFlagsFillPartialRegistryEntries(t *testing.T) {
 		{broker.RetryConfig{}, broker.RetryConfig{MaxAttempts: 1, IntervalStart: time.Second, IntervalMax: 5 * time.Second}},
 		{broker.RetryConfig{IntervalMax: 10 * time.Second}, broker.RetryConfig{MaxAttempts: 1, IntervalStart: time.Second, IntervalMax: 10 * time.Second}},
 		{broker.RetryConfig{MaxAttempts: 6}, broker.RetryConfig{MaxAttempts: 6, IntervalStart: time.Second, IntervalMax: 5 * time.Second}},
+		// One interval set, on the other side of the flag's: the other
+		// follows it, so the entry is not refused for what it did not say.
+		{broker.RetryConfig{IntervalMax: 50 * time.Millisecond}, broker.RetryConfig{MaxAttempts: 1, IntervalStart: 50 * time.Millisecond, IntervalMax: 50 * time.Millisecond}},
+		{broker.RetryConfig{IntervalStart: 8 * time.Second}, broker.RetryConfig{MaxAttempts: 1, IntervalStart: 8 * time.Second, IntervalMax: 8 * time.Second}},
 	} {
-		if got := cfg.fillRetry(tc.in); got != tc.want {
+		got := cfg.fillRetry(tc.in)
+		if got != tc.want {
 			t.Errorf("registry %+v with the flags: %+v, want %+v", tc.in, got, tc.want)
+		}
+		if err := (broker.DriverConfig{Name: "d", Controller: &broker.ProxyConfig{Address: "x:1"}, Retry: got}).Validate(); err != nil {
+			t.Errorf("registry %+v filled from the flags is refused: %v", tc.in, err)
 		}
 	}
 }

@@ -237,6 +237,10 @@ func TestFileSourceReload(t *testing.T) {
 	}
 
 	// A garbage certificate is refused and the old one stays.
+	orig, err := os.ReadFile(certF)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := os.WriteFile(certF, []byte("garbage"), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -252,6 +256,22 @@ func TestFileSourceReload(t *testing.T) {
 	}
 	if n := strings.Count(logs.String(), "files refused"); n != 1 {
 		t.Fatalf("a refusal that stands was logged %d times, want once:\n%s", n, logs.String())
+	}
+	// The files in use come back, then the garbage again: news, logged.
+	if err := os.WriteFile(certF, orig, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if swapped, err := src.Reload(); swapped || err != nil {
+		t.Fatalf("the files in use again: swapped=%v err=%v", swapped, err)
+	}
+	if err := os.WriteFile(certF, []byte("garbage"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := src.Reload(); err == nil {
+		t.Fatal("garbage certificate accepted")
+	}
+	if n := strings.Count(logs.String(), "files refused"); n != 2 {
+		t.Fatalf("a refusal back after the files were fixed was logged %d times in all, want twice:\n%s", n, logs.String())
 	}
 
 	// A new valid certificate is picked up.

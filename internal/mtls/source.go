@@ -87,6 +87,7 @@ func (s *FileSource) Reload() (bool, error) {
 		raw[i] = b
 	}
 	if s.cur.Load() != nil && bytes.Equal(raw[0], s.lastRead[0]) && bytes.Equal(raw[1], s.lastRead[1]) && bytes.Equal(raw[2], s.lastRead[2]) {
+		s.refused = "" // the files in use again: a refusal after this is news
 		return false, nil
 	}
 	m, err := ParseMaterial(raw[0], raw[1], raw[2], s.now())
