@@ -32,8 +32,11 @@ func main() {
 	err := cli.RunProxy(ctx, "csibroker-proxy", version, os.Args[1:], os.Stderr)
 	stop()
 	if err != nil {
-		if errors.Is(err, flag.ErrHelp) {
+		switch {
+		case errors.Is(err, flag.ErrHelp):
 			os.Exit(0) // help asked for, as Go's flag package exits
+		case errors.Is(err, cli.ErrBadCommandLine):
+			os.Exit(2) // said already
 		}
 		fmt.Fprintln(os.Stderr, "csibroker-proxy:", err)
 		os.Exit(1)

@@ -13,6 +13,8 @@ import (
 	"os/signal"
 	"sort"
 	"syscall"
+
+	"github.com/csibroker/csibroker/cmd/internal/cli"
 )
 
 // command is one subcommand: run parses its own flags from args.
@@ -40,8 +42,8 @@ func main() {
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	if err != nil {
-		// Help and a bare usage were printed already.
-		if !errors.Is(err, flag.ErrHelp) && err != errUsage {
+		// Help, a bare usage and a bad command line were printed already.
+		if !errors.Is(err, flag.ErrHelp) && err != errUsage && !errors.Is(err, cli.ErrBadCommandLine) {
 			fmt.Fprintln(os.Stderr, "csibroker:", err)
 		}
 		os.Exit(exitCode(err))
@@ -54,7 +56,7 @@ func exitCode(err error) int {
 	switch {
 	case errors.Is(err, flag.ErrHelp):
 		return 0
-	case errors.Is(err, errUsage):
+	case errors.Is(err, errUsage), errors.Is(err, cli.ErrBadCommandLine):
 		return 2
 	}
 	return 1

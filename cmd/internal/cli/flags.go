@@ -75,15 +75,33 @@ func (f *LogFlags) Logger(w io.Writer) *slog.Logger {
 
 // ParseFlags parses args, reports -h as flag.ErrHelp and refuses positional
 // arguments.
+//
+// On -h it prints every flag and returns flag.ErrHelp. A command line that
+// does not parse is said in one line, with a pointer to -h rather than the
+// whole flag list, and returned wrapping ErrBadCommandLine (printed already).
 func ParseFlags(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
+	out := fs.Output()
+	fs.Usage = func() {} // the flag package's own call; said below instead
+	err := fs.Parse(args)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		fmt.Fprintf(out, "Usage of %s:\n", fs.Name())
+		fs.PrintDefaults()
 		return err
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments: %v", fs.Args())
+	case err != nil:
+		// The flag package printed err itself.
+		fmt.Fprintf(out, "(run with -h for the flags of %s)\n", fs.Name())
+		return fmt.Errorf("%w: %v", ErrBadCommandLine, err)
+	case fs.NArg() > 0:
+		fmt.Fprintf(out, "unexpected arguments: %v (run with -h for the flags of %s)\n", fs.Args(), fs.Name())
+		return fmt.Errorf("%w: unexpected arguments: %v", ErrBadCommandLine, fs.Args())
 	}
 	return nil
 }
+
+// ErrBadCommandLine wraps ParseFlags' errors for a command line that does
+// not parse; ParseFlags has printed what is wrong already.
+var ErrBadCommandLine = errors.New("bad command line")
 
 // ServeHTTP serves h on addr until ctx is done.
 func ServeHTTP(ctx context.Context, addr string, h http.Handler, log *slog.Logger) error {
