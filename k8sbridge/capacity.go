@@ -313,7 +313,7 @@ func newCapacityController(b *Bridge) (controller, error) {
 		changed: make(chan struct{}, 1),
 		refreshes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "capacity_refreshes_total",
-			Help: "CSIStorageCapacity refreshes by driver and result (unchanged, created, updated, removed, unsupported, failed).",
+			Help: "CSIStorageCapacity refreshes by driver and result (unchanged, created, updated, removed, unsupported, failed; kept: the driver or the segment's proxy is not registered, so the object stays as it was).",
 		}, []string{"driver", "result"}),
 		writes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "capacity_api_writes_total",
@@ -734,6 +734,7 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 		return c.remove(ctx, key)
 	}
 	if item.kept {
+		c.refreshes.WithLabelValues(key.driver, "kept").Inc()
 		return nil // the driver is not registered: its object stays as it is
 	}
 	class, err := c.b.classes.Get(key.class)

@@ -663,11 +663,21 @@ func TestCapacityNodeLocalNodeWithoutProxy(t *testing.T) {
 
 	// Node A's proxy goes away (a restart; the driver keeps a proxy on a
 	// node of no segment here): its object stays as it was.
+	keptPolls := func() float64 {
+		return run.metricValue(t, "csibroker_capacity_refreshes_total", map[string]string{"driver": drv, "result": "kept"})
+	}
+	keptBefore := keptPolls()
 	if err := br.SetDriver(broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second,
 		Nodes: []broker.ProxyConfig{{Node: clusterName(ns, "elsewhere"), Address: chainA.ProxyAddr}}}); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(2 * time.Second)
+	// Polled a few times while the proxy is gone.
+	if err := testenv.WaitFor(ctx, 30*time.Second, "node A's object polled while its proxy is gone", func(context.Context) (bool, string, error) {
+		n := keptPolls()
+		return n >= keptBefore+3, fmt.Sprintf("%v polls keeping it", n), nil
+	}); err != nil {
+		t.Fatal(err)
+	}
 	kept, err := capacityObjects(ctx, c, ns, drv)
 	if err != nil {
 		t.Fatal(err)

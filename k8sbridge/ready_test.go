@@ -56,12 +56,20 @@ func TestControllersWaitForThePolicy(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(2 * time.Second) // what a controller would have done by now
-	if n := d.CallCount("CreateVolume"); n != 0 {
-		t.Fatalf("%d CreateVolume calls before the policy was loaded", n)
+	// The bridge is in its wait: the controllers start after it.
+	if err := testenv.WaitFor(context.Background(), 30*time.Second, "the bridge waiting before its controllers", func(context.Context) (bool, string, error) {
+		return strings.Contains(r.logs.String(), "waiting before running the controllers"), "", nil
+	}); err != nil {
+		t.Fatal(err)
 	}
+	released := time.Now()
 	loaded.Store(true)
 	waitBound(t, c, ns, "early", 60*time.Second)
+	for _, at := range d.CallTimes("CreateVolume") {
+		if at.Before(released) {
+			t.Fatalf("CreateVolume called at %s, before the policy was loaded at %s", at.Format(time.StampMicro), released.Format(time.StampMicro))
+		}
+	}
 	if err := r.b.Ready(); err != nil {
 		t.Fatalf("Ready() after the wait: %v", err)
 	}

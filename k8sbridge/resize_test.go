@@ -493,8 +493,8 @@ func TestResizeStatusSteps(t *testing.T) {
 	if statusOf(s2) != corev1.PersistentVolumeClaimControllerResizeInfeasible || condTypes(s2) != "ModifyingVolume,Resizing,ControllerResizeError" {
 		t.Fatalf("infeasible: %s %s", statusOf(s2), condTypes(s2))
 	}
-	if p, _ := resizeClaimPatch(s1, s2, false); strings.Contains(string(p), "resourceVersion") {
-		t.Errorf("failure patch %s: must not need the latest resourceVersion", p)
+	if p, err := resizeClaimPatch(s1, s2, false); err != nil || strings.Contains(string(p), "resourceVersion") {
+		t.Errorf("failure patch %s (%v): must not need the latest resourceVersion", p, err)
 	}
 	noop("infeasible", s2, resizeControllerFailed(s2, "failed to expand pvc with rpc error: code = InvalidArgument desc = other", true))
 	// Retrying the same size keeps the recorded failure.

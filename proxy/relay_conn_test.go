@@ -124,6 +124,7 @@ func TestQueuedLegsWaitAfterGoAwayAndGoOutWhenOpened(t *testing.T) {
 		p := &Proxy{log: slog.New(slog.DiscardHandler), target: "unix:///driver.sock"}
 		d := newConn(p, a, true, "driver")
 		ba, bb := net.Pipe()
+		t.Cleanup(func() { a.Close(); b.Close(); ba.Close(); bb.Close() })
 		go io.Copy(io.Discard, bb)
 		bc := newConn(p, ba, false, "broker")
 		d.onSettings(frameOf(t, func(fr *http2.Framer) error {

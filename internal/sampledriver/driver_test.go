@@ -493,7 +493,10 @@ func TestControllerPublishRules(t *testing.T) {
 	if _, err := c.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: "sv-gone", NodeId: "n1"}); err != nil {
 		t.Fatalf("unpublish a missing volume: %v", err)
 	}
-	gv, _ := c.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: x})
+	gv, err := c.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: x})
+	if err != nil {
+		t.Fatal(err)
+	}
 	if len(gv.GetStatus().GetPublishedNodeIds()) != 0 {
 		t.Fatalf("x still published to %v", gv.GetStatus().GetPublishedNodeIds())
 	}
@@ -615,8 +618,8 @@ func TestNodeMounts(t *testing.T) {
 			t.Fatalf("target %s left: %v", p, err)
 		}
 	}
-	if ok, _ := isMountPoint(staging); ok {
-		t.Fatalf("staging path %s still mounted", staging)
+	if ok, err := isMountPoint(staging); err != nil || ok {
+		t.Fatalf("staging path %s still mounted (%v)", staging, err)
 	}
 	if m := d.NodeMounts(); len(m) != 0 {
 		t.Fatalf("mounts left: %v", m)
@@ -794,7 +797,10 @@ func TestRestartKeepsState(t *testing.T) {
 		t.Fatal(err)
 	}
 	// No temp files are left next to state.json.
-	entries, _ := os.ReadDir(stateDir)
+	entries, err := os.ReadDir(stateDir)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, e := range entries {
 		if strings.HasSuffix(e.Name(), ".tmp") {
 			t.Fatalf("temp file %s left in the state dir", e.Name())

@@ -3,6 +3,7 @@ package sampledriver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -179,27 +180,51 @@ const (
 	helperFaultEnv    = "SAMPLEDRIVER_HELPER_FAULT"
 )
 
-// TestHelperDriverProcess is the driver process that TestExitAfterRestart
-// starts by running this test binary again; on its own it does nothing.
-func TestHelperDriverProcess(t *testing.T) {
-	if os.Getenv(helperEnv) != "1" {
-		return
+// TestMain runs the driver process that TestExitAfterRestart starts (this
+// test binary again, with helperEnv set) instead of the tests.
+func TestMain(m *testing.M) {
+	if os.Getenv(helperEnv) == "1" {
+		os.Exit(helperDriverProcess())
 	}
+	os.Exit(m.Run())
+}
+
+func helperDriverProcess() int {
 	cfg := Config{NodeID: "node-1", StateDir: os.Getenv(helperStateEnv), Endpoint: os.Getenv(helperEndpointEnv)}
 	if spec := os.Getenv(helperFaultEnv); spec != "" {
 		if err := cfg.Faults.Set(spec); err != nil {
-			t.Fatal(err)
+			fmt.Fprintln(os.Stderr, "helper driver:", err)
+			return 1
 		}
 	}
 	d, err := New(cfg)
 	if err != nil {
-		t.Fatal(err)
+		fmt.Fprintln(os.Stderr, "helper driver:", err)
+		return 1
 	}
 	defer d.Close()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
 	if err := d.Run(ctx); err != nil {
-		t.Fatal(err)
+		fmt.Fprintln(os.Stderr, "helper driver:", err)
+		return 1
+	}
+	return 0
+}
+
+// waitExit waits for cmd to end, killing it and failing the test after d.
+func waitExit(t *testing.T, cmd *exec.Cmd, d time.Duration) error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(d):
+		_ = cmd.Process.Kill()
+		<-done
+		t.Fatalf("driver process still running after %v", d)
+		return nil
 	}
 }
 
@@ -214,13 +239,14 @@ func TestExitAfterRestart(t *testing.T) {
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	sock := filepath.Join(dir, "csi.sock")
 	start := func(fault string) *exec.Cmd {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestHelperDriverProcess$", "-test.count=1")
+		cmd := exec.Command(os.Args[0])
 		cmd.Env = append(os.Environ(), helperEnv+"=1", helperStateEnv+"="+filepath.Join(dir, "state"),
 			helperEndpointEnv+"=unix://"+sock, helperFaultEnv+"="+fault)
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		t.Cleanup(func() { _ = cmd.Process.Kill(); _, _ = cmd.Process.Wait() })
 		return cmd
 	}
@@ -242,7 +268,7 @@ func TestExitAfterRestart(t *testing.T) {
 	first := mustCreate(t, c, "first", 1<<20)
 	_, err = c.CreateVolume(ctxT(t), createReq("second", 1<<20))
 	wantCode(t, "CreateVolume that kills the driver", err, codes.Unavailable)
-	err = child.Wait()
+	err = waitExit(t, child, 20*time.Second)
 	var ee *exec.ExitError
 	if !errors.As(err, &ee) || ee.ExitCode() != FaultExitCode {
 		t.Fatalf("driver process ended with %v, want exit status %d", err, FaultExitCode)
@@ -265,7 +291,7 @@ func TestExitAfterRestart(t *testing.T) {
 	if err := child.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	if err := child.Wait(); err != nil {
+	if err := waitExit(t, child, 20*time.Second); err != nil {
 		t.Fatalf("driver process after SIGTERM: %v", err)
 	}
 	if _, err := os.Stat(sock); !errors.Is(err, os.ErrNotExist) {

@@ -132,7 +132,10 @@ func heapMiB() int64 {
 func TestRelayRefusesDataBeyondItsWindow(t *testing.T) {
 	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
 	serveDriver(t, path, grpc.StreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-		time.Sleep(20 * time.Second)
+		select { // never reads; ends with its call
+		case <-time.After(20 * time.Second):
+		case <-ss.Context().Done():
+		}
 		return h(srv, ss)
 	}))
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})

@@ -35,12 +35,15 @@ func TestFrontEndFollowsProxyRestarts(t *testing.T) {
 	var mu sync.Mutex
 	var failures []error
 	stop := make(chan struct{})
+	var stopOnce sync.Once
 	var wg sync.WaitGroup
+	// Stopped on a failure too (t.Fatal below), not left calling.
+	t.Cleanup(func() { stopOnce.Do(func() { close(stop) }); wg.Wait() })
 	for g := 0; g < 4; g++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for i := 0; ; i++ {
+			for i := 0; ctx.Err() == nil; i++ {
 				select {
 				case <-stop:
 					return
@@ -71,7 +74,7 @@ func TestFrontEndFollowsProxyRestarts(t *testing.T) {
 		c.RestartProxy(t)
 		waitOK(ok.Load() + 20)
 	}
-	close(stop)
+	stopOnce.Do(func() { close(stop) })
 	wg.Wait()
 	for _, err := range failures {
 		t.Errorf("call failed: %v", err)

@@ -6,6 +6,7 @@
 package sanity
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"log/slog"
@@ -14,7 +15,9 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
 	"github.com/onsi/ginkgo/v2"
@@ -96,8 +99,12 @@ func runSanity(t *testing.T, mode string) {
 func child(t *testing.T, mode string) result {
 	t.Helper()
 	out := filepath.Join(t.TempDir(), mode+".json")
-	cmd := exec.Command(os.Args[0], "-test.v")
+	// Bounded, and killed with this process if it dies first.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.v", "-test.timeout=4m")
 	cmd.Env = append(os.Environ(), modeEnv+"="+mode, resultEnv+"="+out)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	logs, err := cmd.CombinedOutput()
 	if err != nil {
 		t.Fatalf("sanity %s run failed: %v\n%s", mode, err, tail(string(logs), 80))
