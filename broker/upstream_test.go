@@ -46,6 +46,7 @@ type h2peer struct {
 	open     int
 	maxOpen  int
 	requests int
+	pings    int // answered
 	lis      net.Listener
 }
 
@@ -143,6 +144,9 @@ func (p *h2peer) serve(nc net.Conn) {
 				wmu.Lock()
 				fr.WritePing(true, f.Data)
 				wmu.Unlock()
+				p.mu.Lock()
+				p.pings++
+				p.mu.Unlock()
 			}
 		case *http2.MetaHeadersFrame:
 			if p.overflow {
@@ -255,12 +259,12 @@ func TestUpstreamKeepalive(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 
-	addr, cfg := startPeer(t, &h2peer{maxStreams: 10, answerPings: true})
+	alivePeer := &h2peer{maxStreams: 10, answerPings: true}
+	addr, cfg := startPeer(t, alivePeer)
 	au := newTestUpstream(t, addr, cfg)
 	// Pings every 50 ms, each given 500 ms: a machine stalled for 50 ms
 	// must not look like a dead proxy.
 	au.kaTime, au.kaTimeout = 50*time.Millisecond, 500*time.Millisecond
-	start := time.Now()
 	alive, err := au.get(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -283,9 +287,28 @@ func TestUpstreamKeepalive(t *testing.T) {
 	if why == nil || !strings.Contains(why.Error(), "keepalive") {
 		t.Fatalf("the silent proxy's connection: %v, want closed after an unanswered keepalive ping", why)
 	}
-	// Long enough for two or three ping rounds: one unanswered ping
-	// would have closed it.
-	time.Sleep(time.Until(start.Add(1500 * time.Millisecond)))
+	// Two more pings answered: the broker sends a ping only after it has
+	// checked the answer to the one before (500 ms later), so one check
+	// of an answered ping was made, which would have closed a connection
+	// that did not count the answer.
+	alivePeer.mu.Lock()
+	from := alivePeer.pings
+	alivePeer.mu.Unlock()
+	for {
+		alivePeer.mu.Lock()
+		n := alivePeer.pings
+		alivePeer.mu.Unlock()
+		if n >= from+2 || ctx.Err() != nil {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if ctx.Err() != nil {
+		alive.mu.Lock()
+		why := alive.err
+		alive.mu.Unlock()
+		t.Fatalf("the proxy that answers pings was not pinged twice more (its connection: %v)", why)
+	}
 	if !alive.takesCalls() {
 		t.Fatal("the connection to a proxy that answers pings was closed")
 	}

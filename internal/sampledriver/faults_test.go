@@ -32,8 +32,7 @@ func faults(t *testing.T, specs ...string) Faults {
 func TestFaultLatency(t *testing.T) {
 	// A latency long enough that a machine's stall is not mistaken for it.
 	const latency = time.Second
-	ep, d := StartTest(t, Config{Faults: faults(t, "CreateVolume=latency:1s")})
-	c := dial(t, ep)
+	c, d, stop := serveOn(t, Config{NodeID: "node-1", StateDir: t.TempDir(), Faults: faults(t, "CreateVolume=latency:1s")})
 	start := time.Now()
 	mustCreate(t, c, "slow", 1<<20)
 	if el := time.Since(start); el < latency {
@@ -51,9 +50,9 @@ func TestFaultLatency(t *testing.T) {
 	defer cancel()
 	_, err := c.CreateVolume(ctx, createReq("never", 1<<20))
 	wantCode(t, "CreateVolume past its deadline", err, codes.DeadlineExceeded)
-	// Past the latency: a call that ignored its cancellation would have
-	// made its volume by now.
-	time.Sleep(latency + 200*time.Millisecond)
+	// A graceful stop waits for every call's handler: a call that ignored
+	// its cancellation would have made its volume by then.
+	stop()
 	for _, v := range d.Volumes() {
 		if v.Name == "never" {
 			t.Fatal("a call cancelled during its injected latency still created a volume")
