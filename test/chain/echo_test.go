@@ -40,6 +40,9 @@ type echoDriver struct {
 	// snapshotSent counts the messages of the snapshot metadata streams
 	// (serveDriver's snapshotDriver) sent so far.
 	snapshotSent atomic.Int64
+	// snapshotEnded counts the snapshot metadata streams whose handler
+	// has returned.
+	snapshotEnded atomic.Int64
 }
 
 func (e *echoDriver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {

@@ -65,7 +65,14 @@ func TestRelayCancelledStreamsFreeTheirWindows(t *testing.T) {
 		waitSendsBlocked(t, echo, i+1) // the proxy holds what the broker's window refuses
 		cancel()
 	}
-	time.Sleep(time.Second)
+	// The cancellations reached the driver: each stream's handler ended.
+	deadline := time.Now().Add(10 * time.Second)
+	for echo.snapshotEnded.Load() < 4 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of 4 cancelled streams ended at the driver", echo.snapshotEnded.Load())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 	// A second, fresh broker connection.
 	conn2 := brokerConn(t, c)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

@@ -27,9 +27,11 @@ type snapshotDriver struct {
 	csi.UnimplementedSnapshotMetadataServer
 	messages, blocksPer int
 	sent                *atomic.Int64 // messages sent, over all streams
+	ended               *atomic.Int64 // handlers returned
 }
 
 func (d *snapshotDriver) GetMetadataAllocated(req *csi.GetMetadataAllocatedRequest, srv csi.SnapshotMetadata_GetMetadataAllocatedServer) error {
+	defer d.ended.Add(1)
 	for i := 0; i < d.messages; i++ {
 		blocks := make([]*csi.BlockMetadata, d.blocksPer)
 		for j := range blocks {
@@ -74,7 +76,7 @@ func serveDriver(t *testing.T, path string, opts ...grpc.ServerOption) (*echoDri
 	srv := grpc.NewServer(opts...)
 	csi.RegisterIdentityServer(srv, e)
 	csi.RegisterControllerServer(srv, e)
-	csi.RegisterSnapshotMetadataServer(srv, &snapshotDriver{messages: 300, blocksPer: 2000, sent: &e.snapshotSent})
+	csi.RegisterSnapshotMetadataServer(srv, &snapshotDriver{messages: 300, blocksPer: 2000, sent: &e.snapshotSent, ended: &e.snapshotEnded})
 	go srv.Serve(lis)
 	t.Cleanup(func() { srv.Stop(); os.Remove(path) })
 	return e, srv
