@@ -72,6 +72,9 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
+	if cfg.Timeout <= 0 {
+		return fmt.Errorf("--timeout %v: must be positive", cfg.Timeout)
+	}
 	d := &demo{cfg: cfg, out: stdout}
 	defer d.stopAll()
 	if err := d.run(ctx); err != nil {
@@ -84,7 +87,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 			fmt.Fprintf(stdout, "logs are in %s\n", filepath.Join(d.dir, "logs"))
 			d.cfg.Keep = true
 		}
-		return err
+		return printed{err}
 	}
 	return nil
 }

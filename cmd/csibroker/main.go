@@ -43,7 +43,7 @@ func main() {
 	stop()
 	if err != nil {
 		// Help, a bare usage and a bad command line were printed already.
-		if !errors.Is(err, flag.ErrHelp) && err != errUsage && !errors.Is(err, cli.ErrBadCommandLine) {
+		if !errors.Is(err, flag.ErrHelp) && err != errUsage && !errors.Is(err, cli.ErrBadCommandLine) && !errors.As(err, new(printed)) {
 			fmt.Fprintln(os.Stderr, "csibroker:", err)
 		}
 		os.Exit(exitCode(err))
@@ -63,6 +63,11 @@ func exitCode(err error) int {
 }
 
 var errUsage = errors.New("usage")
+
+// printed is an error its subcommand has told the user about already.
+type printed struct{ error }
+
+func (p printed) Unwrap() error { return p.error }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
