@@ -8,6 +8,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -60,6 +61,9 @@ type provisioner struct {
 	// afterCreate, when set (tests), runs after CreateVolume succeeded and
 	// before anything else: a broker dying there must leak nothing.
 	afterCreate func(ctx context.Context, volumeName string)
+	// recoveryPasses counts the recovery passes that read the record
+	// (tests wait for passes instead of time).
+	recoveryPasses atomic.Int64
 }
 
 func newProvisioner(b *Bridge) *provisioner {

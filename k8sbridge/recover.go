@@ -48,6 +48,7 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 		p.b.log.Error("recovery: cannot read the intent record", "err", err)
 		return
 	}
+	defer p.recoveryPasses.Add(1)
 	now := time.Now()
 	p.forgetSettled(intents)
 	for _, in := range intents {

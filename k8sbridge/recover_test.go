@@ -303,8 +303,15 @@ func testRecoverBacksOff(t *testing.T, method string) {
 	if passes := float64(elapsed) / float64(interval); passes < 2*float64(len(calls)) {
 		t.Errorf("%d %s calls over %.1f recovery passes: not backing off", len(calls), method, passes)
 	}
-	// Settled: no further calls.
-	time.Sleep(3 * interval)
+	// Settled: no further calls over three more passes.
+	from := r.b.prov.recoveryPasses.Load()
+	err = testenv.WaitFor(context.Background(), 30*time.Second, "three more recovery passes", func(context.Context) (bool, string, error) {
+		n := r.b.prov.recoveryPasses.Load()
+		return n >= from+3, fmt.Sprintf("%d passes", n-from), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	if n := d.CallCount(method); n != failures+1 {
 		t.Errorf("%d %s calls after the entry was settled, want %d", n, method, failures+1)
 	}
