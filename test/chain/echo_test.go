@@ -43,6 +43,9 @@ type echoDriver struct {
 	// snapshotEnded counts the snapshot metadata streams whose handler
 	// has returned.
 	snapshotEnded atomic.Int64
+	// sleeping and maxSleeping: calls in their sleep-ms now, and the most
+	// at once.
+	sleeping, maxSleeping atomic.Int64
 }
 
 func (e *echoDriver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
@@ -105,7 +108,11 @@ func (e *echoDriver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 		return nil, st.Err()
 	}
 	if ms, err := strconv.Atoi(p["sleep-ms"]); err == nil {
+		n := e.sleeping.Add(1)
+		for m := e.maxSleeping.Load(); n > m && !e.maxSleeping.CompareAndSwap(m, n); m = e.maxSleeping.Load() {
+		}
 		time.Sleep(time.Duration(ms) * time.Millisecond)
+		e.sleeping.Add(-1)
 	}
 	if n, err := strconv.Atoi(p["reply-bytes"]); err == nil {
 		// A large answer that repeats the request's own large parameter.
