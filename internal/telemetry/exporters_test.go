@@ -52,12 +52,23 @@ func TestSpanExporters(t *testing.T) {
 
 // stuckProcessor is a span processor whose flush never finishes (an
 // exporter whose collector is gone).
-type stuckProcessor struct{}
+// stuckProcessor never flushes; it records the deadline it was given.
+type stuckProcessor struct{ deadline chan time.Time }
 
 func (stuckProcessor) OnStart(context.Context, sdktrace.ReadWriteSpan) {}
 func (stuckProcessor) OnEnd(sdktrace.ReadOnlySpan)                     {}
-func (stuckProcessor) ForceFlush(ctx context.Context) error            { <-ctx.Done(); return ctx.Err() }
-func (stuckProcessor) Shutdown(ctx context.Context) error              { <-ctx.Done(); return ctx.Err() }
+func (p stuckProcessor) ForceFlush(ctx context.Context) error          { return p.stuck(ctx) }
+func (p stuckProcessor) Shutdown(ctx context.Context) error            { return p.stuck(ctx) }
+
+func (p stuckProcessor) stuck(ctx context.Context) error {
+	dl, _ := ctx.Deadline() // zero: none
+	select {
+	case p.deadline <- dl:
+	default:
+	}
+	<-ctx.Done()
+	return ctx.Err()
+}
 
 // TestShutdownTracingIsBounded: stopping does not wait on an exporter that
 // cannot flush past TracingShutdownTimeout, and says what was lost.
@@ -67,11 +78,21 @@ func TestShutdownTracingIsBounded(t *testing.T) {
 	t.Cleanup(func() { TracingShutdownTimeout = prev })
 	var buf bytes.Buffer
 	log := slog.New(slog.NewTextHandler(&buf, nil))
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(stuckProcessor{}))
+	sp := stuckProcessor{deadline: make(chan time.Time, 1)}
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(sp))
 	start := time.Now()
 	ShutdownTracing(context.Background(), tp, log)
-	if d := time.Since(start); d > 2*time.Second {
-		t.Fatalf("shutdown took %v with a %v bound", d, TracingShutdownTimeout)
+	// Bounded by the deadline it handed the exporter (ShutdownTracing
+	// returned, so the wait ended with it).
+	select {
+	case dl := <-sp.deadline:
+		// TracingShutdownTimeout from when ShutdownTracing made it, which
+		// is a moment after start (a second allows for a stalled machine).
+		if dl.IsZero() || dl.Sub(start) < TracingShutdownTimeout || dl.Sub(start) > TracingShutdownTimeout+time.Second {
+			t.Fatalf("the exporter was given deadline %v (%v after the start), want %v from the start of the shutdown", dl, dl.Sub(start), TracingShutdownTimeout)
+		}
+	default:
+		t.Fatal("the exporter was never asked to flush or shut down")
 	}
 	if !strings.Contains(buf.String(), "spans not exported before stopping") {
 		t.Fatalf("nothing logged: %q", buf.String())
