@@ -20,7 +20,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
-func TestMain(m *testing.M) { Main(m, Options{}) }
+func TestMain(m *testing.M) {
+	if mode := os.Getenv(helperEnv); mode != "" {
+		helperProcess(mode) // the child of TestInterruptCleansUp and TestAbruptDeathKillsComponents
+	}
+	Main(m, Options{})
+}
 
 func TestMissingBinariesFailWithHowToFix(t *testing.T) {
 	_, err := Start(context.Background(), Options{BinDir: t.TempDir(), Scheduler: true})
@@ -233,11 +238,7 @@ func alive(pid int) bool {
 // reports it, then waits to be signalled or kills itself.
 const helperEnv = "TESTENV_CHILD"
 
-func TestHelperProcess(t *testing.T) {
-	mode := os.Getenv(helperEnv)
-	if mode == "" {
-		t.Skip("helper process for TestInterruptCleansUp and TestAbruptDeathKillsComponents")
-	}
+func helperProcess(mode string) {
 	env, err := Start(context.Background(), Options{Logf: func(string, ...any) {}})
 	if err != nil {
 		fmt.Println("ERROR", err)
@@ -259,7 +260,7 @@ type child struct {
 
 func startChild(t *testing.T, mode string, env ...string) *child {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperProcess$", "-test.count=1")
+	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(append(os.Environ(), helperEnv+"="+mode), env...)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
