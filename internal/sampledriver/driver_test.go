@@ -854,7 +854,10 @@ func TestRunRemovesStaleSocket(t *testing.T) {
 	if err := os.WriteFile(sock, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := d.Run(context.Background()); err == nil || !strings.Contains(err.Error(), "not a socket") {
+	// Bounded: a Run that took the file's place would serve until then.
+	rctx, rcancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer rcancel()
+	if err := d.Run(rctx); err == nil || !strings.Contains(err.Error(), "not a socket") {
 		t.Fatalf("Run over a regular file: %v", err)
 	}
 }
