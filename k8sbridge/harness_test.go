@@ -320,6 +320,15 @@ func makeClass(t *testing.T, c kubernetes.Interface, name, driver string, mode s
 
 func makeClaim(t *testing.T, c kubernetes.Interface, ns, name, class, size string) *corev1.PersistentVolumeClaim {
 	t.Helper()
+	return makeClaimWith(t, c, ns, name, class, func(p *corev1.PersistentVolumeClaim) {
+		p.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse(size)
+	})
+}
+
+// makeClaimWith creates a 1Gi claim of class, changed by mut first.
+func makeClaimWith(t *testing.T, c kubernetes.Interface, ns, name, class string, mut func(*corev1.PersistentVolumeClaim)) *corev1.PersistentVolumeClaim {
+	t.Helper()
+	size := "1Gi"
 	pvc := &corev1.PersistentVolumeClaim{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{"app": "test"}},
 		Spec: corev1.PersistentVolumeClaimSpec{
@@ -328,6 +337,7 @@ func makeClaim(t *testing.T, c kubernetes.Interface, ns, name, class, size strin
 			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(size)}},
 		},
 	}
+	mut(pvc)
 	pvc, err := c.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), pvc, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -475,11 +485,24 @@ func waitPVGone(t *testing.T, c kubernetes.Interface, name string, timeout time.
 // method's calls or answer them by script.
 type countingDrivers struct {
 	*testDrivers
-	mu      sync.Mutex
-	counts  map[string]*inflightCount
-	named   map[string][]string
-	held    map[string]chan struct{} // method → closed when its calls may go on
-	scripts map[string]*script       // method → how its calls are answered
+	mu       sync.Mutex
+	counts   map[string]*inflightCount
+	named    map[string][]string
+	held     map[string]chan struct{}          // method → closed when its calls may go on
+	scripts  map[string]*script                // method → how its calls are answered
+	rewrite  map[string]func(n int, reply any) // method → changes the nth answer
+	rewrites map[string]int                    // method → calls seen by its rewrite
+}
+
+// rewriteReply makes f change the answers of method's successful calls
+// (the nth, counted from 1) before the caller sees them.
+func (d *countingDrivers) rewriteReply(method string, f func(n int, reply any)) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.rewrite == nil {
+		d.rewrite, d.rewrites = map[string]func(int, any){}, map[string]int{}
+	}
+	d.rewrite[method] = f
 }
 
 // script answers a method's calls: the nth (counted from 1) as answer says,
@@ -560,6 +583,7 @@ func (c countingConn) Invoke(ctx context.Context, method string, args, reply any
 		c.d.named[short] = append(c.d.named[short], named.GetName())
 	}
 	held := c.d.held[short]
+	rewrite := c.d.rewrite[short]
 	answer, nth := func(int, func() error) error { return nil }, 0
 	if s := c.d.scripts[short]; s != nil {
 		s.calls++
@@ -579,6 +603,20 @@ func (c countingConn) Invoke(ctx context.Context, method string, args, reply any
 	for m := cnt.most.Load(); n > m && !cnt.most.CompareAndSwap(m, n); m = cnt.most.Load() {
 	}
 	call := func() error { return c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...) }
+	if rewrite != nil {
+		c.d.mu.Lock()
+		c.d.rewrites[short]++
+		rn := c.d.rewrites[short]
+		c.d.mu.Unlock()
+		real := call
+		call = func() error {
+			err := real()
+			if err == nil {
+				rewrite(rn, reply)
+			}
+			return err
+		}
+	}
 	if nth == 0 {
 		return call()
 	}

@@ -43,7 +43,7 @@ func knownPrefixedParams() map[string]bool {
 		ParamDefaultSecretName:      true,
 		ParamDefaultSecretNamespace: true,
 	}
-	for _, k := range SecretKinds() {
+	for _, k := range append(SecretKinds(), SecretControllerModify) {
 		name, ns := SecretParamKeys(k)
 		known[name], known[ns] = true, true
 	}

@@ -40,7 +40,12 @@ const (
 	annProvisionedBy          = "pv.kubernetes.io/provisioned-by"
 	annDeletionSecretName     = "volume.kubernetes.io/provisioner-deletion-secret-name"
 	annDeletionSecretNS       = "volume.kubernetes.io/provisioner-deletion-secret-namespace"
-	finalizerVolume           = "external-provisioner.volume.kubernetes.io/finalizer"
+	annModifySecretName       = "volume.kubernetes.io/controller-modify-secret-name"
+	annModifySecretNS         = "volume.kubernetes.io/controller-modify-secret-namespace"
+	// annBetaStorageClass is the claim's class before spec.storageClassName,
+	// still read first by Kubernetes and the sidecars.
+	annBetaStorageClass = "volume.beta.kubernetes.io/storage-class"
+	finalizerVolume     = "external-provisioner.volume.kubernetes.io/finalizer"
 	// annVolumeNode records the node of a node-local driver's volume.
 	annVolumeNode = "csibroker.io/node"
 )
@@ -238,10 +243,7 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 	if driver == "" {
 		return 0, nil
 	}
-	className := ""
-	if claim.Spec.StorageClassName != nil {
-		className = *claim.Spec.StorageClassName
-	}
+	className := claimClass(claim)
 	pvName := VolumeName(p.b.cfg.VolumeNamePrefix, claim.UID, p.b.cfg.VolumeNameUUIDLength)
 	if _, err := p.b.volumes.Get(pvName); err == nil {
 		return 0, nil // provisioned; the PV controller binds it
@@ -254,6 +256,12 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		return 0, fmt.Errorf("claim %s: storageclass %q: %w", key, className, err)
 	}
 	if class.Provisioner != driver {
+		return 0, nil
+	}
+	if populated(claim) {
+		// As external-provisioner: a data source of another kind is a
+		// volume populator's to fill; it provisions the volume itself.
+		p.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeNormal, "Provisioning", "populator", "Assuming an external populator will provision the volume")
 		return 0, nil
 	}
 	selectedNode := claim.Annotations[annSelectedNode]
@@ -358,6 +366,44 @@ func (p *provisioner) nodeGone(ctx context.Context, node string) bool {
 	return apierrors.IsNotFound(err)
 }
 
+// populated reports whether the claim's data source (dataSourceRef, or
+// dataSource) is neither a claim to clone nor a VolumeSnapshot: a volume
+// populator provisions such a claim.
+func populated(claim *corev1.PersistentVolumeClaim) bool {
+	group, kind := "", ""
+	switch {
+	case claim.Spec.DataSourceRef != nil:
+		kind = claim.Spec.DataSourceRef.Kind
+		if g := claim.Spec.DataSourceRef.APIGroup; g != nil {
+			group = *g
+		}
+	case claim.Spec.DataSource != nil:
+		kind = claim.Spec.DataSource.Kind
+		if g := claim.Spec.DataSource.APIGroup; g != nil {
+			group = *g
+		}
+	default:
+		return false
+	}
+	switch {
+	case group == "" && kind == "PersistentVolumeClaim", group == "snapshot.storage.k8s.io" && kind == "VolumeSnapshot":
+		return false
+	}
+	return true
+}
+
+// claimClass is the claim's StorageClass name: the beta annotation when set
+// (as Kubernetes reads it), else spec.storageClassName.
+func claimClass(claim *corev1.PersistentVolumeClaim) string {
+	if c, ok := claim.Annotations[annBetaStorageClass]; ok {
+		return c
+	}
+	if claim.Spec.StorageClassName != nil {
+		return *claim.Spec.StorageClassName
+	}
+	return ""
+}
+
 // provision runs one attempt and returns its result label.
 func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string) (string, error) {
 	ref := claimRef(claim)
@@ -382,6 +428,10 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return "failed", err
 	}
 	fail := func(format string, args ...any) (string, error) { return failAs("", format, args...) }
+	if claim.Spec.Selector != nil {
+		// As external-provisioner: a provisioned PV would ignore it.
+		return fail("claim Selector is not supported")
+	}
 	caps, err := p.b.caps.get(ctx, driver)
 	if err != nil {
 		p.b.caps.forget(driver)
@@ -611,6 +661,20 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return "claim_deleted", nil
 	}
 
+	// As external-provisioner: a volume smaller than asked for would never
+	// be bound (the PV controller matches sizes), so it is deleted and the
+	// attempt fails, to be retried.
+	if got, want := resp.GetVolume().GetCapacityBytes(), req.GetCapacityRange().GetRequiredBytes(); got != 0 && got < want {
+		msg := fmt.Sprintf("created volume capacity %d less than requested capacity %d", got, want)
+		if derr := p.deleteVolume(ctx, driver, node, resp.GetVolume().GetVolumeId(), provSecretRef, requester); derr != nil {
+			// Intent kept: the retry gets the same volume back and tries
+			// again; recovery deletes it if the claim goes.
+			return failAs("undersized", "%s; deleting it failed: %v", msg, derr)
+		}
+		p.b.intents.Remove(pvName)
+		return failAs("undersized", "%s; the volume was deleted", msg)
+	}
+
 	pv, err := p.buildPV(claim, class, driver, pvName, resp.GetVolume(), req, provSecretRef)
 	if err != nil {
 		return fail("%v", err)
@@ -808,7 +872,8 @@ func (p *provisioner) topologyNodes(driver string) ([]TopologyNode, error) {
 func (p *provisioner) contentSource(claim *corev1.PersistentVolumeClaim, driver string, capRange *csi.CapacityRange, caps driverCaps) (*csi.VolumeContentSource, error) {
 	ds := claim.Spec.DataSource
 	if ds.Kind != "PersistentVolumeClaim" || (ds.APIGroup != nil && *ds.APIGroup != "") {
-		return nil, fmt.Errorf("data source %s %q is not supported (only PersistentVolumeClaim clones)", ds.Kind, ds.Name)
+		// A VolumeSnapshot (populators are skipped before this).
+		return nil, fmt.Errorf("data source %s %q is not supported: csibroker restores no snapshots yet (only PersistentVolumeClaim clones)", ds.Kind, ds.Name)
 	}
 	if !caps.clone {
 		return nil, fmt.Errorf("driver %s does not support cloning (no CLONE_VOLUME capability)", driver)
@@ -882,6 +947,13 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 	}
 	if reclaim == corev1.PersistentVolumeReclaimDelete {
 		pv.Finalizers = []string{finalizerVolume}
+	}
+	// As external-provisioner: the secret for ControllerModifyVolume, for
+	// whoever calls it.
+	if ref, err := SecretRef(SecretControllerModify, class.Parameters, pvName, claim); err != nil {
+		return nil, err
+	} else if ref != nil {
+		pv.Annotations[annModifySecretName], pv.Annotations[annModifySecretNS] = ref.Name, ref.Namespace
 	}
 	// As external-provisioner: the deletion secret, or that there is none
 	// (both empty), so the PV's deletion does not depend on its class.

@@ -345,3 +345,80 @@ func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestUndersizedVolumeIsDeletedAndRetried: a driver answering with a
+// volume smaller than the claim asked for (which the PV controller would
+// never bind) gets it deleted, the claim a ProvisioningFailed Event saying
+// so, and a retry that provisions it, as external-provisioner does.
+func TestUndersizedVolumeIsDeletedAndRetried(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "small.csi.test")
+	drivers := newCountingDrivers()
+	drivers.rewriteReply("CreateVolume", func(n int, reply any) {
+		if n == 1 {
+			v := reply.(*csi.CreateVolumeResponse).GetVolume()
+			v.CapacityBytes /= 2
+		}
+	})
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "small"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	waitEvent(t, c, ns, "data", "ProvisioningFailed", "less than requested capacity 1073741824; the volume was deleted")
+	bound := waitBound(t, c, ns, "data", 60*time.Second)
+	if vols := d.Volumes(); len(vols) != 1 || d.CallCount("DeleteVolume") != 1 {
+		t.Fatalf("driver volumes %d, DeleteVolume calls %d; want the small one deleted and one left for %s", len(vols), d.CallCount("DeleteVolume"), bound.Spec.VolumeName)
+	}
+}
+
+// TestClaimsTheProvisionerLeavesOrRefuses: as external-provisioner, a claim
+// with a selector is refused with an Event; a claim whose data source is a
+// populator's is left to the populator (a Normal Event, no volume); a
+// claim naming its class by the beta annotation is provisioned; a class
+// with controller-modify secret parameters is accepted, its PV recording
+// the secret.
+func TestClaimsTheProvisionerLeavesOrRefuses(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "which.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "which"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+		map[string]string{"csi.storage.k8s.io/controller-modify-secret-name": "mod-${pvc.name}", "csi.storage.k8s.io/controller-modify-secret-namespace": "${pvc.namespace}"})
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	selected := makeClaimWith(t, c, ns, "selected", class.Name, func(p *corev1.PersistentVolumeClaim) {
+		p.Spec.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{"tier": "gold"}}
+	})
+	populated := makeClaimWith(t, c, ns, "populated", class.Name, func(p *corev1.PersistentVolumeClaim) {
+		group := "populators.example.com"
+		p.Spec.DataSourceRef = &corev1.TypedObjectReference{APIGroup: &group, Kind: "Blob", Name: "b"}
+	})
+	beta := makeClaimWith(t, c, ns, "beta", "", func(p *corev1.PersistentVolumeClaim) {
+		p.Spec.StorageClassName = nil
+		p.Annotations = map[string]string{annBetaStorageClass: class.Name}
+	})
+	waitEvent(t, c, ns, selected.Name, "ProvisioningFailed", "claim Selector is not supported")
+	waitEvent(t, c, ns, populated.Name, "Provisioning", "Assuming an external populator will provision the volume")
+	pvName := waitBound(t, c, ns, beta.Name, 60*time.Second).Spec.VolumeName
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, s := pv.Annotations[annModifySecretName], pv.Annotations[annModifySecretNS]; n != "mod-beta" || s != ns {
+		t.Fatalf("PV modify-secret annotations %q/%q, want %s/mod-beta", s, n, ns)
+	}
+	// Only the beta claim's volume: the others were left or refused.
+	if n := len(d.Volumes()); n != 1 {
+		t.Fatalf("driver has %d volumes, want the beta claim's only", n)
+	}
+	for _, name := range []string{selected.Name, populated.Name} {
+		if cur, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{}); err != nil || cur.Spec.VolumeName != "" {
+			t.Fatalf("claim %s: %v, volume %q; want it unprovisioned", name, err, cur.Spec.VolumeName)
+		}
+	}
+}

@@ -55,6 +55,11 @@ const (
 	SecretControllerExpand SecretKind = "controller-expand"
 	// SecretNodeExpand becomes the PV's nodeExpandSecretRef.
 	SecretNodeExpand SecretKind = "node-expand"
+	// SecretControllerModify is recorded in the PV's
+	// volume.kubernetes.io/controller-modify-secret-* annotations, as
+	// external-provisioner does, for a ControllerModifyVolume caller
+	// (csibroker makes no such call, so it hands this secret to no driver).
+	SecretControllerModify SecretKind = "controller-modify"
 )
 
 // SecretKinds returns every kind, in a fixed order.
@@ -86,7 +91,7 @@ var deprecatedSecretKeys = map[SecretKind][2]string{
 func (k SecretKind) valid() bool {
 	switch k {
 	case SecretProvisioner, SecretControllerPublish, SecretNodeStage,
-		SecretNodePublish, SecretControllerExpand, SecretNodeExpand:
+		SecretNodePublish, SecretControllerExpand, SecretNodeExpand, SecretControllerModify:
 		return true
 	}
 	return false
