@@ -78,8 +78,11 @@ type Config struct {
 	VolumeNamePrefix     string
 	VolumeNameUUIDLength int
 	ExtraCreateMetadata  bool
-	StrictTopology       bool
-	ImmediateTopology    bool
+	// DefaultFSType is the filesystem of mount volumes whose class names
+	// none (external-provisioner's --default-fstype); empty: none.
+	DefaultFSType     string
+	StrictTopology    bool
+	ImmediateTopology bool
 
 	WorkerThreads int
 	// PerDriverWorkers bounds concurrent operations per driver so a slow

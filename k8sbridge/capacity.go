@@ -761,7 +761,11 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 	if caps.accessibility {
 		topology = item.segment.request.labels()
 	}
-	resp, err := c.getCapacity(ctx, key.driver, item, CapacityRequest(class, topology))
+	req := CapacityRequest(class, topology)
+	if m := req.VolumeCapabilities[0].GetMount(); m.FsType == "" {
+		m.FsType = c.b.cfg.DefaultFSType // as provisioning fills it
+	}
+	resp, err := c.getCapacity(ctx, key.driver, item, req)
 	if err != nil {
 		// Keep the object with its last value: stale beats missing.
 		c.refreshes.WithLabelValues(key.driver, "failed").Inc()

@@ -392,6 +392,14 @@ func populated(claim *corev1.PersistentVolumeClaim) bool {
 	return true
 }
 
+// fsTypeOr is fsType, or the default filesystem when the class names none.
+func (b *Bridge) fsTypeOr(fsType string) string {
+	if fsType == "" {
+		return b.cfg.DefaultFSType
+	}
+	return fsType
+}
+
 // claimClass is the claim's StorageClass name: the beta annotation when set
 // (as Kubernetes reads it), else spec.storageClassName.
 func claimClass(claim *corev1.PersistentVolumeClaim) string {
@@ -749,7 +757,7 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 	if err != nil {
 		return "", fmt.Errorf("storageclass %q: %w", class.Name, err)
 	}
-	volCaps, err := VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
+	volCaps, err := VolumeCapabilities(claim, p.b.fsTypeOr(fsType), class.MountOptions, caps.singleNodeMultiWriter)
 	if err != nil {
 		return "", err
 	}
@@ -785,6 +793,7 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 // fault and say which field is wrong.
 func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps driverCaps) (*csi.CreateVolumeRequest, *corev1.SecretReference, error) {
 	params, fsType, err := CreateParameters(class.Parameters, p.b.cfg.ExtraCreateMetadata, pvName, claim)
+	fsType = p.b.fsTypeOr(fsType)
 	if err != nil {
 		return nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
 	}

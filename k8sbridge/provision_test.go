@@ -422,3 +422,30 @@ func TestClaimsTheProvisionerLeavesOrRefuses(t *testing.T) {
 		}
 	}
 }
+
+// TestDefaultFSType: with a default filesystem (--default-fstype), a mount
+// volume whose class names none gets it, in CreateVolume and on the PV; a
+// class's own fstype wins.
+func TestDefaultFSType(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "fs.csi.test")
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	plain := makeClass(t, c, clusterName(ns, "plain"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	xfs := makeClass(t, c, clusterName(ns, "xfs"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+		map[string]string{ParamFSType: "xfs"})
+	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.DefaultFSType = "ext4" }})
+	for _, tc := range []struct{ claim, class, want string }{{"plain", plain.Name, "ext4"}, {"xfs", xfs.Name, "xfs"}} {
+		pvName := waitBound(t, c, ns, makeClaim(t, c, ns, tc.claim, tc.class, "1Gi").Name, 60*time.Second).Spec.VolumeName
+		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := pv.Spec.CSI.FSType; got != tc.want {
+			t.Errorf("claim %s: PV fsType %q, want %q", tc.claim, got, tc.want)
+		}
+	}
+}

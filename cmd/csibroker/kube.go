@@ -46,6 +46,7 @@ type kubeFlags struct {
 	VolumeNamePrefix     string
 	VolumeNameUUIDLength int
 	ExtraCreateMetadata  bool
+	DefaultFSType        string
 	StrictTopology       bool
 	ImmediateTopology    bool
 	WorkerThreads        int
@@ -99,6 +100,7 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.VolumeNamePrefix, "volume-name-prefix", "pvc", "prefix of volume (and PV) names: <prefix>-<claim UID>")
 	fs.IntVar(&f.VolumeNameUUIDLength, "volume-name-uuid-length", -1, "truncate the claim UID in volume names to this many characters (-1: whole)")
 	fs.BoolVar(&f.ExtraCreateMetadata, "extra-create-metadata", false, "pass csi.storage.k8s.io/pvc/name, /pvc/namespace and /pv/name to CreateVolume")
+	fs.StringVar(&f.DefaultFSType, "default-fstype", "", "filesystem of mount volumes whose StorageClass sets no csi.storage.k8s.io/fstype (empty: none, the driver's choice)")
 	fs.BoolVar(&f.StrictTopology, "strict-topology", false, "send only the selected node's topology (late binding)")
 	fs.BoolVar(&f.ImmediateTopology, "immediate-topology", true, "send cluster topology for Immediate claims without allowedTopologies")
 	fs.IntVar(&f.WorkerThreads, "worker-threads", 100, "concurrent operations per controller")
@@ -379,7 +381,7 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 		Drivers: drivers, Policy: authz, Namespace: ns, Identity: f.Identity,
 		LeaderElection: f.LeaderElection, LeaderElectionLease: f.LeaseDuration, LeaderElectionRenew: f.RenewDeadline, LeaderElectionRetry: f.RetryPeriod,
 		LeaderElectionNamespace: f.LeaderNamespace,
-		VolumeNamePrefix:        f.VolumeNamePrefix, VolumeNameUUIDLength: f.VolumeNameUUIDLength, ExtraCreateMetadata: f.ExtraCreateMetadata,
+		VolumeNamePrefix:        f.VolumeNamePrefix, VolumeNameUUIDLength: f.VolumeNameUUIDLength, ExtraCreateMetadata: f.ExtraCreateMetadata, DefaultFSType: f.DefaultFSType,
 		StrictTopology: f.StrictTopology, ImmediateTopology: f.ImmediateTopology,
 		Timeout:       timeout,
 		WorkerThreads: f.WorkerThreads, PerDriverWorkers: f.PerDriverWorkers, RetryIntervalStart: f.RetryIntervalStart, RetryIntervalMax: f.RetryIntervalMax,
