@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -60,13 +61,20 @@ func TestDeletionBlockedByAttachment(t *testing.T) {
 }
 
 // TestCloneFromClaim: a claim whose dataSource is a bound claim of the same
-// driver gets a volume cloned from the source volume.
+// driver gets a volume cloned from the source volume, when it asks for as
+// much as the source claim did, though the source volume is larger (its
+// driver rounded the size up).
 func TestCloneFromClaim(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := clusterName(ns, "clone.csi.test")
-	drivers := &testDrivers{}
+	drivers := newCountingDrivers()
+	drivers.rewriteReply("CreateVolume", func(n int, reply any) {
+		if n == 1 { // the source: rounded up to twice its request
+			reply.(*csi.CreateVolumeResponse).GetVolume().CapacityBytes *= 2
+		}
+	})
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	class := makeClass(t, c, clusterName(ns, "clone"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})

@@ -901,8 +901,18 @@ func (p *provisioner) contentSource(claim *corev1.PersistentVolumeClaim, driver 
 	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != driver {
 		return nil, fmt.Errorf("clone source claim %s/%s belongs to another driver", claim.Namespace, ds.Name)
 	}
-	if q, ok := pv.Spec.Capacity[corev1.ResourceStorage]; ok && capRange != nil && q.CmpInt64(capRange.RequiredBytes) > 0 {
-		return nil, fmt.Errorf("clone source claim %s/%s (%s) is larger than the requested size", claim.Namespace, ds.Name, q.String())
+	// As external-provisioner: the source claim's request bounds the
+	// clone (its volume may be larger: drivers round sizes up).
+	if q, ok := src.Spec.Resources.Requests[corev1.ResourceStorage]; ok && capRange != nil && q.CmpInt64(capRange.RequiredBytes) > 0 {
+		return nil, fmt.Errorf("clone source claim %s/%s requests %s, more than this claim", claim.Namespace, ds.Name, q.String())
+	}
+	if mode := func(m *corev1.PersistentVolumeMode) corev1.PersistentVolumeMode {
+		if m == nil {
+			return corev1.PersistentVolumeFilesystem
+		}
+		return *m
+	}; mode(src.Spec.VolumeMode) != mode(claim.Spec.VolumeMode) {
+		return nil, fmt.Errorf("clone source claim %s/%s has volume mode %s, this claim %s", claim.Namespace, ds.Name, mode(src.Spec.VolumeMode), mode(claim.Spec.VolumeMode))
 	}
 	return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: pv.Spec.CSI.VolumeHandle}}}, nil
 }
