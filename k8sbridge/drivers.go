@@ -52,6 +52,7 @@ type driverCaps struct {
 	getCapacity           bool
 	listPublishedNodes    bool // LIST_VOLUMES with LIST_VOLUMES_PUBLISHED_NODES
 	accessibility         bool // VOLUME_ACCESSIBILITY_CONSTRAINTS
+	modify                bool // MODIFY_VOLUME: volume attributes classes
 	fetched               time.Time
 }
 
@@ -112,6 +113,8 @@ func (c *capsCache) get(ctx context.Context, driver string) (driverCaps, error) 
 				caps.getCapacity = true
 			case csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES:
 				caps.listPublishedNodes = true
+			case csi.ControllerServiceCapability_RPC_MODIFY_VOLUME:
+				caps.modify = true
 			}
 		}
 	}

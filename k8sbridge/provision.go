@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"sort"
 	"strings"
 	"sync"
@@ -811,12 +812,28 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 	}
 	// Every other secret named by the class must resolve now, so a typo is
 	// reported at provisioning rather than at attach or mount time.
-	for _, k := range []SecretKind{SecretControllerPublish, SecretNodeStage, SecretNodePublish, SecretControllerExpand, SecretNodeExpand} {
+	for _, k := range []SecretKind{SecretControllerPublish, SecretNodeStage, SecretNodePublish, SecretControllerExpand, SecretNodeExpand, SecretControllerModify} {
 		if _, err := SecretRef(k, class.Parameters, pvName, claim); err != nil {
 			return nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
 		}
 	}
 	req := &csi.CreateVolumeRequest{Name: pvName, Parameters: params, VolumeCapabilities: volCaps, CapacityRange: capRange}
+	if name := claim.Spec.VolumeAttributesClassName; name != nil && *name != "" {
+		// As external-provisioner: the class's parameters are the
+		// volume's mutable parameters; the PV names the class (buildPV),
+		// which the PV controller requires to bind it.
+		if !caps.modify {
+			return nil, nil, fmt.Errorf("volumeattributesclass %q: driver %s does not support volume attributes classes (no MODIFY_VOLUME capability)", *name, driver)
+		}
+		vac, err := p.b.cfg.Client.StorageV1().VolumeAttributesClasses().Get(ctx, *name, metav1.GetOptions{})
+		if err != nil {
+			return nil, nil, fmt.Errorf("volumeattributesclass %q: %w", *name, err)
+		}
+		if vac.DriverName != driver {
+			return nil, nil, fmt.Errorf("volumeattributesclass %q is for driver %s, not %s", *name, vac.DriverName, driver)
+		}
+		req.MutableParameters = maps.Clone(vac.Parameters)
+	}
 	if caps.accessibility {
 		in := TopologyInput{Driver: driver, ClaimName: claim.Name, AllowedTopologies: class.AllowedTopologies,
 			StrictTopology: p.b.cfg.StrictTopology, ImmediateTopology: p.b.cfg.ImmediateTopology}
@@ -960,6 +977,7 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 			StorageClassName:              class.Name,
 			MountOptions:                  class.MountOptions,
 			VolumeMode:                    claim.Spec.VolumeMode,
+			VolumeAttributesClassName:     claim.Spec.VolumeAttributesClassName,
 			ClaimRef:                      &corev1.ObjectReference{Kind: "PersistentVolumeClaim", APIVersion: "v1", Namespace: claim.Namespace, Name: claim.Name, UID: claim.UID},
 			NodeAffinity:                  NodeAffinity(vol.GetAccessibleTopology()),
 		},

@@ -449,3 +449,56 @@ func TestDefaultFSType(t *testing.T) {
 		}
 	}
 }
+
+// TestVolumeAttributesClass: a claim naming a VolumeAttributesClass of its
+// driver gets a volume made with the class's parameters as mutable
+// parameters and a PV naming the class, which the PV controller binds; a
+// class of another driver is refused with an Event.
+func TestVolumeAttributesClass(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "vac.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "vac"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	mkVAC := func(name, driver string) string {
+		vac := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, name)}, DriverName: driver,
+			Parameters: map[string]string{sampledriver.MutableIOPS: "3000"}}
+		if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, vac, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), vac.Name, metav1.DeleteOptions{})
+		})
+		return vac.Name
+	}
+	fast, other := mkVAC("fast", drv), mkVAC("other", "other.csi.test")
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	withVAC := func(vac string) func(*corev1.PersistentVolumeClaim) {
+		return func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeAttributesClassName = &vac }
+	}
+	pvName := waitBound(t, c, ns, makeClaimWith(t, c, ns, "fast", class.Name, withVAC(fast)).Name, 60*time.Second).Spec.VolumeName
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := pv.Spec.VolumeAttributesClassName; got == nil || *got != fast {
+		t.Fatalf("PV volumeAttributesClassName %v, want %s", got, fast)
+	}
+	found := false
+	for _, r := range d.CreateVolumeRequests() {
+		if r.GetName() == pvName {
+			found = true
+			if got := r.GetMutableParameters(); len(got) != 1 || got[sampledriver.MutableIOPS] != "3000" {
+				t.Fatalf("CreateVolume mutable parameters %v, want the class's", got)
+			}
+		}
+	}
+	if !found {
+		t.Fatal("the driver saw no CreateVolume for the claim")
+	}
+	makeClaimWith(t, c, ns, "other", class.Name, withVAC(other))
+	waitEvent(t, c, ns, "other", "ProvisioningFailed", "is for driver other.csi.test")
+}

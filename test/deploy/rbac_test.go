@@ -93,6 +93,7 @@ func TestRBACLeastPrivilege(t *testing.T) {
 			{"", "pods", ""}:                                   sorted("list", "watch"),
 			{"storage.k8s.io", "storageclasses", ""}:           read,
 			{"storage.k8s.io", "csinodes", ""}:                 read,
+			{"storage.k8s.io", "volumeattributesclasses", ""}:  {"get"},
 			{"storage.k8s.io", "volumeattachments", ""}:        sorted("get", "list", "watch", "update"),
 			{"storage.k8s.io", "volumeattachments/status", ""}: sorted("update"),
 			{"", "events", ""}:                                 sorted("create", "update", "patch"),
