@@ -401,6 +401,15 @@ func (b *Bridge) fsTypeOr(fsType string) string {
 	return fsType
 }
 
+// vacName is the claim's VolumeAttributesClass for its PV: nil for none
+// (an empty name on a claim is none; a PV may not carry one).
+func vacName(claim *corev1.PersistentVolumeClaim) *string {
+	if n := claim.Spec.VolumeAttributesClassName; n != nil && *n != "" {
+		return n
+	}
+	return nil
+}
+
 // claimClass is the claim's StorageClass name: the beta annotation when set
 // (as Kubernetes reads it), else spec.storageClassName.
 func claimClass(claim *corev1.PersistentVolumeClaim) string {
@@ -440,6 +449,11 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if claim.Spec.Selector != nil {
 		// As external-provisioner: a provisioned PV would ignore it.
 		return fail("claim Selector is not supported")
+	}
+	if ref := claim.Spec.DataSourceRef; ref != nil && ref.Namespace != nil && *ref.Namespace != "" && *ref.Namespace != claim.Namespace {
+		// The API server leaves such a reference out of spec.dataSource:
+		// provisioned as it stands, the volume would be empty.
+		return fail("data source %s %s/%s in another namespace is not supported", ref.Kind, *ref.Namespace, ref.Name)
 	}
 	caps, err := p.b.caps.get(ctx, driver)
 	if err != nil {
@@ -675,10 +689,19 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	// attempt fails, to be retried.
 	if got, want := resp.GetVolume().GetCapacityBytes(), req.GetCapacityRange().GetRequiredBytes(); got != 0 && got < want {
 		msg := fmt.Sprintf("created volume capacity %d less than requested capacity %d", got, want)
+		// An earlier attempt's PV (the cache may not show it yet) holds
+		// the volume: it is not this attempt's to delete.
+		switch held, perr := p.pvHolds(ctx, pvName, node); {
+		case perr != nil:
+			return failAs("undersized, PV unknown", "%s; whether a PersistentVolume holds it could not be read: %v", msg, perr)
+		case held:
+			p.b.intents.Remove(pvName)
+			return "success", nil
+		}
 		if derr := p.deleteVolume(ctx, driver, node, resp.GetVolume().GetVolumeId(), provSecretRef, requester); derr != nil {
 			// Intent kept: the retry gets the same volume back and tries
 			// again; recovery deletes it if the claim goes.
-			return failAs("undersized", "%s; deleting it failed: %v", msg, derr)
+			return failAs("undersized, delete failed", "%s; deleting it failed: %v", msg, derr)
 		}
 		p.b.intents.Remove(pvName)
 		return failAs("undersized", "%s; the volume was deleted", msg)
@@ -977,7 +1000,7 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 			StorageClassName:              class.Name,
 			MountOptions:                  class.MountOptions,
 			VolumeMode:                    claim.Spec.VolumeMode,
-			VolumeAttributesClassName:     claim.Spec.VolumeAttributesClassName,
+			VolumeAttributesClassName:     vacName(claim),
 			ClaimRef:                      &corev1.ObjectReference{Kind: "PersistentVolumeClaim", APIVersion: "v1", Namespace: claim.Namespace, Name: claim.Name, UID: claim.UID},
 			NodeAffinity:                  NodeAffinity(vol.GetAccessibleTopology()),
 		},

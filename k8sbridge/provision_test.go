@@ -502,3 +502,19 @@ func TestVolumeAttributesClass(t *testing.T) {
 	makeClaimWith(t, c, ns, "other", class.Name, withVAC(other))
 	waitEvent(t, c, ns, "other", "ProvisioningFailed", "is for driver other.csi.test")
 }
+
+// TestEmptyVolumeAttributesClassName: a claim naming the empty class (no
+// class) gets a PV without one, which the API server accepts and the PV
+// controller binds.
+func TestEmptyVolumeAttributesClassName(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "novac.csi.test")
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "novac"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	empty := ""
+	waitBound(t, c, ns, makeClaimWith(t, c, ns, "data", class.Name, func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeAttributesClassName = &empty }).Name, 60*time.Second)
+}
