@@ -519,3 +519,49 @@ func TestFinalizerRefusalIsReported(t *testing.T) {
 		return pv != nil && hasFinalizer(pv, finalizerVolume), "no finalizer " + finalizerVolume
 	})
 }
+
+// TestCloneWithoutContent: a driver whose answer to
+// a clone's CreateVolume names no content source (the volume may be empty)
+// gets that volume deleted, the claim an Event saying so, and a retry, as
+// external-provisioner does; a source claim being deleted is refused.
+func TestCloneWithoutContent(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "nc.csi.test")
+	drivers := newCountingDrivers()
+	drivers.rewriteReply("CreateVolume", func(n int, reply any) {
+		if n == 2 { // the first answer for the clone
+			reply.(*csi.CreateVolumeResponse).GetVolume().ContentSource = nil
+		}
+	})
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "nocontent"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	waitBound(t, c, ns, makeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
+	cloneOf := func(src string) func(*corev1.PersistentVolumeClaim) {
+		return func(p *corev1.PersistentVolumeClaim) {
+			p.Spec.DataSource = &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: src}
+		}
+	}
+	makeClaimWith(t, c, ns, "copy", class.Name, cloneOf("src"))
+	waitEvent(t, c, ns, "copy", "ProvisioningFailed", "volume content source missing in the driver's answer; the volume was deleted")
+	waitBound(t, c, ns, "copy", 60*time.Second)
+	if n := len(d.Volumes()); n != 2 || d.CallCount("DeleteVolume") != 1 {
+		t.Fatalf("%d volumes, %d DeleteVolume calls; want the source and one clone, the first clone deleted", n, d.CallCount("DeleteVolume"))
+	}
+
+	// A source held in deletion (a finalizer of the test's) is refused.
+	gone := waitBound(t, c, ns, makeClaimWith(t, c, ns, "going", class.Name, func(p *corev1.PersistentVolumeClaim) {
+		p.Finalizers = []string{"csibroker.test/hold"}
+	}).Name, 60*time.Second)
+	t.Cleanup(func() {
+		c.CoreV1().PersistentVolumeClaims(ns).Patch(context.Background(), gone.Name, types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`), metav1.PatchOptions{})
+	})
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, gone.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	makeClaimWith(t, c, ns, "late", class.Name, cloneOf(gone.Name))
+	waitEvent(t, c, ns, "late", "ProvisioningFailed", "is being deleted")
+}

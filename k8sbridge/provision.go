@@ -685,15 +685,21 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	}
 
 	// As external-provisioner: a volume smaller than asked for would never
-	// be bound (the PV controller matches sizes), so it is deleted and the
-	// attempt fails, to be retried.
+	// be bound, and a clone without its source's content would give the
+	// claim an empty volume; either is deleted and the attempt retried.
+	wrong := ""
 	if got, want := resp.GetVolume().GetCapacityBytes(), req.GetCapacityRange().GetRequiredBytes(); got != 0 && got < want {
-		msg := fmt.Sprintf("created volume capacity %d less than requested capacity %d", got, want)
+		wrong = fmt.Sprintf("created volume capacity %d less than requested capacity %d", got, want)
+	} else if req.GetVolumeContentSource() != nil && resp.GetVolume().GetContentSource() == nil {
+		wrong = "volume content source missing in the driver's answer"
+	}
+	if wrong != "" {
+		msg := wrong
 		// An earlier attempt's PV (the cache may not show it yet) holds
 		// the volume: it is not this attempt's to delete.
 		switch held, perr := p.pvHolds(ctx, pvName, node); {
 		case perr != nil:
-			return failAs("undersized, PV unknown", "%s; whether a PersistentVolume holds it could not be read: %v", msg, perr)
+			return failAs(wrong+", PV unknown", "%s; whether a PersistentVolume holds it could not be read: %v", msg, perr)
 		case held:
 			p.b.intents.Remove(pvName)
 			return "success", nil
@@ -701,10 +707,10 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		if derr := p.deleteVolume(ctx, driver, node, resp.GetVolume().GetVolumeId(), provSecretRef, requester); derr != nil {
 			// Intent kept: the retry gets the same volume back and tries
 			// again; recovery deletes it if the claim goes.
-			return failAs("undersized, delete failed", "%s; deleting it failed: %v", msg, derr)
+			return failAs(wrong+", delete failed", "%s; deleting it failed: %v", msg, derr)
 		}
 		p.b.intents.Remove(pvName)
-		return failAs("undersized", "%s; the volume was deleted", msg)
+		return failAs(wrong, "%s; the volume was deleted", msg)
 	}
 
 	pv, err := p.buildPV(claim, class, driver, pvName, resp.GetVolume(), req, provSecretRef)
@@ -933,6 +939,9 @@ func (p *provisioner) contentSource(claim *corev1.PersistentVolumeClaim, driver 
 	}
 	if src.Status.Phase != corev1.ClaimBound || src.Spec.VolumeName == "" {
 		return nil, fmt.Errorf("clone source claim %s/%s is not bound", claim.Namespace, ds.Name)
+	}
+	if src.DeletionTimestamp != nil {
+		return nil, fmt.Errorf("clone source claim %s/%s is being deleted", claim.Namespace, ds.Name)
 	}
 	pv, err := p.b.volumes.Get(src.Spec.VolumeName)
 	if err != nil {
