@@ -367,6 +367,16 @@ func (p *provisioner) nodeGone(ctx context.Context, node string) bool {
 	return apierrors.IsNotFound(err)
 }
 
+// csiNodeGone reports whether node has no CSINode object, asking the API
+// server when the cache has none (it may lag behind a new node).
+func (p *provisioner) csiNodeGone(ctx context.Context, node string) bool {
+	if _, err := p.b.csiNodes.Get(node); !apierrors.IsNotFound(err) {
+		return false
+	}
+	_, err := p.b.cfg.Client.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
+	return apierrors.IsNotFound(err)
+}
+
 // populated reports whether the claim's data source (dataSourceRef, or
 // dataSource) is neither a claim to clone nor a VolumeSnapshot: a volume
 // populator provisions such a claim.
@@ -468,6 +478,15 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		// The intent record keeps any entry of an earlier attempt: the
 		// volume it may have made is still accounted for.
 		warn("node gone "+selectedNode, "failed to provision volume with StorageClass %q: selected node %q no longer exists; asking the scheduler for another node", class.Name, selectedNode)
+		if rerr := p.reschedule(ctx, claim); rerr != nil {
+			return "rescheduled", rerr
+		}
+		return "rescheduled", nil
+	}
+	if scheduled && caps.accessibility && p.csiNodeGone(ctx, selectedNode) {
+		// As external-provisioner: no driver registered on that node, so
+		// its topology is unknown; the scheduler may choose another.
+		warn("no CSINode "+selectedNode, "failed to provision volume with StorageClass %q: selected node %q has no CSINode object (no CSI driver registered there); asking the scheduler for another node", class.Name, selectedNode)
 		if rerr := p.reschedule(ctx, claim); rerr != nil {
 			return "rescheduled", rerr
 		}

@@ -518,3 +518,41 @@ func TestEmptyVolumeAttributesClassName(t *testing.T) {
 	empty := ""
 	waitBound(t, c, ns, makeClaimWith(t, c, ns, "data", class.Name, func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeAttributesClassName = &empty }).Name, 60*time.Second)
 }
+
+// TestSelectedNodeWithoutCSINodeReschedules: a claim of a topology-aware
+// driver whose selected node has no CSINode (no driver registered there) is
+// handed back to the scheduler with an Event, as external-provisioner does;
+// no volume is made.
+func TestSelectedNodeWithoutCSINodeReschedules(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "topo.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Topology: map[string]string{testenv.LabelZone: "z1"}})
+	node := clusterName(ns, "bare")
+	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+	class := makeClass(t, c, clusterName(ns, "topo"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	setSelectedNode(t, c, ns, "data", node)
+	waitEvent(t, c, ns, "data", "ProvisioningFailed", "selected node \""+node+"\" has no CSINode object")
+	err := testenv.WaitFor(ctx, 30*time.Second, "selected-node annotation removed", func(ctx context.Context) (bool, string, error) {
+		pvc, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		_, has := pvc.Annotations[annSelectedNode]
+		return !has, fmt.Sprint(pvc.Annotations), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(d.Volumes()); n != 0 {
+		t.Fatalf("%d volumes made for a node without the driver", n)
+	}
+}
