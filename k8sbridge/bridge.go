@@ -83,6 +83,9 @@ type Config struct {
 	DefaultFSType     string
 	StrictTopology    bool
 	ImmediateTopology bool
+	// CapacityForImmediateBinding publishes capacity for Immediate classes
+	// too (the scheduler reads it for WaitForFirstConsumer claims only).
+	CapacityForImmediateBinding bool
 
 	WorkerThreads int
 	// PerDriverWorkers bounds concurrent operations per driver so a slow

@@ -10,7 +10,8 @@ package k8sbridge
 //
 //   - drivers: the registered ones (Drivers.DriverNames) whose capabilities
 //     include GET_CAPACITY;
-//   - classes: every StorageClass whose provisioner is the driver;
+//   - classes: every WaitForFirstConsumer StorageClass whose provisioner is
+//     the driver (Immediate ones too with CapacityForImmediateBinding);
 //   - segments: the distinct values of the driver's topology keys over the
 //     nodes whose CSINode lists the driver (a driver without topology keys
 //     gets no objects: as upstream, capacity needs topology). A node-local
@@ -504,7 +505,11 @@ func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
 		registered[driver] = true
 		var driverClasses []*storagev1.StorageClass
 		for _, sc := range classes {
-			if sc.Provisioner == driver {
+			// As external-provisioner (--capacity-for-immediate-binding):
+			// the scheduler reads capacity for WaitForFirstConsumer
+			// claims only, so Immediate classes get no objects unless asked.
+			immediate := sc.VolumeBindingMode == nil || *sc.VolumeBindingMode == storagev1.VolumeBindingImmediate
+			if sc.Provisioner == driver && (!immediate || c.b.cfg.CapacityForImmediateBinding) {
 				driverClasses = append(driverClasses, sc)
 			}
 		}

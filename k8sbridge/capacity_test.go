@@ -280,6 +280,10 @@ func TestCapacityZonalDriverTwoClasses(t *testing.T) {
 	wffc, del := storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
 	classA := makeClass(t, c, clusterName(ns, "a"), drv, wffc, del, nil)
 	classB := makeClass(t, c, clusterName(ns, "b"), drv, wffc, del, map[string]string{"label": "blue", ParamFSType: "ext4"})
+	// An Immediate class of the driver gets no objects (the scheduler
+	// reads capacity for WaitForFirstConsumer claims only): the exact sets
+	// waited for below, the later ones many polls on, hold none of it.
+	makeClass(t, c, clusterName(ns, "immediate"), drv, storagev1.VolumeBindingImmediate, del, nil)
 	run := startBridge(t, env, ns, drivers, bridgeOpts{})
 
 	all := func(bytes int64) map[string]int64 {
@@ -906,3 +910,27 @@ func TestCapacityNodeLocalTwoNodes(t *testing.T) {
 }
 
 var _ Drivers = (*broker.Broker)(nil)
+
+// TestCapacityForImmediateBinding: with --capacity-for-immediate-binding,
+// an Immediate class of the driver gets its objects too.
+func TestCapacityForImmediateBinding(t *testing.T) {
+	fastCapacityPolls(t)
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "imm.csi.test")
+	node := clusterName(ns, "node-z1")
+	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: "z1"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+	if err := env.AddCSINode(ctx, node, drv, node, []string{testenv.LabelZone}); err != nil {
+		t.Fatal(err)
+	}
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 10 * gib})
+	class := makeClass(t, c, clusterName(ns, "imm"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.CapacityForImmediateBinding = true }})
+	waitCapacities(t, c, ns, drv, map[string]int64{segmentKey(class.Name, testenv.LabelZone, "z1"): 10 * gib})
+}
