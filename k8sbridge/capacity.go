@@ -767,9 +767,8 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 		topology = item.segment.request.labels()
 	}
 	req := CapacityRequest(class, topology)
-	if m := req.VolumeCapabilities[0].GetMount(); m.FsType == "" {
-		m.FsType = c.b.cfg.DefaultFSType // as provisioning fills it
-	}
+	m := req.VolumeCapabilities[0].GetMount()
+	m.FsType = c.b.fsTypeOr(m.FsType) // as provisioning fills it
 	resp, err := c.getCapacity(ctx, key.driver, item, req)
 	if err != nil {
 		// Keep the object with its last value: stale beats missing.

@@ -266,13 +266,7 @@ func TestCapacityZonalDriverTwoClasses(t *testing.T) {
 	var segs []map[string]string
 	for _, z := range []string{"z1", "z2"} {
 		node := clusterName(ns, "node-"+z)
-		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: z}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-		if err := env.AddCSINode(ctx, node, drv, node, []string{testenv.LabelZone}); err != nil {
-			t.Fatal(err)
-		}
+		addNode(t, env, testenv.NodeSpec{Name: node, Zone: z}, drv, []string{testenv.LabelZone})
 		segs = append(segs, map[string]string{testenv.LabelZone: z})
 	}
 	drivers := &testDrivers{}
@@ -470,16 +464,9 @@ func setUpZoneCapacity(t *testing.T) zoneCapacity {
 	z := zoneCapacity{env: testenv.Shared(t)}
 	z.ns = z.env.NewNamespace(t)
 	z.c = z.env.Client()
-	ctx := context.Background()
 	z.drv = clusterName(z.ns, "zonal.csi.test")
 	node := clusterName(z.ns, "node")
-	if _, err := z.env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: "z1"}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { z.c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-	if err := z.env.AddCSINode(ctx, node, z.drv, node, []string{testenv.LabelZone}); err != nil {
-		t.Fatal(err)
-	}
+	addNode(t, z.env, testenv.NodeSpec{Name: node, Zone: "z1"}, z.drv, []string{testenv.LabelZone})
 	// A closed port: calls fail with Unavailable.
 	dead, err := grpc.NewClient("passthrough:///127.0.0.1:1", grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
@@ -716,17 +703,27 @@ func TestCapacityNodeLocalNodeWithoutProxy(t *testing.T) {
 
 // addHostnameNodes adds nodes whose CSINode lists drv with the hostname
 // as its topology key (a node-local driver), removed at the test's end.
-func addHostnameNodes(t *testing.T, env *testenv.Env, drv string, nodes ...string) {
+// addNode adds a Node of spec, deleted when the test ends, and, for a
+// driver, its CSINode listing keys.
+func addNode(t *testing.T, env *testenv.Env, spec testenv.NodeSpec, drv string, keys []string) {
 	t.Helper()
 	ctx, c := context.Background(), env.Client()
+	if _, err := env.AddNodes(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), spec.Name, metav1.DeleteOptions{}) })
+	if drv == "" {
+		return
+	}
+	if err := env.AddCSINode(ctx, spec.Name, drv, spec.Name, keys); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func addHostnameNodes(t *testing.T, env *testenv.Env, drv string, nodes ...string) {
+	t.Helper()
 	for _, n := range nodes {
-		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: n}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), n, metav1.DeleteOptions{}) })
-		if err := env.AddCSINode(ctx, n, drv, n, []string{corev1.LabelHostname}); err != nil {
-			t.Fatal(err)
-		}
+		addNode(t, env, testenv.NodeSpec{Name: n}, drv, []string{corev1.LabelHostname})
 	}
 }
 
@@ -756,16 +753,9 @@ func TestCapacityNodeLocalWithoutTopology(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	ctx := context.Background()
 	drv := clusterName(ns, "plain.csi.test")
 	node := clusterName(ns, "node")
-	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
-		t.Fatal(err)
-	}
+	addNode(t, env, testenv.NodeSpec{Name: node}, drv, nil)
 	ep, d := sampledriver.StartTest(t, sampledriver.Config{Name: drv, NodeID: node, CapacityBytes: 4 * gib, Logger: slog.New(slog.DiscardHandler)})
 	now := time.Now()
 	mat, err := chaintest.SharedCA(t).IssueMaterial(mtls.Leaf{ID: mtls.NodeDriverID(chaintest.TrustDomain, drv, node), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
@@ -918,16 +908,9 @@ func TestCapacityForImmediateBinding(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	ctx := context.Background()
 	drv := clusterName(ns, "imm.csi.test")
 	node := clusterName(ns, "node-z1")
-	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: "z1"}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-	if err := env.AddCSINode(ctx, node, drv, node, []string{testenv.LabelZone}); err != nil {
-		t.Fatal(err)
-	}
+	addNode(t, env, testenv.NodeSpec{Name: node, Zone: "z1"}, drv, []string{testenv.LabelZone})
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 10 * gib})
 	class := makeClass(t, c, clusterName(ns, "imm"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)

@@ -155,6 +155,23 @@ func TestNodeLocalEarlierAttemptsVolumeIsNeverLeft(t *testing.T) {
 	}
 }
 
+// waitSelectedNodeRemoved waits until the claim's selected-node annotation
+// is gone (the broker handed it back to the scheduler).
+func waitSelectedNodeRemoved(t *testing.T, c kubernetes.Interface, ns, claim string) {
+	t.Helper()
+	err := testenv.WaitFor(context.Background(), 30*time.Second, "selected-node annotation removed", func(ctx context.Context) (bool, string, error) {
+		pvc, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, claim, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		_, has := pvc.Annotations[annSelectedNode]
+		return !has, fmt.Sprint(pvc.Annotations), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 func setSelectedNode(t *testing.T, c kubernetes.Interface, ns, claim, node string) {
 	t.Helper()
 	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, annSelectedNode, node)

@@ -357,24 +357,50 @@ func recordedTopology(tr *csi.TopologyRequirement) *csi.TopologyRequirement {
 	return &csi.TopologyRequirement{Preferred: tr.GetPreferred()[:1]}
 }
 
-// nodeGone reports whether node no longer exists: not in the cache, and
-// then not on the API server either (the cache may lag behind a new node).
-func (p *provisioner) nodeGone(ctx context.Context, node string) bool {
-	if _, err := p.b.nodes.Get(node); !apierrors.IsNotFound(err) {
-		return false
+// discardVolume deletes the volume volumeID this attempt made for pvName
+// (on node, for a node-local driver) unless a PersistentVolume holds it
+// already (an earlier attempt's, which the cache may not show yet: its
+// reclaim policy decides then). The intent entry is dropped once the
+// volume is accounted for (held, or deleted) and kept on an error, for the
+// retry or recovery: readErr, the PV could not be read; deleteErr, the
+// volume could not be deleted. The secret goes to the same requester as
+// the CreateVolume's (its node, its labels).
+func (p *provisioner) discardVolume(ctx context.Context, driver, node, pvName, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester) (held bool, readErr, deleteErr error) {
+	if held, readErr = p.pvHolds(ctx, pvName, node); readErr != nil {
+		return false, readErr, nil
 	}
-	_, err := p.b.cfg.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
-	return apierrors.IsNotFound(err)
+	if !held {
+		if deleteErr = p.deleteVolume(ctx, driver, node, volumeID, secretRef, requester); deleteErr != nil {
+			return false, nil, deleteErr
+		}
+	}
+	p.b.intents.Remove(pvName)
+	return held, nil, nil
 }
 
-// csiNodeGone reports whether node has no CSINode object, asking the API
-// server when the cache has none (it may lag behind a new node).
+// absent: an object the cache does not have (cached, the lister's error)
+// that the API server does not have either (get): the cache may lag
+// behind a new object.
+func absent(cached error, get func() error) bool {
+	return apierrors.IsNotFound(cached) && apierrors.IsNotFound(get())
+}
+
+// nodeGone reports whether node no longer exists.
+func (p *provisioner) nodeGone(ctx context.Context, node string) bool {
+	_, err := p.b.nodes.Get(node)
+	return absent(err, func() error {
+		_, err := p.b.cfg.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+		return err
+	})
+}
+
+// csiNodeGone reports whether node has no CSINode object.
 func (p *provisioner) csiNodeGone(ctx context.Context, node string) bool {
-	if _, err := p.b.csiNodes.Get(node); !apierrors.IsNotFound(err) {
-		return false
-	}
-	_, err := p.b.cfg.Client.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
-	return apierrors.IsNotFound(err)
+	_, err := p.b.csiNodes.Get(node)
+	return absent(err, func() error {
+		_, err := p.b.cfg.Client.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
+		return err
+	})
 }
 
 // populated reports whether the claim's data source (dataSourceRef, or
@@ -474,23 +500,26 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
 	}
 	scheduled := selectedNode != "" // the scheduler chose the node, so it can choose again
-	if scheduled && p.nodeGone(ctx, selectedNode) {
-		// The intent record keeps any entry of an earlier attempt: the
-		// volume it may have made is still accounted for.
-		warn("node gone "+selectedNode, "failed to provision volume with StorageClass %q: selected node %q no longer exists; asking the scheduler for another node", class.Name, selectedNode)
-		if rerr := p.reschedule(ctx, claim); rerr != nil {
-			return "rescheduled", rerr
+	if scheduled {
+		// As external-provisioner, a node that is gone, or (for a driver
+		// with topology) that has no CSINode, whose topology is then
+		// unknown, is handed back to the scheduler. The intent record
+		// keeps any entry of an earlier attempt: the volume it may have
+		// made is still accounted for.
+		what, why := "", ""
+		switch {
+		case p.nodeGone(ctx, selectedNode):
+			what, why = "node gone "+selectedNode, "no longer exists"
+		case caps.accessibility && p.csiNodeGone(ctx, selectedNode):
+			what, why = "no CSINode "+selectedNode, "has no CSINode object (no CSI driver registered there)"
 		}
-		return "rescheduled", nil
-	}
-	if scheduled && caps.accessibility && p.csiNodeGone(ctx, selectedNode) {
-		// As external-provisioner: no driver registered on that node, so
-		// its topology is unknown; the scheduler may choose another.
-		warn("no CSINode "+selectedNode, "failed to provision volume with StorageClass %q: selected node %q has no CSINode object (no CSI driver registered there); asking the scheduler for another node", class.Name, selectedNode)
-		if rerr := p.reschedule(ctx, claim); rerr != nil {
-			return "rescheduled", rerr
+		if why != "" {
+			warn(what, "failed to provision volume with StorageClass %q: selected node %q %s; asking the scheduler for another node", class.Name, selectedNode, why)
+			if rerr := p.reschedule(ctx, claim); rerr != nil {
+				return "rescheduled", rerr
+			}
+			return "rescheduled", nil
 		}
-		return "rescheduled", nil
 	}
 	// The record as the API server has it, read once per term. An entry
 	// there already is an earlier attempt's (this leader's or the previous
@@ -681,25 +710,21 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		// An earlier attempt (the previous leader's, whose PV the cache
 		// has not shown yet) may have made the PV: its reclaim policy
 		// decides then, not this attempt.
-		switch held, perr := p.pvHolds(ctx, pvName, node); {
-		case perr != nil:
-			p.b.log.Warn("claim deleted during provisioning; could not tell whether its PersistentVolume holds the volume (the intent record keeps it; retried)", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName, "err", perr)
-			return "failed", perr // intent kept: retried
+		held, rerr, derr := p.discardVolume(ctx, driver, node, pvName, resp.GetVolume().GetVolumeId(), provSecretRef, requester)
+		switch {
+		case rerr != nil:
+			p.b.log.Warn("claim deleted during provisioning; could not tell whether its PersistentVolume holds the volume (the intent record keeps it; retried)", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName, "err", rerr)
+			return "failed", rerr
 		case held:
 			p.b.log.Info("claim deleted during provisioning, but its PersistentVolume exists; the volume is left to the PV's reclaim policy", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName)
-			p.b.intents.Remove(pvName)
 			return "claim_deleted", nil
-		}
-		p.b.log.Info("claim deleted during provisioning; deleting its volume", "claim", claim.Namespace+"/"+claim.Name, "volume", resp.GetVolume().GetVolumeId())
-		// The same requester as the CreateVolume's (its node, its labels):
-		// a grant that let the secret go to this node lets it go again.
-		if derr := p.deleteVolume(ctx, driver, node, resp.GetVolume().GetVolumeId(), provSecretRef, requester); derr != nil {
+		case derr != nil:
 			p.b.log.Error("claim deleted during provisioning; deleting its volume failed (the intent record keeps it; recovery retries)", "claim", claim.Namespace+"/"+claim.Name, "driver", driver, "volume", resp.GetVolume().GetVolumeId(), "err", derr)
 			p.b.metrics.leaked.WithLabelValues(driver, "failed").Inc()
-			return "failed", derr // intent kept: recovery retries
+			return "failed", derr
 		}
+		p.b.log.Info("claim deleted during provisioning; its volume was deleted", "claim", claim.Namespace+"/"+claim.Name, "volume", resp.GetVolume().GetVolumeId())
 		p.b.metrics.leaked.WithLabelValues(driver, "deleted").Inc()
-		p.b.intents.Remove(pvName)
 		return "claim_deleted", nil
 	}
 
@@ -713,23 +738,18 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		wrong = "volume content source missing in the driver's answer"
 	}
 	if wrong != "" {
-		msg := wrong
-		// An earlier attempt's PV (the cache may not show it yet) holds
-		// the volume: it is not this attempt's to delete.
-		switch held, perr := p.pvHolds(ctx, pvName, node); {
-		case perr != nil:
-			return failAs(wrong+", PV unknown", "%s; whether a PersistentVolume holds it could not be read: %v", msg, perr)
+		held, rerr, derr := p.discardVolume(ctx, driver, node, pvName, resp.GetVolume().GetVolumeId(), provSecretRef, requester)
+		switch {
+		case rerr != nil:
+			return failAs(wrong+", PV unknown", "%s; whether a PersistentVolume holds it could not be read: %v", wrong, rerr)
 		case held:
-			p.b.intents.Remove(pvName)
 			return "success", nil
+		case derr != nil:
+			// The retry gets the same volume back and tries again;
+			// recovery deletes it if the claim goes.
+			return failAs(wrong+", delete failed", "%s; deleting it failed: %v", wrong, derr)
 		}
-		if derr := p.deleteVolume(ctx, driver, node, resp.GetVolume().GetVolumeId(), provSecretRef, requester); derr != nil {
-			// Intent kept: the retry gets the same volume back and tries
-			// again; recovery deletes it if the claim goes.
-			return failAs(wrong+", delete failed", "%s; deleting it failed: %v", msg, derr)
-		}
-		p.b.intents.Remove(pvName)
-		return failAs(wrong, "%s; the volume was deleted", msg)
+		return failAs(wrong, "%s; the volume was deleted", wrong)
 	}
 
 	pv, err := p.buildPV(claim, class, driver, pvName, resp.GetVolume(), req, provSecretRef)
@@ -842,10 +862,10 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 // fault and say which field is wrong.
 func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps driverCaps) (*csi.CreateVolumeRequest, *corev1.SecretReference, error) {
 	params, fsType, err := CreateParameters(class.Parameters, p.b.cfg.ExtraCreateMetadata, pvName, claim)
-	fsType = p.b.fsTypeOr(fsType)
 	if err != nil {
 		return nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
 	}
+	fsType = p.b.fsTypeOr(fsType)
 	volCaps, err := VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
 	if err != nil {
 		return nil, nil, err
@@ -866,7 +886,7 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 		}
 	}
 	req := &csi.CreateVolumeRequest{Name: pvName, Parameters: params, VolumeCapabilities: volCaps, CapacityRange: capRange}
-	if name := claim.Spec.VolumeAttributesClassName; name != nil && *name != "" {
+	if name := vacName(claim); name != nil {
 		// As external-provisioner: the class's parameters are the
 		// volume's mutable parameters; the PV names the class (buildPV),
 		// which the PV controller requires to bind it.

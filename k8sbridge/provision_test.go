@@ -156,7 +156,6 @@ func TestSelectedNodeGoneReschedules(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	ctx := context.Background()
 	drv := clusterName(ns, "wffc.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
@@ -166,17 +165,7 @@ func TestSelectedNodeGoneReschedules(t *testing.T) {
 	gone := clusterName(ns, "gone-node")
 	setSelectedNode(t, c, ns, "orphaned", gone)
 	waitEvent(t, c, ns, "orphaned", "ProvisioningFailed", "selected node \""+gone+"\" no longer exists")
-	err := testenv.WaitFor(ctx, 30*time.Second, "selected-node annotation removed", func(ctx context.Context) (bool, string, error) {
-		pvc, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "orphaned", metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		_, has := pvc.Annotations[annSelectedNode]
-		return !has, fmt.Sprint(pvc.Annotations), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waitSelectedNodeRemoved(t, c, ns, "orphaned")
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes made for a node that does not exist", n)
 	}
@@ -527,31 +516,17 @@ func TestSelectedNodeWithoutCSINodeReschedules(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	ctx := context.Background()
 	drv := clusterName(ns, "topo.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Topology: map[string]string{testenv.LabelZone: "z1"}})
 	node := clusterName(ns, "bare")
-	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+	addNode(t, env, testenv.NodeSpec{Name: node}, "", nil) // no CSINode
 	class := makeClass(t, c, clusterName(ns, "topo"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 	makeClaim(t, c, ns, "data", class.Name, "1Gi")
 	setSelectedNode(t, c, ns, "data", node)
 	waitEvent(t, c, ns, "data", "ProvisioningFailed", "selected node \""+node+"\" has no CSINode object")
-	err := testenv.WaitFor(ctx, 30*time.Second, "selected-node annotation removed", func(ctx context.Context) (bool, string, error) {
-		pvc, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		_, has := pvc.Annotations[annSelectedNode]
-		return !has, fmt.Sprint(pvc.Annotations), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waitSelectedNodeRemoved(t, c, ns, "data")
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes made for a node without the driver", n)
 	}

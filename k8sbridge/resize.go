@@ -368,8 +368,9 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 		return failed("not_called", err)
 	}
 	var req *csi.ControllerExpandVolumeRequest
+	node := r.expandNode(driver, pv) // the node-local volume's node; "" otherwise
 	if controllerExpand {
-		if r.b.cfg.Drivers.NodeLocal(driver) && pvNode(pv) == "" {
+		if r.b.cfg.Drivers.NodeLocal(driver) && node == "" {
 			return failed("not_called", errNodeUnknown(pv, driver))
 		}
 		volCap, err := resizeVolumeCapability(pv.Spec, caps.singleNodeMultiWriter)
@@ -380,7 +381,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 			driver: driver, op: policy.OpControllerExpandVolume, ref: pv.Spec.CSI.ControllerExpandSecretRef,
 			source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerExpandSecretRef"},
 			requester: policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name,
-				Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName, Node: r.expandNode(driver, pv)},
+				Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName, Node: node},
 		})
 		if err != nil {
 			return failed("not_called", err)
@@ -399,7 +400,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 	newSize, nodeRequired := target, true
 	if req != nil {
 		var conn grpc.ClientConnInterface
-		if node := r.expandNode(driver, pv); node != "" {
+		if node != "" {
 			conn, err = r.b.cfg.Drivers.NodeConn(driver, node)
 		} else {
 			conn, err = r.b.cfg.Drivers.ControllerConn(driver)

@@ -108,6 +108,23 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 			return err
 		}
 	}
+	// The sockets, checked before anything is set up.
+	sockets := map[string]string{}
+	if cfg.SocketDir != "" {
+		for _, d := range reg.Drivers {
+			sockets[d.Name] = filepath.Join(cfg.SocketDir, d.Name+".sock")
+		}
+	}
+	statusPath := cfg.StatusSocket
+	if statusPath == "" && cfg.SocketDir != "" {
+		statusPath = filepath.Join(cfg.SocketDir, "csibroker-status.sock")
+	}
+	for name, path := range sockets {
+		if statusPath != "" && filepath.Clean(path) == filepath.Clean(statusPath) {
+			// Each server would remove the other's socket file.
+			return fmt.Errorf("driver %s's front-end socket %s is the status socket: set --status-socket to another path", name, path)
+		}
+	}
 	src, err := cfg.TLS.Source(log)
 	if err != nil {
 		return err
@@ -128,7 +145,6 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		return err
 	}
 	defer b.Close()
-	sockets := map[string]string{}
 	for _, d := range reg.Drivers {
 		if d.Timeout == 0 {
 			d.Timeout = cfg.Timeout
@@ -136,19 +152,6 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		d.Retry = cfg.fillRetry(d.Retry)
 		if err := b.SetDriver(d); err != nil {
 			return err
-		}
-		if cfg.SocketDir != "" {
-			sockets[d.Name] = filepath.Join(cfg.SocketDir, d.Name+".sock")
-		}
-	}
-	statusPath := cfg.StatusSocket
-	if statusPath == "" && cfg.SocketDir != "" {
-		statusPath = filepath.Join(cfg.SocketDir, "csibroker-status.sock")
-	}
-	for name, path := range sockets {
-		if statusPath != "" && filepath.Clean(path) == filepath.Clean(statusPath) {
-			// Each server would remove the other's socket file.
-			return fmt.Errorf("driver %s's front-end socket %s is the status socket: set --status-socket to another path", name, path)
 		}
 	}
 

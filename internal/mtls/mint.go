@@ -267,10 +267,7 @@ func WriteDevCerts(o DevCertsOptions) ([]string, error) {
 			}
 		}
 	}
-	for _, c := range o.Clients {
-		if o.OnlyNodes {
-			break
-		}
+	for _, c := range o.Clients { // none with OnlyNodes (checkIDParts)
 		if err := issue("client-"+c, ClientID(o.TrustDomain, c)); err != nil {
 			return nil, err
 		}
