@@ -17,7 +17,7 @@ TEST_TIMEOUT ?= 40m
 BENCH_TIME ?= 2s
 BENCH_COUNT ?= 3
 
-.PHONY: all build test test-unit fmt-check vet lint bench bench-k8s proto run demo control-plane sidecars clean docker
+.PHONY: all build test test-unit fmt-check vet lint bench bench-k8s rss-floor proto run demo control-plane sidecars clean docker
 
 all: build
 
@@ -62,6 +62,11 @@ bench:
 BENCH_K8S_FLAGS ?=
 bench-k8s:
 	$(GO) run ./test/benchk8s $(BENCH_K8S_FLAGS)
+
+## The resident memory of the proxy's and broker's libraries alone, next to an
+## idle csibroker-proxy (BENCHMARKS.md, "The floor under the targets").
+rss-floor:
+	hack/rss-floor.sh
 
 sidecars:
 	hack/sidecars.sh build

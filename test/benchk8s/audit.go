@@ -112,7 +112,7 @@ func (a *auditLog) read(from, to int64) ([]auditEvent, error) {
 
 // client names the component a request came from, by user agent:
 // "csi-provisioner", "csi-attacher", "csibroker(objects)", "csibroker(events)",
-// "csibroker(leader-election)", or "" for everything else (the
+// "csibroker(leader-election)", "minprov" (-floor), or "" for everything else (the
 // controller-manager, the harness).
 func client(userAgent string) string {
 	switch {
@@ -120,6 +120,8 @@ func client(userAgent string) string {
 		return "csi-provisioner"
 	case strings.HasPrefix(userAgent, "csi-attacher/"):
 		return "csi-attacher"
+	case strings.HasPrefix(userAgent, "minprov/"):
+		return "minprov"
 	case strings.HasPrefix(userAgent, "csibroker/"):
 		if i := strings.LastIndexByte(userAgent, '('); i >= 0 && strings.HasSuffix(userAgent, ")") {
 			return "csibroker(" + userAgent[i+1:len(userAgent)-1] + ")"

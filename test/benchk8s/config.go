@@ -52,6 +52,10 @@ type Config struct {
 	JSON         string // also write every run's figures to this file
 	Verbose      bool
 	Perf         bool // after each provisioning setting, one more csibroker run under perf (not counted)
+	// Floor adds a third side to each provisioning repetition: minprov,
+	// the least a client-go provisioner making external-provisioner's API
+	// calls spends.
+	Floor bool
 }
 
 // rate is a client-go QPS/burst pair written "5/10".
@@ -200,6 +204,8 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&cfg.JSON, "json", "", "also write every run's figures to this JSON file")
 	fs.BoolVar(&cfg.Verbose, "v", false, "more progress lines")
 	fs.BoolVar(&cfg.Perf, "perf", false, "provision: after the measured runs of each setting, one more csibroker run (not counted) under perf record; the report gets its hottest functions")
+	fs.BoolVar(&cfg.Floor, "floor", false, "provision: a third side in each repetition, test/benchk8s/minprov (the same watches, PV create and Events as external-provisioner through client-go, no CSI call): "+
+		"the CPU per volume any client-go provisioner making those calls spends")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}

@@ -363,10 +363,32 @@ func (h *Harness) startBrokerReplicas(_ context.Context, d *deployment, o deploy
 	return nil
 }
 
+// startFloor starts one minprov per driver, at the sides' client rate and
+// worker threads.
+func (h *Harness) startFloor(o deployOpts) (*deployment, error) {
+	d := &deployment{side: sideFloor}
+	for i, drv := range o.drivers {
+		p, err := h.procs.start(fmt.Sprintf("%s-minprov-%d", o.tag, i), h.bins.minprov, []string{
+			"--kubeconfig=" + h.env.Kubeconfig, "--driver=" + drv.name,
+			"--kube-api-qps=" + strconv.FormatFloat(o.rate.QPS, 'f', -1, 64), "--kube-api-burst=" + strconv.Itoa(o.rate.Burst),
+			"--worker-threads=" + strconv.Itoa(h.cfg.WorkerThreads),
+		}, nil)
+		if err != nil {
+			d.stop()
+			return nil, err
+		}
+		d.controllers = append(d.controllers, p)
+	}
+	return d, nil
+}
+
 // deploy starts one side.
 func (h *Harness) deploy(ctx context.Context, side string, o deployOpts) (*deployment, error) {
-	if side == sideSidecar {
+	switch side {
+	case sideSidecar:
 		return h.startSidecars(ctx, o)
+	case sideFloor:
+		return h.startFloor(o)
 	}
 	return h.startBroker(ctx, o)
 }

@@ -50,6 +50,8 @@ type binaries struct {
 	proxy string
 	// csibrokerSyms keeps its symbol table, for perf (-perf only).
 	csibrokerSyms string
+	// minprov is test/benchk8s/minprov (-floor only).
+	minprov string
 }
 
 func newHarness(cfg Config, out, errw io.Writer) (*Harness, error) {
@@ -162,6 +164,17 @@ func (h *Harness) build(ctx context.Context) error {
 	}
 	if p := filepath.Join(filepath.Dir(h.bins.csibroker), "csibroker-proxy"); fileExists(p) {
 		h.bins.proxy = p
+	}
+	if h.cfg.Floor {
+		h.bins.minprov = filepath.Join(h.work, "minprov")
+		h.logf("go build ./test/benchk8s/minprov (working tree)")
+		cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags", "-s -w", "-o", h.bins.minprov, "./test/benchk8s/minprov")
+		cmd.Dir = h.cfg.Root
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOWORK=off")
+		cmd.Stdout, cmd.Stderr = h.errw, h.errw
+		if err := cmd.Run(); err != nil {
+			return fmt.Errorf("go build ./test/benchk8s/minprov: %w", err)
+		}
 	}
 	h.logf("binaries ready in %s", time.Since(t0).Round(time.Second))
 	return nil

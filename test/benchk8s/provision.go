@@ -48,16 +48,22 @@ func dnsName(parts ...string) string {
 }
 
 func short(side string) string {
-	if side == sideSidecar {
+	switch side {
+	case sideSidecar:
 		return "s"
+	case sideFloor:
+		return "f"
 	}
 	return "b"
 }
 
 // clientPrefixes are the user-agent classes of a side's API clients.
 func clientPrefixes(side string) []string {
-	if side == sideSidecar {
+	switch side {
+	case sideSidecar:
 		return []string{"csi-provisioner", "csi-attacher"}
+	case sideFloor:
+		return []string{"minprov"}
 	}
 	return []string{"csibroker"}
 }
@@ -74,7 +80,11 @@ func (h *Harness) scenarioProvision(ctx context.Context) error {
 		for _, q := range h.cfg.QPS {
 			var runs []*provResult
 			for rep := range h.cfg.repsFor(q) {
-				for _, side := range sidesInOrder(rep) {
+				sides := sidesInOrder(rep)
+				if h.cfg.Floor {
+					sides = append(sides, sideFloor)
+				}
+				for _, side := range sides {
 					r, err := h.provisionRun(ctx, sc, side, n, q, rep, false)
 					if err != nil {
 						return fmt.Errorf("%s N=%d QPS %s rep %d: %w", side, n, q, rep+1, err)
@@ -88,6 +98,9 @@ func (h *Harness) scenarioProvision(ctx context.Context) error {
 				}
 			}
 			h.provisionTable(n, q, runs)
+			if h.cfg.Floor {
+				h.floorTable(n, q, runs)
+			}
 			if h.cfg.Perf {
 				stripped := h.bins.csibroker
 				h.bins.csibroker = h.bins.csibrokerSyms
@@ -255,6 +268,43 @@ func (h *Harness) provisionTable(n int, q rate, runs []*provResult) {
 		m := mine[len(mine)/2]
 		h.report.printf("\n%s, requests of run %d (N=%d): provisioning: %s (by client: %s); deletion: %s (by client: %s)\n",
 			side, m.Rep+1, n, m.APIProv, fmtMap(m.APIProv.ByClient), m.APIDel, fmtMap(m.APIDel.ByClient))
+	}
+}
+
+// floorTable sets the floor (minprov) beside the sidecar and csibroker:
+// CPU and context switches per volume that any client-go provisioner making
+// external-provisioner's API calls spends, run by run.
+func (h *Harness) floorTable(n int, q rate, runs []*provResult) {
+	fn := float64(n)
+	figs := []struct {
+		label string
+		prec  int
+		v     func(r *provResult) float64
+	}{
+		{"CPU ms per volume (start → all Bound)", 2, func(r *provResult) float64 { return r.CPUProv / fn * 1000 }},
+		{"context switches per volume (start → all Bound)", 1, func(r *provResult) float64 { return r.SwitchesProv / fn }},
+		{"volumes/s (start → all PVs exist and all claims Bound)", 2, func(r *provResult) float64 { return fn / r.BoundSeconds }},
+		{"API writes per volume, objects (not Events)", 2, func(r *provResult) float64 { return float64(r.APIProv.total(writeVerbs, "events")) / fn }},
+		{"API writes per volume, Events", 2, func(r *provResult) float64 {
+			return float64(r.APIProv.total(writeVerbs)-r.APIProv.total(writeVerbs, "events")) / fn
+		}},
+	}
+	for _, other := range []string{sideSidecar, sideBroker} {
+		var rows []*row
+		for _, f := range figs {
+			rw := &row{label: f.label, prec: f.prec}
+			for _, r := range runs {
+				switch r.Side {
+				case other:
+					rw.sidecar = append(rw.sidecar, f.v(r))
+				case sideFloor:
+					rw.broker = append(rw.broker, f.v(r))
+				}
+			}
+			rows = append(rows, rw)
+		}
+		h.report.tableOf(fmt.Sprintf("Floor against %s: N=%d Immediate claims, client QPS/burst %s (minprov: the same watches, PV create and two Events through client-go, no CSI call)", other, n, q),
+			rows, other, "minprov", "minprov/"+other)
 	}
 }
 

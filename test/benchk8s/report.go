@@ -14,6 +14,9 @@ import (
 const (
 	sideSidecar = "external-provisioner"
 	sideBroker  = "csibroker"
+	// sideFloor is test/benchk8s/minprov (-floor): external-provisioner's
+	// API calls through client-go and nothing else.
+	sideFloor = "minimal client-go provisioner"
 )
 
 // report collects tables as the scenarios finish and prints them.
@@ -82,9 +85,15 @@ func (r *report) table(title string, rows []*row, sideLabel string) {
 	if sideLabel == "" {
 		sideLabel = sideSidecar
 	}
+	r.tableOf(title, rows, sideLabel, "csibroker", "csibroker/sidecar")
+}
+
+// tableOf is table with both columns named: left holds row.sidecar, right
+// row.broker, and ratio names right/left.
+func (r *report) tableOf(title string, rows []*row, left, right, ratio string) {
 	var b strings.Builder
 	fmt.Fprintf(&b, "\n### %s\n\n", title)
-	fmt.Fprintf(&b, "| | %s median [min–max] | csibroker median [min–max] | csibroker/sidecar per run | ratio of medians |\n|---|---|---|---|---|\n", sideLabel)
+	fmt.Fprintf(&b, "| | %s median [min–max] | %s median [min–max] | %s per run | ratio of medians |\n|---|---|---|---|---|\n", left, right, ratio)
 	for _, rw := range rows {
 		var ratios []string
 		for i := range min(len(rw.sidecar), len(rw.broker)) {

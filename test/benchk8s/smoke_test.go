@@ -9,10 +9,11 @@ import (
 )
 
 // TestHarnessSmoke runs the provisioning scenario once, N=10 at QPS 200/400,
-// for external-provisioner and csibroker, so that `make test` exercises the
-// harness end to end: the builds (control plane, sidecars, csibroker; cached
-// after the first time), the control plane with its audit log, both sides,
-// the tracker, the CPU/RSS readings and the per-client request counts.
+// for external-provisioner, csibroker and the floor (minprov), so that `make
+// test` exercises the harness end to end: the builds (control plane,
+// sidecars, csibroker, minprov; cached after the first time), the control
+// plane with its audit log, every side, the tracker, the CPU/RSS readings
+// and the per-client request counts.
 func TestHarnessSmoke(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.Scenarios = []string{"provision"}
@@ -20,6 +21,7 @@ func TestHarnessSmoke(t *testing.T) {
 	cfg.N = []int{10}
 	cfg.QPS = []rate{{200, 400}}
 	cfg.FromHead = false // test the code under test
+	cfg.Floor = true
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -43,7 +45,7 @@ func TestHarnessSmoke(t *testing.T) {
 	}
 	t.Logf("report:\n%s", out.String())
 
-	if len(h.provResults) != 2 {
+	if len(h.provResults) != 3 {
 		t.Fatalf("got %d provisioning results, want one per side", len(h.provResults))
 	}
 	for _, r := range h.provResults {
@@ -61,8 +63,10 @@ func TestHarnessSmoke(t *testing.T) {
 			t.Errorf("%s: %d PV deletes counted for its user agent, want at least %d (all: %v)", r.Side, got, r.N, r.APIDel.ByVerbResource)
 		}
 	}
-	if !strings.Contains(out.String(), "### Provisioning: N=10") {
-		t.Errorf("report has no provisioning table:\n%s", out.String())
+	for _, table := range []string{"### Provisioning: N=10", "### Floor against external-provisioner: N=10", "### Floor against csibroker: N=10"} {
+		if !strings.Contains(out.String(), table) {
+			t.Errorf("report has no %q table:\n%s", table, out.String())
+		}
 	}
 }
 
@@ -80,7 +84,8 @@ func TestClientFromUserAgent(t *testing.T) {
 		"csi-attacher/v0.0.0 (linux/amd64) kubernetes/$Format":    "csi-attacher",
 		"csibroker/bench (objects)":                               "csibroker(objects)",
 		"csibroker/v0.1.0-3-gabc (leader-election)":               "csibroker(leader-election)",
-		"kube-controller-manager/v1.36.3 (linux/amd64)":           "",
+		"minprov/bench": "minprov",
+		"kube-controller-manager/v1.36.3 (linux/amd64)": "",
 		"benchk8s": "",
 	} {
 		if got := client(ua); got != want {
