@@ -12,6 +12,8 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"go.yaml.in/yaml/v3"
+
+	"github.com/csibroker/csibroker/internal/csiname"
 )
 
 // RegistryConfig is the static driver registry file of a standalone broker.
@@ -116,9 +118,10 @@ func (c DriverConfig) Validate() error {
 	var errs []error
 	if c.Name == "" {
 		errs = append(errs, errors.New("name is required"))
-	}
-	if strings.ContainsAny(c.Name, "/ ") {
-		errs = append(errs, fmt.Errorf("name %q must not contain '/' or spaces", c.Name))
+	} else if err := csiname.Check(c.Name); err != nil {
+		// The name the driver answers GetPluginInfo with, which a
+		// StorageClass's provisioner and the proxy's identity repeat.
+		errs = append(errs, err)
 	}
 	if c.Controller == nil && len(c.Nodes) == 0 {
 		errs = append(errs, errors.New("needs a controller proxy or at least one node proxy"))

@@ -80,9 +80,14 @@ type Config struct {
 	ExtraCreateMetadata  bool
 	// DefaultFSType is the filesystem of mount volumes whose class names
 	// none (external-provisioner's --default-fstype); empty: none.
-	DefaultFSType     string
-	StrictTopology    bool
-	ImmediateTopology bool
+	DefaultFSType string
+	// ControllerPublishReadOnly marks the PVs of claims whose only access
+	// mode is ReadOnlyMany read-only (spec.csi.readOnly), so the driver is
+	// asked to attach them read-only (external-provisioner's
+	// --controller-publish-readonly).
+	ControllerPublishReadOnly bool
+	StrictTopology            bool
+	ImmediateTopology         bool
 	// CapacityForImmediateBinding publishes capacity for Immediate classes
 	// too (the scheduler reads it for WaitForFirstConsumer claims only).
 	CapacityForImmediateBinding bool

@@ -21,6 +21,7 @@ import (
 	"k8s.io/client-go/tools/record"
 
 	"github.com/csibroker/csibroker/broker"
+	"github.com/csibroker/csibroker/internal/csiname"
 )
 
 // Pod annotations that make a pod a proxy of a driver. The pods are found by
@@ -228,6 +229,11 @@ func DriversFromPods(pods []*corev1.Pod, template broker.DriverConfig) (map[stri
 		if name == "" {
 			problems = append(problems, Problem{Pod: p, Reason: ReasonProxyAnnotationInvalid,
 				Message: fmt.Sprintf("matches the proxy selector but has no %s annotation naming its driver; ignored", AnnDriver)})
+			continue
+		}
+		if err := csiname.Check(name); err != nil {
+			problems = append(problems, Problem{Pod: p, Reason: ReasonProxyAnnotationInvalid,
+				Message: fmt.Sprintf("annotation %s: %v; ignored", AnnDriver, err)})
 			continue
 		}
 		if p.DeletionTimestamp != nil || p.Status.PodIP == "" || !podReady(p) {

@@ -61,6 +61,7 @@ func TestDriversFromPods(t *testing.T) {
 		proxyPod("no-ip", "d2", "", "n1", false, true, ""),
 		proxyPod("bad-port", "d3", "10.0.2.1", "n1", false, true, "http"),
 		proxyPod("no-driver", "", "10.0.3.1", "n1", false, true, ""),
+		proxyPod("not-csi", "my_driver", "10.0.4.1", "n1", false, true, ""),
 	}
 	got, problems := DriversFromPods(pods, tmpl)
 	d1 := got["d1"]
@@ -76,10 +77,17 @@ func TestDriversFromPods(t *testing.T) {
 	if _, ok := got["d2"]; ok {
 		t.Fatal("a pod without an IP registered a driver")
 	}
-	if _, ok := got["d3"]; ok || len(problems) != 2 {
+	if _, ok := got["d3"]; ok || len(problems) != 3 {
 		t.Fatalf("problems %v", problems)
 	}
-	for i, want := range []struct{ pod, says string }{{"bad-port", `"http" is not a port`}, {"no-driver", "no " + AnnDriver + " annotation"}} {
+	if _, ok := got["my_driver"]; ok {
+		t.Fatal("a driver name CSI does not allow was registered")
+	}
+	for i, want := range []struct{ pod, says string }{
+		{"bad-port", `"http" is not a port`},
+		{"no-driver", "no " + AnnDriver + " annotation"},
+		{"not-csi", `annotation ` + AnnDriver + `: driver name "my_driver" has '_'`},
+	} {
 		if p := problems[i]; p.Pod.Name != want.pod || p.Reason != ReasonProxyAnnotationInvalid || !strings.Contains(p.Message, want.says) {
 			t.Errorf("problem %d: %s (reason %s), want pod %s, %s, saying %q", i, p, p.Reason, want.pod, ReasonProxyAnnotationInvalid, want.says)
 		}

@@ -1022,6 +1022,9 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 		}
 	}
 	src := &corev1.CSIPersistentVolumeSource{Driver: driver, VolumeHandle: vol.GetVolumeId(), FSType: fsType, VolumeAttributes: vol.GetVolumeContext()}
+	if p.b.cfg.ControllerPublishReadOnly && len(claim.Spec.AccessModes) == 1 && claim.Spec.AccessModes[0] == corev1.ReadOnlyMany {
+		src.ReadOnly = true
+	}
 	for _, k := range []struct {
 		kind SecretKind
 		dst  **corev1.SecretReference

@@ -439,6 +439,39 @@ func TestDefaultFSType(t *testing.T) {
 	}
 }
 
+// TestControllerPublishReadOnly: with --controller-publish-readonly the PV
+// of a claim whose only access mode is ReadOnlyMany is read-only (so the
+// attacher asks for a read-only publish); any other claim's is not, and
+// without the flag none is.
+func TestControllerPublishReadOnly(t *testing.T) {
+	env := testenv.Shared(t)
+	c := env.Client()
+	ctx := context.Background()
+	rox, rwo := corev1.ReadOnlyMany, corev1.ReadWriteOnce
+	for _, on := range []bool{true, false} {
+		ns := env.NewNamespace(t)
+		drv := clusterName(ns, "ro.csi.test")
+		drivers := &testDrivers{}
+		drivers.addDriver(t, sampledriver.Config{Name: drv})
+		class := makeClass(t, c, clusterName(ns, "ro"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+		startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.ControllerPublishReadOnly = on }})
+		for _, tc := range []struct {
+			claim string
+			modes []corev1.PersistentVolumeAccessMode
+			want  bool
+		}{{"rox", []corev1.PersistentVolumeAccessMode{rox}, on}, {"rwo", []corev1.PersistentVolumeAccessMode{rwo}, false}, {"both", []corev1.PersistentVolumeAccessMode{rwo, rox}, false}} {
+			claim := makeClaimWith(t, c, ns, tc.claim, class.Name, func(p *corev1.PersistentVolumeClaim) { p.Spec.AccessModes = tc.modes })
+			pv, err := c.CoreV1().PersistentVolumes().Get(ctx, waitBound(t, c, ns, claim.Name, 60*time.Second).Spec.VolumeName, metav1.GetOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if pv.Spec.CSI.ReadOnly != tc.want {
+				t.Errorf("flag %v, claim %s (%v): PV readOnly %v, want %v", on, tc.claim, tc.modes, pv.Spec.CSI.ReadOnly, tc.want)
+			}
+		}
+	}
+}
+
 // TestVolumeAttributesClass: a claim naming a VolumeAttributesClass of its
 // driver gets a volume made with the class's parameters as mutable
 // parameters and a PV naming the class, which the PV controller binds; a

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+
+	"github.com/csibroker/csibroker/internal/csiname"
 )
 
 // CompileOption adjusts Compile.
@@ -284,7 +286,7 @@ func (rs *RuleSet) compileGrant(g *Grant, idx int, prev *RuleSet) (*rule, []stri
 		switch {
 		case d == Wildcard:
 			r.anyDriver = true
-		case validCSIDriverName(d):
+		case csiname.Valid(d):
 			r.drivers = append(r.drivers, d)
 		default:
 			add("spec.drivers: %q is not a valid CSI driver name", d)

@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/csibroker/csibroker/internal/csiname"
 )
 
 // The CRD manifest and the Go types must agree: a controller converts the
@@ -162,7 +164,7 @@ func TestCRDMatchesGoTypes(t *testing.T) {
 		s     *schema
 		ok    func(string) bool
 	}{
-		{"drivers", specSchema.Properties["drivers"].Items, func(x string) bool { return x == "*" || validCSIDriverName(x) }},
+		{"drivers", specSchema.Properties["drivers"].Items, func(x string) bool { return x == "*" || csiname.Valid(x) }},
 		{"secretNames", specSchema.Properties["secretNames"].Items, func(x string) bool {
 			if x == "*" {
 				return true

@@ -27,22 +27,6 @@ func safeName(s string, max int) bool {
 // optSafeName is safeName, but empty is fine.
 func optSafeName(s string, max int) bool { return s == "" || safeName(s, max) }
 
-// validCSIDriverName follows the CSI spec for GetPluginInfo names: at most 63
-// characters, beginning and ending with an alphanumeric character, with
-// dashes, dots and alphanumerics between.
-func validCSIDriverName(s string) bool {
-	if s == "" || len(s) > 63 || !isAlnum(s[0]) || !isAlnum(s[len(s)-1]) {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if !isAlnum(c) && c != '.' && c != '-' {
-			return false
-		}
-	}
-	return true
-}
-
 // dnsLabel: RFC 1123 label, as Kubernetes namespaces.
 func dnsLabel(s string) bool {
 	if s == "" || len(s) > 63 || !isLowerAlnum(s[0]) || !isLowerAlnum(s[len(s)-1]) {

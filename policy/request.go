@@ -3,6 +3,8 @@ package policy
 import (
 	"fmt"
 	"strings"
+
+	"github.com/csibroker/csibroker/internal/csiname"
 )
 
 // Operation is the CSI RPC a secret is wanted for. The values are the CSI
@@ -189,7 +191,7 @@ type Request struct {
 // decision reasons and logs. A request that fails it is denied: the caller
 // is confused, and its strings must not reach an Event unescaped.
 func (r *Request) validate() error {
-	if !validCSIDriverName(r.Driver) {
+	if !csiname.Valid(r.Driver) {
 		return fmt.Errorf("driver name %s is not a valid CSI driver name", quote(r.Driver))
 	}
 	if !r.Operation.Valid() {

@@ -19,6 +19,8 @@ import (
 	"path/filepath"
 	"slices"
 	"time"
+
+	"github.com/csibroker/csibroker/internal/csiname"
 )
 
 // CA is a certificate authority that can issue csibroker certificates. It is
@@ -174,11 +176,18 @@ func checkIDParts(o DevCertsOptions) error {
 	for _, l := range []struct {
 		what  string
 		names []string
-	}{{"driver", o.Drivers}, {"node", o.Nodes}, {"client", o.Clients}} {
+	}{{"node", o.Nodes}, {"client", o.Clients}} {
 		for _, n := range l.names {
 			if !segmentOK(n, true) || n == "." || n == ".." {
 				errs = append(errs, fmt.Errorf("%s name %q: use letters, digits, '.', '-' and '_' only", l.what, n))
 			}
+		}
+	}
+	for _, n := range o.Drivers {
+		// A CSI name (what the broker's registry and policy accept) is
+		// also a valid SPIFFE ID segment and file name.
+		if err := csiname.Check(n); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	if o.OnlyNodes && (len(o.Drivers) == 0 || len(o.Nodes) == 0 || len(o.Clients) > 0) {

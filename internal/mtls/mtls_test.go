@@ -565,6 +565,8 @@ func TestWriteDevCertsOnlyNodes(t *testing.T) {
 	for _, o := range []DevCertsOptions{
 		{TrustDomain: "Example.ORG/x"},
 		{TrustDomain: "td", Drivers: []string{"bad driver/name"}},
+		{TrustDomain: "td", Drivers: []string{"my_driver"}}, // a SPIFFE segment, but no CSI name: the broker would refuse it
+		{TrustDomain: "td", Drivers: []string{"-d"}},
 		{TrustDomain: "td", Drivers: []string{"d"}, Nodes: []string{".."}},
 		{TrustDomain: "td", Clients: []string{"a b"}},
 	} {

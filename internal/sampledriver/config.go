@@ -9,6 +9,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/csibroker/csibroker/internal/csiname"
 )
 
 // Defaults applied by New to zero-valued Config fields.
@@ -69,15 +71,20 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-// csiNameRE is the driver name format csi-sanity checks.
+// csiNameRE is the driver name format csi-sanity checks, which is stricter
+// than the CSI spec's (csiname) in one way: letters at both ends.
 var csiNameRE = regexp.MustCompile(`^[a-zA-Z][A-Za-z0-9-._]{0,61}[a-zA-Z]$`)
 
 // Validate reports the first problem with c, treating zero values that have
 // a default as valid.
 func (c Config) Validate() error {
 	var errs []error
-	if c.Name != "" && !csiNameRE.MatchString(c.Name) {
-		errs = append(errs, fmt.Errorf("name %q: must be 2-63 characters, start and end with a letter and contain only alphanumerics, '-', '.' and '_'", c.Name))
+	if c.Name != "" {
+		if err := csiname.Check(c.Name); err != nil {
+			errs = append(errs, err)
+		} else if !csiNameRE.MatchString(c.Name) {
+			errs = append(errs, fmt.Errorf("driver name %q: must be at least 2 characters and begin and end with a letter (csi-sanity checks that)", c.Name))
+		}
 	}
 	if c.NodeID == "" {
 		errs = append(errs, errors.New("node ID is required"))
