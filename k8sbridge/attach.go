@@ -11,6 +11,7 @@ import (
 	"github.com/kubernetes-csi/csi-lib-utils/accessmodes"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
@@ -519,7 +520,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		}
 		va = updated
 	}
-	conn, err := a.b.cfg.Drivers.ControllerConn(driver)
+	conn, err := a.conn(driver, node)
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
 	}
@@ -586,15 +587,20 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if err != nil {
 		return a.attachFailed(ctx, va, true, err)
 	}
-	conn, err := a.b.cfg.Drivers.ControllerConn(driver)
+	conn, err := a.conn(driver, node)
 	if err != nil {
 		return a.attachFailed(ctx, va, true, err)
 	}
 	callCtx, cancel := a.b.callContext(ctx, driver, "ControllerUnpublishVolume")
 	_, err = csi.NewControllerClient(conn).ControllerUnpublishVolume(callCtx, &csi.ControllerUnpublishVolumeRequest{VolumeId: src.csi.VolumeHandle, NodeId: nodeID, Secrets: secrets})
 	cancel()
+	// NotFound is not "detached": the spec's answer for a volume or node
+	// the driver cannot find but may regard as unpublished is OK, and
+	// NotFound asks the caller to check and retry (as external-attacher
+	// does); taking it as done could let the volume attach to a second
+	// node while still attached to the first.
 	switch code := status.Code(err); {
-	case err == nil, code == codes.NotFound:
+	case err == nil:
 	case code == codes.Unimplemented && !caps.publishUnpublish:
 		// No publish step after all.
 	default:
@@ -669,20 +675,28 @@ func (a *attacher) reconcile(ctx context.Context) {
 	if err != nil {
 		return
 	}
-	byDriver := map[string][]*storagev1.VolumeAttachment{}
+	// Asked per driver, and for a node-local driver per node: each
+	// node's plugin lists its own volumes.
+	type proxyKey struct{ driver, node string }
+	byProxy := map[proxyKey][]*storagev1.VolumeAttachment{}
 	for _, va := range vas {
 		if va.Status.Attached && va.DeletionTimestamp == nil && a.registered(va.Spec.Attacher) && va.Spec.Source.PersistentVolumeName != nil {
-			byDriver[va.Spec.Attacher] = append(byDriver[va.Spec.Attacher], va)
+			k := proxyKey{driver: va.Spec.Attacher}
+			if a.b.cfg.Drivers.NodeLocal(k.driver) {
+				k.node = va.Spec.NodeName
+			}
+			byProxy[k] = append(byProxy[k], va)
 		}
 	}
-	for driver, list := range byDriver {
+	for k, list := range byProxy {
+		driver := k.driver
 		caps, err := a.b.caps.get(ctx, driver)
 		if err != nil || !caps.listPublishedNodes || !caps.publishUnpublish {
 			continue
 		}
-		published, err := a.listPublished(ctx, driver)
+		published, err := a.listPublished(ctx, driver, k.node)
 		if err != nil {
-			a.b.log.Warn("attach reconcile: ListVolumes failed", "driver", driver, "err", err)
+			a.b.log.Warn("attach reconcile: ListVolumes failed", "driver", driver, "node", k.node, "err", err)
 			continue
 		}
 		for _, va := range list {
@@ -704,8 +718,18 @@ func (a *attacher) reconcile(ctx context.Context) {
 	}
 }
 
-func (a *attacher) listPublished(ctx context.Context, driver string) (map[string]map[string]bool, error) {
-	conn, err := a.b.cfg.Drivers.ControllerConn(driver)
+// conn is the proxy that takes a driver's controller calls for an
+// attachment to node: the driver's controller proxy, or for a node-local
+// driver (whose volumes live on the node that uses them) the node's own.
+func (a *attacher) conn(driver, node string) (grpc.ClientConnInterface, error) {
+	if a.b.cfg.Drivers.NodeLocal(driver) {
+		return a.b.cfg.Drivers.NodeConn(driver, node)
+	}
+	return a.b.cfg.Drivers.ControllerConn(driver)
+}
+
+func (a *attacher) listPublished(ctx context.Context, driver, node string) (map[string]map[string]bool, error) {
+	conn, err := a.conn(driver, node)
 	if err != nil {
 		return nil, err
 	}

@@ -789,6 +789,43 @@ func TestDetachUndoesAPublishWhateverTheCapabilities(t *testing.T) {
 	}
 }
 
+// TestDetachRetriesNotFound: a driver answering ControllerUnpublishVolume
+// with NotFound has not said the volume is unpublished (CSI: that answer
+// is OK); the attachment keeps its finalizer, shows the error, and goes
+// once the driver answers OK.
+func TestDetachRetriesNotFound(t *testing.T) {
+	s := newAttachSetup(t, "nf.csi.test", sampledriver.Config{Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
+		"ControllerUnpublishVolume": {First: 2, Code: codes.NotFound}}}})
+	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
+	class := makeClass(t, c, clusterName(ns, "nf"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	va := createVA(t, c, ns, drv, node, pvName)
+	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
+	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.DetachError != nil }, "detach error recorded")
+	if !containsString(got.Finalizers, attacherFinalizer(drv)) || !strings.Contains(got.Status.DetachError.Message, "NotFound") {
+		t.Fatalf("after a NotFound unpublish: finalizers %v, detach error %+v; want the finalizer kept and the error shown", got.Finalizers, got.Status.DetachError)
+	}
+	err := testenv.WaitFor(ctx, 60*time.Second, "the attachment gone", func(ctx context.Context) (bool, string, error) {
+		cur, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, "", nil
+		}
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return false, fmt.Sprintf("finalizers %v, detach error %v", cur.Finalizers, cur.Status.DetachError), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := d.CallCount("ControllerUnpublishVolume"); n != 3 {
+		t.Fatalf("%d ControllerUnpublishVolume calls, want 3 (two NotFound, then OK)", n)
+	}
+}
+
 // loopingLister answers every ListVolumes with the same next page token.
 type loopingLister struct {
 	Drivers // nil: only ControllerConn is used
@@ -796,6 +833,7 @@ type loopingLister struct {
 }
 
 func (d *loopingLister) ControllerConn(string) (grpc.ClientConnInterface, error) { return d, nil }
+func (d *loopingLister) NodeLocal(string) bool                                   { return false }
 
 func (d *loopingLister) Invoke(_ context.Context, method string, _, reply any, _ ...grpc.CallOption) error {
 	d.calls++
@@ -816,7 +854,7 @@ func (d *loopingLister) NewStream(context.Context, *grpc.StreamDesc, string, ...
 func TestListPublishedStopsOnARepeatedToken(t *testing.T) {
 	d := &loopingLister{}
 	a := &attacher{b: &Bridge{cfg: Config{Drivers: d, Timeout: time.Second}}}
-	_, err := a.listPublished(context.Background(), "loop.csi.test")
+	_, err := a.listPublished(context.Background(), "loop.csi.test", "")
 	if err == nil || !strings.Contains(err.Error(), "twice") || d.calls != 2 {
 		t.Fatalf("after %d ListVolumes calls: %v; want an error about the repeated token after 2", d.calls, err)
 	}

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -226,6 +227,48 @@ func addLocalNodes(t *testing.T, env *testenv.Env, drivers *testDrivers, drv str
 		inst[node] = drivers.addNodeDriver(t, sampledriver.Config{Name: drv, CapacityBytes: size, Topology: map[string]string{corev1.LabelHostname: node}, Faults: faults}, node)
 	}
 	return inst
+}
+
+// TestNodeLocalAttachOnTheVolumesNode: a node-local driver with a publish
+// step is asked to publish and unpublish by the plugin of the node the
+// volume lives on (and is attached to), not by another node's.
+func TestNodeLocalAttachOnTheVolumesNode(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "la.csi.test")
+	// The volume's node sorts after the other, so it is not the first
+	// node proxy of the driver either.
+	first, second := clusterName(ns, "a"), clusterName(ns, "z")
+	drivers := &testDrivers{}
+	inst := addLocalNodes(t, env, drivers, drv, map[string]int64{first: 10 << 30, second: 100 << 30}, sampledriver.Faults{})
+	makeCSIDriver(t, c, drv, true)
+	class := makeClass(t, c, clusterName(ns, "imm"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "big", class.Name, "50Gi").Name, 60*time.Second).Spec.VolumeName
+	if len(inst[second].Volumes()) != 1 {
+		t.Fatalf("the 50Gi volume is not on %s, the only node with room", second)
+	}
+	va := createVA(t, c, ns, drv, second, pvName)
+	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
+	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := testenv.WaitFor(ctx, 30*time.Second, "the attachment gone", func(ctx context.Context) (bool, string, error) {
+		_, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for node, want := range map[string]int64{first: 0, second: 1} {
+		for _, m := range []string{"ControllerPublishVolume", "ControllerUnpublishVolume"} {
+			if n := inst[node].CallCount(m); n != want {
+				t.Errorf("node %s's plugin: %d %s calls, want %d", node, n, m, want)
+			}
+		}
+	}
 }
 
 // TestNodeLocalResizeOfVolumeWithoutNode: a node-local driver's volume whose
