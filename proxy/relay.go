@@ -47,8 +47,8 @@ const (
 	// it cannot hold its connection's lock, and the calls waiting on it,
 	// for ever.
 	writeTimeout = 15 * time.Second
-	// defaultPeerStreams is the driver's stream limit assumed until its
-	// SETTINGS arrive (as x/net's Transport does).
+	// defaultPeerStreams is the peer's stream limit before its SETTINGS
+	// arrive; no driver stream is opened before them (openLocked).
 	defaultPeerStreams = 100
 	// Frames we read are at most this large (the HTTP/2 default, which every
 	// peer must accept, so any frame we read can be written on unchanged).
@@ -458,9 +458,12 @@ func (c *conn) removeLocked(l *leg) {
 }
 
 // openLocked gives a driver leg its stream ID now, or queues it while the
-// driver's concurrent-stream limit is reached.
+// driver's concurrent-stream limit is reached or not yet known: until the
+// driver's first SETTINGS arrive (as gRPC's client waits for its server's
+// preface), since a driver allowing fewer streams than assumed would
+// refuse the others.
 func (c *conn) openLocked(l *leg) bool {
-	if uint32(c.active) >= c.peer.MaxStreams {
+	if !c.settings || uint32(c.active) >= c.peer.MaxStreams {
 		c.waiting = append(c.waiting, l)
 		return false
 	}
@@ -503,7 +506,7 @@ func (c *conn) openWaitingLocked() {
 			c.flushLocked()
 		}
 	}()
-	for len(c.waiting) > 0 && uint32(c.active) < c.peer.MaxStreams && !c.closed && !c.goingAway {
+	for len(c.waiting) > 0 && c.settings && uint32(c.active) < c.peer.MaxStreams && !c.closed && !c.goingAway {
 		l := c.waiting[0]
 		c.waiting = c.waiting[1:]
 		if l.done {

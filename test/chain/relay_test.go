@@ -16,6 +16,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 
+	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/chaintest"
 )
 
@@ -177,6 +178,45 @@ func TestRelayDriverStreamLimit(t *testing.T) {
 	}
 	if got := echo.calls.Load(); got != 16 {
 		t.Errorf("driver saw %d calls, want 16", got)
+	}
+}
+
+// TestRelayDriverStreamLimitOnAFreshConnection: a burst of calls on a new
+// chain, whose proxy serves it on a new driver connection, waits for the
+// driver's SETTINGS before opening streams, so the driver's stream limit
+// is known: none of the calls is refused. Retries are off, so none is
+// hidden; each round is a new chain.
+func TestRelayDriverStreamLimitOnAFreshConnection(t *testing.T) {
+	const rounds, calls = 4, 30
+	for r := range rounds {
+		path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+		echo, _ := serveDriver(t, path, grpc.MaxConcurrentStreams(3))
+		c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path, Retry: broker.RetryConfig{MaxAttempts: 1}})
+		client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		var wg sync.WaitGroup
+		errs := make(chan error, calls)
+		for i := range calls {
+			wg.Go(func() {
+				_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprint("burst-", i), Parameters: map[string]string{"sleep-ms": "5"}})
+				errs <- err
+			})
+		}
+		wg.Wait()
+		cancel()
+		close(errs)
+		var failed []string
+		for err := range errs {
+			if err != nil {
+				failed = append(failed, err.Error())
+			}
+		}
+		if len(failed) > 0 {
+			t.Fatalf("round %d: %d of %d calls failed on a new driver connection, e.g. %s", r, len(failed), calls, failed[0])
+		}
+		if got := echo.calls.Load(); got != calls {
+			t.Errorf("round %d: the driver saw %d calls, want %d", r, got, calls)
+		}
 	}
 }
 
