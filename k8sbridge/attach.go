@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/kubernetes-csi/csi-lib-utils/accessmodes"
@@ -404,8 +405,13 @@ func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, erro
 // every attempt, and as an Event once per failure (eventOnce: a driver's
 // answer named by its method and code).
 func (a *attacher) attachFailed(ctx context.Context, va *storagev1.VolumeAttachment, detach bool, err error) error {
+	if ctx.Err() != nil {
+		// The term ended during the attempt: nothing can be recorded, and
+		// the next leader takes the attachment up.
+		return err
+	}
 	a.b.metrics.attach.WithLabelValues(va.Spec.Attacher, map[bool]string{false: "attach", true: "detach"}[detach], "failed").Inc()
-	ve := &storagev1.VolumeError{Time: metav1.Now(), Message: err.Error()}
+	ve := &storagev1.VolumeError{Time: metav1.Now(), Message: volumeErrorMessage(err.Error())}
 	if st, ok := status.FromError(unwrapStatus(err)); ok && st.Code() != codes.OK {
 		c := int32(st.Code())
 		ve.ErrorCode = &c
@@ -425,6 +431,26 @@ func (a *attacher) attachFailed(ctx context.Context, va *storagev1.VolumeAttachm
 	a.b.log.Warn("attachment failed", "volumeattachment", va.Name, "driver", va.Spec.Attacher, "node", va.Spec.NodeName, "detach", detach, "err", err)
 	a.b.eventOnce(ctx, vaRef(va), corev1.EventTypeWarning, reason, failureOf(op, err), "%v", err)
 	return err
+}
+
+// maxVolumeErrorMessage is the longest VolumeError message the API server
+// accepts in a VolumeAttachment's status.
+const maxVolumeErrorMessage = 1024
+
+// volumeErrorMessage cuts msg to what the API server accepts (a driver's
+// long error would otherwise make the status write fail on every retry),
+// on a UTF-8 boundary, saying that it was cut; the log line keeps the
+// whole message.
+func volumeErrorMessage(msg string) string {
+	if len(msg) <= maxVolumeErrorMessage {
+		return msg
+	}
+	const cut = " ... (cut; the broker's log line has the whole message)"
+	n := maxVolumeErrorMessage - len(cut)
+	for n > 0 && !utf8.RuneStart(msg[n]) {
+		n--
+	}
+	return msg[:n] + cut
 }
 
 // unwrapStatus finds a gRPC status in a wrapped error chain.

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -823,6 +824,41 @@ func TestDetachRetriesNotFound(t *testing.T) {
 	}
 	if n := d.CallCount("ControllerUnpublishVolume"); n != 3 {
 		t.Fatalf("%d ControllerUnpublishVolume calls, want 3 (two NotFound, then OK)", n)
+	}
+}
+
+// TestVolumeErrorMessageFitsTheAPIServer: the API server refuses a
+// VolumeAttachment status whose error message is over 1024 bytes; a long
+// driver error is cut (on a UTF-8 boundary) to a message it accepts.
+func TestVolumeErrorMessageFitsTheAPIServer(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	pv := "pv"
+	va := createVA(t, c, ns, "limits.csi.test", clusterName(ns, "node"), pv)
+	write := func(msg string) error {
+		cur, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		cur.Status.AttachError = &storagev1.VolumeError{Time: metav1.Now(), Message: msg}
+		_, err = c.StorageV1().VolumeAttachments().UpdateStatus(ctx, cur, metav1.UpdateOptions{})
+		return err
+	}
+	if err := write(strings.Repeat("x", maxVolumeErrorMessage+1)); err == nil {
+		t.Fatalf("the API server took a %d-byte message: the limit is not %d", maxVolumeErrorMessage+1, maxVolumeErrorMessage)
+	}
+	long := "driver says: " + strings.Repeat("é", 2000)
+	cut := volumeErrorMessage(long)
+	if len(cut) > maxVolumeErrorMessage || !utf8.ValidString(cut) || !strings.HasPrefix(cut, "driver says: é") || !strings.Contains(cut, "cut;") {
+		t.Fatalf("cut message (%d bytes, valid UTF-8 %v): %q", len(cut), utf8.ValidString(cut), cut)
+	}
+	if err := write(cut); err != nil {
+		t.Fatalf("the cut message was refused: %v", err)
+	}
+	if short := "ControllerPublishVolume failed"; volumeErrorMessage(short) != short {
+		t.Fatalf("a short message was changed: %q", volumeErrorMessage(short))
 	}
 }
 

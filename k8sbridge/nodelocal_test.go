@@ -341,6 +341,49 @@ func TestNodeLocalResizeOfVolumeWithoutNode(t *testing.T) {
 	}
 }
 
+// TestNodeLocalResizeWhileItsNodeIsDown: a node-local volume whose node's
+// proxy is unreachable is not expanded, and its claim is not marked as
+// expanding (no allocatedResources raised, no ControllerResizeInProgress),
+// only told why; once the proxy is back the expansion goes through.
+func TestNodeLocalResizeWhileItsNodeIsDown(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "ld.csi.test")
+	node := clusterName(ns, "n1")
+	drivers := &testDrivers{}
+	inst := addLocalNodes(t, env, drivers, drv, map[string]int64{node: 10 << 30}, sampledriver.Faults{})
+	class := makeResizeClass(t, c, clusterName(ns, "expand"), drv, "", "")
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	makeClaim(t, c, ns, "data", class, "1Gi")
+	waitBound(t, c, ns, "data", 60*time.Second)
+
+	drivers.setNodeDown(drv, node, true)
+	raiseRequest(t, c, ns, "data", "2Gi")
+	waitEvent(t, c, ns, "data", "VolumeResizeFailed", "unreachable")
+	cur, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cur.Status.AllocatedResources) != 0 || len(cur.Status.AllocatedResourceStatuses) != 0 {
+		t.Fatalf("claim marked expanding while no driver could be asked: allocated %v, statuses %v", cur.Status.AllocatedResources, cur.Status.AllocatedResourceStatuses)
+	}
+	if n := inst[node].CallCount("ControllerExpandVolume"); n != 0 {
+		t.Fatalf("%d ControllerExpandVolume calls while the node's proxy was down", n)
+	}
+	drivers.setNodeDown(drv, node, false)
+	err = testenv.WaitFor(ctx, 60*time.Second, "the volume expanded", func(context.Context) (bool, string, error) {
+		for _, v := range inst[node].Volumes() {
+			return v.CapacityBytes >= 2<<30, fmt.Sprint(v.CapacityBytes, " bytes"), nil
+		}
+		return false, "no volume", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestNodeLocalAttemptsOfAnEarlierLeader: the first attempt of a term sees
 // the node-local entries an earlier leader recorded. A claim whose volume
 // the earlier leader may have made on the small node is finished there,

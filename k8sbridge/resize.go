@@ -368,10 +368,22 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 		return failed("not_called", err)
 	}
 	var req *csi.ControllerExpandVolumeRequest
+	var conn grpc.ClientConnInterface
 	node := r.expandNode(driver, pv) // the node-local volume's node; "" otherwise
 	if controllerExpand {
 		if r.b.cfg.Drivers.NodeLocal(driver) && node == "" {
 			return failed("not_called", errNodeUnknown(pv, driver))
+		}
+		// A proxy that is not known (a node's gone) fails here, before
+		// the claim says an expansion is in progress.
+		var err error
+		if node != "" {
+			conn, err = r.b.cfg.Drivers.NodeConn(driver, node)
+		} else {
+			conn, err = r.b.cfg.Drivers.ControllerConn(driver)
+		}
+		if err != nil {
+			return failed("not_called", err)
 		}
 		volCap, err := resizeVolumeCapability(pv.Spec, caps.singleNodeMultiWriter)
 		if err != nil {
@@ -399,15 +411,6 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 
 	newSize, nodeRequired := target, true
 	if req != nil {
-		var conn grpc.ClientConnInterface
-		if node != "" {
-			conn, err = r.b.cfg.Drivers.NodeConn(driver, node)
-		} else {
-			conn, err = r.b.cfg.Drivers.ControllerConn(driver)
-		}
-		if err != nil {
-			return failed("not_called", err)
-		}
 		callCtx, cancel := r.b.callContext(ctx, driver, "ControllerExpandVolume")
 		resp, err := csi.NewControllerClient(conn).ControllerExpandVolume(callCtx, req)
 		cancel()
