@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -102,8 +103,16 @@ type resizer struct {
 	// finalErr holds claims whose last ControllerExpandVolume ended with a
 	// final error: nothing is in progress, so a changed request may be used.
 	finalErr map[types.UID]bool
+	// inUse holds claims whose driver refused ControllerExpandVolume with
+	// FailedPrecondition while their volume was attached (a driver that
+	// expands offline only): the driver is not asked again until the
+	// volume's attachments are gone, which enqueues the claim.
+	inUse    map[types.UID]inUseClaim
 	nodeCaps map[string]resizeNodeCaps
 }
+
+// inUseClaim is a claim waiting for its volume to be detached.
+type inUseClaim struct{ key, pv string }
 
 // resizeNodeCaps caches whether a driver without controller expansion can
 // expand on the node.
@@ -114,11 +123,11 @@ type resizeNodeCaps struct {
 
 func newResizer(b *Bridge) (controller, error) {
 	r := &resizer{b: b, queue: newTermQueue("resize", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
-		finalErr: map[types.UID]bool{}, nodeCaps: map[string]resizeNodeCaps{}}
+		finalErr: map[types.UID]bool{}, inUse: map[types.UID]inUseClaim{}, nodeCaps: map[string]resizeNodeCaps{}}
 	r.slots = r.queue.withSlots(b.cfg.PerDriverWorkers)
 	r.ops = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "csibroker", Name: "resize_operations_total",
-		Help: "Volume expansion attempts by driver and result (success, node_pending, infeasible, failed, in_progress, not_called).",
+		Help: "Volume expansion attempts by driver and result (success, node_pending, infeasible, failed, in_progress, in_use, not_called).",
 	}, []string{"driver", "result"})
 	if reg := b.cfg.Registerer; reg != nil {
 		if err := reg.Register(r.ops); err != nil {
@@ -134,6 +143,23 @@ func newResizer(b *Bridge) (controller, error) {
 		}
 	}
 	b.metrics.queueDepth("resize", r.queue.Len)
+	// A volume detached (or its attachment gone): a claim waiting for
+	// that is expanded now.
+	b.on(b.factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
+		UpdateFunc: func(_, newObj any) {
+			if va, ok := newObj.(*storagev1.VolumeAttachment); ok && (!va.Status.Attached || va.DeletionTimestamp != nil) {
+				r.volumeDetached(va)
+			}
+		},
+		DeleteFunc: func(obj any) {
+			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = d.Obj
+			}
+			if va, ok := obj.(*storagev1.VolumeAttachment); ok {
+				r.volumeDetached(va)
+			}
+		},
+	})
 	b.on(b.factory.Core().V1().PersistentVolumeClaims().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) {
 			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok && claimNeedsResize(c) {
@@ -157,6 +183,7 @@ func newResizer(b *Bridge) (controller, error) {
 			}
 			r.mu.Lock()
 			delete(r.finalErr, c.UID)
+			delete(r.inUse, c.UID)
 			r.mu.Unlock()
 			b.forgetEvents(c.UID)
 			if key, err := cache.MetaNamespaceKeyFunc(c); err == nil {
@@ -197,6 +224,41 @@ func resizeTriggered(old, cur *corev1.PersistentVolumeClaim) bool {
 		old.Spec.VolumeName != cur.Spec.VolumeName
 }
 
+// volumeDetached enqueues the claims waiting for va's volume to be
+// detached.
+func (r *resizer) volumeDetached(va *storagev1.VolumeAttachment) {
+	pv := va.Spec.Source.PersistentVolumeName
+	if pv == nil {
+		return
+	}
+	r.mu.Lock()
+	var keys []string
+	for _, w := range r.inUse {
+		if w.pv == *pv {
+			keys = append(keys, w.key)
+		}
+	}
+	r.mu.Unlock()
+	for _, k := range keys {
+		r.queue.Add(k)
+	}
+}
+
+// attachedTo names a node pv is attached to (by a VolumeAttachment that
+// is not being deleted), or "".
+func (r *resizer) attachedTo(pv string) string {
+	vas, err := r.b.attachments.List(labels.Everything())
+	if err != nil {
+		return ""
+	}
+	for _, va := range vas {
+		if n := va.Spec.Source.PersistentVolumeName; n != nil && *n == pv && (va.Status.Attached || len(va.Finalizers) > 0) {
+			return va.Spec.NodeName
+		}
+	}
+	return ""
+}
+
 func (r *resizer) enqueue(c *corev1.PersistentVolumeClaim) {
 	if key, err := cache.MetaNamespaceKeyFunc(c); err == nil {
 		r.queue.Add(key)
@@ -222,6 +284,7 @@ func (r *resizer) run(ctx context.Context) {
 	// Final errors are of this term: under another leader the driver may
 	// have been asked again, and may still be working, since.
 	clear(r.finalErr)
+	clear(r.inUse)
 	r.mu.Unlock()
 	// Requests raised while another replica led are in the cache already.
 	r.queue.work(ctx, r.b.cfg.WorkerThreads, r.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
@@ -288,7 +351,17 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	// waiting for the kubelet asks the driver nothing.
 	r.mu.Lock()
 	lastFinal := r.finalErr[claim.UID]
+	w, waiting := r.inUse[claim.UID]
 	r.mu.Unlock()
+	if waiting {
+		if node := r.attachedTo(w.pv); node != "" && w.pv == pv.Name {
+			r.b.log.Debug("volume expansion waits for the volume to be detached", "claim", key, "pv", pv.Name, "node", node)
+			return 0, nil
+		}
+		r.mu.Lock()
+		delete(r.inUse, claim.UID)
+		r.mu.Unlock()
+	}
 	if _, ok := expansionTarget(expansionInputOf(claim, pv, lastFinal, true)); !ok {
 		r.b.log.Debug("volume expansion: nothing for the driver now; the kubelet has the next step", "claim", key, "driver", driver)
 		return 0, nil
@@ -488,6 +561,23 @@ func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolu
 	}
 	r.mu.Unlock()
 	msg := statusText(err)
+	if code == codes.FailedPrecondition && isStatus {
+		if node := r.attachedTo(pv.Name); node != "" {
+			// external-resizer's --handle-volume-inuse-error: a driver that
+			// expands offline only is not asked again while the volume is
+			// in use; its detach brings the claim back.
+			r.mu.Lock()
+			r.inUse[claim.UID] = inUseClaim{key: claim.Namespace + "/" + claim.Name, pv: pv.Name}
+			r.mu.Unlock()
+			if _, perr := r.patchClaimStatus(ctx, claim, resizeControllerFailed(claim, "failed to expand pvc with "+msg, false), false); perr != nil {
+				r.b.log.Warn("recording an expansion failure on the claim failed", "claim", claim.Namespace+"/"+claim.Name, "err", perr)
+			}
+			r.warn(ctx, claim, "ControllerExpandVolume in use",
+				"Unable to expand volume %s: CSI driver %s refused while the volume is attached to node %s (%s); it will be expanded once the volume is detached", pv.Name, driver, node, msg)
+			r.b.log.Warn("ControllerExpandVolume refused while the volume is in use; waiting for it to be detached", "claim", claim.Namespace+"/"+claim.Name, "pv", pv.Name, "driver", driver, "node", node, "err", msg)
+			return "in_use", nil
+		}
+	}
 	result := "in_progress"
 	if final {
 		result = "failed"

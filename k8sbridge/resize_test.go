@@ -686,6 +686,44 @@ func makeResizeClass(t *testing.T, c kubernetes.Interface, name, driver, secretN
 	return name
 }
 
+// TestResizeWaitsForDetachAfterAnInUseRefusal: a driver that expands
+// offline only answers FailedPrecondition while the volume is attached; the
+// claim is told so and the driver is not asked again until the
+// VolumeAttachment is gone, then the expansion goes through (external-
+// resizer's --handle-volume-inuse-error).
+func TestResizeWaitsForDetachAfterAnInUseRefusal(t *testing.T) {
+	s := newAttachSetup(t, "off.csi.test", sampledriver.Config{Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
+		"ControllerExpandVolume": {First: 1, Code: codes.FailedPrecondition}}}})
+	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
+	class := makeResizeClass(t, c, clusterName(ns, "off"), drv, "", "")
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	va := createVA(t, c, ns, drv, node, pvName)
+	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
+
+	raiseRequest(t, c, ns, "data", "2Gi")
+	waitEvent(t, c, ns, "data", "VolumeResizeFailed", "once the volume is detached")
+	// A bounded window, no event to wait for: with the test's backoff
+	// (100 ms doubling to 2 s) a retry would have come several times.
+	time.Sleep(1500 * time.Millisecond)
+	if n := d.CallCount("ControllerExpandVolume"); n != 1 {
+		t.Fatalf("%d ControllerExpandVolume calls while the volume stayed attached, want only the refused one", n)
+	}
+	if got := s.r.metricValue(t, "csibroker_resize_operations_total", map[string]string{"driver": drv, "result": "in_use"}); got != 1 {
+		t.Errorf("resize results: in_use %v, want 1", got)
+	}
+	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitClaim(t, c, ns, "data", "expanded after the detach", func(p *corev1.PersistentVolumeClaim) bool {
+		q := p.Status.Capacity[corev1.ResourceStorage]
+		st := p.Status.AllocatedResourceStatuses[corev1.ResourceStorage]
+		return q.Cmp(resource.MustParse("2Gi")) >= 0 || st == corev1.PersistentVolumeClaimNodeResizePending
+	})
+	if n := d.CallCount("ControllerExpandVolume"); n != 2 {
+		t.Fatalf("%d ControllerExpandVolume calls, want 2 (refused while attached, then done)", n)
+	}
+}
+
 // raiseRequest sets a claim's storage request, as a user does.
 func raiseRequest(t *testing.T, c kubernetes.Interface, ns, name, size string) {
 	t.Helper()
