@@ -1044,19 +1044,42 @@ func (call *upCall) result(addr string) (resp []byte, hdr, trl metadata.MD, err 
 	return d, hdr, trl, nil
 }
 
-// trailerStatus is the call's status from its trailers (nil when OK).
+// trailerStatus is the call's status from its trailers (nil when OK), read
+// as gRPC's own client reads it, so a caller sees through the broker what
+// it would see calling the driver: no grpc-status is Unknown, a malformed
+// one Unknown saying so, a binary field that is not base64 and details
+// whose code is not grpc-status's Internal saying so; details that are no
+// google.rpc.Status, or come more than once, are left out.
 func trailerStatus(fields []hpack.HeaderField, addr string) error {
-	v := rawgrpc.HeaderValue(fields, "grpc-status")
-	n, err := strconv.Atoi(v)
-	if err != nil || n < 0 {
-		return status.Errorf(codes.Internal, "csibroker: proxy %s: malformed grpc-status %q", addr, v)
+	for _, hf := range fields {
+		if strings.HasSuffix(hf.Name, "-bin") {
+			if _, err := rawgrpc.DecodeBinaryHeader(hf.Value); err != nil {
+				return status.Errorf(codes.Internal, "csibroker: proxy %s: malformed %s: %v", addr, hf.Name, err)
+			}
+		}
 	}
-	code := codes.Code(n)
+	code := codes.Unknown
+	if v, ok := headerField(fields, "grpc-status"); ok {
+		n, err := strconv.ParseInt(v, 10, 32)
+		if err != nil {
+			return status.Errorf(codes.Unknown, "csibroker: proxy %s: malformed grpc-status %q", addr, v)
+		}
+		code = codes.Code(uint32(n))
+	}
 	msg := rawgrpc.DecodeStatusMessage(rawgrpc.HeaderValue(fields, "grpc-message"))
-	if bin := rawgrpc.HeaderValue(fields, "grpc-status-details-bin"); bin != "" {
-		if vs, err := rawgrpc.DecodeBinaryHeader(bin); err == nil && len(vs) == 1 {
+	var details []string
+	for _, hf := range fields {
+		if hf.Name == "grpc-status-details-bin" {
+			details = append(details, hf.Value)
+		}
+	}
+	if len(details) == 1 {
+		if vs, err := rawgrpc.DecodeBinaryHeader(details[0]); err == nil && len(vs) == 1 {
 			p := &spb.Status{}
-			if proto.Unmarshal([]byte(vs[0]), p) == nil && codes.Code(p.Code) == code {
+			if proto.Unmarshal([]byte(vs[0]), p) == nil {
+				if codes.Code(p.Code) != code {
+					return status.Errorf(codes.Internal, "csibroker: proxy %s: grpc-status-details-bin has code %v, grpc-status %v (grpc-message %q)", addr, codes.Code(p.Code), code, msg)
+				}
 				if code == codes.OK {
 					return nil
 				}
@@ -1068,6 +1091,17 @@ func trailerStatus(fields []hpack.HeaderField, addr string) error {
 		return nil
 	}
 	return status.Error(code, msg)
+}
+
+// headerField is the value of the first field named name, and whether
+// there is one.
+func headerField(fields []hpack.HeaderField, name string) (string, bool) {
+	for _, hf := range fields {
+		if hf.Name == name {
+			return hf.Value, true
+		}
+	}
+	return "", false
 }
 
 // fieldsMD is the metadata of a header block: what gRPC and tracing set

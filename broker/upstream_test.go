@@ -13,11 +13,17 @@ import (
 	"testing"
 	"time"
 
+	"encoding/base64"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/emptypb"
 
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
@@ -40,6 +46,8 @@ type h2peer struct {
 	overflow bool
 	// maxHeaderList, if set, is announced as SETTINGS_MAX_HEADER_LIST_SIZE.
 	maxHeaderList uint32
+	// trailers, if set, end every answer instead of grpc-status 0.
+	trailers []hpack.HeaderField
 
 	mu       sync.Mutex
 	conns    int
@@ -180,7 +188,11 @@ func (p *h2peer) serve(nc net.Conn) {
 				defer wmu.Unlock()
 				headers(id, false, hpack.HeaderField{Name: ":status", Value: "200"}, hpack.HeaderField{Name: "content-type", Value: "application/grpc"})
 				fr.WriteData(id, false, []byte{0, 0, 0, 0, 0})
-				headers(id, true, hpack.HeaderField{Name: "grpc-status", Value: "0"})
+				trailers := p.trailers
+				if trailers == nil {
+					trailers = []hpack.HeaderField{{Name: "grpc-status", Value: "0"}}
+				}
+				headers(id, true, trailers...)
 			}()
 		}
 	}
@@ -444,5 +456,70 @@ func TestUpstreamKeepsToTheProxysHeaderListLimit(t *testing.T) {
 	defer peer.mu.Unlock()
 	if peer.requests != 2 || peer.conns != 1 {
 		t.Fatalf("the proxy saw %d requests on %d connections, want 2 on 1 (the one over the limit never sent)", peer.requests, peer.conns)
+	}
+}
+
+// TestTrailerStatusAsGRPCReadsIt: the status the broker reads from a
+// proxy's trailers is the one gRPC's own client reads from the same
+// trailers (code, and message and details where they are well formed),
+// including trailers a conforming driver never sends. Each case is answered
+// by the same peer to both clients.
+func TestTrailerStatusAsGRPCReadsIt(t *testing.T) {
+	details := func(code codes.Code, msg string) string {
+		st, err := status.New(code, msg).WithDetails(&errdetails.ErrorInfo{Reason: "QUOTA", Domain: "csi.test"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := proto.Marshal(st.Proto())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return base64.RawStdEncoding.EncodeToString(b)
+	}
+	hf := func(kv ...string) []hpack.HeaderField {
+		var out []hpack.HeaderField
+		for i := 0; i+1 < len(kv); i += 2 {
+			out = append(out, hpack.HeaderField{Name: kv[i], Value: kv[i+1]})
+		}
+		return out
+	}
+	for name, trailers := range map[string][]hpack.HeaderField{
+		"ok":                 hf("grpc-status", "0"),
+		"not found":          hf("grpc-status", "5", "grpc-message", "no such volume"),
+		"no grpc-status":     hf("grpc-message", "lost"),
+		"malformed status":   hf("grpc-status", "five"),
+		"details":            hf("grpc-status", "8", "grpc-message", "full", "grpc-status-details-bin", details(codes.ResourceExhausted, "full")),
+		"details mismatch":   hf("grpc-status", "8", "grpc-message", "full", "grpc-status-details-bin", details(codes.NotFound, "full")),
+		"details malformed":  hf("grpc-status", "8", "grpc-message", "full", "grpc-status-details-bin", "!!not base64!!"),
+		"details not status": hf("grpc-status", "8", "grpc-message", "full", "grpc-status-details-bin", base64.RawStdEncoding.EncodeToString([]byte{0xff, 0xff})),
+		"details twice": hf("grpc-status", "8", "grpc-message", "full",
+			"grpc-status-details-bin", details(codes.ResourceExhausted, "a"), "grpc-status-details-bin", details(codes.ResourceExhausted, "b")),
+	} {
+		t.Run(name, func(t *testing.T) {
+			addr, cfg := startPeer(t, &h2peer{maxStreams: 10, trailers: trailers})
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			u := newTestUpstream(t, addr, cfg)
+			req := []byte{0, 0, 0, 0, 0}
+			_, _, _, ours := u.attempt(ctx, u.b.desc(u.p, "/csi.v1.Identity/Probe"), "/csi.v1.Identity/Probe", nil, req)
+
+			cc, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(credentials.NewTLS(cfg)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer cc.Close()
+			theirs := cc.Invoke(ctx, "/csi.v1.Identity/Probe", &emptypb.Empty{}, &emptypb.Empty{})
+
+			o, g := status.Convert(ours), status.Convert(theirs)
+			if o.Code() != g.Code() {
+				t.Fatalf("code %v (%v), gRPC's client reads %v (%v)", o.Code(), ours, g.Code(), theirs)
+			}
+			if o.Code() == codes.Internal || strings.Contains(g.Message(), "malformed") {
+				return // each says what is wrong in its own words
+			}
+			if o.Message() != g.Message() || !proto.Equal(o.Proto(), g.Proto()) {
+				t.Fatalf("status %v, gRPC's client reads %v", o.Proto(), g.Proto())
+			}
+		})
 	}
 }
