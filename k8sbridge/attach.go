@@ -717,7 +717,12 @@ func (a *attacher) reconcile(ctx context.Context) {
 	for k, list := range byProxy {
 		driver := k.driver
 		caps, err := a.b.caps.get(ctx, driver)
-		if err != nil || !caps.listPublishedNodes || !caps.publishUnpublish {
+		if err != nil {
+			a.b.caps.forget(driver)
+			a.b.log.Warn("attach reconcile: driver not reachable; its attachments are checked next time", "driver", driver, "node", k.node, "err", err)
+			continue
+		}
+		if !caps.listPublishedNodes || !caps.publishUnpublish {
 			continue
 		}
 		published, err := a.listPublished(ctx, driver, k.node)
@@ -728,6 +733,7 @@ func (a *attacher) reconcile(ctx context.Context) {
 		for _, va := range list {
 			src, err := a.source(va)
 			if err != nil {
+				a.b.log.Debug("attach reconcile: attachment skipped", "volumeattachment", va.Name, "err", err)
 				continue
 			}
 			if published[src.csi.VolumeHandle][va.Annotations[annVANodeID]] {

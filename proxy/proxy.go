@@ -93,7 +93,8 @@ type Proxy struct {
 	tracer  trace.Tracer
 	log     *slog.Logger
 
-	dmu sync.Mutex // guards every broker connection's dconn
+	dmu     sync.Mutex // guards every broker connection's dconn, and dclosed
+	dclosed bool       // Close ran: no driver connection is made any more
 
 	bmu    sync.Mutex
 	bconns map[*conn]struct{}
@@ -312,10 +313,12 @@ func (p *Proxy) drain() {
 // dialling a new one when there is none or the last one is gone or going
 // away: a restarted driver is found again by the next call. Each broker
 // connection has a driver connection of its own, so a broker connection
-// that stops reading stalls only its own calls, never another's.
+// that stops reading stalls only its own calls, never another's; and the
+// dial is made without the proxy-wide lock, so a driver slow to accept
+// holds up only the broker connection that needs it. Called by bc's
+// reader only.
 func (p *Proxy) driverConn(bc *conn) (*conn, error) {
 	p.dmu.Lock()
-	defer p.dmu.Unlock()
 	if c := bc.dconn; c != nil {
 		c.mu.Lock()
 		if c.nextID > rawgrpc.LastStreamID-rawgrpc.StreamIDMargin && !c.goingAway {
@@ -329,9 +332,11 @@ func (p *Proxy) driverConn(bc *conn) (*conn, error) {
 		ok := !c.closed && !c.goingAway
 		c.mu.Unlock()
 		if ok {
+			p.dmu.Unlock()
 			return c, nil
 		}
 	}
+	p.dmu.Unlock()
 	bc.mu.Lock()
 	gone := bc.closed
 	bc.mu.Unlock()
@@ -348,6 +353,15 @@ func (p *Proxy) driverConn(bc *conn) (*conn, error) {
 	if err := c.start(); err != nil {
 		nc.Close()
 		return nil, err
+	}
+	p.dmu.Lock()
+	defer p.dmu.Unlock()
+	if p.dclosed {
+		// Close ran during the dial and released what it found.
+		c.mu.Lock()
+		c.closeLocked(errors.New("proxy closed"))
+		c.mu.Unlock()
+		return nil, errors.New("the proxy is closed")
 	}
 	bc.dconn = c
 	go c.readLoop(func(fr *http2.MetaHeadersFrame, f *flusher) { p.onDriverHeaders(c, fr, f) })
@@ -379,6 +393,9 @@ func (p *Proxy) closeDriverConn(bc *conn) {
 
 // Close releases the driver connections.
 func (p *Proxy) Close() error {
+	p.dmu.Lock()
+	p.dclosed = true
+	p.dmu.Unlock()
 	p.bmu.Lock()
 	conns := make([]*conn, 0, len(p.bconns))
 	for c := range p.bconns {
