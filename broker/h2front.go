@@ -273,6 +273,10 @@ type feStream struct {
 	localEnded  bool
 	reset       bool
 	contentType string
+	// arrived is when the call's HEADERS were read: its grpc-timeout
+	// counts from then, as the caller's deadline does, not from when a
+	// slowly sent request was whole.
+	arrived time.Time
 }
 
 func newFEConn(s *feServer, nc net.Conn) *feConn {
@@ -527,7 +531,7 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 		return
 	}
 	path := fr.PseudoValue("path")
-	st := &feStream{id: id, method: path, fields: fr.RegularFields(), sendWin: c.peer.InitialWindow, recvWin: feStreamWindow}
+	st := &feStream{id: id, method: path, fields: fr.RegularFields(), sendWin: c.peer.InitialWindow, recvWin: feStreamWindow, arrived: time.Now()}
 	ct := rawgrpc.HeaderValue(st.fields, "content-type")
 	if fr.PseudoValue("method") != "POST" || !rawgrpc.IsGRPCContentType(ct) {
 		// Not a gRPC call: answered as a gRPC server does.
@@ -948,7 +952,7 @@ func (c *feConn) begin(st *feStream) (context.Context, metadata.MD, trace.Span, 
 	ctx = metadata.NewOutgoingContext(ctx, out)
 	var cancel context.CancelFunc
 	if hasTimeout {
-		ctx, cancel = context.WithTimeout(ctx, timeout)
+		ctx, cancel = context.WithDeadline(ctx, st.arrived.Add(timeout))
 	} else {
 		ctx, cancel = context.WithCancel(ctx)
 	}

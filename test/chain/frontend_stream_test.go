@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/csibroker/csibroker/internal/chaintest"
@@ -167,6 +168,50 @@ func rawCall(t *testing.T, r *rawBroker, id uint32, path string, fields ...hpack
 		h, ok := f.(*http2.MetaHeadersFrame)
 		return ok && h.StreamID == id
 	}).(*http2.MetaHeadersFrame)
+}
+
+// TestFrontEndTimeoutCountsFromTheHeaders: a call's grpc-timeout counts
+// from its HEADERS, as the caller's deadline does: a request whose message
+// arrives 600 ms later reaches the driver with about 600 ms less, not with
+// the whole timeout again.
+func TestFrontEndTimeoutCountsFromTheHeaders(t *testing.T) {
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	echo, _ := serveDriver(t, path)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
+	nc, err := net.Dial("unix", c.Front)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := rawPeer(t, nc, true)
+	r.hbuf.Reset()
+	for _, f := range []hpack.HeaderField{{Name: ":method", Value: "POST"}, {Name: ":scheme", Value: "http"}, {Name: ":path", Value: "/csi.v1.Controller/CreateVolume"},
+		{Name: ":authority", Value: "csibroker"}, {Name: "te", Value: "trailers"}, {Name: "content-type", Value: "application/grpc"}, {Name: "grpc-timeout", Value: "2S"}} {
+		r.enc.WriteField(f)
+	}
+	if err := r.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: r.hbuf.Bytes(), EndHeaders: true}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(600 * time.Millisecond) // the slow upload under test
+	body, err := proto.Marshal(&csi.CreateVolumeRequest{Name: "slow-upload"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := make([]byte, 5+len(body))
+	binary.BigEndian.PutUint32(msg[1:5], uint32(len(body)))
+	copy(msg[5:], body)
+	if err := r.fr.WriteData(1, true, msg); err != nil {
+		t.Fatal(err)
+	}
+	r.wait(t, "the trailers", func(f http2.Frame) bool {
+		h, ok := f.(*http2.MetaHeadersFrame)
+		return ok && h.StreamID == 1 && h.StreamEnded()
+	})
+	echo.mu.Lock()
+	left := echo.deadline
+	echo.mu.Unlock()
+	if left <= 0 || left > 1500*time.Millisecond {
+		t.Fatalf("the driver got %v of the caller's 2 s, which had 1.4 s left when the request was whole", left)
+	}
 }
 
 // TestFrontEndExpiredTimeoutAndOtherProtocols: "grpc-timeout: 0n" is a
