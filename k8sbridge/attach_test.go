@@ -63,6 +63,25 @@ func createVA(t *testing.T, c kubernetes.Interface, ns, drv, node, pvName string
 	return va
 }
 
+// waitVAGone waits until the VolumeAttachment name is deleted (its
+// finalizers removed), saying what holds it if it is not.
+func waitVAGone(t *testing.T, c kubernetes.Interface, name string, timeout time.Duration) {
+	t.Helper()
+	err := testenv.WaitFor(context.Background(), timeout, "the attachment gone", func(ctx context.Context) (bool, string, error) {
+		cur, err := c.StorageV1().VolumeAttachments().Get(ctx, name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, "", nil
+		}
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return false, fmt.Sprintf("finalizers %v, detach error %v", cur.Finalizers, cur.Status.DetachError), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // vaFor waits for the attach/detach controller's VolumeAttachment of pv.
 func vaFor(t *testing.T, c kubernetes.Interface, pv string, cond func(*storagev1.VolumeAttachment) bool, what string) *storagev1.VolumeAttachment {
 	t.Helper()
@@ -772,19 +791,7 @@ func TestDetachUndoesAPublishWhateverTheCapabilities(t *testing.T) {
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	err := testenv.WaitFor(ctx, 30*time.Second, "the attachment gone", func(ctx context.Context) (bool, string, error) {
-		cur, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			return true, "", nil
-		}
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		return false, fmt.Sprintf("finalizers %v, detach error %v", cur.Finalizers, cur.Status.DetachError), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waitVAGone(t, c, va.Name, 30*time.Second)
 	if n := d.CallCount("ControllerUnpublishVolume"); n != 1 {
 		t.Fatalf("%d ControllerUnpublishVolume calls, want 1", n)
 	}
@@ -809,19 +816,7 @@ func TestDetachRetriesNotFound(t *testing.T) {
 	if !containsString(got.Finalizers, attacherFinalizer(drv)) || !strings.Contains(got.Status.DetachError.Message, "NotFound") {
 		t.Fatalf("after a NotFound unpublish: finalizers %v, detach error %+v; want the finalizer kept and the error shown", got.Finalizers, got.Status.DetachError)
 	}
-	err := testenv.WaitFor(ctx, 60*time.Second, "the attachment gone", func(ctx context.Context) (bool, string, error) {
-		cur, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			return true, "", nil
-		}
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		return false, fmt.Sprintf("finalizers %v, detach error %v", cur.Finalizers, cur.Status.DetachError), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waitVAGone(t, c, va.Name, 60*time.Second)
 	if n := d.CallCount("ControllerUnpublishVolume"); n != 3 {
 		t.Fatalf("%d ControllerUnpublishVolume calls, want 3 (two NotFound, then OK)", n)
 	}

@@ -12,7 +12,6 @@ import (
 	"google.golang.org/grpc/codes"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -255,13 +254,7 @@ func TestNodeLocalAttachOnTheVolumesNode(t *testing.T) {
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	err := testenv.WaitFor(ctx, 30*time.Second, "the attachment gone", func(ctx context.Context) (bool, string, error) {
-		_, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waitVAGone(t, c, va.Name, 30*time.Second)
 	for node, want := range map[string]int64{first: 0, second: 1} {
 		for _, m := range []string{"ControllerPublishVolume", "ControllerUnpublishVolume"} {
 			if n := inst[node].CallCount(m); n != want {
