@@ -30,13 +30,31 @@ for i in "${!LAYERS[@]}"; do
 done
 build -o "$WORK/" ./cmd/csibroker ./cmd/csibroker-proxy
 
-# freeports: two free loopback TCP ports.
+# freeports: two loopback TCP ports nothing listens on (bash and awk only:
+# a port whose connect is refused is free).
 freeports() {
-	python3 -c 'import socket
-s=[socket.socket() for _ in range(2)]
-[x.bind(("127.0.0.1",0)) for x in s]
-print(*[x.getsockname()[1] for x in s])'
+	local found=() p
+	while ((${#found[@]} < 2)); do
+		p=$((20000 + RANDOM % 30000))
+		if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+			found+=("$p")
+		fi
+	done
+	echo "${found[@]}"
 }
+
+# ready PORT: /readyz on 127.0.0.1:PORT answers 200.
+ready() {
+	local line
+	exec 3<>"/dev/tcp/127.0.0.1/$1" || return 1
+	printf 'GET /readyz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+	read -r line <&3
+	exec 3<&-
+	[[ $line == *" 200 "* ]]
+}
+
+# mb BYTES: bytes in MB, one decimal.
+mb() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1000000 }'; }
 
 # status PID: "VmRSS RssFile RssAnon" in KiB.
 status() {
@@ -48,7 +66,7 @@ for i in "${!LAYERS[@]}"; do
 	size=$(stat -c %s "$WORK/floor-$i")
 	for ((r = 1; r <= REPS; r++)); do
 		read -r name rss file anon < <(timeout 60 "$WORK/floor-$i")
-		printf '%-48s %10s %10s %10s %12.1f\n' "floor: $name" "$rss" "$file" "$anon" "$(echo "$size / 1000000" | bc -l)"
+		printf '%-48s %10s %10s %10s %12s\n' "floor: $name" "$rss" "$file" "$anon" "$(mb "$size")"
 	done
 done
 
@@ -69,7 +87,7 @@ for ((r = 1; r <= REPS; r++)); do
 	PIDS+=("$prx")
 	ready=
 	for ((t = 0; t < 100; t++)); do
-		if curl -fsS "http://127.0.0.1:$hport/readyz" >/dev/null 2>&1; then
+		if ready "$hport" 2>/dev/null; then
 			ready=1
 			break
 		fi
@@ -82,7 +100,7 @@ for ((r = 1; r <= REPS; r++)); do
 	fi
 	sleep 2
 	read -r rss file anon < <(status "$prx")
-	printf '%-48s %10s %10s %10s %12.1f\n' "csibroker-proxy, idle after /readyz" "$rss" "$file" "$anon" "$(echo "$size / 1000000" | bc -l)"
+	printf '%-48s %10s %10s %10s %12s\n' "csibroker-proxy, idle after /readyz" "$rss" "$file" "$anon" "$(mb "$size")"
 	kill "$prx" "$drv"
 	wait "$prx" "$drv" 2>/dev/null || true
 done
