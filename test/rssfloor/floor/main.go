@@ -160,6 +160,15 @@ func h2Exchange() error {
 	if err := fr.WriteData(1, true, []byte{0, 0, 0, 0, 0}); err != nil {
 		return err
 	}
+	if err := readToEnd(fr); err != nil {
+		return err
+	}
+	return <-errc
+}
+
+// readToEnd reads frames (header blocks decoded) until a DATA frame that
+// ends its stream.
+func readToEnd(fr *http2.Framer) error {
 	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	for {
 		f, err := fr.ReadFrame()
@@ -167,10 +176,9 @@ func h2Exchange() error {
 			return err
 		}
 		if d, ok := f.(*http2.DataFrame); ok && d.StreamEnded() {
-			break
+			return nil
 		}
 	}
-	return <-errc
 }
 
 func serveOne(ln net.Listener) error {
@@ -185,18 +193,11 @@ func serveOne(ln net.Listener) error {
 		return err
 	}
 	fr := http2.NewFramer(c, br)
-	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	if err := fr.WriteSettings(); err != nil {
 		return err
 	}
-	for {
-		f, err := fr.ReadFrame()
-		if err != nil {
-			return err
-		}
-		if d, ok := f.(*http2.DataFrame); ok && d.StreamEnded() {
-			break
-		}
+	if err := readToEnd(fr); err != nil {
+		return err
 	}
 	var hb bytes.Buffer
 	enc := hpack.NewEncoder(&hb)
