@@ -1025,6 +1025,13 @@ func (call *upCall) result(addr string) (resp []byte, hdr, trl metadata.MD, err 
 		n, _ := strconv.Atoi(v)
 		return nil, hdr, nil, status.Errorf(rawgrpc.HTTPStatusCode(n), "csibroker: proxy %s answered HTTP status %q, not a gRPC answer", addr, v)
 	}
+	if call.gotHdr {
+		// As gRPC's client: a binary field that is not base64 fails the
+		// call (it is not dropped).
+		if err := binFieldsOK(call.hdr, addr); err != nil {
+			return nil, hdr, nil, err
+		}
+	}
 	if call.trl == nil {
 		return nil, hdr, nil, status.Errorf(codes.Internal, "csibroker: proxy %s ended the call without trailers", addr)
 	}
@@ -1051,12 +1058,8 @@ func (call *upCall) result(addr string) (resp []byte, hdr, trl metadata.MD, err 
 // whose code is not grpc-status's Internal saying so; details that are no
 // google.rpc.Status, or come more than once, are left out.
 func trailerStatus(fields []hpack.HeaderField, addr string) error {
-	for _, hf := range fields {
-		if strings.HasSuffix(hf.Name, "-bin") {
-			if _, err := rawgrpc.DecodeBinaryHeader(hf.Value); err != nil {
-				return status.Errorf(codes.Internal, "csibroker: proxy %s: malformed %s: %v", addr, hf.Name, err)
-			}
-		}
+	if err := binFieldsOK(fields, addr); err != nil {
+		return err
 	}
 	code := codes.Unknown
 	if v, ok := headerField(fields, "grpc-status"); ok {
@@ -1091,6 +1094,19 @@ func trailerStatus(fields []hpack.HeaderField, addr string) error {
 		return nil
 	}
 	return status.Error(code, msg)
+}
+
+// binFieldsOK is an Internal error naming the first "-bin" field of a
+// header block that is not base64, or nil.
+func binFieldsOK(fields []hpack.HeaderField, addr string) error {
+	for _, hf := range fields {
+		if strings.HasSuffix(hf.Name, "-bin") {
+			if _, err := rawgrpc.DecodeBinaryHeader(hf.Value); err != nil {
+				return status.Errorf(codes.Internal, "csibroker: proxy %s: malformed %s: %v", addr, hf.Name, err)
+			}
+		}
+	}
+	return nil
 }
 
 // headerField is the value of the first field named name, and whether

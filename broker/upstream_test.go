@@ -46,8 +46,9 @@ type h2peer struct {
 	overflow bool
 	// maxHeaderList, if set, is announced as SETTINGS_MAX_HEADER_LIST_SIZE.
 	maxHeaderList uint32
-	// trailers, if set, end every answer instead of grpc-status 0.
-	trailers []hpack.HeaderField
+	// trailers, if set, end every answer instead of grpc-status 0;
+	// headers are added to every answer's response headers.
+	trailers, headers []hpack.HeaderField
 
 	mu       sync.Mutex
 	conns    int
@@ -186,7 +187,7 @@ func (p *h2peer) serve(nc net.Conn) {
 				p.mu.Unlock()
 				wmu.Lock()
 				defer wmu.Unlock()
-				headers(id, false, hpack.HeaderField{Name: ":status", Value: "200"}, hpack.HeaderField{Name: "content-type", Value: "application/grpc"})
+				headers(id, false, append([]hpack.HeaderField{{Name: ":status", Value: "200"}, {Name: "content-type", Value: "application/grpc"}}, p.headers...)...)
 				fr.WriteData(id, false, []byte{0, 0, 0, 0, 0})
 				trailers := p.trailers
 				if trailers == nil {
@@ -483,20 +484,23 @@ func TestTrailerStatusAsGRPCReadsIt(t *testing.T) {
 		}
 		return out
 	}
-	for name, trailers := range map[string][]hpack.HeaderField{
-		"ok":                 hf("grpc-status", "0"),
-		"not found":          hf("grpc-status", "5", "grpc-message", "no such volume"),
-		"no grpc-status":     hf("grpc-message", "lost"),
-		"malformed status":   hf("grpc-status", "five"),
-		"details":            hf("grpc-status", "8", "grpc-message", "full", "grpc-status-details-bin", details(codes.ResourceExhausted, "full")),
-		"details mismatch":   hf("grpc-status", "8", "grpc-message", "full", "grpc-status-details-bin", details(codes.NotFound, "full")),
-		"details malformed":  hf("grpc-status", "8", "grpc-message", "full", "grpc-status-details-bin", "!!not base64!!"),
-		"details not status": hf("grpc-status", "8", "grpc-message", "full", "grpc-status-details-bin", base64.RawStdEncoding.EncodeToString([]byte{0xff, 0xff})),
-		"details twice": hf("grpc-status", "8", "grpc-message", "full",
-			"grpc-status-details-bin", details(codes.ResourceExhausted, "a"), "grpc-status-details-bin", details(codes.ResourceExhausted, "b")),
+	type answer struct{ headers, trailers []hpack.HeaderField }
+	for name, a := range map[string]answer{
+		"ok":                 {trailers: hf("grpc-status", "0")},
+		"not found":          {trailers: hf("grpc-status", "5", "grpc-message", "no such volume")},
+		"no grpc-status":     {trailers: hf("grpc-message", "lost")},
+		"malformed status":   {trailers: hf("grpc-status", "five")},
+		"details":            {trailers: hf("grpc-status", "8", "grpc-message", "full", "grpc-status-details-bin", details(codes.ResourceExhausted, "full"))},
+		"details mismatch":   {trailers: hf("grpc-status", "8", "grpc-message", "full", "grpc-status-details-bin", details(codes.NotFound, "full"))},
+		"details malformed":  {trailers: hf("grpc-status", "8", "grpc-message", "full", "grpc-status-details-bin", "!!not base64!!")},
+		"details not status": {trailers: hf("grpc-status", "8", "grpc-message", "full", "grpc-status-details-bin", base64.RawStdEncoding.EncodeToString([]byte{0xff, 0xff}))},
+		"details twice": {trailers: hf("grpc-status", "8", "grpc-message", "full",
+			"grpc-status-details-bin", details(codes.ResourceExhausted, "a"), "grpc-status-details-bin", details(codes.ResourceExhausted, "b"))},
+		"malformed binary header":  {headers: hf("x-trace-bin", "!!not base64!!"), trailers: hf("grpc-status", "0")},
+		"malformed binary trailer": {trailers: hf("grpc-status", "0", "x-trace-bin", "!!not base64!!")},
 	} {
 		t.Run(name, func(t *testing.T) {
-			addr, cfg := startPeer(t, &h2peer{maxStreams: 10, trailers: trailers})
+			addr, cfg := startPeer(t, &h2peer{maxStreams: 10, headers: a.headers, trailers: a.trailers})
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
 			u := newTestUpstream(t, addr, cfg)
