@@ -345,7 +345,7 @@ func capability(src *attachSource, singleNodeMultiWriter bool) (*csi.VolumeCapab
 		}
 	}
 	c := &csi.VolumeCapability{AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode}}
-	if src.volumeMode != nil && *src.volumeMode == corev1.PersistentVolumeBlock {
+	if volumeModeOf(src.volumeMode) == corev1.PersistentVolumeBlock {
 		c.AccessType = &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}
 	} else {
 		c.AccessType = &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: src.csi.FSType, MountFlags: src.mountOptions}}
@@ -658,14 +658,8 @@ func (a *attacher) syncPV(ctx context.Context, name string) error {
 	if !hasAttacherFinalizer(pv.Finalizers, pv.Spec.CSI.Driver) {
 		return nil
 	}
-	vas, err := a.b.attachments.List(labels.Everything())
-	if err != nil {
-		return err
-	}
-	for _, va := range vas {
-		if src := va.Spec.Source.PersistentVolumeName; src != nil && *src == name {
-			return nil // still used; the attachment's deletion requeues us
-		}
+	if va, err := a.b.attachmentOf(name); err != nil || va != nil {
+		return err // still used; the attachment's deletion requeues us
 	}
 	cp := pv.DeepCopy()
 	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, pv.Spec.CSI.Driver)
@@ -748,6 +742,21 @@ func (a *attacher) reconcile(ctx context.Context) {
 			a.queue.Add("va/" + va.Name)
 		}
 	}
+}
+
+// attachmentOf is a VolumeAttachment naming PV pv (the first found), nil if
+// none does: while one does, the volume may be in use on its node.
+func (b *Bridge) attachmentOf(pv string) (*storagev1.VolumeAttachment, error) {
+	vas, err := b.attachments.List(labels.Everything())
+	if err != nil {
+		return nil, err
+	}
+	for _, va := range vas {
+		if src := va.Spec.Source.PersistentVolumeName; src != nil && *src == pv {
+			return va, nil
+		}
+	}
+	return nil, nil
 }
 
 // conn is the proxy that takes a driver's controller calls for an

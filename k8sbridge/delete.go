@@ -192,16 +192,14 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 	defer span.End()
 
 	// Never delete a volume that is still attached somewhere.
-	vas, err := d.b.attachments.List(labels.Everything())
+	va, err := d.b.attachmentOf(name)
 	if err != nil {
 		return 0, err
 	}
-	for _, va := range vas {
-		if src := va.Spec.Source.PersistentVolumeName; src != nil && *src == name {
-			d.warn(ctx, pv, "attached "+va.Name, "persistentvolume %s is still attached to node %s (VolumeAttachment %s); waiting for detach", name, va.Spec.NodeName, va.Name)
-			d.b.metrics.deletions.WithLabelValues(driver, "blocked").Inc()
-			return 0, fmt.Errorf("pv %s still attached by %s", name, va.Name)
-		}
+	if va != nil {
+		d.warn(ctx, pv, "attached "+va.Name, "persistentvolume %s is still attached to node %s (VolumeAttachment %s); waiting for detach", name, va.Spec.NodeName, va.Name)
+		d.b.metrics.deletions.WithLabelValues(driver, "blocked").Inc()
+		return 0, fmt.Errorf("pv %s still attached by %s", name, va.Name)
 	}
 
 	// The deletion secret the PV records, as external-provisioner reads

@@ -126,14 +126,12 @@ func VolumeCapabilities(claim *corev1.PersistentVolumeClaim, fsType string, moun
 		return nil, fmt.Errorf("claim %s/%s has no access modes: %w", claim.Namespace, claim.Name, ErrInvalidParameters)
 	}
 	block := false
-	if m := claim.Spec.VolumeMode; m != nil {
-		switch *m {
-		case corev1.PersistentVolumeBlock:
-			block = true
-		case corev1.PersistentVolumeFilesystem:
-		default:
-			return nil, fmt.Errorf("claim %s/%s: unsupported volume mode %q: %w", claim.Namespace, claim.Name, *m, ErrInvalidParameters)
-		}
+	switch m := volumeModeOf(claim.Spec.VolumeMode); m {
+	case corev1.PersistentVolumeBlock:
+		block = true
+	case corev1.PersistentVolumeFilesystem:
+	default:
+		return nil, fmt.Errorf("claim %s/%s: unsupported volume mode %q: %w", claim.Namespace, claim.Name, m, ErrInvalidParameters)
 	}
 	caps := make([]*csi.VolumeCapability, 0, len(claim.Spec.AccessModes))
 	for _, am := range claim.Spec.AccessModes {
@@ -288,4 +286,13 @@ func ClassifyCreateError(err error, hasSelectedNode bool) CreateErrorClass {
 		return CreateFinal
 	}
 	return CreateFinal
+}
+
+// volumeModeOf is a claim's or volume's mode: unset is Filesystem, as the
+// API server defaults it.
+func volumeModeOf(m *corev1.PersistentVolumeMode) corev1.PersistentVolumeMode {
+	if m == nil {
+		return corev1.PersistentVolumeFilesystem
+	}
+	return *m
 }

@@ -994,13 +994,8 @@ func (p *provisioner) contentSource(claim *corev1.PersistentVolumeClaim, driver 
 	if q, ok := src.Spec.Resources.Requests[corev1.ResourceStorage]; ok && capRange != nil && q.CmpInt64(capRange.RequiredBytes) > 0 {
 		return nil, fmt.Errorf("clone source claim %s/%s requests %s, more than this claim", claim.Namespace, ds.Name, q.String())
 	}
-	if mode := func(m *corev1.PersistentVolumeMode) corev1.PersistentVolumeMode {
-		if m == nil {
-			return corev1.PersistentVolumeFilesystem
-		}
-		return *m
-	}; mode(src.Spec.VolumeMode) != mode(claim.Spec.VolumeMode) {
-		return nil, fmt.Errorf("clone source claim %s/%s has volume mode %s, this claim %s", claim.Namespace, ds.Name, mode(src.Spec.VolumeMode), mode(claim.Spec.VolumeMode))
+	if from, to := volumeModeOf(src.Spec.VolumeMode), volumeModeOf(claim.Spec.VolumeMode); from != to {
+		return nil, fmt.Errorf("clone source claim %s/%s has volume mode %s, this claim %s", claim.Namespace, ds.Name, from, to)
 	}
 	return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: pv.Spec.CSI.VolumeHandle}}}, nil
 }

@@ -143,14 +143,9 @@ func newResizer(b *Bridge) (controller, error) {
 		}
 	}
 	b.metrics.queueDepth("resize", r.queue.Len)
-	// A volume detached (or its attachment gone): a claim waiting for
-	// that is expanded now.
+	// An attachment gone: a claim waiting for its volume's detach is
+	// looked at again.
 	b.on(b.factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
-		UpdateFunc: func(_, newObj any) {
-			if va, ok := newObj.(*storagev1.VolumeAttachment); ok && (!va.Status.Attached || va.DeletionTimestamp != nil) {
-				r.volumeDetached(va)
-			}
-		},
 		DeleteFunc: func(obj any) {
 			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 				obj = d.Obj
@@ -225,7 +220,7 @@ func resizeTriggered(old, cur *corev1.PersistentVolumeClaim) bool {
 }
 
 // volumeDetached enqueues the claims waiting for va's volume to be
-// detached.
+// detached (va is gone).
 func (r *resizer) volumeDetached(va *storagev1.VolumeAttachment) {
 	pv := va.Spec.Source.PersistentVolumeName
 	if pv == nil {
@@ -244,17 +239,11 @@ func (r *resizer) volumeDetached(va *storagev1.VolumeAttachment) {
 	}
 }
 
-// attachedTo names a node pv is attached to (by a VolumeAttachment that
-// is not being deleted), or "".
+// attachedTo names the node of a VolumeAttachment of pv, "" when there is
+// none (the rule deletion keeps to: attachmentOf).
 func (r *resizer) attachedTo(pv string) string {
-	vas, err := r.b.attachments.List(labels.Everything())
-	if err != nil {
-		return ""
-	}
-	for _, va := range vas {
-		if n := va.Spec.Source.PersistentVolumeName; n != nil && *n == pv && (va.Status.Attached || len(va.Finalizers) > 0) {
-			return va.Spec.NodeName
-		}
+	if va, err := r.b.attachmentOf(pv); err == nil && va != nil {
+		return va.Spec.NodeName
 	}
 	return ""
 }
@@ -664,7 +653,7 @@ func resizeVolumeCapability(spec corev1.PersistentVolumeSpec, singleNodeMultiWri
 		return nil, fmt.Errorf("volume capability: %w", err)
 	}
 	c := &csi.VolumeCapability{AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode}}
-	if spec.VolumeMode != nil && *spec.VolumeMode == corev1.PersistentVolumeBlock {
+	if volumeModeOf(spec.VolumeMode) == corev1.PersistentVolumeBlock {
 		c.AccessType = &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}
 	} else {
 		c.AccessType = &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: spec.CSI.FSType, MountFlags: spec.MountOptions}}
