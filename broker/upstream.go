@@ -1062,7 +1062,7 @@ func trailerStatus(fields []hpack.HeaderField, addr string) error {
 		return err
 	}
 	code := codes.Unknown
-	if v, ok := headerField(fields, "grpc-status"); ok {
+	if v, ok := rawgrpc.LookupHeader(fields, "grpc-status"); ok {
 		n, err := strconv.ParseInt(v, 10, 32)
 		if err != nil {
 			return status.Errorf(codes.Unknown, "csibroker: proxy %s: malformed grpc-status %q", addr, v)
@@ -1107,17 +1107,6 @@ func binFieldsOK(fields []hpack.HeaderField, addr string) error {
 		}
 	}
 	return nil
-}
-
-// headerField is the value of the first field named name, and whether
-// there is one.
-func headerField(fields []hpack.HeaderField, name string) (string, bool) {
-	for _, hf := range fields {
-		if hf.Name == name {
-			return hf.Value, true
-		}
-	}
-	return "", false
 }
 
 // fieldsMD is the metadata of a header block: what gRPC and tracing set

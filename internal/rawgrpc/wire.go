@@ -104,12 +104,18 @@ func IsGRPCContentType(ct string) bool {
 
 // HeaderValue is the value of the first field named name, or "".
 func HeaderValue(fields []hpack.HeaderField, name string) string {
+	v, _ := LookupHeader(fields, name)
+	return v
+}
+
+// LookupHeader is HeaderValue, and whether a field of that name is there.
+func LookupHeader(fields []hpack.HeaderField, name string) (string, bool) {
 	for _, hf := range fields {
 		if hf.Name == name {
-			return hf.Value
+			return hf.Value, true
 		}
 	}
-	return ""
+	return "", false
 }
 
 // WriteHeaderBlock encodes fields with enc (through buf) and writes them on
