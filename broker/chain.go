@@ -3,7 +3,9 @@ package broker
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"io"
@@ -336,9 +338,9 @@ func (b *Broker) driverStats(name string) *driverStats {
 }
 
 // redactSecrets replaces, in err's status message, every value of the
-// request's csi_secret fields, as sent or as a driver may have escaped it
-// (Go quoting, JSON, URL encoding), and drops any status detail that holds
-// one; everything else about the status (code, the rest of the message,
+// request's csi_secret fields, as sent or as a driver may have escaped or
+// encoded it (Go quoting, JSON, URL encoding, base64, hex), and drops any
+// status detail that holds one in any of those forms; everything else about the status (code, the rest of the message,
 // the other details) passes through unchanged.
 func redactSecrets(err error, method string, req any) error {
 	return redactValues(err, secretValues(method, req))
@@ -385,7 +387,7 @@ func redactValues(err error, values []string) error {
 	}
 	details := pb.Details[:0:0]
 	for _, d := range pb.Details {
-		if slices.ContainsFunc(values, func(v string) bool { return v != "" && bytes.Contains(d.GetValue(), []byte(v)) }) {
+		if slices.ContainsFunc(forms, func(f string) bool { return bytes.Contains(d.GetValue(), []byte(f)) }) {
 			changed = true
 			continue
 		}
@@ -399,7 +401,7 @@ func redactValues(err error, values []string) error {
 }
 
 // secretForms are a secret value as sent and as a driver's error message
-// may carry it escaped; empty values have none.
+// may carry it escaped or encoded whole; empty values have none.
 func secretForms(v string) []string {
 	if v == "" {
 		return nil
@@ -421,6 +423,11 @@ func secretForms(v string) []string {
 	}
 	add(url.QueryEscape(v))
 	add(url.PathEscape(v))
+	for _, enc := range []*base64.Encoding{base64.StdEncoding, base64.URLEncoding, base64.RawStdEncoding, base64.RawURLEncoding} {
+		add(enc.EncodeToString([]byte(v)))
+	}
+	add(hex.EncodeToString([]byte(v)))
+	add(strings.ToUpper(hex.EncodeToString([]byte(v))))
 	return forms
 }
 

@@ -2,6 +2,7 @@ package chain
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"net"
 	"net/url"
@@ -101,6 +102,15 @@ func (e *echoDriver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 		return nil, status.Errorf(codes.PermissionDenied, "login refused: %s", j)
 	case "url":
 		return nil, status.Errorf(codes.PermissionDenied, "GET https://array.example/login?user=admin&password=%s: 401", url.QueryEscape(pw))
+	case "base64":
+		return nil, status.Errorf(codes.PermissionDenied, "login refused; Authorization: Bearer %s", base64.StdEncoding.EncodeToString([]byte(pw)))
+	case "hex":
+		return nil, status.Errorf(codes.PermissionDenied, "login refused for key 0x%x", pw)
+	case "details-url":
+		st, _ := status.New(codes.PermissionDenied, "login refused").WithDetails(
+			&errdetails.ErrorInfo{Reason: "LOGIN", Domain: "echo.csi.test", Metadata: map[string]string{"request": "https://array.example/login?password=" + url.QueryEscape(pw)}},
+			&errdetails.ErrorInfo{Reason: "HINT", Domain: "echo.csi.test"})
+		return nil, st.Err()
 	case "details":
 		st, _ := status.New(codes.PermissionDenied, "login refused").WithDetails(
 			&errdetails.ErrorInfo{Reason: "LOGIN", Domain: "echo.csi.test", Metadata: map[string]string{"tried": pw}},

@@ -2,6 +2,8 @@ package chain
 
 import (
 	"context"
+	"encoding/base64"
+	"encoding/hex"
 	"encoding/json"
 	"net"
 	"net/url"
@@ -188,9 +190,10 @@ func TestCanarySecretNeverLeaks(t *testing.T) {
 		t.Fatalf("a driver error quoting the secret reached the caller as %v", err)
 	}
 	// A secret with characters that quoting, JSON and URLs escape, in
-	// each of those forms and in a status detail.
+	// each of those forms, base64 and hex, and in status details.
 	const canary2 = `CANARY-2b"9\z<&> é+/`
-	escaped := []string{canary2, strconv.Quote(canary2), strconv.QuoteToASCII(canary2), url.QueryEscape(canary2), url.PathEscape(canary2)}
+	escaped := []string{canary2, strconv.Quote(canary2), strconv.QuoteToASCII(canary2), url.QueryEscape(canary2), url.PathEscape(canary2),
+		base64.StdEncoding.EncodeToString([]byte(canary2)), hex.EncodeToString([]byte(canary2))}
 	if j, err := json.Marshal(canary2); err == nil {
 		escaped = append(escaped, string(j))
 	}
@@ -199,7 +202,7 @@ func TestCanarySecretNeverLeaks(t *testing.T) {
 			escaped[i] = e[1 : len(e)-1]
 		}
 	}
-	for _, mode := range []string{"true", "json", "url", "details"} {
+	for _, mode := range []string{"true", "json", "url", "base64", "hex", "details", "details-url"} {
 		_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "canary2-" + mode, Secrets: map[string]string{"password": canary2},
 			Parameters: map[string]string{"echo-secret": mode}})
 		st := status.Convert(err)
@@ -212,14 +215,17 @@ func TestCanarySecretNeverLeaks(t *testing.T) {
 			}
 		}
 		for _, d := range st.Proto().GetDetails() {
-			if strings.Contains(string(d.GetValue()), canary2) {
-				t.Errorf("echo-secret=%s: the secret reached the caller in a status detail", mode)
+			for _, e := range escaped {
+				if strings.Contains(string(d.GetValue()), e) {
+					t.Errorf("echo-secret=%s: the secret, as %q, reached the caller in a status detail", mode, e)
+				}
 			}
 		}
-		if mode == "details" && len(st.Details()) != 1 {
-			t.Errorf("echo-secret=details: %d details, want the one without the secret", len(st.Details()))
+		details := strings.HasPrefix(mode, "details")
+		if details && len(st.Details()) != 1 {
+			t.Errorf("echo-secret=%s: %d details, want the one without the secret", mode, len(st.Details()))
 		}
-		if mode != "details" && !strings.Contains(st.Message(), "***stripped***") {
+		if !details && !strings.Contains(st.Message(), "***stripped***") {
 			t.Errorf("echo-secret=%s: message %q, want the secret stripped", mode, st.Message())
 		}
 	}
