@@ -197,10 +197,11 @@ func capacitySegments(nodes []TopologyNode, nodeLocal bool) []capacitySegment {
 // CapacityRequest is what the driver is asked for one class and segment:
 // the class's parameters without the csi.storage.k8s.io/ keys (they are the
 // provisioner's, not the driver's), one generic mount capability (the
-// class's fstype and mount options, single-node writer: capacity is assumed
+// class's fstype, else defaultFSType, as provisioning fills it, and the
+// class's mount options; single-node writer: capacity is assumed
 // not to depend on the access mode, and the spec requires a capability), and
 // the segment as accessible topology.
-func CapacityRequest(class *storagev1.StorageClass, segment map[string]string) *csi.GetCapacityRequest {
+func CapacityRequest(class *storagev1.StorageClass, segment map[string]string, defaultFSType string) *csi.GetCapacityRequest {
 	params := map[string]string{}
 	for k, v := range class.Parameters {
 		if !strings.HasPrefix(k, ParameterPrefix) {
@@ -208,6 +209,9 @@ func CapacityRequest(class *storagev1.StorageClass, segment map[string]string) *
 		}
 	}
 	fsType, _ := classFSType(class.Parameters) // as provisioning reads it
+	if fsType == "" {
+		fsType = defaultFSType
+	}
 	req := &csi.GetCapacityRequest{
 		Parameters: params,
 		VolumeCapabilities: []*csi.VolumeCapability{{
@@ -766,9 +770,7 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 	if caps.accessibility {
 		topology = item.segment.request.labels()
 	}
-	req := CapacityRequest(class, topology)
-	m := req.VolumeCapabilities[0].GetMount()
-	m.FsType = c.b.fsTypeOr(m.FsType) // as provisioning fills it
+	req := CapacityRequest(class, topology, c.b.cfg.DefaultFSType)
 	resp, err := c.getCapacity(ctx, key.driver, item, req)
 	if err != nil {
 		// Keep the object with its last value: stale beats missing.

@@ -67,15 +67,19 @@ func classFSType(params map[string]string) (fsType string, keys []string) {
 //
 // The fstype comes from csi.storage.k8s.io/fstype or the deprecated "fstype"
 // key (any case; kept in the driver's parameters, as upstream does); setting
-// it more than once is an error. An empty fstype means none was set (the
-// caller applies its default). Unprefixed deprecated secret keys
+// it more than once is an error. When the class sets none, the fstype is
+// defaultFSType (external-provisioner's --default-fstype; empty: none, the
+// driver's choice). Unprefixed deprecated secret keys
 // (csiProvisionerSecretName...) stay in the driver's parameters, as upstream.
 // params is not modified; driverParams is never nil on success.
-func CreateParameters(params map[string]string, extraMetadata bool, pvName string, claim *corev1.PersistentVolumeClaim) (driverParams map[string]string, fsType string, err error) {
+func CreateParameters(params map[string]string, extraMetadata bool, pvName string, claim *corev1.PersistentVolumeClaim, defaultFSType string) (driverParams map[string]string, fsType string, err error) {
 	fsType, fsKeys := classFSType(params)
 	if len(fsKeys) > 1 {
 		slices.Sort(fsKeys)
 		return nil, "", fmt.Errorf("fstype set more than once, by parameters %s: %w", strings.Join(fsKeys, ", "), ErrInvalidParameters)
+	}
+	if fsType == "" {
+		fsType = defaultFSType
 	}
 
 	known := knownPrefixedParams()

@@ -72,7 +72,7 @@ func TestCreateParameters(t *testing.T) {
 			if c.noClaim {
 				claim = nil
 			}
-			got, fs, err := CreateParameters(c.params, c.extra, purePV, claim)
+			got, fs, err := CreateParameters(c.params, c.extra, purePV, claim, "")
 			if !maps.Equal(before, c.params) {
 				t.Errorf("input modified: %v, was %v", c.params, before)
 			}
@@ -329,6 +329,23 @@ func TestCreateErrorClassString(t *testing.T) {
 	} {
 		if got := c.String(); got != want {
 			t.Errorf("%d: %q, want %q", int(c), got, want)
+		}
+	}
+}
+
+// The default filesystem applies only where the class names none.
+func TestCreateParametersDefaultFSType(t *testing.T) {
+	for _, c := range []struct {
+		params map[string]string
+		want   string
+	}{
+		{nil, "ext4"},
+		{map[string]string{ParamFSType: "xfs"}, "xfs"},
+		{map[string]string{"fsType": "btrfs"}, "btrfs"},
+	} {
+		_, fs, err := CreateParameters(c.params, false, purePV, pureClaim(), "ext4")
+		if err != nil || fs != c.want {
+			t.Errorf("parameters %v, default ext4: fstype %q, %v; want %q", c.params, fs, err, c.want)
 		}
 	}
 }

@@ -429,14 +429,6 @@ func populated(claim *corev1.PersistentVolumeClaim) bool {
 	return true
 }
 
-// fsTypeOr is fsType, or the default filesystem when the class names none.
-func (b *Bridge) fsTypeOr(fsType string) string {
-	if fsType == "" {
-		return b.cfg.DefaultFSType
-	}
-	return fsType
-}
-
 // vacName is the claim's VolumeAttributesClass for its PV: nil for none
 // (an empty name on a claim is none; a PV may not carry one).
 func vacName(claim *corev1.PersistentVolumeClaim) *string {
@@ -822,11 +814,11 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 	if !caps.getCapacity {
 		return nodes[0], nil
 	}
-	params, fsType, err := CreateParameters(class.Parameters, false, "", claim)
+	params, fsType, err := CreateParameters(class.Parameters, false, "", claim, p.b.cfg.DefaultFSType)
 	if err != nil {
 		return "", fmt.Errorf("storageclass %q: %w", class.Name, err)
 	}
-	volCaps, err := VolumeCapabilities(claim, p.b.fsTypeOr(fsType), class.MountOptions, caps.singleNodeMultiWriter)
+	volCaps, err := VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
 	if err != nil {
 		return "", err
 	}
@@ -861,11 +853,10 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 // the provisioner secret reference. Its errors are the claim's or class's
 // fault and say which field is wrong.
 func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps driverCaps) (*csi.CreateVolumeRequest, *corev1.SecretReference, error) {
-	params, fsType, err := CreateParameters(class.Parameters, p.b.cfg.ExtraCreateMetadata, pvName, claim)
+	params, fsType, err := CreateParameters(class.Parameters, p.b.cfg.ExtraCreateMetadata, pvName, claim, p.b.cfg.DefaultFSType)
 	if err != nil {
 		return nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
 	}
-	fsType = p.b.fsTypeOr(fsType)
 	volCaps, err := VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
 	if err != nil {
 		return nil, nil, err
