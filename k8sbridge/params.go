@@ -43,7 +43,7 @@ func knownPrefixedParams() map[string]bool {
 		ParamDefaultSecretName:      true,
 		ParamDefaultSecretNamespace: true,
 	}
-	for _, k := range append(SecretKinds(), SecretControllerModify) {
+	for _, k := range SecretKinds() {
 		name, ns := SecretParamKeys(k)
 		known[name], known[ns] = true, true
 	}

@@ -871,7 +871,10 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 	}
 	// Every other secret named by the class must resolve now, so a typo is
 	// reported at provisioning rather than at attach or mount time.
-	for _, k := range []SecretKind{SecretControllerPublish, SecretNodeStage, SecretNodePublish, SecretControllerExpand, SecretNodeExpand, SecretControllerModify} {
+	for _, k := range SecretKinds() {
+		if k == SecretProvisioner {
+			continue // resolved above
+		}
 		if _, err := SecretRef(k, class.Parameters, pvName, claim); err != nil {
 			return nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
 		}

@@ -65,7 +65,7 @@ const (
 // SecretKinds returns every kind, in a fixed order.
 func SecretKinds() []SecretKind {
 	return []SecretKind{SecretProvisioner, SecretControllerPublish, SecretNodeStage,
-		SecretNodePublish, SecretControllerExpand, SecretNodeExpand}
+		SecretNodePublish, SecretControllerExpand, SecretNodeExpand, SecretControllerModify}
 }
 
 // Parameter keys shared by every kind.

@@ -23,10 +23,11 @@ func TestSecretParamKeys(t *testing.T) {
 			"csiNodePublishSecretName", "csiNodePublishSecretNamespace"},
 		SecretControllerExpand: {"csi.storage.k8s.io/controller-expand-secret-name", "csi.storage.k8s.io/controller-expand-secret-namespace", "", ""},
 		SecretNodeExpand:       {"csi.storage.k8s.io/node-expand-secret-name", "csi.storage.k8s.io/node-expand-secret-namespace", "", ""},
+		SecretControllerModify: {"csi.storage.k8s.io/controller-modify-secret-name", "csi.storage.k8s.io/controller-modify-secret-namespace", "", ""},
 		SecretKind("bogus"):    {"", "", "", ""},
 	}
-	if len(SecretKinds()) != 6 {
-		t.Errorf("SecretKinds() = %v, want the 6 kinds", SecretKinds())
+	if len(SecretKinds()) != 7 {
+		t.Errorf("SecretKinds() = %v, want the 7 kinds", SecretKinds())
 	}
 	for _, k := range SecretKinds() {
 		if _, ok := want[k]; !ok {
