@@ -28,6 +28,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/csibroker/csibroker/internal/hoptrace"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
@@ -547,6 +548,7 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 	st.unary = c.s.fe.method(path).unary
 	if st.unary {
 		if end {
+			hoptrace.Mark(hoptrace.FERequestWhole)
 			c.s.workers.run(func() { c.serveUnary(st) })
 		}
 		return
@@ -565,6 +567,7 @@ func (c *feConn) endRequestLocked(st *feStream) {
 	}
 	st.remoteEnded = true
 	if st.unary {
+		hoptrace.Mark(hoptrace.FERequestWhole)
 		c.s.workers.run(func() { c.serveUnary(st) })
 	} else {
 		st.in.push(nil, true)
@@ -978,7 +981,9 @@ func endSpan(span trace.Span, err error) {
 
 // serveUnary calls the chain with a whole request and writes the answer.
 func (c *feConn) serveUnary(st *feStream) {
+	hoptrace.Mark(hoptrace.FEWorkerStarts)
 	ctx, md, span, err := c.begin(st)
+	hoptrace.Mark(hoptrace.FEBegun)
 	defer st.cancel()
 	var hdr, trl metadata.MD
 	var msg []byte // the answer, its prefix included
@@ -1004,6 +1009,7 @@ func (c *feConn) serveUnary(st *feStream) {
 		}
 	}
 	c.finish(st, headersSent, err, trl)
+	hoptrace.Mark(hoptrace.FEAnswerWritten)
 	endSpan(span, err)
 }
 

@@ -28,6 +28,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/csibroker/csibroker/internal/hoptrace"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
@@ -664,6 +665,7 @@ func (c *upConn) endLocked(call *upCall, err error) {
 		return
 	}
 	call.ended, call.err = true, err
+	hoptrace.Mark(hoptrace.AnswerEnded)
 	delete(c.calls, call.id)
 	close(call.done)
 	c.cond.Broadcast()
@@ -759,10 +761,13 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 		runtime.Gosched()
 		c.mu.Lock()
 	}
+	hoptrace.Mark(hoptrace.RequestQueued)
 	c.flushLocked()
+	hoptrace.Mark(hoptrace.RequestWritten)
 	c.mu.Unlock()
 	select {
 	case <-call.done:
+		hoptrace.Mark(hoptrace.WorkerResumes)
 		return call, nil
 	case <-ctx.Done():
 	}
@@ -974,6 +979,7 @@ func (c *upConn) keepalive() {
 // message, metadata and status.
 func (u *upstream) attempt(ctx context.Context, d *callDesc, method string, md metadata.MD, req []byte) (resp []byte, hdr, trl metadata.MD, err error) {
 	b := u.b
+	hoptrace.Mark(hoptrace.AttemptStarts)
 	ctx, span := b.tracer.Start(ctx, d.clientName, d.clientOpts...)
 	defer func() {
 		s := status.Convert(err)

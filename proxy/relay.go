@@ -16,6 +16,7 @@ import (
 	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc/codes"
 
+	"github.com/csibroker/csibroker/internal/hoptrace"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
@@ -562,6 +563,11 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 	var credits []credit
 	for {
 		fr, err := c.rd.ReadFrame()
+		if c.driver {
+			hoptrace.Mark(hoptrace.ProxyAnswerRead)
+		} else {
+			hoptrace.Mark(hoptrace.ProxyRequestRead)
+		}
 		if err != nil {
 			var se http2.StreamError
 			if errors.As(err, &se) {
@@ -615,6 +621,11 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 		applyCredits(credits, &f)
 		if c.br.Buffered() == 0 {
 			f.flush()
+			if c.driver {
+				hoptrace.Mark(hoptrace.ProxyAnswerSent)
+			} else {
+				hoptrace.Mark(hoptrace.ProxyRequestSent)
+			}
 		}
 	}
 }
