@@ -36,6 +36,7 @@ fmt-check:
 
 vet:
 	$(GO) vet $(PKGS)
+	$(GO) vet -tags hoptrace ./internal/hoptrace/ ./test/bench/
 
 lint: fmt-check vet
 
