@@ -565,3 +565,45 @@ func TestCloneWithoutContent(t *testing.T) {
 	makeClaimWith(t, c, ns, "late", class.Name, cloneOf(gone.Name))
 	waitEvent(t, c, ns, "late", "ProvisioningFailed", "is being deleted")
 }
+
+// TestNamespaceLabelsRecordedWhenTheCacheLags: a claim whose namespace the
+// broker's cache has not got yet is decided with the labels read from the
+// API server, and those same labels are recorded on its PV, for the
+// decisions after the namespace is gone (recorded from the cache alone,
+// they were missing, and the volume's deletion was refused).
+func TestNamespaceLabelsRecordedWhenTheCacheLags(t *testing.T) {
+	env := testenv.Shared(t)
+	storageNS := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	tenant := storageNS + "-tenant"
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: tenant, Labels: map[string]string{"team": "a"}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Namespaces().Delete(context.Background(), tenant, metav1.DeleteOptions{}) })
+	if _, err := c.CoreV1().Secrets(storageNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	drv := clusterName(storageNS, "lag.csi.test")
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	rs, errs := policy.Compile([]policy.Grant{{Namespace: storageNS, Name: "team-a", Spec: policy.GrantSpec{Drivers: []string{drv}, SecretNames: []string{"creds"},
+		Operations: []policy.Operation{policy.OpCreateVolume, policy.OpDeleteVolume},
+		Requesters: policy.Requesters{NamespaceSelector: &policy.LabelSelector{MatchLabels: map[string]string{"team": "a"}}}}}})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	class := makeClass(t, c, clusterName(storageNS, "lag"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+		"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": storageNS})
+	startBridge(t, env, storageNS, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}, configure: func(b *Bridge) {
+		// A namespace cache that never has the namespace.
+		b.namespaces = corelisters.NewNamespaceLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{}))
+	}})
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, waitBound(t, c, tenant, makeClaim(t, c, tenant, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := recordedNamespaceLabels(pv); got["team"] != "a" || got[corev1.LabelMetadataName] != tenant {
+		t.Fatalf("recorded namespace labels %v (annotation %q), want the namespace's", got, pv.Annotations[annNamespaceLabels])
+	}
+}

@@ -51,8 +51,8 @@ type Intent struct {
 	// Node is the selected node for node-local drivers.
 	Node string `json:"node,omitempty"`
 	// NamespaceLabels of the claim's namespace, for policy decisions after
-	// the namespace is deleted.
-	NamespaceLabels map[string]string `json:"namespaceLabels,omitempty"`
+	// the namespace is deleted (nil, not empty, when they were unknown).
+	NamespaceLabels map[string]string `json:"namespaceLabels"`
 	// ClaimLabels and SecretSource are what the provisioner secret was
 	// decided on (the claim's own labels, where its reference came from),
 	// so that recovery is decided on the same, not on less: a grant whose

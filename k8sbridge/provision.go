@@ -563,7 +563,12 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if err != nil {
 		return fail("%v", err)
 	}
-	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name, Labels: claim.Labels, StorageClass: class.Name}
+	// The namespace's labels decide now and are recorded (intent entry,
+	// PV) for decisions after the namespace is gone: the same labels, read
+	// once, from the API server if the cache has not got the namespace
+	// yet.
+	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name, Labels: claim.Labels, StorageClass: class.Name,
+		NamespaceLabels: p.b.readNamespaceLabels(ctx, claim.Namespace)}
 	if p.b.cfg.Drivers.NodeLocal(driver) {
 		// The call goes to this node's proxy: a grant's requesters.nodes
 		// can say which nodes' proxies may receive the secret.
@@ -626,7 +631,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		}
 	}
 	entry := Intent{VolumeName: pvName, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID),
-		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, NamespaceLabels: p.b.namespaceLabels(claim.Namespace), Created: metav1.Now()}
+		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, NamespaceLabels: requester.NamespaceLabels, Created: metav1.Now()}
 	if provSecretRef != nil {
 		entry.ClaimLabels, entry.SecretSource = claim.Labels, &provSource
 	}
@@ -752,7 +757,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		// Deletion goes to this node's proxy, whatever topology the driver reports.
 		pv.Annotations[annVolumeNode] = node
 	}
-	if labels := p.b.namespaceLabels(claim.Namespace); len(labels) > 0 {
+	if labels := requester.NamespaceLabels; labels != nil {
 		if b, err := json.Marshal(labels); err == nil {
 			pv.Annotations[annNamespaceLabels] = string(b)
 		}

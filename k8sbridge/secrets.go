@@ -47,8 +47,27 @@ func recordedNamespaceLabels(pv *corev1.PersistentVolume) map[string]string {
 	return recorded
 }
 
+// namespaceLabels are ns's labels from the cache; nil if it has not got
+// ns (empty, not nil, for a namespace without labels).
 func (b *Bridge) namespaceLabels(ns string) map[string]string {
 	n, err := b.namespaces.Get(ns)
+	if err != nil {
+		return nil
+	}
+	if n.Labels == nil {
+		return map[string]string{}
+	}
+	return n.Labels
+}
+
+// readNamespaceLabels are ns's labels from the cache or, when the cache
+// has not got ns (a namespace made with its claim may not have reached
+// it yet), from the API server; nil if neither has it.
+func (b *Bridge) readNamespaceLabels(ctx context.Context, ns string) map[string]string {
+	if l := b.namespaceLabels(ns); l != nil {
+		return l
+	}
+	n, err := b.cfg.Client.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
 	if err != nil {
 		return nil
 	}
@@ -99,16 +118,10 @@ func (b *Bridge) decideSecret(ctx context.Context, u secretUse) error {
 	if u.requester.Namespace != "" && u.requester.NamespaceLabels == nil {
 		nsLabels := b.namespaceLabels(u.requester.Namespace)
 		if nsLabels == nil && u.recordedNSLabels == nil {
-			// Not in the cache, and nothing recorded: a namespace made
-			// with its claim may not have reached the cache yet. Asked of
-			// the API server, so that its labels decide (unknown labels
-			// fail closed, which would refuse a legitimate claim).
-			if ns, err := b.cfg.Client.CoreV1().Namespaces().Get(ctx, u.requester.Namespace, metav1.GetOptions{}); err == nil {
-				nsLabels = ns.Labels
-				if nsLabels == nil {
-					nsLabels = map[string]string{}
-				}
-			}
+			// Not in the cache, and nothing recorded: asked of the API
+			// server, so that its labels decide (unknown labels fail
+			// closed, which would refuse a legitimate claim).
+			nsLabels = b.readNamespaceLabels(ctx, u.requester.Namespace)
 		}
 		if nsLabels == nil {
 			// The namespace is gone (its volumes are being cleaned up):
