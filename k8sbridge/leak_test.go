@@ -199,3 +199,48 @@ func TestRecoveryDecidesAsTheAttemptDid(t *testing.T) {
 		t.Fatalf("driver has %d volumes, want the deleted claim's deleted", n)
 	}
 }
+
+// TestRecoveryAfterTheSecretIsGone: the broker dies right after
+// CreateVolume; the claim and its provisioner secret are then deleted (as
+// with the claim's namespace). Recovery learns the volume's ID without
+// credentials, as the volume's deletion goes, and deletes it: asking for
+// the secret first, it failed on every pass and the volume leaked.
+func TestRecoveryAfterTheSecretIsGone(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	drv := clusterName(ns, "nosec.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "nosec"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+		"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
+	died := make(chan string, 1)
+	first := startBridge(t, env, ns, drivers, bridgeOpts{identity: "doomed-broker", leader: true, configure: func(b *Bridge) {
+		b.prov.afterCreate = func(ctx context.Context, vol string) {
+			died <- vol
+			<-ctx.Done()
+		}
+	}})
+	makeClaim(t, c, ns, "gone", class.Name, "1Gi")
+	select {
+	case <-died:
+	case <-time.After(30 * time.Second):
+		t.Fatal("CreateVolume never returned")
+	}
+	first.stop()
+	if n := len(d.Volumes()); n != 1 {
+		t.Fatalf("driver has %d volumes, want the one made before the crash", n)
+	}
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "gone", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CoreV1().Secrets(ns).Delete(ctx, "creds", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	startBridge(t, env, ns, drivers, bridgeOpts{identity: "new-leader", leader: true})
+	noLeaks(t, env, ns, d, drv)
+}

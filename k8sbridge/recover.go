@@ -2,6 +2,7 @@ package k8sbridge
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -221,7 +222,18 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 		source = *in.SecretSource
 	}
 	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: source, requester: requester, recordedNSLabels: in.NamespaceLabels})
-	if err != nil {
+	var gone secretNotFound
+	switch {
+	case errors.As(err, &gone):
+		// Gone with its namespace, typically, when the claim was deleted
+		// mid-creation. Asked without credentials, as the volume's
+		// deletion is (and as external-provisioner deletes): a driver
+		// that needs none to find the volume by name lets recovery delete
+		// it; one that refuses leaves the entry failing, as before.
+		p.b.log.Warn("recovery: the provisioner secret is gone; re-issuing CreateVolume without credentials to learn the volume's ID",
+			"driver", in.Driver, "volume", in.VolumeName, "err", err)
+		secrets = nil
+	case err != nil:
 		return "", requester, stageSecret, err
 	}
 	conn, err := p.conn(in.Driver, in.Node)
