@@ -661,3 +661,34 @@ func TestSupersededEntryGivenUp(t *testing.T) {
 		t.Fatalf("abandoned entries counted %v, want 1", got)
 	}
 }
+
+// TestNodeLocalMovedOffAFullNode: a WaitForFirstConsumer claim's attempt
+// on node b answers "may still be in progress", and the scheduler then
+// moves the claim to a. b has no room for the volume, so the re-issued
+// CreateVolume on b answers ResourceExhausted, which says b holds no
+// volume of that name: the claim is provisioned on a (it waited for b for
+// ever).
+func TestNodeLocalMovedOffAFullNode(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "full.csi.test")
+	a, b := clusterName(ns, "a"), clusterName(ns, "b")
+	drivers := &testDrivers{}
+	// The first CreateVolume on each node answers Aborted before it is
+	// handled.
+	lost := sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {First: 1, Code: codes.Aborted}}}
+	inst := addLocalNodes(t, env, drivers, drv, map[string]int64{a: 10 << 30, b: 1 << 30}, lost)
+	class := makeClass(t, c, clusterName(ns, "wffc"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	makeClaim(t, c, ns, "moved", class.Name, "5Gi")
+	setSelectedNode(t, c, ns, "moved", b)
+	waitEvent(t, c, ns, "moved", "ProvisioningFailed", "may still be in progress")
+	setSelectedNode(t, c, ns, "moved", a)
+	waitBound(t, c, ns, "moved", 60*time.Second)
+	if na, nb := len(inst[a].Volumes()), len(inst[b].Volumes()); na != 1 || nb != 0 {
+		t.Fatalf("volumes on a %d, on b %d; want the one on a", na, nb)
+	}
+	noLeaks(t, env, ns, inst[a], drv)
+}

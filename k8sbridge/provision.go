@@ -547,7 +547,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 				if err := p.undoOnNode(ctx, prev); err != nil {
 					return failAs(failureOf("undo on "+prev.Node, err), "an earlier attempt may have made volume %s on node %s; it must be deleted there before the volume is made on node %s: %v", pvName, prev.Node, selectedNode, err)
 				}
-				p.b.log.Info("deleted the volume an earlier attempt may have made on another node", "volume", pvName, "node", prev.Node, "selected_node", selectedNode)
+				p.b.log.Info("the volume an earlier attempt may have made on another node is deleted there, or was never made", "volume", pvName, "node", prev.Node, "selected_node", selectedNode)
 			}
 		}
 	}

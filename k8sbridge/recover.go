@@ -200,6 +200,11 @@ const (
 	stageSecret                      // its secret is denied or gone
 	stageConn                        // the driver is unreachable
 	stageCreate                      // the driver refused the call
+	// stageAbsent: the driver holds no volume of that name. It answered
+	// the re-issued request ResourceExhausted or OutOfRange, which the
+	// CSI spec lets no plugin answer for a name it has a volume of (a
+	// compatible one gets OK, another AlreadyExists).
+	stageAbsent
 )
 
 // learnVolumeID re-issues in's recorded CreateVolume on in.Node (CSI makes
@@ -252,9 +257,13 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 		if err == nil {
 			return resp.GetVolume().GetVolumeId(), requester, 0, nil
 		}
-		if status.Code(err) != codes.AlreadyExists {
-			break
+		switch status.Code(err) {
+		case codes.AlreadyExists:
+			continue
+		case codes.ResourceExhausted, codes.OutOfRange:
+			return "", requester, stageAbsent, err
 		}
+		break
 	}
 	return "", requester, stageCreate, err
 }
@@ -285,6 +294,14 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 	ctx, span := p.b.tracer.Start(ctx, "recover "+in.VolumeName)
 	defer span.End()
 	id, requester, stage, err := p.learnVolumeID(ctx, in)
+	if stage == stageAbsent {
+		log.Info("recovery: the driver holds no volume of that name (it cannot make one now, which it may not say of a volume it has); the entry is dropped", "answer", statusText(err))
+		p.mu.Lock()
+		delete(p.recFails, in.Key())
+		p.mu.Unlock()
+		p.b.intents.Remove(in.Key())
+		return
+	}
 	if err != nil {
 		detail := err.Error()
 		switch stage {
@@ -342,6 +359,11 @@ func (p *provisioner) orphanFailed(log *slog.Logger, in Intent, now time.Time, w
 // there. The caller holds the volume's slot.
 func (p *provisioner) undoOnNode(ctx context.Context, in Intent) error {
 	id, requester, stage, err := p.learnVolumeID(ctx, in)
+	if stage == stageAbsent {
+		// Full, say: nothing to delete there.
+		p.b.log.Info("an earlier attempt's node holds no volume of that name", "volume", in.VolumeName, "node", in.Node, "answer", statusText(err))
+		return nil
+	}
 	if err != nil {
 		if stage == stageCreate {
 			// The status as text and wrapped: its code names the failure.
