@@ -101,7 +101,15 @@ func protectionMissing(pv *corev1.PersistentVolume) bool {
 		pv.DeletionTimestamp == nil && !hasFinalizer(pv, finalizerVolume)
 }
 
+// needsDelete: a PV reclaimed by Delete whose claim is gone. One being
+// deleted without the volume-deletion finalizer is not (as in
+// external-provisioner): its volume was deleted already, the finalizer
+// removed after it (by this or an earlier leader), and the object only
+// waits for other finalizers.
 func needsDelete(pv *corev1.PersistentVolume) bool {
+	if pv.DeletionTimestamp != nil && !hasFinalizer(pv, finalizerVolume) {
+		return false
+	}
 	return pv.Spec.PersistentVolumeReclaimPolicy == corev1.PersistentVolumeReclaimDelete &&
 		(pv.Status.Phase == corev1.VolumeReleased || pv.Status.Phase == corev1.VolumeFailed)
 }
