@@ -222,6 +222,8 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 	case hasName && hasNS:
 		if n != "" || ns != "" {
 			d.b.log.Warn("the PV names half a deletion secret; deleting its volume without one", "pv", name, "name", n, "namespace", ns)
+			d.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "DeletionSecretIncomplete", "half "+n+"/"+ns,
+				"annotations %s=%q and %s=%q name half a deletion secret; deleting volume %s without one", annDeletionSecretName, n, annDeletionSecretNS, ns, pv.Spec.CSI.VolumeHandle)
 		}
 	default:
 		if secretRef, err = d.classDeletionSecret(pv); err != nil {

@@ -639,3 +639,31 @@ func TestNeedsDelete(t *testing.T) {
 		}
 	}
 }
+
+// TestDeleteWithHalfADeletionSecret: a PV whose deletion-secret
+// annotations name half a secret (a hand edit) has its volume deleted
+// without one, and says so in an Event, not only in the log.
+func TestDeleteWithHalfADeletionSecret(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "half.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "half"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:"creds",%q:""}}}`, annDeletionSecretName, annDeletionSecretNS)
+	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitPVGone(t, c, pvName, 60*time.Second)
+	if n := len(d.Volumes()); n != 0 {
+		t.Fatalf("%d volumes left", n)
+	}
+	waitEvent(t, c, "default", pvName, "DeletionSecretIncomplete", "half a deletion secret")
+}
