@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -563,10 +564,12 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 	var credits []credit
 	for {
 		fr, err := c.rd.ReadFrame()
-		if c.driver {
-			hoptrace.Mark(hoptrace.ProxyAnswerRead)
-		} else {
-			hoptrace.Mark(hoptrace.ProxyRequestRead)
+		if _, ok := fr.(*http2.MetaHeadersFrame); hoptrace.Enabled && ok {
+			if c.driver {
+				hoptrace.Mark(hoptrace.ProxyAnswerRead)
+			} else {
+				hoptrace.Mark(hoptrace.ProxyRequestRead)
+			}
 		}
 		if err != nil {
 			var se http2.StreamError
@@ -620,10 +623,14 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 		}
 		applyCredits(credits, &f)
 		if c.br.Buffered() == 0 {
+			// (hoptrace: a flush that relays frames, not only this
+			// connection's acks.)
+			relayed := hoptrace.Enabled && slices.ContainsFunc(f.conns, func(x *conn) bool { return x != c })
 			f.flush()
-			if c.driver {
+			switch {
+			case relayed && c.driver:
 				hoptrace.Mark(hoptrace.ProxyAnswerSent)
-			} else {
+			case relayed:
 				hoptrace.Mark(hoptrace.ProxyRequestSent)
 			}
 		}

@@ -22,10 +22,10 @@ const (
 	AttemptStarts                 // broker: one attempt starts (after routing, the logical span, timeouts)
 	RequestQueued                 // broker: the request's frames are buffered, not yet written
 	RequestWritten                // broker: the request is written to the proxy (TLS write returned)
-	ProxyRequestRead              // proxy: its first read of the call's frames from the broker
-	ProxyRequestSent              // proxy: the request is written to the driver
-	ProxyAnswerRead               // proxy: its first read from the driver after that
-	ProxyAnswerSent               // proxy: the answer is written to the broker
+	ProxyRequestRead              // proxy: the request's HEADERS read from the broker
+	ProxyRequestSent              // proxy: its first write to the driver after that
+	ProxyAnswerRead               // proxy: the answer's HEADERS read from the driver
+	ProxyAnswerSent               // proxy: its first write to the broker after that
 	AnswerEnded                   // broker: the connection's reader has the whole answer
 	WorkerResumes                 // broker: the call's goroutine runs again
 	FEAnswerWritten               // front end: the answer is written to the caller
@@ -36,7 +36,7 @@ const (
 var names = [NumPoints]string{
 	"caller sends", "front end: request whole", "front end: call goroutine starts", "front end: span and context made",
 	"broker: attempt starts", "broker: request framed", "broker: request written (TLS)", "proxy: request read",
-	"proxy: request written to the driver", "proxy: first read from the driver", "proxy: answer written to the broker",
+	"proxy: request written to the driver", "proxy: answer read from the driver", "proxy: answer written to the broker",
 	"broker: answer whole (reader)", "broker: call goroutine resumes", "front end: answer written", "caller returns",
 }
 

@@ -8,16 +8,14 @@ import (
 	"testing"
 	"time"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
-
 	"github.com/csibroker/csibroker/internal/hoptrace"
 )
 
 // BenchmarkHopTrace says where a chain call's time goes at concurrency 1:
-// b.N chain Probes, each after a direct one (as in BenchmarkLatencyC1),
-// timed at hoptrace's points; for each stretch between two points in a
-// row, its p50 and p90 over the calls that passed both. Only with
-// `-tags hoptrace`:
+// for Probe and CreateVolume, b.N chain calls, each after a direct one (as
+// BenchmarkLatencyC1 makes them), timed at hoptrace's points; for each
+// stretch between two points in a row, its p50 and p90 over the calls
+// that passed both. Only with `-tags hoptrace`:
 //
 //	go test -tags hoptrace -run '^$' -bench HopTrace -benchtime 5000x ./test/bench/
 //
@@ -25,17 +23,22 @@ import (
 // negative: a write that wakes the reader's thread may let it run first.
 // The medians of the stretches need not add up to the call's.
 func BenchmarkHopTrace(b *testing.B) {
+	for _, m := range methods {
+		b.Run(m.name, func(b *testing.B) { hopTrace(b, m) })
+	}
+}
+
+func hopTrace(b *testing.B, m method) {
 	if b.N > hoptrace.MaxCalls {
 		b.Fatalf("at most %d calls", hoptrace.MaxCalls)
 	}
 	direct, chain := setup(b)
-	dc, cc := csi.NewIdentityClient(direct.conn), csi.NewIdentityClient(chain.conn)
 	ctx := context.Background()
 	for i := 0; i < 1000; i++ { // warm up both sides
-		if _, err := dc.Probe(ctx, &csi.ProbeRequest{}); err != nil {
+		if err := m.call(ctx, direct); err != nil {
 			b.Fatal(err)
 		}
-		if _, err := cc.Probe(ctx, &csi.ProbeRequest{}); err != nil {
+		if err := m.call(ctx, chain); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -43,13 +46,13 @@ func BenchmarkHopTrace(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		t := time.Now()
-		if _, err := dc.Probe(ctx, &csi.ProbeRequest{}); err != nil {
+		if err := m.call(ctx, direct); err != nil {
 			b.Fatal(err)
 		}
 		directD = append(directD, time.Since(t))
 		hoptrace.Begin(i)
 		hoptrace.Mark(hoptrace.CallerSends)
-		_, err := cc.Probe(ctx, &csi.ProbeRequest{})
+		err := m.call(ctx, chain)
 		hoptrace.Mark(hoptrace.CallerReturns)
 		hoptrace.Begin(-1)
 		if err != nil {
@@ -67,7 +70,7 @@ func BenchmarkHopTrace(b *testing.B) {
 		chainD = append(chainD, time.Duration(t[hoptrace.CallerReturns]-t[hoptrace.CallerSends]))
 	}
 	dp, cp := us(quantile(directD, .5)), us(quantile(chainD, .5))
-	fmt.Printf("HopTrace: %d calls; p50 direct %.1f µs, chain %.1f µs (added %.1f)\n", b.N, dp, cp, cp-dp)
+	fmt.Printf("HopTrace %s: %d calls; p50 direct %.1f µs, chain %.1f µs (added %.1f)\n", m.name, b.N, dp, cp, cp-dp)
 	for p := hoptrace.CallerSends; p+1 < hoptrace.NumPoints; p++ {
 		var d []time.Duration
 		for i := 0; i < b.N; i++ {
