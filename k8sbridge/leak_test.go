@@ -48,6 +48,32 @@ func noLeaks(t *testing.T, env *testenv.Env, ns string, d *sampledriver.Driver, 
 	}
 }
 
+// crashAfterCreate runs a leader (opts, identity doomed-broker) that dies
+// right after each CreateVolume returns, before the PV is written; once
+// the claims makeClaims makes have had n CreateVolume answers, it is
+// stopped (its lease is released; a SIGKILL only adds the lease timeout).
+func crashAfterCreate(t *testing.T, env *testenv.Env, ns string, drivers *testDrivers, opts bridgeOpts, n int, makeClaims func()) {
+	t.Helper()
+	died := make(chan string, n)
+	opts.identity, opts.leader = "doomed-broker", true
+	opts.configure = func(b *Bridge) {
+		b.prov.afterCreate = func(ctx context.Context, vol string) {
+			died <- vol
+			<-ctx.Done() // the process is gone: nothing after this point runs
+		}
+	}
+	first := startBridge(t, env, ns, drivers, opts)
+	makeClaims()
+	for i := 0; i < n; i++ {
+		select {
+		case <-died:
+		case <-time.After(30 * time.Second):
+			t.Fatal("CreateVolume never returned")
+		}
+	}
+	first.stop()
+}
+
 // TestClaimDeletedWhileCreateVolumeIsSlow: the driver takes 2s to create;
 // the claim is deleted meanwhile; the volume it then makes is deleted.
 func TestClaimDeletedWhileCreateVolumeIsSlow(t *testing.T) {
@@ -105,24 +131,10 @@ func TestBrokerKilledAfterCreateVolume(t *testing.T) {
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	class := makeClass(t, c, clusterName(ns, "crash"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 
-	died := make(chan string, 4)
-	var first *bridgeRun
-	first = startBridge(t, env, ns, drivers, bridgeOpts{identity: "doomed-broker", leader: true, configure: func(b *Bridge) {
-		b.prov.afterCreate = func(ctx context.Context, vol string) {
-			died <- vol
-			<-ctx.Done() // the process is gone: nothing after this point runs
-		}
-	}})
-	makeClaim(t, c, ns, "keep", class.Name, "1Gi")
-	makeClaim(t, c, ns, "gone", class.Name, "1Gi")
-	for i := 0; i < 2; i++ {
-		select {
-		case <-died:
-		case <-time.After(30 * time.Second):
-			t.Fatal("CreateVolume never returned")
-		}
-	}
-	first.stop() // the broker is killed (its lease is released; a SIGKILL only adds the lease timeout)
+	crashAfterCreate(t, env, ns, drivers, bridgeOpts{}, 2, func() {
+		makeClaim(t, c, ns, "keep", class.Name, "1Gi")
+		makeClaim(t, c, ns, "gone", class.Name, "1Gi")
+	})
 	if n := len(d.Volumes()); n != 2 {
 		t.Fatalf("driver has %d volumes, want 2 made before the crash", n)
 	}
@@ -173,20 +185,9 @@ func TestRecoveryDecidesAsTheAttemptDid(t *testing.T) {
 	class := makeClass(t, c, clusterName(ns, "labels"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
 		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
 
-	died := make(chan string, 1)
-	first := startBridge(t, env, ns, drivers, bridgeOpts{identity: "doomed-broker", leader: true, policy: authz, configure: func(b *Bridge) {
-		b.prov.afterCreate = func(ctx context.Context, vol string) {
-			died <- vol
-			<-ctx.Done() // the process is gone: nothing after this point runs
-		}
-	}})
-	makeClaim(t, c, ns, "gone", class.Name, "1Gi") // labelled app=test
-	select {
-	case <-died:
-	case <-time.After(30 * time.Second):
-		t.Fatal("CreateVolume never returned")
-	}
-	first.stop()
+	crashAfterCreate(t, env, ns, drivers, bridgeOpts{policy: authz}, 1, func() {
+		makeClaim(t, c, ns, "gone", class.Name, "1Gi") // labelled app=test
+	})
 	if n := len(d.Volumes()); n != 1 {
 		t.Fatalf("driver has %d volumes, want 1 made before the crash", n)
 	}
@@ -218,20 +219,9 @@ func TestRecoveryAfterTheSecretIsGone(t *testing.T) {
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	class := makeClass(t, c, clusterName(ns, "nosec"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
 		"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
-	died := make(chan string, 1)
-	first := startBridge(t, env, ns, drivers, bridgeOpts{identity: "doomed-broker", leader: true, configure: func(b *Bridge) {
-		b.prov.afterCreate = func(ctx context.Context, vol string) {
-			died <- vol
-			<-ctx.Done()
-		}
-	}})
-	makeClaim(t, c, ns, "gone", class.Name, "1Gi")
-	select {
-	case <-died:
-	case <-time.After(30 * time.Second):
-		t.Fatal("CreateVolume never returned")
-	}
-	first.stop()
+	crashAfterCreate(t, env, ns, drivers, bridgeOpts{}, 1, func() {
+		makeClaim(t, c, ns, "gone", class.Name, "1Gi")
+	})
 	if n := len(d.Volumes()); n != 1 {
 		t.Fatalf("driver has %d volumes, want the one made before the crash", n)
 	}
