@@ -13,8 +13,9 @@ package k8sbridge
 //   - classes: every WaitForFirstConsumer StorageClass whose provisioner is
 //     the driver (Immediate ones too with CapacityForImmediateBinding);
 //   - segments: the distinct values of the driver's topology keys over the
-//     nodes whose CSINode lists the driver (a driver without topology keys
-//     gets no objects: as upstream, capacity needs topology). A node-local
+//     nodes whose CSINode lists the driver (a driver that runs on nodes
+//     without topology keys gets, as upstream does, the empty segment: one
+//     object per class whose nodeTopology selects every node). A node-local
 //     driver gets one segment per node that runs it, keyed by
 //     kubernetes.io/hostname, and its GetCapacity goes to that node's proxy.
 //
@@ -152,7 +153,8 @@ type capacitySegment struct {
 // A node that does not run the driver (nil DriverKeys) gives nothing. For a
 // central driver each node that lists topology keys and carries a label for
 // each of them gives the segment of those labels; equal segments are merged;
-// a driver whose nodes list no keys has no segments. For a node-local driver
+// a node that runs it with no keys gives the empty segment (every node, as
+// external-provisioner has it). For a node-local driver
 // every node that runs it and has a kubernetes.io/hostname label is a segment
 // of its own.
 func capacitySegments(nodes []TopologyNode, nodeLocal bool) []capacitySegment {
@@ -176,9 +178,6 @@ func capacitySegments(nodes []TopologyNode, nodeLocal bool) []capacitySegment {
 				}
 			}
 		} else {
-			if len(n.DriverKeys) == 0 {
-				continue
-			}
 			term, missing := topoTermFromLabels(n.Labels, n.DriverKeys)
 			if len(missing) > 0 {
 				continue
@@ -244,10 +243,10 @@ func capacityKeyOf(csc *storagev1.CSIStorageCapacity) capacityKey {
 }
 
 // capacityTermOf is the segment of an object's nodeTopology, if it is one
-// this controller writes (match labels only).
+// this controller writes (match labels only; none: the empty segment).
 func capacityTermOf(csc *storagev1.CSIStorageCapacity) (topoTerm, bool) {
 	sel := csc.NodeTopology
-	if sel == nil || len(sel.MatchExpressions) > 0 || len(sel.MatchLabels) == 0 {
+	if sel == nil || len(sel.MatchExpressions) > 0 {
 		return nil, false
 	}
 	t := make(topoTerm, 0, len(sel.MatchLabels))

@@ -116,11 +116,12 @@ func TestCapacitySegments(t *testing.T) {
 			want: []seg{{term: "{" + zone + "=z1}", request: "{" + zone + "=z1}"}},
 		},
 		{
-			name: "central driver without topology keys: no segments",
+			name: "central driver without topology keys: the empty segment, every node",
 			nodes: []TopologyNode{
 				node("n1", []string{}, zone, "z1"),
 				node("n2", []string{}, zone, "z2"),
 			},
+			want: []seg{{term: "{}", request: "{}"}},
 		},
 		{
 			name:      "node-local driver: one segment per node, asked in its own keys",
@@ -926,4 +927,39 @@ func TestCapacityForImmediateBinding(t *testing.T) {
 	class := makeClass(t, c, clusterName(ns, "imm"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.CapacityForImmediateBinding = true }})
 	waitCapacities(t, c, ns, drv, map[string]int64{segmentKey(class.Name, testenv.LabelZone, "z1"): 10 * gib})
+}
+
+// TestCapacityDriverWithoutTopology: a driver whose nodes list no topology
+// keys, with storage capacity tracking on in its CSIDriver, gets one
+// object per class whose nodeTopology selects every node, as
+// external-provisioner makes it (with none, the scheduler finds no room
+// for its WaitForFirstConsumer claims anywhere), and a claim's pod is
+// scheduled and its volume provisioned.
+func TestCapacityDriverWithoutTopology(t *testing.T) {
+	fastCapacityPolls(t)
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "flat.csi.test")
+	addNode(t, env, testenv.NodeSpec{Name: clusterName(ns, "node")}, drv, nil)
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv, CapacityBytes: 4 * gib})
+	csiDriver := &storagev1.CSIDriver{ObjectMeta: metav1.ObjectMeta{Name: drv}, Spec: storagev1.CSIDriverSpec{AttachRequired: new(false), StorageCapacity: new(true)}}
+	if _, err := c.StorageV1().CSIDrivers().Create(ctx, csiDriver, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.StorageV1().CSIDrivers().Delete(context.Background(), drv, metav1.DeleteOptions{}) })
+	class := makeClass(t, c, clusterName(ns, "flat"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	objs := waitCapacities(t, c, ns, drv, map[string]int64{class.Name + " {}": 4 * gib})
+	for k, o := range objs {
+		if o.NodeTopology == nil || len(o.NodeTopology.MatchLabels) != 0 || len(o.NodeTopology.MatchExpressions) != 0 {
+			t.Errorf("%s: node topology %+v, want the empty selector (every node)", k, o.NodeTopology)
+		}
+	}
+	makeClaim(t, c, ns, "claim", class.Name, "1Gi")
+	makePod(t, c, ns, "pod", "claim")
+	waitBound(t, c, ns, "claim", 60*time.Second)
 }
