@@ -194,6 +194,22 @@ type controller interface {
 	run(ctx context.Context)
 }
 
+// volumeChange is a volume made or deleted at a driver, or a CreateVolume
+// refused for want of room: where its storage is, as far as known.
+type volumeChange struct {
+	driver string
+	class  string              // "": any class of the driver (a pool serves them all)
+	node   string              // a node-local driver's node ("": not node-local, or not known)
+	topo   []map[string]string // the volume's accessible segments (none: not known)
+}
+
+// noteVolumeChange tells the controllers that follow volumes (capacity).
+func (b *Bridge) noteVolumeChange(v volumeChange) {
+	for _, f := range b.volumeChanged {
+		f(v)
+	}
+}
+
 // extraControllers are built by New after the provisioner and deleter; each
 // controller's file adds its constructor from init, so controllers can be
 // added without touching this file. A constructor registers its informer
@@ -232,6 +248,9 @@ type Bridge struct {
 	del   *deleter
 	fans  []*fanout // handlers being added (New), registered at its end
 	extra []controller
+	// volumeChanged are told of each volume made or deleted (capacity
+	// refreshes what it took or freed); set up by New, read-only after.
+	volumeChanged []func(volumeChange)
 
 	leaderMu sync.Mutex
 	leading  bool

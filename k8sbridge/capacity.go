@@ -25,7 +25,9 @@ package k8sbridge
 // creates, updates (only when capacity, maximum volume size, labels or owner
 // differ) or deletes the object. Keys are queued when the caches change
 // (classes, CSINodes, node labels), when the set of registered drivers
-// changes, and every capacityPollInterval. An object whose key is no longer
+// changes, when the broker makes or deletes a volume in their segment (or
+// a CreateVolume is refused for want of room), and every
+// capacityPollInterval. An object whose key is no longer
 // wanted (class deleted, segment gone, driver unregistered or without
 // GET_CAPACITY) is deleted; an object is never deleted because GetCapacity
 // failed: it keeps its last value and the key is retried with backoff, as
@@ -333,6 +335,7 @@ func newCapacityController(b *Bridge) (controller, error) {
 		}
 	}
 	b.metrics.queueDepth("capacity", c.queueLen)
+	b.volumeChanged = append(b.volumeChanged, c.onVolumeChange)
 
 	nudge := func(any) { c.nudge() }
 	b.on(b.factory.Storage().V1().StorageClasses().Informer(), cache.ResourceEventHandlerFuncs{
@@ -362,6 +365,43 @@ func newCapacityController(b *Bridge) (controller, error) {
 		},
 	})
 	return c, nil
+}
+
+// onVolumeChange refreshes, now rather than at the next poll, the objects
+// whose storage a volume took or freed (as external-provisioner does after
+// each CreateVolume and DeleteVolume): the driver's objects of the
+// volume's node (node-local) or of the segments its topology falls in
+// (every segment when that is not known), of v.class or of every class.
+func (c *capacityController) onVolumeChange(v volumeChange) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.queue == nil {
+		return
+	}
+	for k, item := range c.desired {
+		if k.driver == v.driver && (v.class == "" || k.class == v.class) && !item.kept && item.segment.holds(item.nodeLoc, v) {
+			c.queue.Add(k)
+		}
+	}
+}
+
+// holds reports whether a volume of v may have taken (or freed) storage
+// counted in segment s.
+func (s capacitySegment) holds(nodeLocal bool, v volumeChange) bool {
+	if nodeLocal {
+		return v.node == "" || v.node == s.node
+	}
+	if len(v.topo) == 0 {
+		return true
+	}
+	return slices.ContainsFunc(v.topo, func(seg map[string]string) bool {
+		for _, e := range s.term {
+			if v, ok := seg[e.key]; ok && v != e.value {
+				return false
+			}
+		}
+		return true
+	})
 }
 
 func (c *capacityController) nudge() {

@@ -963,3 +963,69 @@ func TestCapacityDriverWithoutTopology(t *testing.T) {
 	makePod(t, c, ns, "pod", "claim")
 	waitBound(t, c, ns, "claim", 60*time.Second)
 }
+
+// TestCapacityFollowsVolumes: a volume made or deleted through the broker
+// refreshes the objects of its segment at once, as external-provisioner
+// does, not at the next poll (set beyond the test's waits here): a claim's
+// volume takes 1 GiB off its zone's object, and its deletion gives it back.
+func TestCapacityFollowsVolumes(t *testing.T) {
+	poll, reg := capacityPollInterval, capacityRegistryInterval
+	capacityPollInterval, capacityRegistryInterval = 10*time.Minute, 200*time.Millisecond
+	t.Cleanup(func() { capacityPollInterval, capacityRegistryInterval = poll, reg })
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "follow.csi.test")
+	addNode(t, env, testenv.NodeSpec{Name: clusterName(ns, "node"), Zone: "z1"}, drv, []string{testenv.LabelZone})
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 4 * gib})
+	class := makeClass(t, c, clusterName(ns, "follow"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	key := segmentKey(class.Name, testenv.LabelZone, "z1")
+	waitCapacities(t, c, ns, drv, map[string]int64{key: 4 * gib})
+
+	makeClaim(t, c, ns, "claim", class.Name, "1Gi")
+	makePod(t, c, ns, "pod", "claim")
+	pvName := waitBound(t, c, ns, "claim", 60*time.Second).Spec.VolumeName
+	waitCapacities(t, c, ns, drv, map[string]int64{key: 3 * gib})
+
+	if err := c.CoreV1().Pods(ns).Delete(ctx, "pod", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "claim", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitPVGone(t, c, pvName, 60*time.Second)
+	waitCapacities(t, c, ns, drv, map[string]int64{key: 4 * gib})
+}
+
+// TestCapacitySegmentHolds: which objects a volume change refreshes.
+func TestCapacitySegmentHolds(t *testing.T) {
+	const zone, rack = testenv.LabelZone, "example.com/rack"
+	z1 := capacitySegment{term: topoTerm{{zone, "z1"}}}
+	z1r1 := capacitySegment{term: topoTerm{{rack, "r1"}, {zone, "z1"}}}
+	n1 := capacitySegment{term: topoTerm{{corev1.LabelHostname, "n1"}}, node: "n1"}
+	for _, c := range []struct {
+		name      string
+		seg       capacitySegment
+		nodeLocal bool
+		v         volumeChange
+		want      bool
+	}{
+		{"topology not known", z1, false, volumeChange{}, true},
+		{"in the zone", z1, false, volumeChange{topo: []map[string]string{{zone: "z1", rack: "r9"}}}, true},
+		{"another zone", z1, false, volumeChange{topo: []map[string]string{{zone: "z2"}}}, false},
+		{"one of its segments", z1, false, volumeChange{topo: []map[string]string{{zone: "z2"}, {zone: "z1"}}}, true},
+		{"another rack", z1r1, false, volumeChange{topo: []map[string]string{{zone: "z1", rack: "r2"}}}, false},
+		{"a key the volume does not say", z1r1, false, volumeChange{topo: []map[string]string{{zone: "z1"}}}, true},
+		{"the empty segment", capacitySegment{term: topoTerm{}}, false, volumeChange{topo: []map[string]string{{zone: "z1"}}}, true},
+		{"node-local, its node", n1, true, volumeChange{node: "n1"}, true},
+		{"node-local, another node", n1, true, volumeChange{node: "n2"}, false},
+		{"node-local, node not known", n1, true, volumeChange{}, true},
+	} {
+		if got := c.seg.holds(c.nodeLocal, c.v); got != c.want {
+			t.Errorf("%s: holds %v, want %v", c.name, got, c.want)
+		}
+	}
+}

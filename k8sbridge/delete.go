@@ -264,6 +264,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 		d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
 		return 0, err
 	}
+	d.b.noteVolumeChange(volumeChange{driver: driver, node: node, topo: affinitySegments(pv)})
 	// Two writes at most, as external-provisioner: drop our finalizer,
 	// then delete the object (or only the former if a user deleted it).
 	if hasFinalizer(pv, finalizerVolume) {
@@ -393,6 +394,26 @@ func removeString(in []string, s string) []string {
 		if x != s {
 			out = append(out, x)
 		}
+	}
+	return out
+}
+
+// affinitySegments are the segments a PV's node affinity pins it to: per
+// node selector term, the keys it requires one value of (none: not known).
+func affinitySegments(pv *corev1.PersistentVolume) []map[string]string {
+	na := pv.Spec.NodeAffinity
+	if na == nil || na.Required == nil {
+		return nil
+	}
+	var out []map[string]string
+	for _, term := range na.Required.NodeSelectorTerms {
+		seg := map[string]string{}
+		for _, e := range term.MatchExpressions {
+			if e.Operator == corev1.NodeSelectorOpIn && len(e.Values) == 1 {
+				seg[e.Key] = e.Values[0]
+			}
+		}
+		out = append(out, seg)
 	}
 	return out
 }

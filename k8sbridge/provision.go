@@ -670,6 +670,11 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	cancel()
 	req.Secrets = nil
 	if err != nil {
+		if status.Code(err) == codes.ResourceExhausted {
+			// The objects said there was room: refreshed now, not at
+			// the next poll.
+			p.b.noteVolumeChange(volumeChange{driver: driver, class: class.Name, node: node})
+		}
 		failure := failureOf("CreateVolume", err)
 		switch ClassifyCreateError(err, caps.accessibility && scheduled) {
 		case CreateInProgress:
@@ -691,6 +696,11 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		}
 	}
 
+	made := volumeChange{driver: driver, node: node}
+	for _, t := range resp.GetVolume().GetAccessibleTopology() {
+		made.topo = append(made.topo, t.GetSegments())
+	}
+	p.b.noteVolumeChange(made)
 	if p.afterCreate != nil {
 		p.afterCreate(ctx, pvName)
 		if ctx.Err() != nil {
