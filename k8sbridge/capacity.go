@@ -49,7 +49,6 @@ package k8sbridge
 import (
 	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -285,9 +284,6 @@ type capacityController struct {
 	log *slog.Logger
 	// changed is nudged by informer handlers (while standing by too).
 	changed chan struct{}
-	// nodeCaps asks a node-local driver with no controller proxy for its
-	// capabilities through one of its node proxies.
-	nodeCaps *capsCache
 
 	refreshes *prometheus.CounterVec
 	writes    *prometheus.CounterVec
@@ -326,7 +322,6 @@ func newCapacityController(b *Bridge) (controller, error) {
 			Help: "API writes made for CSIStorageCapacity objects, by operation (create, update, delete).",
 		}, []string{"operation"}),
 	}
-	c.nodeCaps = &capsCache{drivers: capacityNodeRouted{Drivers: b.cfg.Drivers, c: c}}
 	if reg := b.cfg.Registerer; reg != nil {
 		for _, col := range []prometheus.Collector{c.refreshes, c.writes} {
 			if err := reg.Register(col); err != nil {
@@ -1007,18 +1002,10 @@ func (c *capacityController) ownerRef(ctx context.Context) (metav1.OwnerReferenc
 	return o, nil
 }
 
-// capabilities are the driver's, asked through its controller proxy or, for
-// a node-local driver without one, through one of its node proxies.
+// capabilities are the driver's (for a node-local driver without a
+// controller proxy, any of its node proxies answers: capsCache).
 func (c *capacityController) capabilities(ctx context.Context, driver string) (driverCaps, error) {
-	caps, err := c.b.caps.get(ctx, driver)
-	if err == nil || !c.b.cfg.Drivers.NodeLocal(driver) {
-		return caps, err
-	}
-	caps, nerr := c.nodeCaps.get(ctx, driver)
-	if nerr != nil {
-		return driverCaps{}, errors.Join(err, nerr)
-	}
-	return caps, nil
+	return c.b.caps.get(ctx, driver)
 }
 
 func (c *capacityController) getCapacity(ctx context.Context, driver string, item capacityItem, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
@@ -1051,36 +1038,6 @@ func (c *capacityController) getCapacity(ctx context.Context, driver string, ite
 		return nil, fmt.Errorf("driver %s (%s): GetCapacity: %w", driver, where, err)
 	}
 	return resp, nil
-}
-
-// capacityNodeRouted sends what capsCache asks of a "controller" to the
-// first node (by name) whose CSINode lists the driver and has a proxy.
-type capacityNodeRouted struct {
-	Drivers
-	c *capacityController
-}
-
-func (r capacityNodeRouted) ControllerConn(driver string) (grpc.ClientConnInterface, error) {
-	csiNodes, err := r.c.b.csiNodes.List(labels.Everything())
-	if err != nil {
-		return nil, err
-	}
-	slices.SortFunc(csiNodes, func(a, b *storagev1.CSINode) int { return cmp.Compare(a.Name, b.Name) })
-	var errs []error
-	for _, cn := range csiNodes {
-		if !slices.ContainsFunc(cn.Spec.Drivers, func(d storagev1.CSINodeDriver) bool { return d.Name == driver }) {
-			continue
-		}
-		conn, err := r.Drivers.NodeConn(driver, cn.Name)
-		if err == nil {
-			return conn, nil
-		}
-		errs = append(errs, err)
-	}
-	if len(errs) == 0 {
-		return nil, fmt.Errorf("driver %s: no node runs it", driver)
-	}
-	return nil, errors.Join(errs...)
 }
 
 func quantityEqual(a, b *resource.Quantity) bool {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"net"
 	"runtime"
 	"slices"
 	"sort"
@@ -1027,5 +1028,47 @@ func TestCapacitySegmentHolds(t *testing.T) {
 		if got := c.seg.holds(c.nodeLocal, c.v); got != c.want {
 			t.Errorf("%s: holds %v, want %v", c.name, got, c.want)
 		}
+	}
+}
+
+// TestNodeLocalDriverWithItsFirstNodeDown: a node-local driver without a
+// controller proxy is asked for its capabilities through a node proxy;
+// when that node's proxy does not answer, another node's does, so the
+// node that is up still gets its capacity object and its claims
+// provisioned (the first node down stopped both for every node).
+func TestNodeLocalDriverWithItsFirstNodeDown(t *testing.T) {
+	fastCapacityPolls(t)
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "local.csi.test")
+	nodeA, nodeB := clusterName(ns, "node-a"), clusterName(ns, "node-b")
+	addHostnameNodes(t, env, drv, nodeA, nodeB)
+	dB, chainB := nodeProxy(t, drv, nodeB, 6*gib)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := lis.Addr().String() // nothing listens there once closed
+	lis.Close()
+	br, err := broker.New(broker.Options{TrustDomain: chaintest.TrustDomain, TLS: chainB.BrokerSource})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(br.Close)
+	if err := br.SetDriver(broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second, Nodes: []broker.ProxyConfig{
+		{Node: nodeA, Address: down}, {Node: nodeB, Address: chainB.ProxyAddr},
+	}}); err != nil {
+		t.Fatal(err)
+	}
+	class := makeClass(t, c, clusterName(ns, "local"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, br, bridgeOpts{})
+	waitCapacities(t, c, ns, drv, map[string]int64{segmentKey(class.Name, corev1.LabelHostname, nodeB): 6 * gib})
+
+	makeClaim(t, c, ns, "claim", class.Name, "1Gi")
+	setSelectedNode(t, c, ns, "claim", nodeB)
+	waitBound(t, c, ns, "claim", 60*time.Second)
+	if n := len(dB.Volumes()); n != 1 {
+		t.Fatalf("node B has %d volumes, want the claim's", n)
 	}
 }

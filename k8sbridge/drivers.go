@@ -2,6 +2,7 @@ package k8sbridge
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -63,6 +64,10 @@ type capsCache struct {
 	m       map[string]driverCaps
 }
 
+// capsNodeTries bounds how many more node proxies of a node-local driver
+// are asked for its capabilities when the first one does not answer.
+const capsNodeTries = 3
+
 func (c *capsCache) get(ctx context.Context, driver string) (driverCaps, error) {
 	c.mu.Lock()
 	caps, ok := c.m[driver]
@@ -71,16 +76,55 @@ func (c *capsCache) get(ctx context.Context, driver string) (driverCaps, error) 
 		return caps, nil
 	}
 	conn, err := c.drivers.ControllerConn(driver)
+	if err == nil {
+		caps, err = c.fetch(ctx, driver, conn)
+	}
+	if err != nil && c.drivers.NodeLocal(driver) {
+		// A node-local driver's node plugins are its controllers and all
+		// answer alike: one node down (its proxy unreachable, say) must
+		// not stop the driver's calls on every other node.
+		errs := []error{err}
+		tried := 0
+		for _, n := range c.drivers.DriverNodes(driver) {
+			if tried == capsNodeTries {
+				break
+			}
+			nc, nerr := c.drivers.NodeConn(driver, n)
+			if nerr != nil || nc == conn {
+				continue
+			}
+			tried++
+			if caps, nerr = c.fetch(ctx, driver, nc); nerr == nil {
+				err = nil
+				break
+			}
+			errs = append(errs, fmt.Errorf("node %s: %w", n, nerr))
+		}
+		if err != nil {
+			err = errors.Join(errs...)
+		}
+	}
 	if err != nil {
 		return driverCaps{}, err
 	}
+	c.mu.Lock()
+	if c.m == nil {
+		c.m = map[string]driverCaps{}
+	}
+	c.m[driver] = caps
+	c.mu.Unlock()
+	return caps, nil
+}
+
+// fetch asks the driver behind conn for its capabilities.
+func (c *capsCache) fetch(ctx context.Context, driver string, conn grpc.ClientConnInterface) (driverCaps, error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	pc, err := csi.NewIdentityClient(conn).GetPluginCapabilities(ctx, &csi.GetPluginCapabilitiesRequest{})
 	if err != nil {
 		return driverCaps{}, fmt.Errorf("driver %s: GetPluginCapabilities: %w", driver, err)
 	}
-	caps = driverCaps{fetched: time.Now()}
+	caps := driverCaps{fetched: time.Now()}
 	hasController := false
 	for _, cp := range pc.GetCapabilities() {
 		switch cp.GetService().GetType() {
@@ -118,12 +162,6 @@ func (c *capsCache) get(ctx context.Context, driver string) (driverCaps, error) 
 			}
 		}
 	}
-	c.mu.Lock()
-	if c.m == nil {
-		c.m = map[string]driverCaps{}
-	}
-	c.m[driver] = caps
-	c.mu.Unlock()
 	return caps, nil
 }
 
