@@ -254,16 +254,22 @@ type feConn struct {
 	closed    bool
 	needFlush bool
 	wdlSet    time.Time
+	// arriving counts the bytes of unary requests not whole yet, at most
+	// maxArriving.
+	arriving int
 }
 
 // feStream is one call. Fields other than in are guarded by c.mu.
 type feStream struct {
-	id          uint32
-	method      string
-	fields      []hpack.HeaderField
-	unary       bool
-	req         []byte // a unary call's request, as it arrives
-	tooBig      bool   // the unary request passed MaxMsgSize; its bytes are dropped
+	id     uint32
+	method string
+	fields []hpack.HeaderField
+	unary  bool
+	req    []byte // a unary call's request, as it arrives
+	tooBig bool   // the unary request passed MaxMsgSize; its bytes are dropped
+	// expiry ends a unary call whose request is not whole at its
+	// deadline (nil: no grpc-timeout).
+	expiry      *time.Timer
 	in          *feInput
 	ctx         context.Context
 	cancel      context.CancelFunc
@@ -417,6 +423,7 @@ func (c *feConn) closeLocked(error) {
 	c.closed = true
 	c.nc.Close()
 	for id, st := range c.streams {
+		c.arrivedLocked(st)
 		st.reset = true
 		if st.cancel != nil {
 			st.cancel()
@@ -474,6 +481,7 @@ func (c *feConn) resetLocked(st *feStream) {
 	if st == nil {
 		return
 	}
+	c.arrivedLocked(st)
 	st.reset, st.remoteEnded, st.localEnded = true, true, true
 	if st.cancel != nil {
 		st.cancel()
@@ -550,6 +558,13 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 		if end {
 			hoptrace.Mark(hoptrace.FERequestWhole)
 			c.s.workers.run(func() { c.serveUnary(st) })
+		} else if v, ok := rawgrpc.LookupHeader(st.fields, "grpc-timeout"); ok {
+			// The deadline runs from the HEADERS, as a gRPC server's
+			// handler context does: a request still arriving then is
+			// answered and its bytes dropped.
+			if d, err := rawgrpc.ParseTimeout(v); err == nil {
+				st.expiry = time.AfterFunc(time.Until(st.arrived.Add(d)), func() { c.expire(st) })
+			}
 		}
 		return
 	}
@@ -565,6 +580,7 @@ func (c *feConn) endRequestLocked(st *feStream) {
 	if st.remoteEnded {
 		return
 	}
+	c.arrivedLocked(st)
 	st.remoteEnded = true
 	if st.unary {
 		hoptrace.Mark(hoptrace.FERequestWhole)
@@ -605,12 +621,22 @@ func (c *feConn) onDataLocked(fr *http2.DataFrame) {
 	data := fr.Data()
 	if st.unary {
 		// A unary request is kept whole, bounded by MaxMsgSize: its
-		// window is credited as it arrives.
+		// window is credited as it arrives. The requests still arriving
+		// on a connection hold at most maxArriving bytes together.
 		if len(st.req)+len(data) > c.s.fe.b.opts.MaxMsgSize+5 {
+			c.arriving -= len(st.req)
 			st.tooBig, st.req = true, nil
 		}
 		if !st.tooBig {
+			if limit := c.maxArriving(); c.arriving+len(data) > limit {
+				c.arrivedLocked(st)
+				st.req = nil
+				c.endLocked(st, false, status.Errorf(codes.ResourceExhausted,
+					"csibroker: the requests still arriving on this connection would hold more than %d bytes", limit), nil)
+				return
+			}
 			st.req = append(st.req, data...)
+			c.arriving += len(data)
 		}
 		c.creditLocked(st, n)
 	} else {
@@ -797,8 +823,26 @@ func (c *feConn) sendDataLocked(st *feStream, data []byte) error {
 func (c *feConn) finish(st *feStream, headersSent bool, err error, trailer metadata.MD) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if st.reset || c.closed {
+	if !c.endLocked(st, headersSent, err, trailer) {
 		return
+	}
+	if len(c.streams) > 0 && c.needFlush && !c.closed {
+		// Other calls are in flight on this connection: let those whose
+		// answers are ready write them before the flush, so that under
+		// load several answers share one socket write. A lone call's
+		// answer goes out at once.
+		c.mu.Unlock()
+		runtime.Gosched()
+		c.mu.Lock()
+	}
+	c.flushLocked()
+}
+
+// endLocked writes st's status (and trailer) and ends the call, unflushed;
+// false if it was reset, or the connection closed, before.
+func (c *feConn) endLocked(st *feStream, headersSent bool, err error, trailer metadata.MD) bool {
+	if st.reset || c.closed {
+		return false
 	}
 	s := status.Convert(err)
 	fields := make([]hpack.HeaderField, 0, 5+len(trailer))
@@ -838,16 +882,7 @@ func (c *feConn) finish(st *feStream, headersSent bool, err error, trailer metad
 	// keeping to the stream limit is never refused (the removal closes a
 	// draining connection once its last call is done, flushing first).
 	c.removeLocked(st)
-	if len(c.streams) > 0 && c.needFlush && !c.closed {
-		// Other calls are in flight on this connection: let those whose
-		// answers are ready write them before the flush, so that under
-		// load several answers share one socket write. A lone call's
-		// answer goes out at once.
-		c.mu.Unlock()
-		runtime.Gosched()
-		c.mu.Lock()
-	}
-	c.flushLocked()
+	return true
 }
 
 // shrinkStatus makes the trailers of a status whose trailers are over the
@@ -885,6 +920,36 @@ func (c *feConn) shrinkStatus(st *feStream, headersSent bool, s *status.Status) 
 		msg = msg[:cut]
 	}
 	return append(fields, hpack.HeaderField{Name: "grpc-message", Value: msg + note})
+}
+
+// arrivedLocked ends st's request's share of the bytes still arriving
+// (it is whole, reset or refused) and its expiry.
+func (c *feConn) arrivedLocked(st *feStream) {
+	if st.expiry != nil {
+		st.expiry.Stop()
+		st.expiry = nil
+	}
+	if st.unary && !st.remoteEnded {
+		c.arriving -= len(st.req)
+	}
+}
+
+// maxArriving bounds the bytes of the unary requests a connection is still
+// receiving: two of the largest.
+func (c *feConn) maxArriving() int { return 2 * (c.s.fe.b.opts.MaxMsgSize + 5) }
+
+// expire answers DeadlineExceeded to a unary call whose deadline passed
+// before its request was whole, and drops what arrived of it.
+func (c *feConn) expire(st *feStream) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if st.remoteEnded || c.streams[st.id] != st {
+		return
+	}
+	c.arrivedLocked(st)
+	st.req = nil
+	c.endLocked(st, false, status.Error(codes.DeadlineExceeded, "csibroker: the call's deadline passed before its request arrived whole"), nil)
+	c.flushLocked()
 }
 
 // credit returns n bytes of a streaming call's window once they were sent

@@ -1,0 +1,132 @@
+package chain
+
+import (
+	"encoding/binary"
+	"fmt"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/csibroker/csibroker/internal/chaintest"
+)
+
+// Unary requests the front end is still receiving: their deadline and
+// their memory.
+
+// openCall sends a CreateVolume's HEADERS (with grpc-timeout, if not
+// empty) on stream id, without ending the stream.
+func openCall(r *rawBroker, id uint32, timeout string) {
+	r.hbuf.Reset()
+	fields := []hpack.HeaderField{{Name: ":method", Value: "POST"}, {Name: ":scheme", Value: "http"}, {Name: ":path", Value: "/csi.v1.Controller/CreateVolume"},
+		{Name: ":authority", Value: "front"}, {Name: "content-type", Value: "application/grpc"}, {Name: "te", Value: "trailers"}}
+	if timeout != "" {
+		fields = append(fields, hpack.HeaderField{Name: "grpc-timeout", Value: timeout})
+	}
+	for _, f := range fields {
+		r.enc.WriteField(f)
+	}
+	r.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: r.hbuf.Bytes(), EndHeaders: true})
+}
+
+// sendData writes p on stream id in frames of at most 16 KiB.
+func sendData(t *testing.T, r *rawBroker, id uint32, p []byte, end bool) {
+	t.Helper()
+	for len(p) > 0 || end {
+		n := min(len(p), 16<<10)
+		last := n == len(p)
+		if err := r.fr.WriteData(id, end && last, p[:n]); err != nil {
+			t.Fatal(err)
+		}
+		p = p[n:]
+		if last {
+			return
+		}
+	}
+}
+
+// statusOf waits for the trailers ending stream id and returns their
+// grpc-status and grpc-message.
+func statusOf(t *testing.T, r *rawBroker, id uint32) (string, string) {
+	t.Helper()
+	f := r.wait(t, fmt.Sprintf("the trailers of stream %d", id), func(f http2.Frame) bool {
+		h, ok := f.(*http2.MetaHeadersFrame)
+		return ok && h.StreamID == id && h.StreamEnded()
+	}).(*http2.MetaHeadersFrame)
+	return headerValue(f.Fields, "grpc-status"), headerValue(f.Fields, "grpc-message")
+}
+
+// TestFrontEndDeadlineOfARequestStillArriving: a CreateVolume whose caller
+// sends part of its request and stops is answered DEADLINE_EXCEEDED when
+// its grpc-timeout (counted from the HEADERS) runs out, and never reaches
+// the driver (the front end kept the bytes with no end, as long as the
+// connection lasted).
+func TestFrontEndDeadlineOfARequestStillArriving(t *testing.T) {
+	e, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	nc, err := net.Dial("unix", c.Front)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := rawPeer(t, nc, true)
+	openCall(r, 1, "300m")
+	prefix := make([]byte, 5)
+	binary.BigEndian.PutUint32(prefix[1:], 1<<20)
+	sendData(t, r, 1, append(prefix, make([]byte, 100)...), false)
+	start := time.Now()
+	code, msg := statusOf(t, r, 1)
+	if code != "4" || !strings.Contains(msg, "deadline") {
+		t.Fatalf("status %s %q, want DEADLINE_EXCEEDED (4)", code, msg)
+	}
+	if waited := time.Since(start); waited > 3*time.Second {
+		t.Errorf("answered after %v, with a 300 ms deadline", waited)
+	}
+	if n := e.calls.Load(); n != 0 {
+		t.Errorf("the driver got %d calls", n)
+	}
+}
+
+// TestFrontEndBoundsRequestsStillArriving: with a 1 MiB message limit, the
+// unary requests a connection is still sending hold at most two such
+// messages: a third is refused with RESOURCE_EXHAUSTED, saying why; once
+// the first two are reset, a whole request of the same size is served.
+func TestFrontEndBoundsRequestsStillArriving(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, MaxMsgSize: 1 << 20})
+	nc, err := net.Dial("unix", c.Front)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := rawPeer(t, nc, true)
+	msg, err := proto.Marshal(&csi.CreateVolumeRequest{Name: "big", Parameters: map[string]string{"big": strings.Repeat("x", 900<<10), "quiet": "true"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	frame := make([]byte, 5, 5+len(msg))
+	binary.BigEndian.PutUint32(frame[1:], uint32(len(msg)))
+	frame = append(frame, msg...)
+	part := frame[:len(frame)-1] // all but the last byte: never whole
+	for _, id := range []uint32{1, 3, 5} {
+		openCall(r, id, "")
+		sendData(t, r, id, part, false)
+	}
+	code, text := statusOf(t, r, 5)
+	if code != "8" || !strings.Contains(text, "still arriving") {
+		t.Fatalf("third request: status %s %q, want RESOURCE_EXHAUSTED (8) saying why", code, text)
+	}
+	for _, id := range []uint32{1, 3} {
+		if err := r.fr.WriteRSTStream(id, http2.ErrCodeCancel); err != nil {
+			t.Fatal(err)
+		}
+	}
+	openCall(r, 7, "")
+	sendData(t, r, 7, frame, true)
+	if code, text := statusOf(t, r, 7); code != "0" {
+		t.Fatalf("a whole request after the others were reset: status %s %q, want OK", code, text)
+	}
+}
