@@ -375,6 +375,10 @@ func (c *feConn) readLoop() error {
 			}
 		case *http2.GoAwayFrame:
 			// The caller opens no more streams; those open finish.
+		case *http2.PushPromiseFrame:
+			// A client cannot push (RFC 9113, 8.4); its header block
+			// would also go undecoded, out of step with its encoder.
+			c.connErrorLocked(http2.ErrCodeProtocol, "PUSH_PROMISE from a client")
 		}
 		if c.br.Buffered() == 0 {
 			c.flushLocked()

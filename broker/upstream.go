@@ -833,6 +833,12 @@ func (c *upConn) readLoop() {
 			}
 		case *http2.GoAwayFrame:
 			c.onGoAwayLocked(f)
+		case *http2.PushPromiseFrame:
+			// Push is off (SETTINGS_ENABLE_PUSH 0): a protocol error
+			// (RFC 9113, 8.4), and its header block would go undecoded.
+			c.writeLocked(c.framer().WriteGoAway(0, http2.ErrCodeProtocol, nil))
+			c.flushLocked()
+			c.failLocked(fmt.Errorf("proxy %s sent PUSH_PROMISE, which the broker does not accept", c.u.addr))
 		}
 		if c.br.Buffered() == 0 {
 			c.flushLocked()

@@ -44,6 +44,9 @@ type h2peer struct {
 	// of 2^31-1 (the second takes the window past 2^31-1; the connection
 	// window is never opened), and nothing else.
 	overflow bool
+	// push: answer a request's HEADERS with a PUSH_PROMISE, and nothing
+	// else.
+	push bool
 	// maxHeaderList, if set, is announced as SETTINGS_MAX_HEADER_LIST_SIZE.
 	maxHeaderList uint32
 	// trailers, if set, end every answer instead of grpc-status 0;
@@ -158,6 +161,14 @@ func (p *h2peer) serve(nc net.Conn) {
 				p.mu.Unlock()
 			}
 		case *http2.MetaHeadersFrame:
+			if p.push {
+				wmu.Lock()
+				hbuf.Reset()
+				enc.WriteField(hpack.HeaderField{Name: ":method", Value: "GET"})
+				fr.WritePushPromise(http2.PushPromiseParam{StreamID: f.StreamID, PromiseID: 2, BlockFragment: hbuf.Bytes(), EndHeaders: true})
+				wmu.Unlock()
+				continue
+			}
 			if p.overflow {
 				wmu.Lock()
 				fr.WriteWindowUpdate(f.StreamID, 1<<31-1)
@@ -525,5 +536,24 @@ func TestTrailerStatusAsGRPCReadsIt(t *testing.T) {
 				t.Fatalf("status %v, gRPC's client reads %v", o.Proto(), g.Proto())
 			}
 		})
+	}
+}
+
+// TestUpstreamRefusesPushPromise: a proxy that pushes (the broker said
+// SETTINGS_ENABLE_PUSH 0) breaks the protocol: its connection is closed
+// and the call fails at once, saying so, instead of reading the
+// connection's later header blocks against the wrong table.
+func TestUpstreamRefusesPushPromise(t *testing.T) {
+	addr, cfg := startPeer(t, &h2peer{maxStreams: 10, answerPings: true, push: true})
+	u := newTestUpstream(t, addr, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req := make([]byte, 5)
+	_, _, _, err := u.attempt(ctx, u.b.desc(u.p, "/csi.v1.Identity/Probe"), "/csi.v1.Identity/Probe", nil, req)
+	if err == nil || !strings.Contains(err.Error(), "PUSH_PROMISE") {
+		t.Fatalf("call ended with %v, want a failure naming the PUSH_PROMISE", err)
+	}
+	if ctx.Err() != nil {
+		t.Fatal("the call waited for its deadline")
 	}
 }

@@ -620,6 +620,12 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 			}
 		case *http2.GoAwayFrame:
 			c.onGoAway(fr, &f)
+		case *http2.PushPromiseFrame:
+			// Neither peer may push: the broker is a client, and the
+			// driver was told SETTINGS_ENABLE_PUSH 0 (RFC 9113, 8.4).
+			c.mu.Lock()
+			c.connErrorLocked(http2.ErrCodeProtocol, "PUSH_PROMISE")
+			c.mu.Unlock()
 		}
 		applyCredits(credits, &f)
 		if c.br.Buffered() == 0 {

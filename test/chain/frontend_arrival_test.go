@@ -130,3 +130,28 @@ func TestFrontEndBoundsRequestsStillArriving(t *testing.T) {
 		t.Fatalf("a whole request after the others were reset: status %s %q, want OK", code, text)
 	}
 }
+
+// TestPushPromiseIsAProtocolError: a client pushing is a connection
+// error (RFC 9113, 8.4), at the front end and at the proxy's broker side;
+// ignored, its header block went undecoded and every later one was read
+// against the wrong table.
+func TestPushPromiseIsAProtocolError(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	nc, err := net.Dial("unix", c.Front)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, r := range map[string]*rawBroker{"front end": rawPeer(t, nc, true), "proxy": dialRawBroker(t, c, true)} {
+		r.headers(1, "/csi.v1.Identity/Probe", false)
+		r.hbuf.Reset()
+		r.enc.WriteField(hpack.HeaderField{Name: ":method", Value: "GET"})
+		if err := r.fr.WritePushPromise(http2.PushPromiseParam{StreamID: 1, PromiseID: 2, BlockFragment: r.hbuf.Bytes(), EndHeaders: true}); err != nil {
+			t.Fatal(err)
+		}
+		r.wait(t, "GOAWAY PROTOCOL_ERROR from the "+name, func(f http2.Frame) bool {
+			g, ok := f.(*http2.GoAwayFrame)
+			return ok && g.ErrCode == http2.ErrCodeProtocol
+		})
+	}
+}
