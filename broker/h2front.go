@@ -169,8 +169,10 @@ func (s *feServer) shutdown() {
 		conns = append(conns, c)
 	}
 	s.mu.Unlock()
+	// Each on its own: a caller that does not read can hold its
+	// connection's GOAWAY (and lock) for the write timeout.
 	for _, c := range conns {
-		c.goAway()
+		go c.goAway()
 	}
 	done := make(chan struct{})
 	go func() { s.wg.Wait(); close(done) }()
@@ -181,6 +183,7 @@ func (s *feServer) shutdown() {
 	}
 	s.mu.Lock()
 	for c := range s.conns {
+		c.nc.Close() // first, without the lock: ends a write stuck on such a caller
 		c.mu.Lock()
 		c.closeLocked(errors.New("front end stopped"))
 		c.mu.Unlock()
