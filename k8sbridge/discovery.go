@@ -52,6 +52,10 @@ const (
 	// ReasonProxyRegistrationFailed: the broker refused the driver's
 	// configuration built from its pods.
 	ReasonProxyRegistrationFailed = "ProxyRegistrationFailed"
+	// ReasonProxyNotUsed: another ready pod is the driver's controller
+	// proxy (or the node's proxy), or the pods of one driver disagree
+	// about node-local.
+	ReasonProxyNotUsed = "ProxyNotUsed"
 )
 
 // discoveryLeaderPoll is how often Run looks whether this replica leads, so
@@ -224,6 +228,11 @@ func DriversFromPods(pods []*corev1.Pod, template broker.DriverConfig) (map[stri
 	sort.Slice(pods, func(i, j int) bool { return pods[i].Namespace+"/"+pods[i].Name < pods[j].Namespace+"/"+pods[j].Name })
 	out := map[string]broker.DriverConfig{}
 	var problems []Problem
+	// used: the pod each route was taken from, by driver then "" (the
+	// controller) or node; localBy and notLocal: a pod of each driver that
+	// says node-local, and those that do not.
+	used := map[string]map[string]*corev1.Pod{}
+	localBy, notLocal := map[string]*corev1.Pod{}, map[string][]*corev1.Pod{}
 	for _, p := range pods {
 		name := p.Annotations[AnnDriver]
 		if name == "" {
@@ -258,22 +267,48 @@ func DriversFromPods(pods []*corev1.Pod, template broker.DriverConfig) (map[stri
 		}
 		if p.Annotations[AnnNodeLocal] == "true" {
 			cfg.NodeLocal = true
+			if localBy[name] == nil {
+				localBy[name] = p
+			}
+		} else {
+			notLocal[name] = append(notLocal[name], p)
 		}
+		route := "" // the controller's
 		if p.Annotations[AnnNodeProxy] == "true" {
 			if p.Spec.NodeName == "" {
 				continue
 			}
-			dup := false
-			for _, n := range cfg.Nodes {
-				dup = dup || n.Node == p.Spec.NodeName
+			route = p.Spec.NodeName
+		}
+		if used[name] == nil {
+			used[name] = map[string]*corev1.Pod{}
+		}
+		if first := used[name][route]; first != nil {
+			// Standing by, or an impostor or a proxy left behind: only
+			// one is used, and if it is not the real proxy, the driver's
+			// calls fail its TLS identity check; said once here.
+			what := "the controller proxy of " + name
+			if route != "" {
+				what = "the proxy of " + name + " on node " + route
 			}
-			if !dup {
-				cfg.Nodes = append(cfg.Nodes, broker.ProxyConfig{Node: p.Spec.NodeName, Address: addr})
-			}
-		} else if cfg.Controller == nil {
+			problems = append(problems, Problem{Pod: p, Reason: ReasonProxyNotUsed,
+				Message: fmt.Sprintf("not used: pod %s/%s (first by name) is %s", first.Namespace, first.Name, what)})
+			out[name] = cfg
+			continue
+		}
+		used[name][route] = p
+		if route != "" {
+			cfg.Nodes = append(cfg.Nodes, broker.ProxyConfig{Node: route, Address: addr})
+		} else {
 			cfg.Controller = &broker.ProxyConfig{Address: addr}
 		}
 		out[name] = cfg
+	}
+	for name, by := range localBy {
+		for _, p := range notLocal[name] {
+			problems = append(problems, Problem{Pod: p, Reason: ReasonProxyNotUsed,
+				Message: fmt.Sprintf("has no %s=true annotation, but pod %s/%s of driver %s has: the driver is node-local (CreateVolume, DeleteVolume and GetCapacity go to node proxies)", AnnNodeLocal, by.Namespace, by.Name, name)})
+		}
 	}
 	return out, problems
 }

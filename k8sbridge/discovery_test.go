@@ -77,19 +77,20 @@ func TestDriversFromPods(t *testing.T) {
 	if _, ok := got["d2"]; ok {
 		t.Fatal("a pod without an IP registered a driver")
 	}
-	if _, ok := got["d3"]; ok || len(problems) != 3 {
+	if _, ok := got["d3"]; ok || len(problems) != 4 {
 		t.Fatalf("problems %v", problems)
 	}
 	if _, ok := got["my_driver"]; ok {
 		t.Fatal("a driver name CSI does not allow was registered")
 	}
-	for i, want := range []struct{ pod, says string }{
-		{"bad-port", `"http" is not a port`},
-		{"no-driver", "no " + AnnDriver + " annotation"},
-		{"not-csi", `annotation ` + AnnDriver + `: driver name "my_driver" has '_'`},
+	for i, want := range []struct{ pod, reason, says string }{
+		{"bad-port", ReasonProxyAnnotationInvalid, `"http" is not a port`},
+		{"ctrl-b", ReasonProxyNotUsed, "not used: pod drivers/ctrl-a (first by name) is the controller proxy of d1"},
+		{"no-driver", ReasonProxyAnnotationInvalid, "no " + AnnDriver + " annotation"},
+		{"not-csi", ReasonProxyAnnotationInvalid, `annotation ` + AnnDriver + `: driver name "my_driver" has '_'`},
 	} {
-		if p := problems[i]; p.Pod.Name != want.pod || p.Reason != ReasonProxyAnnotationInvalid || !strings.Contains(p.Message, want.says) {
-			t.Errorf("problem %d: %s (reason %s), want pod %s, %s, saying %q", i, p, p.Reason, want.pod, ReasonProxyAnnotationInvalid, want.says)
+		if p := problems[i]; p.Pod.Name != want.pod || p.Reason != want.reason || !strings.Contains(p.Message, want.says) {
+			t.Errorf("problem %d: %s (reason %s), want pod %s, %s, saying %q", i, p, p.Reason, want.pod, want.reason, want.says)
 		}
 	}
 	if err := d1.Validate(); err != nil {
@@ -478,5 +479,32 @@ func TestDiscoveryNudgedWhenItBecomesTheLeader(t *testing.T) {
 	case <-d.kick:
 	case <-time.After(10 * time.Second):
 		t.Fatal("no sync asked for 10s after this replica became the leader")
+	}
+}
+
+// A second proxy for a node already served, and pods of one driver that
+// disagree about node-local, are said on the pods concerned.
+func TestDriversFromPodsConflicts(t *testing.T) {
+	local := func(p *corev1.Pod) *corev1.Pod { p.Annotations[AnnNodeLocal] = "true"; return p }
+	pods := []*corev1.Pod{
+		local(proxyPod("node-1", "d1", "10.0.1.1", "n1", true, true, "")),
+		local(proxyPod("node-1-old", "d1", "10.0.1.9", "n1", true, true, "")),
+		proxyPod("ctrl", "d1", "10.0.0.1", "n2", false, true, ""),
+	}
+	got, problems := DriversFromPods(pods, broker.DriverConfig{Timeout: time.Minute})
+	d1 := got["d1"]
+	if !d1.NodeLocal || len(d1.Nodes) != 1 || d1.Nodes[0].Address != "10.0.1.1:7443" || d1.Controller == nil {
+		t.Fatalf("driver %+v", d1)
+	}
+	if len(problems) != 2 {
+		t.Fatalf("problems %v, want two", problems)
+	}
+	for i, want := range []struct{ pod, says string }{
+		{"node-1-old", "not used: pod drivers/node-1 (first by name) is the proxy of d1 on node n1"},
+		{"ctrl", "has no " + AnnNodeLocal + "=true annotation, but pod drivers/node-1 of driver d1 has"},
+	} {
+		if p := problems[i]; p.Pod.Name != want.pod || p.Reason != ReasonProxyNotUsed || !strings.Contains(p.Message, want.says) {
+			t.Errorf("problem %d: %s (reason %s), want pod %s saying %q", i, p, p.Reason, want.pod, want.says)
+		}
 	}
 }
