@@ -243,7 +243,6 @@ type feConn struct {
 	rd        *rawgrpc.FrameReader // reads fr, header blocks decoded
 
 	mu        sync.Mutex
-	cond      *sync.Cond // windows grew, a stream ended, or the connection closed
 	bw        *bufio.Writer
 	enc       *hpack.Encoder
 	hbuf      bytes.Buffer
@@ -272,7 +271,11 @@ type feStream struct {
 	tooBig bool   // the unary request passed MaxMsgSize; its bytes are dropped
 	// expiry ends a unary call whose request is not whole at its
 	// deadline (nil: no grpc-timeout).
-	expiry      *time.Timer
+	expiry *time.Timer
+	// cond wakes the call's writer waiting for window (made when it first
+	// waits; on c.mu): its window or the connection's grew, or it ended.
+	// Per call, so that a window update wakes only what it can unblock.
+	cond        *sync.Cond
 	in          *feInput
 	ctx         context.Context
 	cancel      context.CancelFunc
@@ -296,7 +299,6 @@ func newFEConn(s *feServer, nc net.Conn) *feConn {
 		streams: map[uint32]*feStream{},
 		sendWin: rawgrpc.DefaultWindow, recvWin: feConnWindow, peer: rawgrpc.DefaultPeerSettings(0),
 	}
-	c.cond = sync.NewCond(&c.mu)
 	c.fr = http2.NewFramer(c.bw, c.br)
 	c.fr.SetMaxReadFrameSize(16 << 10)
 	c.fr.MaxHeaderListSize = rawgrpc.MaxHeaderList
@@ -438,9 +440,9 @@ func (c *feConn) closeLocked(error) {
 		if st.in != nil {
 			st.in.abort()
 		}
+		st.wake()
 		delete(c.streams, id)
 	}
-	c.cond.Broadcast()
 }
 
 func (c *feConn) connErrorLocked(code http2.ErrCode, why string) {
@@ -497,7 +499,7 @@ func (c *feConn) resetLocked(st *feStream) {
 		st.in.abort()
 	}
 	c.removeLocked(st)
-	c.cond.Broadcast()
+	st.wake()
 }
 
 func (c *feConn) removeLocked(st *feStream) {
@@ -691,19 +693,28 @@ func (c *feConn) onSettingsLocked(fr *http2.SettingsFrame) {
 	}
 	for _, st := range c.streams {
 		st.sendWin += delta
+		if delta > 0 {
+			st.wake()
+		}
 	}
 	c.writeErr(c.framer().WriteSettingsAck())
 	c.needFlush = true
-	c.cond.Broadcast()
 }
 
 func (c *feConn) onWindowUpdateLocked(fr *http2.WindowUpdateFrame) {
 	if fr.StreamID == 0 {
+		shut := c.sendWin <= 0
 		if !rawgrpc.GrowWindow(&c.sendWin, fr.Increment) {
 			c.connErrorLocked(http2.ErrCodeFlowControl, "connection window beyond 2^31-1")
 			return
 		}
-		c.cond.Broadcast()
+		if shut {
+			// Only then can a writer be waiting on the connection's
+			// window; the others wait on their streams'.
+			for _, st := range c.streams {
+				st.wake()
+			}
+		}
 		return
 	}
 	st := c.streams[fr.StreamID]
@@ -716,7 +727,7 @@ func (c *feConn) onWindowUpdateLocked(fr *http2.WindowUpdateFrame) {
 		c.resetLocked(st)
 		return
 	}
-	c.cond.Broadcast()
+	st.wake()
 }
 
 // writeHeadersLocked writes fields as HEADERS (+ CONTINUATION) on stream id.
@@ -809,11 +820,14 @@ func (c *feConn) sendDataLocked(st *feStream, data []byte) error {
 				// The wait ends with the call too; registered once.
 				stop = context.AfterFunc(st.ctx, func() {
 					c.mu.Lock()
-					c.cond.Broadcast()
+					st.wake()
 					c.mu.Unlock()
 				})
 			}
-			c.cond.Wait()
+			if st.cond == nil {
+				st.cond = sync.NewCond(&c.mu)
+			}
+			st.cond.Wait()
 			continue
 		}
 		c.writeErr(c.framer().WriteData(st.id, false, data[:n]))
@@ -927,6 +941,13 @@ func (c *feConn) shrinkStatus(st *feStream, headersSent bool, s *status.Status) 
 		msg = msg[:cut]
 	}
 	return append(fields, hpack.HeaderField{Name: "grpc-message", Value: msg + note})
+}
+
+// wake wakes st's writer if it waits for window (c.mu held).
+func (st *feStream) wake() {
+	if st.cond != nil {
+		st.cond.Broadcast()
+	}
 }
 
 // arrivedLocked ends st's request's share of the bytes still arriving

@@ -155,3 +155,27 @@ func TestPushPromiseIsAProtocolError(t *testing.T) {
 		})
 	}
 }
+
+// TestFrontEndWindowUpdateWakesItsCall: answers held by shut stream
+// windows go out as their own windows open, each on its own (a window
+// update wakes only the call it can unblock).
+func TestFrontEndWindowUpdateWakesItsCall(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	nc, err := net.Dial("unix", c.Front)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := rawPeer(t, nc, true, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
+	ct := hpack.HeaderField{Name: "content-type", Value: "application/grpc"}
+	rawCall(t, r, 1, "/csi.v1.Controller/CreateVolume", ct)
+	rawCall(t, r, 3, "/csi.v1.Controller/CreateVolume", ct)
+	for _, id := range []uint32{3, 1} {
+		if err := r.fr.WriteWindowUpdate(id, 1<<16); err != nil {
+			t.Fatal(err)
+		}
+		if code, msg := statusOf(t, r, id); code != "0" {
+			t.Fatalf("stream %d: status %s %q, want OK once its window opened", id, code, msg)
+		}
+	}
+}
