@@ -928,7 +928,9 @@ func (c *upConn) onWindowUpdateLocked(f *http2.WindowUpdateFrame) {
 			c.failLocked(errors.New("the proxy overflowed the connection window"))
 			return
 		}
-	} else if call := c.calls[f.StreamID]; call != nil && !rawgrpc.GrowWindow(&call.sendWin, f.Increment) {
+	} else if call := c.calls[f.StreamID]; call == nil {
+		return // a call that ended: nothing waits on its window
+	} else if !rawgrpc.GrowWindow(&call.sendWin, f.Increment) {
 		c.writeLocked(c.framer().WriteRSTStream(f.StreamID, http2.ErrCodeFlowControl))
 		c.flushLocked()
 		c.endLocked(call, status.Errorf(codes.Internal, "csibroker: proxy %s overflowed the call's window", c.u.addr))
