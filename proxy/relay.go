@@ -320,6 +320,17 @@ func (c *conn) sendLocked(l *leg, o out, credits []credit) []credit {
 	}
 	if len(l.pending) > 0 || l.id == 0 {
 		if o.isData {
+			if n := len(l.pending); n > 0 && l.pending[n-1].isData && !l.pending[n-1].end && l.pending[n-1].from == o.from {
+				// Behind DATA still queued: joined to it, so that a
+				// peer's many small (or empty) frames, which flow
+				// control does not bound in number, make one entry.
+				last := &l.pending[n-1]
+				last.data, last.end = append(last.data, o.data...), o.end
+				return credits
+			}
+			if len(o.data) == 0 && !o.end {
+				return credits // carries nothing
+			}
 			o.data = bytes.Clone(o.data)
 		}
 		l.pending = append(l.pending, o)

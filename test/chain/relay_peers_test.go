@@ -81,7 +81,7 @@ func rawPeer(t *testing.T, nc net.Conn, read bool, settings ...http2.Setting) *r
 					return
 				}
 				switch f.(type) {
-				case *http2.RSTStreamFrame, *http2.GoAwayFrame, *http2.MetaHeadersFrame:
+				case *http2.RSTStreamFrame, *http2.GoAwayFrame, *http2.MetaHeadersFrame, *http2.PingFrame:
 					select {
 					case r.frames <- f:
 					default:
@@ -351,5 +351,46 @@ func TestRelayKeepsToTheDriversHeaderListLimit(t *testing.T) {
 	}
 	if n := e.calls.Load(); n != 2 {
 		t.Fatalf("the driver saw %d calls, want 2 (the one over its limit never sent)", n)
+	}
+}
+
+// TestRelayQueuesFramesNotTheirCount: DATA frames behind ones a driver's
+// shut window holds are queued as their bytes, not one entry each: half a
+// million empty frames (which flow control does not bound) leave the
+// proxy's heap as it was.
+func TestRelayQueuesFramesNotTheirCount(t *testing.T) {
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	serveDriver(t, path, grpc.StreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		select { // never reads; ends with its call
+		case <-time.After(20 * time.Second):
+		case <-ss.Context().Done():
+		}
+		return h(srv, ss)
+	}))
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
+	r := dialRawBroker(t, c, true)
+	r.headers(1, "/csi.v1.SnapshotMetadata/GetMetadataAllocated", false)
+	chunk := make([]byte, 16<<10)
+	binary.BigEndian.PutUint32(chunk[1:], 1<<30)
+	for i := 0; i < 8; i++ { // 128 KiB: past the driver's window, within the proxy's
+		if err := r.fr.WriteData(1, false, chunk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := heapMiB()
+	for i := 0; i < 500_000; i++ {
+		if err := r.fr.WriteData(1, false, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := r.fr.WritePing(false, [8]byte{7}); err != nil {
+		t.Fatal(err)
+	}
+	r.wait(t, "the PING's ack, after every empty frame", func(f http2.Frame) bool {
+		p, ok := f.(*http2.PingFrame)
+		return ok && p.IsAck() && p.Data == [8]byte{7}
+	})
+	if grew := heapMiB() - before; grew > 8 {
+		t.Fatalf("heap grew by %d MiB for half a million empty DATA frames", grew)
 	}
 }
