@@ -777,8 +777,13 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 		return c.remove(ctx, key)
 	}
 	if item.kept {
+		// The driver is not registered: its object stays as it is,
+		// unless its class went (or was made again, maybe otherwise).
+		if class, err := c.b.classes.Get(key.class); apierrors.IsNotFound(err) || (err == nil && item.classUID != "" && class.UID != item.classUID) {
+			return c.remove(ctx, key)
+		}
 		c.refreshes.WithLabelValues(key.driver, "kept").Inc()
-		return nil // the driver is not registered: its object stays as it is
+		return nil
 	}
 	class, err := c.b.classes.Get(key.class)
 	if apierrors.IsNotFound(err) {

@@ -1072,3 +1072,24 @@ func TestNodeLocalDriverWithItsFirstNodeDown(t *testing.T) {
 		t.Fatalf("node B has %d volumes, want the claim's", n)
 	}
 }
+
+// TestCapacityKeptObjectOfADeletedClassGoes: an object kept because its
+// driver is not registered for a moment still goes when its StorageClass
+// is deleted (it stayed until the driver came back or the grace period
+// ended).
+func TestCapacityKeptObjectOfADeletedClassGoes(t *testing.T) {
+	z := setUpZoneCapacity(t)
+	longCapacityGrace(t)
+	run := startBridge(t, z.env, z.ns, z.drivers, bridgeOpts{})
+	waitCapacities(t, z.c, z.ns, z.drv, map[string]int64{z.key: 8 * gib})
+	gone := time.Now()
+	z.drivers.gone.Store(true)
+	waitLogLine(t, run, "driver unregistered; its capacity objects keep their last value", "driver="+z.drv)
+	if err := z.c.StorageV1().StorageClasses().Delete(context.Background(), z.class.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitCapacities(t, z.c, z.ns, z.drv, map[string]int64{})
+	if d := time.Since(gone); d >= capacityUnregisteredGrace {
+		t.Fatalf("the object went %v after its driver was unregistered, at the end of the %v grace period, not with its class", d, capacityUnregisteredGrace)
+	}
+}
