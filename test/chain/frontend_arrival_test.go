@@ -3,7 +3,6 @@ package chain
 import (
 	"encoding/binary"
 	"fmt"
-	"net"
 	"strings"
 	"testing"
 	"time"
@@ -69,11 +68,7 @@ func statusOf(t *testing.T, r *rawBroker, id uint32) (string, string) {
 func TestFrontEndDeadlineOfARequestStillArriving(t *testing.T) {
 	e, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
-	nc, err := net.Dial("unix", c.Front)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := rawPeer(t, nc, true)
+	r := dialRawFront(t, c)
 	openCall(r, 1, "300m")
 	prefix := make([]byte, 5)
 	binary.BigEndian.PutUint32(prefix[1:], 1<<20)
@@ -98,11 +93,7 @@ func TestFrontEndDeadlineOfARequestStillArriving(t *testing.T) {
 func TestFrontEndBoundsRequestsStillArriving(t *testing.T) {
 	_, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, MaxMsgSize: 1 << 20})
-	nc, err := net.Dial("unix", c.Front)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := rawPeer(t, nc, true)
+	r := dialRawFront(t, c)
 	msg, err := proto.Marshal(&csi.CreateVolumeRequest{Name: "big", Parameters: map[string]string{"big": strings.Repeat("x", 900<<10), "quiet": "true"}})
 	if err != nil {
 		t.Fatal(err)
@@ -138,11 +129,7 @@ func TestFrontEndBoundsRequestsStillArriving(t *testing.T) {
 func TestPushPromiseIsAProtocolError(t *testing.T) {
 	_, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
-	nc, err := net.Dial("unix", c.Front)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for name, r := range map[string]*rawBroker{"front end": rawPeer(t, nc, true), "proxy": dialRawBroker(t, c, true)} {
+	for name, r := range map[string]*rawBroker{"front end": dialRawFront(t, c), "proxy": dialRawBroker(t, c, true)} {
 		r.headers(1, "/csi.v1.Identity/Probe", false)
 		r.hbuf.Reset()
 		r.enc.WriteField(hpack.HeaderField{Name: ":method", Value: "GET"})
@@ -162,11 +149,7 @@ func TestPushPromiseIsAProtocolError(t *testing.T) {
 func TestFrontEndWindowUpdateWakesItsCall(t *testing.T) {
 	_, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
-	nc, err := net.Dial("unix", c.Front)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := rawPeer(t, nc, true, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
+	r := dialRawFront(t, c, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
 	ct := hpack.HeaderField{Name: "content-type", Value: "application/grpc"}
 	rawCall(t, r, 1, "/csi.v1.Controller/CreateVolume", ct)
 	rawCall(t, r, 3, "/csi.v1.Controller/CreateVolume", ct)

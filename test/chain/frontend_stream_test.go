@@ -178,11 +178,7 @@ func TestFrontEndTimeoutCountsFromTheHeaders(t *testing.T) {
 	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
 	echo, _ := serveDriver(t, path)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
-	nc, err := net.Dial("unix", c.Front)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := rawPeer(t, nc, true)
+	r := dialRawFront(t, c)
 	r.hbuf.Reset()
 	for _, f := range []hpack.HeaderField{{Name: ":method", Value: "POST"}, {Name: ":scheme", Value: "http"}, {Name: ":path", Value: "/csi.v1.Controller/CreateVolume"},
 		{Name: ":authority", Value: "csibroker"}, {Name: "te", Value: "trailers"}, {Name: "content-type", Value: "application/grpc"}, {Name: "grpc-timeout", Value: "2S"}} {
@@ -221,11 +217,7 @@ func TestFrontEndTimeoutCountsFromTheHeaders(t *testing.T) {
 func TestFrontEndExpiredTimeoutAndOtherProtocols(t *testing.T) {
 	_, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
-	nc, err := net.Dial("unix", c.Front)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := rawPeer(t, nc, true)
+	r := dialRawFront(t, c)
 	grpcCT := hpack.HeaderField{Name: "content-type", Value: "application/grpc"}
 
 	h := rawCall(t, r, 1, "/csi.v1.Identity/Probe", grpcCT, hpack.HeaderField{Name: "grpc-timeout", Value: "0n"})
@@ -276,11 +268,7 @@ func rawField(fields []hpack.HeaderField, name string) string {
 func TestFrontEndFrameTooLarge(t *testing.T) {
 	_, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
-	nc, err := net.Dial("unix", c.Front)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := rawPeer(t, nc, true)
+	r := dialRawFront(t, c)
 	r.hbuf.Reset()
 	for _, f := range []hpack.HeaderField{{Name: ":method", Value: "POST"}, {Name: ":scheme", Value: "http"}, {Name: ":path", Value: "/csi.v1.Identity/Probe"},
 		{Name: ":authority", Value: "csibroker"}, {Name: "content-type", Value: "application/grpc"}} {
@@ -393,11 +381,7 @@ func TestStreamsKeepTheDriversTimeout(t *testing.T) {
 func TestFrontEndAnswerHeldByAShutWindowEndsAtTheDeadline(t *testing.T) {
 	_, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
-	nc, err := net.Dial("unix", c.Front)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := rawPeer(t, nc, true, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
+	r := dialRawFront(t, c, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
 	start := time.Now()
 	rawCall(t, r, 1, "/csi.v1.Controller/CreateVolume", hpack.HeaderField{Name: "content-type", Value: "application/grpc"}, hpack.HeaderField{Name: "grpc-timeout", Value: "500m"})
 	rst := r.wait(t, "RST_STREAM for the held answer", func(f http2.Frame) bool {

@@ -43,6 +43,17 @@ func dialRawBroker(t *testing.T, c *chaintest.Chain, read bool, settings ...http
 	return dialRawBrokerUntil(t, c, time.Now().Add(time.Hour), read, settings...)
 }
 
+// dialRawFront speaks HTTP/2 to c's front end socket, frame by frame,
+// reading what comes back.
+func dialRawFront(t *testing.T, c *chaintest.Chain, settings ...http2.Setting) *rawBroker {
+	t.Helper()
+	nc, err := net.Dial("unix", c.Front)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rawPeer(t, nc, true, settings...)
+}
+
 // dialRawBrokerUntil is dialRawBroker with a broker certificate that
 // expires at notAfter.
 func dialRawBrokerUntil(t *testing.T, c *chaintest.Chain, notAfter time.Time, read bool, settings ...http2.Setting) *rawBroker {
@@ -119,6 +130,22 @@ func (r *rawBroker) wait(t *testing.T, what string, ok func(http2.Frame) bool) h
 	}
 }
 
+// serveNonReadingDriver serves the echo driver with streaming calls that
+// never read their requests (they end with their call, or after 20 s),
+// and returns its endpoint.
+func serveNonReadingDriver(t *testing.T) string {
+	t.Helper()
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	serveDriver(t, path, grpc.StreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		select { // never reads; ends with its call
+		case <-time.After(20 * time.Second):
+		case <-ss.Context().Done():
+		}
+		return h(srv, ss)
+	}))
+	return "unix://" + path
+}
+
 func heapMiB() int64 {
 	runtime.GC()
 	var ms runtime.MemStats
@@ -130,15 +157,7 @@ func heapMiB() int64 {
 // sends 64 MiB into a call whose driver does not read; the proxy resets the
 // stream with FLOW_CONTROL_ERROR and holds no more than its window.
 func TestRelayRefusesDataBeyondItsWindow(t *testing.T) {
-	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
-	serveDriver(t, path, grpc.StreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-		select { // never reads; ends with its call
-		case <-time.After(20 * time.Second):
-		case <-ss.Context().Done():
-		}
-		return h(srv, ss)
-	}))
-	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: serveNonReadingDriver(t)})
 	r := dialRawBroker(t, c, true)
 	before := heapMiB()
 	r.headers(1, "/csi.v1.SnapshotMetadata/GetMetadataAllocated", false)
@@ -253,11 +272,7 @@ func TestRelayRefusesOversizedHeaderList(t *testing.T) {
 func TestFrontEndRefusesOversizedHeaderList(t *testing.T) {
 	_, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
-	nc, err := net.Dial("unix", c.Front)
-	if err != nil {
-		t.Fatal(err)
-	}
-	refusesOversizedHeaderList(t, rawPeer(t, nc, true), "/csi.v1.Identity/Probe")
+	refusesOversizedHeaderList(t, dialRawFront(t, c), "/csi.v1.Identity/Probe")
 }
 
 // refusesOversizedHeaderList sends a Probe with 1.2 MiB of metadata on
@@ -359,15 +374,7 @@ func TestRelayKeepsToTheDriversHeaderListLimit(t *testing.T) {
 // million empty frames (which flow control does not bound) leave the
 // proxy's heap as it was.
 func TestRelayQueuesFramesNotTheirCount(t *testing.T) {
-	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
-	serveDriver(t, path, grpc.StreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-		select { // never reads; ends with its call
-		case <-time.After(20 * time.Second):
-		case <-ss.Context().Done():
-		}
-		return h(srv, ss)
-	}))
-	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: "unix://" + path})
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: serveNonReadingDriver(t)})
 	r := dialRawBroker(t, c, true)
 	r.headers(1, "/csi.v1.SnapshotMetadata/GetMetadataAllocated", false)
 	chunk := make([]byte, 16<<10)
