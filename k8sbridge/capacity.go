@@ -777,8 +777,10 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 		return c.remove(ctx, key)
 	}
 	if item.kept {
-		// The driver is not registered: its object stays as it is,
-		// unless its class went (or was made again, maybe otherwise).
+		// The driver (or, node-local, the node's proxy) is not
+		// registered: its object stays as it is, unless its class went
+		// (or, for an unregistered driver, was made again). Seen at this
+		// key's next refresh (the poll).
 		if class, err := c.b.classes.Get(key.class); apierrors.IsNotFound(err) || (err == nil && item.classUID != "" && class.UID != item.classUID) {
 			return c.remove(ctx, key)
 		}

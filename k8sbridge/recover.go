@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -246,7 +247,10 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 		return "", requester, stageConn, err
 	}
 	// The latest request first; AlreadyExists (the volume exists, made by
-	// another request) moves on to the earlier ones.
+	// another request) and no room (a request that may not be the one that
+	// made it) move on to the earlier ones. Only when every request was
+	// refused for want of room, by the driver itself, is there no volume.
+	absent := len(reqs) > 0
 	for _, req := range reqs {
 		callCtx, cancel := p.b.callContext(ctx, in.Driver, "CreateVolume")
 		req.Secrets = secrets
@@ -257,15 +261,28 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 		if err == nil {
 			return resp.GetVolume().GetVolumeId(), requester, 0, nil
 		}
-		switch status.Code(err) {
-		case codes.AlreadyExists:
+		if driversNoRoom(err) {
 			continue
-		case codes.ResourceExhausted, codes.OutOfRange:
-			return "", requester, stageAbsent, err
+		}
+		absent = false
+		if status.Code(err) == codes.AlreadyExists {
+			continue
 		}
 		break
 	}
+	if absent {
+		return "", requester, stageAbsent, err
+	}
 	return "", requester, stageCreate, err
+}
+
+// driversNoRoom reports whether err is a driver's ResourceExhausted or
+// OutOfRange, which the CSI spec lets no plugin give for a name it has a
+// compatible volume of; not one the broker made itself (an answer over
+// its message limit, a reset), whose messages start "csibroker:".
+func driversNoRoom(err error) bool {
+	st := status.Convert(err)
+	return (st.Code() == codes.ResourceExhausted || st.Code() == codes.OutOfRange) && !strings.HasPrefix(st.Message(), "csibroker:")
 }
 
 // deleteOrphan re-issues the recorded CreateVolume to learn the volume's ID

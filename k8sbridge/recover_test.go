@@ -410,3 +410,52 @@ func TestLearnVolumeIDFromAnEarlierRequest(t *testing.T) {
 		t.Fatalf("with the earlier request: ID %q, %v; want %q", id, err, resp.GetVolume().GetVolumeId())
 	}
 }
+
+// TestLearnVolumeIDPastANoRoomAnswer: "no room" proves there is no volume
+// only when every recorded request gets it. A driver that checks topology
+// before the name answers the latest request ResourceExhausted; the
+// earlier one, which made the volume, still gets its ID. With no earlier
+// request, or after an AlreadyExists, there is no proof of absence.
+func TestLearnVolumeIDPastANoRoomAnswer(t *testing.T) {
+	drivers := &testDrivers{}
+	drv := "zoned.csi.test"
+	drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{"zone": "z1"}}, CapacityBytes: 4 << 30})
+	made := createRequest("pvc-zoned")
+	made.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"zone": "z1"}}}}
+	conn, err := drivers.ControllerConn(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := csi.NewControllerClient(conn).CreateVolume(context.Background(), made)
+	if err != nil {
+		t.Fatal(err)
+	}
+	elsewhere := createRequest("pvc-zoned")
+	elsewhere.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"zone": "z9"}}}}
+	tooBig := createRequest("pvc-zoned")
+	tooBig.CapacityRange.RequiredBytes = 8 << 30
+	raw := func(r *csi.CreateVolumeRequest) []byte {
+		b, err := proto.Marshal(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	p := &provisioner{b: &Bridge{cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
+	in := Intent{VolumeName: "pvc-zoned", Driver: drv, Request: raw(elsewhere), EarlierRequests: [][]byte{raw(made)}}
+	id, _, stage, err := p.learnVolumeID(context.Background(), in)
+	if err != nil || id != resp.GetVolume().GetVolumeId() {
+		t.Fatalf("no room for the latest request, the earlier made the volume: ID %q, stage %v, %v; want %q", id, stage, err, resp.GetVolume().GetVolumeId())
+	}
+	in = Intent{VolumeName: "pvc-zoned", Driver: drv, Request: raw(elsewhere)}
+	if _, _, stage, err := p.learnVolumeID(context.Background(), in); stage != stageAbsent || status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("the no-room request alone: stage %v, %v; want absent", stage, err)
+	}
+	in = Intent{VolumeName: "pvc-zoned", Driver: drv, Request: raw(tooBig), EarlierRequests: [][]byte{raw(elsewhere)}}
+	if _, _, stage, err := p.learnVolumeID(context.Background(), in); stage == stageAbsent {
+		t.Fatalf("after AlreadyExists (%v), a no-room answer was taken as absence", err)
+	}
+	if driversNoRoom(status.Error(codes.ResourceExhausted, "csibroker: received message larger than max (4 bytes)")) {
+		t.Error("the broker's own ResourceExhausted taken as the driver's")
+	}
+}
