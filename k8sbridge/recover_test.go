@@ -392,19 +392,12 @@ func TestLearnVolumeIDFromAnEarlierRequest(t *testing.T) {
 	}
 	later := createRequest("pvc-strict")
 	later.CapacityRange.RequiredBytes *= 2
-	raw := func(r *csi.CreateVolumeRequest) []byte {
-		b, err := proto.Marshal(r)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return b
-	}
 	p := &provisioner{b: &Bridge{cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
-	in := Intent{VolumeName: "pvc-strict", Driver: drv, Request: raw(later)}
+	in := Intent{VolumeName: "pvc-strict", Driver: drv, Request: marshalRequest(t, later)}
 	if _, _, _, err := p.learnVolumeID(context.Background(), in); status.Code(err) != codes.AlreadyExists {
 		t.Fatalf("the later request alone: %v, want AlreadyExists (the driver checks the request)", err)
 	}
-	in.EarlierRequests = [][]byte{raw(made)}
+	in.EarlierRequests = [][]byte{marshalRequest(t, made)}
 	id, _, _, err := p.learnVolumeID(context.Background(), in)
 	if err != nil || id != resp.GetVolume().GetVolumeId() {
 		t.Fatalf("with the earlier request: ID %q, %v; want %q", id, err, resp.GetVolume().GetVolumeId())
@@ -434,28 +427,31 @@ func TestLearnVolumeIDPastANoRoomAnswer(t *testing.T) {
 	elsewhere.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"zone": "z9"}}}}
 	tooBig := createRequest("pvc-zoned")
 	tooBig.CapacityRange.RequiredBytes = 8 << 30
-	raw := func(r *csi.CreateVolumeRequest) []byte {
-		b, err := proto.Marshal(r)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return b
-	}
 	p := &provisioner{b: &Bridge{cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
-	in := Intent{VolumeName: "pvc-zoned", Driver: drv, Request: raw(elsewhere), EarlierRequests: [][]byte{raw(made)}}
+	in := Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, elsewhere), EarlierRequests: [][]byte{marshalRequest(t, made)}}
 	id, _, stage, err := p.learnVolumeID(context.Background(), in)
 	if err != nil || id != resp.GetVolume().GetVolumeId() {
 		t.Fatalf("no room for the latest request, the earlier made the volume: ID %q, stage %v, %v; want %q", id, stage, err, resp.GetVolume().GetVolumeId())
 	}
-	in = Intent{VolumeName: "pvc-zoned", Driver: drv, Request: raw(elsewhere)}
+	in = Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, elsewhere)}
 	if _, _, stage, err := p.learnVolumeID(context.Background(), in); stage != stageAbsent || status.Code(err) != codes.ResourceExhausted {
 		t.Fatalf("the no-room request alone: stage %v, %v; want absent", stage, err)
 	}
-	in = Intent{VolumeName: "pvc-zoned", Driver: drv, Request: raw(tooBig), EarlierRequests: [][]byte{raw(elsewhere)}}
+	in = Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, tooBig), EarlierRequests: [][]byte{marshalRequest(t, elsewhere)}}
 	if _, _, stage, err := p.learnVolumeID(context.Background(), in); stage == stageAbsent {
 		t.Fatalf("after AlreadyExists (%v), a no-room answer was taken as absence", err)
 	}
 	if driversNoRoom(status.Error(codes.ResourceExhausted, "csibroker: received message larger than max (4 bytes)")) {
 		t.Error("the broker's own ResourceExhausted taken as the driver's")
 	}
+}
+
+// marshalRequest is r as an intent entry records it.
+func marshalRequest(t *testing.T, r *csi.CreateVolumeRequest) []byte {
+	t.Helper()
+	b, err := proto.Marshal(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
 }
