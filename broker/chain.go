@@ -397,6 +397,9 @@ func redactValues(err error, values []string) error {
 		return err
 	}
 	pb.Details = details
+	if Answered(err) {
+		return answered{status.FromProto(pb)}
+	}
 	return status.FromProto(pb).Err()
 }
 

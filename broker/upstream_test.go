@@ -6,6 +6,7 @@ import (
 	"crypto/tls"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"strings"
@@ -555,5 +556,38 @@ func TestUpstreamRefusesPushPromise(t *testing.T) {
 	}
 	if ctx.Err() != nil {
 		t.Fatal("the call waited for its deadline")
+	}
+}
+
+// TestAnsweredMarksOnlyTheProxysStatus: a status read from the answer's
+// trailers is marked as answered, and keeps the mark when a secret is
+// redacted from it; one the broker makes itself is not, whatever its
+// message says.
+func TestAnsweredMarksOnlyTheProxysStatus(t *testing.T) {
+	fromDriver := trailerStatus([]hpack.HeaderField{{Name: "grpc-status", Value: "8"}, {Name: "grpc-message", Value: "no room for key s3cr3t"}}, "proxy:1")
+	if !Answered(fromDriver) || status.Code(fromDriver) != codes.ResourceExhausted || status.Convert(fromDriver).Message() != "no room for key s3cr3t" {
+		t.Fatalf("the trailers' status: %v, answered %v", fromDriver, Answered(fromDriver))
+	}
+	redacted := redactValues(fromDriver, []string{"s3cr3t"})
+	if !Answered(redacted) || status.Convert(redacted).Message() != "no room for key ***stripped***" {
+		t.Fatalf("redacted: %v, answered %v", redacted, Answered(redacted))
+	}
+	if err := trailerStatus([]hpack.HeaderField{{Name: "grpc-status", Value: "x"}}, "proxy:1"); Answered(err) {
+		t.Fatalf("a malformed grpc-status is the broker's reading, not an answer: %v", err)
+	}
+	if err := trailerStatus([]hpack.HeaderField{{Name: "grpc-status", Value: "0"}}, "proxy:1"); err != nil {
+		t.Fatalf("OK: %v", err)
+	}
+	for _, err := range []error{
+		status.Error(codes.ResourceExhausted, "received message larger than max (4 bytes)"),
+		fmt.Errorf("wrapped: %w", status.Error(codes.OutOfRange, "x")),
+		nil,
+	} {
+		if Answered(err) {
+			t.Errorf("%v taken as answered", err)
+		}
+	}
+	if !Answered(fmt.Errorf("wrapped: %w", fromDriver)) {
+		t.Error("a wrapped answer lost its mark")
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -16,6 +15,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -278,11 +278,12 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 
 // driversNoRoom reports whether err is a driver's ResourceExhausted or
 // OutOfRange, which the CSI spec lets no plugin give for a name it has a
-// compatible volume of; not one the broker made itself (an answer over
-// its message limit, a reset), whose messages start "csibroker:".
+// compatible volume of. Only an answer the proxy carried counts (the proxy
+// gives neither code of its own to a CSI call); one the broker made itself
+// (an answer over its message limit, a reset) says nothing about volumes.
 func driversNoRoom(err error) bool {
-	st := status.Convert(err)
-	return (st.Code() == codes.ResourceExhausted || st.Code() == codes.OutOfRange) && !strings.HasPrefix(st.Message(), "csibroker:")
+	code := status.Code(err)
+	return (code == codes.ResourceExhausted || code == codes.OutOfRange) && broker.Answered(err)
 }
 
 // deleteOrphan re-issues the recorded CreateVolume to learn the volume's ID
