@@ -73,7 +73,7 @@ import (
 // writes the CSI driver's name into volume.kubernetes.io/storage-resizer;
 // the broker enqueues a claim when that annotation changes and, finding it
 // names a registered driver on a PV without a CSI source, says in an Event
-// that it does not translate in-tree sources.
+// that it does not expand in-tree sources (attach translates them).
 
 const (
 	// annStorageResizer is set by kube-controller-manager on claims of
@@ -328,7 +328,7 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 		driver = pv.Spec.CSI.Driver
 	case r.registered(claim.Annotations[annStorageResizer]):
 		r.warn(ctx, claim, "",
-			"volume %s is an in-tree volume migrated to CSI driver %s (annotation %s); csibroker does not translate in-tree volume sources, expand it with the driver's own external-resizer",
+			"volume %s is an in-tree volume migrated to CSI driver %s (annotation %s); csibroker attaches such volumes but does not expand them; expand it with the driver's own external-resizer",
 			pv.Name, claim.Annotations[annStorageResizer], annStorageResizer)
 		return 0, nil
 	default:
@@ -558,7 +558,12 @@ func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolu
 			r.mu.Lock()
 			r.inUse[claim.UID] = inUseClaim{key: claim.Namespace + "/" + claim.Name, pv: pv.Name}
 			r.mu.Unlock()
-			if _, perr := r.patchClaimStatus(ctx, claim, resizeControllerFailed(claim, "failed to expand pvc with "+msg, false), false); perr != nil {
+			if r.attachedTo(pv.Name) == "" {
+				// Detached between the check and the record: its
+				// deletion found no claim waiting.
+				r.queue.Add(claim.Namespace + "/" + claim.Name)
+			}
+			if _, perr := r.patchClaimStatus(ctx, claim, resizeControllerFailed(claim, code, "failed to expand pvc with "+msg, false), false); perr != nil {
 				r.b.log.Warn("recording an expansion failure on the claim failed", "claim", claim.Namespace+"/"+claim.Name, "err", perr)
 			}
 			r.warn(ctx, claim, "ControllerExpandVolume in use",
@@ -576,7 +581,7 @@ func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolu
 		}
 		// No resourceVersion precondition: the failure must be recorded
 		// even if our copy of the claim is a little old.
-		if _, perr := r.patchClaimStatus(ctx, claim, resizeControllerFailed(claim, "failed to expand pvc with "+msg, infeasible), false); perr != nil {
+		if _, perr := r.patchClaimStatus(ctx, claim, resizeControllerFailed(claim, code, "failed to expand pvc with "+msg, infeasible), false); perr != nil {
 			r.b.log.Warn("recording an expansion failure on the claim failed", "claim", claim.Namespace+"/"+claim.Name, "err", perr)
 		}
 	}
@@ -761,8 +766,12 @@ func isResizeCondition(t corev1.PersistentVolumeClaimConditionType) bool {
 
 // mergeResizeConditions sets the resize conditions in want and keeps the
 // other resize conditions for which keep says so (non-resize conditions are
-// always kept). A condition already present with the same status is kept as
-// it is (transition time and message), so repeating a step changes nothing.
+// always kept). A condition already present with the same status and
+// reason is kept as it is (transition time and message), so repeating a
+// step changes nothing (a driver's message that differs only by a request
+// number costs no write); with another reason (a failure's gRPC code) it
+// takes the new message and reason and keeps its transition time, so the
+// claim says what failed last.
 func mergeResizeConditions(conds []corev1.PersistentVolumeClaimCondition, want []corev1.PersistentVolumeClaimCondition, keep func(corev1.PersistentVolumeClaimConditionType) bool) []corev1.PersistentVolumeClaimCondition {
 	wanted := map[corev1.PersistentVolumeClaimConditionType]corev1.PersistentVolumeClaimCondition{}
 	for _, c := range want {
@@ -772,6 +781,9 @@ func mergeResizeConditions(conds []corev1.PersistentVolumeClaimCondition, want [
 	for _, c := range conds {
 		if w, ok := wanted[c.Type]; ok {
 			if w.Status == c.Status {
+				if w.Reason != c.Reason {
+					c.Message, c.Reason = w.Message, w.Reason
+				}
 				out = append(out, c)
 			} else {
 				out = append(out, w)
@@ -862,10 +874,11 @@ func resizeFinished(claim *corev1.PersistentVolumeClaim, size resource.Quantity)
 }
 
 // resizeControllerFailed records a final ControllerExpandVolume error.
-func resizeControllerFailed(claim *corev1.PersistentVolumeClaim, msg string, infeasible bool) *corev1.PersistentVolumeClaim {
+func resizeControllerFailed(claim *corev1.PersistentVolumeClaim, code codes.Code, msg string, infeasible bool) *corev1.PersistentVolumeClaim {
 	c := claim.DeepCopy()
-	c.Status.Conditions = mergeResizeConditions(c.Status.Conditions,
-		[]corev1.PersistentVolumeClaimCondition{resizeCondition(corev1.PersistentVolumeClaimControllerResizeError, msg)}, resizeKeepAll)
+	cond := resizeCondition(corev1.PersistentVolumeClaimControllerResizeError, msg)
+	cond.Reason = code.String()
+	c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, []corev1.PersistentVolumeClaimCondition{cond}, resizeKeepAll)
 	if infeasible {
 		setResizeStatus(c, corev1.PersistentVolumeClaimControllerResizeInfeasible)
 	}

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -489,14 +490,14 @@ func TestResizeStatusSteps(t *testing.T) {
 	}
 	noop("in progress", s1, resizeInProgress(s1, q("2Gi")))
 
-	s2 := resizeControllerFailed(s1, "failed to expand pvc with rpc error: code = InvalidArgument desc = no", true)
+	s2 := resizeControllerFailed(s1, codes.InvalidArgument, "failed to expand pvc with rpc error: code = InvalidArgument desc = no", true)
 	if statusOf(s2) != corev1.PersistentVolumeClaimControllerResizeInfeasible || condTypes(s2) != "ModifyingVolume,Resizing,ControllerResizeError" {
 		t.Fatalf("infeasible: %s %s", statusOf(s2), condTypes(s2))
 	}
 	if p, err := resizeClaimPatch(s1, s2, false); err != nil || strings.Contains(string(p), "resourceVersion") {
 		t.Errorf("failure patch %s (%v): must not need the latest resourceVersion", p, err)
 	}
-	noop("infeasible", s2, resizeControllerFailed(s2, "failed to expand pvc with rpc error: code = InvalidArgument desc = other", true))
+	noop("infeasible", s2, resizeControllerFailed(s2, codes.InvalidArgument, "failed to expand pvc with rpc error: code = InvalidArgument desc = other", true))
 	// Retrying the same size keeps the recorded failure.
 	noop("retry of the same size", s2, resizeInProgress(s2, q("2Gi")))
 
@@ -508,7 +509,7 @@ func TestResizeStatusSteps(t *testing.T) {
 		t.Errorf("Resizing condition restarted: %v", got)
 	}
 
-	s4 := resizeNodePending(resizeControllerFailed(s3, "failed to expand pvc with rpc error: code = Internal desc = x", false))
+	s4 := resizeNodePending(resizeControllerFailed(s3, codes.Internal, "failed to expand pvc with rpc error: code = Internal desc = x", false))
 	if statusOf(s4) != corev1.PersistentVolumeClaimNodeResizePending || condTypes(s4) != "ModifyingVolume,Resizing,FileSystemResizePending" {
 		t.Fatalf("node pending: %s %s", statusOf(s4), condTypes(s4))
 	}
@@ -1135,5 +1136,26 @@ func TestResizeClaimWaitingForTheKubeletAsksNoDriver(t *testing.T) {
 	}
 	if evs := eventsOf(c, ns, "waiting"); strings.Contains(evs, "VolumeResizeFailed") {
 		t.Fatalf("a claim waiting for the kubelet was reported as failed:%s", evs)
+	}
+}
+
+// TestMergeResizeConditionsTakesTheLatestMessage: a failure with another
+// code says the new cause, keeping the condition's transition time; the
+// same code again, whatever its message, changes nothing (no write).
+func TestMergeResizeConditionsTakesTheLatestMessage(t *testing.T) {
+	then := metav1.NewTime(time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC))
+	claim := &corev1.PersistentVolumeClaim{Status: corev1.PersistentVolumeClaimStatus{Conditions: []corev1.PersistentVolumeClaimCondition{
+		{Type: corev1.PersistentVolumeClaimControllerResizeError, Status: corev1.ConditionTrue, LastTransitionTime: then, Reason: "Internal", Message: "failed to expand pvc with rpc error: code = Internal desc = backend busy"},
+		{Type: "Other", Status: corev1.ConditionTrue, Message: "kept"},
+	}}}
+	got := resizeControllerFailed(claim, codes.OutOfRange, "failed to expand pvc with rpc error: code = OutOfRange desc = max size is 16Ti", true)
+	conds := got.Status.Conditions
+	if len(conds) != 2 || conds[0].Message != "failed to expand pvc with rpc error: code = OutOfRange desc = max size is 16Ti" || conds[0].Reason != "OutOfRange" ||
+		!conds[0].LastTransitionTime.Equal(&then) || conds[1].Message != "kept" {
+		t.Fatalf("conditions after a failure with another code: %+v", conds)
+	}
+	again := resizeControllerFailed(got, codes.OutOfRange, "failed to expand pvc with rpc error: code = OutOfRange desc = max size is 16Ti (request 2)", true)
+	if !equality.Semantic.DeepEqual(again.Status.Conditions, conds) {
+		t.Fatalf("the same code again changed the conditions: %+v -> %+v", conds, again.Status.Conditions)
 	}
 }
