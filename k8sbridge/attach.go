@@ -21,6 +21,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/tools/cache"
+	csitrans "k8s.io/csi-translation-lib"
+	"k8s.io/klog/v2"
 
 	"github.com/csibroker/csibroker/policy"
 )
@@ -227,8 +229,10 @@ func (a *attacher) run(ctx context.Context) {
 // enqueuePV queues a PV being deleted that still holds an attacher
 // finalizer, to drop it once no attachment uses the PV.
 func (a *attacher) enqueuePV(obj any) {
-	if pv, ok := obj.(*corev1.PersistentVolume); ok && pv.DeletionTimestamp != nil && pv.Spec.CSI != nil && hasAttacherFinalizer(pv.Finalizers, pv.Spec.CSI.Driver) {
-		a.queue.Add("pv/" + pv.Name)
+	if pv, ok := obj.(*corev1.PersistentVolume); ok && pv.DeletionTimestamp != nil {
+		if drv := pvDriver(pv); drv != "" && hasAttacherFinalizer(pv.Finalizers, drv) {
+			a.queue.Add("pv/" + pv.Name)
+		}
 	}
 }
 
@@ -279,6 +283,8 @@ func vaRef(va *storagev1.VolumeAttachment) corev1.ObjectReference {
 type attachSource struct {
 	pv  *corev1.PersistentVolume // nil for an inline volume
 	csi *corev1.CSIPersistentVolumeSource
+	// migrated: pv is an in-tree volume and csi its CSI translation.
+	migrated bool
 	// For the capability: access modes, volume mode and mount options.
 	accessModes  []corev1.PersistentVolumeAccessMode
 	volumeMode   *corev1.PersistentVolumeMode
@@ -291,15 +297,57 @@ func (a *attacher) source(va *storagev1.VolumeAttachment) (*attachSource, error)
 		if err != nil {
 			return nil, fmt.Errorf("persistentvolume %s: %w", *n, err)
 		}
-		if pv.Spec.CSI == nil {
-			return nil, fmt.Errorf("persistentvolume %s is not a CSI volume", *n)
+		spec, err := csiSpec(pv)
+		if err != nil {
+			return nil, err
 		}
-		return &attachSource{pv: pv, csi: pv.Spec.CSI, accessModes: pv.Spec.AccessModes, volumeMode: pv.Spec.VolumeMode, mountOptions: pv.Spec.MountOptions}, nil
+		return &attachSource{pv: pv, csi: spec.CSI, migrated: pv.Spec.CSI == nil, accessModes: spec.AccessModes, volumeMode: spec.VolumeMode, mountOptions: spec.MountOptions}, nil
 	}
 	if spec := va.Spec.Source.InlineVolumeSpec; spec != nil && spec.CSI != nil {
 		return &attachSource{csi: spec.CSI, accessModes: spec.AccessModes, volumeMode: spec.VolumeMode, mountOptions: spec.MountOptions}, nil
 	}
 	return nil, fmt.Errorf("volumeattachment %s names no CSI volume", va.Name)
+}
+
+// migration translates the in-tree volumes that CSI migration moved to a
+// CSI driver: the attach/detach controller makes their VolumeAttachments
+// naming the driver, and their PVs keep the in-tree source.
+var migration = csitrans.New()
+
+// csiSpec is pv's spec with a CSI source: pv's own, or for an in-tree
+// volume that CSI migration moved to a driver, its translation (as
+// external-attacher translates it).
+func csiSpec(pv *corev1.PersistentVolume) (*corev1.PersistentVolumeSpec, error) {
+	if pv.Spec.CSI != nil {
+		return &pv.Spec, nil
+	}
+	if !migration.IsPVMigratable(pv) {
+		return nil, fmt.Errorf("persistentvolume %s is not a CSI volume, nor an in-tree volume that CSI migration moves to a CSI driver", pv.Name)
+	}
+	t, err := migration.TranslateInTreePVToCSI(klog.Background(), pv)
+	if err != nil {
+		return nil, fmt.Errorf("persistentvolume %s: translating its in-tree source to CSI (CSI migration): %w", pv.Name, err)
+	}
+	if t.Spec.CSI == nil {
+		return nil, fmt.Errorf("persistentvolume %s: CSI migration gave no CSI source for its in-tree source", pv.Name)
+	}
+	return &t.Spec, nil
+}
+
+// pvDriver is the CSI driver of pv, for an in-tree volume the one CSI
+// migration moved it to; "" for neither.
+func pvDriver(pv *corev1.PersistentVolume) string {
+	if pv.Spec.CSI != nil {
+		return pv.Spec.CSI.Driver
+	}
+	if migration.IsPVMigratable(pv) {
+		if plugin, err := migration.GetInTreePluginNameFromSpec(pv, nil); err == nil {
+			if drv, err := migration.GetCSINameFromInTreeName(plugin); err == nil {
+				return drv
+			}
+		}
+	}
+	return ""
 }
 
 // nodeID is the driver's ID of a node: from the CSINode, else from the
@@ -634,6 +682,21 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	}
 	cp := va.DeepCopy()
 	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
+	if len(cp.Finalizers) > 0 && (va.Status.Attached || va.Status.DetachError != nil || len(va.Status.AttachmentMetadata) > 0) {
+		// Another finalizer keeps the attachment after ours goes: its
+		// status says detached first (as external-attacher marks it), not
+		// attached with an old detach error.
+		st := va.DeepCopy()
+		st.Status.Attached, st.Status.AttachmentMetadata, st.Status.DetachError = false, nil, nil
+		updated, err := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, st, metav1.UpdateOptions{})
+		if err != nil && !apierrors.IsNotFound(err) {
+			return a.writeFailed(ctx, va, true, "volume unpublished, but marking the attachment detached failed", err)
+		}
+		if err == nil {
+			cp = updated.DeepCopy()
+			cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
+		}
+	}
 	if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		return a.writeFailed(ctx, va, true, "volume unpublished, but removing the attacher finalizer failed", err)
 	}
@@ -652,22 +715,23 @@ func (a *attacher) syncPV(ctx context.Context, name string) error {
 	if apierrors.IsNotFound(err) {
 		return nil
 	}
-	if err != nil || pv.Spec.CSI == nil || pv.DeletionTimestamp == nil {
+	if err != nil || pv.DeletionTimestamp == nil {
 		return err
 	}
-	if !hasAttacherFinalizer(pv.Finalizers, pv.Spec.CSI.Driver) {
+	driver := pvDriver(pv)
+	if driver == "" || !hasAttacherFinalizer(pv.Finalizers, driver) {
 		return nil
 	}
 	if va, err := a.b.attachmentOf(name); err != nil || va != nil {
 		return err // still used; the attachment's deletion requeues us
 	}
 	cp := pv.DeepCopy()
-	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, pv.Spec.CSI.Driver)
+	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
 	if _, err := a.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		if !apierrors.IsConflict(err) {
-			a.b.log.Warn("remove the attacher finalizer of a PersistentVolume being deleted", "pv", name, "driver", pv.Spec.CSI.Driver, "err", err)
+			a.b.log.Warn("remove the attacher finalizer of a PersistentVolume being deleted", "pv", name, "driver", driver, "err", err)
 			a.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "DetachFailed", "remove finalizer "+string(apierrors.ReasonForError(err)),
-				"no attachment uses the volume any more, but removing finalizer %s failed: %v", attacherFinalizer(pv.Spec.CSI.Driver), err)
+				"no attachment uses the volume any more, but removing finalizer %s failed: %v", attacherFinalizer(driver), err)
 		}
 		return err
 	}
@@ -700,7 +764,7 @@ func (a *attacher) reconcile(ctx context.Context) {
 	type proxyKey struct{ driver, node string }
 	byProxy := map[proxyKey][]*storagev1.VolumeAttachment{}
 	for _, va := range vas {
-		if va.Status.Attached && va.DeletionTimestamp == nil && a.registered(va.Spec.Attacher) && va.Spec.Source.PersistentVolumeName != nil {
+		if va.Status.Attached && va.DeletionTimestamp == nil && a.registered(va.Spec.Attacher) {
 			k := proxyKey{driver: va.Spec.Attacher}
 			if a.b.cfg.Drivers.NodeLocal(k.driver) {
 				k.node = va.Spec.NodeName
@@ -730,7 +794,16 @@ func (a *attacher) reconcile(ctx context.Context) {
 				a.b.log.Debug("attach reconcile: attachment skipped", "volumeattachment", va.Name, "err", err)
 				continue
 			}
-			if published[src.csi.VolumeHandle][va.Annotations[annVANodeID]] {
+			handle := src.csi.VolumeHandle
+			if src.migrated {
+				// A translated handle may lack what the driver's own IDs
+				// hold (GCE PD's project): completed from the node's ID,
+				// as external-attacher compares them.
+				if h, err := migration.RepairVolumeHandle(driver, handle, va.Annotations[annVANodeID]); err == nil {
+					handle = h
+				}
+			}
+			if published[handle][va.Annotations[annVANodeID]] {
 				continue
 			}
 			// Published again through the queue, as external-attacher does;

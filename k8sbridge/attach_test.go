@@ -890,3 +890,122 @@ func TestListPublishedStopsOnARepeatedToken(t *testing.T) {
 		t.Fatalf("after %d ListVolumes calls: %v; want an error about the repeated token after 2", d.calls, err)
 	}
 }
+
+// TestAttachesAMigratedInTreeVolume: with CSI migration the attach/detach
+// controller makes VolumeAttachments for in-tree PVs naming the CSI
+// driver the plugin moved to, and the PV keeps its in-tree source. The
+// broker translates it as external-attacher does: the driver publishes its
+// own volume ID, detach unpublishes it, and the PV's attacher finalizer
+// goes when the PV is deleted.
+func TestAttachesAMigratedInTreeVolume(t *testing.T) {
+	env := testenv.Shared(t)
+	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
+	node := addAttachNode(t, env, ns)
+	// The driver CSI migration moves in-tree Cinder volumes to (a name the
+	// translation fixes, so only this test may use it).
+	const drv = "cinder.csi.openstack.org"
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node})
+	makeCSIDriver(t, c, drv, true)
+	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := drivers.ControllerConn(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	made, err := csi.NewControllerClient(conn).CreateVolume(ctx, createRequest(clusterName(ns, "in-tree")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	volID := made.GetVolume().GetVolumeId()
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "pv")},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+			PersistentVolumeSource:        corev1.PersistentVolumeSource{Cinder: &corev1.CinderPersistentVolumeSource{VolumeID: volID, FSType: "ext4"}},
+		},
+	}
+	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{}) })
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	va := createVA(t, c, ns, drv, node, pv.Name)
+	vaFor(t, c, pv.Name, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached || va.Status.AttachError != nil }, "migrated volume attached")
+	got, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !got.Status.Attached {
+		t.Fatalf("the migrated volume was not attached: %+v", got.Status)
+	}
+	published := func() []string {
+		for _, v := range d.Volumes() {
+			if v.ID == volID {
+				return v.PublishedNodes
+			}
+		}
+		t.Fatalf("volume %s gone from the driver", volID)
+		return nil
+	}
+	if nodes := published(); !slices.Equal(nodes, []string{node}) {
+		t.Fatalf("the driver has volume %s published to %v, want [%s]", volID, nodes, node)
+	}
+	cur, err := c.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !containsString(cur.Finalizers, attacherFinalizer(drv)) {
+		t.Fatalf("the in-tree PV lacks the attacher finalizer: %v", cur.Finalizers)
+	}
+	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitVAGone(t, c, va.Name, 30*time.Second)
+	if nodes := published(); len(nodes) != 0 {
+		t.Fatalf("after detach the driver still has volume %s published to %v", volID, nodes)
+	}
+	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitPVGone(t, c, pv.Name, 30*time.Second)
+}
+
+// TestDetachMarksAnAttachmentKeptByAnotherFinalizer: when another
+// controller's finalizer keeps a VolumeAttachment after the broker's goes,
+// its status says detached (attached false, no publish context, no old
+// detach error), as external-attacher leaves it.
+func TestDetachMarksAnAttachmentKeptByAnotherFinalizer(t *testing.T) {
+	s := newAttachSetup(t, "kept.csi.test", sampledriver.Config{})
+	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
+	class := makeClass(t, c, clusterName(ns, "kept"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	const hold = "test.csibroker.io/hold"
+	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{hold}},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
+	va, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if cur, err := c.StorageV1().VolumeAttachments().Get(context.Background(), va.Name, metav1.GetOptions{}); err == nil {
+			cur.Finalizers = nil
+			c.StorageV1().VolumeAttachments().Update(context.Background(), cur, metav1.UpdateOptions{})
+		}
+	})
+	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attachment attached")
+	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return !hasAttacherFinalizer(va.Finalizers, drv) }, "the broker's finalizer removed")
+	if got.Status.Attached || got.Status.AttachmentMetadata != nil || got.Status.DetachError != nil || !slices.Equal(got.Finalizers, []string{hold}) {
+		t.Fatalf("attachment kept by another finalizer after detach: status %+v, finalizers %v; want detached, [%s]", got.Status, got.Finalizers, hold)
+	}
+	if n := d.CallCount("ControllerUnpublishVolume"); n == 0 {
+		t.Fatal("the volume was never unpublished")
+	}
+}
