@@ -2,6 +2,7 @@ package k8sbridge
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"strings"
 	"sync"
@@ -565,8 +566,22 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		}
 	}
 	requester := a.requester(va, src)
+	recorded := recordedNamespaceLabels(src.pv)
+	// The namespace labels the publish is decided with are recorded on the
+	// attachment (in the write below) when the PV records none (a static
+	// PV, or one another provisioner made): the unpublish is decided with
+	// them if the namespace is gone by then.
+	nsLabelsNote := ""
+	if src.csi.ControllerPublishSecretRef != nil && recorded == nil && requester.Namespace != "" {
+		if l := a.b.readNamespaceLabels(ctx, requester.Namespace); l != nil {
+			requester.NamespaceLabels = l
+			if b, err := json.Marshal(l); err == nil {
+				nsLabelsNote = string(b)
+			}
+		}
+	}
 	secrets, err := a.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpControllerPublishVolume, ref: src.csi.ControllerPublishSecretRef,
-		source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: requester, recordedNSLabels: recordedNamespaceLabels(src.pv)})
+		source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: requester, recordedNSLabels: recorded})
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
 	}
@@ -579,7 +594,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	// being deleted, its secret missing or denied) has nothing to detach
 	// and can go; a detach never lacks either.
 	before := va.ResourceVersion
-	if !containsString(va.Finalizers, fin) || va.Annotations[annVANodeID] != nodeID {
+	if !containsString(va.Finalizers, fin) || va.Annotations[annVANodeID] != nodeID || (nsLabelsNote != "" && va.Annotations[annNamespaceLabels] != nsLabelsNote) {
 		cp := va.DeepCopy()
 		if !containsString(cp.Finalizers, fin) {
 			cp.Finalizers = append(cp.Finalizers, fin)
@@ -588,6 +603,9 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 			cp.Annotations = map[string]string{}
 		}
 		cp.Annotations[annVANodeID] = nodeID
+		if nsLabelsNote != "" {
+			cp.Annotations[annNamespaceLabels] = nsLabelsNote
+		}
 		updated, err := a.b.cfg.Client.StorageV1().VolumeAttachments().Update(ctx, cp, metav1.UpdateOptions{})
 		if err != nil {
 			return a.writeFailed(ctx, va, false, fmt.Sprintf("add finalizer %s and node ID to the attachment", fin), err)
@@ -656,8 +674,16 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 			return a.attachFailed(ctx, va, true, err)
 		}
 	}
+	recorded := recordedNamespaceLabels(src.pv)
+	if recorded == nil {
+		// Those the publish was decided with (attach records them when
+		// the PV does not).
+		if v := va.Annotations[annNamespaceLabels]; v != "" {
+			_ = json.Unmarshal([]byte(v), &recorded)
+		}
+	}
 	secrets, err := a.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpControllerUnpublishVolume, ref: src.csi.ControllerPublishSecretRef,
-		source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: a.requester(va, src), recordedNSLabels: recordedNamespaceLabels(src.pv)})
+		source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: a.requester(va, src), recordedNSLabels: recorded})
 	if err != nil {
 		return a.attachFailed(ctx, va, true, err)
 	}

@@ -2,6 +2,7 @@ package k8sbridge
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"regexp"
@@ -25,6 +26,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/policy"
 )
 
 func makeCSIDriver(t *testing.T, c kubernetes.Interface, name string, attach bool) {
@@ -1005,6 +1007,86 @@ func TestDetachMarksAnAttachmentKeptByAnotherFinalizer(t *testing.T) {
 	if got.Status.Attached || got.Status.AttachmentMetadata != nil || got.Status.DetachError != nil || !slices.Equal(got.Finalizers, []string{hold}) {
 		t.Fatalf("attachment kept by another finalizer after detach: status %+v, finalizers %v; want detached, [%s]", got.Status, got.Finalizers, hold)
 	}
+	if n := d.CallCount("ControllerUnpublishVolume"); n == 0 {
+		t.Fatal("the volume was never unpublished")
+	}
+}
+
+// TestDetachAfterNamespaceIsGone: a grant admits publish secrets for
+// claims of namespaces labelled team=a. A static PV (which records no
+// namespace labels) is attached; its claim's namespace is deleted before
+// the detach. The attachment recorded the labels its publish was decided
+// with, so the unpublish is decided with them and the detach completes.
+func TestDetachAfterNamespaceIsGone(t *testing.T) {
+	env := testenv.Shared(t)
+	ctx, c, storageNS := context.Background(), env.Client(), env.NewNamespace(t)
+	tenant := storageNS + "-tenant"
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: tenant, Labels: map[string]string{"team": "a"}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Namespaces().Delete(context.Background(), tenant, metav1.DeleteOptions{}) })
+	if _, err := c.CoreV1().Secrets(storageNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	node := addAttachNode(t, env, storageNS)
+	drv := clusterName(storageNS, "gone.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node})
+	makeCSIDriver(t, c, drv, true)
+	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := drivers.ControllerConn(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	made, err := csi.NewControllerClient(conn).CreateVolume(ctx, createRequest(clusterName(storageNS, "static")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: clusterName(storageNS, "pv")},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+			ClaimRef:                      &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: tenant, Name: "data"},
+			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: made.GetVolume().GetVolumeId(),
+				ControllerPublishSecretRef: &corev1.SecretReference{Namespace: storageNS, Name: "creds"}}},
+		},
+	}
+	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{}) })
+	rs, errs := policy.Compile([]policy.Grant{{Namespace: storageNS, Name: "team-a", Spec: policy.GrantSpec{Drivers: []string{drv}, SecretNames: []string{"creds"},
+		Operations: []policy.Operation{policy.OpControllerPublishVolume, policy.OpControllerUnpublishVolume},
+		Requesters: policy.Requesters{NamespaceSelector: &policy.LabelSelector{MatchLabels: map[string]string{"team": "a"}}}}}})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	startBridge(t, env, storageNS, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}})
+
+	va := createVA(t, c, storageNS, drv, node, pv.Name)
+	got := vaFor(t, c, pv.Name, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached || va.Status.AttachError != nil }, "attachment attached")
+	var noted map[string]string
+	if err := json.Unmarshal([]byte(got.Annotations[annNamespaceLabels]), &noted); !got.Status.Attached || err != nil || noted["team"] != "a" {
+		t.Fatalf("attachment: status %+v, annotations %v; want attached, with the namespace labels recorded", got.Status, got.Annotations)
+	}
+	if err := c.CoreV1().Namespaces().Delete(ctx, tenant, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 60*time.Second, "namespace gone", func(ctx context.Context) (bool, string, error) {
+		_, err := c.CoreV1().Namespaces().Get(ctx, tenant, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitVAGone(t, c, va.Name, 30*time.Second)
 	if n := d.CallCount("ControllerUnpublishVolume"); n == 0 {
 		t.Fatal("the volume was never unpublished")
 	}
