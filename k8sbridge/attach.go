@@ -21,6 +21,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 	csitrans "k8s.io/csi-translation-lib"
 	"k8s.io/klog/v2"
@@ -280,6 +281,32 @@ func vaRef(va *storagev1.VolumeAttachment) corev1.ObjectReference {
 	return corev1.ObjectReference{Kind: "VolumeAttachment", APIVersion: "storage.k8s.io/v1", Name: va.Name, UID: va.UID, ResourceVersion: va.ResourceVersion}
 }
 
+// patchVA writes cur's changes to old (through the status subresource
+// when asked), on condition that old is still the stored version, as an
+// Update of the whole object would be; the fields it does not change stay
+// as stored (those a newer API server has and these types lack included).
+// With nothing to change it writes nothing and returns old.
+func (a *attacher) patchVA(ctx context.Context, old, cur *storagev1.VolumeAttachment, subresources ...string) (*storagev1.VolumeAttachment, error) {
+	patch, err := twoWayPatch(old, cur, &storagev1.VolumeAttachment{}, old.ResourceVersion)
+	if err != nil {
+		return nil, fmt.Errorf("volumeattachment %s: making the patch: %w", old.Name, err)
+	}
+	if patch == nil {
+		return old, nil
+	}
+	return a.b.cfg.Client.StorageV1().VolumeAttachments().Patch(ctx, old.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, subresources...)
+}
+
+// patchPV is patchVA for a PersistentVolume.
+func (a *attacher) patchPV(ctx context.Context, old, cur *corev1.PersistentVolume) error {
+	patch, err := twoWayPatch(old, cur, &corev1.PersistentVolume{}, old.ResourceVersion)
+	if err != nil || patch == nil {
+		return err
+	}
+	_, err = a.b.cfg.Client.CoreV1().PersistentVolumes().Patch(ctx, old.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
+	return err
+}
+
 // attachSource is what a VolumeAttachment attaches.
 type attachSource struct {
 	pv  *corev1.PersistentVolume // nil for an inline volume
@@ -473,7 +500,7 @@ func (a *attacher) attachFailed(ctx context.Context, va *storagev1.VolumeAttachm
 	} else {
 		cp.Status.AttachError = ve
 	}
-	if _, uerr := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, cp, metav1.UpdateOptions{}); uerr != nil && !apierrors.IsNotFound(uerr) && !apierrors.IsConflict(uerr) {
+	if _, uerr := a.patchVA(ctx, va, cp, "status"); uerr != nil && !apierrors.IsNotFound(uerr) && !apierrors.IsConflict(uerr) {
 		a.b.log.Error("record attachment error", "volumeattachment", va.Name, "err", uerr)
 	}
 	op := map[bool]string{false: "ControllerPublishVolume", true: "ControllerUnpublishVolume"}[detach]
@@ -528,7 +555,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		// Trivial attach: the driver has no controller publish step.
 		cp := va.DeepCopy()
 		cp.Status.Attached, cp.Status.AttachError = true, nil
-		if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, cp, metav1.UpdateOptions{}); err != nil {
+		if _, err := a.patchVA(ctx, va, cp, "status"); err != nil {
 			return a.writeFailed(ctx, va, false, "mark the attachment attached", err)
 		}
 		a.noteMarked(va.Name, va.ResourceVersion, va.ResourceVersion)
@@ -561,7 +588,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if src.pv != nil && !hasFinalizer(src.pv, fin) {
 		cp := src.pv.DeepCopy()
 		cp.Finalizers = append(cp.Finalizers, fin)
-		if _, err := a.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil {
+		if err := a.patchPV(ctx, src.pv, cp); err != nil {
 			return a.writeFailed(ctx, va, false, fmt.Sprintf("add finalizer %s to PersistentVolume %s", fin, src.pv.Name), err)
 		}
 	}
@@ -606,7 +633,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		if nsLabelsNote != "" {
 			cp.Annotations[annNamespaceLabels] = nsLabelsNote
 		}
-		updated, err := a.b.cfg.Client.StorageV1().VolumeAttachments().Update(ctx, cp, metav1.UpdateOptions{})
+		updated, err := a.patchVA(ctx, va, cp)
 		if err != nil {
 			return a.writeFailed(ctx, va, false, fmt.Sprintf("add finalizer %s and node ID to the attachment", fin), err)
 		}
@@ -628,7 +655,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	}
 	cp := va.DeepCopy()
 	cp.Status.Attached, cp.Status.AttachmentMetadata, cp.Status.AttachError = true, resp.GetPublishContext(), nil
-	if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, cp, metav1.UpdateOptions{}); err != nil {
+	if _, err := a.patchVA(ctx, va, cp, "status"); err != nil {
 		// Published: the retry publishes again (idempotent) and writes
 		// the status again.
 		return a.writeFailed(ctx, va, false, "volume published, but marking the attachment attached failed", err)
@@ -706,24 +733,24 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	default:
 		return a.attachFailed(ctx, va, true, fmt.Errorf("ControllerUnpublishVolume %s from node %s (ID %s): %w", src.csi.VolumeHandle, node, nodeID, err))
 	}
-	cp := va.DeepCopy()
-	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
-	if len(cp.Finalizers) > 0 && (va.Status.Attached || va.Status.DetachError != nil || len(va.Status.AttachmentMetadata) > 0) {
+	base := va
+	if len(withoutAttacherFinalizers(va.Finalizers, driver)) > 0 && (va.Status.Attached || va.Status.DetachError != nil || len(va.Status.AttachmentMetadata) > 0) {
 		// Another finalizer keeps the attachment after ours goes: its
 		// status says detached first (as external-attacher marks it), not
 		// attached with an old detach error.
 		st := va.DeepCopy()
 		st.Status.Attached, st.Status.AttachmentMetadata, st.Status.DetachError = false, nil, nil
-		updated, err := a.b.cfg.Client.StorageV1().VolumeAttachments().UpdateStatus(ctx, st, metav1.UpdateOptions{})
+		updated, err := a.patchVA(ctx, va, st, "status")
 		if err != nil && !apierrors.IsNotFound(err) {
 			return a.writeFailed(ctx, va, true, "volume unpublished, but marking the attachment detached failed", err)
 		}
 		if err == nil {
-			cp = updated.DeepCopy()
-			cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
+			base = updated
 		}
 	}
-	if _, err := a.b.cfg.Client.StorageV1().VolumeAttachments().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
+	cp := base.DeepCopy()
+	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
+	if _, err := a.patchVA(ctx, base, cp); err != nil && !apierrors.IsNotFound(err) {
 		return a.writeFailed(ctx, va, true, "volume unpublished, but removing the attacher finalizer failed", err)
 	}
 	a.b.metrics.attach.WithLabelValues(driver, "detach", "success").Inc()
@@ -753,7 +780,7 @@ func (a *attacher) syncPV(ctx context.Context, name string) error {
 	}
 	cp := pv.DeepCopy()
 	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
-	if _, err := a.b.cfg.Client.CoreV1().PersistentVolumes().Update(ctx, cp, metav1.UpdateOptions{}); err != nil && !apierrors.IsNotFound(err) {
+	if err := a.patchPV(ctx, pv, cp); err != nil && !apierrors.IsNotFound(err) {
 		if !apierrors.IsConflict(err) {
 			a.b.log.Warn("remove the attacher finalizer of a PersistentVolume being deleted", "pv", name, "driver", driver, "err", err)
 			a.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "DetachFailed", "remove finalizer "+string(apierrors.ReasonForError(err)),

@@ -25,7 +25,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/apimachinery/pkg/util/strategicpatch"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/csibroker/csibroker/policy"
@@ -889,35 +888,11 @@ func resizeControllerFailed(claim *corev1.PersistentVolumeClaim, code codes.Code
 // old's resourceVersion as a precondition when checkRV is set; nil when
 // cur changes nothing.
 func resizeClaimPatch(old, cur *corev1.PersistentVolumeClaim, checkRV bool) ([]byte, error) {
-	oldJSON, err := json.Marshal(old)
-	if err != nil {
-		return nil, err
+	rv := ""
+	if checkRV {
+		rv = old.ResourceVersion
 	}
-	curJSON, err := json.Marshal(cur)
-	if err != nil {
-		return nil, err
-	}
-	patch, err := strategicpatch.CreateTwoWayMergePatch(oldJSON, curJSON, &corev1.PersistentVolumeClaim{})
-	if err != nil {
-		return nil, err
-	}
-	if string(patch) == "{}" {
-		return nil, nil
-	}
-	if !checkRV {
-		return patch, nil
-	}
-	var m map[string]any
-	if err := json.Unmarshal(patch, &m); err != nil {
-		return nil, err
-	}
-	meta, _ := m["metadata"].(map[string]any)
-	if meta == nil {
-		meta = map[string]any{}
-		m["metadata"] = meta
-	}
-	meta["resourceVersion"] = old.ResourceVersion
-	return json.Marshal(m)
+	return twoWayPatch(old, cur, &corev1.PersistentVolumeClaim{}, rv)
 }
 
 // patchClaimStatus writes cur's changes to old through the status

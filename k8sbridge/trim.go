@@ -11,13 +11,14 @@ package k8sbridge
 // transform makes equal values share one copy; it drops nothing but
 // managedFields.
 //
-// Nothing else is dropped because cached PVs are written back whole: the
-// attacher and the deleter send a DeepCopy of the cached PV with Update (to
-// add or remove a finalizer), so a field missing from the cache would be
-// removed on the server. Claims are only patched, but the broker reads
-// nearly all of them, including annotations of any key (secret templates
-// ${pvc.annotations['<key>']}). managedFields are safe to drop: an Update
-// without them keeps the server's.
+// Nothing else is dropped, although cached objects are only ever patched
+// (a patch is computed between the cached copy and a changed DeepCopy of
+// it, so a field missing from both is not touched on the server): the
+// broker reads nearly all fields, including annotations of any key (secret
+// templates ${pvc.annotations['<key>']}), and a patch made from a copy
+// that lacked a field the change itself touches would be wrong.
+// managedFields are safe to drop: nothing reads them, and no patch
+// mentions them.
 //
 // Sharing is safe because nothing writes to a cached object: informer
 // objects are read-only (client-go's contract), and every write path of this
