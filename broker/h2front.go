@@ -193,7 +193,9 @@ func (s *feServer) shutdown() {
 }
 
 func (s *feServer) serveConn(nc net.Conn) {
+	var own *tls.Certificate
 	if s.tls != nil {
+		own = mtls.OwnCert(s.tls) // before the handshake: see mtls.NewPeerCheck
 		tc := tls.Server(nc, s.tls)
 		ctx, cancel := context.WithTimeout(context.Background(), feHandshakeTimeout)
 		err := tc.HandshakeContext(ctx)
@@ -212,7 +214,7 @@ func (s *feServer) serveConn(nc net.Conn) {
 			c.caller, _ = mtls.PeerID(certs[0])
 			// Checked again before each call (a config that asks for no
 			// client certificate has nothing to check).
-			c.peerCheck = mtls.NewPeerCheck(s.tls, cs, nil)
+			c.peerCheck = mtls.NewPeerCheck(s.tls, cs, own)
 		}
 	}
 	s.mu.Lock()

@@ -222,6 +222,7 @@ func (p *Proxy) Serve(ctx context.Context, lis net.Listener) error {
 func (p *Proxy) serveConn(ctx context.Context, nc net.Conn) {
 	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
+	own := mtls.OwnCert(p.tls) // before the handshake: see mtls.NewPeerCheck
 	tc := tls.Server(nc, p.tls)
 	if err := tc.HandshakeContext(hctx); err != nil {
 		p.log.Debug("TLS handshake failed", "peer", nc.RemoteAddr().String(), "err", err)
@@ -234,7 +235,7 @@ func (p *Proxy) serveConn(ctx context.Context, nc net.Conn) {
 		return
 	}
 	c := newConn(p, tc, false, nc.RemoteAddr().String())
-	c.peerCheck = mtls.NewPeerCheck(p.tls, tc.ConnectionState(), nil)
+	c.peerCheck = mtls.NewPeerCheck(p.tls, tc.ConnectionState(), own)
 	tc.SetReadDeadline(time.Now().Add(10 * time.Second))
 	preface := make([]byte, len(http2.ClientPreface))
 	if _, err := io.ReadFull(c.br, preface); err != nil || string(preface) != http2.ClientPreface {

@@ -225,6 +225,41 @@ func WriteDevCerts(o DevCertsOptions) ([]string, error) {
 	if err := os.MkdirAll(o.Dir, 0o755); err != nil {
 		return nil, err
 	}
+	// What to write, checked whole before anything is: driver and node
+	// names may hold '-', so "proxy-<driver>-<node>" of one pair can be
+	// the file of another pair or of a controller proxy.
+	type leafFile struct{ base, id string }
+	var plan []leafFile
+	if !o.OnlyNodes {
+		plan = append(plan, leafFile{"broker", BrokerID(o.TrustDomain)})
+	}
+	for _, d := range o.Drivers {
+		if !o.OnlyNodes {
+			plan = append(plan, leafFile{"proxy-" + d, DriverID(o.TrustDomain, d)})
+		}
+		for _, n := range o.Nodes {
+			plan = append(plan, leafFile{"proxy-" + d + "-" + n, NodeDriverID(o.TrustDomain, d, n)})
+		}
+	}
+	for _, c := range o.Clients { // none with OnlyNodes (checkIDParts)
+		plan = append(plan, leafFile{"client-" + c, ClientID(o.TrustDomain, c)})
+	}
+	byBase := map[string]string{}
+	for _, f := range plan {
+		if other, ok := byBase[f.base]; ok && other != f.id {
+			return nil, fmt.Errorf("%s.crt would hold both %s and %s (driver and node names joined by '-'); mint them in separate directories; nothing was written", filepath.Join(o.Dir, f.base), other, f.id)
+		}
+		byBase[f.base] = f.id
+		if data, err := os.ReadFile(filepath.Join(o.Dir, f.base+".crt")); err == nil {
+			if block, _ := pem.Decode(data); block != nil {
+				if c, err := x509.ParseCertificate(block.Bytes); err == nil {
+					if id, err := PeerID(c); err == nil && id != f.id {
+						return nil, fmt.Errorf("%s.crt holds %s; it would be replaced by %s (driver and node names joined by '-'); remove it or mint in another directory; nothing was written", filepath.Join(o.Dir, f.base), id, f.id)
+					}
+				}
+			}
+		}
+	}
 	now := time.Now().Add(-time.Minute)
 	caCert, caKey := filepath.Join(o.Dir, "ca.crt"), filepath.Join(o.Dir, "ca.key")
 	ca, err := LoadCA(caCert, caKey)
@@ -248,36 +283,16 @@ func WriteDevCerts(o DevCertsOptions) ([]string, error) {
 		return nil, fmt.Errorf("%w; nothing was written (remove both %s and %s to mint a new dev CA)", err, caCert, caKey)
 	}
 	written := []string{caCert}
-	issue := func(base, id string) error {
-		c, k, err := ca.Issue(Leaf{ID: id, DNSNames: []string{"localhost"}, IPs: []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}, NotBefore: now, NotAfter: now.Add(o.Validity)})
+	for _, f := range plan {
+		c, k, err := ca.Issue(Leaf{ID: f.id, DNSNames: []string{"localhost"}, IPs: []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}, NotBefore: now, NotAfter: now.Add(o.Validity)})
 		if err != nil {
-			return err
-		}
-		if err := writeFile(filepath.Join(o.Dir, base+".crt"), c, 0o644); err != nil {
-			return err
-		}
-		written = append(written, filepath.Join(o.Dir, base+".crt"))
-		return writeFile(filepath.Join(o.Dir, base+".key"), k, 0o600)
-	}
-	if !o.OnlyNodes {
-		if err := issue("broker", BrokerID(o.TrustDomain)); err != nil {
 			return nil, err
 		}
-	}
-	for _, d := range o.Drivers {
-		if !o.OnlyNodes {
-			if err := issue("proxy-"+d, DriverID(o.TrustDomain, d)); err != nil {
-				return nil, err
-			}
+		if err := writeFile(filepath.Join(o.Dir, f.base+".crt"), c, 0o644); err != nil {
+			return nil, err
 		}
-		for _, n := range o.Nodes {
-			if err := issue("proxy-"+d+"-"+n, NodeDriverID(o.TrustDomain, d, n)); err != nil {
-				return nil, err
-			}
-		}
-	}
-	for _, c := range o.Clients { // none with OnlyNodes (checkIDParts)
-		if err := issue("client-"+c, ClientID(o.TrustDomain, c)); err != nil {
+		written = append(written, filepath.Join(o.Dir, f.base+".crt"))
+		if err := writeFile(filepath.Join(o.Dir, f.base+".key"), k, 0o600); err != nil {
 			return nil, err
 		}
 	}

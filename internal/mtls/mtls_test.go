@@ -3,11 +3,13 @@ package mtls
 import (
 	"bytes"
 	"crypto/ecdsa"
+	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
 	"io"
 	"log/slog"
+	"math/big"
 	"net"
 	"os"
 	"path/filepath"
@@ -577,5 +579,123 @@ func TestWriteDevCertsOnlyNodes(t *testing.T) {
 		if entries, _ := os.ReadDir(o.Dir); len(entries) != 0 {
 			t.Errorf("%+v: %d files written by a refusal", o, len(entries))
 		}
+	}
+}
+
+// TestParseMaterialRefusesACutFile: a CA bundle or a certificate chain
+// caught half rewritten (cut inside a PEM block) is refused whole, not
+// loaded in part; a key block in the certificate file is skipped, and
+// text before a block is allowed, as the standard library allows them.
+func TestParseMaterialRefusesACutFile(t *testing.T) {
+	now := time.Now()
+	ca1, err := NewCA("ca 1", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca2, err := NewCA("ca 2", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	certPEM, keyPEM, err := ca2.Issue(Leaf{ID: BrokerID("td"), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bundle := append(append([]byte{}, ca1.CertPEM...), ca2.CertPEM...)
+	m, err := ParseMaterial(certPEM, keyPEM, bundle, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Leaf.Verify(x509.VerifyOptions{Roots: m.Pool, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
+		t.Fatalf("the bundle's second CA is not in the pool: %v", err)
+	}
+	cut := bundle[:len(ca1.CertPEM)+len(ca2.CertPEM)/2]
+	if _, err := ParseMaterial(certPEM, keyPEM, cut, now); err == nil || !strings.Contains(err.Error(), "CA bundle") {
+		t.Fatalf("a CA bundle cut inside its second certificate: %v, want it refused", err)
+	}
+	chain := append(append([]byte{}, certPEM...), ca2.CertPEM[:len(ca2.CertPEM)/2]...)
+	if _, err := ParseMaterial(chain, keyPEM, bundle, now); err == nil || !strings.Contains(err.Error(), "certificate file") {
+		t.Fatalf("a chain cut after its leaf: %v, want it refused", err)
+	}
+	combined := append(append([]byte("Bag Attributes: from an export\n"), certPEM...), keyPEM...)
+	if _, err := ParseMaterial(combined, keyPEM, bundle, now); err != nil {
+		t.Fatalf("a certificate file holding its key too, after some text: %v", err)
+	}
+}
+
+// TestCARenewedWithItsKeyKeepsEveryLeafValid: what deploy/'s CA renewal
+// (rotationPolicy: Never) relies on. A CA certificate renewed with the
+// same key and subject verifies the leaves of the old one, and the old
+// one verifies the leaves of the renewed: peers whose Secrets were renewed
+// at different moments still accept each other.
+func TestCARenewedWithItsKeyKeepsEveryLeafValid(t *testing.T) {
+	now := time.Now()
+	old, err := NewCA("csibroker CA", now.Add(-300*24*time.Hour), now.Add(20*24*time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := *old.Cert
+	tmpl.SerialNumber = big.NewInt(now.UnixNano())
+	tmpl.NotBefore, tmpl.NotAfter = now.Add(-time.Hour), now.Add(365*24*time.Hour)
+	der, err := x509.CreateCertificate(rand.Reader, &tmpl, &tmpl, old.Key.Public(), old.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	renewedCert, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	renewed := &CA{Cert: renewedCert, Key: old.Key}
+	leaf := func(ca *CA) *x509.Certificate {
+		c, _, err := ca.Issue(Leaf{ID: BrokerID("td"), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(24 * time.Hour)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		block, _ := pem.Decode(c)
+		x, err := x509.ParseCertificate(block.Bytes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return x
+	}
+	for _, tc := range []struct {
+		name         string
+		issuer, root *CA
+	}{{"old leaf, renewed CA trusted", old, renewed}, {"renewed leaf, old CA trusted", renewed, old}} {
+		pool := x509.NewCertPool()
+		pool.AddCert(tc.root.Cert)
+		if _, err := leaf(tc.issuer).Verify(x509.VerifyOptions{Roots: pool, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
+			t.Errorf("%s: %v", tc.name, err)
+		}
+	}
+}
+
+// TestWriteDevCertsRefusesFileNameCollisions: "proxy-<driver>-<node>" of
+// driver a on node b-c and of driver a-b on node c are one file name; so
+// are driver a's node b and driver a-b's controller proxy. Such a run, or
+// a later run that would replace another identity's file, writes nothing.
+func TestWriteDevCertsRefusesFileNameCollisions(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"a", "a-b"}, Nodes: []string{"b"}}); err == nil || !strings.Contains(err.Error(), "proxy-a-b.crt would hold both") {
+		t.Fatalf("colliding names in one run: %v", err)
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		t.Fatalf("a refused run wrote %d files", len(entries))
+	}
+	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"a-b"}}); err != nil {
+		t.Fatal(err)
+	}
+	before, err := os.ReadFile(filepath.Join(dir, "proxy-a-b.crt"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"a"}, Nodes: []string{"b"}, OnlyNodes: true}); err == nil || !strings.Contains(err.Error(), "holds spiffe://td/csibroker/driver/a-b") {
+		t.Fatalf("a later run replacing another identity's file: %v", err)
+	}
+	if after, _ := os.ReadFile(filepath.Join(dir, "proxy-a-b.crt")); !bytes.Equal(after, before) {
+		t.Fatal("the controller proxy's certificate was replaced")
+	}
+	// The same identities again are re-minted.
+	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"a-b"}}); err != nil {
+		t.Fatalf("re-minting the same identities: %v", err)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -152,6 +153,16 @@ func (s *FileSource) Run(ctx context.Context, interval time.Duration) {
 
 // ParseMaterial validates and parses PEM certificate, key and CA bundle.
 func ParseMaterial(certPEM, keyPEM, caPEM []byte, now time.Time) (*Material, error) {
+	// Every block whole, nothing else in the files: a file caught half
+	// rewritten (a bundle cut after its first CA, a chain after its leaf)
+	// is refused and the material in use kept, not loaded in part.
+	if _, err := parseCertsPEM(certPEM); err != nil {
+		return nil, fmt.Errorf("certificate file: %w", err)
+	}
+	cas, err := parseCertsPEM(caPEM)
+	if err != nil {
+		return nil, fmt.Errorf("CA bundle: %w", err)
+	}
 	cert, err := tls.X509KeyPair(certPEM, keyPEM)
 	if err != nil {
 		return nil, fmt.Errorf("certificate and key: %w", err)
@@ -171,8 +182,38 @@ func ParseMaterial(certPEM, keyPEM, caPEM []byte, now time.Time) (*Material, err
 		return nil, err
 	}
 	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(caPEM) {
-		return nil, errors.New("CA bundle holds no PEM certificate")
+	for _, c := range cas {
+		pool.AddCert(c)
 	}
 	return &Material{Cert: &cert, Leaf: leaf, ID: id, Pool: pool}, nil
+}
+
+// parseCertsPEM parses the certificates of a PEM file (other blocks are
+// skipped), refusing it if it holds none, a certificate that does not
+// parse, or anything but whitespace after its last whole block.
+func parseCertsPEM(data []byte) ([]*x509.Certificate, error) {
+	var out []*x509.Certificate
+	rest := data
+	for {
+		block, r := pem.Decode(rest)
+		if block == nil {
+			break
+		}
+		rest = r
+		if block.Type != "CERTIFICATE" {
+			continue // a key in the same file, say: skipped, as tls.X509KeyPair does
+		}
+		c, err := x509.ParseCertificate(block.Bytes)
+		if err != nil {
+			return nil, fmt.Errorf("certificate %d: %w", len(out)+1, err)
+		}
+		out = append(out, c)
+	}
+	if len(bytes.TrimSpace(rest)) > 0 {
+		return nil, fmt.Errorf("%d bytes after certificate %d are no whole PEM block (the file is cut short or malformed)", len(bytes.TrimSpace(rest)), len(out))
+	}
+	if len(out) == 0 {
+		return nil, errors.New("holds no PEM certificate")
+	}
+	return out, nil
 }

@@ -502,6 +502,11 @@ func TestCertificates(t *testing.T) {
 	if _, ok, _ := unstructured.NestedMap(issuerOf(caCert).Object, "spec", "selfSigned"); !ok {
 		t.Errorf("%s must be issued by the self-signed bootstrap issuer", describe(caCert))
 	}
+	// Renewed with its key: leaves from the old and the renewed CA verify
+	// against either while the Secrets are renewed one by one.
+	if rp := get(caCert, "spec", "privateKey", "rotationPolicy"); rp != "Never" {
+		t.Errorf("%s: privateKey.rotationPolicy %q: a renewal that changes the CA's key leaves peers trusting different CAs until every leaf is renewed", describe(caCert), rp)
+	}
 
 	examples := build(t, "examples")
 	proxy := find(t, examples, "Certificate", brokerNamespace, "sample-csibroker-io-proxy")

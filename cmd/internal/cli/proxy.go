@@ -95,7 +95,10 @@ func RunProxy(ctx context.Context, name, version string, args []string, stderr i
 	}
 	defer p.Close()
 	if err := checkOwnIdentity(src.Current().ID, cfg.TLS.TrustDomain, cfg.Node); err != nil {
-		log.Warn("proxy certificate identity", "err", err)
+		// Fatal, as the broker's own check is: the broker would refuse
+		// this proxy at every handshake, and a reload keeps the identity
+		// it started with, so only a restart (with corrected files) helps.
+		return fmt.Errorf("proxy certificate (--tls-cert): %w", err)
 	}
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
@@ -110,8 +113,9 @@ func RunProxy(ctx context.Context, name, version string, args []string, stderr i
 	return g.Wait()
 }
 
-// checkOwnIdentity warns early when the proxy's certificate is not a driver
-// identity for this node: the broker would refuse it at every handshake.
+// checkOwnIdentity refuses a proxy certificate that is not a driver
+// identity of this trust domain for this node: the broker would refuse it
+// at every handshake.
 func checkOwnIdentity(id, trustDomain, node string) error {
 	parsed, err := mtls.ParseID(id)
 	if err != nil {
