@@ -63,6 +63,10 @@ type condition struct {
 	// (mayReadNSLabels),
 	// so it cannot be decided while they are not known (nil).
 	readsNSLabels bool
+	// readsNode: the condition may read request.requester.node, so it
+	// cannot decide a node operation whose node is not known yet (the
+	// node secrets of a volume are decided when it is provisioned).
+	readsNode bool
 }
 
 // errNSLabelsUnknown is the evaluation error of a condition that reads the
@@ -70,6 +74,11 @@ type condition struct {
 // condition, it fails closed (a Deny grant matches, an Allow grant does
 // not), as a namespaceSelector does. CEL would see an empty map instead.
 var errNSLabelsUnknown = errors.New("the condition reads request.requester.namespaceLabels, and the requester's namespace labels are not known")
+
+// errNodeUnknown is errNSLabelsUnknown for the node of a node operation
+// decided before the node is known, as a grant's nodes field decides it
+// (rule.nodeUnknownDenies). CEL would see "" instead.
+var errNodeUnknown = errors.New("the condition reads request.requester.node, and the node of this node operation is not known when it is decided (at provisioning)")
 
 // compileCondition parses, type-checks and plans text. It fails when the
 // expression is not a bool, or when even its cheapest evaluation would run
@@ -99,8 +108,10 @@ func compileCondition(text string, costLimit uint64) (*condition, error) {
 	if err != nil {
 		return nil, errors.New(oneLine(err.Error()))
 	}
-	reads := celast.MatchDescendants(celast.NavigateAST(ast.NativeRep()), mayReadNSLabels)
-	return &condition{text: text, costLimit: costLimit, prg: prg, readsNSLabels: len(reads) > 0}, nil
+	root := celast.NavigateAST(ast.NativeRep())
+	readsLabels := celast.MatchDescendants(root, mayReadNSLabels)
+	readsNode := celast.MatchDescendants(root, mayReadRequesterField("node"))
+	return &condition{text: text, costLimit: costLimit, prg: prg, readsNSLabels: len(readsLabels) > 0, readsNode: len(readsNode) > 0}, nil
 }
 
 // mayReadNSLabels matches the expressions through which a condition may
@@ -110,9 +121,17 @@ func compileCondition(text string, costLimit uint64) (*condition, error) {
 // into a value the checker could not type (dyn), which may be the
 // requester. A false match only makes a condition fail closed while the
 // labels are unknown; a miss would let it see them as empty.
-func mayReadNSLabels(e celast.NavigableExpr) bool {
+func mayReadNSLabels(e celast.NavigableExpr) bool { return mayReadRequesterField("namespaceLabels")(e) }
+
+// mayReadRequesterField is mayReadNSLabels for any field of the requester,
+// named as in CEL (its JSON name).
+func mayReadRequesterField(field string) func(celast.NavigableExpr) bool {
+	return func(e celast.NavigableExpr) bool { return mayRead(e, field) }
+}
+
+func mayRead(e celast.NavigableExpr, field string) bool {
 	// The request or its requester used whole (compared, put in a list,
-	// passed to a function) carries the labels with it.
+	// passed to a function) carries the field with it.
 	if t := e.Type(); t.Kind() == types.StructKind && (t.TypeName() == "policy.Request" || t.TypeName() == "policy.Requester") {
 		if p, ok := e.Parent(); !ok || p.Kind() != celast.SelectKind {
 			return true
@@ -120,10 +139,10 @@ func mayReadNSLabels(e celast.NavigableExpr) bool {
 	}
 	switch e.Kind() {
 	case celast.SelectKind:
-		return e.AsSelect().FieldName() == "namespaceLabels"
+		return e.AsSelect().FieldName() == field
 	case celast.LiteralKind:
 		s, ok := e.AsLiteral().(types.String)
-		return ok && string(s) == "namespaceLabels"
+		return ok && string(s) == field
 	case celast.CallKind:
 		call := e.AsCall()
 		if call.FunctionName() != operators.Index && call.FunctionName() != operators.OptIndex {
@@ -144,6 +163,9 @@ func mayReadNSLabels(e celast.NavigableExpr) bool {
 func (c *condition) eval(act *requestActivation) (bool, error) {
 	if c.readsNSLabels && act.req.Requester.NamespaceLabels == nil {
 		return false, errNSLabelsUnknown
+	}
+	if c.readsNode && act.req.Requester.Node == "" && act.req.Operation.onNode() {
+		return false, errNodeUnknown
 	}
 	out, _, err := c.prg.Eval(act)
 	if err != nil {

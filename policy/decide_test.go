@@ -278,6 +278,24 @@ func TestDecide(t *testing.T) {
 				s.Requesters = Requesters{Namespaces: []string{"*"}, Nodes: []string{"node-1"}}
 			})},
 			req: baseReq(func(r *Request) { r.Requester.Node = "" }), rule: RuleDefaultDeny},
+		{name: "deny condition over the node, node operation with its node not known: fails closed",
+			grants: []Grant{allowAll(), grant(testNS, "deny-dmz", func(s *GrantSpec) {
+				s.Action, s.Requesters, s.Condition = ActionDeny, Requesters{Namespaces: []string{"*"}}, `request.requester.node.startsWith("dmz-")`
+			})},
+			req: baseReq(func(r *Request) { r.Requester.Node = "" }), rule: "store/deny-dmz",
+			reason: []string{"deny grant store/deny-dmz", "node of this node operation is not known"}},
+		{name: "allow condition over the node, node operation with its node not known: no match",
+			grants: []Grant{grant(testNS, "allow-not-dmz", cond(`!request.requester.node.startsWith("dmz-")`))},
+			req:    baseReq(func(r *Request) { r.Requester.Node = "" }), rule: "store/allow-not-dmz",
+			reason: []string{"failed to evaluate", "node of this node operation is not known"}},
+		{name: "allow condition over the node, node known: decides as usual",
+			grants: []Grant{grant(testNS, "allow-not-dmz", cond(`!request.requester.node.startsWith("dmz-")`))},
+			req:    baseReq(), allowed: true, rule: "store/allow-not-dmz"},
+		{name: "allow condition over the node, controller operation with no node: decides as usual",
+			grants: []Grant{grant(testNS, "allow-not-dmz", func(s *GrantSpec) {
+				s.Operations, s.Condition = []Operation{OpCreateVolume}, `!request.requester.node.startsWith("dmz-")`
+			})},
+			req: baseReq(func(r *Request) { r.Operation, r.Requester.Node = OpCreateVolume, "" }), allowed: true, rule: "store/allow-not-dmz"},
 		{name: "allow condition over namespace labels, labels unknown: no match",
 			grants: []Grant{grant(testNS, "g", cond(`!has(request.requester.namespaceLabels.tier)`))},
 			req:    baseReq(func(r *Request) { r.Requester.NamespaceLabels = nil }), rule: "store/g",

@@ -48,9 +48,10 @@
 //   - spec.requesters.storageClasses, if set, lists the StorageClass;
 //   - spec.requesters.nodes, if set, lists the node;
 //   - spec.condition, if set, evaluates to true (a condition that fails to
-//     evaluate, or reads request.requester.namespaceLabels while they are
-//     not known, fails closed like a selector: a Deny grant matches, an
-//     Allow grant does not).
+//     evaluate, reads request.requester.namespaceLabels while they are
+//     not known, or reads request.requester.node for a node operation
+//     whose node is not known yet, fails closed like a selector: a Deny
+//     grant matches, an Allow grant does not).
 //
 // drivers, secretNames, operations and one of namespaces/namespaceSelector
 // are required and must be non-empty: an empty list admits nobody, and

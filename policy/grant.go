@@ -87,7 +87,8 @@ type Requesters struct {
 	Namespaces []string `json:"namespaces,omitempty"`
 	// NamespaceSelector selects requesting namespaces by their labels. An
 	// empty selector ({}) selects every namespace (not requests without
-	// one). It never matches when the namespace labels are not known.
+	// one). When the namespace labels are not known it fails closed: an
+	// Allow grant's selector selects nothing, a Deny grant's everything.
 	NamespaceSelector *LabelSelector `json:"namespaceSelector,omitempty"`
 	// StorageClasses, when set, are the StorageClass names the request must
 	// come through. Omitted means any StorageClass, including none; an

@@ -179,6 +179,8 @@ func TestExampleGrantsLoad(t *testing.T) {
 	if len(errs) != 0 || rs.Len() != 4 {
 		t.Fatalf("errors %v, %d grants", errs, rs.Len())
 	}
+	// As the broker asks them: at provisioning, before any node uses the
+	// volume (the NFS driver is not node-local).
 	nodeReq := func(ns, secret, node string, trust string) Request {
 		return Request{
 			Driver: "nfs.csi.example.com", Operation: OpNodeStageVolume,
@@ -192,10 +194,9 @@ func TestExampleGrantsLoad(t *testing.T) {
 		allowed bool
 		rule    string
 	}{
-		{"team's own node secret", nodeReq("team-a", "team-a-node", "storage-pool-1", "high"), true, "storage-secrets/nfs-node-stage"},
-		{"another team's node secret", nodeReq("team-a", "team-b-node", "storage-pool-1", "high"), false, RuleDefaultDeny},
-		{"outside the storage pool", nodeReq("team-a", "team-a-node", "gpu-1", "high"), false, RuleDefaultDeny},
-		{"untrusted namespace", nodeReq("team-a", "team-a-node", "storage-pool-1", "untrusted"), false, "storage-secrets/no-untrusted"},
+		{"team's own node secret", nodeReq("team-a", "team-a-node", "", "high"), true, "storage-secrets/nfs-node-stage"},
+		{"another team's node secret", nodeReq("team-a", "team-b-node", "", "high"), false, RuleDefaultDeny},
+		{"untrusted namespace", nodeReq("team-a", "team-a-node", "", "untrusted"), false, "storage-secrets/no-untrusted"},
 	} {
 		d := rs.Decide(tc.req)
 		if d.Allowed != tc.allowed || d.Rule != tc.rule {
