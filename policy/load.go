@@ -49,6 +49,16 @@ func ParseGrants(data []byte) ([]Grant, error) {
 
 // LoadFile reads and parses a grant file (see ParseGrants).
 func LoadFile(path string) ([]Grant, error) {
+	data, err := ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	return ParseFile(path, data)
+}
+
+// ReadFile reads a grant file, at most MaxPolicyFileSize+1 bytes of it
+// (ParseFile refuses a file over the limit).
+func ReadFile(path string) ([]byte, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("load policy file: %w", err)
@@ -58,6 +68,12 @@ func LoadFile(path string) ([]Grant, error) {
 	if err != nil {
 		return nil, fmt.Errorf("load policy file %s: %w", path, err)
 	}
+	return data, nil
+}
+
+// ParseFile parses the content of grant file path (see ParseGrants); a file
+// with no document in it is an error.
+func ParseFile(path string, data []byte) ([]Grant, error) {
 	grants, err := ParseGrants(data)
 	if err != nil {
 		return nil, fmt.Errorf("load policy file %s: %w", path, err)
@@ -91,6 +107,15 @@ func hasDocument(data []byte) bool {
 // returned; invalid grants in a well-formed file are returned as RuleErrors.
 func (s *Store) LoadFile(path string, opts ...CompileOption) ([]RuleError, error) {
 	grants, err := LoadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	return s.UpdateSource(SourceFile, grants, opts...), nil
+}
+
+// LoadData is LoadFile with the file's content already read.
+func (s *Store) LoadData(path string, data []byte, opts ...CompileOption) ([]RuleError, error) {
+	grants, err := ParseFile(path, data)
 	if err != nil {
 		return nil, err
 	}

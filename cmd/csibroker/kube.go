@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"flag"
@@ -67,6 +68,8 @@ type kubeFlags struct {
 	PolicyInterval time.Duration
 	// policyErrs is the last policy-file load's invalid grants (logPolicyFileErrors).
 	policyErrs string
+	// policySeen: when a re-read of the policy file is applied.
+	policySeen fileSettle
 
 	// names are the flags register added; given those of them set on the
 	// command line (noteGiven), which validate refuses with Kubernetes off.
@@ -261,10 +264,15 @@ func (f *kubeFlags) authorizer(log *slog.Logger) (*policy.Authorizer, *policy.St
 	store := policy.NewStore(nil)
 	store.SetMode(mode)
 	if f.PolicyFile != "" {
-		errs, err := store.LoadFile(f.PolicyFile)
+		data, err := policy.ReadFile(f.PolicyFile)
 		if err != nil {
 			return nil, nil, err
 		}
+		errs, err := store.LoadData(f.PolicyFile, data)
+		if err != nil {
+			return nil, nil, err
+		}
+		f.policySeen.done = data
 		f.policyErrs = logPolicyFileErrors(log, errs, "")
 	}
 	a := &policy.Authorizer{Rules: store}
@@ -315,7 +323,16 @@ func (f *kubeFlags) watchPolicyFile(ctx context.Context, store *policy.Store, lo
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			errs, err := store.LoadFile(f.PolicyFile)
+			data, err := policy.ReadFile(f.PolicyFile)
+			if err != nil {
+				log.Error("policy file unreadable; keeping the previous rules", "file", f.PolicyFile, "err", err)
+				continue
+			}
+			if !f.policySeen.settled(data) {
+				continue
+			}
+			f.policySeen.done = data // said once, until the file changes
+			errs, err := store.LoadData(f.PolicyFile, data)
 			if err != nil {
 				log.Error("policy file unreadable; keeping the previous rules", "file", f.PolicyFile, "err", err)
 				continue
@@ -323,6 +340,26 @@ func (f *kubeFlags) watchPolicyFile(ctx context.Context, store *policy.Store, lo
 			f.policyErrs = logPolicyFileErrors(log, errs, f.policyErrs)
 		}
 	}
+}
+
+// fileSettle tells when a re-read policy file is to be applied: when it
+// differs from the content handled last (applied, or refused with an
+// error logged) and has not changed since the re-read before. A file rewritten in place and caught half-way is often
+// still valid YAML (a grant cut before its "action: Deny" line is an Allow
+// grant); one interval later it is whole, and only then applied.
+type fileSettle struct {
+	done, seen []byte
+}
+
+// settled records data as the latest read and reports whether to apply it.
+func (s *fileSettle) settled(data []byte) bool {
+	if bytes.Equal(data, s.done) {
+		s.seen = data
+		return false // nothing new
+	}
+	held := bytes.Equal(data, s.seen)
+	s.seen = data
+	return held
 }
 
 // clientGoMaxVerbosity caps client-go's logging: from V(8) it logs the

@@ -240,3 +240,34 @@ func TestRetryFlagsFillPartialRegistryEntries(t *testing.T) {
 		}
 	}
 }
+
+// TestPolicyFileAppliedOnceItHoldsStill: a re-read policy file is applied
+// only when it has not changed since the re-read before, so a file caught
+// half rewritten (which may still parse, with fewer or weaker grants) is
+// never applied; an unchanged file is not applied again.
+func TestPolicyFileAppliedOnceItHoldsStill(t *testing.T) {
+	s := fileSettle{done: []byte("v1")}
+	steps := []struct {
+		read  string
+		apply bool
+	}{
+		{"v1", false},       // unchanged
+		{"v2-half", false},  // new: wait
+		{"v2-whole", false}, // changed again: wait
+		{"v2-whole", true},  // held still: apply
+		{"v2-whole", false}, // applied already
+		{"v3", false},       // new: wait
+		{"v2-whole", false}, // back to the applied content: nothing new
+		{"v3", false},       // new again after that: wait
+		{"v3", true},        // held still
+	}
+	for i, st := range steps {
+		got := s.settled([]byte(st.read))
+		if got != st.apply {
+			t.Fatalf("step %d (read %q): apply %v, want %v", i+1, st.read, got, st.apply)
+		}
+		if got {
+			s.done = []byte(st.read)
+		}
+	}
+}
