@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"go.yaml.in/yaml/v3"
+	sigsjson "sigs.k8s.io/json"
 )
 
 // MaxPolicyFileSize bounds a grant file.
@@ -132,6 +133,13 @@ func decodeDocuments(data []byte) ([]any, error) {
 		if err := dec.Decode(&v); err == nil {
 			if _, err := dec.Token(); err != io.EOF {
 				return nil, errors.New("JSON input: trailing data after the first value")
+			}
+			// A key given twice in one object is refused, as the YAML
+			// decoder and kubectl refuse it (encoding/json keeps the last:
+			// "action": "Deny" then "Allow" would load an Allow grant).
+			var probe any
+			if strictErrs, err := sigsjson.UnmarshalStrict(trimmed, &probe, sigsjson.DisallowDuplicateFields); err == nil && len(strictErrs) > 0 {
+				return nil, fmt.Errorf("JSON input: %w", errors.Join(strictErrs...))
 			}
 			return []any{v}, nil
 		}
@@ -288,9 +296,15 @@ func remarshal(v any, out any, strict bool) error {
 	if err != nil {
 		return err
 	}
-	dec := json.NewDecoder(bytes.NewReader(data))
-	if strict {
-		dec.DisallowUnknownFields()
+	// Field names match case-sensitively, as the API server matches them
+	// (encoding/json would take "Action" for "action", which kubectl
+	// refuses).
+	if !strict {
+		return sigsjson.UnmarshalCaseSensitivePreserveInts(data, out)
 	}
-	return dec.Decode(out)
+	strictErrs, err := sigsjson.UnmarshalStrict(data, out, sigsjson.DisallowUnknownFields)
+	if err != nil {
+		return err
+	}
+	return errors.Join(strictErrs...)
 }
