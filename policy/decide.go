@@ -85,7 +85,7 @@ func (rs *RuleSet) evaluate(req *Request) verdict {
 			var err error // an erroring Deny condition fails closed
 			if r.cond != nil {
 				if act == nil {
-					act = newActivation(req)
+					act = newActivation(req, rs.costLimit)
 				}
 				var ok bool
 				if ok, err = r.cond.eval(act); err == nil && !ok {
@@ -124,7 +124,7 @@ func (rs *RuleSet) evaluate(req *Request) verdict {
 			}
 			if r.cond != nil {
 				if act == nil {
-					act = newActivation(req)
+					act = newActivation(req, rs.costLimit)
 				}
 				ok, err := r.cond.eval(act)
 				if err != nil {
@@ -157,9 +157,9 @@ func defaultDeny(req *Request) verdict {
 
 // newActivation copies req so that only requests reaching a CEL condition
 // pay for a heap copy.
-func newActivation(req *Request) *requestActivation {
+func newActivation(req *Request, costLimit uint64) *requestActivation {
 	cp := *req
-	return &requestActivation{req: &cp}
+	return &requestActivation{req: &cp, budget: decisionBudgetConditions * costLimit}
 }
 
 // matches checks every field but the condition. The index already chose

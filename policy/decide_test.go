@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 )
@@ -653,5 +654,43 @@ func TestConditionReadingNamespaceLabelsIndirectly(t *testing.T) {
 	d := rs.Decide(baseReq(func(r *Request) { r.Requester.NamespaceLabels = nil }))
 	if d.Allowed || !strings.Contains(d.Reason, "namespace labels are not known") {
 		t.Fatalf("decision %+v, want denied: the labels are not known", d)
+	}
+}
+
+// TestDecisionCostBudget: the conditions of one decision share a budget of
+// decisionBudgetConditions conditions at the cost limit. Grants whose
+// conditions each cost under the limit but together more than the budget
+// leave the rest unevaluated, which fails closed; fewer of them do not.
+func TestDecisionCostBudget(t *testing.T) {
+	const limit = 200
+	costly := `request.requester.labels.all(k, k != "") && request.driver == "another.csi.test"`
+	req := baseReq(func(r *Request) { r.Requester.Labels = manyLabels(20) })
+	c, err := compileCondition(costly, limit)
+	if err != nil {
+		t.Fatal(err)
+	}
+	act := newActivation(&req, limit)
+	if ok, err := c.eval(act); ok || err != nil {
+		t.Fatalf("costly condition: %v %v", ok, err)
+	}
+	cost := act.spent
+	if cost < limit/4 || cost >= limit {
+		t.Fatalf("the costly condition costs %d; the test wants it between %d and %d", cost, limit/4, limit)
+	}
+	grants := func(n int) []Grant {
+		var gs []Grant
+		for i := 0; i < n; i++ {
+			gs = append(gs, grant(testNS, fmt.Sprintf("a%02d", i), cond(costly)))
+		}
+		return append(gs, grant(testNS, "zz", cond(`true`)))
+	}
+	within := int(decisionBudgetConditions*limit/cost) - 1
+	if d := mustCompile(t, grants(within), WithCostLimit(limit)).Decide(req); !d.Allowed || d.Rule != testNS+"/zz" {
+		t.Fatalf("%d costly conditions, within the budget: %+v", within, d)
+	}
+	over := int(decisionBudgetConditions*limit/cost) + 2
+	d := mustCompile(t, grants(over), WithCostLimit(limit)).Decide(req)
+	if d.Allowed || !strings.Contains(d.Reason, "not evaluated") {
+		t.Fatalf("%d costly conditions, over the budget: %+v", over, d)
 	}
 }
