@@ -270,17 +270,8 @@ func TestDetachesWhatExternalAttacherAttached(t *testing.T) {
 	if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{sidecarFin}, Annotations: map[string]string{annVANodeID: node}},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
-	if va, err = c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if cur, err := c.StorageV1().VolumeAttachments().Get(context.Background(), va.Name, metav1.GetOptions{}); err == nil {
-			cur.Finalizers = nil
-			c.StorageV1().VolumeAttachments().Update(context.Background(), cur, metav1.UpdateOptions{})
-		}
-	})
+	va := createHeldVA(t, c, &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{sidecarFin}, Annotations: map[string]string{annVANodeID: node}},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}})
 	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attachment attached")
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
@@ -906,21 +897,8 @@ func TestAttachesAMigratedInTreeVolume(t *testing.T) {
 	// The driver CSI migration moves in-tree Cinder volumes to (a name the
 	// translation fixes, so only this test may use it).
 	const drv = "cinder.csi.openstack.org"
-	drivers := &testDrivers{}
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node})
-	makeCSIDriver(t, c, drv, true)
-	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
-		t.Fatal(err)
-	}
-	conn, err := drivers.ControllerConn(drv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	made, err := csi.NewControllerClient(conn).CreateVolume(ctx, createRequest(clusterName(ns, "in-tree")))
-	if err != nil {
-		t.Fatal(err)
-	}
-	volID := made.GetVolume().GetVolumeId()
+	drivers, d := publishingDriver(t, env, drv, node)
+	volID := driverVolume(t, drivers, drv, clusterName(ns, "in-tree"))
 	pv := &corev1.PersistentVolume{
 		ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "pv")},
 		Spec: corev1.PersistentVolumeSpec{
@@ -987,18 +965,8 @@ func TestDetachMarksAnAttachmentKeptByAnotherFinalizer(t *testing.T) {
 	class := makeClass(t, c, clusterName(ns, "kept"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
 	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	const hold = "test.csibroker.io/hold"
-	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{hold}},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
-	va, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if cur, err := c.StorageV1().VolumeAttachments().Get(context.Background(), va.Name, metav1.GetOptions{}); err == nil {
-			cur.Finalizers = nil
-			c.StorageV1().VolumeAttachments().Update(context.Background(), cur, metav1.UpdateOptions{})
-		}
-	})
+	va := createHeldVA(t, c, &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{hold}},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}})
 	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attachment attached")
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
@@ -1020,30 +988,11 @@ func TestDetachMarksAnAttachmentKeptByAnotherFinalizer(t *testing.T) {
 func TestDetachAfterNamespaceIsGone(t *testing.T) {
 	env := testenv.Shared(t)
 	ctx, c, storageNS := context.Background(), env.Client(), env.NewNamespace(t)
-	tenant := storageNS + "-tenant"
-	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: tenant, Labels: map[string]string{"team": "a"}}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().Namespaces().Delete(context.Background(), tenant, metav1.DeleteOptions{}) })
-	if _, err := c.CoreV1().Secrets(storageNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	tenant := makeTenant(t, c, storageNS)
 	node := addAttachNode(t, env, storageNS)
 	drv := clusterName(storageNS, "gone.csi.test")
-	drivers := &testDrivers{}
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node})
-	makeCSIDriver(t, c, drv, true)
-	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
-		t.Fatal(err)
-	}
-	conn, err := drivers.ControllerConn(drv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	made, err := csi.NewControllerClient(conn).CreateVolume(ctx, createRequest(clusterName(storageNS, "static")))
-	if err != nil {
-		t.Fatal(err)
-	}
+	drivers, d := publishingDriver(t, env, drv, node)
+	volID := driverVolume(t, drivers, drv, clusterName(storageNS, "static"))
 	pv := &corev1.PersistentVolume{
 		ObjectMeta: metav1.ObjectMeta{Name: clusterName(storageNS, "pv")},
 		Spec: corev1.PersistentVolumeSpec{
@@ -1051,7 +1000,7 @@ func TestDetachAfterNamespaceIsGone(t *testing.T) {
 			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
 			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
 			ClaimRef:                      &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: tenant, Name: "data"},
-			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: made.GetVolume().GetVolumeId(),
+			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: volID,
 				ControllerPublishSecretRef: &corev1.SecretReference{Namespace: storageNS, Name: "creds"}}},
 		},
 	}
@@ -1073,21 +1022,73 @@ func TestDetachAfterNamespaceIsGone(t *testing.T) {
 	if err := json.Unmarshal([]byte(got.Annotations[annNamespaceLabels]), &noted); !got.Status.Attached || err != nil || noted["team"] != "a" {
 		t.Fatalf("attachment: status %+v, annotations %v; want attached, with the namespace labels recorded", got.Status, got.Annotations)
 	}
-	if err := c.CoreV1().Namespaces().Delete(ctx, tenant, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	err = testenv.WaitFor(ctx, 60*time.Second, "namespace gone", func(ctx context.Context) (bool, string, error) {
-		_, err := c.CoreV1().Namespaces().Get(ctx, tenant, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	deleteNamespace(t, c, tenant)
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	waitVAGone(t, c, va.Name, 30*time.Second)
 	if n := d.CallCount("ControllerUnpublishVolume"); n == 0 {
 		t.Fatal("the volume was never unpublished")
+	}
+}
+
+// publishingDriver starts sample driver drv (with a controller publish
+// step) for node, as registered there (CSIDriver, CSINode).
+func publishingDriver(t *testing.T, env *testenv.Env, drv, node string) (*testDrivers, *sampledriver.Driver) {
+	t.Helper()
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node})
+	makeCSIDriver(t, env.Client(), drv, true)
+	if err := env.AddCSINode(context.Background(), node, drv, node, nil); err != nil {
+		t.Fatal(err)
+	}
+	return drivers, d
+}
+
+// driverVolume makes a volume named name in driver drv directly (not
+// through a claim) and returns its ID.
+func driverVolume(t *testing.T, drivers *testDrivers, drv, name string) string {
+	t.Helper()
+	conn, err := drivers.ControllerConn(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	made, err := csi.NewControllerClient(conn).CreateVolume(context.Background(), createRequest(name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return made.GetVolume().GetVolumeId()
+}
+
+// createHeldVA creates va (its finalizers as given), and at cleanup drops
+// whatever finalizers it still has so that it goes.
+func createHeldVA(t *testing.T, c kubernetes.Interface, va *storagev1.VolumeAttachment) *storagev1.VolumeAttachment {
+	t.Helper()
+	made, err := c.StorageV1().VolumeAttachments().Create(context.Background(), va, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if cur, err := c.StorageV1().VolumeAttachments().Get(context.Background(), made.Name, metav1.GetOptions{}); err == nil {
+			cur.Finalizers = nil
+			c.StorageV1().VolumeAttachments().Update(context.Background(), cur, metav1.UpdateOptions{})
+		}
+	})
+	return made
+}
+
+// deleteNamespace deletes namespace ns and waits until it is gone.
+func deleteNamespace(t *testing.T, c kubernetes.Interface, ns string) {
+	t.Helper()
+	ctx := context.Background()
+	if err := c.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := testenv.WaitFor(ctx, 60*time.Second, "namespace "+ns+" gone", func(ctx context.Context) (bool, string, error) {
+		_, err := c.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }

@@ -14,6 +14,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 
@@ -115,13 +116,7 @@ func TestDeleteAfterNamespaceIsGone(t *testing.T) {
 	storageNS := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	tenant := storageNS + "-tenant"
-	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: tenant, Labels: map[string]string{"team": "a"}}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.CoreV1().Secrets(storageNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	tenant := makeTenant(t, c, storageNS)
 	drv := clusterName(storageNS, "ns.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
@@ -147,18 +142,9 @@ func TestDeleteAfterNamespaceIsGone(t *testing.T) {
 	// The namespace disappears while no broker runs, so that the next one
 	// meets the Released volume with no namespace left to read labels from.
 	first.stop()
-	if err := c.CoreV1().Namespaces().Delete(ctx, tenant, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	err := testenv.WaitFor(ctx, 60*time.Second, "namespace gone", func(ctx context.Context) (bool, string, error) {
-		_, err := c.CoreV1().Namespaces().Get(ctx, tenant, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	deleteNamespace(t, c, tenant)
 	startBridge(t, env, storageNS, drivers, bridgeOpts{policy: authz, identity: "broker-1"})
-	err = testenv.WaitFor(ctx, 60*time.Second, "volume of the deleted namespace deleted", func(ctx context.Context) (bool, string, error) {
+	err := testenv.WaitFor(ctx, 60*time.Second, "volume of the deleted namespace deleted", func(ctx context.Context) (bool, string, error) {
 		_, err := c.CoreV1().PersistentVolumes().Get(ctx, bound.Spec.VolumeName, metav1.GetOptions{})
 		return apierrors.IsNotFound(err) && len(d.Volumes()) == 1, eventsOf(c, "default", bound.Spec.VolumeName), nil
 	})
@@ -576,14 +562,7 @@ func TestNamespaceLabelsRecordedWhenTheCacheLags(t *testing.T) {
 	storageNS := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	tenant := storageNS + "-tenant"
-	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: tenant, Labels: map[string]string{"team": "a"}}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().Namespaces().Delete(context.Background(), tenant, metav1.DeleteOptions{}) })
-	if _, err := c.CoreV1().Secrets(storageNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	tenant := makeTenant(t, c, storageNS)
 	drv := clusterName(storageNS, "lag.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
@@ -666,4 +645,20 @@ func TestDeleteWithHalfADeletionSecret(t *testing.T) {
 		t.Fatalf("%d volumes left", n)
 	}
 	waitEvent(t, c, "default", pvName, "DeletionSecretIncomplete", "half a deletion secret")
+}
+
+// makeTenant makes namespace <storageNS>-tenant labelled team=a (deleted
+// at cleanup), whose claims use secret "creds" of storageNS (made here).
+func makeTenant(t *testing.T, c kubernetes.Interface, storageNS string) string {
+	t.Helper()
+	ctx := context.Background()
+	tenant := storageNS + "-tenant"
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: tenant, Labels: map[string]string{"team": "a"}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().Namespaces().Delete(context.Background(), tenant, metav1.DeleteOptions{}) })
+	if _, err := c.CoreV1().Secrets(storageNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return tenant
 }

@@ -19,7 +19,6 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
-	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/policy"
 )
@@ -81,7 +80,9 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 		RoleRef: rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: roleName}, Subjects: []rbacv1.Subject{sa}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { c.RbacV1().ClusterRoleBindings().Delete(context.Background(), roleName, metav1.DeleteOptions{}) })
+	t.Cleanup(func() {
+		c.RbacV1().ClusterRoleBindings().Delete(context.Background(), roleName, metav1.DeleteOptions{})
+	})
 	if _, err := c.RbacV1().Roles(ns).Create(ctx, &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: "csibroker"}, Rules: nsRules}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -110,12 +111,7 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 	}
 	node := addAttachNode(t, env, ns)
 	drv := clusterName(ns, "rbac.csi.test")
-	drivers := &testDrivers{}
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node})
-	makeCSIDriver(t, c, drv, true)
-	if err := env.AddCSINode(ctx, node, drv, node, nil); err != nil {
-		t.Fatal(err)
-	}
+	drivers, d := publishingDriver(t, env, drv, node)
 	params := map[string]string{}
 	for _, kind := range []string{"provisioner", "controller-publish", "controller-expand", "node-stage"} {
 		params["csi.storage.k8s.io/"+kind+"-secret-name"] = "creds"
