@@ -25,12 +25,14 @@ type secretUse struct {
 	source    policy.Source
 	requester policy.Requester
 	// recordedNSLabels are the requesting namespace's labels recorded when
-	// the volume was made, used when the namespace no longer exists.
+	// the volume was made (on its PV) or attached (on its
+	// VolumeAttachment), used when the namespace no longer exists.
 	recordedNSLabels map[string]string
 }
 
 // annNamespaceLabels records, on a PV, the labels of its claim's namespace
-// at provisioning, for policy decisions after the namespace is deleted.
+// at provisioning, and on a VolumeAttachment of a PV that records none, at
+// publishing, for policy decisions after the namespace is deleted.
 const annNamespaceLabels = "csibroker.io/claim-namespace-labels"
 
 // recordedNamespaceLabels are the labels pv records of its claim's
@@ -140,7 +142,7 @@ func (b *Bridge) decideSecret(ctx context.Context, u secretUse) error {
 			// Decided without the namespace's labels (a Deny grant's
 			// namespaceSelector fails closed on them, an Allow grant's
 			// selects nothing): say how to make them known.
-			hint = fmt.Sprintf(" (namespace %s could not be read; for a PersistentVolume whose claim's namespace is gone, its %s annotation, a JSON object, gives the labels to decide with)",
+			hint = fmt.Sprintf(" (namespace %s could not be read; for a PersistentVolume (or its VolumeAttachment) whose claim's namespace is gone, its %s annotation, a JSON object, gives the labels to decide with)",
 				req.Requester.Namespace, annNamespaceLabels)
 		}
 		return fmt.Errorf("%w: %s%s", errSecretDenied, d.Reason, hint)

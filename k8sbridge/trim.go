@@ -11,9 +11,11 @@ package k8sbridge
 // transform makes equal values share one copy; it drops nothing but
 // managedFields.
 //
-// Nothing else is dropped, although cached objects are only ever patched
-// (a patch is computed between the cached copy and a changed DeepCopy of
-// it, so a field missing from both is not touched on the server): the
+// Nothing else is dropped, although the cached PVs, claims and
+// VolumeAttachments are only ever patched (a patch is computed between the
+// cached copy and a changed DeepCopy of it, so a field missing from both
+// is not touched on the server; the broker's own CSIStorageCapacity
+// objects are written whole, and lose nothing but managedFields): the
 // broker reads nearly all fields, including annotations of any key (secret
 // templates ${pvc.annotations['<key>']}), and a patch made from a copy
 // that lacked a field the change itself touches would be wrong.

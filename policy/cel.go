@@ -147,10 +147,22 @@ func mayRead(e celast.NavigableExpr, field string) bool {
 	}
 	switch e.Kind() {
 	case celast.SelectKind:
-		return e.AsSelect().FieldName() == field
+		// The field of a requester, or of a value that may be one; a
+		// field of that name elsewhere (a label "node") is not it.
+		return e.AsSelect().FieldName() == field && mayBeRequester(e.Children())
 	case celast.LiteralKind:
+		// The name as the key of an index into a value that may be the
+		// requester; the same string elsewhere is data.
 		s, ok := e.AsLiteral().(types.String)
-		return ok && string(s) == field
+		if !ok || string(s) != field {
+			return false
+		}
+		p, ok := e.Parent()
+		if !ok || p.Kind() != celast.CallKind || (p.AsCall().FunctionName() != operators.Index && p.AsCall().FunctionName() != operators.OptIndex) {
+			return false
+		}
+		args := p.Children()
+		return len(args) == 2 && args[1].ID() == e.ID() && mayBeRequester(args[:1])
 	case celast.CallKind:
 		call := e.AsCall()
 		if call.FunctionName() != operators.Index && call.FunctionName() != operators.OptIndex {
@@ -162,6 +174,22 @@ func mayRead(e celast.NavigableExpr, field string) bool {
 		}
 		k := args[0].Type().Kind()
 		return k == types.DynKind || k == types.AnyKind
+	}
+	return false
+}
+
+// mayBeRequester reports whether the first of operands is typed as the
+// requester, or is a value the checker could not type (dyn), which may be.
+func mayBeRequester(operands []celast.NavigableExpr) bool {
+	if len(operands) == 0 {
+		return false
+	}
+	t := operands[0].Type()
+	switch t.Kind() {
+	case types.DynKind, types.AnyKind:
+		return true
+	case types.StructKind:
+		return t.TypeName() == "policy.Requester"
 	}
 	return false
 }

@@ -648,6 +648,27 @@ func TestConditionReadingNamespaceLabelsIndirectly(t *testing.T) {
 			t.Errorf("%s: reads namespace labels %v, want %v", tc.cond, c.readsNSLabels, tc.reads)
 		}
 	}
+	// The node, read the same ways; "node" as a label key or value is data.
+	for _, tc := range []struct {
+		cond  string
+		reads bool
+	}{
+		{`request.requester.node.startsWith("dmz-")`, true},
+		{`dyn(request.requester)['node'] != ""`, true},
+		{`has(dyn(request.requester).node)`, true},
+		{`request.requester.labels["role"] != "node"`, false},
+		{`!has(request.requester.labels.node)`, false},
+		{`request.requester.labels.exists(k, k == "node")`, false},
+	} {
+		c, err := compileCondition(tc.cond, DefaultCostLimit)
+		if err != nil {
+			t.Errorf("%s: %v", tc.cond, err)
+			continue
+		}
+		if c.readsNode != tc.reads {
+			t.Errorf("%s: reads the node %v, want %v", tc.cond, c.readsNode, tc.reads)
+		}
+	}
 	// Decided end to end: an allow grant's condition that would be true
 	// over empty labels does not match while they are unknown.
 	rs := mustCompile(t, []Grant{grant(testNS, "g", cond(`!('quarantined' in dyn(request.requester)['namespaceLabels'])`))})

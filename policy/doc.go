@@ -92,7 +92,12 @@
 //
 // Conditions are type-checked and planned once per change (Compile; Store
 // reuses unchanged ones) and run under a cost limit (DefaultCostLimit), so a
-// rule cannot burn CPU: running over it is an evaluation error.
+// rule cannot burn CPU: running over it is an evaluation error. The
+// conditions evaluated for one decision (Deny grants first, then Allow
+// grants in name order) also share a budget of four conditions at that
+// limit; past it, the ones not yet evaluated count as failing to evaluate
+// (fail closed). Conditions that cost tens of units, as most do, never
+// come near it.
 //
 // # External decision point
 //

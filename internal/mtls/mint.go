@@ -253,8 +253,10 @@ func WriteDevCerts(o DevCertsOptions) ([]string, error) {
 		if data, err := os.ReadFile(filepath.Join(o.Dir, f.base+".crt")); err == nil {
 			if block, _ := pem.Decode(data); block != nil {
 				if c, err := x509.ParseCertificate(block.Bytes); err == nil {
-					if id, err := PeerID(c); err == nil && id != f.id {
-						return nil, fmt.Errorf("%s.crt holds %s; it would be replaced by %s (driver and node names joined by '-'); remove it or mint in another directory; nothing was written", filepath.Join(o.Dir, f.base), id, f.id)
+					if id, err := PeerID(c); err == nil && id != f.id && !sameButTrustDomain(id, f.id) {
+						// A trust domain changed is a re-mint; another
+						// identity under this file name is not.
+						return nil, fmt.Errorf("%s.crt holds %s, another identity than the %s this run would write there (driver and node names joined by '-' can name one file); remove it or mint in another directory; nothing was written", filepath.Join(o.Dir, f.base), id, f.id)
 					}
 				}
 			}
@@ -356,4 +358,16 @@ func dedupe(names []string) []string {
 		}
 	}
 	return out
+}
+
+// sameButTrustDomain reports whether identities a and b differ at most in
+// their trust domain.
+func sameButTrustDomain(a, b string) bool {
+	pa, err1 := ParseID(a)
+	pb, err2 := ParseID(b)
+	if err1 != nil || err2 != nil {
+		return false
+	}
+	pa.TrustDomain = pb.TrustDomain
+	return pa == pb
 }

@@ -688,14 +688,17 @@ func TestWriteDevCertsRefusesFileNameCollisions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"a"}, Nodes: []string{"b"}, OnlyNodes: true}); err == nil || !strings.Contains(err.Error(), "holds spiffe://td/csibroker/driver/a-b") {
+	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"a"}, Nodes: []string{"b"}, OnlyNodes: true}); err == nil || !strings.Contains(err.Error(), "holds spiffe://td/csibroker/driver/a-b, another identity") {
 		t.Fatalf("a later run replacing another identity's file: %v", err)
 	}
 	if after, _ := os.ReadFile(filepath.Join(dir, "proxy-a-b.crt")); !bytes.Equal(after, before) {
 		t.Fatal("the controller proxy's certificate was replaced")
 	}
-	// The same identities again are re-minted.
+	// The same identities again are re-minted, in another trust domain too.
 	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "td", Drivers: []string{"a-b"}}); err != nil {
 		t.Fatalf("re-minting the same identities: %v", err)
+	}
+	if _, err := WriteDevCerts(DevCertsOptions{Dir: dir, TrustDomain: "other.td", Drivers: []string{"a-b"}}); err != nil {
+		t.Fatalf("re-minting in another trust domain: %v", err)
 	}
 }

@@ -153,9 +153,11 @@ func (s *FileSource) Run(ctx context.Context, interval time.Duration) {
 
 // ParseMaterial validates and parses PEM certificate, key and CA bundle.
 func ParseMaterial(certPEM, keyPEM, caPEM []byte, now time.Time) (*Material, error) {
-	// Every block whole, nothing else in the files: a file caught half
-	// rewritten (a bundle cut after its first CA, a chain after its leaf)
-	// is refused and the material in use kept, not loaded in part.
+	// Every certificate block whole and parsed, nothing after the last: a
+	// file caught half rewritten inside a block (a bundle cut in its second
+	// CA, a chain in the certificate after its leaf) is refused and the
+	// material in use kept, not loaded in part. A cut exactly between two
+	// blocks cannot be told from a shorter file.
 	if _, err := parseCertsPEM(certPEM); err != nil {
 		return nil, fmt.Errorf("certificate file: %w", err)
 	}
