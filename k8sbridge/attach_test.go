@@ -898,7 +898,7 @@ func TestAttachesAMigratedInTreeVolume(t *testing.T) {
 	// translation fixes, so only this test may use it).
 	const drv = "cinder.csi.openstack.org"
 	drivers, d := publishingDriver(t, env, drv, node)
-	volID := driverVolume(t, drivers, drv, clusterName(ns, "in-tree"))
+	volID := createDriverVolume(t, drivers, drv, clusterName(ns, "in-tree"))
 	pv := &corev1.PersistentVolume{
 		ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "pv")},
 		Spec: corev1.PersistentVolumeSpec{
@@ -992,7 +992,7 @@ func TestDetachAfterNamespaceIsGone(t *testing.T) {
 	node := addAttachNode(t, env, storageNS)
 	drv := clusterName(storageNS, "gone.csi.test")
 	drivers, d := publishingDriver(t, env, drv, node)
-	volID := driverVolume(t, drivers, drv, clusterName(storageNS, "static"))
+	volID := createDriverVolume(t, drivers, drv, clusterName(storageNS, "static"))
 	pv := &corev1.PersistentVolume{
 		ObjectMeta: metav1.ObjectMeta{Name: clusterName(storageNS, "pv")},
 		Spec: corev1.PersistentVolumeSpec{
@@ -1043,21 +1043,6 @@ func publishingDriver(t *testing.T, env *testenv.Env, drv, node string) (*testDr
 		t.Fatal(err)
 	}
 	return drivers, d
-}
-
-// driverVolume makes a volume named name in driver drv directly (not
-// through a claim) and returns its ID.
-func driverVolume(t *testing.T, drivers *testDrivers, drv, name string) string {
-	t.Helper()
-	conn, err := drivers.ControllerConn(drv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	made, err := csi.NewControllerClient(conn).CreateVolume(context.Background(), createRequest(name))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return made.GetVolume().GetVolumeId()
 }
 
 // createHeldVA creates va (its finalizers as given), and at cleanup drops

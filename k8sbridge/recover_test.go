@@ -89,13 +89,19 @@ func intentFor(t *testing.T, driver, name string, claim *corev1.PersistentVolume
 // the broker would have, and returns its ID.
 func createDriverVolume(t *testing.T, drivers *testDrivers, driver, name string) string {
 	t.Helper()
+	return createDriverVolumeWith(t, drivers, driver, createRequest(name))
+}
+
+// createDriverVolumeWith is createDriverVolume with the whole request.
+func createDriverVolumeWith(t *testing.T, drivers *testDrivers, driver string, req *csi.CreateVolumeRequest) string {
+	t.Helper()
 	conn, err := drivers.ControllerConn(driver)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	resp, err := csi.NewControllerClient(conn).CreateVolume(ctx, createRequest(name))
+	resp, err := csi.NewControllerClient(conn).CreateVolume(ctx, req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -382,14 +388,7 @@ func TestLearnVolumeIDFromAnEarlierRequest(t *testing.T) {
 	drv := "strict.csi.test"
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
 	made := createRequest("pvc-strict")
-	conn, err := drivers.ControllerConn(drv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp, err := csi.NewControllerClient(conn).CreateVolume(context.Background(), made)
-	if err != nil {
-		t.Fatal(err)
-	}
+	madeID := createDriverVolumeWith(t, drivers, drv, made)
 	later := createRequest("pvc-strict")
 	later.CapacityRange.RequiredBytes *= 2
 	p := &provisioner{b: &Bridge{cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
@@ -399,8 +398,8 @@ func TestLearnVolumeIDFromAnEarlierRequest(t *testing.T) {
 	}
 	in.EarlierRequests = [][]byte{marshalRequest(t, made)}
 	id, _, _, err := p.learnVolumeID(context.Background(), in)
-	if err != nil || id != resp.GetVolume().GetVolumeId() {
-		t.Fatalf("with the earlier request: ID %q, %v; want %q", id, err, resp.GetVolume().GetVolumeId())
+	if err != nil || id != madeID {
+		t.Fatalf("with the earlier request: ID %q, %v; want %q", id, err, madeID)
 	}
 }
 
@@ -415,14 +414,7 @@ func TestLearnVolumeIDPastANoRoomAnswer(t *testing.T) {
 	drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{"zone": "z1"}}, CapacityBytes: 4 << 30})
 	made := createRequest("pvc-zoned")
 	made.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"zone": "z1"}}}}
-	conn, err := drivers.ControllerConn(drv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp, err := csi.NewControllerClient(conn).CreateVolume(context.Background(), made)
-	if err != nil {
-		t.Fatal(err)
-	}
+	madeID := createDriverVolumeWith(t, drivers, drv, made)
 	elsewhere := createRequest("pvc-zoned")
 	elsewhere.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"zone": "z9"}}}}
 	tooBig := createRequest("pvc-zoned")
@@ -430,8 +422,8 @@ func TestLearnVolumeIDPastANoRoomAnswer(t *testing.T) {
 	p := &provisioner{b: &Bridge{cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
 	in := Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, elsewhere), EarlierRequests: [][]byte{marshalRequest(t, made)}}
 	id, _, stage, err := p.learnVolumeID(context.Background(), in)
-	if err != nil || id != resp.GetVolume().GetVolumeId() {
-		t.Fatalf("no room for the latest request, the earlier made the volume: ID %q, stage %v, %v; want %q", id, stage, err, resp.GetVolume().GetVolumeId())
+	if err != nil || id != madeID {
+		t.Fatalf("no room for the latest request, the earlier made the volume: ID %q, stage %v, %v; want %q", id, stage, err, madeID)
 	}
 	in = Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, elsewhere)}
 	if _, _, stage, err := p.learnVolumeID(context.Background(), in); stage != stageAbsent || status.Code(err) != codes.ResourceExhausted {

@@ -68,7 +68,7 @@ type condition struct {
 	costLimit uint64
 	prg       cel.Program
 	// readsNSLabels: the condition may read request.requester.namespaceLabels
-	// (mayReadNSLabels),
+	// (mayReadRequesterField),
 	// so it cannot be decided while they are not known (nil).
 	readsNSLabels bool
 	// readsNode: the condition may read request.requester.node, so it
@@ -117,22 +117,19 @@ func compileCondition(text string, costLimit uint64) (*condition, error) {
 		return nil, errors.New(oneLine(err.Error()))
 	}
 	root := celast.NavigateAST(ast.NativeRep())
-	readsLabels := celast.MatchDescendants(root, mayReadNSLabels)
+	readsLabels := celast.MatchDescendants(root, mayReadRequesterField("namespaceLabels"))
 	readsNode := celast.MatchDescendants(root, mayReadRequesterField("node"))
 	return &condition{text: text, costLimit: costLimit, prg: prg, readsNSLabels: len(readsLabels) > 0, readsNode: len(readsNode) > 0}, nil
 }
 
-// mayReadNSLabels matches the expressions through which a condition may
-// read request.requester.namespaceLabels: the field by name (a select or
-// has()), the name as a string (an index like
-// dyn(request.requester)['namespaceLabels']), and an index by a computed key
-// into a value the checker could not type (dyn), which may be the
-// requester. A false match only makes a condition fail closed while the
-// labels are unknown; a miss would let it see them as empty.
-func mayReadNSLabels(e celast.NavigableExpr) bool { return mayReadRequesterField("namespaceLabels")(e) }
-
-// mayReadRequesterField is mayReadNSLabels for any field of the requester,
-// named as in CEL (its JSON name).
+// mayReadRequesterField matches the expressions through which a condition
+// may read the requester's field (named as in CEL, its JSON name; e.g.
+// request.requester.namespaceLabels): the field of a requester or a dyn
+// value (a select or has()), the name as the key of an index into one (like
+// dyn(request.requester)['namespaceLabels']), an index by a computed key
+// into a dyn value, and the request or requester used whole. A false match
+// only makes a condition fail closed while the field is unknown; a miss
+// would let it see the field empty.
 func mayReadRequesterField(field string) func(celast.NavigableExpr) bool {
 	return func(e celast.NavigableExpr) bool { return mayRead(e, field) }
 }

@@ -251,13 +251,11 @@ func WriteDevCerts(o DevCertsOptions) ([]string, error) {
 		}
 		byBase[f.base] = f.id
 		if data, err := os.ReadFile(filepath.Join(o.Dir, f.base+".crt")); err == nil {
-			if block, _ := pem.Decode(data); block != nil {
-				if c, err := x509.ParseCertificate(block.Bytes); err == nil {
-					if id, err := PeerID(c); err == nil && id != f.id && !sameButTrustDomain(id, f.id) {
-						// A trust domain changed is a re-mint; another
-						// identity under this file name is not.
-						return nil, fmt.Errorf("%s.crt holds %s, another identity than the %s this run would write there (driver and node names joined by '-' can name one file); remove it or mint in another directory; nothing was written", filepath.Join(o.Dir, f.base), id, f.id)
-					}
+			if certs, err := parseCertsPEM(data); err == nil {
+				if id, err := PeerID(certs[0]); err == nil && id != f.id && !sameButTrustDomain(id, f.id) {
+					// A trust domain changed is a re-mint; another
+					// identity under this file name is not.
+					return nil, fmt.Errorf("%s.crt holds %s, another identity than the %s this run would write there (driver and node names joined by '-' can name one file); remove it or mint in another directory; nothing was written", filepath.Join(o.Dir, f.base), id, f.id)
 				}
 			}
 		}
