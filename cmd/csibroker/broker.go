@@ -164,6 +164,9 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		if err != nil {
 			return err
 		}
+		if ca := cfg.Kube.policyCA; ca != nil {
+			g.Go(func() error { ca.Run(ctx, cfg.TLS.ReloadInterval); return nil })
+		}
 		bridge, restCfg, err := cfg.Kube.bridge(b, authz, cfg.Timeout, log, tp, promReg)
 		if err != nil {
 			return err

@@ -7,6 +7,9 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
 	"os"
 	"strings"
 	"time"
@@ -19,9 +22,11 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/leaderelection"
+	"k8s.io/client-go/transport"
 	"k8s.io/client-go/util/flowcontrol"
 	"k8s.io/klog/v2"
 
+	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/telemetry"
 	"github.com/csibroker/csibroker/k8sbridge"
 	"github.com/csibroker/csibroker/policy"
@@ -65,7 +70,12 @@ type kubeFlags struct {
 	PolicyCRDs     bool
 	PolicyURL      string
 	PolicyPath     string
+	PolicyCAFile   string
+	PolicyToken    string
 	PolicyInterval time.Duration
+	// policyCA is the --policy-opa-ca-file bundle, re-read while the broker
+	// runs (authorizer sets it).
+	policyCA *mtls.CAFile
 	// policyErrs is the last policy-file load's invalid grants (logPolicyFileErrors).
 	policyErrs string
 	// policySeen: when a re-read of the policy file is applied.
@@ -121,6 +131,8 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&f.PolicyCRDs, "policy-crds", true, "read SecretGrant objects (policy.csibroker.io) from the cluster")
 	fs.StringVar(&f.PolicyURL, "policy-opa-url", "", "external decision point with OPA's data API, asked after the local grants allow (e.g. http://127.0.0.1:8181)")
 	fs.StringVar(&f.PolicyPath, "policy-opa-path", "csibroker/allow", "data document path of the external decision point")
+	fs.StringVar(&f.PolicyCAFile, "policy-opa-ca-file", "", "PEM CA bundle the https --policy-opa-url's certificate must chain to, instead of the system's roots (re-read every --tls-reload-interval)")
+	fs.StringVar(&f.PolicyToken, "policy-opa-token-file", "", "file holding a bearer token sent to --policy-opa-url as Authorization: Bearer (OPA's --authentication=token; re-read every minute, so a projected service account token may rotate)")
 	fs.DurationVar(&f.PolicyInterval, "policy-reload-interval", 10*time.Second, "how often --policy-file is re-read")
 }
 
@@ -190,6 +202,15 @@ func (f *kubeFlags) validate() error {
 	}
 	if f.PolicyFile != "" && f.PolicyInterval <= 0 {
 		errs = append(errs, errors.New("--policy-reload-interval must be positive"))
+	}
+	if f.PolicyURL == "" {
+		for flag, v := range map[string]string{"--policy-opa-ca-file": f.PolicyCAFile, "--policy-opa-token-file": f.PolicyToken} {
+			if v != "" {
+				errs = append(errs, fmt.Errorf("%s is for the external decision point, but --policy-opa-url is not set", flag))
+			}
+		}
+	} else if f.PolicyCAFile != "" && !strings.HasPrefix(strings.ToLower(f.PolicyURL), "https://") {
+		errs = append(errs, fmt.Errorf("--policy-opa-ca-file is for an https:// --policy-opa-url, not %s", f.PolicyURL))
 	}
 	if f.VolumeNameUUIDLength != -1 && f.VolumeNameUUIDLength < minUUIDLength {
 		errs = append(errs, fmt.Errorf("--volume-name-uuid-length %d: -1 (the whole UID) or at least %d, else claims may share a volume name", f.VolumeNameUUIDLength, minUUIDLength))
@@ -277,7 +298,11 @@ func (f *kubeFlags) authorizer(log *slog.Logger) (*policy.Authorizer, *policy.St
 	}
 	a := &policy.Authorizer{Rules: store}
 	if f.PolicyURL != "" {
-		ext, err := policy.NewExternal(policy.ExternalConfig{URL: f.PolicyURL, Path: f.PolicyPath, Logger: log})
+		hc, err := f.policyHTTPClient(log)
+		if err != nil {
+			return nil, nil, err
+		}
+		ext, err := policy.NewExternal(policy.ExternalConfig{URL: f.PolicyURL, Path: f.PolicyPath, HTTPClient: hc, Logger: log})
 		if err != nil {
 			return nil, nil, fmt.Errorf("--policy-opa-url: %w", err)
 		}
@@ -285,6 +310,44 @@ func (f *kubeFlags) authorizer(log *slog.Logger) (*policy.Authorizer, *policy.St
 	}
 	log.Info("secret policy", "mode", string(mode), "file", f.PolicyFile, "crds", f.PolicyCRDs, "external", f.PolicyURL)
 	return a, store, nil
+}
+
+// policyHTTPClient is the external decision point's HTTP client: the
+// --policy-opa-ca-file bundle as its roots and the --policy-opa-token-file
+// token as its bearer credential, when given.
+func (f *kubeFlags) policyHTTPClient(log *slog.Logger) (*http.Client, error) {
+	var rt http.RoundTripper = http.DefaultTransport.(*http.Transport).Clone()
+	if f.PolicyCAFile != "" {
+		ca, err := mtls.NewCAFile(f.PolicyCAFile, log)
+		if err != nil {
+			return nil, fmt.Errorf("--policy-opa-ca-file: %w", err)
+		}
+		f.policyCA = ca
+		rt = ca.Transport(nil)
+	}
+	if f.PolicyToken != "" {
+		// client-go's refreshing bearer transport: the file is read now
+		// (an empty or missing file is an error here) and again each
+		// minute, keeping the last token read if a re-read fails.
+		withToken, err := transport.NewBearerAuthWithRefreshRoundTripper("", f.PolicyToken, rt)
+		if err != nil {
+			return nil, fmt.Errorf("--policy-opa-token-file: %w", err)
+		}
+		rt = withToken
+		if u, err := url.Parse(f.PolicyURL); err == nil && u.Scheme != "https" && !isLoopbackHost(u.Hostname()) {
+			log.Warn("the external decision point's bearer token goes over plain http to a host that is not this machine's; use https", "url", f.PolicyURL)
+		}
+	}
+	return &http.Client{Transport: rt}, nil
+}
+
+// isLoopbackHost says whether host (a name or an address) is this machine.
+func isLoopbackHost(host string) bool {
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 // logPolicyFileErrors logs the invalid grants of a load of the policy file

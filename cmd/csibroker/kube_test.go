@@ -3,14 +3,21 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/base64"
 	"flag"
 	"fmt"
+	"io"
+	stdlog "log"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,6 +28,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/csibroker/csibroker/broker"
+	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/telemetry"
 	"github.com/csibroker/csibroker/policy"
 )
@@ -158,6 +166,11 @@ func TestBrokerFlagsRefusedTogether(t *testing.T) {
 	}{
 		{"discovery without Kubernetes", "--discover-proxies", func(c *BrokerCommandConfig) { c.RegistryFile, c.Kube.DiscoverProxies = "", "app=proxy" }},
 		{"policy file never re-read", "--policy-reload-interval", func(c *BrokerCommandConfig) { c.Kube.PolicyFile, c.Kube.PolicyInterval = "p.yaml", 0 }},
+		{"OPA CA file without its URL", "--policy-opa-ca-file is for the external decision point", func(c *BrokerCommandConfig) { c.Kube.PolicyCAFile = "ca.pem" }},
+		{"OPA token file without its URL", "--policy-opa-token-file is for the external decision point", func(c *BrokerCommandConfig) { c.Kube.PolicyToken = "t" }},
+		{"OPA CA file for plain http", "--policy-opa-ca-file is for an https://", func(c *BrokerCommandConfig) {
+			c.Kube.PolicyURL, c.Kube.PolicyCAFile = "http://127.0.0.1:8181", "ca.pem"
+		}},
 		{"short volume name UID", "--volume-name-uuid-length", func(c *BrokerCommandConfig) { c.Kube.VolumeNameUUIDLength = 4 }},
 		{"metrics path without slash", "--metrics-path", func(c *BrokerCommandConfig) { c.MetricsPath = "metrics" }},
 		{"metrics path on the health endpoint", "--metrics-path", func(c *BrokerCommandConfig) { c.MetricsPath = "/readyz" }},
@@ -269,5 +282,99 @@ func TestPolicyFileAppliedOnceItHoldsStill(t *testing.T) {
 		if got {
 			s.done = []byte(st.read)
 		}
+	}
+}
+
+// TestPolicyOPAOverTLSWithBearerToken: with --policy-opa-ca-file and
+// --policy-opa-token-file the broker asks an https decision point behind a
+// private CA, sending the token from the file; without the CA file the
+// same server is not trusted, and a wrong token is refused by the server;
+// each failure denies (fail closed) with a reason saying why. The token is
+// a canary: it appears in no log line (debug level) and no reason.
+func TestPolicyOPAOverTLSWithBearerToken(t *testing.T) {
+	const canary = "opa-token-canary-5e1b9c"
+	now := time.Now()
+	ca, err := mtls.NewCA("opa test CA", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	certPEM, keyPEM, err := ca.Issue(mtls.Leaf{IPs: []net.IP{net.IPv4(127, 0, 0, 1)}, NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := tls.X509KeyPair(certPEM, keyPEM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var asked atomic.Int64
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		asked.Add(1)
+		w.Header().Set("Content-Type", "application/json")
+		if r.Header.Get("Authorization") != "Bearer "+canary {
+			w.WriteHeader(http.StatusUnauthorized)
+			io.WriteString(w, `{"code": "unauthorized", "message": "authentication failed"}`)
+			return
+		}
+		io.WriteString(w, `{"result": true}`)
+	}))
+	srv.TLS = &tls.Config{Certificates: []tls.Certificate{cert}}
+	srv.Config.ErrorLog = stdlog.New(io.Discard, "", 0) // the untrusting client's handshake
+	srv.StartTLS()
+	defer srv.Close()
+
+	dir := t.TempDir()
+	caFile, tokenFile, wrongToken := filepath.Join(dir, "ca.pem"), filepath.Join(dir, "token"), filepath.Join(dir, "wrong")
+	for f, data := range map[string]string{caFile: string(ca.CertPEM), tokenFile: canary + "\n", wrongToken: "not-the-token"} {
+		if err := os.WriteFile(f, []byte(data), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var logs bytes.Buffer
+	log := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	req := policy.Request{Driver: "opa.csi.test", Operation: policy.OpCreateVolume, Secret: policy.SecretRef{Namespace: "ns", Name: "creds"}}
+	decide := func(caPath, token string) policy.Decision {
+		t.Helper()
+		var f kubeFlags
+		f.register(flag.NewFlagSet("broker", flag.ContinueOnError))
+		f.Mode, f.PolicyURL, f.PolicyCAFile, f.PolicyToken = "off", srv.URL, caPath, token
+		if err := f.validate(); err != nil {
+			t.Fatalf("flags refused: %v", err)
+		}
+		a, _, err := f.authorizer(log)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if (caPath != "") != (f.policyCA != nil) {
+			t.Fatalf("CA file %q, reloaded bundle %v", caPath, f.policyCA)
+		}
+		d := a.External.Decide(context.Background(), req)
+		if strings.Contains(d.Reason, canary) {
+			t.Errorf("the token is in the decision's reason: %s", d.Reason)
+		}
+		return d
+	}
+
+	if d := decide(caFile, tokenFile); !d.Allowed {
+		t.Fatalf("CA file and token: denied: %s", d.Reason)
+	}
+	if d := decide("", tokenFile); d.Allowed || !strings.Contains(d.Reason, "certificate signed by unknown authority") {
+		t.Errorf("no CA file (system roots): allowed %v, reason %q; want a denial saying the certificate is not trusted", d.Allowed, d.Reason)
+	}
+	before := asked.Load()
+	if d := decide(caFile, wrongToken); d.Allowed || !strings.Contains(d.Reason, "HTTP 401") {
+		t.Errorf("wrong token: allowed %v, reason %q; want a denial saying HTTP 401", d.Allowed, d.Reason)
+	}
+	if asked.Load() == before {
+		t.Error("the wrong token never reached the server")
+	}
+	if d := decide(caFile, ""); d.Allowed {
+		t.Error("no token: allowed")
+	}
+	if _, _, err := (&kubeFlags{PolicyMode: "enforce", PolicyURL: srv.URL, PolicyToken: filepath.Join(dir, "missing")}).authorizer(log); err == nil ||
+		!strings.Contains(err.Error(), "--policy-opa-token-file") {
+		t.Errorf("missing token file: %v, want an error naming --policy-opa-token-file", err)
+	}
+	if strings.Contains(logs.String(), canary) {
+		t.Errorf("the token is in the log:\n%s", logs.String())
 	}
 }
