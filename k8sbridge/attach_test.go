@@ -895,7 +895,8 @@ func TestAttachesAMigratedInTreeVolume(t *testing.T) {
 	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
 	node := addAttachNode(t, env, ns)
 	// The driver CSI migration moves in-tree Cinder volumes to (a name the
-	// translation fixes, so only this test may use it).
+	// translation fixes, shared with TestResizeExpandsAMigratedInTreeVolume;
+	// the two run one after the other, each with its own bridge).
 	const drv = "cinder.csi.openstack.org"
 	drivers, d := publishingDriver(t, env, drv, node)
 	volID := createDriverVolume(t, drivers, drv, clusterName(ns, "in-tree"))

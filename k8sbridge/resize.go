@@ -70,9 +70,10 @@ import (
 // controller only emits ExternalExpanding ("waiting for an external
 // controller to expand this PVC"). For in-tree volumes migrated to CSI it
 // writes the CSI driver's name into volume.kubernetes.io/storage-resizer;
-// the broker enqueues a claim when that annotation changes and, finding it
-// names a registered driver on a PV without a CSI source, says in an Event
-// that it does not expand in-tree sources (attach translates them).
+// the broker enqueues a claim when that annotation changes and, when it
+// names a registered driver that CSI migration moves the PV's in-tree
+// source to, expands the volume through its CSI translation
+// (k8s.io/csi-translation-lib, as external-resizer and attach do).
 
 const (
 	// annStorageResizer is set by kube-controller-manager on claims of
@@ -319,17 +320,29 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 		return 0, nil
 	}
 	var driver string
-	switch {
+	spec := &pv.Spec // with the CSI source the driver is asked about
+	switch resizer := claim.Annotations[annStorageResizer]; {
 	case pv.Spec.CSI != nil:
 		if !r.registered(pv.Spec.CSI.Driver) {
 			return 0, nil
 		}
 		driver = pv.Spec.CSI.Driver
-	case r.registered(claim.Annotations[annStorageResizer]):
-		r.warn(ctx, claim, "",
-			"volume %s is an in-tree volume migrated to CSI driver %s (annotation %s); csibroker attaches such volumes but does not expand them; expand it with the driver's own external-resizer",
-			pv.Name, claim.Annotations[annStorageResizer], annStorageResizer)
-		return 0, nil
+	case r.registered(resizer):
+		// An in-tree volume CSI migration moved to a registered driver
+		// (kube-controller-manager names it in annStorageResizer): it is
+		// expanded through its CSI translation, as external-resizer does,
+		// and only by the driver the translation names.
+		if to := pvDriver(pv); to != resizer {
+			r.warn(ctx, claim, "", "claim's %s annotation names driver %s, but volume %s is not an in-tree volume CSI migration moves to it (it moves to %q); not expanded",
+				annStorageResizer, resizer, pv.Name, to)
+			return 0, nil
+		}
+		t, err := csiSpec(pv)
+		if err != nil {
+			r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: %v", pv.Name, resizer, err)
+			return 0, nil
+		}
+		driver, spec = resizer, t
 	default:
 		return 0, nil
 	}
@@ -392,7 +405,7 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 		attribute.String("csi.driver", driver), attribute.String("k8s.pvc.namespace", ns), attribute.String("k8s.pvc.name", name),
 		attribute.String("k8s.pv.name", pv.Name), attribute.String("k8s.pvc.expand_to", target.String())))
 	defer span.End()
-	result, err := r.expand(ctx, claim, pv, driver, caps, controllerExpand, target)
+	result, err := r.expand(ctx, claim, pv, spec, driver, caps, controllerExpand, target)
 	r.ops.WithLabelValues(driver, result).Inc()
 	if err != nil {
 		span.SetStatus(otelcodes.Error, result)
@@ -404,8 +417,10 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	return 0, nil
 }
 
-// expand runs one expansion attempt and returns its result label.
-func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver string, caps driverCaps, controllerExpand bool, target resource.Quantity) (string, error) {
+// expand runs one expansion attempt and returns its result label. spec is
+// pv's spec with its CSI source (for a migrated in-tree volume, the
+// translation's); the PV itself is what gets the new capacity.
+func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, spec *corev1.PersistentVolumeSpec, driver string, caps driverCaps, controllerExpand bool, target resource.Quantity) (string, error) {
 	key := claim.Namespace + "/" + claim.Name
 	failed := func(result string, err error) (string, error) {
 		if ctx.Err() != nil {
@@ -446,12 +461,12 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 		if err != nil {
 			return failed("not_called", err)
 		}
-		volCap, err := resizeVolumeCapability(pv.Spec, caps.singleNodeMultiWriter)
+		volCap, err := resizeVolumeCapability(*spec, caps.singleNodeMultiWriter)
 		if err != nil {
 			return failed("not_called", err)
 		}
 		secrets, err := r.b.fetchSecret(ctx, secretUse{
-			driver: driver, op: policy.OpControllerExpandVolume, ref: pv.Spec.CSI.ControllerExpandSecretRef,
+			driver: driver, op: policy.OpControllerExpandVolume, ref: spec.CSI.ControllerExpandSecretRef,
 			source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerExpandSecretRef"},
 			requester: policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name,
 				Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName, Node: node},
@@ -459,7 +474,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 		if err != nil {
 			return failed("not_called", err)
 		}
-		req = &csi.ControllerExpandVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, CapacityRange: &csi.CapacityRange{RequiredBytes: target.Value()},
+		req = &csi.ControllerExpandVolumeRequest{VolumeId: spec.CSI.VolumeHandle, CapacityRange: &csi.CapacityRange{RequiredBytes: target.Value()},
 			Secrets: secrets, VolumeCapability: volCap}
 	}
 

@@ -1159,3 +1159,69 @@ func TestMergeResizeConditionsTakesTheLatestMessage(t *testing.T) {
 		t.Fatalf("the same code again changed the conditions: %+v -> %+v", conds, again.Status.Conditions)
 	}
 }
+
+// TestResizeExpandsAMigratedInTreeVolume: kube-controller-manager names, in
+// volume.kubernetes.io/storage-resizer, the CSI driver that CSI migration
+// moves an in-tree claim's volume to; the broker expands the volume through
+// its CSI translation, as external-resizer does. The driver's own volume
+// grows (asked with the translated handle and filesystem), and so does the
+// PV, which keeps its in-tree source.
+func TestResizeExpandsAMigratedInTreeVolume(t *testing.T) {
+	env := testenv.Shared(t)
+	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
+	// The driver CSI migration moves in-tree Cinder volumes to (a name the
+	// translation fixes, shared with TestAttachesAMigratedInTreeVolume).
+	const drv = "cinder.csi.openstack.org"
+	spy := &resizeSpy{testDrivers: &testDrivers{}}
+	d := spy.addDriver(t, sampledriver.Config{Name: drv})
+	volID := createDriverVolume(t, spy.testDrivers, drv, clusterName(ns, "in-tree"))
+	class := makeResizeClass(t, c, clusterName(ns, "cinder"), "kubernetes.io/cinder", "", "")
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "pv")},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+			StorageClassName:              class,
+			ClaimRef:                      &corev1.ObjectReference{Namespace: ns, Name: "data"},
+			PersistentVolumeSource:        corev1.PersistentVolumeSource{Cinder: &corev1.CinderPersistentVolumeSource{VolumeID: volID, FSType: "ext4"}},
+		},
+	}
+	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{}) })
+	makeClaimWith(t, c, ns, "data", class, func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeName = pv.Name })
+	waitBound(t, c, ns, "data", 60*time.Second)
+	startBridge(t, env, ns, spy, bridgeOpts{})
+
+	raiseRequest(t, c, ns, "data", "2Gi")
+	claim := waitClaim(t, c, ns, "data", "NodeResizePending", func(pvc *corev1.PersistentVolumeClaim) bool {
+		return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending
+	})
+	if got := claim.Annotations[annStorageResizer]; got != drv {
+		t.Errorf("claim annotation %s = %q, want kube-controller-manager's %q", annStorageResizer, got, drv)
+	}
+	seen := spy.requests(volID)
+	if len(seen) == 0 {
+		t.Fatalf("no ControllerExpandVolume call for volume %s", volID)
+	}
+	for _, s := range seen {
+		if s.requiredBytes != 2<<30 || !s.mount || s.code != codes.OK {
+			t.Errorf("ControllerExpandVolume request %v: want 2Gi and a mount capability", s)
+		}
+	}
+	got, err := c.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q := got.Spec.Capacity[corev1.ResourceStorage]; q.Cmp(resource.MustParse("2Gi")) != 0 || got.Spec.Cinder == nil || got.Spec.CSI != nil {
+		t.Errorf("PV after the expansion: capacity %s, source %+v; want 2Gi and the in-tree source kept", q.String(), got.Spec.PersistentVolumeSource)
+	}
+	for _, v := range d.Volumes() {
+		if v.ID == volID && v.CapacityBytes != 2<<30 {
+			t.Errorf("driver volume %s has %d bytes, want %d", v.ID, v.CapacityBytes, int64(2<<30))
+		}
+	}
+	waitEvent(t, c, ns, "data", "FileSystemResizeRequired", "Require file system resize of volume on node")
+}
