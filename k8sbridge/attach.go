@@ -287,14 +287,16 @@ func vaRef(va *storagev1.VolumeAttachment) corev1.ObjectReference {
 // as stored (those a newer API server has and these types lack included).
 // With nothing to change it writes nothing and returns old.
 func (a *attacher) patchVA(ctx context.Context, old, cur *storagev1.VolumeAttachment, subresources ...string) (*storagev1.VolumeAttachment, error) {
-	patch, err := twoWayPatch(old, cur, &storagev1.VolumeAttachment{}, old.ResourceVersion)
+	// A JSON merge patch: the status's attachmentMetadata is the driver's
+	// publish context, whose keys are the driver's to choose.
+	patch, err := mergePatch(old, cur, old.ResourceVersion)
 	if err != nil {
 		return nil, fmt.Errorf("volumeattachment %s: making the patch: %w", old.Name, err)
 	}
 	if patch == nil {
 		return old, nil
 	}
-	return a.b.cfg.Client.StorageV1().VolumeAttachments().Patch(ctx, old.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, subresources...)
+	return a.b.cfg.Client.StorageV1().VolumeAttachments().Patch(ctx, old.Name, types.MergePatchType, patch, metav1.PatchOptions{}, subresources...)
 }
 
 // patchPV is patchVA for a PersistentVolume.

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"regexp"
 	"slices"
 	"strings"
@@ -1077,4 +1078,77 @@ func deleteNamespace(t *testing.T, c kubernetes.Interface, ns string) {
 	if err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestAttachKeepsPublishContextKeysSpeltLikePatchDirectives: a driver's
+// publish context is the VolumeAttachment's attachmentMetadata, keys and
+// all. Keys a strategic merge patch reads as directives ("$patch":
+// "delete" dropped the whole map) reach the API server as data.
+func TestAttachKeepsPublishContextKeysSpeltLikePatchDirectives(t *testing.T) {
+	env := testenv.Shared(t)
+	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
+	node := addAttachNode(t, env, ns)
+	drv := clusterName(ns, "dollar.csi.test")
+	drivers, _ := publishingDriver(t, env, drv, node)
+	extra := map[string]string{"$patch": "delete", "$retainKeys": "devicePath", "$setElementOrder/x": "y"}
+	volID := createDriverVolume(t, drivers, drv, clusterName(ns, "vol"))
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "pv")},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+			PersistentVolumeSource:        corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: volID}},
+		},
+	}
+	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{}) })
+	startBridge(t, env, ns, &publishContextDrivers{testDrivers: drivers, extra: extra}, bridgeOpts{})
+
+	createVA(t, c, ns, drv, node, pv.Name)
+	got := vaFor(t, c, pv.Name, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached || va.Status.AttachError != nil }, "attached")
+	if !got.Status.Attached {
+		t.Fatalf("not attached: %+v", got.Status)
+	}
+	for k, v := range extra {
+		if got.Status.AttachmentMetadata[k] != v {
+			t.Errorf("attachmentMetadata %v: want %s=%s from the driver's publish context", got.Status.AttachmentMetadata, k, v)
+		}
+	}
+	if got.Status.AttachmentMetadata[sampledriver.PublishContextDevicePath] == "" {
+		t.Errorf("attachmentMetadata %v lacks the driver's own %s", got.Status.AttachmentMetadata, sampledriver.PublishContextDevicePath)
+	}
+}
+
+// publishContextDrivers adds extra to every publish context its drivers
+// answer.
+type publishContextDrivers struct {
+	*testDrivers
+	extra map[string]string
+}
+
+func (d *publishContextDrivers) ControllerConn(drv string) (grpc.ClientConnInterface, error) {
+	c, err := d.testDrivers.ControllerConn(drv)
+	if err != nil {
+		return nil, err
+	}
+	return &publishContextConn{ClientConnInterface: c, extra: d.extra}, nil
+}
+
+type publishContextConn struct {
+	grpc.ClientConnInterface
+	extra map[string]string
+}
+
+func (c *publishContextConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	err := c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...)
+	if resp, ok := reply.(*csi.ControllerPublishVolumeResponse); ok && err == nil {
+		if resp.PublishContext == nil {
+			resp.PublishContext = map[string]string{}
+		}
+		maps.Copy(resp.PublishContext, c.extra)
+	}
+	return err
 }

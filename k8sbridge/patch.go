@@ -2,7 +2,9 @@ package k8sbridge
 
 import (
 	"encoding/json"
+	"errors"
 
+	jsonpatch "gopkg.in/evanphx/json-patch.v4"
 	"k8s.io/apimachinery/pkg/util/strategicpatch"
 )
 
@@ -14,11 +16,7 @@ import (
 // including those of a newer API server that this build's types do not
 // know (an Update would drop them).
 func twoWayPatch(old, cur, schema any, rv string) ([]byte, error) {
-	oldJSON, err := json.Marshal(old)
-	if err != nil {
-		return nil, err
-	}
-	curJSON, err := json.Marshal(cur)
+	oldJSON, curJSON, err := marshalPair(old, cur)
 	if err != nil {
 		return nil, err
 	}
@@ -26,6 +24,42 @@ func twoWayPatch(old, cur, schema any, rv string) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
+	return withResourceVersion(patch, rv)
+}
+
+// mergePatch is twoWayPatch as a JSON merge patch (RFC 7386), for objects
+// whose maps hold keys from outside the cluster: a driver's publish context
+// becomes a VolumeAttachment's attachmentMetadata, and a strategic merge
+// patch would read a key spelt like a directive as one ("$patch": "delete"
+// drops the whole map). A merge patch replaces lists whole, so it always
+// carries rv: the write fails if the object changed since it was read.
+func mergePatch(old, cur any, rv string) ([]byte, error) {
+	if rv == "" {
+		return nil, errors.New("a merge patch needs the resourceVersion it was made from")
+	}
+	oldJSON, curJSON, err := marshalPair(old, cur)
+	if err != nil {
+		return nil, err
+	}
+	patch, err := jsonpatch.CreateMergePatch(oldJSON, curJSON)
+	if err != nil {
+		return nil, err
+	}
+	return withResourceVersion(patch, rv)
+}
+
+func marshalPair(old, cur any) ([]byte, []byte, error) {
+	oldJSON, err := json.Marshal(old)
+	if err != nil {
+		return nil, nil, err
+	}
+	curJSON, err := json.Marshal(cur)
+	return oldJSON, curJSON, err
+}
+
+// withResourceVersion is patch with metadata.resourceVersion rv (none for
+// ""), nil when patch changes nothing.
+func withResourceVersion(patch []byte, rv string) ([]byte, error) {
 	if string(patch) == "{}" {
 		return nil, nil
 	}
