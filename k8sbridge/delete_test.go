@@ -3,6 +3,7 @@ package k8sbridge
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -105,6 +106,72 @@ func TestCloneFromClaim(t *testing.T) {
 		}
 	}
 	t.Fatal("the driver saw no CreateVolume for the clone")
+}
+
+// TestCloneSourceKeptUntilItsCloneIsMade: the source of a clone gets
+// external-provisioner's cloning-protection finalizer before the driver is
+// asked to copy it; deleted while the copy is in progress, it stays (with
+// its volume) until the clone is bound, and then goes.
+func TestCloneSourceKeptUntilItsCloneIsMade(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "cp.csi.test")
+	drivers := newCountingDrivers()
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "cp"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	r := startBridge(t, env, ns, drivers, bridgeOpts{})
+	src := waitBound(t, c, ns, makeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
+
+	letGo := drivers.hold("CreateVolume")
+	defer letGo()
+	makeClaimWith(t, c, ns, "copy", class.Name, func(p *corev1.PersistentVolumeClaim) {
+		p.Spec.DataSource = &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: src.Name}
+	})
+	err := testenv.WaitFor(ctx, 60*time.Second, "the clone's CreateVolume held", func(context.Context) (bool, string, error) {
+		n := len(drivers.names("CreateVolume"))
+		return n == 2, fmt.Sprintf("%d CreateVolume calls", n), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cur, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, src.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(cur.Finalizers, cloneFinalizer) {
+		t.Fatalf("source claim finalizers %v while it is being copied: want %s", cur.Finalizers, cloneFinalizer)
+	}
+
+	// Deleted mid-copy: kept, and the broker says why in its log.
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, src.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 60*time.Second, "the deleted source kept for its pending clone", func(context.Context) (bool, string, error) {
+		return strings.Contains(r.logs.String(), "deleted claim kept while claims cloning it are pending"), "no such log line", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cur, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, src.Name, metav1.GetOptions{}); err != nil || cur.DeletionTimestamp == nil {
+		t.Fatalf("source claim while its clone is pending: %v, err %v; want it there, being deleted", cur, err)
+	}
+	if d.CallCount("DeleteVolume") != 0 {
+		t.Fatal("a volume was deleted while the clone was being made")
+	}
+
+	// The copy done: the clone binds, the source goes, then its volume.
+	letGo()
+	waitBound(t, c, ns, "copy", 60*time.Second)
+	err = testenv.WaitFor(ctx, 60*time.Second, "source claim gone", func(ctx context.Context) (bool, string, error) {
+		_, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, src.Name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitPVGone(t, c, src.Spec.VolumeName, 60*time.Second)
 }
 
 // TestDeleteAfterNamespaceIsGone: a grant admits claims of namespaces

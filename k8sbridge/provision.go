@@ -598,6 +598,15 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		}
 	}
 
+	// A clone's source stays until the copy is done: deleting it now
+	// waits (cloneProtector releases it once no clone is pending).
+	if err := p.protectCloneSource(ctx, claim); err != nil {
+		if ctx.Err() != nil {
+			return "failed", err
+		}
+		return fail("%v", err)
+	}
+
 	// Durable intent before the call: from here on the volume is never forgotten.
 	stored := proto.Clone(req).(*csi.CreateVolumeRequest)
 	stored.Secrets = nil
