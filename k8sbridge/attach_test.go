@@ -1105,7 +1105,15 @@ func TestAttachKeepsPublishContextKeysSpeltLikePatchDirectives(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{}) })
-	startBridge(t, env, ns, &publishContextDrivers{testDrivers: drivers, extra: extra}, bridgeOpts{})
+	startBridge(t, env, ns, &hookedDrivers{testDrivers: drivers, hook: func(_ string, _, reply any, err error) error {
+		if resp, ok := reply.(*csi.ControllerPublishVolumeResponse); ok && err == nil {
+			if resp.PublishContext == nil {
+				resp.PublishContext = map[string]string{}
+			}
+			maps.Copy(resp.PublishContext, extra)
+		}
+		return err
+	}}, bridgeOpts{})
 
 	createVA(t, c, ns, drv, node, pv.Name)
 	got := vaFor(t, c, pv.Name, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached || va.Status.AttachError != nil }, "attached")
@@ -1122,33 +1130,27 @@ func TestAttachKeepsPublishContextKeysSpeltLikePatchDirectives(t *testing.T) {
 	}
 }
 
-// publishContextDrivers adds extra to every publish context its drivers
-// answer.
-type publishContextDrivers struct {
+// hookedDrivers passes every answer of its drivers' controller
+// connections through hook (which may change the reply, and says what
+// error the caller gets) before the caller sees it.
+type hookedDrivers struct {
 	*testDrivers
-	extra map[string]string
+	hook func(method string, args, reply any, err error) error
 }
 
-func (d *publishContextDrivers) ControllerConn(drv string) (grpc.ClientConnInterface, error) {
+func (d *hookedDrivers) ControllerConn(drv string) (grpc.ClientConnInterface, error) {
 	c, err := d.testDrivers.ControllerConn(drv)
 	if err != nil {
 		return nil, err
 	}
-	return &publishContextConn{ClientConnInterface: c, extra: d.extra}, nil
+	return &hookedConn{ClientConnInterface: c, hook: d.hook}, nil
 }
 
-type publishContextConn struct {
+type hookedConn struct {
 	grpc.ClientConnInterface
-	extra map[string]string
+	hook func(method string, args, reply any, err error) error
 }
 
-func (c *publishContextConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
-	err := c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...)
-	if resp, ok := reply.(*csi.ControllerPublishVolumeResponse); ok && err == nil {
-		if resp.PublishContext == nil {
-			resp.PublishContext = map[string]string{}
-		}
-		maps.Copy(resp.PublishContext, c.extra)
-	}
-	return err
+func (c *hookedConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	return c.hook(method, args, reply, c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...))
 }

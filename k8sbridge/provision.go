@@ -818,10 +818,16 @@ func statusText(err error) string {
 // conn picks the driver's controller proxy, or for a node-local driver the
 // proxy on the volume's node.
 func (p *provisioner) conn(driver, node string) (grpc.ClientConnInterface, error) {
+	return p.b.driverConn(driver, node)
+}
+
+// driverConn is the driver's controller proxy, or with node set (a
+// node-local driver's volume) the proxy on that node.
+func (b *Bridge) driverConn(driver, node string) (grpc.ClientConnInterface, error) {
 	if node != "" {
-		return p.b.cfg.Drivers.NodeConn(driver, node)
+		return b.cfg.Drivers.NodeConn(driver, node)
 	}
-	return p.b.cfg.Drivers.ControllerConn(driver)
+	return b.cfg.Drivers.ControllerConn(driver)
 }
 
 // placeOnNode picks the node with the most free capacity among the

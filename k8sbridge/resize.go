@@ -478,7 +478,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 			Secrets: secrets, VolumeCapability: volCap}
 	}
 
-	claim, err := r.patchClaimStatus(ctx, claim, resizeInProgress(claim, target), true)
+	claim, err := r.b.patchClaimStatus(ctx, claim, resizeInProgress(claim, target), true)
 	if err != nil {
 		return failed("not_called", fmt.Errorf("mark claim %s resizing: %w", key, err)) // RBAC, a webhook: said on the claim
 	}
@@ -512,14 +512,14 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 		}
 	}
 	if nodeRequired {
-		if _, err := r.patchClaimStatus(ctx, claim, resizeNodePending(claim), true); err != nil {
+		if _, err := r.b.patchClaimStatus(ctx, claim, resizeNodePending(claim), true); err != nil {
 			return failed("failed", fmt.Errorf("mark claim %s as waiting for node expansion: %w", key, err))
 		}
 		r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "FileSystemResizeRequired", "Require file system resize of volume on node")
 		r.b.log.Info("volume expanded; node expansion pending", "claim", key, "pv", pv.Name, "driver", driver, "size", newSize.String())
 		return "node_pending", nil
 	}
-	if _, err := r.patchClaimStatus(ctx, claim, resizeFinished(claim, newSize), true); err != nil {
+	if _, err := r.b.patchClaimStatus(ctx, claim, resizeFinished(claim, newSize), true); err != nil {
 		return failed("failed", fmt.Errorf("mark claim %s resized: %w", key, err))
 	}
 	r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "VolumeResizeSuccessful", "Resize volume succeeded")
@@ -577,7 +577,7 @@ func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolu
 				// deletion found no claim waiting.
 				r.queue.Add(claim.Namespace + "/" + claim.Name)
 			}
-			if _, perr := r.patchClaimStatus(ctx, claim, resizeControllerFailed(claim, code, "failed to expand pvc with "+msg, false), false); perr != nil {
+			if _, perr := r.b.patchClaimStatus(ctx, claim, resizeControllerFailed(claim, code, "failed to expand pvc with "+msg, false), false); perr != nil {
 				r.b.log.Warn("recording an expansion failure on the claim failed", "claim", claim.Namespace+"/"+claim.Name, "err", perr)
 			}
 			r.warn(ctx, claim, "ControllerExpandVolume in use",
@@ -595,7 +595,7 @@ func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolu
 		}
 		// No resourceVersion precondition: the failure must be recorded
 		// even if our copy of the claim is a little old.
-		if _, perr := r.patchClaimStatus(ctx, claim, resizeControllerFailed(claim, code, "failed to expand pvc with "+msg, infeasible), false); perr != nil {
+		if _, perr := r.b.patchClaimStatus(ctx, claim, resizeControllerFailed(claim, code, "failed to expand pvc with "+msg, infeasible), false); perr != nil {
 			r.b.log.Warn("recording an expansion failure on the claim failed", "claim", claim.Namespace+"/"+claim.Name, "err", perr)
 		}
 	}
@@ -913,7 +913,7 @@ func resizeClaimPatch(old, cur *corev1.PersistentVolumeClaim, checkRV bool) ([]b
 // patchClaimStatus writes cur's changes to old through the status
 // subresource and returns the claim as stored; no write when nothing
 // changes.
-func (r *resizer) patchClaimStatus(ctx context.Context, old, cur *corev1.PersistentVolumeClaim, checkRV bool) (*corev1.PersistentVolumeClaim, error) {
+func (b *Bridge) patchClaimStatus(ctx context.Context, old, cur *corev1.PersistentVolumeClaim, checkRV bool) (*corev1.PersistentVolumeClaim, error) {
 	patch, err := resizeClaimPatch(old, cur, checkRV)
 	if err != nil {
 		return old, fmt.Errorf("claim %s/%s status patch: %w", old.Namespace, old.Name, err)
@@ -921,7 +921,7 @@ func (r *resizer) patchClaimStatus(ctx context.Context, old, cur *corev1.Persist
 	if patch == nil {
 		return old, nil
 	}
-	updated, err := r.b.cfg.Client.CoreV1().PersistentVolumeClaims(old.Namespace).Patch(ctx, old.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, "status")
+	updated, err := b.cfg.Client.CoreV1().PersistentVolumeClaims(old.Namespace).Patch(ctx, old.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, "status")
 	if err != nil {
 		return old, fmt.Errorf("patch status of claim %s/%s: %w", old.Namespace, old.Name, err)
 	}

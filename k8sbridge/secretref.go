@@ -57,8 +57,8 @@ const (
 	SecretNodeExpand SecretKind = "node-expand"
 	// SecretControllerModify is recorded in the PV's
 	// volume.kubernetes.io/controller-modify-secret-* annotations, as
-	// external-provisioner does, for a ControllerModifyVolume caller
-	// (csibroker makes no such call, so it hands this secret to no driver).
+	// external-provisioner does, and passed to ControllerModifyVolume when
+	// the claim's VolumeAttributesClass changes (modify.go).
 	SecretControllerModify SecretKind = "controller-modify"
 )
 

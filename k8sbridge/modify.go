@@ -1,0 +1,432 @@
+package k8sbridge
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"sync"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/csibroker/csibroker/policy"
+)
+
+// Volume modification, as external-resizer's modify controller: a bound
+// claim whose spec.volumeAttributesClassName differs from its
+// status.currentVolumeAttributesClassName has its volume changed with
+// ControllerModifyVolume, the class's parameters as the mutable
+// parameters, and the controller-modify secret the PV records
+// (volume.kubernetes.io/controller-modify-secret-*), decided by the policy
+// as ControllerModifyVolume. The claim's status says where it stands:
+// modifyVolumeStatus Pending (the class does not exist yet), InProgress
+// (with a ModifyingVolume condition, and a ModifyVolumeError condition after
+// a failure, retried with backoff) or Infeasible (the driver answered
+// InvalidArgument, or the class is another driver's: tried again only
+// after --retry-interval-max, or at once when the claim names another
+// class). Done, the PV names the class, the claim's status says it is
+// current, and the modify conditions go. A claim set back to its current
+// class has its modify status cleared, after the current class's
+// parameters are applied again if the driver may have begun the other.
+//
+// API writes: three per modification (claim status, PV, claim status),
+// as upstream; a failure costs one more (its condition), and a retry of
+// the same failure none.
+
+func init() { extraControllers = append(extraControllers, newModifier) }
+
+type modifier struct {
+	b     *Bridge
+	queue *termQueue
+	ops   *prometheus.CounterVec
+
+	mu sync.Mutex
+	// infeasible holds claims whose modification to a class was found
+	// infeasible, and when: not tried again before RetryIntervalMax.
+	infeasible map[types.UID]infeasibleTarget
+}
+
+type infeasibleTarget struct {
+	class string
+	at    time.Time
+}
+
+func newModifier(b *Bridge) (controller, error) {
+	m := &modifier{b: b, queue: newTermQueue("modify", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), infeasible: map[types.UID]infeasibleTarget{}}
+	m.ops = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "csibroker", Name: "modify_operations_total",
+		Help: "Volume modification attempts (ControllerModifyVolume) by driver and result (success, infeasible, failed, pending, not_called).",
+	}, []string{"driver", "result"})
+	if reg := b.cfg.Registerer; reg != nil {
+		if err := reg.Register(m.ops); err != nil {
+			var are prometheus.AlreadyRegisteredError
+			existing, ok := (*prometheus.CounterVec)(nil), false
+			if errors.As(err, &are) {
+				existing, ok = are.ExistingCollector.(*prometheus.CounterVec)
+			}
+			if !ok {
+				return nil, fmt.Errorf("register modify metrics: %w", err)
+			}
+			m.ops = existing
+		}
+	}
+	b.metrics.queueDepth("modify", m.queue.Len)
+	b.on(b.factory.Core().V1().PersistentVolumeClaims().Informer(), cache.ResourceEventHandlerFuncs{
+		AddFunc: func(obj any) {
+			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok && claimNeedsModify(c) {
+				m.enqueue(c)
+			}
+		},
+		UpdateFunc: func(_, obj any) {
+			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok && claimNeedsModify(c) {
+				m.enqueue(c)
+			}
+		},
+		DeleteFunc: func(obj any) {
+			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = d.Obj
+			}
+			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok {
+				m.mu.Lock()
+				delete(m.infeasible, c.UID)
+				m.mu.Unlock()
+			}
+		},
+	})
+	return m, nil
+}
+
+// claimNeedsModify: a bound claim names a class its volume does not have
+// yet, or names its current class again with a modification still on
+// record (a rollback).
+func claimNeedsModify(c *corev1.PersistentVolumeClaim) bool {
+	if c.Status.Phase != corev1.ClaimBound || c.Spec.VolumeName == "" || c.DeletionTimestamp != nil {
+		return false
+	}
+	want, cur := c.Spec.VolumeAttributesClassName, c.Status.CurrentVolumeAttributesClassName
+	if want == nil || *want == "" {
+		return false
+	}
+	return cur == nil || *cur != *want || c.Status.ModifyVolumeStatus != nil
+}
+
+func (m *modifier) enqueue(c *corev1.PersistentVolumeClaim) {
+	m.queue.Add(c.Namespace + "/" + c.Name)
+}
+
+func (m *modifier) run(ctx context.Context) {
+	m.mu.Lock()
+	clear(m.infeasible)
+	m.mu.Unlock()
+	m.queue.work(ctx, m.b.cfg.WorkerThreads, func() {
+		if claims, err := m.b.claims.List(labels.Everything()); err == nil {
+			for _, c := range claims {
+				if claimNeedsModify(c) {
+					m.enqueue(c)
+				}
+			}
+		}
+	}, func(ctx context.Context, key string) (time.Duration, error) {
+		requeue, err := m.sync(ctx, key)
+		if err != nil {
+			m.b.log.Debug("volume modification will be retried", "claim", key, "err", err)
+		}
+		return requeue, err
+	})
+}
+
+// sync modifies one claim's volume if it needs it. An error retries with
+// backoff; a positive duration looks at the claim again then.
+func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) {
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil {
+		return 0, nil
+	}
+	claim, err := m.b.claims.PersistentVolumeClaims(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	if !claimNeedsModify(claim) {
+		return 0, nil
+	}
+	// The cache may not have this controller's own last writes yet (a
+	// status update re-queues the claim while its modification runs): the
+	// claim is read from the API server, so a modification just done is
+	// not done again. One read per attempt; the cache spares the others.
+	claim, err = m.b.cfg.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	if !claimNeedsModify(claim) {
+		return 0, nil
+	}
+	pv, err := m.b.volumes.Get(claim.Spec.VolumeName)
+	if err != nil {
+		return 0, fmt.Errorf("claim %s: volume %s: %w", key, claim.Spec.VolumeName, err)
+	}
+	if cr := pv.Spec.ClaimRef; cr == nil || cr.Namespace != claim.Namespace || cr.UID != claim.UID || pv.Spec.CSI == nil {
+		return 0, nil
+	}
+	driver := pv.Spec.CSI.Driver
+	if !m.registered(driver) {
+		return 0, nil
+	}
+	target := *claim.Spec.VolumeAttributesClassName
+	if cur := claim.Status.CurrentVolumeAttributesClassName; cur != nil && *cur == target && !modifyMayHaveStarted(claim) {
+		// Set back to the class it has before the driver was asked for
+		// another (Pending, or Infeasible: the driver refused it): nothing
+		// to undo, so nothing is pending any more.
+		c := claim.DeepCopy()
+		c.Status.ModifyVolumeStatus = nil
+		c.Status.Conditions = clearModifyConditions(c.Status.Conditions)
+		_, err := m.b.patchClaimStatus(ctx, claim, c, true)
+		return 0, err
+	}
+	m.mu.Lock()
+	inf, wasInfeasible := m.infeasible[claim.UID]
+	m.mu.Unlock()
+	if wasInfeasible && inf.class == target {
+		if wait := m.b.cfg.RetryIntervalMax - time.Since(inf.at); wait > 0 {
+			return wait, nil
+		}
+	}
+	result, requeue, err := m.modify(ctx, claim, pv, driver, target)
+	m.ops.WithLabelValues(driver, result).Inc()
+	return requeue, err
+}
+
+// modify runs one attempt and returns its result label.
+func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver, target string) (string, time.Duration, error) {
+	key := claim.Namespace + "/" + claim.Name
+	warn := func(failure, format string, args ...any) {
+		msg := fmt.Sprintf(format, args...)
+		if failure == "" {
+			failure = msg
+		}
+		m.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeModifyFailed", target+" "+failure, "%s", msg)
+		m.b.log.Warn("volume modification failed", "claim", key, "pv", pv.Name, "driver", driver, "class", target, "err", msg)
+	}
+	infeasible := func(msg string) (string, time.Duration, error) {
+		m.mu.Lock()
+		m.infeasible[claim.UID] = infeasibleTarget{class: target, at: time.Now()}
+		m.mu.Unlock()
+		c := modifyStatus(claim, target, corev1.PersistentVolumeClaimModifyVolumeInfeasible)
+		c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, "Infeasible", msg)
+		if _, err := m.b.patchClaimStatus(ctx, claim, c, true); err != nil {
+			return "infeasible", 0, err
+		}
+		return "infeasible", m.b.cfg.RetryIntervalMax, nil
+	}
+
+	caps, err := m.b.caps.get(ctx, driver)
+	if err != nil {
+		m.b.caps.forget(driver)
+		warn(failureOf("ControllerModifyVolume", unreachable{err}), "modify volume %s to VolumeAttributesClass %s: driver %s is not reachable: %v", pv.Name, target, driver, err)
+		return "not_called", 0, err
+	}
+	if !caps.modify {
+		msg := fmt.Sprintf("driver %s does not support volume modification (no MODIFY_VOLUME capability); volume %s cannot take VolumeAttributesClass %s", driver, pv.Name, target)
+		warn("", "%s", msg)
+		return infeasible(msg)
+	}
+	vac, err := m.b.cfg.Client.StorageV1().VolumeAttributesClasses().Get(ctx, target, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		// As upstream: Pending until the class exists.
+		m.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeModifyFailed", target+" not found",
+			"VolumeAttributesClass %s not found; the modification of volume %s waits for it", target, pv.Name)
+		if _, perr := m.b.patchClaimStatus(ctx, claim, modifyStatus(claim, "", corev1.PersistentVolumeClaimModifyVolumePending), true); perr != nil {
+			return "pending", 0, perr
+		}
+		return "pending", 0, fmt.Errorf("volumeattributesclass %s not found", target)
+	}
+	if err != nil {
+		return "not_called", 0, fmt.Errorf("volumeattributesclass %s: %w", target, err)
+	}
+	if vac.DriverName != driver {
+		msg := fmt.Sprintf("VolumeAttributesClass %s is for driver %s, but volume %s is of driver %s", target, vac.DriverName, pv.Name, driver)
+		warn("", "%s", msg)
+		return infeasible(msg)
+	}
+	node := ""
+	if m.b.cfg.Drivers.NodeLocal(driver) {
+		if node = m.b.nodeOfPV(pv); node == "" {
+			err := errNodeUnknown(pv, driver)
+			warn("", "modify volume %s: %v", pv.Name, err)
+			return "not_called", 0, err
+		}
+	}
+	// The secret is decided and read before anything is written: a
+	// denied secret leaves the claim as it was.
+	ref, err := modifySecretRef(pv)
+	if err != nil {
+		warn("", "modify volume %s: %v", pv.Name, err)
+		return "not_called", 0, err
+	}
+	secrets, err := m.b.fetchSecret(ctx, secretUse{
+		driver: driver, op: policy.OpControllerModifyVolume, ref: ref,
+		source: policy.Source{Kind: policy.SourcePVField, Key: "metadata.annotations[" + annModifySecretName + "]"},
+		requester: policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name,
+			Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName, Node: node},
+		recordedNSLabels: recordedNamespaceLabels(pv),
+	})
+	if err != nil {
+		warn("", "modify volume %s to VolumeAttributesClass %s: %v", pv.Name, target, err)
+		return "not_called", 0, err
+	}
+	cc, err := m.b.driverConn(driver, node)
+	if err != nil {
+		warn("", "modify volume %s: %v", pv.Name, err)
+		return "not_called", 0, err
+	}
+
+	claim, err = m.b.patchClaimStatus(ctx, claim, modifyInProgress(claim, target), true)
+	if err != nil {
+		return "not_called", 0, fmt.Errorf("mark claim %s modifying: %w", key, err)
+	}
+	m.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeNormal, "VolumeModify", target,
+		"csibroker is modifying volume %s to VolumeAttributesClass %s", pv.Name, target)
+
+	req := &csi.ControllerModifyVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, Secrets: secrets, MutableParameters: maps.Clone(vac.Parameters)}
+	callCtx, cancel := m.b.callContext(ctx, driver, "ControllerModifyVolume")
+	_, err = csi.NewControllerClient(cc).ControllerModifyVolume(callCtx, req)
+	cancel()
+	req.Secrets = nil
+	if err != nil {
+		if ctx.Err() != nil {
+			return "failed", 0, err // the term ended; the next leader looks again
+		}
+		warn(failureOf("ControllerModifyVolume", err), "modify volume %s to VolumeAttributesClass %s failed: %s", pv.Name, target, statusText(err))
+		if status.Code(err) == codes.InvalidArgument {
+			return infeasible("ControllerModifyVolume failed: " + statusText(err))
+		}
+		c := claim.DeepCopy()
+		c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, status.Code(err).String(),
+			"ControllerModifyVolume failed: "+statusText(err)+"; will retry")
+		if _, perr := m.b.patchClaimStatus(ctx, claim, c, true); perr != nil {
+			m.b.log.Warn("volume modification: recording the failure on the claim failed", "claim", key, "err", perr)
+		}
+		return "failed", 0, err
+	}
+	m.mu.Lock()
+	delete(m.infeasible, claim.UID)
+	m.mu.Unlock()
+
+	// The PV first, as upstream: a claim that says done has a PV that
+	// names the class.
+	if pv.Spec.VolumeAttributesClassName == nil || *pv.Spec.VolumeAttributesClassName != target {
+		cur := pv.DeepCopy()
+		cur.Spec.VolumeAttributesClassName = &target
+		patch, err := twoWayPatch(pv, cur, &corev1.PersistentVolume{}, pv.ResourceVersion)
+		if err != nil {
+			return "failed", 0, err
+		}
+		if _, err := m.b.cfg.Client.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			return "failed", 0, fmt.Errorf("set VolumeAttributesClass %s on pv %s: %w", target, pv.Name, err)
+		}
+	}
+	done := claim.DeepCopy()
+	done.Status.CurrentVolumeAttributesClassName = &target
+	done.Status.ModifyVolumeStatus = nil
+	done.Status.Conditions = clearModifyConditions(done.Status.Conditions)
+	if _, err := m.b.patchClaimStatus(ctx, claim, done, true); err != nil {
+		return "failed", 0, fmt.Errorf("mark claim %s modified: %w", key, err)
+	}
+	m.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "VolumeModifySuccessful", "Modified volume %s to VolumeAttributesClass %s", pv.Name, target)
+	m.b.forgetEvents(claim.UID)
+	m.b.log.Info("volume modified", "claim", key, "pv", pv.Name, "driver", driver, "class", target)
+	return "success", 0, nil
+}
+
+func (m *modifier) registered(driver string) bool {
+	for _, n := range m.b.cfg.Drivers.DriverNames() {
+		if n == driver {
+			return true
+		}
+	}
+	return false
+}
+
+// modifyMayHaveStarted: the claim's last modification was in progress, so
+// the driver may have applied some of it. A claim set back to its current
+// class then has the current class's parameters applied again, to undo it.
+func modifyMayHaveStarted(claim *corev1.PersistentVolumeClaim) bool {
+	s := claim.Status.ModifyVolumeStatus
+	return s != nil && s.Status == corev1.PersistentVolumeClaimModifyVolumeInProgress
+}
+
+// modifySecretRef is the controller-modify secret the PV records (nil for
+// none); a PV that names half of one is an error.
+func modifySecretRef(pv *corev1.PersistentVolume) (*corev1.SecretReference, error) {
+	name, ns := pv.Annotations[annModifySecretName], pv.Annotations[annModifySecretNS]
+	switch {
+	case name == "" && ns == "":
+		return nil, nil
+	case name == "" || ns == "":
+		return nil, fmt.Errorf("annotations %s=%q and %s=%q name half a controller-modify secret", annModifySecretName, name, annModifySecretNS, ns)
+	}
+	return &corev1.SecretReference{Name: name, Namespace: ns}, nil
+}
+
+// modifyStatus is claim with its modifyVolumeStatus set (target "" keeps
+// none, as upstream's Pending).
+func modifyStatus(claim *corev1.PersistentVolumeClaim, target string, s corev1.PersistentVolumeClaimModifyVolumeStatus) *corev1.PersistentVolumeClaim {
+	c := claim.DeepCopy()
+	c.Status.ModifyVolumeStatus = &corev1.ModifyVolumeStatus{TargetVolumeAttributesClassName: target, Status: s}
+	return c
+}
+
+// modifyInProgress marks a modification to target as started, with the
+// ModifyingVolume condition; a failure's condition stays until done.
+func modifyInProgress(claim *corev1.PersistentVolumeClaim, target string) *corev1.PersistentVolumeClaim {
+	c := modifyStatus(claim, target, corev1.PersistentVolumeClaimModifyVolumeInProgress)
+	c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyingVolume, "", "ModifyVolume operation in progress.")
+	return c
+}
+
+// setModifyCondition sets condition t (status True). One already there
+// keeps its transition time, and takes the new message only with another
+// reason, so a retry of the same failure writes nothing.
+func setModifyCondition(conds []corev1.PersistentVolumeClaimCondition, t corev1.PersistentVolumeClaimConditionType, reason, msg string) []corev1.PersistentVolumeClaimCondition {
+	out := append([]corev1.PersistentVolumeClaimCondition(nil), conds...)
+	for i := range out {
+		if out[i].Type == t && out[i].Status == corev1.ConditionTrue {
+			if out[i].Reason != reason {
+				out[i].Reason, out[i].Message = reason, msg
+			}
+			return out
+		}
+		if out[i].Type == t {
+			out[i] = corev1.PersistentVolumeClaimCondition{Type: t, Status: corev1.ConditionTrue, Reason: reason, Message: msg, LastTransitionTime: metav1.Now()}
+			return out
+		}
+	}
+	return append(out, corev1.PersistentVolumeClaimCondition{Type: t, Status: corev1.ConditionTrue, Reason: reason, Message: msg, LastTransitionTime: metav1.Now()})
+}
+
+// clearModifyConditions drops the ModifyingVolume and ModifyVolumeError
+// conditions.
+func clearModifyConditions(conds []corev1.PersistentVolumeClaimCondition) []corev1.PersistentVolumeClaimCondition {
+	var out []corev1.PersistentVolumeClaimCondition
+	for _, c := range conds {
+		if c.Type != corev1.PersistentVolumeClaimVolumeModifyingVolume && c.Type != corev1.PersistentVolumeClaimVolumeModifyVolumeError {
+			out = append(out, c)
+		}
+	}
+	return out
+}

@@ -1,0 +1,235 @@
+package k8sbridge
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/policy"
+)
+
+const modifyCanary = "modify-canary-3c81f0"
+
+// flakyIOPS is a class parameter the test's driver applies, then fails.
+const flakyIOPS = "777"
+
+// TestModifyVolumeAttributesClass: a bound claim set to another
+// VolumeAttributesClass of its driver has its volume modified with the
+// class's parameters and the controller-modify secret its PV records
+// (allowed by a grant for ControllerModifyVolume), then the PV names the
+// class and the claim's status says it is current. A class the driver
+// refuses (InvalidArgument) leaves the claim Infeasible with a
+// ModifyVolumeError condition and an Event; set back to its current class,
+// the claim's modify status is cleared. A class that does not exist yet
+// leaves it Pending until it is created. A denied secret writes nothing
+// and calls nothing. The secret's value appears in no Event, object, log
+// line, span or metric.
+func TestModifyVolumeAttributesClass(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "mod.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv}, verboseChain)
+	var mu sync.Mutex
+	modifySecrets := map[string][]string{} // volume ID → the "password" of each call
+	hooked := &hookedDrivers{testDrivers: drivers, hook: func(_ string, args, _ any, err error) error {
+		req, ok := args.(*csi.ControllerModifyVolumeRequest)
+		if !ok {
+			return err
+		}
+		mu.Lock()
+		modifySecrets[req.GetVolumeId()] = append(modifySecrets[req.GetVolumeId()], req.GetSecrets()["password"])
+		mu.Unlock()
+		if err == nil && req.GetMutableParameters()[sampledriver.MutableIOPS] == flakyIOPS {
+			// Applied, then failed: the driver may have changed the volume.
+			return status.Error(codes.Internal, "backend lost the answer")
+		}
+		return err
+	}}
+	for _, name := range []string{"mod-ok", "mod-forbidden"} {
+		if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+			StringData: map[string]string{"password": modifyCanary}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rs, errs := policy.Compile([]policy.Grant{{Namespace: ns, Name: "modify", Spec: policy.GrantSpec{
+		Drivers: []string{drv}, SecretNames: []string{"mod-ok"}, Operations: []policy.Operation{policy.OpControllerModifyVolume},
+		Requesters: policy.Requesters{Namespaces: []string{ns}}}}})
+	if len(errs) != 0 {
+		t.Fatal(errs)
+	}
+	modClass := func(name, secret string) string {
+		return makeClass(t, c, clusterName(ns, name), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+			"csi.storage.k8s.io/controller-modify-secret-name": secret, "csi.storage.k8s.io/controller-modify-secret-namespace": ns}).Name
+	}
+	classOK, classDenied := modClass("ok", "mod-ok"), modClass("denied", "mod-forbidden")
+	vac := func(name string, params map[string]string) string {
+		v := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, name)}, DriverName: drv, Parameters: params}
+		if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, v, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), v.Name, metav1.DeleteOptions{}) })
+		return v.Name
+	}
+	silver := vac("silver", map[string]string{sampledriver.MutableIOPS: "100", sampledriver.MutableTier: "standard"})
+	gold := vac("gold", map[string]string{sampledriver.MutableIOPS: "3000", sampledriver.MutableTier: "premium"})
+	bad := vac("bad", map[string]string{sampledriver.MutableIOPS: "-1"})
+	r := startBridge(t, env, ns, hooked, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}, allLogs: true})
+
+	withVAC := func(v string) func(*corev1.PersistentVolumeClaim) {
+		return func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeAttributesClassName = &v }
+	}
+	pvName := waitBound(t, c, ns, makeClaimWith(t, c, ns, "data", classOK, withVAC(silver)).Name, 60*time.Second).Spec.VolumeName
+	deniedPV := waitBound(t, c, ns, makeClaimWith(t, c, ns, "denied", classDenied, withVAC(silver)).Name, 60*time.Second).Spec.VolumeName
+	volID, deniedVolID := volumeHandle(t, c, pvName), volumeHandle(t, c, deniedPV)
+	mutable := func(id string) map[string]string {
+		for _, v := range d.Volumes() {
+			if v.ID == id {
+				return v.MutableParameters
+			}
+		}
+		t.Fatalf("driver has no volume %s", id)
+		return nil
+	}
+
+	// To gold: modified, recorded, the secret passed.
+	setVAC(t, c, ns, "data", gold)
+	claim := waitClaim(t, c, ns, "data", "current class "+gold, func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.CurrentVolumeAttributesClassName != nil && *p.Status.CurrentVolumeAttributesClassName == gold
+	})
+	if claim.Status.ModifyVolumeStatus != nil || hasModifyCondition(claim) {
+		t.Errorf("claim status after the modification: %+v", claim.Status)
+	}
+	if got := mutable(volID); got[sampledriver.MutableIOPS] != "3000" || got[sampledriver.MutableTier] != "premium" {
+		t.Errorf("driver volume's mutable parameters %v, want gold's", got)
+	}
+	if pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{}); err != nil {
+		t.Fatal(err)
+	} else if pv.Spec.VolumeAttributesClassName == nil || *pv.Spec.VolumeAttributesClassName != gold {
+		t.Errorf("PV volumeAttributesClassName %v, want %s", pv.Spec.VolumeAttributesClassName, gold)
+	}
+	mu.Lock()
+	if s := modifySecrets[volID]; len(s) != 1 || s[0] != modifyCanary {
+		t.Errorf("ControllerModifyVolume calls for %s: %d, controller-modify secret passed %v; want one, with the secret", volID, len(s), len(s) == 1 && s[0] == modifyCanary)
+	}
+	mu.Unlock()
+	waitEvent(t, c, ns, "data", "VolumeModifySuccessful", "to VolumeAttributesClass "+gold)
+
+	// A class the driver refuses: Infeasible, with the driver's reason.
+	setVAC(t, c, ns, "data", bad)
+	claim = waitClaim(t, c, ns, "data", "Infeasible", func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.ModifyVolumeStatus != nil && p.Status.ModifyVolumeStatus.Status == corev1.PersistentVolumeClaimModifyVolumeInfeasible
+	})
+	if s := claim.Status.ModifyVolumeStatus; s.TargetVolumeAttributesClassName != bad {
+		t.Errorf("modifyVolumeStatus %+v, want target %s", s, bad)
+	}
+	cond := modifyCondition(claim, corev1.PersistentVolumeClaimVolumeModifyVolumeError)
+	if cond == nil || !strings.Contains(cond.Message, "InvalidArgument") || !strings.Contains(cond.Message, "iops") {
+		t.Errorf("ModifyVolumeError condition %+v: want the driver's InvalidArgument and message", cond)
+	}
+	waitEvent(t, c, ns, "data", "VolumeModifyFailed", "InvalidArgument")
+	if got := mutable(volID); got[sampledriver.MutableIOPS] != "3000" {
+		t.Errorf("driver volume's mutable parameters %v after a refused class, want gold's still", got)
+	}
+
+	// Set back to gold: nothing pending any more.
+	setVAC(t, c, ns, "data", gold)
+	waitClaim(t, c, ns, "data", "modify status cleared", func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.ModifyVolumeStatus == nil && !hasModifyCondition(p) && *p.Status.CurrentVolumeAttributesClassName == gold
+	})
+
+	// A class not made yet: Pending, then done once it exists.
+	later := clusterName(ns, "later")
+	setVAC(t, c, ns, "data", later)
+	waitClaim(t, c, ns, "data", "Pending", func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.ModifyVolumeStatus != nil && p.Status.ModifyVolumeStatus.Status == corev1.PersistentVolumeClaimModifyVolumePending
+	})
+	waitEvent(t, c, ns, "data", "VolumeModifyFailed", "not found")
+	vac("later", map[string]string{sampledriver.MutableIOPS: "500"})
+	waitClaim(t, c, ns, "data", "current class "+later, func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.CurrentVolumeAttributesClassName != nil && *p.Status.CurrentVolumeAttributesClassName == later && p.Status.ModifyVolumeStatus == nil
+	})
+	if got := mutable(volID); got[sampledriver.MutableIOPS] != "500" {
+		t.Errorf("driver volume's mutable parameters %v, want later's iops", got)
+	}
+
+	// A failure after which the driver may have applied some of the
+	// class: InProgress with the error; set back to the current class,
+	// its parameters are applied again, and nothing is pending.
+	flaky := vac("flaky", map[string]string{sampledriver.MutableIOPS: flakyIOPS})
+	setVAC(t, c, ns, "data", flaky)
+	claim = waitClaim(t, c, ns, "data", "InProgress with a ModifyVolumeError", func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.ModifyVolumeStatus != nil && p.Status.ModifyVolumeStatus.Status == corev1.PersistentVolumeClaimModifyVolumeInProgress &&
+			modifyCondition(p, corev1.PersistentVolumeClaimVolumeModifyVolumeError) != nil
+	})
+	if cond := modifyCondition(claim, corev1.PersistentVolumeClaimVolumeModifyVolumeError); !strings.Contains(cond.Message, "Internal") || cond.Reason != "Internal" {
+		t.Errorf("ModifyVolumeError condition %+v: want the driver's Internal", cond)
+	}
+	setVAC(t, c, ns, "data", later)
+	waitClaim(t, c, ns, "data", "back on "+later, func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.ModifyVolumeStatus == nil && !hasModifyCondition(p) && *p.Status.CurrentVolumeAttributesClassName == later
+	})
+	if got := mutable(volID); got[sampledriver.MutableIOPS] != "500" {
+		t.Errorf("driver volume's mutable parameters %v after the rollback, want later's iops again", got)
+	}
+
+	// A denied secret: an Event, no status, no call.
+	setVAC(t, c, ns, "denied", gold)
+	ev := waitEvent(t, c, ns, "denied", "VolumeModifyFailed", "denied by policy")
+	for _, w := range []string{ns + "/mod-forbidden", "ControllerModifyVolume"} {
+		if !strings.Contains(ev.Message, w) {
+			t.Errorf("event %q does not say %q", ev.Message, w)
+		}
+	}
+	if denied, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "denied", metav1.GetOptions{}); err != nil {
+		t.Fatal(err)
+	} else if denied.Status.ModifyVolumeStatus != nil || hasModifyCondition(denied) || *denied.Status.CurrentVolumeAttributesClassName != silver {
+		t.Errorf("denied claim status %+v: nothing may be recorded before the secret is allowed", denied.Status)
+	}
+	mu.Lock()
+	if n := len(modifySecrets[deniedVolID]); n != 0 {
+		t.Errorf("driver called %d times with a denied secret", n)
+	}
+	mu.Unlock()
+	if got := r.metricValue(t, "csibroker_modify_operations_total", map[string]string{"driver": drv, "result": "success"}); got < 3 {
+		t.Errorf("successful modifications counted: %v, want 3", got)
+	}
+	assertNoCanary(t, c, ns, r, drivers, modifyCanary)
+}
+
+func setVAC(t *testing.T, c kubernetes.Interface, ns, claim, class string) {
+	t.Helper()
+	patch := []byte(`{"spec":{"volumeAttributesClassName":"` + class + `"}}`)
+	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Patch(context.Background(), claim, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		t.Fatalf("set the VolumeAttributesClass of claim %s to %s: %v", claim, class, err)
+	}
+}
+
+func modifyCondition(p *corev1.PersistentVolumeClaim, t corev1.PersistentVolumeClaimConditionType) *corev1.PersistentVolumeClaimCondition {
+	for i := range p.Status.Conditions {
+		if p.Status.Conditions[i].Type == t {
+			return &p.Status.Conditions[i]
+		}
+	}
+	return nil
+}
+
+func hasModifyCondition(p *corev1.PersistentVolumeClaim) bool {
+	return modifyCondition(p, corev1.PersistentVolumeClaimVolumeModifyingVolume) != nil ||
+		modifyCondition(p, corev1.PersistentVolumeClaimVolumeModifyVolumeError) != nil
+}
