@@ -83,7 +83,9 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 		if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, v, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), v.Name, metav1.DeleteOptions{}) })
+		t.Cleanup(func() {
+			c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), v.Name, metav1.DeleteOptions{})
+		})
 		return v.Name
 	}
 	silver := vac("silver", map[string]string{sampledriver.MutableIOPS: "100", sampledriver.MutableTier: "standard"})
