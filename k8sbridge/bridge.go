@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	snapshotclient "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
@@ -58,6 +59,10 @@ type Config struct {
 	// Client.
 	IntentClient kubernetes.Interface
 	IntentBudget interface{ Wait(context.Context) error }
+	// SnapshotClient reads VolumeSnapshots and their contents for claims
+	// restored from one (and marks a snapshot in use); nil refuses such
+	// claims with an Event.
+	SnapshotClient snapshotclient.Interface
 
 	Drivers Drivers
 	Policy  SecretPolicy

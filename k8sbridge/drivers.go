@@ -46,6 +46,7 @@ func (b *Bridge) callContext(ctx context.Context, driver, method string) (contex
 type driverCaps struct {
 	createDelete          bool
 	clone                 bool
+	snapshot              bool // CREATE_DELETE_SNAPSHOT: it restores its snapshots
 	singleNodeMultiWriter bool
 	publishUnpublish      bool
 	publishReadonly       bool // PUBLISH_READONLY: ControllerPublish may be asked for read-only
@@ -159,6 +160,8 @@ func (c *capsCache) fetch(ctx context.Context, driver string, conn grpc.ClientCo
 				caps.listPublishedNodes = true
 			case csi.ControllerServiceCapability_RPC_MODIFY_VOLUME:
 				caps.modify = true
+			case csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT:
+				caps.snapshot = true
 			}
 		}
 	}

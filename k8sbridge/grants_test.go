@@ -65,8 +65,6 @@ func grantCRD(t *testing.T) *unstructured.Unstructured {
 // until it is established and served.
 func installGrantCRD(t *testing.T, env *testenv.Env, group string) schema.GroupVersionResource {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), grantWait)
-	defer cancel()
 	dyn := dynamic.NewForConfigOrDie(env.RESTConfig())
 	crd := grantCRD(t)
 	gvr := grantGVR
@@ -85,6 +83,17 @@ func installGrantCRD(t *testing.T, env *testenv.Env, group string) schema.GroupV
 			}
 		})
 	}
+	createCRD(t, env, crd, gvr)
+	return gvr
+}
+
+// createCRD creates crd (one already there is kept) and waits until it is
+// established and gvr is served.
+func createCRD(t *testing.T, env *testenv.Env, crd *unstructured.Unstructured, gvr schema.GroupVersionResource) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), grantWait)
+	defer cancel()
+	dyn := dynamic.NewForConfigOrDie(env.RESTConfig())
 	if _, err := dyn.Resource(crdGVR).Create(ctx, crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatalf("create CRD %s: %v", crd.GetName(), err)
 	}
@@ -111,7 +120,6 @@ func installGrantCRD(t *testing.T, env *testenv.Env, group string) schema.GroupV
 	if err != nil {
 		t.Fatal(err)
 	}
-	return gvr
 }
 
 // grantLogSink records a controller's log lines and passes them to t.Log

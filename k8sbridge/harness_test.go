@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	snapshotclient "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
 	"github.com/prometheus/client_golang/prometheus"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
@@ -237,7 +238,8 @@ func startBridge(t *testing.T, env *testenv.Env, ns string, drivers Drivers, o b
 	}
 	r := &bridgeRun{t: t, identity: o.identity, spans: tracetest.NewSpanRecorder(), reg: prometheus.NewRegistry(), logs: &chaintest.SyncBuffer{}, exited: make(chan struct{})}
 	cfg := Config{
-		Client: env.Client(), Drivers: drivers, Policy: o.policy, Namespace: ns, Identity: o.identity,
+		Client: env.Client(), SnapshotClient: snapshotclient.NewForConfigOrDie(env.RESTConfig()),
+		Drivers: drivers, Policy: o.policy, Namespace: ns, Identity: o.identity,
 		LeaderElection: o.leader, WorkerThreads: 8, RetryIntervalStart: 100 * time.Millisecond, RetryIntervalMax: 2 * time.Second,
 		Timeout: o.timeout, StrictTopology: o.strict, ImmediateTopology: true, RecoveryInterval: 2 * time.Second,
 		Logger:         slog.New(slog.NewTextHandler(r.logs, &slog.HandlerOptions{Level: logLevel})),

@@ -423,7 +423,7 @@ func populated(claim *corev1.PersistentVolumeClaim) bool {
 		return false
 	}
 	switch {
-	case group == "" && kind == "PersistentVolumeClaim", group == "snapshot.storage.k8s.io" && kind == "VolumeSnapshot":
+	case group == "" && kind == "PersistentVolumeClaim", group == snapshotGroup && kind == snapshotKind:
 		return false
 	}
 	return true
@@ -598,9 +598,10 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		}
 	}
 
-	// A clone's source stays until the copy is done: deleting it now
-	// waits (cloneProtector releases it once no clone is pending).
-	if err := p.protectCloneSource(ctx, claim); err != nil {
+	// A clone's or a restore's source stays until the copy is done:
+	// deleting it now waits (sourceProtector releases it once no claim
+	// copying it is pending).
+	if err := p.protectSource(ctx, claim); err != nil {
 		if ctx.Err() != nil {
 			return "failed", err
 		}
@@ -954,7 +955,7 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 		req.AccessibilityRequirements = tr
 	}
 	if ds := claim.Spec.DataSource; ds != nil {
-		src, err := p.contentSource(claim, driver, capRange, caps)
+		src, err := p.contentSource(ctx, claim, driver, capRange, caps)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -986,12 +987,16 @@ func (p *provisioner) topologyNodes(driver string) ([]TopologyNode, error) {
 }
 
 // contentSource supports cloning from a bound claim of the same driver in
-// the same namespace.
-func (p *provisioner) contentSource(claim *corev1.PersistentVolumeClaim, driver string, capRange *csi.CapacityRange, caps driverCaps) (*csi.VolumeContentSource, error) {
+// the same namespace, and restoring a VolumeSnapshot of the driver
+// (snapshotSource).
+func (p *provisioner) contentSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver string, capRange *csi.CapacityRange, caps driverCaps) (*csi.VolumeContentSource, error) {
 	ds := claim.Spec.DataSource
+	if ds.Kind == snapshotKind && ds.APIGroup != nil && *ds.APIGroup == snapshotGroup {
+		return p.snapshotSource(ctx, claim, driver, caps)
+	}
 	if ds.Kind != "PersistentVolumeClaim" || (ds.APIGroup != nil && *ds.APIGroup != "") {
-		// A VolumeSnapshot (populators are skipped before this).
-		return nil, fmt.Errorf("data source %s %q is not supported: csibroker restores no snapshots yet (only PersistentVolumeClaim clones)", ds.Kind, ds.Name)
+		// Populators are skipped before this.
+		return nil, fmt.Errorf("data source %s %q is not supported (only PersistentVolumeClaim clones and %s VolumeSnapshots)", ds.Kind, ds.Name, snapshotGroup)
 	}
 	if !caps.clone {
 		return nil, fmt.Errorf("driver %s does not support cloning (no CLONE_VOLUME capability)", driver)

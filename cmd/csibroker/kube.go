@@ -14,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	snapshotclient "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 	"k8s.io/apimachinery/pkg/labels"
@@ -478,10 +479,15 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	if err != nil {
 		return nil, nil, err
 	}
+	// VolumeSnapshots (a CRD: JSON) on the objects' budget.
+	snapClient, err := snapshotclient.NewForConfig(clientCfg)
+	if err != nil {
+		return nil, nil, err
+	}
 	ns := f.Namespace
 	b, err := k8sbridge.New(k8sbridge.Config{
 		Client: client, EventClient: evClient, LeaseClient: leaseClient, InformerClient: informerClient,
-		IntentClient: intentClient, IntentBudget: budget,
+		IntentClient: intentClient, IntentBudget: budget, SnapshotClient: snapClient,
 		Drivers: drivers, Policy: authz, Namespace: ns, Identity: f.Identity,
 		LeaderElection: f.LeaderElection, LeaderElectionLease: f.LeaseDuration, LeaderElectionRenew: f.RenewDeadline, LeaderElectionRetry: f.RetryPeriod,
 		LeaderElectionNamespace: f.LeaderNamespace,

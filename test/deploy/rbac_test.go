@@ -85,21 +85,23 @@ func TestRBACLeastPrivilege(t *testing.T) {
 		}
 		got := effectiveGrants(t, "ClusterRole", cr.Rules)
 		want := map[grantKey][]string{
-			{"", "persistentvolumes", ""}:                      sorted("get", "list", "watch", "create", "patch", "delete"),
-			{"", "persistentvolumeclaims", ""}:                 sorted("get", "list", "watch", "patch"),
-			{"", "persistentvolumeclaims/status", ""}:          sorted("patch"),
-			{"", "nodes", ""}:                                  read,
-			{"", "namespaces", ""}:                             read,
-			{"", "pods", ""}:                                   sorted("list", "watch"),
-			{"storage.k8s.io", "storageclasses", ""}:           read,
-			{"storage.k8s.io", "csinodes", ""}:                 read,
-			{"storage.k8s.io", "volumeattributesclasses", ""}:  {"get"},
-			{"storage.k8s.io", "volumeattachments", ""}:        sorted("get", "list", "watch", "patch"),
-			{"storage.k8s.io", "volumeattachments/status", ""}: sorted("patch"),
-			{"", "events", ""}:                                 sorted("create", "update", "patch"),
-			{"policy.csibroker.io", "secretgrants", ""}:        read,
-			{"policy.csibroker.io", "secretgrants/status", ""}: sorted("patch"),
-			{"", "secrets", ""}:                                {"get"},
+			{"", "persistentvolumes", ""}:                             sorted("get", "list", "watch", "create", "patch", "delete"),
+			{"", "persistentvolumeclaims", ""}:                        sorted("get", "list", "watch", "patch"),
+			{"", "persistentvolumeclaims/status", ""}:                 sorted("patch"),
+			{"", "nodes", ""}:                                         read,
+			{"", "namespaces", ""}:                                    read,
+			{"", "pods", ""}:                                          sorted("list", "watch"),
+			{"storage.k8s.io", "storageclasses", ""}:                  read,
+			{"storage.k8s.io", "csinodes", ""}:                        read,
+			{"storage.k8s.io", "volumeattributesclasses", ""}:         {"get"},
+			{"snapshot.storage.k8s.io", "volumesnapshots", ""}:        sorted("get", "patch"),
+			{"snapshot.storage.k8s.io", "volumesnapshotcontents", ""}: {"get"},
+			{"storage.k8s.io", "volumeattachments", ""}:               sorted("get", "list", "watch", "patch"),
+			{"storage.k8s.io", "volumeattachments/status", ""}:        sorted("patch"),
+			{"", "events", ""}:                                        sorted("create", "update", "patch"),
+			{"policy.csibroker.io", "secretgrants", ""}:               read,
+			{"policy.csibroker.io", "secretgrants/status", ""}:        sorted("patch"),
+			{"", "secrets", ""}:                                       {"get"},
 		}
 		compareGrants(t, got, want)
 

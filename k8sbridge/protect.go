@@ -1,0 +1,277 @@
+package k8sbridge
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
+)
+
+// Source protection, as external-provisioner does it. A claim that is the
+// source of a clone gets cloneFinalizer before CreateVolume is asked to
+// copy it, so deleting it mid-copy leaves it (and its volume) in place
+// until no claim that clones it is still Pending; then sourceProtector
+// takes the finalizer off and the deletion goes on. A VolumeSnapshot being
+// restored gets snapshotFinalizer the same way; it comes off as soon as no
+// claim restoring it is Pending (a restoring claim bound or deleted looks
+// again), deleted or not, as upstream takes it off after each restore. The
+// names are external-provisioner's, so objects it protected are released
+// here too.
+const (
+	cloneFinalizer    = "provisioner.storage.kubernetes.io/cloning-protection"
+	snapshotFinalizer = "provisioner.storage.kubernetes.io/volumesnapshot-as-source-protection"
+)
+
+// sourceRecheck is how long a deleted source waiting for its copies waits
+// before it is looked at again without news (a copy's own update, which
+// re-queues it, is the usual way).
+const sourceRecheck = time.Minute
+
+// Queue keys: the kind of source, then its namespace/name.
+const (
+	claimKeyPrefix    = "claim:"
+	snapshotKeyPrefix = "snapshot:"
+)
+
+func init() { extraControllers = append(extraControllers, newSourceProtector) }
+
+// sourceProtector releases the sources of clones and restores once no
+// claim copying them is Pending.
+type sourceProtector struct {
+	b     *Bridge
+	queue *termQueue
+}
+
+func newSourceProtector(b *Bridge) (controller, error) {
+	p := &sourceProtector{b: b, queue: newTermQueue("source-protection", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax)}
+	b.metrics.queueDepth("source-protection", p.queue.Len)
+	b.on(b.factory.Core().V1().PersistentVolumeClaims().Informer(), cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { p.claimChanged(nil, obj) },
+		UpdateFunc: func(old, obj any) { p.claimChanged(old, obj) },
+		DeleteFunc: func(obj any) {
+			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = d.Obj
+			}
+			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok {
+				p.claimDone(c)
+			}
+		},
+	})
+	return p, nil
+}
+
+// claimChanged queues a deleted clone source that holds cloneFinalizer,
+// and the sources of a claim whose copy is over (it left Pending).
+func (p *sourceProtector) claimChanged(oldObj, obj any) {
+	c, ok := obj.(*corev1.PersistentVolumeClaim)
+	if !ok {
+		return
+	}
+	if c.DeletionTimestamp != nil && slices.Contains(c.Finalizers, cloneFinalizer) {
+		p.queue.Add(claimKeyPrefix + c.Namespace + "/" + c.Name)
+	}
+	old, _ := oldObj.(*corev1.PersistentVolumeClaim)
+	if c.Status.Phase != corev1.ClaimPending && (old == nil || old.Status.Phase == corev1.ClaimPending || old.ResourceVersion == c.ResourceVersion) {
+		p.claimDone(c)
+	}
+}
+
+// claimDone queues the sources of c, which copies them no more (it is
+// bound, lost or gone).
+func (p *sourceProtector) claimDone(c *corev1.PersistentVolumeClaim) {
+	if src := cloneSourceOf(c); src != "" {
+		p.queue.Add(claimKeyPrefix + c.Namespace + "/" + src)
+	}
+	if snap := snapshotSourceOf(c); snap != "" {
+		p.queue.Add(snapshotKeyPrefix + c.Namespace + "/" + snap)
+	}
+}
+
+// cloneSourceOf names the claim c clones ("" for none).
+func cloneSourceOf(c *corev1.PersistentVolumeClaim) string {
+	if ds := c.Spec.DataSource; ds != nil && ds.Kind == "PersistentVolumeClaim" && (ds.APIGroup == nil || *ds.APIGroup == "") {
+		return ds.Name
+	}
+	return ""
+}
+
+// snapshotSourceOf names the VolumeSnapshot c restores ("" for none).
+func snapshotSourceOf(c *corev1.PersistentVolumeClaim) string {
+	if ds := c.Spec.DataSource; ds != nil && ds.Kind == snapshotKind && ds.APIGroup != nil && *ds.APIGroup == snapshotGroup {
+		return ds.Name
+	}
+	return ""
+}
+
+func (p *sourceProtector) run(ctx context.Context) {
+	p.queue.work(ctx, 1, p.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
+		requeue, err := p.sync(ctx, key)
+		if err != nil {
+			p.b.log.Warn("source protection: releasing a clone or restore source failed; will retry", "source", key, "err", err)
+		}
+		return requeue, err
+	})
+}
+
+// enqueueAll queues every deleted claim that holds cloneFinalizer (start
+// of a term: deletions while another replica led are in the cache).
+// Snapshots are looked at when a claim restoring one leaves Pending.
+func (p *sourceProtector) enqueueAll() {
+	claims, err := p.b.claims.List(labels.Everything())
+	if err != nil {
+		return
+	}
+	for _, c := range claims {
+		if c.DeletionTimestamp != nil && slices.Contains(c.Finalizers, cloneFinalizer) {
+			p.queue.Add(claimKeyPrefix + c.Namespace + "/" + c.Name)
+		}
+	}
+}
+
+func (p *sourceProtector) sync(ctx context.Context, key string) (time.Duration, error) {
+	switch {
+	case strings.HasPrefix(key, claimKeyPrefix):
+		return p.syncClaim(ctx, strings.TrimPrefix(key, claimKeyPrefix))
+	case strings.HasPrefix(key, snapshotKeyPrefix):
+		return 0, p.syncSnapshot(ctx, strings.TrimPrefix(key, snapshotKeyPrefix))
+	}
+	return 0, nil
+}
+
+// syncClaim takes cloneFinalizer off a deleted source once no claim
+// cloning it is Pending; until then it looks again after sourceRecheck.
+func (p *sourceProtector) syncClaim(ctx context.Context, key string) (time.Duration, error) {
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil {
+		return 0, nil
+	}
+	src, err := p.b.claims.PersistentVolumeClaims(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	if src.DeletionTimestamp == nil || !slices.Contains(src.Finalizers, cloneFinalizer) {
+		return 0, nil
+	}
+	if pending := p.pending(ns, name, cloneSourceOf); len(pending) > 0 {
+		p.b.log.Debug("source protection: deleted claim kept while claims cloning it are pending", "claim", key, "pending", pending)
+		return sourceRecheck, nil
+	}
+	cur := src.DeepCopy()
+	cur.Finalizers = slices.DeleteFunc(cur.Finalizers, func(f string) bool { return f == cloneFinalizer })
+	patch, err := twoWayPatch(src, cur, &corev1.PersistentVolumeClaim{}, src.ResourceVersion)
+	if err != nil || patch == nil {
+		return 0, err
+	}
+	_, err = p.b.cfg.Client.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return 0, nil
+	case err != nil:
+		return 0, fmt.Errorf("remove finalizer %s: %w", cloneFinalizer, err)
+	}
+	p.b.log.Info("source protection: deleted claim released, no clone of it is pending", "claim", key)
+	return 0, nil
+}
+
+// syncSnapshot takes snapshotFinalizer off a VolumeSnapshot once no claim
+// restoring it is Pending.
+func (p *sourceProtector) syncSnapshot(ctx context.Context, key string) error {
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil || p.b.cfg.SnapshotClient == nil {
+		return nil
+	}
+	if pending := p.pending(ns, name, snapshotSourceOf); len(pending) > 0 {
+		p.b.log.Debug("source protection: VolumeSnapshot kept while claims restoring it are pending", "snapshot", key, "pending", pending)
+		return nil // their own updates bring it back
+	}
+	snaps := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(ns)
+	snap, err := snaps.Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if !slices.Contains(snap.Finalizers, snapshotFinalizer) {
+		return nil
+	}
+	cur := snap.DeepCopy()
+	cur.Finalizers = slices.DeleteFunc(cur.Finalizers, func(f string) bool { return f == snapshotFinalizer })
+	patch, err := mergePatch(snap, cur, snap.ResourceVersion)
+	if err != nil || patch == nil {
+		return err
+	}
+	_, err = snaps.Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return nil
+	case err != nil:
+		return fmt.Errorf("remove finalizer %s from VolumeSnapshot %s: %w", snapshotFinalizer, key, err)
+	}
+	p.b.log.Info("source protection: VolumeSnapshot released, no restore of it is pending", "snapshot", key)
+	return nil
+}
+
+// pending names the Pending claims of namespace ns whose source (as
+// sourceOf reads it) is name.
+func (p *sourceProtector) pending(ns, name string, sourceOf func(*corev1.PersistentVolumeClaim) string) []string {
+	claims, err := p.b.claims.PersistentVolumeClaims(ns).List(labels.Everything())
+	if err != nil {
+		return []string{"(claims not listed: " + err.Error() + ")"}
+	}
+	var out []string
+	for _, c := range claims {
+		if c.Status.Phase == corev1.ClaimPending && c.DeletionTimestamp == nil && sourceOf(c) == name {
+			out = append(out, c.Name)
+		}
+	}
+	return out
+}
+
+// protectSource puts cloneFinalizer on the claim that claim clones, or
+// snapshotFinalizer on the VolumeSnapshot it restores, before CreateVolume
+// is asked to copy it. The API server refuses a new finalizer on an object
+// being deleted, which fails this attempt; the next finds the source
+// deleted and says so.
+func (p *provisioner) protectSource(ctx context.Context, claim *corev1.PersistentVolumeClaim) error {
+	if name := cloneSourceOf(claim); name != "" {
+		if src, err := p.b.claims.PersistentVolumeClaims(claim.Namespace).Get(name); err == nil && slices.Contains(src.Finalizers, cloneFinalizer) {
+			return nil
+		}
+		patch := []byte(`{"metadata":{"finalizers":["` + cloneFinalizer + `"]}}`)
+		if _, err := p.b.cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Patch(ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			return fmt.Errorf("protect clone source claim %s/%s with finalizer %s: %w", claim.Namespace, name, cloneFinalizer, err)
+		}
+	}
+	if name := snapshotSourceOf(claim); name != "" && p.b.cfg.SnapshotClient != nil {
+		snaps := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(claim.Namespace)
+		snap, err := snaps.Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return fmt.Errorf("protect VolumeSnapshot %s/%s: %w", claim.Namespace, name, err)
+		}
+		if slices.Contains(snap.Finalizers, snapshotFinalizer) {
+			return nil
+		}
+		cur := snap.DeepCopy()
+		cur.Finalizers = append(cur.Finalizers, snapshotFinalizer)
+		patch, err := mergePatch(snap, cur, snap.ResourceVersion)
+		if err != nil {
+			return err
+		}
+		if _, err := snaps.Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: %w", claim.Namespace, name, snapshotFinalizer, err)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,196 @@
+package k8sbridge
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
+	snapshotclient "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"sigs.k8s.io/yaml"
+
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+)
+
+// snapshotModule ships the VolumeSnapshot CRDs this build's client is for.
+const snapshotModule = "github.com/kubernetes-csi/external-snapshotter/client/v8"
+
+// installSnapshotCRDs installs external-snapshotter's VolumeSnapshot and
+// VolumeSnapshotContent CRDs, read from the client module in the Go
+// module cache, on the shared control plane (once; they stay). No
+// snapshot-controller runs: the tests write the objects' status themselves.
+func installSnapshotCRDs(t *testing.T, env *testenv.Env) {
+	t.Helper()
+	out, err := exec.Command("go", "list", "-m", "-f", "{{.Dir}}", snapshotModule).Output()
+	if err != nil {
+		t.Fatalf("locate %s: %v", snapshotModule, err)
+	}
+	dir := filepath.Join(strings.TrimSpace(string(out)), "config", "crd")
+	for _, res := range []string{"volumesnapshots", "volumesnapshotcontents"} {
+		data, err := os.ReadFile(filepath.Join(dir, snapshotGroup+"_"+res+".yaml"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var obj map[string]any
+		if err := yaml.Unmarshal(bytes.TrimPrefix(data, []byte("---\n")), &obj); err != nil {
+			t.Fatal(err)
+		}
+		createCRD(t, env, &unstructured.Unstructured{Object: obj}, schema.GroupVersionResource{Group: snapshotGroup, Version: "v1", Resource: res})
+	}
+}
+
+// readySnapshot makes what a snapshot-controller would leave for a
+// pre-provisioned snapshot of driver's snapshot handle: a
+// VolumeSnapshotContent bound to VolumeSnapshot ns/name and back, both
+// ready, with the restore size. mut changes the statuses before they are
+// written.
+func readySnapshot(t *testing.T, sc snapshotclient.Interface, ns, name, driver, handle string, size resource.Quantity, mut func(*snapshotv1.VolumeSnapshot, *snapshotv1.VolumeSnapshotContent)) {
+	t.Helper()
+	ctx := context.Background()
+	retain := snapshotv1.VolumeSnapshotContentRetain
+	mode := corev1.PersistentVolumeFilesystem
+	content := &snapshotv1.VolumeSnapshotContent{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, name)},
+		Spec: snapshotv1.VolumeSnapshotContentSpec{DeletionPolicy: retain, Driver: driver, SourceVolumeMode: &mode,
+			Source:            snapshotv1.VolumeSnapshotContentSource{SnapshotHandle: &handle},
+			VolumeSnapshotRef: corev1.ObjectReference{Namespace: ns, Name: name}}}
+	content, err := sc.SnapshotV1().VolumeSnapshotContents().Create(ctx, content, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		sc.SnapshotV1().VolumeSnapshotContents().Delete(context.Background(), content.Name, metav1.DeleteOptions{})
+	})
+	snap := &snapshotv1.VolumeSnapshot{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: snapshotv1.VolumeSnapshotSpec{Source: snapshotv1.VolumeSnapshotSource{VolumeSnapshotContentName: &content.Name}}}
+	if snap, err = sc.SnapshotV1().VolumeSnapshots(ns).Create(ctx, snap, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	content.Spec.VolumeSnapshotRef.UID = snap.UID
+	if content, err = sc.SnapshotV1().VolumeSnapshotContents().Update(ctx, content, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	ready, bytes := true, size.Value()
+	snap.Status = &snapshotv1.VolumeSnapshotStatus{BoundVolumeSnapshotContentName: &content.Name, ReadyToUse: &ready, RestoreSize: &size}
+	content.Status = &snapshotv1.VolumeSnapshotContentStatus{SnapshotHandle: &handle, ReadyToUse: &ready, RestoreSize: &bytes}
+	if mut != nil {
+		mut(snap, content)
+	}
+	if _, err := sc.SnapshotV1().VolumeSnapshotContents().UpdateStatus(ctx, content, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sc.SnapshotV1().VolumeSnapshots(ns).UpdateStatus(ctx, snap, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestRestoreFromVolumeSnapshot: a claim whose data source is a ready
+// VolumeSnapshot of its driver gets a volume made from the snapshot's
+// handle; the snapshot carries the restore finalizer while the driver
+// works and loses it once the claim is bound. A snapshot that is not
+// ready, one whose content is bound to another snapshot, one of another
+// driver, one larger than the claim and one that does not exist are each
+// refused with an Event saying so, and the driver is not asked.
+func TestRestoreFromVolumeSnapshot(t *testing.T) {
+	env := testenv.Shared(t)
+	installSnapshotCRDs(t, env)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	sc := snapshotclient.NewForConfigOrDie(env.RESTConfig())
+	drv := clusterName(ns, "snap.csi.test")
+	drivers := newCountingDrivers()
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "snap"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+
+	// A snapshot the driver really has.
+	conn, err := drivers.ControllerConn(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srcVol := createDriverVolume(t, drivers.testDrivers, drv, clusterName(ns, "src"))
+	resp, err := csi.NewControllerClient(conn).CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: srcVol, Name: clusterName(ns, "snap")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	handle, size := resp.GetSnapshot().GetSnapshotId(), resource.MustParse("1Gi")
+	readySnapshot(t, sc, ns, "snap", drv, handle, size, nil)
+	readySnapshot(t, sc, ns, "unready", drv, handle, size, func(s *snapshotv1.VolumeSnapshot, _ *snapshotv1.VolumeSnapshotContent) {
+		no := false
+		s.Status.ReadyToUse = &no
+	})
+	readySnapshot(t, sc, ns, "other-driver", "other.csi.test", handle, size, nil)
+	// A VolumeSnapshot that says it is bound to "snap"'s content.
+	readySnapshot(t, sc, ns, "thief", drv, handle, size, func(s *snapshotv1.VolumeSnapshot, _ *snapshotv1.VolumeSnapshotContent) {
+		stolen := clusterName(ns, "snap")
+		s.Status.BoundVolumeSnapshotContentName = &stolen
+	})
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	fromSnapshot := func(snap, size string) func(*corev1.PersistentVolumeClaim) {
+		return func(p *corev1.PersistentVolumeClaim) {
+			group := snapshotGroup
+			p.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: snapshotKind, Name: snap}
+			p.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse(size)
+		}
+	}
+	letGo := drivers.hold("CreateVolume")
+	defer letGo()
+	makeClaimWith(t, c, ns, "restored", class.Name, fromSnapshot("snap", "1Gi"))
+	err = testenv.WaitFor(ctx, 60*time.Second, "the restore's CreateVolume held", func(context.Context) (bool, string, error) {
+		n := len(drivers.names("CreateVolume"))
+		return n == 1, fmt.Sprintf("%d CreateVolume calls", n), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "snap", metav1.GetOptions{}); err != nil || !slices.Contains(s.Finalizers, snapshotFinalizer) {
+		t.Fatalf("VolumeSnapshot while it is restored: %v, err %v; want finalizer %s", s.Finalizers, err, snapshotFinalizer)
+	}
+	letGo()
+	pvName := waitBound(t, c, ns, "restored", 60*time.Second).Spec.VolumeName
+	id := volumeHandle(t, c, pvName)
+	for _, v := range d.Volumes() {
+		if v.ID == id && v.SourceSnapshotID != handle {
+			t.Errorf("restored volume %s made from snapshot %q, want %q", id, v.SourceSnapshotID, handle)
+		}
+	}
+	err = testenv.WaitFor(ctx, 60*time.Second, "the restore finalizer off the snapshot", func(ctx context.Context) (bool, string, error) {
+		s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "snap", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return !slices.Contains(s.Finalizers, snapshotFinalizer), fmt.Sprint(s.Finalizers), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	for _, tc := range []struct{ claim, snap, size, want string }{
+		{"unready", "unready", "1Gi", "is not ready to use yet"},
+		{"other-driver", "other-driver", "1Gi", "is a snapshot of driver other.csi.test"},
+		{"thief", "thief", "1Gi", "is bound to VolumeSnapshot " + ns + "/snap"},
+		{"small", "snap", "512Mi", "less than the restore size 1Gi"},
+		{"missing", "missing", "1Gi", "VolumeSnapshot " + ns + "/missing not found"},
+	} {
+		makeClaimWith(t, c, ns, tc.claim, class.Name, fromSnapshot(tc.snap, tc.size))
+		waitEvent(t, c, ns, tc.claim, "ProvisioningFailed", tc.want)
+	}
+	if n := len(drivers.names("CreateVolume")); n != 1 {
+		t.Errorf("%d CreateVolume calls; want only the good restore's", n)
+	}
+}
