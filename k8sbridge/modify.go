@@ -48,6 +48,9 @@ func init() { extraControllers = append(extraControllers, newModifier) }
 type modifier struct {
 	b     *Bridge
 	queue *termQueue
+	// slots counts each driver's modifications in progress, against
+	// PerDriverWorkers: one slow driver cannot take every worker.
+	slots *driverSlots
 	ops   *prometheus.CounterVec
 
 	mu sync.Mutex
@@ -63,6 +66,7 @@ type infeasibleTarget struct {
 
 func newModifier(b *Bridge) (controller, error) {
 	m := &modifier{b: b, queue: newTermQueue("modify", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), infeasible: map[types.UID]infeasibleTarget{}}
+	m.slots = m.queue.withSlots(b.cfg.PerDriverWorkers)
 	m.ops = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "csibroker", Name: "modify_operations_total",
 		Help: "Volume modification attempts (ControllerModifyVolume) by driver and result (success, infeasible, failed, pending, not_called).",
@@ -87,8 +91,10 @@ func newModifier(b *Bridge) (controller, error) {
 				m.enqueue(c)
 			}
 		},
-		UpdateFunc: func(_, obj any) {
-			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok && claimNeedsModify(c) {
+		UpdateFunc: func(oldObj, obj any) {
+			old, ok1 := oldObj.(*corev1.PersistentVolumeClaim)
+			c, ok2 := obj.(*corev1.PersistentVolumeClaim)
+			if ok1 && ok2 && claimNeedsModify(c) && modifyTriggered(old, c) {
 				m.enqueue(c)
 			}
 		},
@@ -118,6 +124,21 @@ func claimNeedsModify(c *corev1.PersistentVolumeClaim) bool {
 		return false
 	}
 	return cur == nil || *cur != *want || c.Status.ModifyVolumeStatus != nil
+}
+
+// modifyTriggered says whether an update is worth a look: the class asked
+// for, the current class, the phase or the volume changed, or the informer
+// resynced. The modifier's own status writes change none of these until
+// the last (the current class), so a failure's retry keeps its backoff.
+func modifyTriggered(old, cur *corev1.PersistentVolumeClaim) bool {
+	return old.ResourceVersion == cur.ResourceVersion ||
+		!equalStringPtr(old.Spec.VolumeAttributesClassName, cur.Spec.VolumeAttributesClassName) ||
+		!equalStringPtr(old.Status.CurrentVolumeAttributesClassName, cur.Status.CurrentVolumeAttributesClassName) ||
+		old.Status.Phase != cur.Status.Phase || old.Spec.VolumeName != cur.Spec.VolumeName
+}
+
+func equalStringPtr(a, b *string) bool {
+	return (a == nil) == (b == nil) && (a == nil || *a == *b)
 }
 
 func (m *modifier) enqueue(c *corev1.PersistentVolumeClaim) {
@@ -162,20 +183,6 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 	if !claimNeedsModify(claim) {
 		return 0, nil
 	}
-	// The cache may not have this controller's own last writes yet (a
-	// status update re-queues the claim while its modification runs): the
-	// claim is read from the API server, so a modification just done is
-	// not done again. One read per attempt; the cache spares the others.
-	claim, err = m.b.cfg.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
-		return 0, nil
-	}
-	if err != nil {
-		return 0, err
-	}
-	if !claimNeedsModify(claim) {
-		return 0, nil
-	}
 	pv, err := m.b.volumes.Get(claim.Spec.VolumeName)
 	if err != nil {
 		return 0, fmt.Errorf("claim %s: volume %s: %w", key, claim.Spec.VolumeName, err)
@@ -185,6 +192,25 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 	}
 	driver := pv.Spec.CSI.Driver
 	if !m.registered(driver) {
+		return 0, nil
+	}
+	// --per-driver-workers: one slow driver cannot take every worker.
+	if !m.slots.acquire(driver, key) {
+		return waitForSlot, nil
+	}
+	defer m.slots.release(driver)
+	// The cache may not have this controller's own last writes yet (the
+	// claim can come back while its modification runs): the claim is read
+	// from the API server, so a modification just done is not done again.
+	// One read per attempt of a claim of a registered driver.
+	claim, err = m.b.cfg.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	if !claimNeedsModify(claim) || claim.Spec.VolumeName != pv.Name {
 		return 0, nil
 	}
 	target := *claim.Spec.VolumeAttributesClassName
@@ -223,14 +249,14 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 		m.b.log.Warn("volume modification failed", "claim", key, "pv", pv.Name, "driver", driver, "class", target, "err", msg)
 	}
 	infeasible := func(msg string) (string, time.Duration, error) {
-		m.mu.Lock()
-		m.infeasible[claim.UID] = infeasibleTarget{class: target, at: time.Now()}
-		m.mu.Unlock()
 		c := modifyStatus(claim, target, corev1.PersistentVolumeClaimModifyVolumeInfeasible)
 		c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, "Infeasible", msg)
 		if _, err := m.b.patchClaimStatus(ctx, claim, c, true); err != nil {
-			return "infeasible", 0, err
+			return "infeasible", 0, err // retried with backoff, and written then
 		}
+		m.mu.Lock()
+		m.infeasible[claim.UID] = infeasibleTarget{class: target, at: time.Now()}
+		m.mu.Unlock()
 		return "infeasible", m.b.cfg.RetryIntervalMax, nil
 	}
 
@@ -250,7 +276,7 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 		// As upstream: Pending until the class exists.
 		m.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeModifyFailed", target+" not found",
 			"VolumeAttributesClass %s not found; the modification of volume %s waits for it", target, pv.Name)
-		if _, perr := m.b.patchClaimStatus(ctx, claim, modifyStatus(claim, "", corev1.PersistentVolumeClaimModifyVolumePending), true); perr != nil {
+		if _, perr := m.b.patchClaimStatus(ctx, claim, modifyStatus(claim, target, corev1.PersistentVolumeClaimModifyVolumePending), true); perr != nil {
 			return "pending", 0, perr
 		}
 		return "pending", 0, fmt.Errorf("volumeattributesclass %s not found", target)
@@ -318,7 +344,9 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 		c := claim.DeepCopy()
 		c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, status.Code(err).String(),
 			"ControllerModifyVolume failed: "+statusText(err)+"; will retry")
-		if _, perr := m.b.patchClaimStatus(ctx, claim, c, true); perr != nil {
+		// Without a resourceVersion, as upstream: the condition merges by
+		// type, and a concurrent write (the resizer's) does not lose it.
+		if _, perr := m.b.patchClaimStatus(ctx, claim, c, false); perr != nil {
 			m.b.log.Warn("volume modification: recording the failure on the claim failed", "claim", key, "err", perr)
 		}
 		return "failed", 0, err
@@ -344,7 +372,10 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 	done.Status.CurrentVolumeAttributesClassName = &target
 	done.Status.ModifyVolumeStatus = nil
 	done.Status.Conditions = clearModifyConditions(done.Status.Conditions)
-	if _, err := m.b.patchClaimStatus(ctx, claim, done, true); err != nil {
+	// Without a resourceVersion: the driver did apply the class, which is
+	// true whatever was written since (a newer class asked for is seen,
+	// since the spec is not touched).
+	if _, err := m.b.patchClaimStatus(ctx, claim, done, false); err != nil {
 		return "failed", 0, fmt.Errorf("mark claim %s modified: %w", key, err)
 	}
 	m.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "VolumeModifySuccessful", "Modified volume %s to VolumeAttributesClass %s", pv.Name, target)
@@ -362,10 +393,18 @@ func (m *modifier) registered(driver string) bool {
 	return false
 }
 
-// modifyMayHaveStarted: the claim's last modification was in progress, so
-// the driver may have applied some of it. A claim set back to its current
-// class then has the current class's parameters applied again, to undo it.
+// modifyMayHaveStarted: a modification reached the driver since the claim
+// last had its current class (the ModifyingVolume condition, set before
+// each call, goes only when a modification is done or cleared), so the
+// driver may have applied some of another class, whatever the status says
+// now (a later class may be Pending or Infeasible). A claim set back to
+// its current class then has that class's parameters applied again.
 func modifyMayHaveStarted(claim *corev1.PersistentVolumeClaim) bool {
+	for _, c := range claim.Status.Conditions {
+		if c.Type == corev1.PersistentVolumeClaimVolumeModifyingVolume {
+			return true
+		}
+	}
 	s := claim.Status.ModifyVolumeStatus
 	return s != nil && s.Status == corev1.PersistentVolumeClaimModifyVolumeInProgress
 }
@@ -383,8 +422,7 @@ func modifySecretRef(pv *corev1.PersistentVolume) (*corev1.SecretReference, erro
 	return &corev1.SecretReference{Name: name, Namespace: ns}, nil
 }
 
-// modifyStatus is claim with its modifyVolumeStatus set (target "" keeps
-// none, as upstream's Pending).
+// modifyStatus is claim with its modifyVolumeStatus set.
 func modifyStatus(claim *corev1.PersistentVolumeClaim, target string, s corev1.PersistentVolumeClaimModifyVolumeStatus) *corev1.PersistentVolumeClaim {
 	c := claim.DeepCopy()
 	c.Status.ModifyVolumeStatus = &corev1.ModifyVolumeStatus{TargetVolumeAttributesClassName: target, Status: s}

@@ -171,8 +171,9 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 	}
 
 	// A failure after which the driver may have applied some of the
-	// class: InProgress with the error; set back to the current class,
-	// its parameters are applied again, and nothing is pending.
+	// class: InProgress with the error; set back to the current class
+	// (after a class that does not exist), its parameters are applied
+	// again, and nothing is pending.
 	flaky := vac("flaky", map[string]string{sampledriver.MutableIOPS: flakyIOPS})
 	setVAC(t, c, ns, "data", flaky)
 	claim = waitClaim(t, c, ns, "data", "InProgress with a ModifyVolumeError", func(p *corev1.PersistentVolumeClaim) bool {
@@ -182,6 +183,12 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 	if cond := modifyCondition(claim, corev1.PersistentVolumeClaimVolumeModifyVolumeError); !strings.Contains(cond.Message, "Internal") || cond.Reason != "Internal" {
 		t.Errorf("ModifyVolumeError condition %+v: want the driver's Internal", cond)
 	}
+	// A class that does not exist in between: Pending now, but the
+	// driver may still have some of the flaky class.
+	setVAC(t, c, ns, "data", clusterName(ns, "nowhere"))
+	waitClaim(t, c, ns, "data", "Pending after the failure", func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.ModifyVolumeStatus != nil && p.Status.ModifyVolumeStatus.Status == corev1.PersistentVolumeClaimModifyVolumePending
+	})
 	setVAC(t, c, ns, "data", later)
 	waitClaim(t, c, ns, "data", "back on "+later, func(p *corev1.PersistentVolumeClaim) bool {
 		return p.Status.ModifyVolumeStatus == nil && !hasModifyCondition(p) && *p.Status.CurrentVolumeAttributesClassName == later
