@@ -101,17 +101,19 @@ func protectionMissing(pv *corev1.PersistentVolume) bool {
 		pv.DeletionTimestamp == nil && !hasFinalizer(pv, finalizerVolume)
 }
 
-// needsDelete: a PV reclaimed by Delete whose claim is gone. One being
-// deleted without the volume-deletion finalizer is not (as in
+// needsDelete: a Released PV reclaimed by Delete (its claim is gone). One
+// being deleted without the volume-deletion finalizer is not (as in
 // external-provisioner): its volume was deleted already, the finalizer
 // removed after it (by this or an earlier leader), and the object only
-// waits for other finalizers.
+// waits for other finalizers. A Failed PV is not either, as in
+// external-provisioner: the PV controller marks a PV Failed when it finds
+// something wrong with it, which an administrator looks at before its
+// volume goes.
 func needsDelete(pv *corev1.PersistentVolume) bool {
 	if pv.DeletionTimestamp != nil && !hasFinalizer(pv, finalizerVolume) {
 		return false
 	}
-	return pv.Spec.PersistentVolumeReclaimPolicy == corev1.PersistentVolumeReclaimDelete &&
-		(pv.Status.Phase == corev1.VolumeReleased || pv.Status.Phase == corev1.VolumeFailed)
+	return pv.Spec.PersistentVolumeReclaimPolicy == corev1.PersistentVolumeReclaimDelete && pv.Status.Phase == corev1.VolumeReleased
 }
 
 func (d *deleter) run(ctx context.Context) {

@@ -654,7 +654,8 @@ func TestNamespaceLabelsRecordedWhenTheCacheLags(t *testing.T) {
 	}
 }
 
-// TestNeedsDelete: Released or Failed PVs reclaimed by Delete, except one
+// TestNeedsDelete: Released PVs reclaimed by Delete (not Failed ones, as
+// external-provisioner), except one
 // being deleted whose volume-deletion finalizer is gone already (its
 // volume was deleted, by this leader or an earlier one).
 func TestNeedsDelete(t *testing.T) {
@@ -673,7 +674,7 @@ func TestNeedsDelete(t *testing.T) {
 		want bool
 	}{
 		{"released", pv(corev1.VolumeReleased, del, false, finalizerVolume), true},
-		{"failed", pv(corev1.VolumeFailed, del, false, finalizerVolume), true},
+		{"failed", pv(corev1.VolumeFailed, del, false, finalizerVolume), false},
 		{"bound", pv(corev1.VolumeBound, del, false, finalizerVolume), false},
 		{"retained", pv(corev1.VolumeReleased, ret, false), false},
 		{"released, deleted first, finalizer on", pv(corev1.VolumeReleased, del, true, finalizerVolume, "kubernetes.io/pv-protection"), true},
