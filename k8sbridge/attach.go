@@ -23,8 +23,6 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
-	csitrans "k8s.io/csi-translation-lib"
-	"k8s.io/klog/v2"
 
 	"github.com/csibroker/csibroker/policy"
 )
@@ -337,47 +335,6 @@ func (a *attacher) source(va *storagev1.VolumeAttachment) (*attachSource, error)
 		return &attachSource{csi: spec.CSI, accessModes: spec.AccessModes, volumeMode: spec.VolumeMode, mountOptions: spec.MountOptions}, nil
 	}
 	return nil, fmt.Errorf("volumeattachment %s names no CSI volume", va.Name)
-}
-
-// migration translates the in-tree volumes that CSI migration moved to a
-// CSI driver: the attach/detach controller makes their VolumeAttachments
-// naming the driver, and their PVs keep the in-tree source.
-var migration = csitrans.New()
-
-// csiSpec is pv's spec with a CSI source: pv's own, or for an in-tree
-// volume that CSI migration moved to a driver, its translation (as
-// external-attacher translates it).
-func csiSpec(pv *corev1.PersistentVolume) (*corev1.PersistentVolumeSpec, error) {
-	if pv.Spec.CSI != nil {
-		return &pv.Spec, nil
-	}
-	if !migration.IsPVMigratable(pv) {
-		return nil, fmt.Errorf("persistentvolume %s is not a CSI volume, nor an in-tree volume that CSI migration moves to a CSI driver", pv.Name)
-	}
-	t, err := migration.TranslateInTreePVToCSI(klog.Background(), pv)
-	if err != nil {
-		return nil, fmt.Errorf("persistentvolume %s: translating its in-tree source to CSI (CSI migration): %w", pv.Name, err)
-	}
-	if t.Spec.CSI == nil {
-		return nil, fmt.Errorf("persistentvolume %s: CSI migration gave no CSI source for its in-tree source", pv.Name)
-	}
-	return &t.Spec, nil
-}
-
-// pvDriver is the CSI driver of pv, for an in-tree volume the one CSI
-// migration moved it to; "" for neither.
-func pvDriver(pv *corev1.PersistentVolume) string {
-	if pv.Spec.CSI != nil {
-		return pv.Spec.CSI.Driver
-	}
-	if migration.IsPVMigratable(pv) {
-		if plugin, err := migration.GetInTreePluginNameFromSpec(pv, nil); err == nil {
-			if drv, err := migration.GetCSINameFromInTreeName(plugin); err == nil {
-				return drv
-			}
-		}
-	}
-	return ""
 }
 
 // nodeID is the driver's ID of a node: from the CSINode, else from the

@@ -65,15 +65,41 @@ func (d *deleter) isDone(uid types.UID) bool {
 }
 
 func (d *deleter) ours(pv *corev1.PersistentVolume) bool {
-	if pv.Spec.CSI == nil || pv.Annotations[annProvisionedBy] != pv.Spec.CSI.Driver {
+	driver := deletionDriver(pv)
+	if driver == "" {
 		return false
 	}
 	for _, n := range d.b.cfg.Drivers.DriverNames() {
-		if n == pv.Spec.CSI.Driver {
+		if n == driver {
 			return true
 		}
 	}
 	return false
+}
+
+// deletionDriver is the driver that deletes pv's volume: a CSI PV's own
+// when it provisioned it; for an in-tree PV that CSI migration moves to a
+// driver, that driver when the in-tree plugin provisioned the PV (before
+// the migration, or through a migrated class) or the PV controller marked
+// it migrated to the driver, as external-provisioner decides. "" for none.
+func deletionDriver(pv *corev1.PersistentVolume) string {
+	if pv.Spec.CSI != nil {
+		if pv.Annotations[annProvisionedBy] == pv.Spec.CSI.Driver {
+			return pv.Spec.CSI.Driver
+		}
+		return ""
+	}
+	driver := pvDriver(pv)
+	if driver == "" {
+		return ""
+	}
+	if plugin, err := migration.GetInTreePluginNameFromSpec(pv, nil); err == nil && pv.Annotations[annProvisionedBy] == plugin {
+		return driver
+	}
+	if pv.Annotations[annMigratedTo] == driver {
+		return driver
+	}
+	return ""
 }
 
 func (d *deleter) enqueue(obj any) {
@@ -168,13 +194,18 @@ func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 	if !needsDelete(pv) || d.isDone(pv.UID) {
 		return 0, nil
 	}
-	driver := pv.Spec.CSI.Driver
+	driver := deletionDriver(pv)
+	spec, err := csiSpec(pv) // a migrated in-tree PV's translation
+	if err != nil {
+		d.warn(ctx, pv, err.Error(), "%v", err)
+		return 0, err
+	}
 	// --per-driver-workers: one slow driver cannot take every worker.
 	if !d.slots.acquire(driver, name) {
 		return waitForSlot, nil
 	}
 	defer d.slots.release(driver)
-	return d.reclaim(ctx, pv, driver)
+	return d.reclaim(ctx, pv, driver, spec.CSI.VolumeHandle)
 }
 
 // finalizerFailed reports a refused finalizer write (RBAC, an admission
@@ -196,7 +227,8 @@ func (d *deleter) warn(ctx context.Context, pv *corev1.PersistentVolume, what, f
 
 // reclaim deletes the volume of pv, a PV due for deletion, then the PV;
 // a positive duration looks at the PV again then.
-func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driver string) (time.Duration, error) {
+// handle is the volume's ID (for a migrated in-tree PV, translated).
+func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driver, handle string) (time.Duration, error) {
 	name := pv.Name
 	ctx, span := d.b.tracer.Start(ctx, "delete "+name, trace.WithAttributes(attribute.String("csi.driver", driver), attribute.String("k8s.pv.name", name)))
 	defer span.End()
@@ -225,7 +257,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 		if n != "" || ns != "" {
 			d.b.log.Warn("the PV names half a deletion secret; deleting its volume without one", "pv", name, "name", n, "namespace", ns)
 			d.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "DeletionSecretIncomplete", "half "+n+"/"+ns,
-				"annotations %s=%q and %s=%q name half a deletion secret; deleting volume %s without one", annDeletionSecretName, n, annDeletionSecretNS, ns, pv.Spec.CSI.VolumeHandle)
+				"annotations %s=%q and %s=%q name half a deletion secret; deleting volume %s without one", annDeletionSecretName, n, annDeletionSecretNS, ns, handle)
 		}
 	default:
 		if secretRef, err = d.classDeletionSecret(pv); err != nil {
@@ -252,7 +284,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 			// Nobody can reach the volume: leave the PV to an administrator
 			// instead of retrying forever.
 			d.warn(ctx, pv, "node gone "+node,
-				"node %s of node-local volume %s no longer exists; the PersistentVolume is left for an administrator (delete it once the volume is dealt with)", node, pv.Spec.CSI.VolumeHandle)
+				"node %s of node-local volume %s no longer exists; the PersistentVolume is left for an administrator (delete it once the volume is dealt with)", node, handle)
 			d.b.metrics.deletions.WithLabelValues(driver, "node_gone").Inc()
 			// Looked at again now and then: the Event is recorded again
 			// while the PV stays, and a node back under its name gets
@@ -261,7 +293,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 		}
 	}
 	ref := pvRef(pv)
-	if err := d.b.prov.deleteVolumeWith(ctx, driver, node, pv.Spec.CSI.VolumeHandle, secretRef, requester, recordedNamespaceLabels(pv), &ref); err != nil {
+	if err := d.b.prov.deleteVolumeWith(ctx, driver, node, handle, secretRef, requester, recordedNamespaceLabels(pv), &ref); err != nil {
 		d.warn(ctx, pv, failureOf("DeleteVolume", err), "%v", err)
 		d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
 		return 0, err
@@ -287,7 +319,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 	d.done[pv.UID] = struct{}{}
 	d.doneMu.Unlock()
 	d.b.metrics.deletions.WithLabelValues(driver, "success").Inc()
-	d.b.log.Info("volume deleted", "pv", name, "driver", driver, "volume_id", pv.Spec.CSI.VolumeHandle)
+	d.b.log.Info("volume deleted", "pv", name, "driver", driver, "volume_id", handle)
 	return 0, nil
 }
 
@@ -339,8 +371,12 @@ func (d *deleter) classDeletionSecret(pv *corev1.PersistentVolume) (*corev1.Secr
 // errNodeUnknown: a node-local driver's volume whose PV says nothing of
 // its node cannot be routed to a node's proxy.
 func errNodeUnknown(pv *corev1.PersistentVolume, driver string) error {
+	handle := pv.Name
+	if pv.Spec.CSI != nil {
+		handle = pv.Spec.CSI.VolumeHandle
+	}
 	return fmt.Errorf("volume %s of node-local driver %s names no node (no %s annotation, no single hostname in its node affinity); cannot tell which node's proxy holds it",
-		pv.Spec.CSI.VolumeHandle, driver, annVolumeNode)
+		handle, driver, annVolumeNode)
 }
 
 // nodeOfPV is the name of the node of a node-local PV: recorded at

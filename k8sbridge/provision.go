@@ -28,6 +28,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2"
 
 	"github.com/csibroker/csibroker/policy"
 )
@@ -39,10 +40,13 @@ const (
 	annBetaStorageProvisioner = "volume.beta.kubernetes.io/storage-provisioner"
 	annSelectedNode           = "volume.kubernetes.io/selected-node"
 	annProvisionedBy          = "pv.kubernetes.io/provisioned-by"
-	annDeletionSecretName     = "volume.kubernetes.io/provisioner-deletion-secret-name"
-	annDeletionSecretNS       = "volume.kubernetes.io/provisioner-deletion-secret-namespace"
-	annModifySecretName       = "volume.kubernetes.io/controller-modify-secret-name"
-	annModifySecretNS         = "volume.kubernetes.io/controller-modify-secret-namespace"
+	// annMigratedTo: the PV controller's mark on objects of in-tree
+	// plugins that CSI migration moved to the CSI driver it names.
+	annMigratedTo         = "pv.kubernetes.io/migrated-to"
+	annDeletionSecretName = "volume.kubernetes.io/provisioner-deletion-secret-name"
+	annDeletionSecretNS   = "volume.kubernetes.io/provisioner-deletion-secret-namespace"
+	annModifySecretName   = "volume.kubernetes.io/controller-modify-secret-name"
+	annModifySecretNS     = "volume.kubernetes.io/controller-modify-secret-namespace"
 	// annBetaStorageClass is the claim's class before spec.storageClassName,
 	// still read first by Kubernetes and the sidecars.
 	annBetaStorageClass = "volume.beta.kubernetes.io/storage-class"
@@ -257,7 +261,21 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		return 0, fmt.Errorf("claim %s: storageclass %q: %w", key, className, err)
 	}
 	if class.Provisioner != driver {
-		return 0, nil
+		// An in-tree class whose plugin CSI migration moves to driver (the
+		// PV controller named driver in the claim's annotation): made
+		// through the class's CSI translation, the PV in-tree again
+		// (buildPV), as external-provisioner does.
+		if migratedDriver(class.Provisioner) != driver {
+			return 0, nil
+		}
+		t, err := migration.TranslateInTreeStorageClassToCSI(klog.Background(), class.Provisioner, class)
+		if err != nil {
+			msg := fmt.Sprintf("storageclass %q of in-tree plugin %s: translating it for CSI driver %s (CSI migration): %v", class.Name, class.Provisioner, driver, err)
+			p.b.log.Warn("provisioning failed", "claim", key, "driver", driver, "err", msg)
+			p.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "ProvisioningFailed", msg, "%s", msg)
+			return 0, errors.New(msg)
+		}
+		class = t
 	}
 	if populated(claim) {
 		// As external-provisioner: a data source of another kind is a
@@ -1066,7 +1084,9 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 		*k.dst = ref
 	}
 	pv := &corev1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: pvName, Annotations: map[string]string{annProvisionedBy: driver}},
+		// class.Provisioner: the driver, or the in-tree plugin of a
+		// migrated class (the translation keeps it), as upstream records.
+		ObjectMeta: metav1.ObjectMeta{Name: pvName, Annotations: map[string]string{annProvisionedBy: class.Provisioner}},
 		Spec: corev1.PersistentVolumeSpec{
 			AccessModes:                   claim.Spec.AccessModes,
 			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: *resource.NewQuantity(size, resource.BinarySI)},
@@ -1096,6 +1116,15 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 	if provSecret != nil {
 		pv.Annotations[annDeletionSecretName] = provSecret.Name
 		pv.Annotations[annDeletionSecretNS] = provSecret.Namespace
+	}
+	if class.Provisioner != driver {
+		// A migrated in-tree class: the PV is the in-tree plugin's, as the
+		// PV controller and the kubelet expect of such a class.
+		t, err := migration.TranslateCSIPVToInTree(pv)
+		if err != nil {
+			return nil, fmt.Errorf("volume %s of in-tree class %q: translating its PV back to in-tree plugin %s (CSI migration): %w", vol.GetVolumeId(), class.Name, class.Provisioner, err)
+		}
+		pv = t
 	}
 	return pv, nil
 }

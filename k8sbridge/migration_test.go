@@ -1,0 +1,67 @@
+package k8sbridge
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testenv"
+)
+
+// TestProvisionsAndDeletesWithAMigratedInTreeClass: a claim of an in-tree
+// StorageClass (kubernetes.io/cinder) whose plugin CSI migration moves to
+// a registered driver is named for that driver by the PV controller; the
+// broker makes the volume through the class's CSI translation and an
+// in-tree PV for it, which the PV controller binds, as external-provisioner
+// does. Once the claim is gone, the volume is deleted through the PV's
+// translation, and so is the PV.
+func TestProvisionsAndDeletesWithAMigratedInTreeClass(t *testing.T) {
+	env := testenv.Shared(t)
+	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
+	// The driver CSI migration moves in-tree Cinder volumes to (a name the
+	// translation fixes, shared with the other migration tests; they run
+	// one after the other, each with its own bridge).
+	const drv, plugin = "cinder.csi.openstack.org", "kubernetes.io/cinder"
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "in-tree"), plugin, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	if got := claim.Annotations[annStorageProvisioner]; got != drv {
+		t.Errorf("claim annotation %s = %q, want the PV controller's %q", annStorageProvisioner, got, drv)
+	}
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, claim.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pv.Spec.Cinder == nil || pv.Spec.CSI != nil {
+		t.Fatalf("PV source %+v: want the in-tree Cinder source", pv.Spec.PersistentVolumeSource)
+	}
+	if got := pv.Annotations[annProvisionedBy]; got != plugin {
+		t.Errorf("PV annotation %s = %q, want the in-tree plugin %q", annProvisionedBy, got, plugin)
+	}
+	volID := pv.Spec.Cinder.VolumeID
+	found := false
+	for _, v := range d.Volumes() {
+		found = found || v.ID == volID
+	}
+	if !found {
+		t.Fatalf("the driver has no volume %s (the PV's Cinder volume ID)", volID)
+	}
+
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitPVGone(t, c, pv.Name, 60*time.Second)
+	for _, v := range d.Volumes() {
+		if v.ID == volID {
+			t.Fatalf("volume %s still at the driver after its PV went", volID)
+		}
+	}
+}
