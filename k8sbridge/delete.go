@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2"
 
 	"github.com/csibroker/csibroker/policy"
 )
@@ -356,6 +357,15 @@ func (d *deleter) classDeletionSecret(pv *corev1.PersistentVolume) (*corev1.Secr
 	class, err := d.b.classes.Get(pv.Spec.StorageClassName)
 	if err != nil {
 		return nil, nil
+	}
+	if pv.Spec.CSI == nil && migratedDriver(class.Provisioner) != "" {
+		// A migrated in-tree class: its secrets are those of its CSI
+		// translation, as external-provisioner reads them.
+		t, err := migration.TranslateInTreeStorageClassToCSI(klog.Background(), class.Provisioner, class)
+		if err != nil {
+			return nil, fmt.Errorf("persistentvolume %s records no deletion secret, and its in-tree StorageClass %q does not translate to CSI: %w", pv.Name, class.Name, err)
+		}
+		class = t
 	}
 	claim := &corev1.PersistentVolumeClaim{}
 	if cr := pv.Spec.ClaimRef; cr != nil {

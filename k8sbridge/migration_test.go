@@ -14,19 +14,42 @@ import (
 )
 
 // TestProvisionsAndDeletesWithAMigratedInTreeClass: a claim of an in-tree
-// StorageClass (kubernetes.io/cinder) whose plugin CSI migration moves to
+// StorageClass (kubernetes.io/cinder, kubernetes.io/portworx-volume) whose plugin CSI migration moves to
 // a registered driver is named for that driver by the PV controller; the
 // broker makes the volume through the class's CSI translation and an
 // in-tree PV for it, which the PV controller binds, as external-provisioner
 // does. Once the claim is gone, the volume is deleted through the PV's
 // translation, and so is the PV.
 func TestProvisionsAndDeletesWithAMigratedInTreeClass(t *testing.T) {
+	// Drivers CSI migration moves in-tree plugins to (names the
+	// translation fixes, shared with the other migration tests; they run
+	// one after the other, each with its own bridge). Portworx's class
+	// translation names the CSI driver as the class's provisioner, which
+	// must not change what the PV records.
+	for _, tc := range []struct {
+		drv, plugin string
+		volumeID    func(*corev1.PersistentVolume) string
+	}{
+		{"cinder.csi.openstack.org", "kubernetes.io/cinder", func(pv *corev1.PersistentVolume) string {
+			if pv.Spec.Cinder == nil {
+				return ""
+			}
+			return pv.Spec.Cinder.VolumeID
+		}},
+		{"pxd.portworx.com", "kubernetes.io/portworx-volume", func(pv *corev1.PersistentVolume) string {
+			if pv.Spec.PortworxVolume == nil {
+				return ""
+			}
+			return pv.Spec.PortworxVolume.VolumeID
+		}},
+	} {
+		t.Run(tc.plugin, func(t *testing.T) { provisionWithMigratedClass(t, tc.drv, tc.plugin, tc.volumeID) })
+	}
+}
+
+func provisionWithMigratedClass(t *testing.T, drv, plugin string, volumeID func(*corev1.PersistentVolume) string) {
 	env := testenv.Shared(t)
 	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
-	// The driver CSI migration moves in-tree Cinder volumes to (a name the
-	// translation fixes, shared with the other migration tests; they run
-	// one after the other, each with its own bridge).
-	const drv, plugin = "cinder.csi.openstack.org", "kubernetes.io/cinder"
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	class := makeClass(t, c, clusterName(ns, "in-tree"), plugin, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
@@ -40,19 +63,19 @@ func TestProvisionsAndDeletesWithAMigratedInTreeClass(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if pv.Spec.Cinder == nil || pv.Spec.CSI != nil {
-		t.Fatalf("PV source %+v: want the in-tree Cinder source", pv.Spec.PersistentVolumeSource)
+	volID := volumeID(pv)
+	if volID == "" || pv.Spec.CSI != nil {
+		t.Fatalf("PV source %+v: want the in-tree source of %s", pv.Spec.PersistentVolumeSource, plugin)
 	}
 	if got := pv.Annotations[annProvisionedBy]; got != plugin {
 		t.Errorf("PV annotation %s = %q, want the in-tree plugin %q", annProvisionedBy, got, plugin)
 	}
-	volID := pv.Spec.Cinder.VolumeID
 	found := false
 	for _, v := range d.Volumes() {
 		found = found || v.ID == volID
 	}
 	if !found {
-		t.Fatalf("the driver has no volume %s (the PV's Cinder volume ID)", volID)
+		t.Fatalf("the driver has no volume %s (the PV's in-tree volume ID)", volID)
 	}
 
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {

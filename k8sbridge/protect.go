@@ -22,7 +22,8 @@ import (
 // takes the finalizer off and the deletion goes on. A VolumeSnapshot being
 // restored gets snapshotFinalizer the same way; it comes off as soon as no
 // claim restoring it is Pending (a restoring claim bound or deleted looks
-// again), deleted or not, as upstream takes it off after each restore. The
+// again, and a sweep every snapshotSweep finds those no claim brought
+// back), deleted or not, as upstream takes it off after each restore. The
 // names are external-provisioner's, so objects it protected are released
 // here too.
 const (
@@ -34,6 +35,12 @@ const (
 // before it is looked at again without news (a copy's own update, which
 // re-queues it, is the usual way).
 const sourceRecheck = time.Minute
+
+// snapshotSweep is how often a term lists the VolumeSnapshots holding
+// snapshotFinalizer (and once at its start), to release those no claim's
+// update brought back: a restoring claim deleted while no replica led, or
+// a finalizer added just after its claim was looked at.
+const snapshotSweep = 10 * time.Minute
 
 // Queue keys: the kind of source, then its namespace/name.
 const (
@@ -69,7 +76,8 @@ func newSourceProtector(b *Bridge) (controller, error) {
 }
 
 // claimChanged queues a deleted clone source that holds cloneFinalizer,
-// and the sources of a claim whose copy is over (it left Pending).
+// and the sources of a claim whose copy is over (it left Pending just
+// now: a resync or a start does not look them up again; the sweep does).
 func (p *sourceProtector) claimChanged(oldObj, obj any) {
 	c, ok := obj.(*corev1.PersistentVolumeClaim)
 	if !ok {
@@ -78,8 +86,7 @@ func (p *sourceProtector) claimChanged(oldObj, obj any) {
 	if c.DeletionTimestamp != nil && slices.Contains(c.Finalizers, cloneFinalizer) {
 		p.queue.Add(claimKeyPrefix + c.Namespace + "/" + c.Name)
 	}
-	old, _ := oldObj.(*corev1.PersistentVolumeClaim)
-	if c.Status.Phase != corev1.ClaimPending && (old == nil || old.Status.Phase == corev1.ClaimPending || old.ResourceVersion == c.ResourceVersion) {
+	if old, ok := oldObj.(*corev1.PersistentVolumeClaim); ok && old.Status.Phase == corev1.ClaimPending && c.Status.Phase != corev1.ClaimPending {
 		p.claimDone(c)
 	}
 }
@@ -118,7 +125,51 @@ func (p *sourceProtector) run(ctx context.Context) {
 			p.b.log.Warn("source protection: releasing a clone or restore source failed; will retry", "source", key, "err", err)
 		}
 		return requeue, err
-	})
+	}, p.sweepSnapshots)
+}
+
+// sweepSnapshots queues the VolumeSnapshots holding snapshotFinalizer at
+// the start of the term and every snapshotSweep.
+func (p *sourceProtector) sweepSnapshots(ctx context.Context) {
+	if p.b.cfg.SnapshotClient == nil {
+		return
+	}
+	t := time.NewTicker(snapshotSweep)
+	defer t.Stop()
+	for {
+		p.sweepSnapshotsOnce(ctx)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (p *sourceProtector) sweepSnapshotsOnce(ctx context.Context) {
+	opts := metav1.ListOptions{Limit: 500}
+	for {
+		l, err := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots("").List(ctx, opts)
+		switch {
+		case apierrors.IsNotFound(err):
+			p.b.log.Debug("source protection: the VolumeSnapshot API is not served; no snapshot to look at")
+			return
+		case err != nil:
+			if ctx.Err() == nil {
+				p.b.log.Warn("source protection: listing VolumeSnapshots failed; looked at again at the next sweep", "err", err)
+			}
+			return
+		}
+		for _, s := range l.Items {
+			if slices.Contains(s.Finalizers, snapshotFinalizer) {
+				p.queue.Add(snapshotKeyPrefix + s.Namespace + "/" + s.Name)
+			}
+		}
+		if l.Continue == "" {
+			return
+		}
+		opts.Continue = l.Continue
+	}
 }
 
 // enqueueAll queues every deleted claim that holds cloneFinalizer (start
@@ -232,7 +283,9 @@ func (p *sourceProtector) pending(ns, name string, sourceOf func(*corev1.Persist
 	}
 	var out []string
 	for _, c := range claims {
-		if c.Status.Phase == corev1.ClaimPending && c.DeletionTimestamp == nil && sourceOf(c) == name {
+		// A claim being deleted still counts: its driver may still be
+		// copying.
+		if c.Status.Phase == corev1.ClaimPending && sourceOf(c) == name {
 			out = append(out, c.Name)
 		}
 	}

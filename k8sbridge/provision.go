@@ -260,6 +260,7 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		p.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "ProvisioningFailed", msg, "%s", msg)
 		return 0, fmt.Errorf("claim %s: storageclass %q: %w", key, className, err)
 	}
+	inTree := "" // the in-tree plugin of a migrated class
 	if class.Provisioner != driver {
 		// An in-tree class whose plugin CSI migration moves to driver (the
 		// PV controller named driver in the claim's annotation): made
@@ -268,6 +269,7 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		if migratedDriver(class.Provisioner) != driver {
 			return 0, nil
 		}
+		inTree = class.Provisioner
 		t, err := migration.TranslateInTreeStorageClassToCSI(klog.Background(), class.Provisioner, class)
 		if err != nil {
 			msg := fmt.Sprintf("storageclass %q of in-tree plugin %s: translating it for CSI driver %s (CSI migration): %v", class.Name, class.Provisioner, driver, err)
@@ -301,7 +303,7 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		attribute.String("csi.driver", driver), attribute.String("k8s.pvc.namespace", ns), attribute.String("k8s.pvc.name", name),
 		attribute.String("k8s.storageclass", className), attribute.String("k8s.pv.name", pvName), attribute.String("k8s.node", selectedNode)))
 	defer span.End()
-	result, err := p.provision(ctx, claim, class, driver, pvName, selectedNode)
+	result, err := p.provision(ctx, claim, class, inTree, driver, pvName, selectedNode)
 	p.b.metrics.provisions.WithLabelValues(driver, className, result).Inc()
 	if err != nil {
 		span.SetStatus(otelcodes.Error, result)
@@ -342,7 +344,11 @@ func (p *provisioner) settleExistingPV(ctx context.Context, claim *corev1.Persis
 		log.Info("an earlier attempt saved this PersistentVolume with its volume on another node; deleted the second volume this attempt made", "pv_node", other, "node", node)
 		return nil
 	}
-	if src := pv.Spec.CSI; src == nil || src.Driver != driver || src.VolumeHandle != volumeID {
+	var src *corev1.CSIPersistentVolumeSource
+	if spec, err := csiSpec(pv); err == nil { // a migrated in-tree PV's translation
+		src = spec.CSI
+	}
+	if src == nil || src.Driver != driver || src.VolumeHandle != volumeID {
 		handle := ""
 		if src != nil {
 			handle = src.Driver + " " + src.VolumeHandle
@@ -469,7 +475,7 @@ func claimClass(claim *corev1.PersistentVolumeClaim) string {
 }
 
 // provision runs one attempt and returns its result label.
-func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string) (string, error) {
+func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, inTree, driver, pvName, selectedNode string) (string, error) {
 	ref := claimRef(claim)
 	// Failures are logged on every attempt and recorded as an Event once
 	// per failure (eventOnce): a driver's answer is named by its method
@@ -787,7 +793,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return failAs(wrong, "%s; the volume was deleted", wrong)
 	}
 
-	pv, err := p.buildPV(claim, class, driver, pvName, resp.GetVolume(), req, provSecretRef)
+	pv, err := p.buildPV(claim, class, inTree, driver, pvName, resp.GetVolume(), req, provSecretRef)
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -1048,7 +1054,9 @@ func (p *provisioner) contentSource(ctx context.Context, claim *corev1.Persisten
 }
 
 // buildPV makes the PersistentVolume for a created volume.
-func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName string, vol *csi.Volume, req *csi.CreateVolumeRequest, provSecret *corev1.SecretReference) (*corev1.PersistentVolume, error) {
+// inTree is the in-tree plugin of a migrated class ("" for a CSI class):
+// the PV is then that plugin's, as upstream makes it.
+func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, inTree, driver, pvName string, vol *csi.Volume, req *csi.CreateVolumeRequest, provSecret *corev1.SecretReference) (*corev1.PersistentVolume, error) {
 	size := vol.GetCapacityBytes()
 	if size == 0 {
 		size = req.GetCapacityRange().GetRequiredBytes()
@@ -1083,10 +1091,12 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 		}
 		*k.dst = ref
 	}
+	provisionedBy := driver
+	if inTree != "" {
+		provisionedBy = inTree // as upstream records a migrated class's PV
+	}
 	pv := &corev1.PersistentVolume{
-		// class.Provisioner: the driver, or the in-tree plugin of a
-		// migrated class (the translation keeps it), as upstream records.
-		ObjectMeta: metav1.ObjectMeta{Name: pvName, Annotations: map[string]string{annProvisionedBy: class.Provisioner}},
+		ObjectMeta: metav1.ObjectMeta{Name: pvName, Annotations: map[string]string{annProvisionedBy: provisionedBy}},
 		Spec: corev1.PersistentVolumeSpec{
 			AccessModes:                   claim.Spec.AccessModes,
 			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: *resource.NewQuantity(size, resource.BinarySI)},
@@ -1117,12 +1127,12 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 		pv.Annotations[annDeletionSecretName] = provSecret.Name
 		pv.Annotations[annDeletionSecretNS] = provSecret.Namespace
 	}
-	if class.Provisioner != driver {
+	if inTree != "" {
 		// A migrated in-tree class: the PV is the in-tree plugin's, as the
 		// PV controller and the kubelet expect of such a class.
 		t, err := migration.TranslateCSIPVToInTree(pv)
 		if err != nil {
-			return nil, fmt.Errorf("volume %s of in-tree class %q: translating its PV back to in-tree plugin %s (CSI migration): %w", vol.GetVolumeId(), class.Name, class.Provisioner, err)
+			return nil, fmt.Errorf("volume %s of in-tree class %q: translating its PV back to in-tree plugin %s (CSI migration): %w", vol.GetVolumeId(), class.Name, inTree, err)
 		}
 		pv = t
 	}

@@ -3,11 +3,15 @@ package k8sbridge
 import (
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	snapshotclient "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
 
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -18,7 +22,10 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/klog/v2"
 
+	"github.com/csibroker/csibroker/internal/chaintest"
+	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/policy"
 )
@@ -128,8 +135,33 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 	if len(errs) > 0 {
 		t.Fatal(errs)
 	}
-	r := startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}, leader: true, configureCfg: func(cfg *Config) {
+	installSnapshotCRDs(t, env)
+	// client-go's own errors (informers, Events) go to klog: kept to look
+	// for refusals there too.
+	var klogged chaintest.SyncBuffer
+	klog.LogToStderr(false)
+	klog.SetOutput(&klogged)
+	var r *bridgeRun
+	t.Cleanup(func() {
+		klog.SetOutput(io.Discard)
+		klog.LogToStderr(true)
+		// Said even when a step timed out first, since a refusal is
+		// usually why.
+		logs := map[string]string{"client-go's klog": klogged.String()}
+		if r != nil {
+			logs["the bridge's log"] = r.logs.String()
+		}
+		for from, text := range logs {
+			for _, line := range strings.Split(text, "\n") {
+				if strings.Contains(line, "forbidden") {
+					t.Errorf("a request was forbidden (%s): %s", from, line)
+				}
+			}
+		}
+	})
+	r = startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}, leader: true, configureCfg: func(cfg *Config) {
 		cfg.Client = brokerClient
+		cfg.SnapshotClient = snapshotclient.NewForConfigOrDie(asBroker)
 		cfg.CapacityForImmediateBinding = true
 	}})
 
@@ -170,6 +202,52 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 	if pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{}); err != nil || pv.Spec.Capacity.Storage().Cmp(resource.MustParse("2Gi")) != 0 {
 		t.Fatalf("PV after expansion: %v, %v", pv.Spec.Capacity, err)
 	}
+	// Volume modification (VolumeAttributesClass get, live claim get, PV
+	// patch, claim status patches).
+	vac := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "fast")}, DriverName: drv,
+		Parameters: map[string]string{sampledriver.MutableIOPS: "200"}}
+	if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, vac, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), vac.Name, metav1.DeleteOptions{})
+	})
+	setVAC(t, c, ns, "data", vac.Name)
+	waitClaim(t, c, ns, "data", "modified", func(pvc *corev1.PersistentVolumeClaim) bool {
+		return pvc.Status.CurrentVolumeAttributesClassName != nil && *pvc.Status.CurrentVolumeAttributesClassName == vac.Name
+	})
+	// A clone (the source claim's finalizer patch) and a snapshot restore
+	// (VolumeSnapshot get and finalizer patches, content get).
+	makeClaimWith(t, c, ns, "copy", class.Name, func(p *corev1.PersistentVolumeClaim) {
+		p.Spec.DataSource = &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: "data"}
+		p.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("2Gi")
+	})
+	copyPV := waitBound(t, c, ns, "copy", 60*time.Second).Spec.VolumeName
+	conn, err := drivers.ControllerConn(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	snapResp, err := csi.NewControllerClient(conn).CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: volumeHandle(t, c, pvName), Name: clusterName(ns, "snap")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := snapshotclient.NewForConfigOrDie(env.RESTConfig())
+	readySnapshot(t, sc, ns, "snap", drv, snapResp.GetSnapshot().GetSnapshotId(), resource.MustParse("2Gi"), nil)
+	makeClaimWith(t, c, ns, "restored", class.Name, func(p *corev1.PersistentVolumeClaim) {
+		group := snapshotGroup
+		p.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: snapshotKind, Name: "snap"}
+		p.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("2Gi")
+	})
+	restoredPV := waitBound(t, c, ns, "restored", 60*time.Second).Spec.VolumeName
+	waitSnapshotReleased(t, sc, ns, "snap")
+	for _, claim := range []string{"copy", "restored"} {
+		if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, claim, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitPVGone(t, c, copyPV, 60*time.Second)
+	waitPVGone(t, c, restoredPV, 60*time.Second)
+
 	// Detach, then deletion (PV delete, finalizer patches).
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
@@ -181,12 +259,5 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 	waitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left in the driver", n)
-	}
-	if logs := r.logs.String(); strings.Contains(logs, "forbidden") {
-		for _, line := range strings.Split(logs, "\n") {
-			if strings.Contains(line, "forbidden") {
-				t.Errorf("a request was forbidden: %s", line)
-			}
-		}
 	}
 }

@@ -139,7 +139,19 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 		stolen := clusterName(ns, "snap")
 		s.Status.BoundVolumeSnapshotContentName = &stolen
 	})
+	// A snapshot left marked in use with no claim restoring it (its claim
+	// went while no broker led): the sweep at the start of a term frees it.
+	readySnapshot(t, sc, ns, "leftover", drv, handle, size, nil)
+	left, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "leftover", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	left.Finalizers = append(left.Finalizers, snapshotFinalizer)
+	if _, err := sc.SnapshotV1().VolumeSnapshots(ns).Update(ctx, left, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	startBridge(t, env, ns, drivers, bridgeOpts{})
+	waitSnapshotReleased(t, sc, ns, "leftover")
 
 	fromSnapshot := func(snap, size string) func(*corev1.PersistentVolumeClaim) {
 		return func(p *corev1.PersistentVolumeClaim) {
@@ -169,16 +181,7 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 			t.Errorf("restored volume %s made from snapshot %q, want %q", id, v.SourceSnapshotID, handle)
 		}
 	}
-	err = testenv.WaitFor(ctx, 60*time.Second, "the restore finalizer off the snapshot", func(ctx context.Context) (bool, string, error) {
-		s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "snap", metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		return !slices.Contains(s.Finalizers, snapshotFinalizer), fmt.Sprint(s.Finalizers), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	waitSnapshotReleased(t, sc, ns, "snap")
 
 	for _, tc := range []struct{ claim, snap, size, want string }{
 		{"unready", "unready", "1Gi", "is not ready to use yet"},
@@ -192,5 +195,21 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	}
 	if n := len(drivers.names("CreateVolume")); n != 1 {
 		t.Errorf("%d CreateVolume calls; want only the good restore's", n)
+	}
+}
+
+// waitSnapshotReleased waits until VolumeSnapshot ns/name no longer holds
+// the restore finalizer.
+func waitSnapshotReleased(t *testing.T, sc snapshotclient.Interface, ns, name string) {
+	t.Helper()
+	err := testenv.WaitFor(context.Background(), 60*time.Second, "the restore finalizer off VolumeSnapshot "+name, func(ctx context.Context) (bool, string, error) {
+		s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return !slices.Contains(s.Finalizers, snapshotFinalizer), fmt.Sprint(s.Finalizers), nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }

@@ -94,7 +94,7 @@ func TestRBACLeastPrivilege(t *testing.T) {
 			{"storage.k8s.io", "storageclasses", ""}:                  read,
 			{"storage.k8s.io", "csinodes", ""}:                        read,
 			{"storage.k8s.io", "volumeattributesclasses", ""}:         {"get"},
-			{"snapshot.storage.k8s.io", "volumesnapshots", ""}:        sorted("get", "patch"),
+			{"snapshot.storage.k8s.io", "volumesnapshots", ""}:        sorted("get", "list", "patch"),
 			{"snapshot.storage.k8s.io", "volumesnapshotcontents", ""}: {"get"},
 			{"storage.k8s.io", "volumeattachments", ""}:               sorted("get", "list", "watch", "patch"),
 			{"storage.k8s.io", "volumeattachments/status", ""}:        sorted("patch"),
