@@ -83,6 +83,10 @@ type Config struct {
 	VolumeNamePrefix     string
 	VolumeNameUUIDLength int
 	ExtraCreateMetadata  bool
+	// ExtraModifyMetadata adds csi.storage.k8s.io/pvc/name, /pvc/namespace
+	// and /pv/name to ControllerModifyVolume's mutable parameters
+	// (external-resizer's --extra-modify-metadata).
+	ExtraModifyMetadata bool
 	// DefaultFSType is the filesystem of mount volumes whose class names
 	// none (external-provisioner's --default-fstype); empty: none.
 	DefaultFSType string

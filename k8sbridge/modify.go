@@ -328,7 +328,14 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 	m.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeNormal, "VolumeModify", target,
 		"csibroker is modifying volume %s to VolumeAttributesClass %s", pv.Name, target)
 
-	req := &csi.ControllerModifyVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, Secrets: secrets, MutableParameters: maps.Clone(vac.Parameters)}
+	params := maps.Clone(vac.Parameters)
+	if m.b.cfg.ExtraModifyMetadata {
+		if params == nil {
+			params = map[string]string{}
+		}
+		params[ParamPVCName], params[ParamPVCNamespace], params[ParamPVName] = claim.Name, claim.Namespace, pv.Name
+	}
+	req := &csi.ControllerModifyVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, Secrets: secrets, MutableParameters: params}
 	callCtx, cancel := m.b.callContext(ctx, driver, "ControllerModifyVolume")
 	_, err = csi.NewControllerClient(cc).ControllerModifyVolume(callCtx, req)
 	cancel()

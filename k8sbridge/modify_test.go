@@ -2,6 +2,7 @@ package k8sbridge
 
 import (
 	"context"
+	"maps"
 	"strings"
 	"sync"
 	"testing"
@@ -241,4 +242,49 @@ func modifyCondition(p *corev1.PersistentVolumeClaim, t corev1.PersistentVolumeC
 func hasModifyCondition(p *corev1.PersistentVolumeClaim) bool {
 	return modifyCondition(p, corev1.PersistentVolumeClaimVolumeModifyingVolume) != nil ||
 		modifyCondition(p, corev1.PersistentVolumeClaimVolumeModifyVolumeError) != nil
+}
+
+// TestModifyPassesExtraMetadata: with ExtraModifyMetadata
+// (--extra-modify-metadata) ControllerModifyVolume's mutable parameters
+// carry the claim's name and namespace and the PV's name besides the
+// class's, as external-resizer's flag adds them.
+func TestModifyPassesExtraMetadata(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "meta.csi.test")
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	var mu sync.Mutex
+	var seen []map[string]string
+	hooked := &hookedDrivers{testDrivers: drivers, hook: func(_ string, args, _ any, err error) error {
+		if req, ok := args.(*csi.ControllerModifyVolumeRequest); ok {
+			mu.Lock()
+			seen = append(seen, req.GetMutableParameters())
+			mu.Unlock()
+		}
+		return err
+	}}
+	class := makeClass(t, c, clusterName(ns, "meta"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	v := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "fast")}, DriverName: drv,
+		Parameters: map[string]string{sampledriver.MutableIOPS: "900"}}
+	if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, v, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), v.Name, metav1.DeleteOptions{})
+	})
+	startBridge(t, env, ns, hooked, bridgeOpts{configureCfg: func(cfg *Config) { cfg.ExtraModifyMetadata = true }})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	setVAC(t, c, ns, "data", v.Name)
+	waitClaim(t, c, ns, "data", "current class "+v.Name, func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.CurrentVolumeAttributesClassName != nil && *p.Status.CurrentVolumeAttributesClassName == v.Name
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	want := map[string]string{sampledriver.MutableIOPS: "900", ParamPVCName: "data", ParamPVCNamespace: ns, ParamPVName: pvName}
+	if len(seen) != 1 || !maps.Equal(seen[0], want) {
+		t.Fatalf("ControllerModifyVolume mutable parameters %v, want one call with %v", seen, want)
+	}
 }

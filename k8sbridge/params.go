@@ -20,7 +20,8 @@ const (
 	// ParamFSType is the filesystem type of Filesystem-mode volumes.
 	ParamFSType = ParameterPrefix + "fstype"
 	// ParamPVCName, ParamPVCNamespace and ParamPVName are added to the driver's
-	// parameters with --extra-create-metadata.
+	// parameters with --extra-create-metadata, and to its mutable parameters
+	// with --extra-modify-metadata.
 	ParamPVCName      = ParameterPrefix + "pvc/name"
 	ParamPVCNamespace = ParameterPrefix + "pvc/namespace"
 	ParamPVName       = ParameterPrefix + "pv/name"

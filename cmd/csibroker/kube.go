@@ -53,6 +53,7 @@ type kubeFlags struct {
 	VolumeNamePrefix     string
 	VolumeNameUUIDLength int
 	ExtraCreateMetadata  bool
+	ExtraModifyMetadata  bool
 	DefaultFSType        string
 	PublishReadOnly      bool
 	CapacityImmediate    bool
@@ -116,6 +117,7 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.VolumeNamePrefix, "volume-name-prefix", "pvc", "prefix of volume (and PV) names: <prefix>-<claim UID>")
 	fs.IntVar(&f.VolumeNameUUIDLength, "volume-name-uuid-length", -1, "truncate the claim UID in volume names to this many characters (-1: whole)")
 	fs.BoolVar(&f.ExtraCreateMetadata, "extra-create-metadata", false, "pass csi.storage.k8s.io/pvc/name, /pvc/namespace and /pv/name to CreateVolume")
+	fs.BoolVar(&f.ExtraModifyMetadata, "extra-modify-metadata", false, "pass csi.storage.k8s.io/pvc/name, /pvc/namespace and /pv/name in ControllerModifyVolume's mutable parameters")
 	fs.BoolVar(&f.PublishReadOnly, "controller-publish-readonly", false, "mark the PVs of claims whose only access mode is ReadOnlyMany read-only, so their volumes are attached read-only (drivers with PUBLISH_READONLY)")
 	fs.BoolVar(&f.CapacityImmediate, "capacity-for-immediate-binding", false, "publish CSIStorageCapacity objects for Immediate StorageClasses too (the scheduler reads them for WaitForFirstConsumer claims only)")
 	fs.StringVar(&f.DefaultFSType, "default-fstype", "", "filesystem of mount volumes whose StorageClass sets no csi.storage.k8s.io/fstype (empty: none, the driver's choice)")
@@ -491,7 +493,7 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 		Drivers: drivers, Policy: authz, Namespace: ns, Identity: f.Identity,
 		LeaderElection: f.LeaderElection, LeaderElectionLease: f.LeaseDuration, LeaderElectionRenew: f.RenewDeadline, LeaderElectionRetry: f.RetryPeriod,
 		LeaderElectionNamespace: f.LeaderNamespace,
-		VolumeNamePrefix:        f.VolumeNamePrefix, VolumeNameUUIDLength: f.VolumeNameUUIDLength, ExtraCreateMetadata: f.ExtraCreateMetadata, DefaultFSType: f.DefaultFSType, ControllerPublishReadOnly: f.PublishReadOnly, CapacityForImmediateBinding: f.CapacityImmediate,
+		VolumeNamePrefix:        f.VolumeNamePrefix, VolumeNameUUIDLength: f.VolumeNameUUIDLength, ExtraCreateMetadata: f.ExtraCreateMetadata, ExtraModifyMetadata: f.ExtraModifyMetadata, DefaultFSType: f.DefaultFSType, ControllerPublishReadOnly: f.PublishReadOnly, CapacityForImmediateBinding: f.CapacityImmediate,
 		StrictTopology: f.StrictTopology, ImmediateTopology: f.ImmediateTopology,
 		Timeout:       timeout,
 		WorkerThreads: f.WorkerThreads, PerDriverWorkers: f.PerDriverWorkers, RetryIntervalStart: f.RetryIntervalStart, RetryIntervalMax: f.RetryIntervalMax,

@@ -591,7 +591,9 @@ func (s *server) ControllerModifyVolume(ctx context.Context, req *csi.Controller
 		v.MutableParameters = map[string]string{}
 	}
 	for k, val := range req.GetMutableParameters() {
-		v.MutableParameters[k] = val
+		if !mutableMetadata[k] {
+			v.MutableParameters[k] = val
+		}
 	}
 	if err := s.save(); err != nil {
 		return nil, status.Error(codes.Internal, err.Error())

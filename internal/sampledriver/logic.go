@@ -180,9 +180,19 @@ const (
 	MutableTier = "tier" // "standard" or "premium"
 )
 
+// Metadata keys a CO may add to the mutable parameters (external-resizer's
+// --extra-modify-metadata): accepted and not kept, as a driver that only
+// uses them to tag the volume would.
+var mutableMetadata = map[string]bool{
+	"csi.storage.k8s.io/pvc/name": true, "csi.storage.k8s.io/pvc/namespace": true, "csi.storage.k8s.io/pv/name": true,
+}
+
 // checkMutableParameters rejects unknown keys and bad values.
 func checkMutableParameters(p map[string]string) error {
 	for k, v := range p {
+		if mutableMetadata[k] {
+			continue
+		}
 		switch k {
 		case MutableIOPS:
 			if n, err := strconv.ParseInt(v, 10, 64); err != nil || n <= 0 {
