@@ -901,19 +901,7 @@ func TestAttachesAMigratedInTreeVolume(t *testing.T) {
 	const drv = "cinder.csi.openstack.org"
 	drivers, d := publishingDriver(t, env, drv, node)
 	volID := createDriverVolume(t, drivers, drv, clusterName(ns, "in-tree"))
-	pv := &corev1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "pv")},
-		Spec: corev1.PersistentVolumeSpec{
-			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
-			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
-			PersistentVolumeSource:        corev1.PersistentVolumeSource{Cinder: &corev1.CinderPersistentVolumeSource{VolumeID: volID, FSType: "ext4"}},
-		},
-	}
-	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{}) })
+	pv := createStaticPV(t, c, clusterName(ns, "pv"), corev1.PersistentVolumeSource{Cinder: &corev1.CinderPersistentVolumeSource{VolumeID: volID, FSType: "ext4"}}, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 
 	va := createVA(t, c, ns, drv, node, pv.Name)
@@ -995,21 +983,10 @@ func TestDetachAfterNamespaceIsGone(t *testing.T) {
 	drv := clusterName(storageNS, "gone.csi.test")
 	drivers, d := publishingDriver(t, env, drv, node)
 	volID := createDriverVolume(t, drivers, drv, clusterName(storageNS, "static"))
-	pv := &corev1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: clusterName(storageNS, "pv")},
-		Spec: corev1.PersistentVolumeSpec{
-			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
-			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
-			ClaimRef:                      &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: tenant, Name: "data"},
-			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: volID,
-				ControllerPublishSecretRef: &corev1.SecretReference{Namespace: storageNS, Name: "creds"}}},
-		},
-	}
-	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{}) })
+	pv := createStaticPV(t, c, clusterName(storageNS, "pv"), corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: volID,
+		ControllerPublishSecretRef: &corev1.SecretReference{Namespace: storageNS, Name: "creds"}}}, func(pv *corev1.PersistentVolume) {
+		pv.Spec.ClaimRef = &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: tenant, Name: "data"}
+	})
 	rs, errs := policy.Compile([]policy.Grant{{Namespace: storageNS, Name: "team-a", Spec: policy.GrantSpec{Drivers: []string{drv}, SecretNames: []string{"creds"},
 		Operations: []policy.Operation{policy.OpControllerPublishVolume, policy.OpControllerUnpublishVolume},
 		Requesters: policy.Requesters{NamespaceSelector: &policy.LabelSelector{MatchLabels: map[string]string{"team": "a"}}}}}})
@@ -1086,25 +1063,13 @@ func deleteNamespace(t *testing.T, c kubernetes.Interface, ns string) {
 // "delete" dropped the whole map) reach the API server as data.
 func TestAttachKeepsPublishContextKeysSpeltLikePatchDirectives(t *testing.T) {
 	env := testenv.Shared(t)
-	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
+	c, ns := env.Client(), env.NewNamespace(t)
 	node := addAttachNode(t, env, ns)
 	drv := clusterName(ns, "dollar.csi.test")
 	drivers, _ := publishingDriver(t, env, drv, node)
 	extra := map[string]string{"$patch": "delete", "$retainKeys": "devicePath", "$setElementOrder/x": "y"}
 	volID := createDriverVolume(t, drivers, drv, clusterName(ns, "vol"))
-	pv := &corev1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "pv")},
-		Spec: corev1.PersistentVolumeSpec{
-			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
-			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
-			PersistentVolumeSource:        corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: volID}},
-		},
-	}
-	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{}) })
+	pv := createStaticPV(t, c, clusterName(ns, "pv"), corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: volID}}, nil)
 	startBridge(t, env, ns, &hookedDrivers{testDrivers: drivers, hook: func(_ string, _, reply any, err error) error {
 		if resp, ok := reply.(*csi.ControllerPublishVolumeResponse); ok && err == nil {
 			if resp.PublishContext == nil {
@@ -1153,4 +1118,28 @@ type hookedConn struct {
 
 func (c *hookedConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
 	return c.hook(method, args, reply, c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...))
+}
+
+// createStaticPV creates a 1Gi ReadWriteOnce PV of src reclaimed by Retain,
+// changed by mut (if set) first, and deletes it at cleanup.
+func createStaticPV(t *testing.T, c kubernetes.Interface, name string, src corev1.PersistentVolumeSource, mut func(*corev1.PersistentVolume)) *corev1.PersistentVolume {
+	t.Helper()
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+			PersistentVolumeSource:        src,
+		},
+	}
+	if mut != nil {
+		mut(pv)
+	}
+	pv, err := c.CoreV1().PersistentVolumes().Create(context.Background(), pv, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
+	return pv
 }

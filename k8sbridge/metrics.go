@@ -1,6 +1,9 @@
 package k8sbridge
 
 import (
+	"errors"
+	"fmt"
+
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -67,4 +70,24 @@ func (m *metrics) queueDepth(name string, length func() int) {
 		Namespace: "csibroker", Name: "workqueue_depth", Help: "Items waiting in a controller's work queue.",
 		ConstLabels: prometheus.Labels{"queue": name},
 	}, func() float64 { return float64(length()) }))
+}
+
+// operationsCounter is the csibroker_<name>{driver,result} counter of a
+// controller, registered on reg (nil: none); a bridge made again on the
+// same registry (a test's, say) shares the one registered first.
+func operationsCounter(reg prometheus.Registerer, name, help string) (*prometheus.CounterVec, error) {
+	c := prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "csibroker", Name: name, Help: help}, []string{"driver", "result"})
+	if reg == nil {
+		return c, nil
+	}
+	if err := reg.Register(c); err != nil {
+		var are prometheus.AlreadyRegisteredError
+		if errors.As(err, &are) {
+			if existing, ok := are.ExistingCollector.(*prometheus.CounterVec); ok {
+				return existing, nil
+			}
+		}
+		return nil, fmt.Errorf("register %s: %w", name, err)
+	}
+	return c, nil
 }

@@ -2,7 +2,6 @@ package k8sbridge
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"maps"
 	"sync"
@@ -67,23 +66,12 @@ type infeasibleTarget struct {
 func newModifier(b *Bridge) (controller, error) {
 	m := &modifier{b: b, queue: newTermQueue("modify", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), infeasible: map[types.UID]infeasibleTarget{}}
 	m.slots = m.queue.withSlots(b.cfg.PerDriverWorkers)
-	m.ops = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "csibroker", Name: "modify_operations_total",
-		Help: "Volume modification attempts (ControllerModifyVolume) by driver and result (success, infeasible, failed, pending, not_called).",
-	}, []string{"driver", "result"})
-	if reg := b.cfg.Registerer; reg != nil {
-		if err := reg.Register(m.ops); err != nil {
-			var are prometheus.AlreadyRegisteredError
-			existing, ok := (*prometheus.CounterVec)(nil), false
-			if errors.As(err, &are) {
-				existing, ok = are.ExistingCollector.(*prometheus.CounterVec)
-			}
-			if !ok {
-				return nil, fmt.Errorf("register modify metrics: %w", err)
-			}
-			m.ops = existing
-		}
+	ops, err := operationsCounter(b.cfg.Registerer, "modify_operations_total",
+		"Volume modification attempts (ControllerModifyVolume) by driver and result (success, infeasible, failed, pending, not_called).")
+	if err != nil {
+		return nil, err
 	}
+	m.ops = ops
 	b.metrics.queueDepth("modify", m.queue.Len)
 	b.on(b.factory.Core().V1().PersistentVolumeClaims().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) {
@@ -169,17 +157,11 @@ func (m *modifier) run(ctx context.Context) {
 // sync modifies one claim's volume if it needs it. An error retries with
 // backoff; a positive duration looks at the claim again then.
 func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) {
-	ns, name, err := cache.SplitMetaNamespaceKey(key)
-	if err != nil {
-		return 0, nil
-	}
-	claim, err := m.b.claims.PersistentVolumeClaims(ns).Get(name)
-	if apierrors.IsNotFound(err) {
-		return 0, nil
-	}
-	if err != nil {
+	claim, err := m.b.cachedClaim(key)
+	if claim == nil || err != nil {
 		return 0, err
 	}
+	ns, name := claim.Namespace, claim.Name
 	if !claimNeedsModify(claim) {
 		return 0, nil
 	}

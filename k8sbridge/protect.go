@@ -200,17 +200,11 @@ func (p *sourceProtector) sync(ctx context.Context, key string) (time.Duration, 
 // syncClaim takes cloneFinalizer off a deleted source once no claim
 // cloning it is Pending; until then it looks again after sourceRecheck.
 func (p *sourceProtector) syncClaim(ctx context.Context, key string) (time.Duration, error) {
-	ns, name, err := cache.SplitMetaNamespaceKey(key)
-	if err != nil {
-		return 0, nil
-	}
-	src, err := p.b.claims.PersistentVolumeClaims(ns).Get(name)
-	if apierrors.IsNotFound(err) {
-		return 0, nil
-	}
-	if err != nil {
+	src, err := p.b.cachedClaim(key)
+	if src == nil || err != nil {
 		return 0, err
 	}
+	ns, name := src.Namespace, src.Name
 	if src.DeletionTimestamp == nil || !slices.Contains(src.Finalizers, cloneFinalizer) {
 		return 0, nil
 	}

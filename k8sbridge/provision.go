@@ -227,20 +227,28 @@ func claimRef(c *corev1.PersistentVolumeClaim) corev1.ObjectReference {
 	return corev1.ObjectReference{Kind: "PersistentVolumeClaim", APIVersion: "v1", Namespace: c.Namespace, Name: c.Name, UID: c.UID, ResourceVersion: c.ResourceVersion}
 }
 
+// cachedClaim is the claim of queue key namespace/name from the cache; nil
+// (and no error) when the key is not one or the claim is gone.
+func (b *Bridge) cachedClaim(key string) (*corev1.PersistentVolumeClaim, error) {
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil {
+		return nil, nil
+	}
+	claim, err := b.claims.PersistentVolumeClaims(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		return nil, nil
+	}
+	return claim, err
+}
+
 // sync provisions one claim. A returned duration asks for a plain requeue
 // (waiting, not failing); an error requeues with the claim's backoff.
 func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, error) {
-	ns, name, err := cache.SplitMetaNamespaceKey(key)
-	if err != nil {
-		return 0, nil
-	}
-	claim, err := p.b.claims.PersistentVolumeClaims(ns).Get(name)
-	if apierrors.IsNotFound(err) {
-		return 0, nil
-	}
-	if err != nil {
+	claim, err := p.b.cachedClaim(key)
+	if claim == nil || err != nil {
 		return 0, err
 	}
+	ns, name := claim.Namespace, claim.Name
 	if claim.Spec.VolumeName != "" || claim.DeletionTimestamp != nil {
 		return 0, nil
 	}

@@ -125,23 +125,12 @@ func newResizer(b *Bridge) (controller, error) {
 	r := &resizer{b: b, queue: newTermQueue("resize", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
 		finalErr: map[types.UID]bool{}, inUse: map[types.UID]inUseClaim{}, nodeCaps: map[string]resizeNodeCaps{}}
 	r.slots = r.queue.withSlots(b.cfg.PerDriverWorkers)
-	r.ops = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "csibroker", Name: "resize_operations_total",
-		Help: "Volume expansion attempts by driver and result (success, node_pending, infeasible, failed, in_progress, in_use, not_called).",
-	}, []string{"driver", "result"})
-	if reg := b.cfg.Registerer; reg != nil {
-		if err := reg.Register(r.ops); err != nil {
-			var are prometheus.AlreadyRegisteredError
-			if !errors.As(err, &are) {
-				return nil, fmt.Errorf("register resize metrics: %w", err)
-			}
-			existing, ok := are.ExistingCollector.(*prometheus.CounterVec)
-			if !ok {
-				return nil, fmt.Errorf("register resize metrics: %w", err)
-			}
-			r.ops = existing
-		}
+	ops, err := operationsCounter(b.cfg.Registerer, "resize_operations_total",
+		"Volume expansion attempts by driver and result (success, node_pending, infeasible, failed, in_progress, in_use, not_called).")
+	if err != nil {
+		return nil, err
 	}
+	r.ops = ops
 	b.metrics.queueDepth("resize", r.queue.Len)
 	// An attachment gone: a claim waiting for its volume's detach is
 	// looked at again.
@@ -297,17 +286,11 @@ func (r *resizer) registered(driver string) bool {
 // sync expands one claim if it needs it. An error retries with backoff; a
 // positive duration looks at the claim again then (its driver is busy).
 func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
-	ns, name, err := cache.SplitMetaNamespaceKey(key)
-	if err != nil {
-		return 0, nil
-	}
-	claim, err := r.b.claims.PersistentVolumeClaims(ns).Get(name)
-	if apierrors.IsNotFound(err) {
-		return 0, nil
-	}
-	if err != nil {
+	claim, err := r.b.cachedClaim(key)
+	if claim == nil || err != nil {
 		return 0, err
 	}
+	ns, name := claim.Namespace, claim.Name
 	if !claimNeedsResize(claim) || claim.DeletionTimestamp != nil {
 		return 0, nil
 	}

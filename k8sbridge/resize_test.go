@@ -1176,21 +1176,10 @@ func TestResizeExpandsAMigratedInTreeVolume(t *testing.T) {
 	d := spy.addDriver(t, sampledriver.Config{Name: drv})
 	volID := createDriverVolume(t, spy.testDrivers, drv, clusterName(ns, "in-tree"))
 	class := makeResizeClass(t, c, clusterName(ns, "cinder"), "kubernetes.io/cinder", "", "")
-	pv := &corev1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "pv")},
-		Spec: corev1.PersistentVolumeSpec{
-			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
-			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
-			StorageClassName:              class,
-			ClaimRef:                      &corev1.ObjectReference{Namespace: ns, Name: "data"},
-			PersistentVolumeSource:        corev1.PersistentVolumeSource{Cinder: &corev1.CinderPersistentVolumeSource{VolumeID: volID, FSType: "ext4"}},
-		},
-	}
-	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{}) })
+	pv := createStaticPV(t, c, clusterName(ns, "pv"), corev1.PersistentVolumeSource{Cinder: &corev1.CinderPersistentVolumeSource{VolumeID: volID, FSType: "ext4"}},
+		func(pv *corev1.PersistentVolume) {
+			pv.Spec.StorageClassName, pv.Spec.ClaimRef = class, &corev1.ObjectReference{Namespace: ns, Name: "data"}
+		})
 	makeClaimWith(t, c, ns, "data", class, func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeName = pv.Name })
 	waitBound(t, c, ns, "data", 60*time.Second)
 	startBridge(t, env, ns, spy, bridgeOpts{})

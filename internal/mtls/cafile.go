@@ -93,19 +93,7 @@ func (c *CAFile) refuse(err error) error {
 
 // Run re-reads the file every interval until ctx is done.
 func (c *CAFile) Run(ctx context.Context, interval time.Duration) {
-	if interval <= 0 {
-		interval = time.Second
-	}
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			_, _ = c.Reload() // logged inside
-		}
-	}
+	poll(ctx, interval, func() { _, _ = c.Reload() }) // logged inside
 }
 
 // Transport returns an HTTP transport, made from base (nil: a clone of

@@ -136,6 +136,12 @@ func (s *FileSource) refuse(err error) error {
 // volumes and cert-manager replace files by renaming symlinks, which polling
 // the contents handles without special cases.
 func (s *FileSource) Run(ctx context.Context, interval time.Duration) {
+	poll(ctx, interval, func() { _, _ = s.Reload() }) // logged inside
+}
+
+// poll calls reload every interval (a second if it is not positive) until
+// ctx is done.
+func poll(ctx context.Context, interval time.Duration, reload func()) {
 	if interval <= 0 {
 		interval = time.Second
 	}
@@ -146,7 +152,7 @@ func (s *FileSource) Run(ctx context.Context, interval time.Duration) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			_, _ = s.Reload() // logged inside
+			reload()
 		}
 	}
 }
