@@ -200,17 +200,8 @@ func newAttacher(b *Bridge) (controller, error) {
 	return a, nil
 }
 
-func (a *attacher) registered(driver string) bool {
-	for _, n := range a.b.cfg.Drivers.DriverNames() {
-		if n == driver {
-			return true
-		}
-	}
-	return false
-}
-
 func (a *attacher) enqueueVA(obj any) {
-	if va, ok := obj.(*storagev1.VolumeAttachment); ok && a.registered(va.Spec.Attacher) {
+	if va, ok := obj.(*storagev1.VolumeAttachment); ok && a.b.registered(va.Spec.Attacher) {
 		a.queue.Add("va/" + va.Name)
 	}
 }
@@ -297,7 +288,8 @@ func (a *attacher) patchVA(ctx context.Context, old, cur *storagev1.VolumeAttach
 	return a.b.cfg.Client.StorageV1().VolumeAttachments().Patch(ctx, old.Name, types.MergePatchType, patch, metav1.PatchOptions{}, subresources...)
 }
 
-// patchPV is patchVA for a PersistentVolume.
+// patchPV is patchVA for a PersistentVolume, as a strategic merge patch
+// (its maps hold no keys from outside).
 func (a *attacher) patchPV(ctx context.Context, old, cur *corev1.PersistentVolume) error {
 	patch, err := twoWayPatch(old, cur, &corev1.PersistentVolume{}, old.ResourceVersion)
 	if err != nil || patch == nil {
@@ -403,7 +395,7 @@ func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, erro
 		return 0, err
 	}
 	driver := va.Spec.Attacher
-	if !a.registered(driver) {
+	if !a.b.registered(driver) {
 		return 0, nil
 	}
 	if a.staleUnattached(va) && !force {
@@ -776,7 +768,7 @@ func (a *attacher) reconcile(ctx context.Context) {
 	type proxyKey struct{ driver, node string }
 	byProxy := map[proxyKey][]*storagev1.VolumeAttachment{}
 	for _, va := range vas {
-		if va.Status.Attached && va.DeletionTimestamp == nil && a.registered(va.Spec.Attacher) {
+		if va.Status.Attached && va.DeletionTimestamp == nil && a.b.registered(va.Spec.Attacher) {
 			k := proxyKey{driver: va.Spec.Attacher}
 			if a.b.cfg.Drivers.NodeLocal(k.driver) {
 				k.node = va.Spec.NodeName

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 
@@ -217,6 +218,11 @@ func (b *Bridge) noteVolumeChange(v volumeChange) {
 	for _, f := range b.volumeChanged {
 		f(v)
 	}
+}
+
+// registered says whether driver is one of the broker's drivers.
+func (b *Bridge) registered(driver string) bool {
+	return slices.Contains(b.cfg.Drivers.DriverNames(), driver)
 }
 
 // extraControllers are built by New after the provisioner and deleter; each

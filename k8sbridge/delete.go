@@ -67,15 +67,7 @@ func (d *deleter) isDone(uid types.UID) bool {
 
 func (d *deleter) ours(pv *corev1.PersistentVolume) bool {
 	driver := deletionDriver(pv)
-	if driver == "" {
-		return false
-	}
-	for _, n := range d.b.cfg.Drivers.DriverNames() {
-		if n == driver {
-			return true
-		}
-	}
-	return false
+	return driver != "" && d.b.registered(driver)
 }
 
 // deletionDriver is the driver that deletes pv's volume: a CSI PV's own

@@ -129,6 +129,18 @@ func equalStringPtr(a, b *string) bool {
 	return (a == nil) == (b == nil) && (a == nil || *a == *b)
 }
 
+// enqueueAll adds every claim that needs a modification (start of a term,
+// a driver registered: its claims were dropped while it was unknown).
+func (m *modifier) enqueueAll() {
+	if claims, err := m.b.claims.List(labels.Everything()); err == nil {
+		for _, c := range claims {
+			if claimNeedsModify(c) {
+				m.enqueue(c)
+			}
+		}
+	}
+}
+
 func (m *modifier) enqueue(c *corev1.PersistentVolumeClaim) {
 	m.queue.Add(c.Namespace + "/" + c.Name)
 }
@@ -137,15 +149,7 @@ func (m *modifier) run(ctx context.Context) {
 	m.mu.Lock()
 	clear(m.infeasible)
 	m.mu.Unlock()
-	m.queue.work(ctx, m.b.cfg.WorkerThreads, func() {
-		if claims, err := m.b.claims.List(labels.Everything()); err == nil {
-			for _, c := range claims {
-				if claimNeedsModify(c) {
-					m.enqueue(c)
-				}
-			}
-		}
-	}, func(ctx context.Context, key string) (time.Duration, error) {
+	m.queue.work(ctx, m.b.cfg.WorkerThreads, m.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
 		requeue, err := m.sync(ctx, key)
 		if err != nil {
 			m.b.log.Debug("volume modification will be retried", "claim", key, "err", err)
@@ -173,7 +177,7 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 		return 0, nil
 	}
 	driver := pv.Spec.CSI.Driver
-	if !m.registered(driver) {
+	if !m.b.registered(driver) {
 		return 0, nil
 	}
 	// --per-driver-workers: one slow driver cannot take every worker.
@@ -371,15 +375,6 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 	m.b.forgetEvents(claim.UID)
 	m.b.log.Info("volume modified", "claim", key, "pv", pv.Name, "driver", driver, "class", target)
 	return "success", 0, nil
-}
-
-func (m *modifier) registered(driver string) bool {
-	for _, n := range m.b.cfg.Drivers.DriverNames() {
-		if n == driver {
-			return true
-		}
-	}
-	return false
 }
 
 // modifyMayHaveStarted: a modification reached the driver since the claim

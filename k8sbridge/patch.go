@@ -28,10 +28,11 @@ func twoWayPatch(old, cur, schema any, rv string) ([]byte, error) {
 }
 
 // mergePatch is twoWayPatch as a JSON merge patch (RFC 7386), for objects
-// whose maps hold keys from outside the cluster: a driver's publish context
+// whose maps hold keys from outside the cluster (a driver's publish context
 // becomes a VolumeAttachment's attachmentMetadata, and a strategic merge
-// patch would read a key spelt like a directive as one ("$patch": "delete"
-// drops the whole map). A merge patch replaces lists whole, so it always
+// patch would read a key spelt like a directive as one: "$patch": "delete"
+// drops the whole map) and for custom resources (VolumeSnapshots), which
+// take no strategic merge patch. A merge patch replaces lists whole, so it always
 // carries rv: the write fails if the object changed since it was read.
 func mergePatch(old, cur any, rv string) ([]byte, error) {
 	if rv == "" {

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -240,8 +241,7 @@ func (p *sourceProtector) syncSnapshot(ctx context.Context, key string) error {
 		p.b.log.Debug("source protection: VolumeSnapshot kept while claims restoring it are pending", "snapshot", key, "pending", pending)
 		return nil // their own updates bring it back
 	}
-	snaps := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(ns)
-	snap, err := snaps.Get(ctx, name, metav1.GetOptions{})
+	snap, err := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(ns).Get(ctx, name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
 		return nil
 	}
@@ -251,18 +251,13 @@ func (p *sourceProtector) syncSnapshot(ctx context.Context, key string) error {
 	if !slices.Contains(snap.Finalizers, snapshotFinalizer) {
 		return nil
 	}
-	cur := snap.DeepCopy()
-	cur.Finalizers = slices.DeleteFunc(cur.Finalizers, func(f string) bool { return f == snapshotFinalizer })
-	patch, err := mergePatch(snap, cur, snap.ResourceVersion)
-	if err != nil || patch == nil {
-		return err
-	}
-	_, err = snaps.Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{})
-	switch {
-	case apierrors.IsNotFound(err):
+	// Looked at again right before the write: a restore that began since
+	// the first look found the finalizer there and wrote nothing.
+	if len(p.pending(ns, name, snapshotSourceOf)) > 0 {
 		return nil
-	case err != nil:
-		return fmt.Errorf("remove finalizer %s from VolumeSnapshot %s: %w", snapshotFinalizer, key, err)
+	}
+	if err := p.b.patchSnapshotFinalizer(ctx, snap, false); err != nil {
+		return err
 	}
 	p.b.log.Info("source protection: VolumeSnapshot released, no restore of it is pending", "snapshot", key)
 	return nil
@@ -302,23 +297,38 @@ func (p *provisioner) protectSource(ctx context.Context, claim *corev1.Persisten
 		}
 	}
 	if name := snapshotSourceOf(claim); name != "" && p.b.cfg.SnapshotClient != nil {
-		snaps := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(claim.Namespace)
-		snap, err := snaps.Get(ctx, name, metav1.GetOptions{})
+		snap, err := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(claim.Namespace).Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return fmt.Errorf("protect VolumeSnapshot %s/%s: %w", claim.Namespace, name, err)
 		}
-		if slices.Contains(snap.Finalizers, snapshotFinalizer) {
-			return nil
-		}
-		cur := snap.DeepCopy()
-		cur.Finalizers = append(cur.Finalizers, snapshotFinalizer)
-		patch, err := mergePatch(snap, cur, snap.ResourceVersion)
-		if err != nil {
-			return err
-		}
-		if _, err := snaps.Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
-			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: %w", claim.Namespace, name, snapshotFinalizer, err)
+		if !slices.Contains(snap.Finalizers, snapshotFinalizer) {
+			return p.b.patchSnapshotFinalizer(ctx, snap, true)
 		}
 	}
 	return nil
+}
+
+// patchSnapshotFinalizer adds or removes snapshotFinalizer on snap, with a
+// JSON merge patch (a CRD takes no strategic merge patch) carrying snap's
+// resourceVersion, so a list changed since is not overwritten. A snapshot
+// gone is no error when removing.
+func (b *Bridge) patchSnapshotFinalizer(ctx context.Context, snap *snapshotv1.VolumeSnapshot, add bool) error {
+	cur := snap.DeepCopy()
+	if add {
+		cur.Finalizers = append(cur.Finalizers, snapshotFinalizer)
+	} else {
+		cur.Finalizers = slices.DeleteFunc(cur.Finalizers, func(f string) bool { return f == snapshotFinalizer })
+	}
+	patch, err := mergePatch(snap, cur, snap.ResourceVersion)
+	if err != nil || patch == nil {
+		return err
+	}
+	_, err = b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(snap.Namespace).Patch(ctx, snap.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+	switch {
+	case err == nil, !add && apierrors.IsNotFound(err):
+		return nil
+	case add:
+		return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: %w", snap.Namespace, snap.Name, snapshotFinalizer, err)
+	}
+	return fmt.Errorf("remove finalizer %s from VolumeSnapshot %s/%s: %w", snapshotFinalizer, snap.Namespace, snap.Name, err)
 }

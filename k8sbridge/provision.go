@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -147,15 +148,10 @@ func (p *provisioner) claimDriver(claim *corev1.PersistentVolumeClaim) string {
 	if d == "" {
 		d = claim.Annotations[annBetaStorageProvisioner]
 	}
-	if d == "" {
+	if d == "" || !p.b.registered(d) {
 		return ""
 	}
-	for _, n := range p.b.cfg.Drivers.DriverNames() {
-		if n == d {
-			return d
-		}
-	}
-	return ""
+	return d
 }
 
 func (p *provisioner) run(ctx context.Context) {
@@ -1040,7 +1036,9 @@ func (p *provisioner) contentSource(ctx context.Context, claim *corev1.Persisten
 	if src.Status.Phase != corev1.ClaimBound || src.Spec.VolumeName == "" {
 		return nil, fmt.Errorf("clone source claim %s/%s is not bound", claim.Namespace, ds.Name)
 	}
-	if src.DeletionTimestamp != nil {
+	// A source being deleted is refused, unless a clone of it began before
+	// (it holds cloneFinalizer): that copy is retried, as a restore is.
+	if src.DeletionTimestamp != nil && !slices.Contains(src.Finalizers, cloneFinalizer) {
 		return nil, fmt.Errorf("clone source claim %s/%s is being deleted", claim.Namespace, ds.Name)
 	}
 	pv, err := p.b.volumes.Get(src.Spec.VolumeName)

@@ -274,15 +274,6 @@ func (r *resizer) run(ctx context.Context) {
 	})
 }
 
-func (r *resizer) registered(driver string) bool {
-	for _, n := range r.b.cfg.Drivers.DriverNames() {
-		if n == driver {
-			return true
-		}
-	}
-	return false
-}
-
 // sync expands one claim if it needs it. An error retries with backoff; a
 // positive duration looks at the claim again then (its driver is busy).
 func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
@@ -306,11 +297,11 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	spec := &pv.Spec // with the CSI source the driver is asked about
 	switch resizer := claim.Annotations[annStorageResizer]; {
 	case pv.Spec.CSI != nil:
-		if !r.registered(pv.Spec.CSI.Driver) {
+		if !r.b.registered(pv.Spec.CSI.Driver) {
 			return 0, nil
 		}
 		driver = pv.Spec.CSI.Driver
-	case r.registered(resizer):
+	case r.b.registered(resizer):
 		// An in-tree volume CSI migration moved to a registered driver
 		// (kube-controller-manager names it in annStorageResizer): it is
 		// expanded through its CSI translation, as external-resizer does,
@@ -882,10 +873,10 @@ func resizeControllerFailed(claim *corev1.PersistentVolumeClaim, code codes.Code
 	return c
 }
 
-// resizeClaimPatch is the strategic merge patch from old to cur, with
+// claimStatusPatch is the strategic merge patch from old to cur, with
 // old's resourceVersion as a precondition when checkRV is set; nil when
 // cur changes nothing.
-func resizeClaimPatch(old, cur *corev1.PersistentVolumeClaim, checkRV bool) ([]byte, error) {
+func claimStatusPatch(old, cur *corev1.PersistentVolumeClaim, checkRV bool) ([]byte, error) {
 	rv := ""
 	if checkRV {
 		rv = old.ResourceVersion
@@ -897,7 +888,7 @@ func resizeClaimPatch(old, cur *corev1.PersistentVolumeClaim, checkRV bool) ([]b
 // subresource and returns the claim as stored; no write when nothing
 // changes.
 func (b *Bridge) patchClaimStatus(ctx context.Context, old, cur *corev1.PersistentVolumeClaim, checkRV bool) (*corev1.PersistentVolumeClaim, error) {
-	patch, err := resizeClaimPatch(old, cur, checkRV)
+	patch, err := claimStatusPatch(old, cur, checkRV)
 	if err != nil {
 		return old, fmt.Errorf("claim %s/%s status patch: %w", old.Namespace, old.Name, err)
 	}

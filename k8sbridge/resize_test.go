@@ -469,7 +469,7 @@ func TestResizeStatusSteps(t *testing.T) {
 	}
 	noop := func(step string, from, to *corev1.PersistentVolumeClaim) {
 		t.Helper()
-		if p, err := resizeClaimPatch(from, to, true); err != nil || p != nil {
+		if p, err := claimStatusPatch(from, to, true); err != nil || p != nil {
 			t.Errorf("%s again: patch %s (%v), want none", step, p, err)
 		}
 	}
@@ -484,7 +484,7 @@ func TestResizeStatusSteps(t *testing.T) {
 	if len(claim.Status.Conditions) != 1 || claim.Status.AllocatedResources != nil {
 		t.Fatal("a step modified its input")
 	}
-	p, err := resizeClaimPatch(claim, s1, true)
+	p, err := claimStatusPatch(claim, s1, true)
 	if err != nil || !strings.Contains(string(p), `"resourceVersion":"7"`) || !strings.Contains(string(p), `"allocatedResources"`) || strings.Contains(string(p), `"spec"`) {
 		t.Fatalf("patch %s (%v): want status changes with a resourceVersion precondition", p, err)
 	}
@@ -494,7 +494,7 @@ func TestResizeStatusSteps(t *testing.T) {
 	if statusOf(s2) != corev1.PersistentVolumeClaimControllerResizeInfeasible || condTypes(s2) != "ModifyingVolume,Resizing,ControllerResizeError" {
 		t.Fatalf("infeasible: %s %s", statusOf(s2), condTypes(s2))
 	}
-	if p, err := resizeClaimPatch(s1, s2, false); err != nil || strings.Contains(string(p), "resourceVersion") {
+	if p, err := claimStatusPatch(s1, s2, false); err != nil || strings.Contains(string(p), "resourceVersion") {
 		t.Errorf("failure patch %s (%v): must not need the latest resourceVersion", p, err)
 	}
 	noop("infeasible", s2, resizeControllerFailed(s2, codes.InvalidArgument, "failed to expand pvc with rpc error: code = InvalidArgument desc = other", true))

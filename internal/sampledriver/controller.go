@@ -202,7 +202,7 @@ func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with %d bytes, outside the requested range", v.Name, v.CapacityBytes)
 		case !mapsEqual(v.Parameters, req.GetParameters()):
 			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with other parameters", v.Name)
-		case !mapsEqual(v.MutableParameters, req.GetMutableParameters()):
+		case !mapsEqual(v.MutableParameters, userMutable(req.GetMutableParameters())):
 			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with other mutable parameters", v.Name)
 		case v.SourceVolumeID != srcVol || v.SourceSnapshotID != srcSnap:
 			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with another content source", v.Name)
@@ -230,7 +230,7 @@ func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		Name:              req.GetName(),
 		CapacityBytes:     size,
 		Parameters:        cloneMap(req.GetParameters()),
-		MutableParameters: cloneMap(req.GetMutableParameters()),
+		MutableParameters: userMutable(req.GetMutableParameters()),
 		Topology:          cloneMap(placed),
 		SourceVolumeID:    srcVol,
 		SourceSnapshotID:  srcSnap,
@@ -433,7 +433,7 @@ func (s *server) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 	if req.GetParameters() != nil && !mapsEqual(req.GetParameters(), v.Parameters) {
 		return unconfirmed("parameters differ from the volume's")
 	}
-	if req.GetMutableParameters() != nil && !mapsEqual(req.GetMutableParameters(), v.MutableParameters) {
+	if req.GetMutableParameters() != nil && !mapsEqual(userMutable(req.GetMutableParameters()), v.MutableParameters) {
 		return unconfirmed("mutable parameters differ from the volume's")
 	}
 	if req.GetVolumeContext() != nil && !mapsEqual(req.GetVolumeContext(), s.csiVolume(v).GetVolumeContext()) {
@@ -590,10 +590,8 @@ func (s *server) ControllerModifyVolume(ctx context.Context, req *csi.Controller
 	if v.MutableParameters == nil {
 		v.MutableParameters = map[string]string{}
 	}
-	for k, val := range req.GetMutableParameters() {
-		if !mutableMetadata[k] {
-			v.MutableParameters[k] = val
-		}
+	for k, val := range userMutable(req.GetMutableParameters()) {
+		v.MutableParameters[k] = val
 	}
 	if err := s.save(); err != nil {
 		return nil, status.Error(codes.Internal, err.Error())

@@ -187,6 +187,21 @@ var mutableMetadata = map[string]bool{
 	"csi.storage.k8s.io/pvc/name": true, "csi.storage.k8s.io/pvc/namespace": true, "csi.storage.k8s.io/pv/name": true,
 }
 
+// userMutable is p without the CO's metadata keys (nil for nil), which the
+// driver neither keeps nor compares.
+func userMutable(p map[string]string) map[string]string {
+	if p == nil {
+		return nil
+	}
+	out := make(map[string]string, len(p))
+	for k, v := range p {
+		if !mutableMetadata[k] {
+			out[k] = v
+		}
+	}
+	return out
+}
+
 // checkMutableParameters rejects unknown keys and bad values.
 func checkMutableParameters(p map[string]string) error {
 	for k, v := range p {
