@@ -271,10 +271,17 @@ func (c CreateErrorClass) String() string {
 //	dial...)                                     |
 //
 // A wrapped status (fmt.Errorf("...: %w", st.Err())) counts as its code.
+// An error of a call the broker retried after an Unavailable attempt
+// (EarlierAttemptUnavailable) is CreateInProgress whatever its code: that
+// attempt may have made the volume, so the intent must stay.
 // hasSelectedNode must be true only when rescheduling can help, which upstream
 // spells "the driver supports topology and a node is selected"; without
 // topology the next CreateVolume would be the same.
 func ClassifyCreateError(err error, hasSelectedNode bool) CreateErrorClass {
+	var retried interface{ EarlierAttemptUnavailable() bool }
+	if errors.As(err, &retried) && retried.EarlierAttemptUnavailable() {
+		return CreateInProgress
+	}
 	st, ok := status.FromError(err)
 	if !ok {
 		// Not from the driver: the call may never have left, or may have

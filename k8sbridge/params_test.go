@@ -311,6 +311,10 @@ func TestClassifyCreateError(t *testing.T) {
 		{"context deadline", context.DeadlineExceeded},
 		{"wrapped context deadline", fmt.Errorf("call: %w", context.DeadlineExceeded)},
 		{"plain error", errors.New("connection reset")},
+		// A call retried after an Unavailable attempt, whatever its last
+		// code: that attempt may have made the volume.
+		{"final code after an Unavailable attempt", retriedAfterUnavailable{status.Error(codes.InvalidArgument, "bad")}},
+		{"no room after an Unavailable attempt", fmt.Errorf("CreateVolume: %w", retriedAfterUnavailable{status.Error(codes.ResourceExhausted, "full")})},
 	}
 	for _, o := range others {
 		for _, selected := range []bool{false, true} {
@@ -349,3 +353,10 @@ func TestCreateParametersDefaultFSType(t *testing.T) {
 		}
 	}
 }
+
+// retriedAfterUnavailable stands for the broker's error of a call it
+// retried after an Unavailable attempt (broker.EarlierAttemptUnavailable).
+type retriedAfterUnavailable struct{ error }
+
+func (e retriedAfterUnavailable) Unwrap() error                   { return e.error }
+func (e retriedAfterUnavailable) EarlierAttemptUnavailable() bool { return true }

@@ -281,9 +281,12 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 // compatible volume of. Only an answer the proxy carried counts (the proxy
 // gives neither code of its own to a CSI call); one the broker made itself
 // (an answer over its message limit, a reset) says nothing about volumes.
+// Nor does one after an attempt of the same call that ended Unavailable:
+// that attempt may still be making the volume in the driver, and taking
+// the room the answer says is missing.
 func driversNoRoom(err error) bool {
 	code := status.Code(err)
-	return (code == codes.ResourceExhausted || code == codes.OutOfRange) && broker.Answered(err)
+	return (code == codes.ResourceExhausted || code == codes.OutOfRange) && broker.Answered(err) && !broker.EarlierAttemptUnavailable(err)
 }
 
 // deleteOrphan re-issues the recorded CreateVolume to learn the volume's ID

@@ -47,6 +47,8 @@ type echoDriver struct {
 	// sleeping and maxSleeping: calls in their sleep-ms now, and the most
 	// at once.
 	sleeping, maxSleeping atomic.Int64
+	// seen counts the CreateVolume calls per volume name (first-code).
+	seen map[string]int
 }
 
 func (e *echoDriver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
@@ -134,7 +136,21 @@ func (e *echoDriver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 		e.cancelled <- struct{}{}
 		return nil, status.FromContextError(ctx.Err()).Err()
 	}
-	if c, ok := p["code"]; ok {
+	c, ok := p["code"]
+	if fc, has := p["first-code"]; has {
+		// The first call for this name fails with first-code, later ones
+		// as code says.
+		e.mu.Lock()
+		if e.seen == nil {
+			e.seen = map[string]int{}
+		}
+		e.seen[req.GetName()]++
+		if e.seen[req.GetName()] == 1 {
+			c, ok = fc, true
+		}
+		e.mu.Unlock()
+	}
+	if ok {
 		n, _ := strconv.Atoi(c)
 		if n != 0 {
 			st, err := status.New(codes.Code(n), "driver says "+codes.Code(n).String()+" for "+req.GetName()).

@@ -91,3 +91,50 @@ func TestNoRetryWaitBeyondTheDeadline(t *testing.T) {
 		t.Fatalf("%d attempts in %v: the call waited for a retry that could not start in time", echo.calls.Load(), took)
 	}
 }
+
+// TestRetriedAfterUnavailableSaysSo: a call whose first attempt ended
+// Unavailable (which may have reached the driver) and whose retry failed
+// otherwise ends with the retry's status, unchanged for a CSI caller, and
+// says it was retried after Unavailable (broker.EarlierAttemptUnavailable),
+// so a provisioner keeps what it asked for (and recovery does not take a
+// no-room answer as proof of absence), while still marked as the driver's
+// answer (broker.Answered); a call that failed at once does not say it.
+func TestRetriedAfterUnavailableSaysSo(t *testing.T) {
+	echo, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep,
+		Retry: broker.RetryConfig{MaxAttempts: 3, IntervalStart: 10 * time.Millisecond, IntervalMax: 20 * time.Millisecond}})
+	conn, err := c.Broker.ControllerConn(echoName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	inProcess := csi.NewControllerClient(conn)
+	front := csi.NewControllerClient(chaintest.Dial(t, c.Front))
+	for _, tc := range []struct {
+		name    string
+		client  csi.ControllerClient
+		params  map[string]string
+		retried bool
+	}{
+		{"retried", inProcess, map[string]string{"first-code": "14", "code": "3"}, true},
+		{"at-once", inProcess, map[string]string{"code": "3"}, false},
+		{"front", front, map[string]string{"first-code": "14", "code": "3"}, false},
+	} {
+		before := echo.calls.Load()
+		_, err := tc.client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: tc.name, Parameters: tc.params})
+		st := status.Convert(err)
+		if st.Code() != codes.InvalidArgument || st.Message() != "driver says InvalidArgument for "+tc.name || len(st.Details()) != 1 {
+			t.Errorf("%s: status %v (%d details), want the driver's InvalidArgument, message and details unchanged", tc.name, st, len(st.Details()))
+		}
+		if got := broker.EarlierAttemptUnavailable(err); got != tc.retried {
+			t.Errorf("%s: EarlierAttemptUnavailable %v, want %v", tc.name, got, tc.retried)
+		}
+		if tc.client == inProcess && !broker.Answered(err) {
+			t.Errorf("%s: the driver's answer is not marked Answered: %v", tc.name, err)
+		}
+		if n, want := echo.calls.Load()-before, int64(1+len(tc.params)-1); n != want {
+			t.Errorf("%s: %d driver calls, want %d", tc.name, n, want)
+		}
+	}
+}
