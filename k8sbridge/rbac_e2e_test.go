@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -23,7 +24,6 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 
-	"github.com/csibroker/csibroker/internal/chaintest"
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/policy"
@@ -138,13 +138,15 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 	installSnapshotCRDs(t, env)
 	// client-go's own errors (informers, Events) go to klog: kept to look
 	// for refusals there too.
-	var klogged chaintest.SyncBuffer
-	klogState := klog.CaptureState()
+	// klog's settings are changed only through its locked setters (its
+	// State.Restore is not safe while other goroutines log); after the
+	// test the writer passes lines on to stderr, as klog did before.
+	klogged := &teeUntilDone{}
 	klog.LogToStderr(false)
-	klog.SetOutput(&klogged) // each severity's writer: an error line comes three times
+	klog.SetOutput(klogged) // each severity's writer: an error line comes three times
 	var r *bridgeRun
 	t.Cleanup(func() {
-		klogState.Restore()
+		klogged.done()
 		// Said even when a step timed out first, since a refusal is
 		// usually why.
 		logs := map[string]string{"client-go's klog": klogged.String()}
@@ -262,4 +264,33 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left in the driver", n)
 	}
+}
+
+// teeUntilDone records what is written until done, and passes it to
+// stderr afterwards.
+type teeUntilDone struct {
+	mu       sync.Mutex
+	buf      strings.Builder
+	finished bool
+}
+
+func (w *teeUntilDone) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.finished {
+		return os.Stderr.Write(p)
+	}
+	return w.buf.Write(p)
+}
+
+func (w *teeUntilDone) done() {
+	w.mu.Lock()
+	w.finished = true
+	w.mu.Unlock()
+}
+
+func (w *teeUntilDone) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.buf.String()
 }
