@@ -180,10 +180,7 @@ func newAttacher(b *Bridge) (controller, error) {
 		},
 		DeleteFunc: func(obj any) {
 			// A detached attachment may free its PV's finalizer.
-			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				obj = t.Obj // its deletion was seen only by a relist
-			}
-			va, ok := obj.(*storagev1.VolumeAttachment)
+			va, ok := deleted[*storagev1.VolumeAttachment](obj)
 			if !ok {
 				return
 			}

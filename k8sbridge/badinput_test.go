@@ -36,19 +36,11 @@ func TestBadInputGetsClearEvents(t *testing.T) {
 	drivers.addDeadDriver(t, down, verboseChain)
 
 	// Secrets: "allowed" is granted to the driver, "forbidden" exists but is not.
-	for _, name := range []string{"allowed", "forbidden"} {
-		if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-			StringData: map[string]string{"password": canarySecret}}, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	rs, errs := policy.Compile([]policy.Grant{{Namespace: ns, Name: "grant-ok", Spec: policy.GrantSpec{
+	createPasswordSecrets(t, c, ns, canarySecret, "allowed", "forbidden")
+	authz := grantsAuthorizer(t, policy.Grant{Namespace: ns, Name: "grant-ok", Spec: policy.GrantSpec{
 		Drivers: []string{drv}, SecretNames: []string{"allowed", "missing"}, Operations: []policy.Operation{policy.OpCreateVolume, policy.OpDeleteVolume, policy.OpNodeStageVolume},
-		Requesters: policy.Requesters{Namespaces: []string{ns}}}}})
-	if len(errs) != 0 {
-		t.Fatal(errs)
-	}
-	r := startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}, allLogs: true})
+		Requesters: policy.Requesters{Namespaces: []string{ns}}}})
+	r := startBridge(t, env, ns, drivers, bridgeOpts{policy: authz, allLogs: true})
 
 	secretParams := func(name string) map[string]string {
 		return map[string]string{"csi.storage.k8s.io/provisioner-secret-name": name, "csi.storage.k8s.io/provisioner-secret-namespace": ns}

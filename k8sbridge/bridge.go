@@ -220,6 +220,16 @@ func (b *Bridge) noteVolumeChange(v volumeChange) {
 	}
 }
 
+// deleted is the object of an informer's delete event as a T, unwrapped
+// from the tombstone of a deletion seen only by a relist.
+func deleted[T any](obj any) (T, bool) {
+	if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = t.Obj
+	}
+	o, ok := obj.(T)
+	return o, ok
+}
+
 // registered says whether driver is one of the broker's drivers.
 func (b *Bridge) registered(driver string) bool {
 	return slices.Contains(b.cfg.Drivers.DriverNames(), driver)

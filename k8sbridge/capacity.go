@@ -720,10 +720,7 @@ func (c *capacityController) onObjectSeen(obj any) {
 }
 
 func (c *capacityController) onObjectDeleted(obj any) {
-	if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-		obj = tomb.Obj
-	}
-	csc, ok := obj.(*storagev1.CSIStorageCapacity)
+	csc, ok := deleted[*storagev1.CSIStorageCapacity](obj)
 	if !ok {
 		return
 	}

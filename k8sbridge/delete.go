@@ -45,10 +45,7 @@ func (d *deleter) volumeHandler() cache.ResourceEventHandler {
 		AddFunc:    func(obj any) { d.enqueue(obj) },
 		UpdateFunc: func(_, obj any) { d.enqueue(obj) },
 		DeleteFunc: func(obj any) {
-			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				obj = t.Obj
-			}
-			if pv, ok := obj.(*corev1.PersistentVolume); ok {
+			if pv, ok := deleted[*corev1.PersistentVolume](obj); ok {
 				d.doneMu.Lock()
 				delete(d.done, pv.UID)
 				d.doneMu.Unlock()

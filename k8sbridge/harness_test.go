@@ -638,3 +638,26 @@ func extraOf[T any](t *testing.T, b *Bridge) T {
 	t.Fatalf("the bridge has no controller of type %T", zero)
 	return zero
 }
+
+// createPasswordSecrets creates Secrets names in namespace ns, each with
+// key "password" set to password (a test's canary).
+func createPasswordSecrets(t *testing.T, c kubernetes.Interface, ns, password string, names ...string) {
+	t.Helper()
+	for _, name := range names {
+		if _, err := c.CoreV1().Secrets(ns).Create(context.Background(), &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+			StringData: map[string]string{"password": password}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// grantsAuthorizer is a policy of grants alone, in enforce mode; an
+// invalid grant fails the test.
+func grantsAuthorizer(t *testing.T, grants ...policy.Grant) *policy.Authorizer {
+	t.Helper()
+	rs, errs := policy.Compile(grants)
+	if len(errs) != 0 {
+		t.Fatal(errs)
+	}
+	return &policy.Authorizer{Rules: policy.NewStore(rs)}
+}

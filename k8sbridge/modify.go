@@ -87,10 +87,7 @@ func newModifier(b *Bridge) (controller, error) {
 			}
 		},
 		DeleteFunc: func(obj any) {
-			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				obj = d.Obj
-			}
-			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok {
+			if c, ok := deleted[*corev1.PersistentVolumeClaim](obj); ok {
 				m.mu.Lock()
 				delete(m.infeasible, c.UID)
 				m.mu.Unlock()

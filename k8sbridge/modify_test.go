@@ -62,18 +62,10 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 		}
 		return err
 	}}
-	for _, name := range []string{"mod-ok", "mod-forbidden"} {
-		if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-			StringData: map[string]string{"password": modifyCanary}}, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	rs, errs := policy.Compile([]policy.Grant{{Namespace: ns, Name: "modify", Spec: policy.GrantSpec{
+	createPasswordSecrets(t, c, ns, modifyCanary, "mod-ok", "mod-forbidden")
+	authz := grantsAuthorizer(t, policy.Grant{Namespace: ns, Name: "modify", Spec: policy.GrantSpec{
 		Drivers: []string{drv}, SecretNames: []string{"mod-ok"}, Operations: []policy.Operation{policy.OpControllerModifyVolume},
-		Requesters: policy.Requesters{Namespaces: []string{ns}}}}})
-	if len(errs) != 0 {
-		t.Fatal(errs)
-	}
+		Requesters: policy.Requesters{Namespaces: []string{ns}}}})
 	modClass := func(name, secret string) string {
 		return makeClass(t, c, clusterName(ns, name), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
 			"csi.storage.k8s.io/controller-modify-secret-name": secret, "csi.storage.k8s.io/controller-modify-secret-namespace": ns}).Name
@@ -92,7 +84,7 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 	silver := vac("silver", map[string]string{sampledriver.MutableIOPS: "100", sampledriver.MutableTier: "standard"})
 	gold := vac("gold", map[string]string{sampledriver.MutableIOPS: "3000", sampledriver.MutableTier: "premium"})
 	bad := vac("bad", map[string]string{sampledriver.MutableIOPS: "-1"})
-	r := startBridge(t, env, ns, hooked, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}, allLogs: true})
+	r := startBridge(t, env, ns, hooked, bridgeOpts{policy: authz, allLogs: true})
 
 	withVAC := func(v string) func(*corev1.PersistentVolumeClaim) {
 		return func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeAttributesClassName = &v }

@@ -65,10 +65,7 @@ func newSourceProtector(b *Bridge) (controller, error) {
 		AddFunc:    func(obj any) { p.claimChanged(nil, obj) },
 		UpdateFunc: func(old, obj any) { p.claimChanged(old, obj) },
 		DeleteFunc: func(obj any) {
-			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				obj = d.Obj
-			}
-			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok {
+			if c, ok := deleted[*corev1.PersistentVolumeClaim](obj); ok {
 				p.claimDone(c)
 			}
 		},

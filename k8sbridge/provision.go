@@ -98,11 +98,11 @@ func (p *provisioner) claimHandler() cache.ResourceEventHandler {
 			// A claim deleted while its volume is being made: recovery
 			// deletes the volume if it exists. Other deletions (bound
 			// claims, a namespace teardown) cost no recovery pass.
-			c := claimOf(obj)
-			if c != nil {
+			c, ok := deleted[*corev1.PersistentVolumeClaim](obj)
+			if ok {
 				p.b.forgetEvents(c.UID)
 			}
-			if c != nil && p.b.intents.Has(VolumeName(p.b.cfg.VolumeNamePrefix, c.UID, p.b.cfg.VolumeNameUUIDLength)) {
+			if ok && p.b.intents.Has(VolumeName(p.b.cfg.VolumeNamePrefix, c.UID, p.b.cfg.VolumeNameUUIDLength)) {
 				p.nudgeRecovery()
 			}
 			if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
@@ -113,15 +113,6 @@ func (p *provisioner) claimHandler() cache.ResourceEventHandler {
 			}
 		},
 	}
-}
-
-// claimOf unwraps a deleted claim from an informer tombstone.
-func claimOf(obj any) *corev1.PersistentVolumeClaim {
-	if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-		obj = t.Obj
-	}
-	c, _ := obj.(*corev1.PersistentVolumeClaim)
-	return c
 }
 
 func (p *provisioner) enqueueClaim(obj any) {

@@ -136,10 +136,7 @@ func newResizer(b *Bridge) (controller, error) {
 	// looked at again.
 	b.on(b.factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
 		DeleteFunc: func(obj any) {
-			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				obj = d.Obj
-			}
-			if va, ok := obj.(*storagev1.VolumeAttachment); ok {
+			if va, ok := deleted[*storagev1.VolumeAttachment](obj); ok {
 				r.volumeDetached(va)
 			}
 		},
@@ -158,10 +155,7 @@ func newResizer(b *Bridge) (controller, error) {
 			}
 		},
 		DeleteFunc: func(obj any) {
-			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				obj = d.Obj
-			}
-			c, ok := obj.(*corev1.PersistentVolumeClaim)
+			c, ok := deleted[*corev1.PersistentVolumeClaim](obj)
 			if !ok {
 				return
 			}

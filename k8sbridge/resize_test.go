@@ -51,20 +51,12 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 	dCtrl := spy.addDriver(t, sampledriver.Config{Name: drvCtrl}, verboseChain)
 	dNodeOnly := spy.addDriver(t, sampledriver.Config{Name: drvNodeOnly}, verboseChain)
 
-	for _, name := range []string{"expand-ok", "expand-forbidden"} {
-		if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-			StringData: map[string]string{"password": resizeCanary}}, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	rs, errs := policy.Compile([]policy.Grant{{Namespace: ns, Name: "expand", Spec: policy.GrantSpec{
+	createPasswordSecrets(t, c, ns, resizeCanary, "expand-ok", "expand-forbidden")
+	authz := grantsAuthorizer(t, policy.Grant{Namespace: ns, Name: "expand", Spec: policy.GrantSpec{
 		Drivers: []string{drvNode, drvCtrl}, SecretNames: []string{"expand-ok"}, Operations: []policy.Operation{policy.OpControllerExpandVolume},
-		Requesters: policy.Requesters{Namespaces: []string{ns}}}}})
-	if len(errs) != 0 {
-		t.Fatal(errs)
-	}
+		Requesters: policy.Requesters{Namespaces: []string{ns}}}})
 	writes := &resizeWrites{}
-	r := startBridge(t, env, ns, spy, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}, allLogs: true, configureCfg: func(cfg *Config) {
+	r := startBridge(t, env, ns, spy, bridgeOpts{policy: authz, allLogs: true, configureCfg: func(cfg *Config) {
 		cfg.Client = writes.client(t, env)
 		cfg.EventClient = c
 	}})
