@@ -244,6 +244,14 @@ func (b *Broker) Driver(name string) (*Driver, error) {
 	return d, nil
 }
 
+// HasDriver reports whether name is a registered driver (a map lookup, for
+// callers asking on every event).
+func (b *Broker) HasDriver(name string) bool {
+	b.mu.RLock()
+	defer b.mu.RUnlock()
+	return b.drivers[name] != nil
+}
+
 // DriverNames lists the registered drivers, sorted.
 func (b *Broker) DriverNames() []string {
 	b.mu.RLock()

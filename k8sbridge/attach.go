@@ -287,12 +287,12 @@ func (a *attacher) patchVA(ctx context.Context, old, cur *storagev1.VolumeAttach
 
 // patchPV is patchVA for a PersistentVolume, as a strategic merge patch
 // (its maps hold no keys from outside).
-func (a *attacher) patchPV(ctx context.Context, old, cur *corev1.PersistentVolume) error {
+func (b *Bridge) patchPV(ctx context.Context, old, cur *corev1.PersistentVolume) error {
 	patch, err := twoWayPatch(old, cur, &corev1.PersistentVolume{}, old.ResourceVersion)
 	if err != nil || patch == nil {
 		return err
 	}
-	_, err = a.b.cfg.Client.CoreV1().PersistentVolumes().Patch(ctx, old.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
+	_, err = b.cfg.Client.CoreV1().PersistentVolumes().Patch(ctx, old.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
 	return err
 }
 
@@ -536,7 +536,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if src.pv != nil && !hasFinalizer(src.pv, fin) {
 		cp := src.pv.DeepCopy()
 		cp.Finalizers = append(cp.Finalizers, fin)
-		if err := a.patchPV(ctx, src.pv, cp); err != nil {
+		if err := a.b.patchPV(ctx, src.pv, cp); err != nil {
 			return a.writeFailed(ctx, va, false, fmt.Sprintf("add finalizer %s to PersistentVolume %s", fin, src.pv.Name), err)
 		}
 	}
@@ -728,7 +728,7 @@ func (a *attacher) syncPV(ctx context.Context, name string) error {
 	}
 	cp := pv.DeepCopy()
 	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
-	if err := a.patchPV(ctx, pv, cp); err != nil && !apierrors.IsNotFound(err) {
+	if err := a.b.patchPV(ctx, pv, cp); err != nil && !apierrors.IsNotFound(err) {
 		if !apierrors.IsConflict(err) {
 			a.b.log.Warn("remove the attacher finalizer of a PersistentVolume being deleted", "pv", name, "driver", driver, "err", err)
 			a.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "DetachFailed", "remove finalizer "+string(apierrors.ReasonForError(err)),

@@ -230,8 +230,17 @@ func deleted[T any](obj any) (T, bool) {
 	return o, ok
 }
 
+// driverLookup is what the broker adds to Drivers: whether one driver is
+// registered, without listing them all (asked on every informer event).
+type driverLookup interface {
+	HasDriver(name string) bool
+}
+
 // registered says whether driver is one of the broker's drivers.
 func (b *Bridge) registered(driver string) bool {
+	if l, ok := b.cfg.Drivers.(driverLookup); ok {
+		return l.HasDriver(driver)
+	}
 	return slices.Contains(b.cfg.Drivers.DriverNames(), driver)
 }
 

@@ -911,7 +911,10 @@ func TestCapacityNodeLocalTwoNodes(t *testing.T) {
 	}
 }
 
-var _ Drivers = (*broker.Broker)(nil)
+var (
+	_ Drivers      = (*broker.Broker)(nil)
+	_ driverLookup = (*broker.Broker)(nil) // so Bridge.registered takes the map lookup
+)
 
 // TestCapacityForImmediateBinding: with --capacity-for-immediate-binding,
 // an Immediate class of the driver gets its objects too.

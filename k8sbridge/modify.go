@@ -350,11 +350,7 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 	if pv.Spec.VolumeAttributesClassName == nil || *pv.Spec.VolumeAttributesClassName != target {
 		cur := pv.DeepCopy()
 		cur.Spec.VolumeAttributesClassName = &target
-		patch, err := twoWayPatch(pv, cur, &corev1.PersistentVolume{}, pv.ResourceVersion)
-		if err != nil {
-			return "failed", 0, err
-		}
-		if _, err := m.b.cfg.Client.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		if err := m.b.patchPV(ctx, pv, cur); err != nil {
 			return "failed", 0, fmt.Errorf("set VolumeAttributesClass %s on pv %s: %w", target, pv.Name, err)
 		}
 	}
@@ -418,34 +414,21 @@ func modifyInProgress(claim *corev1.PersistentVolumeClaim, target string) *corev
 	return c
 }
 
-// setModifyCondition sets condition t (status True). One already there
-// keeps its transition time, and takes the new message only with another
-// reason, so a retry of the same failure writes nothing.
+// setModifyCondition sets condition t (status True), as the resizer sets
+// its own (mergeConditions): one already there keeps its transition time,
+// and takes the new message only with another reason, so a retry of the
+// same failure writes nothing.
 func setModifyCondition(conds []corev1.PersistentVolumeClaimCondition, t corev1.PersistentVolumeClaimConditionType, reason, msg string) []corev1.PersistentVolumeClaimCondition {
-	out := append([]corev1.PersistentVolumeClaimCondition(nil), conds...)
-	for i := range out {
-		if out[i].Type == t && out[i].Status == corev1.ConditionTrue {
-			if out[i].Reason != reason {
-				out[i].Reason, out[i].Message = reason, msg
-			}
-			return out
-		}
-		if out[i].Type == t {
-			out[i] = corev1.PersistentVolumeClaimCondition{Type: t, Status: corev1.ConditionTrue, Reason: reason, Message: msg, LastTransitionTime: metav1.Now()}
-			return out
-		}
-	}
-	return append(out, corev1.PersistentVolumeClaimCondition{Type: t, Status: corev1.ConditionTrue, Reason: reason, Message: msg, LastTransitionTime: metav1.Now()})
+	want := corev1.PersistentVolumeClaimCondition{Type: t, Status: corev1.ConditionTrue, Reason: reason, Message: msg, LastTransitionTime: metav1.Now()}
+	return mergeConditions(conds, []corev1.PersistentVolumeClaimCondition{want}, isModifyCondition, keepAll)
 }
 
 // clearModifyConditions drops the ModifyingVolume and ModifyVolumeError
 // conditions.
 func clearModifyConditions(conds []corev1.PersistentVolumeClaimCondition) []corev1.PersistentVolumeClaimCondition {
-	var out []corev1.PersistentVolumeClaimCondition
-	for _, c := range conds {
-		if c.Type != corev1.PersistentVolumeClaimVolumeModifyingVolume && c.Type != corev1.PersistentVolumeClaimVolumeModifyVolumeError {
-			out = append(out, c)
-		}
-	}
-	return out
+	return mergeConditions(conds, nil, isModifyCondition, nil)
+}
+
+func isModifyCondition(t corev1.PersistentVolumeClaimConditionType) bool {
+	return t == corev1.PersistentVolumeClaimVolumeModifyingVolume || t == corev1.PersistentVolumeClaimVolumeModifyVolumeError
 }

@@ -13,6 +13,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/csibroker/csibroker/broker"
 )
 
 // StorageClass parameter keys the provisioner itself reads or writes.
@@ -278,8 +280,7 @@ func (c CreateErrorClass) String() string {
 // spells "the driver supports topology and a node is selected"; without
 // topology the next CreateVolume would be the same.
 func ClassifyCreateError(err error, hasSelectedNode bool) CreateErrorClass {
-	var retried interface{ EarlierAttemptUnavailable() bool }
-	if errors.As(err, &retried) && retried.EarlierAttemptUnavailable() {
+	if broker.EarlierAttemptUnavailable(err) {
 		return CreateInProgress
 	}
 	st, ok := status.FromError(err)

@@ -279,11 +279,11 @@ func (p *sourceProtector) pending(ns, name string, sourceOf func(*corev1.Persist
 }
 
 // protectSource puts cloneFinalizer on the claim that claim clones, or
-// snapshotFinalizer on the VolumeSnapshot it restores, before CreateVolume
-// is asked to copy it. The API server refuses a new finalizer on an object
-// being deleted, which fails this attempt; the next finds the source
-// deleted and says so.
-func (p *provisioner) protectSource(ctx context.Context, claim *corev1.PersistentVolumeClaim) error {
+// snapshotFinalizer on the VolumeSnapshot it restores (snap, as this
+// attempt read it), before CreateVolume is asked to copy it. The API
+// server refuses a new finalizer on an object being deleted, which fails
+// this attempt; the next finds the source deleted and says so.
+func (p *provisioner) protectSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, snap *snapshotv1.VolumeSnapshot) error {
 	if name := cloneSourceOf(claim); name != "" {
 		if src, err := p.b.claims.PersistentVolumeClaims(claim.Namespace).Get(name); err == nil && slices.Contains(src.Finalizers, cloneFinalizer) {
 			return nil
@@ -293,14 +293,8 @@ func (p *provisioner) protectSource(ctx context.Context, claim *corev1.Persisten
 			return fmt.Errorf("protect clone source claim %s/%s with finalizer %s: %w", claim.Namespace, name, cloneFinalizer, err)
 		}
 	}
-	if name := snapshotSourceOf(claim); name != "" && p.b.cfg.SnapshotClient != nil {
-		snap, err := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(claim.Namespace).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return fmt.Errorf("protect VolumeSnapshot %s/%s: %w", claim.Namespace, name, err)
-		}
-		if !slices.Contains(snap.Finalizers, snapshotFinalizer) {
-			return p.b.patchSnapshotFinalizer(ctx, snap, true)
-		}
+	if snap != nil && !slices.Contains(snap.Finalizers, snapshotFinalizer) {
+		return p.b.patchSnapshotFinalizer(ctx, snap, true)
 	}
 	return nil
 }

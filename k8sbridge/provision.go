@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	"go.opentelemetry.io/otel/attribute"
 	otelcodes "go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
@@ -578,7 +579,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		}
 		selectedNode = node
 	}
-	req, provSecretRef, err := p.buildRequest(ctx, claim, class, driver, pvName, selectedNode, caps)
+	req, provSecretRef, snap, err := p.buildRequest(ctx, claim, class, driver, pvName, selectedNode, caps)
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -620,7 +621,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	// A clone's or a restore's source stays until the copy is done:
 	// deleting it now waits (sourceProtector releases it once no claim
 	// copying it is pending).
-	if err := p.protectSource(ctx, claim); err != nil {
+	if err := p.protectSource(ctx, claim, snap); err != nil {
 		if ctx.Err() != nil {
 			return "failed", err
 		}
@@ -902,22 +903,22 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 // buildRequest makes the CreateVolumeRequest (without secrets) and resolves
 // the provisioner secret reference. Its errors are the claim's or class's
 // fault and say which field is wrong.
-func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps driverCaps) (*csi.CreateVolumeRequest, *corev1.SecretReference, error) {
+func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps driverCaps) (*csi.CreateVolumeRequest, *corev1.SecretReference, *snapshotv1.VolumeSnapshot, error) {
 	params, fsType, err := CreateParameters(class.Parameters, p.b.cfg.ExtraCreateMetadata, pvName, claim, p.b.cfg.DefaultFSType)
 	if err != nil {
-		return nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
+		return nil, nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
 	}
 	volCaps, err := VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	capRange, err := CapacityRange(claim)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	secretRef, err := SecretRef(SecretProvisioner, class.Parameters, pvName, claim)
 	if err != nil {
-		return nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
+		return nil, nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
 	}
 	// Every other secret named by the class must resolve now, so a typo is
 	// reported at provisioning rather than at attach or mount time.
@@ -926,7 +927,7 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 			continue // resolved above
 		}
 		if _, err := SecretRef(k, class.Parameters, pvName, claim); err != nil {
-			return nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
+			return nil, nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
 		}
 	}
 	req := &csi.CreateVolumeRequest{Name: pvName, Parameters: params, VolumeCapabilities: volCaps, CapacityRange: capRange}
@@ -935,14 +936,14 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 		// volume's mutable parameters; the PV names the class (buildPV),
 		// which the PV controller requires to bind it.
 		if !caps.modify {
-			return nil, nil, fmt.Errorf("volumeattributesclass %q: driver %s does not support volume attributes classes (no MODIFY_VOLUME capability)", *name, driver)
+			return nil, nil, nil, fmt.Errorf("volumeattributesclass %q: driver %s does not support volume attributes classes (no MODIFY_VOLUME capability)", *name, driver)
 		}
 		vac, err := p.b.cfg.Client.StorageV1().VolumeAttributesClasses().Get(ctx, *name, metav1.GetOptions{})
 		if err != nil {
-			return nil, nil, fmt.Errorf("volumeattributesclass %q: %w", *name, err)
+			return nil, nil, nil, fmt.Errorf("volumeattributesclass %q: %w", *name, err)
 		}
 		if vac.DriverName != driver {
-			return nil, nil, fmt.Errorf("volumeattributesclass %q is for driver %s, not %s", *name, vac.DriverName, driver)
+			return nil, nil, nil, fmt.Errorf("volumeattributesclass %q is for driver %s, not %s", *name, vac.DriverName, driver)
 		}
 		req.MutableParameters = maps.Clone(vac.Parameters)
 	}
@@ -951,7 +952,7 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 			StrictTopology: p.b.cfg.StrictTopology, ImmediateTopology: p.b.cfg.ImmediateTopology}
 		nodes, err := p.topologyNodes(driver)
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		in.Nodes = nodes
 		if selectedNode != "" {
@@ -964,23 +965,24 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 				}
 			}
 			if !found {
-				return nil, nil, fmt.Errorf("selected node %q not found", selectedNode)
+				return nil, nil, nil, fmt.Errorf("selected node %q not found", selectedNode)
 			}
 		}
 		tr, err := AccessibilityRequirements(in)
 		if err != nil {
-			return nil, nil, fmt.Errorf("topology: %w", err)
+			return nil, nil, nil, fmt.Errorf("topology: %w", err)
 		}
 		req.AccessibilityRequirements = tr
 	}
+	var snap *snapshotv1.VolumeSnapshot
 	if ds := claim.Spec.DataSource; ds != nil {
-		src, err := p.contentSource(ctx, claim, driver, capRange, caps)
+		src, s, err := p.contentSource(ctx, claim, driver, capRange, caps)
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
-		req.VolumeContentSource = src
+		req.VolumeContentSource, snap = src, s
 	}
-	return req, secretRef, nil
+	return req, secretRef, snap, nil
 }
 
 // topologyNodes lists every node with the driver's topology keys from its CSINode.
@@ -1007,47 +1009,47 @@ func (p *provisioner) topologyNodes(driver string) ([]TopologyNode, error) {
 
 // contentSource supports cloning from a bound claim of the same driver in
 // the same namespace, and restoring a VolumeSnapshot of the driver
-// (snapshotSource).
-func (p *provisioner) contentSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver string, capRange *csi.CapacityRange, caps driverCaps) (*csi.VolumeContentSource, error) {
+// (snapshotSource, whose snapshot as read it returns too).
+func (p *provisioner) contentSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver string, capRange *csi.CapacityRange, caps driverCaps) (*csi.VolumeContentSource, *snapshotv1.VolumeSnapshot, error) {
 	ds := claim.Spec.DataSource
 	if ds.Kind == snapshotKind && ds.APIGroup != nil && *ds.APIGroup == snapshotGroup {
 		return p.snapshotSource(ctx, claim, driver, caps)
 	}
 	if ds.Kind != "PersistentVolumeClaim" || (ds.APIGroup != nil && *ds.APIGroup != "") {
 		// Populators are skipped before this.
-		return nil, fmt.Errorf("data source %s %q is not supported (only PersistentVolumeClaim clones and %s VolumeSnapshots)", ds.Kind, ds.Name, snapshotGroup)
+		return nil, nil, fmt.Errorf("data source %s %q is not supported (only PersistentVolumeClaim clones and %s VolumeSnapshots)", ds.Kind, ds.Name, snapshotGroup)
 	}
 	if !caps.clone {
-		return nil, fmt.Errorf("driver %s does not support cloning (no CLONE_VOLUME capability)", driver)
+		return nil, nil, fmt.Errorf("driver %s does not support cloning (no CLONE_VOLUME capability)", driver)
 	}
 	src, err := p.b.claims.PersistentVolumeClaims(claim.Namespace).Get(ds.Name)
 	if err != nil {
-		return nil, fmt.Errorf("clone source claim %s/%s: %w", claim.Namespace, ds.Name, err)
+		return nil, nil, fmt.Errorf("clone source claim %s/%s: %w", claim.Namespace, ds.Name, err)
 	}
 	if src.Status.Phase != corev1.ClaimBound || src.Spec.VolumeName == "" {
-		return nil, fmt.Errorf("clone source claim %s/%s is not bound", claim.Namespace, ds.Name)
+		return nil, nil, fmt.Errorf("clone source claim %s/%s is not bound", claim.Namespace, ds.Name)
 	}
 	// A source being deleted is refused, unless a clone of it began before
 	// (it holds cloneFinalizer): that copy is retried, as a restore is.
 	if src.DeletionTimestamp != nil && !slices.Contains(src.Finalizers, cloneFinalizer) {
-		return nil, fmt.Errorf("clone source claim %s/%s is being deleted", claim.Namespace, ds.Name)
+		return nil, nil, fmt.Errorf("clone source claim %s/%s is being deleted", claim.Namespace, ds.Name)
 	}
 	pv, err := p.b.volumes.Get(src.Spec.VolumeName)
 	if err != nil {
-		return nil, fmt.Errorf("clone source volume %s: %w", src.Spec.VolumeName, err)
+		return nil, nil, fmt.Errorf("clone source volume %s: %w", src.Spec.VolumeName, err)
 	}
 	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != driver {
-		return nil, fmt.Errorf("clone source claim %s/%s belongs to another driver", claim.Namespace, ds.Name)
+		return nil, nil, fmt.Errorf("clone source claim %s/%s belongs to another driver", claim.Namespace, ds.Name)
 	}
 	// As external-provisioner: the source claim's request bounds the
 	// clone (its volume may be larger: drivers round sizes up).
 	if q, ok := src.Spec.Resources.Requests[corev1.ResourceStorage]; ok && capRange != nil && q.CmpInt64(capRange.RequiredBytes) > 0 {
-		return nil, fmt.Errorf("clone source claim %s/%s requests %s, more than this claim", claim.Namespace, ds.Name, q.String())
+		return nil, nil, fmt.Errorf("clone source claim %s/%s requests %s, more than this claim", claim.Namespace, ds.Name, q.String())
 	}
 	if from, to := volumeModeOf(src.Spec.VolumeMode), volumeModeOf(claim.Spec.VolumeMode); from != to {
-		return nil, fmt.Errorf("clone source claim %s/%s has volume mode %s, this claim %s", claim.Namespace, ds.Name, from, to)
+		return nil, nil, fmt.Errorf("clone source claim %s/%s has volume mode %s, this claim %s", claim.Namespace, ds.Name, from, to)
 	}
-	return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: pv.Spec.CSI.VolumeHandle}}}, nil
+	return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: pv.Spec.CSI.VolumeHandle}}}, nil, nil
 }
 
 // buildPV makes the PersistentVolume for a created volume.

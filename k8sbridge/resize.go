@@ -755,6 +755,12 @@ func isResizeCondition(t corev1.PersistentVolumeClaimConditionType) bool {
 // takes the new message and reason and keeps its transition time, so the
 // claim says what failed last.
 func mergeResizeConditions(conds []corev1.PersistentVolumeClaimCondition, want []corev1.PersistentVolumeClaimCondition, keep func(corev1.PersistentVolumeClaimConditionType) bool) []corev1.PersistentVolumeClaimCondition {
+	return mergeConditions(conds, want, isResizeCondition, keep)
+}
+
+// mergeConditions is mergeResizeConditions for the conditions a
+// controller owns (owned): the resizer's, or the modifier's.
+func mergeConditions(conds, want []corev1.PersistentVolumeClaimCondition, owned, keep func(corev1.PersistentVolumeClaimConditionType) bool) []corev1.PersistentVolumeClaimCondition {
 	wanted := map[corev1.PersistentVolumeClaimConditionType]corev1.PersistentVolumeClaimCondition{}
 	for _, c := range want {
 		wanted[c.Type] = c
@@ -773,7 +779,7 @@ func mergeResizeConditions(conds []corev1.PersistentVolumeClaimCondition, want [
 			delete(wanted, c.Type)
 			continue
 		}
-		if !isResizeCondition(c.Type) || (keep != nil && keep(c.Type)) {
+		if !owned(c.Type) || (keep != nil && keep(c.Type)) {
 			out = append(out, c)
 		}
 	}
@@ -789,7 +795,7 @@ func resizeCondition(t corev1.PersistentVolumeClaimConditionType, msg string) co
 	return corev1.PersistentVolumeClaimCondition{Type: t, Status: corev1.ConditionTrue, LastTransitionTime: metav1.Now(), Message: msg}
 }
 
-func resizeKeepAll(corev1.PersistentVolumeClaimConditionType) bool { return true }
+func keepAll(corev1.PersistentVolumeClaimConditionType) bool { return true }
 
 func setResizeStatus(c *corev1.PersistentVolumeClaim, s corev1.ClaimResourceStatus) {
 	if c.Status.AllocatedResourceStatuses == nil {
@@ -809,7 +815,7 @@ func resizeInProgress(claim *corev1.PersistentVolumeClaim, size resource.Quantit
 	}
 	want := []corev1.PersistentVolumeClaimCondition{resizeCondition(corev1.PersistentVolumeClaimResizing, "")}
 	if same {
-		c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, want, resizeKeepAll)
+		c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, want, keepAll)
 	} else {
 		c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, want, nil)
 		setResizeStatus(c, corev1.PersistentVolumeClaimControllerResizeInProgress)
@@ -860,7 +866,7 @@ func resizeControllerFailed(claim *corev1.PersistentVolumeClaim, code codes.Code
 	c := claim.DeepCopy()
 	cond := resizeCondition(corev1.PersistentVolumeClaimControllerResizeError, msg)
 	cond.Reason = code.String()
-	c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, []corev1.PersistentVolumeClaimCondition{cond}, resizeKeepAll)
+	c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, []corev1.PersistentVolumeClaimCondition{cond}, keepAll)
 	if infeasible {
 		setResizeStatus(c, corev1.PersistentVolumeClaimControllerResizeInfeasible)
 	}
