@@ -198,7 +198,9 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 			disc.ReportTo(bridge.Recorder(), func() bool { leading, _ := bridge.Leader(); return leading })
 			g.Go(func() error { return disc.Run(ctx) })
 		}
-		g.Go(func() error { cfg.Kube.watchPolicyFile(ctx, store, log); return nil })
+		if w := cfg.Kube.policyFile; w != nil {
+			g.Go(func() error { w.Run(ctx, store); return nil })
+		}
 	}
 	for name, path := range sockets {
 		g.Go(func() error {

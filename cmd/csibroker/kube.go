@@ -1,8 +1,6 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -78,10 +76,8 @@ type kubeFlags struct {
 	// policyCA is the --policy-opa-ca-file bundle, re-read while the broker
 	// runs (authorizer sets it).
 	policyCA *mtls.CAFile
-	// policyErrs is the last policy-file load's invalid grants (logPolicyFileErrors).
-	policyErrs string
-	// policySeen: when a re-read of the policy file is applied.
-	policySeen fileSettle
+	// policyFile loads and re-reads --policy-file (authorizer sets it).
+	policyFile *policy.FileWatcher
 
 	// names are the flags register added; given those of them set on the
 	// command line (noteGiven), which validate refuses with Kubernetes off.
@@ -288,16 +284,10 @@ func (f *kubeFlags) authorizer(log *slog.Logger) (*policy.Authorizer, *policy.St
 	store := policy.NewStore(nil)
 	store.SetMode(mode)
 	if f.PolicyFile != "" {
-		data, err := policy.ReadFile(f.PolicyFile)
-		if err != nil {
+		f.policyFile = &policy.FileWatcher{Path: f.PolicyFile, Interval: f.PolicyInterval, Log: log}
+		if err := f.policyFile.Load(store); err != nil {
 			return nil, nil, err
 		}
-		errs, err := store.LoadData(f.PolicyFile, data)
-		if err != nil {
-			return nil, nil, err
-		}
-		f.policySeen.done = data
-		f.policyErrs = logPolicyFileErrors(log, errs, "")
 	}
 	a := &policy.Authorizer{Rules: store}
 	if f.PolicyURL != "" {
@@ -351,81 +341,6 @@ func isLoopbackHost(host string) bool {
 	}
 	ip := net.ParseIP(host)
 	return ip != nil && ip.IsLoopback()
-}
-
-// logPolicyFileErrors logs the invalid grants of a load of the policy file
-// when they differ from the previous load's (last, as returned then), so an
-// edit that breaks a grant is said once, not at every re-read; it returns
-// what to pass as last next time.
-func logPolicyFileErrors(log *slog.Logger, errs []policy.RuleError, last string) string {
-	var b strings.Builder
-	for _, e := range errs {
-		fmt.Fprintf(&b, "%s: %s (fail-closed %t)\n", e.Key(), e.Message, e.FailClosed)
-	}
-	if b.String() == last {
-		return last
-	}
-	for _, e := range errs {
-		if e.FailClosed {
-			log.Error("policy file: invalid deny grant; it denies every secret of its namespace (or, without one, every secret) until fixed", "grant", e.Key(), "err", e.Message)
-		} else {
-			log.Error("policy file: invalid grant not applied", "grant", e.Key(), "err", e.Message)
-		}
-	}
-	if len(errs) == 0 && last != "" {
-		log.Info("policy file: every grant is valid again")
-	}
-	return b.String()
-}
-
-func (f *kubeFlags) watchPolicyFile(ctx context.Context, store *policy.Store, log *slog.Logger) {
-	if f.PolicyFile == "" {
-		return
-	}
-	t := time.NewTicker(f.PolicyInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			data, err := policy.ReadFile(f.PolicyFile)
-			if err != nil {
-				log.Error("policy file unreadable; keeping the previous rules", "file", f.PolicyFile, "err", err)
-				continue
-			}
-			if !f.policySeen.settled(data) {
-				continue
-			}
-			f.policySeen.done = data // said once, until the file changes
-			errs, err := store.LoadData(f.PolicyFile, data)
-			if err != nil {
-				log.Error("policy file unreadable; keeping the previous rules", "file", f.PolicyFile, "err", err)
-				continue
-			}
-			f.policyErrs = logPolicyFileErrors(log, errs, f.policyErrs)
-		}
-	}
-}
-
-// fileSettle tells when a re-read policy file is to be applied: when it
-// differs from the content handled last (applied, or refused with an
-// error logged) and has not changed since the re-read before. A file rewritten in place and caught half-way is often
-// still valid YAML (a grant cut before its "action: Deny" line is an Allow
-// grant); one interval later it is whole, and only then applied.
-type fileSettle struct {
-	done, seen []byte
-}
-
-// settled records data as the latest read and reports whether to apply it.
-func (s *fileSettle) settled(data []byte) bool {
-	if bytes.Equal(data, s.done) {
-		s.seen = data
-		return false // nothing new
-	}
-	held := bytes.Equal(data, s.seen)
-	s.seen = data
-	return held
 }
 
 // clientGoMaxVerbosity caps client-go's logging: from V(8) it logs the

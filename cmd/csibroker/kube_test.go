@@ -197,38 +197,6 @@ func TestBrokerFlagsRefusedTogether(t *testing.T) {
 	}
 }
 
-// TestPolicyFileErrorsLoggedOnChange: invalid grants of the policy file are
-// logged when a load's set differs from the previous one's (an edit that
-// breaks a grant at a re-read is said), once, not at every re-read.
-func TestPolicyFileErrorsLoggedOnChange(t *testing.T) {
-	var buf bytes.Buffer
-	log := slog.New(slog.NewTextHandler(&buf, nil))
-	typo := []policy.RuleError{{Namespace: "ns", Name: "g", Message: "spec.condition: undeclared reference to 'requst'"}}
-	deny := []policy.RuleError{{Namespace: "ns", Name: "d", Message: "spec.drivers: must list at least one driver", FailClosed: true}}
-	last := logPolicyFileErrors(log, nil, "")
-	if buf.Len() != 0 {
-		t.Fatalf("a valid file logged: %s", buf.String())
-	}
-	last = logPolicyFileErrors(log, typo, last)
-	if !strings.Contains(buf.String(), "invalid grant not applied") || !strings.Contains(buf.String(), "requst") {
-		t.Fatalf("a grant broken by an edit was not logged: %s", buf.String())
-	}
-	buf.Reset()
-	last = logPolicyFileErrors(log, typo, last)
-	if buf.Len() != 0 {
-		t.Fatalf("the same invalid grant logged again at a re-read: %s", buf.String())
-	}
-	last = logPolicyFileErrors(log, deny, last)
-	if !strings.Contains(buf.String(), "denies every secret of its namespace") {
-		t.Fatalf("an invalid deny grant was not logged as fail-closed: %s", buf.String())
-	}
-	buf.Reset()
-	logPolicyFileErrors(log, nil, last)
-	if !strings.Contains(buf.String(), "every grant is valid again") {
-		t.Fatalf("the fix was not logged: %s", buf.String())
-	}
-}
-
 // TestRetryFlagsFillPartialRegistryEntries: a registry entry's retry block
 // that sets some fields takes the others from the --csi-retry-* flags.
 func TestRetryFlagsFillPartialRegistryEntries(t *testing.T) {
@@ -250,37 +218,6 @@ func TestRetryFlagsFillPartialRegistryEntries(t *testing.T) {
 		}
 		if err := (broker.DriverConfig{Name: "d", Controller: &broker.ProxyConfig{Address: "x:1"}, Retry: got}).Validate(); err != nil {
 			t.Errorf("registry %+v filled from the flags is refused: %v", tc.in, err)
-		}
-	}
-}
-
-// TestPolicyFileAppliedOnceItHoldsStill: a re-read policy file is applied
-// only when it has not changed since the re-read before, so a file caught
-// half rewritten (which may still parse, with fewer or weaker grants) is
-// never applied; an unchanged file is not applied again.
-func TestPolicyFileAppliedOnceItHoldsStill(t *testing.T) {
-	s := fileSettle{done: []byte("v1")}
-	steps := []struct {
-		read  string
-		apply bool
-	}{
-		{"v1", false},       // unchanged
-		{"v2-half", false},  // new: wait
-		{"v2-whole", false}, // changed again: wait
-		{"v2-whole", true},  // held still: apply
-		{"v2-whole", false}, // applied already
-		{"v3", false},       // new: wait
-		{"v2-whole", false}, // back to the applied content: nothing new
-		{"v3", false},       // new again after that: wait
-		{"v3", true},        // held still
-	}
-	for i, st := range steps {
-		got := s.settled([]byte(st.read))
-		if got != st.apply {
-			t.Fatalf("step %d (read %q): apply %v, want %v", i+1, st.read, got, st.apply)
-		}
-		if got {
-			s.done = []byte(st.read)
 		}
 	}
 }
