@@ -83,7 +83,7 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 				select {
 				case <-ctx.Done():
 					t.Stop()
-					return afterUnavailable{status.FromContextError(ctx.Err()).Err()}
+					return markRetried(status.FromContextError(ctx.Err()).Err())
 				case <-t.C:
 				}
 				b.onRetry(ctx, p, d, attempt, err)
@@ -101,7 +101,7 @@ func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, 
 			if err != nil && attempt > 0 {
 				// An earlier attempt ended Unavailable: it may have
 				// reached the driver and acted, whatever this one says.
-				err = afterUnavailable{err}
+				err = markRetried(err)
 			}
 			if err == nil || ctx.Err() != nil || status.Code(err) != codes.Unavailable {
 				return err
@@ -402,14 +402,12 @@ func redactValues(err error, values []string) error {
 		return err
 	}
 	pb.Details = details
-	out := status.FromProto(pb).Err()
-	if Answered(err) {
-		out = answered{status.FromProto(pb)}
+	out := status.FromProto(pb)
+	if ce, ok := errors.AsType[*callError](err); ok {
+		// What the status said of where it came from stays.
+		return &callError{st: out, answered: ce.answered, retried: ce.retried}
 	}
-	if EarlierAttemptUnavailable(err) {
-		out = afterUnavailable{out} // what the redacted status says of the call stays
-	}
-	return out
+	return out.Err()
 }
 
 // secretForms are a secret value as sent and as a driver's error message
@@ -571,24 +569,4 @@ func (f frameConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method 
 		return nil, err
 	}
 	return p.conn.NewStream(ctx, desc, method, opts...)
-}
-
-// afterUnavailable is the error of a call that the broker retried after an
-// attempt ended Unavailable. That attempt may have reached the driver and
-// acted (made a volume, say) although it answered no success, so a caller
-// that forgets what it asked for on a final error (the intent of a
-// CreateVolume) must not: EarlierAttemptUnavailable tells it. The status,
-// message and details are the last attempt's, unchanged.
-type afterUnavailable struct{ err error }
-
-func (e afterUnavailable) Error() string                   { return e.err.Error() }
-func (e afterUnavailable) Unwrap() error                   { return e.err }
-func (e afterUnavailable) GRPCStatus() *status.Status      { return status.Convert(e.err) }
-func (e afterUnavailable) EarlierAttemptUnavailable() bool { return true }
-
-// EarlierAttemptUnavailable reports whether err ends a call the broker
-// retried after an attempt that ended Unavailable (see afterUnavailable).
-func EarlierAttemptUnavailable(err error) bool {
-	var e interface{ EarlierAttemptUnavailable() bool }
-	return errors.As(err, &e) && e.EarlierAttemptUnavailable()
 }

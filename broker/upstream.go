@@ -1100,33 +1100,14 @@ func trailerStatus(fields []hpack.HeaderField, addr string) error {
 				if code == codes.OK {
 					return nil
 				}
-				return answered{status.FromProto(p)}
+				return &callError{st: status.FromProto(p), answered: true}
 			}
 		}
 	}
 	if code == codes.OK {
 		return nil
 	}
-	return answered{status.New(code, msg)}
-}
-
-// answered is a status a call's trailers carried: the driver's, passed on
-// (or the proxy's own, when the driver was out of its reach). It is a gRPC
-// status error like any other; the type only says where it came from.
-type answered struct{ st *status.Status }
-
-func (e answered) Error() string              { return e.st.Err().Error() }
-func (e answered) GRPCStatus() *status.Status { return e.st }
-
-// Answered reports whether err is a status that a call's answer carried
-// (the driver's, passed on unchanged, or the proxy's when it could not
-// reach the driver), not one the broker made itself: its message limits,
-// a lost or reset connection, a malformed answer, a deadline. A caller
-// that reads a driver's answer as a statement about the driver's state
-// (recovery takes "no room" to mean "no such volume") asks this first.
-func Answered(err error) bool {
-	var a answered
-	return errors.As(err, &a)
+	return &callError{st: status.New(code, msg), answered: true}
 }
 
 // binFieldsOK is an Internal error naming the first "-bin" field of a
