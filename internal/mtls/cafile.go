@@ -1,7 +1,6 @@
 package mtls
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -9,9 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
-	"os"
 	"sync"
-	"sync/atomic"
 	"time"
 )
 
@@ -21,13 +18,7 @@ import (
 // file that does not parse whole keeps the pool in use, as FileSource does.
 type CAFile struct {
 	path string
-	log  *slog.Logger
-
-	cur atomic.Pointer[x509.CertPool]
-
-	mu       sync.Mutex // serializes reloads
-	lastRead []byte
-	refused  string
+	r    reloader[x509.CertPool]
 }
 
 // NewCAFile reads the bundle once; it fails if the file holds no whole
@@ -36,64 +27,37 @@ func NewCAFile(path string, log *slog.Logger) (*CAFile, error) {
 	if path == "" {
 		return nil, errors.New("mtls: no CA file given")
 	}
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	c := &CAFile{path: path, log: log}
-	if _, err := c.Reload(); err != nil {
+	c := &CAFile{path: path}
+	c.r = reloader[x509.CertPool]{files: []string{path}, parse: c.parse, log: log,
+		msgReloaded: "mtls: CA bundle reloaded",
+		msgRefused:  "mtls: new CA bundle refused, keeping the previous one (logged again only if the refusal changes)"}
+	if err := c.r.start(); err != nil {
 		return nil, err
 	}
 	return c, nil
 }
 
 // Pool returns the CA pool in use.
-func (c *CAFile) Pool() *x509.CertPool { return c.cur.Load() }
+func (c *CAFile) Pool() *x509.CertPool { return c.r.cur.Load() }
 
 // Reload reads the file and swaps in its pool if the contents changed and
 // parse. It reports whether a swap happened.
-func (c *CAFile) Reload() (bool, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	data, err := os.ReadFile(c.path)
+func (c *CAFile) Reload() (bool, error) { return c.r.reload() }
+
+// Run re-reads the file every interval until ctx is done.
+func (c *CAFile) Run(ctx context.Context, interval time.Duration) { c.r.run(ctx, interval) }
+
+// parse makes the pool of the bundle read.
+func (c *CAFile) parse(raw [][]byte, _ *x509.CertPool) (*x509.CertPool, []any, error) {
+	cas, err := parseCertsPEM(raw[0])
 	if err != nil {
-		return false, c.refuse(fmt.Errorf("mtls: read %s: %w", c.path, err))
-	}
-	if c.cur.Load() != nil && bytes.Equal(data, c.lastRead) {
-		c.refused = ""
-		return false, nil
-	}
-	cas, err := parseCertsPEM(data)
-	if err != nil {
-		return false, c.refuse(fmt.Errorf("mtls: CA bundle %s: %w", c.path, err))
+		return nil, nil, fmt.Errorf("mtls: CA bundle %s: %w", c.path, err)
 	}
 	pool := x509.NewCertPool()
 	for _, ca := range cas {
 		pool.AddCert(ca)
 	}
-	first := c.cur.Load() == nil
-	c.lastRead, c.refused = data, ""
-	c.cur.Store(pool)
-	if !first {
-		c.log.Info("mtls: CA bundle reloaded", "file", c.path, "certificates", len(cas))
-	}
-	return true, nil
-}
-
-// refuse logs a refused reload once while the same refusal stands; called
-// with mu held.
-func (c *CAFile) refuse(err error) error {
-	if c.cur.Load() != nil {
-		if msg := err.Error(); msg != c.refused {
-			c.refused = msg
-			c.log.Error("mtls: new CA bundle refused, keeping the previous one (logged again only if the refusal changes)", "err", err)
-		}
-	}
-	return err
-}
-
-// Run re-reads the file every interval until ctx is done.
-func (c *CAFile) Run(ctx context.Context, interval time.Duration) {
-	poll(ctx, interval, func() { _, _ = c.Reload() }) // logged inside
+	return pool, []any{"file", c.path, "certificates", len(cas)}, nil
 }
 
 // Transport returns an HTTP transport, made from base (nil: a clone of

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -40,16 +41,8 @@ func (s StaticSource) Current() *Material { return s.M }
 // previous material.
 type FileSource struct {
 	certFile, keyFile, caFile string
-	log                       *slog.Logger
 	now                       func() time.Time
-
-	cur atomic.Pointer[Material]
-
-	mu       sync.Mutex // serializes reloads
-	lastRead [3][]byte
-	refused  string // the last refusal logged, so one that stands is logged once
-	reloads  atomic.Int64
-	failures atomic.Int64
+	r                         reloader[Material]
 }
 
 // NewFileSource loads the files once; it fails if they are not a valid set.
@@ -57,91 +50,130 @@ func NewFileSource(certFile, keyFile, caFile string, log *slog.Logger) (*FileSou
 	if certFile == "" || keyFile == "" || caFile == "" {
 		return nil, errors.New("mtls: certificate, key and CA files are all required")
 	}
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	s := &FileSource{certFile: certFile, keyFile: keyFile, caFile: caFile, log: log, now: time.Now}
-	if _, err := s.Reload(); err != nil {
+	s := &FileSource{certFile: certFile, keyFile: keyFile, caFile: caFile, now: time.Now}
+	s.r = reloader[Material]{files: []string{certFile, keyFile, caFile}, parse: s.parse, log: log,
+		msgReloaded: "mtls: certificate reloaded",
+		msgRefused:  "mtls: new certificate files refused, keeping the previous ones (logged again only if the refusal changes)"}
+	if err := s.r.start(); err != nil {
 		return nil, err
 	}
 	return s, nil
 }
 
 // Current returns the material in use.
-func (s *FileSource) Current() *Material { return s.cur.Load() }
+func (s *FileSource) Current() *Material { return s.r.cur.Load() }
 
 // Reloads and Failures count successful swaps and refused new files.
-func (s *FileSource) Reloads() int64  { return s.reloads.Load() }
-func (s *FileSource) Failures() int64 { return s.failures.Load() }
+func (s *FileSource) Reloads() int64  { return s.r.reloads.Load() }
+func (s *FileSource) Failures() int64 { return s.r.failures.Load() }
 
 // Reload reads the files and swaps in their material if it changed and is
 // valid. It reports whether a swap happened.
-func (s *FileSource) Reload() (bool, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var raw [3][]byte
-	for i, f := range []string{s.certFile, s.keyFile, s.caFile} {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			return false, s.refuse(fmt.Errorf("mtls: read %s: %w", f, err))
-		}
-		raw[i] = b
-	}
-	if s.cur.Load() != nil && bytes.Equal(raw[0], s.lastRead[0]) && bytes.Equal(raw[1], s.lastRead[1]) && bytes.Equal(raw[2], s.lastRead[2]) {
-		s.refused = "" // the files in use again: a refusal after this is news
-		return false, nil
-	}
+func (s *FileSource) Reload() (bool, error) { return s.r.reload() }
+
+// Run polls the files every interval until ctx is done. Kubernetes secret
+// volumes and cert-manager replace files by renaming symlinks, which polling
+// the contents handles without special cases.
+func (s *FileSource) Run(ctx context.Context, interval time.Duration) { s.r.run(ctx, interval) }
+
+// parse makes the material of the files' contents, cur being the material
+// in use (nil the first time).
+func (s *FileSource) parse(raw [][]byte, cur *Material) (*Material, []any, error) {
 	m, err := ParseMaterial(raw[0], raw[1], raw[2], s.now())
 	if err != nil {
-		// Remember nothing: a later complete write must be re-examined.
-		return false, s.refuse(fmt.Errorf("mtls: %s, %s, %s: %w", s.certFile, s.keyFile, s.caFile, err))
+		return nil, nil, fmt.Errorf("mtls: %s, %s, %s: %w", s.certFile, s.keyFile, s.caFile, err)
 	}
-	if cur := s.cur.Load(); cur != nil {
+	if cur != nil {
 		// Peers decide by identity and validity: material they would
 		// refuse is kept out, as a broken file is. Not remembered, so the
 		// same files are examined again (a certificate not valid yet is
 		// taken once it is).
 		switch {
 		case m.ID != cur.ID:
-			return false, s.refuse(fmt.Errorf("mtls: %s names %s, not %s as the certificate in use does (peers would refuse it)", s.certFile, m.ID, cur.ID))
+			return nil, nil, fmt.Errorf("mtls: %s names %s, not %s as the certificate in use does (peers would refuse it)", s.certFile, m.ID, cur.ID)
 		case s.now().Before(m.Leaf.NotBefore):
-			return false, s.refuse(fmt.Errorf("mtls: %s is not valid before %s", s.certFile, m.Leaf.NotBefore.UTC().Format(time.RFC3339)))
+			return nil, nil, fmt.Errorf("mtls: %s is not valid before %s", s.certFile, m.Leaf.NotBefore.UTC().Format(time.RFC3339))
 		}
 	}
-	s.lastRead = raw
-	s.refused = ""
-	first := s.cur.Load() == nil
-	s.cur.Store(m)
-	if !first {
-		s.reloads.Add(1)
-		s.log.Info("mtls: certificate reloaded", "identity", m.ID, "not_after", m.Leaf.NotAfter.UTC().Format(time.RFC3339), "serial", m.Leaf.SerialNumber.String())
+	return m, []any{"identity", m.ID, "not_after", m.Leaf.NotAfter.UTC().Format(time.RFC3339), "serial", m.Leaf.SerialNumber.String()}, nil
+}
+
+// reloader is what FileSource and CAFile share: a value made from files
+// and made again when their contents change; new contents that are refused
+// leave the value in use.
+type reloader[T any] struct {
+	files []string
+	// parse makes the value of the files' contents, cur being the value in
+	// use (nil the first time), and the attributes to log its reload with.
+	parse                   func(raw [][]byte, cur *T) (*T, []any, error)
+	log                     *slog.Logger
+	msgReloaded, msgRefused string
+
+	cur atomic.Pointer[T]
+
+	mu                sync.Mutex // serializes reloads
+	lastRead          [][]byte
+	refused           string // the last refusal logged, so one that stands is logged once
+	reloads, failures atomic.Int64
+}
+
+// start makes the first value; it fails if the files are refused.
+func (r *reloader[T]) start() error {
+	if r.log == nil {
+		r.log = slog.New(slog.DiscardHandler)
+	}
+	_, err := r.reload()
+	return err
+}
+
+// reload reads the files and swaps in their value if they changed and
+// parse. It reports whether a swap happened.
+func (r *reloader[T]) reload() (bool, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	raw := make([][]byte, len(r.files))
+	for i, f := range r.files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return false, r.refuse(fmt.Errorf("mtls: read %s: %w", f, err))
+		}
+		raw[i] = b
+	}
+	cur := r.cur.Load()
+	if cur != nil && slices.EqualFunc(raw, r.lastRead, bytes.Equal) {
+		r.refused = "" // the files in use again: a refusal after this is news
+		return false, nil
+	}
+	v, attrs, err := r.parse(raw, cur)
+	if err != nil {
+		// Remember nothing: a later complete write must be re-examined.
+		return false, r.refuse(err)
+	}
+	r.lastRead, r.refused = raw, ""
+	r.cur.Store(v)
+	if cur != nil {
+		r.reloads.Add(1)
+		r.log.Info(r.msgReloaded, attrs...)
 	}
 	return true, nil
 }
 
 // refuse counts a refused reload and logs it, once while the same refusal
-// stands (Run polls every interval); called with mu held.
-func (s *FileSource) refuse(err error) error {
-	if s.cur.Load() != nil {
-		s.failures.Add(1)
-		if msg := err.Error(); msg != s.refused {
-			s.refused = msg
-			s.log.Error("mtls: new certificate files refused, keeping the previous ones (logged again only if the refusal changes)", "err", err)
+// stands (run polls every interval); called with mu held.
+func (r *reloader[T]) refuse(err error) error {
+	if r.cur.Load() != nil {
+		r.failures.Add(1)
+		if msg := err.Error(); msg != r.refused {
+			r.refused = msg
+			r.log.Error(r.msgRefused, "err", err)
 		}
 	}
 	return err
 }
 
-// Run polls the files every interval until ctx is done. Kubernetes secret
-// volumes and cert-manager replace files by renaming symlinks, which polling
-// the contents handles without special cases.
-func (s *FileSource) Run(ctx context.Context, interval time.Duration) {
-	poll(ctx, interval, func() { _, _ = s.Reload() }) // logged inside
-}
-
-// poll calls reload every interval (a second if it is not positive) until
-// ctx is done.
-func poll(ctx context.Context, interval time.Duration, reload func()) {
+// run reloads every interval (a second if it is not positive) until ctx is
+// done; refusals are logged inside.
+func (r *reloader[T]) run(ctx context.Context, interval time.Duration) {
 	if interval <= 0 {
 		interval = time.Second
 	}
@@ -152,7 +184,7 @@ func poll(ctx context.Context, interval time.Duration, reload func()) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			reload()
+			_, _ = r.reload()
 		}
 	}
 }
