@@ -56,12 +56,39 @@ func init() { extraControllers = append(extraControllers, newSourceProtector) }
 type sourceProtector struct {
 	b     *Bridge
 	queue *termQueue
+	// claims indexes the Pending claims by the source they copy
+	// (pendingSourceIndex), so a source's look finds its copies without
+	// listing its namespace.
+	claims cache.Indexer
+}
+
+// pendingSourceIndex indexes each Pending claim that copies a source by
+// the source's queue key (claimKeyPrefix or snapshotKeyPrefix, then
+// namespace/name).
+const pendingSourceIndex = "csibroker.io/pending-source"
+
+func pendingSourceKeys(obj any) ([]string, error) {
+	c, ok := obj.(*corev1.PersistentVolumeClaim)
+	if !ok || c.Status.Phase != corev1.ClaimPending {
+		return nil, nil
+	}
+	if src := cloneSourceOf(c); src != "" {
+		return []string{claimKeyPrefix + c.Namespace + "/" + src}, nil
+	}
+	if snap := snapshotSourceOf(c); snap != "" {
+		return []string{snapshotKeyPrefix + c.Namespace + "/" + snap}, nil
+	}
+	return nil, nil
 }
 
 func newSourceProtector(b *Bridge) (controller, error) {
-	p := &sourceProtector{b: b, queue: newTermQueue("source-protection", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax)}
+	inf := b.factory.Core().V1().PersistentVolumeClaims().Informer()
+	if err := inf.AddIndexers(cache.Indexers{pendingSourceIndex: pendingSourceKeys}); err != nil {
+		return nil, fmt.Errorf("source protection: %w", err)
+	}
+	p := &sourceProtector{b: b, queue: newTermQueue("source-protection", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), claims: inf.GetIndexer()}
 	b.metrics.queueDepth("source-protection", p.queue.Len)
-	b.on(b.factory.Core().V1().PersistentVolumeClaims().Informer(), cache.ResourceEventHandlerFuncs{
+	b.on(inf, cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { p.claimChanged(nil, obj) },
 		UpdateFunc: func(old, obj any) { p.claimChanged(old, obj) },
 		DeleteFunc: func(obj any) {
@@ -206,7 +233,7 @@ func (p *sourceProtector) syncClaim(ctx context.Context, key string) (time.Durat
 	if src.DeletionTimestamp == nil || !slices.Contains(src.Finalizers, cloneFinalizer) {
 		return 0, nil
 	}
-	if pending := p.pending(ns, name, cloneSourceOf); len(pending) > 0 {
+	if pending := p.pending(claimKeyPrefix + key); len(pending) > 0 {
 		p.b.log.Debug("source protection: deleted claim kept while claims cloning it are pending", "claim", key, "pending", pending)
 		return sourceRecheck, nil
 	}
@@ -234,7 +261,7 @@ func (p *sourceProtector) syncSnapshot(ctx context.Context, key string) error {
 	if err != nil || p.b.cfg.SnapshotClient == nil {
 		return nil
 	}
-	if pending := p.pending(ns, name, snapshotSourceOf); len(pending) > 0 {
+	if pending := p.pending(snapshotKeyPrefix + key); len(pending) > 0 {
 		p.b.log.Debug("source protection: VolumeSnapshot kept while claims restoring it are pending", "snapshot", key, "pending", pending)
 		return nil // their own updates bring it back
 	}
@@ -250,7 +277,7 @@ func (p *sourceProtector) syncSnapshot(ctx context.Context, key string) error {
 	}
 	// Looked at again right before the write: a restore that began since
 	// the first look found the finalizer there and wrote nothing.
-	if len(p.pending(ns, name, snapshotSourceOf)) > 0 {
+	if len(p.pending(snapshotKeyPrefix+key)) > 0 {
 		return nil
 	}
 	if err := p.b.patchSnapshotFinalizer(ctx, snap, false); err != nil {
@@ -260,21 +287,18 @@ func (p *sourceProtector) syncSnapshot(ctx context.Context, key string) error {
 	return nil
 }
 
-// pending names the Pending claims of namespace ns whose source (as
-// sourceOf reads it) is name.
-func (p *sourceProtector) pending(ns, name string, sourceOf func(*corev1.PersistentVolumeClaim) string) []string {
-	claims, err := p.b.claims.PersistentVolumeClaims(ns).List(labels.Everything())
+// pending names the Pending claims that copy the source of queue key key
+// (a claim being deleted still counts: its driver may still be copying).
+func (p *sourceProtector) pending(key string) []string {
+	objs, err := p.claims.ByIndex(pendingSourceIndex, key)
 	if err != nil {
-		return []string{"(claims not listed: " + err.Error() + ")"}
+		return []string{"(claims not indexed: " + err.Error() + ")"}
 	}
-	var out []string
-	for _, c := range claims {
-		// A claim being deleted still counts: its driver may still be
-		// copying.
-		if c.Status.Phase == corev1.ClaimPending && sourceOf(c) == name {
-			out = append(out, c.Name)
-		}
+	out := make([]string, 0, len(objs))
+	for _, o := range objs {
+		out = append(out, o.(*corev1.PersistentVolumeClaim).Name)
 	}
+	slices.Sort(out)
 	return out
 }
 
