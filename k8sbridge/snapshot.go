@@ -38,11 +38,8 @@ func (p *provisioner) snapshotSource(ctx context.Context, claim *corev1.Persiste
 		return nil, nil, fmt.Errorf("driver %s does not support snapshot restore (no CREATE_DELETE_SNAPSHOT capability)", driver)
 	}
 	snap, err := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(claim.Namespace).Get(ctx, name, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
-		return nil, nil, fmt.Errorf("VolumeSnapshot %s/%s not found", claim.Namespace, name)
-	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("VolumeSnapshot %s/%s: %w", claim.Namespace, name, err)
+		return nil, nil, snapshotGetError(err, claim.Namespace, name)
 	}
 	// A snapshot being deleted is refused, unless a restore from it began
 	// before (it holds snapshotFinalizer): that restore goes on.
@@ -84,4 +81,21 @@ func (p *provisioner) snapshotSource(ctx context.Context, claim *corev1.Persiste
 		}
 	}
 	return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: *content.Status.SnapshotHandle}}}, snap, nil
+}
+
+// snapshotGetError says what a failed GET of VolumeSnapshot ns/name means.
+// The API server's 404 for an object names it in its details; its 404 for
+// an API it does not serve (no VolumeSnapshot CRD installed, or none
+// serving v1) names nothing, and saying "not found" then would send a user
+// looking for an object that is not the problem.
+func snapshotGetError(err error, ns, name string) error {
+	if !apierrors.IsNotFound(err) {
+		return fmt.Errorf("VolumeSnapshot %s/%s: %w", ns, name, err)
+	}
+	if st, ok := err.(apierrors.APIStatus); ok {
+		if d := st.Status().Details; d == nil || d.Name == "" {
+			return fmt.Errorf("VolumeSnapshot %s/%s: this cluster does not serve the %s/v1 API (install the VolumeSnapshot CRDs and the snapshot-controller to restore snapshots)", ns, name, snapshotGroup)
+		}
+	}
+	return fmt.Errorf("VolumeSnapshot %s/%s not found", ns, name)
 }

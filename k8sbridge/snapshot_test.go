@@ -213,3 +213,31 @@ func waitSnapshotReleased(t *testing.T, sc snapshotclient.Interface, ns, name st
 		t.Fatal(err)
 	}
 }
+
+// TestSnapshotGetErrorTellsAMissingAPIFromAMissingObject: the real API
+// server's 404 for a VolumeSnapshot that does not exist says "not found";
+// its 404 for an API group it does not serve (what a cluster without the
+// VolumeSnapshot CRDs answers) says the API is not served, not that the
+// snapshot is missing.
+func TestSnapshotGetErrorTellsAMissingAPIFromAMissingObject(t *testing.T) {
+	env := testenv.Shared(t)
+	installSnapshotCRDs(t, env)
+	ns := env.NewNamespace(t)
+	sc := snapshotclient.NewForConfigOrDie(env.RESTConfig())
+	ctx := context.Background()
+	_, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "absent", metav1.GetOptions{})
+	if got := snapshotGetError(err, ns, "absent").Error(); got != "VolumeSnapshot "+ns+"/absent not found" {
+		t.Errorf("missing snapshot (%v): %q", err, got)
+	}
+	err = sc.SnapshotV1().RESTClient().Get().AbsPath("/apis/nosuch.csibroker.test/v1/namespaces", ns, "volumesnapshots", "absent").Do(ctx).Error()
+	if got := snapshotGetError(err, ns, "absent").Error(); !strings.Contains(got, "does not serve the snapshot.storage.k8s.io/v1 API") || strings.Contains(got, "not found") {
+		t.Errorf("API not served (%v): %q", err, got)
+	}
+	err = sc.SnapshotV1().RESTClient().Get().AbsPath("/apis/snapshot.storage.k8s.io/v1/namespaces", ns, "volumesnapshots", "absent").Timeout(time.Nanosecond).Do(ctx).Error()
+	if err == nil {
+		t.Fatal("a GET with a timeout of 1ns succeeded")
+	}
+	if got := snapshotGetError(err, ns, "absent").Error(); !strings.HasPrefix(got, "VolumeSnapshot "+ns+"/absent: ") || strings.Contains(got, "not found") || strings.Contains(got, "does not serve") {
+		t.Errorf("other failure (%v): %q", err, got)
+	}
+}
