@@ -137,8 +137,15 @@ func decodeDocuments(data []byte) ([]any, error) {
 			// A key given twice in one object is refused, as the YAML
 			// decoder and kubectl refuse it (encoding/json keeps the last:
 			// "action": "Deny" then "Allow" would load an Allow grant).
+			// That decoder refuses numbers encoding/json keeps (1e400 is
+			// out of float64's range); its refusal is the file's, or a
+			// duplicate after such a number would go by unseen.
 			var probe any
-			if strictErrs, err := sigsjson.UnmarshalStrict(trimmed, &probe, sigsjson.DisallowDuplicateFields); err == nil && len(strictErrs) > 0 {
+			strictErrs, err := sigsjson.UnmarshalStrict(trimmed, &probe, sigsjson.DisallowDuplicateFields)
+			if err != nil {
+				return nil, fmt.Errorf("JSON input: %w", err)
+			}
+			if len(strictErrs) > 0 {
 				return nil, fmt.Errorf("JSON input: %w", errors.Join(strictErrs...))
 			}
 			return []any{v}, nil

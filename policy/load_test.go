@@ -120,6 +120,11 @@ func TestParseGrantsErrors(t *testing.T) {
 		{"unknown nested field", obj("spec: {drivers: [d], secretNames: [s], operations: [CreateVolume], requesters: {namespace: [x]}}"), `unknown field "requesters.namespace"`},
 		{"field name in another case", obj("spec: {drivers: [d], secretNames: [s], operations: [CreateVolume], requesters: {namespaces: [x]}, Action: Deny}"), `unknown field "Action"`},
 		{"JSON key given twice", `{"apiVersion": "policy.csibroker.io/v1alpha1", "kind": "SecretGrant", "metadata": {"name": "g", "namespace": "n"}, "spec": {"action": "Deny", "drivers": ["d"], "secretNames": ["s"], "operations": ["CreateVolume"], "requesters": {"namespaces": ["x"]}, "action": "Allow"}}`, `duplicate field "spec.action"`},
+		// A number encoding/json keeps but the duplicate check's decoder
+		// refuses: the file is refused, not its duplicate let by (this
+		// loaded an Allow grant).
+		{"JSON key given twice after a number out of range", `{"apiVersion": "policy.csibroker.io/v1alpha1", "kind": "SecretGrant", "metadata": {"name": "g", "namespace": "n", "annotations": {"x": 1e400}}, "spec": {"action": "Deny", "drivers": ["d"], "secretNames": ["s"], "operations": ["CreateVolume"], "requesters": {"namespaces": ["x"]}, "action": "Allow"}}`, `JSON input: `},
+		{"JSON key given twice in a list item", `[{"apiVersion": "policy.csibroker.io/v1alpha1", "kind": "SecretGrant", "metadata": {"name": "g", "namespace": "n"}, "spec": {"action": "Deny", "drivers": ["d"], "secretNames": ["s"], "operations": ["CreateVolume"], "requesters": {"namespaces": ["x", "y"], "namespaces": ["z"]}}}]`, `duplicate field "[0].spec.requesters.namespaces"`},
 		{"unknown top-level field", obj(validSpec) + "extra: 1\n", `unknown field "extra"`},
 		{"wrong type", obj("spec: {drivers: d, secretNames: [s], operations: [CreateVolume], requesters: {namespaces: [x]}}"), "cannot unmarshal"},
 		{"no spec", obj(""), "has no spec"},
