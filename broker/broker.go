@@ -61,6 +61,11 @@ type Broker struct {
 	// closed is set by Close: later registrations are refused and a
 	// connection retired after it is closed, not drained.
 	closed bool
+	// changed is closed (and replaced) when a driver is registered,
+	// re-registered or removed: ServeSocketDir follows the registry.
+	changed chan struct{}
+	// sockets are the front-end sockets serving, by driver.
+	sockets map[string]string
 }
 
 // New makes an empty broker; add drivers with SetDriver.
@@ -89,6 +94,8 @@ func New(opts Options) (*Broker, error) {
 		tracer:   opts.TracerProvider.Tracer("github.com/csibroker/csibroker/broker"),
 		drivers:  map[string]*Driver{},
 		draining: map[*proxyConn]struct{}{},
+		changed:  make(chan struct{}),
+		sockets:  map[string]string{},
 	}
 	b.metrics = newMetrics()
 	b.metrics.b = b
@@ -194,6 +201,7 @@ func (b *Broker) SetDriver(cfg DriverConfig) error {
 		}
 	}
 	b.drivers[cfg.Name] = d
+	b.changedLocked()
 	b.log.Info("driver registered", "driver", cfg.Name, "controller", cfg.Controller != nil, "node_proxies", len(cfg.Nodes), "node_local", cfg.NodeLocal)
 	return nil
 }
@@ -204,6 +212,9 @@ func (b *Broker) RemoveDriver(name string) {
 	b.mu.Lock()
 	d := b.drivers[name]
 	delete(b.drivers, name)
+	if d != nil {
+		b.changedLocked()
+	}
 	b.mu.Unlock()
 	if d != nil {
 		for _, pc := range d.all() {
@@ -211,6 +222,19 @@ func (b *Broker) RemoveDriver(name string) {
 		}
 		b.log.Info("driver removed", "driver", name)
 	}
+}
+
+// changedLocked tells those following the registry that it changed.
+func (b *Broker) changedLocked() {
+	close(b.changed)
+	b.changed = make(chan struct{})
+}
+
+// registryChanged is closed at the registry's next change.
+func (b *Broker) registryChanged() <-chan struct{} {
+	b.mu.RLock()
+	defer b.mu.RUnlock()
+	return b.changed
 }
 
 // current is the connection that now serves what p served (the same
@@ -513,7 +537,9 @@ func (b *Broker) proxyStates() []proxyState {
 
 // DriverStatus is a snapshot for the status API.
 type DriverStatus struct {
-	Name                    string
+	Name string
+	// Socket is the driver's front-end socket ("" when none serves).
+	Socket                  string
 	Proxies                 []ProxyStatus
 	Inflight, Total, Failed int64
 }
@@ -528,7 +554,7 @@ func (b *Broker) Status() []DriverStatus {
 	var out []DriverStatus
 	for _, name := range sortedKeys(b.drivers) {
 		d := b.drivers[name]
-		ds := DriverStatus{Name: name, Inflight: d.stats.inflight.Load(), Total: d.stats.total.Load(), Failed: d.stats.failed.Load()}
+		ds := DriverStatus{Name: name, Socket: b.sockets[name], Inflight: d.stats.inflight.Load(), Total: d.stats.total.Load(), Failed: d.stats.failed.Load()}
 		for _, pc := range d.all() {
 			ds.Proxies = append(ds.Proxies, ProxyStatus{Address: pc.cfg.Address, Node: pc.cfg.Node, State: pc.up.state(), ExpectedIdentity: pc.want})
 		}

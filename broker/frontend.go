@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 
@@ -82,8 +83,99 @@ func (b *Broker) ServeSocket(ctx context.Context, driver, path string) error {
 		return fmt.Errorf("front end for %s: %w", driver, err)
 	}
 	defer os.Remove(path)
+	b.mu.Lock()
+	b.sockets[driver] = path
+	b.mu.Unlock()
+	defer func() {
+		b.mu.Lock()
+		if b.sockets[driver] == path {
+			delete(b.sockets, driver)
+		}
+		b.mu.Unlock()
+	}()
 	b.log.Info("CSI front end serving", "driver", driver, "socket", path)
 	return newFEServer(&frontEnd{b: b, driver: driver}, nil).serve(ctx, lis)
+}
+
+// ServeSocketDir serves a front end <dir>/<driver>.sock for every
+// registered driver until ctx is done, following the registry: a driver
+// registered later (found by discovery, say) gets its socket then, and a
+// removed driver's socket takes no new caller, lets the calls in flight
+// finish (as on shutdown) and goes. No driver socket takes one of the
+// reserved paths (the status socket's): such a driver is served none, and
+// an error says so. A socket that fails is logged and tried again at the
+// registry's next change.
+func (b *Broker) ServeSocketDir(ctx context.Context, dir string, reserved ...string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("front ends: %w", err)
+	}
+	type socket struct {
+		cancel context.CancelFunc // nil once stopping
+		failed bool
+	}
+	serving := map[string]*socket{}
+	exited := make(chan string)
+	refused := map[string]bool{} // reserved paths, logged once
+	for {
+		changed := b.registryChanged() // before the names: no change is missed
+		want := b.DriverNames()
+		for name, s := range serving {
+			if s.cancel != nil && !slices.Contains(want, name) {
+				s.cancel()
+				s.cancel = nil
+			}
+		}
+		for _, name := range want {
+			if serving[name] != nil {
+				continue // serving, stopping (started again once it has stopped) or failed
+			}
+			path := filepath.Join(dir, name+".sock")
+			if slices.ContainsFunc(reserved, func(r string) bool { return filepath.Clean(r) == filepath.Clean(path) }) {
+				if !refused[name] {
+					refused[name] = true
+					b.log.Error("CSI front end: no socket for this driver: its path is reserved (set --status-socket to another path)", "driver", name, "socket", path)
+				}
+				continue
+			}
+			sctx, cancel := context.WithCancel(ctx)
+			s := &socket{cancel: cancel}
+			serving[name] = s
+			go func() {
+				err := b.ServeSocket(sctx, name, path)
+				if err != nil && sctx.Err() == nil {
+					b.log.Error("CSI front end: socket failed; tried again at the next registry change", "driver", name, "socket", path, "err", err)
+				}
+				cancel()
+				exited <- name
+			}()
+		}
+		select {
+		case <-changed:
+			for name, s := range serving {
+				if s.failed {
+					delete(serving, name)
+				}
+			}
+		case name := <-exited:
+			if s := serving[name]; s.cancel != nil && ctx.Err() == nil {
+				s.failed, s.cancel = true, nil // still registered: it failed
+			} else {
+				delete(serving, name)
+			}
+		case <-ctx.Done():
+			for len(serving) > 0 {
+				for name, s := range serving {
+					if s.failed {
+						delete(serving, name)
+					}
+				}
+				if len(serving) > 0 {
+					delete(serving, <-exited)
+				}
+			}
+			return nil
+		}
+	}
 }
 
 // ServeTCP serves the shared mTLS front end on lis: callers name the driver

@@ -15,8 +15,6 @@ type StatusServer struct {
 	// Leader reports whether this replica leads and who does; nil means no
 	// leader election (always leader).
 	Leader func() (bool, string)
-	// Sockets maps driver names to their front-end socket paths.
-	Sockets map[string]string
 }
 
 // GetStatus snapshots drivers, proxies and leadership.
@@ -26,7 +24,7 @@ func (s *StatusServer) GetStatus(context.Context, *brokerstatusv1.GetStatusReque
 		out.Leader, out.LeaderIdentity = s.Leader()
 	}
 	for _, d := range s.B.Status() {
-		ds := &brokerstatusv1.DriverStatus{Name: d.Name, InflightCalls: d.Inflight, TotalCalls: d.Total, FailedCalls: d.Failed, Socket: s.Sockets[d.Name]}
+		ds := &brokerstatusv1.DriverStatus{Name: d.Name, InflightCalls: d.Inflight, TotalCalls: d.Total, FailedCalls: d.Failed, Socket: d.Socket}
 		for _, p := range d.Proxies {
 			ds.Proxies = append(ds.Proxies, &brokerstatusv1.ProxyStatus{Address: p.Address, Node: p.Node, State: p.State, ExpectedIdentity: p.ExpectedIdentity})
 		}

@@ -80,7 +80,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs := flag.NewFlagSet("broker", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&cfg.RegistryFile, "driver-registry", "", "YAML file listing drivers and their proxies (see deploy/examples/registry.yaml)")
-	fs.StringVar(&cfg.SocketDir, "socket-dir", "/run/csibroker", "directory for the per-driver CSI front-end sockets <dir>/<driver>.sock (empty: none)")
+	fs.StringVar(&cfg.SocketDir, "socket-dir", "/run/csibroker", "directory for the CSI front-end sockets <dir>/<driver>.sock, one for every driver, from the registry file or found by discovery, made and removed as drivers come and go (empty: none)")
 	fs.StringVar(&cfg.Listen, "listen", "", "address of the shared mTLS CSI front end, where x-csibroker-driver metadata names the driver and callers present a client certificate (spiffe://<trust-domain>/csibroker/client/<name>, see csibroker certs --client) (empty: off)")
 	fs.StringVar(&cfg.StatusSocket, "status-socket", "", "unix socket for the status API read by 'csibroker status' (default <socket-dir>/csibroker-status.sock)")
 	fs.StringVar(&cfg.HTTPEndpoint, "http-endpoint", "", "address for /healthz, /readyz and metrics (empty: off)")
@@ -202,9 +202,11 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 			g.Go(func() error { w.Run(ctx, store); return nil })
 		}
 	}
-	for name, path := range sockets {
+	if cfg.SocketDir != "" {
+		// Every driver's, those discovery finds included, as they come
+		// and go.
 		g.Go(func() error {
-			if err := b.ServeSocket(ctx, name, path); err != nil {
+			if err := b.ServeSocketDir(ctx, cfg.SocketDir, statusPath); err != nil {
 				return fmt.Errorf("--socket-dir %s: %w", cfg.SocketDir, err)
 			}
 			return nil
@@ -223,7 +225,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	if statusPath != "" {
 		g.Go(func() error {
-			return serveStatus(ctx, statusPath, &broker.StatusServer{B: b, Version: version, Sockets: sockets, Leader: leader})
+			return serveStatus(ctx, statusPath, &broker.StatusServer{B: b, Version: version, Leader: leader})
 		})
 	}
 	if cfg.HTTPEndpoint != "" {
