@@ -300,18 +300,25 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 		return
 	}
 	defer p.dropVolume(in.VolumeName)
+	log := p.b.log.With("volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName, "reason", why)
+	// Every failure below backs off as a failed call does: an entry whose
+	// driver is down must not cost API reads (this PV's, the claim's) on
+	// every pass.
+	if _, err := p.conn(in.Driver, in.Node); err != nil {
+		p.orphanFailed(log, in, now, "reach the driver of an orphaned volume", err.Error())
+		return
+	}
 	// The pass works from a list read at its start, and the PV cache may
 	// lag: a worker (or the previous leader) may have made the PV since.
 	// Asked of the API server before any volume is deleted.
 	switch held, err := p.pvHolds(ctx, in.VolumeName, in.Node); {
 	case err != nil:
-		p.b.log.Warn("recovery: cannot read PersistentVolume; will retry", "volume", in.VolumeName, "err", err)
+		p.orphanFailed(log, in, now, "read the PersistentVolume of an orphaned volume", err.Error())
 		return
 	case held:
 		p.b.intents.Remove(in.Key())
 		return
 	}
-	log := p.b.log.With("volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName, "reason", why)
 	ctx, span := p.b.tracer.Start(ctx, "recover "+in.VolumeName)
 	defer span.End()
 	id, requester, stage, err := p.learnVolumeID(ctx, in)
@@ -326,12 +333,10 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 	if err != nil {
 		detail := err.Error()
 		switch stage {
-		case stageRequest:
-			log.Error("recovery: unreadable recorded request; leaving the entry for an admin", "err", err)
-			return
-		case stageConn:
-			log.Error("recovery: driver unreachable", "err", err)
-			return
+		case stageRequest, stageConn:
+			// Retried with backoff too (a record written by a newer
+			// broker may be read by the next leader), and reported as
+			// stuck.
 		case stageSecret:
 			// A secret denied or gone (its namespace deleted, say):
 			// retried with the same backoff as a failed call.

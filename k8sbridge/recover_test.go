@@ -329,6 +329,50 @@ func testRecoverBacksOff(t *testing.T, method string) {
 	}
 }
 
+// TestRecoverBacksOffAnUnreachableDriver: an orphan entry whose driver is
+// not registered (its proxy gone, say) is retried with the same backoff as
+// a failed call, not on every pass (each attempt costs API reads of its
+// claim and PV), and is reported as stuck at the third failure.
+func TestRecoverBacksOffAnUnreachableDriver(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "absent.csi.test")
+	claim := makeStaticClaim(t, c, ns, "gone", "")
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "gone", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := testenv.WaitFor(ctx, 30*time.Second, "claim gone deleted", func(ctx context.Context) (bool, string, error) {
+		_, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "gone", metav1.GetOptions{})
+		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	recordIntent(t, c, ns, intentFor(t, drv, VolumeName("pvc", claim.UID, 0), claim))
+
+	const interval = 200 * time.Millisecond
+	r := startBridge(t, env, ns, &testDrivers{}, bridgeOpts{configureCfg: func(cfg *Config) { cfg.RecoveryInterval = interval }})
+	const passes = 16
+	err = testenv.WaitFor(ctx, 60*time.Second, fmt.Sprintf("%d recovery passes", passes), func(context.Context) (bool, string, error) {
+		n := r.b.prov.recoveryPasses.Load()
+		return n >= passes, fmt.Sprintf("%d passes", n), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Waits of 1, 2, 4 and 8 intervals (half an interval early at most):
+	// attempts in passes 0, 1, 3, 7 and 15, five in sixteen passes.
+	attempts := strings.Count(r.logs.String(), "unknown driver")
+	if attempts < 3 || attempts > 6 {
+		t.Errorf("%d attempts in %d recovery passes, want 3 to 6 (backing off)", attempts, passes)
+	}
+	if v := r.metricValue(t, "csibroker_recovered_volumes_total", map[string]string{"driver": drv, "result": "stuck"}); v != 1 {
+		t.Errorf("recovered_volumes_total{result=stuck} = %v, want 1 (at the third failure)", v)
+	}
+}
+
 func gaps(ts []time.Time) []time.Duration {
 	var out []time.Duration
 	for i := 1; i < len(ts); i++ {
