@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -729,4 +730,31 @@ func makeTenant(t *testing.T, c kubernetes.Interface, storageNS string) string {
 		t.Fatal(err)
 	}
 	return tenant
+}
+
+// TestDeleteVolumeNotFoundIsNotDeleted: a driver answering DeleteVolume
+// NotFound (the CSI spec has it answer OK for a volume it does not have,
+// so NotFound may be about something else) keeps the PV, with a Warning
+// Event naming the answer, as external-provisioner does; the deletion goes
+// on once the driver answers OK, and the volume is gone.
+func TestDeleteVolumeNotFoundIsNotDeleted(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "nf.csi.test")
+	drivers := &testDrivers{}
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
+		"DeleteVolume": {First: 2, Code: codes.NotFound}}}})
+	class := makeClass(t, c, clusterName(ns, "nf"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitEvent(t, c, "default", pvName, "VolumeFailedDelete", "NotFound")
+	waitPVGone(t, c, pvName, 60*time.Second)
+	if n := len(d.Volumes()); n != 0 || d.CallCount("DeleteVolume") != 3 {
+		t.Fatalf("%d volumes left, %d DeleteVolume calls; want the volume deleted at the third", n, d.CallCount("DeleteVolume"))
+	}
 }

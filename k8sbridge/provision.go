@@ -1182,7 +1182,10 @@ func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volume
 	ctx, cancel := p.b.callContext(ctx, driver, "DeleteVolume")
 	defer cancel()
 	_, err = csi.NewControllerClient(conn).DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: volumeID, Secrets: secrets})
-	if err != nil && status.Code(err) != codes.NotFound {
+	if err != nil {
+		// NotFound included: the CSI spec has a plugin answer OK for a
+		// volume it does not have, so NotFound may be about something
+		// else (a pool, a tenant); as external-provisioner, retried.
 		// The status as text and wrapped: its code names the failure (failureOf).
 		return fmt.Errorf("DeleteVolume %s on driver %s: %w", volumeID, driver, status.Convert(err).Err())
 	}
