@@ -91,15 +91,15 @@ func TestRBACLeastPrivilege(t *testing.T) {
 			{"", "nodes", ""}:                                         read,
 			{"", "namespaces", ""}:                                    read,
 			{"", "pods", ""}:                                          sorted("list", "watch"),
-			{"storage.k8s.io", "storageclasses", ""}:                  read,
+			{"storage.k8s.io", "storageclasses", ""}:                  sorted("list", "watch"),
 			{"storage.k8s.io", "csinodes", ""}:                        read,
 			{"storage.k8s.io", "volumeattributesclasses", ""}:         {"get"},
 			{"snapshot.storage.k8s.io", "volumesnapshots", ""}:        sorted("get", "list", "patch"),
 			{"snapshot.storage.k8s.io", "volumesnapshotcontents", ""}: {"get"},
-			{"storage.k8s.io", "volumeattachments", ""}:               sorted("get", "list", "watch", "patch"),
+			{"storage.k8s.io", "volumeattachments", ""}:               sorted("list", "watch", "patch"),
 			{"storage.k8s.io", "volumeattachments/status", ""}:        sorted("patch"),
-			{"", "events", ""}:                                        sorted("create", "update", "patch"),
-			{"policy.csibroker.io", "secretgrants", ""}:               read,
+			{"", "events", ""}:                                        sorted("create", "patch"),
+			{"policy.csibroker.io", "secretgrants", ""}:               sorted("list", "watch"),
 			{"policy.csibroker.io", "secretgrants/status", ""}:        sorted("patch"),
 			{"", "secrets", ""}:                                       {"get"},
 		}
@@ -121,7 +121,7 @@ func TestRBACLeastPrivilege(t *testing.T) {
 			{"coordination.k8s.io", "leases", "csibroker-leader"}: sorted("get", "update"),
 			{"", "configmaps", ""}:                                {"create"},
 			{"", "configmaps", "csibroker-intents"}:               sorted("get", "update"),
-			{"storage.k8s.io", "csistoragecapacities", ""}:        sorted("get", "list", "watch", "create", "update", "delete"),
+			{"storage.k8s.io", "csistoragecapacities", ""}:        sorted("list", "watch", "create", "update", "delete"),
 		}
 		compareGrants(t, got, want)
 	})
