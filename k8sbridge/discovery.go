@@ -58,6 +58,14 @@ const (
 	ReasonProxyNotUsed = "ProxyNotUsed"
 )
 
+// discoveryGoneGrace is how long a discovered driver with no Ready proxy
+// pod left stays registered, as it was, before it is removed: a proxy that
+// fails a readiness probe or two, or a rollout that stops the old pod
+// before the new one is Ready, costs its calls a retry (the old address
+// refuses them), not the driver's registration (an unknown driver's
+// objects are skipped until the next resync).
+const discoveryGoneGrace = 30 * time.Second
+
 // discoveryLeaderPoll is how often Run looks whether this replica leads, so
 // that a new leader records the Events of the problems that stand.
 const discoveryLeaderPoll = 2 * time.Second
@@ -110,6 +118,12 @@ type Discovery struct {
 
 	mu      sync.Mutex
 	current map[string]broker.DriverConfig
+	// goneSince: when each registered driver was first seen with no
+	// Ready proxy pod (removed after goneGrace; a test shortens it), and
+	// the timer that syncs again when the first grace ends.
+	goneSince map[string]time.Time
+	goneGrace time.Duration
+	goneTimer *time.Timer
 }
 
 // NewDiscovery watches pods matching selector in namespaces (all namespaces
@@ -125,7 +139,8 @@ func NewDiscovery(client kubernetes.Interface, selector string, namespaces []str
 		log = slog.New(slog.DiscardHandler)
 	}
 	d := &Discovery{client: client, selector: selector, registry: registry, template: template, static: map[string]bool{}, log: log.With("component", "discovery"),
-		kick: make(chan struct{}, 1), current: map[string]broker.DriverConfig{}, leaderPoll: discoveryLeaderPoll}
+		kick: make(chan struct{}, 1), current: map[string]broker.DriverConfig{}, leaderPoll: discoveryLeaderPoll,
+		goneSince: map[string]time.Time{}, goneGrace: discoveryGoneGrace}
 	for _, s := range static {
 		d.static[s] = true
 	}
@@ -402,11 +417,37 @@ func (d *Discovery) sync() {
 		d.current[name] = cfg
 		d.log.Info("driver discovered", "driver", name, "controller", cfg.Controller != nil, "node_proxies", len(cfg.Nodes))
 	}
+	var next time.Duration // until the first grace ends (0: none runs)
 	for name := range d.current {
-		if _, ok := want[name]; !ok {
-			d.registry.RemoveDriver(name)
-			delete(d.current, name)
-			d.log.Info("driver gone: no ready proxy pod left", "driver", name)
+		if _, ok := want[name]; ok {
+			if _, was := d.goneSince[name]; was {
+				delete(d.goneSince, name)
+				d.log.Info("driver's proxy is ready again", "driver", name)
+			}
+			continue
+		}
+		since, ok := d.goneSince[name]
+		if !ok {
+			since = time.Now()
+			d.goneSince[name] = since
+			d.log.Warn("driver has no ready proxy pod; kept registered while one may come back", "driver", name, "grace", d.goneGrace)
+		}
+		if wait := d.goneGrace - time.Since(since); wait > 0 {
+			if next == 0 || wait < next {
+				next = wait
+			}
+			continue
+		}
+		d.registry.RemoveDriver(name)
+		delete(d.current, name)
+		delete(d.goneSince, name)
+		d.log.Info("driver gone: no ready proxy pod left", "driver", name, "for", d.goneGrace)
+	}
+	if next > 0 {
+		if d.goneTimer == nil {
+			d.goneTimer = time.AfterFunc(next, d.nudge)
+		} else {
+			d.goneTimer.Reset(next)
 		}
 	}
 }

@@ -101,6 +101,7 @@ func TestDriversFromPods(t *testing.T) {
 type fakeRegistry struct {
 	mu      sync.Mutex
 	drivers map[string]broker.DriverConfig
+	removed int // RemoveDriver calls for a registered driver
 }
 
 func (f *fakeRegistry) SetDriver(c broker.DriverConfig) error {
@@ -113,6 +114,9 @@ func (f *fakeRegistry) SetDriver(c broker.DriverConfig) error {
 func (f *fakeRegistry) RemoveDriver(n string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if _, ok := f.drivers[n]; ok {
+		f.removed++
+	}
 	delete(f.drivers, n)
 }
 
@@ -199,6 +203,7 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	d.goneGrace = 200 * time.Millisecond
 	// Events go to the API server, as the broker's do; this replica is a
 	// standby until the test says otherwise.
 	bcast := record.NewBroadcaster(record.WithContext(ctx))
@@ -264,6 +269,79 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	}
 }
 
+// TestDiscoveryKeepsADriverThroughABriefUnreadiness: a driver whose only
+// proxy pod goes not Ready for less than the grace keeps its registration
+// throughout (a readiness blip or a rollout must not make the broker forget
+// the driver's objects); once its pod is gone for longer, it is removed,
+// not before the grace has passed.
+func TestDiscoveryKeepsADriverThroughABriefUnreadiness(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	reg := &fakeRegistry{drivers: map[string]broker.DriverConfig{}}
+	drv := clusterName(ns, "blip.csi.test")
+	d, err := NewDiscovery(c, "csibroker-test="+ns, []string{ns}, reg, broker.DriverConfig{}, nil, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const grace = 3 * time.Second
+	d.goneGrace = grace
+	runDiscovery(t, d)
+	makeReadyProxyPod(t, ctx, c, ns, ns, drv, "proxy", "10.1.0.1", "", false)
+	err = testenv.WaitFor(ctx, 30*time.Second, "driver discovered", func(context.Context) (bool, string, error) {
+		_, ok := reg.get(drv)
+		return ok, "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	setReady := func(ready corev1.ConditionStatus) {
+		t.Helper()
+		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			cur, err := c.CoreV1().Pods(ns).Get(ctx, "proxy", metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			cur.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: ready}}
+			_, err = c.CoreV1().Pods(ns).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	setReady(corev1.ConditionFalse)
+	time.Sleep(grace / 3) // discovery has seen it (it syncs 100 ms after a pod event)
+	if _, ok := reg.get(drv); !ok {
+		t.Fatal("the driver was removed as soon as its proxy pod went not Ready")
+	}
+	setReady(corev1.ConditionTrue)
+	time.Sleep(grace) // past the grace of the blip
+	reg.mu.Lock()
+	removed := reg.removed
+	reg.mu.Unlock()
+	if _, ok := reg.get(drv); !ok || removed != 0 {
+		t.Fatalf("after a blip shorter than the grace: registered %v, %d removals; want kept throughout", ok, removed)
+	}
+
+	gone := time.Now()
+	if err := c.CoreV1().Pods(ns).Delete(ctx, "proxy", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+		t.Fatal(err)
+	}
+	err = testenv.WaitFor(ctx, 30*time.Second, "driver removed", func(context.Context) (bool, string, error) {
+		_, ok := reg.get(drv)
+		return !ok, "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(gone); took < grace {
+		t.Errorf("driver removed %v after its pod went, before the grace of %v", took.Round(time.Millisecond), grace)
+	}
+}
+
 func describeDriverConfig(c broker.DriverConfig) string {
 	ctrl := "none"
 	if c.Controller != nil {
@@ -298,6 +376,7 @@ func TestDiscoveryFeedsBroker(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	d.goneGrace = 200 * time.Millisecond
 	runDiscovery(t, d)
 	host, port, err := net.SplitHostPort(foundChain.ProxyAddr)
 	if err != nil {
