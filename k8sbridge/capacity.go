@@ -196,30 +196,20 @@ func capacitySegments(nodes []TopologyNode, nodeLocal bool) []capacitySegment {
 
 // CapacityRequest is what the driver is asked for one class and segment:
 // the class's parameters without the csi.storage.k8s.io/ keys (they are the
-// provisioner's, not the driver's), one generic mount capability (the
-// class's fstype, else defaultFSType, as provisioning fills it, and the
-// class's mount options; single-node writer: capacity is assumed
-// not to depend on the access mode, and the spec requires a capability), and
-// the segment as accessible topology.
-func CapacityRequest(class *storagev1.StorageClass, segment map[string]string, defaultFSType string) *csi.GetCapacityRequest {
+// provisioner's, not the driver's) and the segment as accessible topology.
+// No volume capability, as external-provisioner asks: the field is
+// optional, capacity is assumed not to depend on it, and a capability made
+// up here (a mount, say) would have a block-only driver, or one strict
+// about filesystems, answer 0 or refuse, and no pod of the class would be
+// scheduled.
+func CapacityRequest(class *storagev1.StorageClass, segment map[string]string) *csi.GetCapacityRequest {
 	params := map[string]string{}
 	for k, v := range class.Parameters {
 		if !strings.HasPrefix(k, ParameterPrefix) {
 			params[k] = v
 		}
 	}
-	fsType, _ := classFSType(class.Parameters) // as provisioning reads it
-	if fsType == "" {
-		fsType = defaultFSType
-	}
-	req := &csi.GetCapacityRequest{
-		Parameters: params,
-		VolumeCapabilities: []*csi.VolumeCapability{{
-			AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{
-				FsType: fsType, MountFlags: slices.Clone(class.MountOptions)}},
-			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-		}},
-	}
+	req := &csi.GetCapacityRequest{Parameters: params}
 	if len(segment) > 0 {
 		req.AccessibleTopology = &csi.Topology{Segments: maps.Clone(segment)}
 	}
@@ -808,7 +798,7 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 	if caps.accessibility {
 		topology = item.segment.request.labels()
 	}
-	req := CapacityRequest(class, topology, c.b.cfg.DefaultFSType)
+	req := CapacityRequest(class, topology)
 	resp, err := c.getCapacity(ctx, key.driver, item, req)
 	if err != nil {
 		// Keep the object with its last value: stale beats missing.

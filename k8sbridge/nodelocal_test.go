@@ -286,7 +286,7 @@ func TestNodeLocalResizeOfVolumeWithoutNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	vol, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "static", CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
-		VolumeCapabilities: CapacityRequest(&storagev1.StorageClass{}, nil, "").GetVolumeCapabilities()})
+		VolumeCapabilities: mountCaps()})
 	if err != nil {
 		t.Fatal(err)
 	}
