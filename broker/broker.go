@@ -349,6 +349,7 @@ func (b *Broker) Close() {
 	b.closed = true
 	drivers := b.drivers
 	b.drivers = map[string]*Driver{}
+	b.changedLocked() // ServeSocketDir stops serving the drivers' sockets
 	draining := b.draining
 	b.draining = map[*proxyConn]struct{}{}
 	b.mu.Unlock()

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"time"
 
 	_ "github.com/container-storage-interface/spec/lib/go/csi" // registers the CSI services for routing and sanitized logging
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
@@ -103,22 +104,58 @@ func (b *Broker) ServeSocket(ctx context.Context, driver, path string) error {
 // removed driver's socket takes no new caller, lets the calls in flight
 // finish (as on shutdown) and goes. No driver socket takes one of the
 // reserved paths (the status socket's): such a driver is served none, and
-// an error says so. A socket that fails is logged and tried again at the
-// registry's next change.
+// an error says so. A socket that fails is logged and tried again after a
+// backoff (1 s, doubling up to a minute).
 func (b *Broker) ServeSocketDir(ctx context.Context, dir string, reserved ...string) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("front ends: %w", err)
 	}
+	abs := func(p string) string {
+		if a, err := filepath.Abs(p); err == nil {
+			return a
+		}
+		return filepath.Clean(p)
+	}
+	reserved = slices.Clone(reserved)
+	for i, r := range reserved {
+		reserved[i] = abs(r)
+	}
 	type socket struct {
 		cancel context.CancelFunc // nil once stopping
 		failed bool
+		retry  time.Time // a failed socket's next try
 	}
 	serving := map[string]*socket{}
+	fails := map[string]int{} // failures in a row, by driver
 	exited := make(chan string)
 	refused := map[string]bool{} // reserved paths, logged once
+	retry := time.NewTimer(time.Hour)
+	defer retry.Stop()
 	for {
+		if ctx.Err() != nil {
+			break
+		}
 		changed := b.registryChanged() // before the names: no change is missed
 		want := b.DriverNames()
+		for name := range fails {
+			if !slices.Contains(want, name) {
+				delete(fails, name)
+			}
+		}
+		now := time.Now()
+		next := time.Duration(0) // until the first failed socket's retry
+		for name, s := range serving {
+			if !s.failed {
+				continue
+			}
+			if wait := s.retry.Sub(now); wait > 0 && slices.Contains(want, name) {
+				if next == 0 || wait < next {
+					next = wait
+				}
+				continue
+			}
+			delete(serving, name) // tried again below, if still registered
+		}
 		for name, s := range serving {
 			if s.cancel != nil && !slices.Contains(want, name) {
 				s.cancel()
@@ -130,7 +167,7 @@ func (b *Broker) ServeSocketDir(ctx context.Context, dir string, reserved ...str
 				continue // serving, stopping (started again once it has stopped) or failed
 			}
 			path := filepath.Join(dir, name+".sock")
-			if slices.ContainsFunc(reserved, func(r string) bool { return filepath.Clean(r) == filepath.Clean(path) }) {
+			if slices.Contains(reserved, abs(path)) {
 				if !refused[name] {
 					refused[name] = true
 					b.log.Error("CSI front end: no socket for this driver: its path is reserved (set --status-socket to another path)", "driver", name, "socket", path)
@@ -143,39 +180,49 @@ func (b *Broker) ServeSocketDir(ctx context.Context, dir string, reserved ...str
 			go func() {
 				err := b.ServeSocket(sctx, name, path)
 				if err != nil && sctx.Err() == nil {
-					b.log.Error("CSI front end: socket failed; tried again at the next registry change", "driver", name, "socket", path, "err", err)
+					b.log.Error("CSI front end: socket failed; tried again after a backoff", "driver", name, "socket", path, "err", err)
 				}
 				cancel()
 				exited <- name
 			}()
 		}
+		var retryC <-chan time.Time
+		if next > 0 {
+			retry.Reset(next)
+			retryC = retry.C
+		}
 		select {
 		case <-changed:
-			for name, s := range serving {
-				if s.failed {
-					delete(serving, name)
-				}
-			}
+		case <-retryC:
 		case name := <-exited:
 			if s := serving[name]; s.cancel != nil && ctx.Err() == nil {
-				s.failed, s.cancel = true, nil // still registered: it failed
+				// Still registered: it failed.
+				fails[name]++
+				s.failed, s.cancel = true, nil
+				s.retry = time.Now().Add(min(time.Second<<min(fails[name]-1, 6), time.Minute))
 			} else {
 				delete(serving, name)
 			}
 		case <-ctx.Done():
-			for len(serving) > 0 {
-				for name, s := range serving {
-					if s.failed {
-						delete(serving, name)
-					}
-				}
-				if len(serving) > 0 {
-					delete(serving, <-exited)
-				}
+		}
+		if retryC != nil && !retry.Stop() {
+			select {
+			case <-retry.C:
+			default:
 			}
-			return nil
 		}
 	}
+	// Stopping: wait for the sockets still serving (their calls in flight
+	// finish, as on shutdown) to go.
+	for name, s := range serving {
+		if s.failed {
+			delete(serving, name)
+		}
+	}
+	for len(serving) > 0 {
+		delete(serving, <-exited)
+	}
+	return nil
 }
 
 // ServeTCP serves the shared mTLS front end on lis: callers name the driver
@@ -210,7 +257,10 @@ func (fe *frontEnd) route(method string, md metadata.MD) (*proxyConn, error) {
 	}
 	d, err := fe.b.Driver(name)
 	if err != nil {
-		return nil, status.Errorf(codes.NotFound, "csibroker: %v", err)
+		// Unavailable, not NotFound: to a CSI caller NotFound says the
+		// volume does not exist (an unpublish would be taken as done),
+		// and a driver found by discovery may be registered again soon.
+		return nil, status.Errorf(codes.Unavailable, "csibroker: %v", err)
 	}
 	pc, err := d.route(method, firstMD(md, MetadataNode))
 	if err != nil {

@@ -162,7 +162,7 @@ func TestTCPFrontEnd(t *testing.T) {
 		t.Fatalf("no driver named: %v", err)
 	}
 	_, err = ident.GetPluginInfo(metadata.AppendToOutgoingContext(cctx, broker.MetadataDriver, "nope.csi"), &csi.GetPluginInfoRequest{})
-	if status.Code(err) != codes.NotFound || !strings.Contains(err.Error(), `unknown driver "nope.csi"`) {
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), `unknown driver "nope.csi"`) {
 		t.Fatalf("unknown driver: %v", err)
 	}
 	_, err = csi.NewIdentityClient(dial(mtls.DriverID(chaintest.TrustDomain, "evil.csi"))).GetPluginInfo(

@@ -85,6 +85,31 @@ func TestSocketDirFollowsTheRegistry(t *testing.T) {
 		t.Errorf("status sockets %v", sockets)
 	}
 
+	// A socket that cannot be made (its path is taken by a directory with
+	// something in it) is tried again with no registry change, and serves
+	// once the path is free.
+	blocked := filepath.Join(dir, "blocked.csi.test.sock")
+	if err := os.MkdirAll(filepath.Join(blocked, "x"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Broker.SetDriver(broker.DriverConfig{Name: "blocked.csi.test", Controller: &broker.ProxyConfig{Address: c.ProxyAddr}}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(c.Logs.String(), "socket failed") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no error logged for the socket whose path is taken:\n%s", c.Logs.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := os.RemoveAll(blocked); err != nil {
+		t.Fatal(err)
+	}
+	waitPath(t, blocked, true)
+	if fi, err := os.Stat(blocked); err != nil || fi.Mode()&os.ModeSocket == 0 {
+		t.Fatalf("%s once free: %v, %v; want a socket", blocked, fi, err)
+	}
+
 	// Removed with a call in flight: the call finishes, then the socket goes.
 	slow := make(chan error, 1)
 	go func() {
