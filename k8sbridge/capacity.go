@@ -768,7 +768,8 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 		// registered: its object stays as it is, unless its class went
 		// (or, for an unregistered driver, was made again). Seen at this
 		// key's next refresh (the poll).
-		if class, err := c.b.classes.Get(key.class); apierrors.IsNotFound(err) || (err == nil && item.classUID != "" && class.UID != item.classUID) {
+		if class, err := c.b.classes.Get(key.class); apierrors.IsNotFound(err) ||
+			(err == nil && (class.Provisioner != key.driver || item.classUID != "" && class.UID != item.classUID)) {
 			return c.remove(ctx, key)
 		}
 		c.refreshes.WithLabelValues(key.driver, "kept").Inc()
@@ -780,6 +781,12 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 	}
 	if err != nil {
 		return err
+	}
+	if class.Provisioner != key.driver {
+		// Deleted and made again for another driver while the watch was
+		// down (a relist shows it as an update): this driver is not asked
+		// with the other's parameters; the new class's keys are its own.
+		return c.remove(ctx, key)
 	}
 	caps, err := c.capabilities(ctx, key.driver)
 	if err != nil {
