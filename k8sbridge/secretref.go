@@ -160,10 +160,15 @@ func SecretRef(kind SecretKind, params map[string]string, pvName string, claim *
 	return &corev1.SecretReference{Name: name, Namespace: ns}, nil
 }
 
-// describeResolved says what a template gave, for messages.
+// describeResolved says what a template gave, for messages; what it gave
+// from a claim's annotation may be long (up to 256 KiB), so it is cut.
 func describeResolved(template, resolved string) string {
 	if template == resolved {
 		return fmt.Sprintf("%q", template)
+	}
+	const keep = 100
+	if len(resolved) > keep {
+		return fmt.Sprintf("template %q resolved to %q... (%d bytes)", template, strings.ToValidUTF8(resolved[:keep], ""), len(resolved))
 	}
 	return fmt.Sprintf("template %q resolved to %q", template, resolved)
 }

@@ -2,6 +2,7 @@ package k8sbridge
 
 import (
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -282,5 +283,20 @@ func TestPolicySourceNamesTheKeysRead(t *testing.T) {
 		if got.Kind != tc.kind || got.Key != tc.key || got.Template != tc.template {
 			t.Errorf("%v: %+v, want kind %s key %s template %q", tc.params, got, tc.kind, tc.key, tc.template)
 		}
+	}
+}
+
+// TestSecretRefCutsALongResolvedValue: a template resolved from a claim's
+// annotation (up to 256 KiB) is quoted cut, with its length, in the error
+// that goes on to the claim's Event and the log.
+func TestSecretRefCutsALongResolvedValue(t *testing.T) {
+	claim := pureClaim()
+	claim.Annotations = map[string]string{"team.example.com/key": strings.Repeat("Ab_", 20000)}
+	_, err := SecretRef(SecretProvisioner, map[string]string{
+		"csi.storage.k8s.io/provisioner-secret-name":      "${pvc.annotations['team.example.com/key']}",
+		"csi.storage.k8s.io/provisioner-secret-namespace": "creds",
+	}, purePV, claim)
+	if err == nil || !strings.Contains(err.Error(), "... (60000 bytes)") || !strings.Contains(err.Error(), "not a valid secret name") || len(err.Error()) > 1000 {
+		t.Fatalf("error (%d bytes): %.1500v", len(fmt.Sprint(err)), err)
 	}
 }
