@@ -121,13 +121,19 @@ func (b *Broker) ServeSocketDir(ctx context.Context, dir string, reserved ...str
 		reserved[i] = abs(r)
 	}
 	type socket struct {
-		cancel context.CancelFunc // nil once stopping
-		failed bool
-		retry  time.Time // a failed socket's next try
+		path    string
+		cancel  context.CancelFunc // nil once stopping
+		started time.Time
+		failed  bool
+		retry   time.Time // a failed socket's next try
+	}
+	type exit struct {
+		name string
+		err  error
 	}
 	serving := map[string]*socket{}
 	fails := map[string]int{} // failures in a row, by driver
-	exited := make(chan string)
+	exited := make(chan exit)
 	refused := map[string]bool{} // reserved paths, logged once
 	retry := time.NewTimer(time.Hour)
 	defer retry.Stop()
@@ -175,15 +181,12 @@ func (b *Broker) ServeSocketDir(ctx context.Context, dir string, reserved ...str
 				continue
 			}
 			sctx, cancel := context.WithCancel(ctx)
-			s := &socket{cancel: cancel}
+			s := &socket{path: path, cancel: cancel, started: time.Now()}
 			serving[name] = s
 			go func() {
 				err := b.ServeSocket(sctx, name, path)
-				if err != nil && sctx.Err() == nil {
-					b.log.Error("CSI front end: socket failed; tried again after a backoff", "driver", name, "socket", path, "err", err)
-				}
 				cancel()
-				exited <- name
+				exited <- exit{name, err}
 			}()
 		}
 		var retryC <-chan time.Time
@@ -194,14 +197,19 @@ func (b *Broker) ServeSocketDir(ctx context.Context, dir string, reserved ...str
 		select {
 		case <-changed:
 		case <-retryC:
-		case name := <-exited:
-			if s := serving[name]; s.cancel != nil && ctx.Err() == nil {
-				// Still registered: it failed.
-				fails[name]++
-				s.failed, s.cancel = true, nil
-				s.retry = time.Now().Add(min(time.Second<<min(fails[name]-1, 6), time.Minute))
+		case e := <-exited:
+			// Not stopped, and its driver still registered: it failed. (A
+			// driver removed just before its socket started is no failure.)
+			if s := serving[e.name]; s.cancel != nil && ctx.Err() == nil && b.HasDriver(e.name) {
+				if time.Since(s.started) > time.Minute {
+					fails[e.name] = 0 // it served a while: a new run of failures
+				}
+				fails[e.name]++
+				wait := min(time.Second<<min(fails[e.name]-1, 6), time.Minute)
+				s.failed, s.cancel, s.retry = true, nil, time.Now().Add(wait)
+				b.log.Error("CSI front end: socket failed; tried again after a backoff", "driver", e.name, "socket", s.path, "retry_in", wait, "err", e.err)
 			} else {
-				delete(serving, name)
+				delete(serving, e.name)
 			}
 		case <-ctx.Done():
 		}
@@ -220,7 +228,7 @@ func (b *Broker) ServeSocketDir(ctx context.Context, dir string, reserved ...str
 		}
 	}
 	for len(serving) > 0 {
-		delete(serving, <-exited)
+		delete(serving, (<-exited).name)
 	}
 	return nil
 }

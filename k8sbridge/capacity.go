@@ -324,8 +324,17 @@ func newCapacityController(b *Bridge) (controller, error) {
 
 	nudge := func(any) { c.nudge() }
 	b.on(b.factory.Storage().V1().StorageClasses().Informer(), cache.ResourceEventHandlerFuncs{
-		// Provisioner and parameters are immutable: only adds and deletes matter.
+		// Provisioner and parameters are immutable: only adds and deletes
+		// matter, and an update that is a class made again (a relist after
+		// a watch gap shows a delete and re-create as one).
 		AddFunc: nudge, DeleteFunc: nudge,
+		UpdateFunc: func(oldObj, newObj any) {
+			o, ok1 := oldObj.(*storagev1.StorageClass)
+			n, ok2 := newObj.(*storagev1.StorageClass)
+			if !ok1 || !ok2 || o.UID != n.UID {
+				c.nudge()
+			}
+		},
 	})
 	b.on(b.factory.Storage().V1().CSINodes().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: nudge, DeleteFunc: nudge,

@@ -194,6 +194,13 @@ func (d *Discovery) HasSynced() bool { return d.synced() }
 func (d *Discovery) Run(ctx context.Context) error {
 	d.factory.Start(ctx.Done())
 	defer d.factory.Shutdown()
+	defer func() {
+		d.mu.Lock()
+		if d.goneTimer != nil {
+			d.goneTimer.Stop()
+		}
+		d.mu.Unlock()
+	}()
 	if !cache.WaitForCacheSync(ctx.Done(), d.synced) {
 		return ctx.Err()
 	}
@@ -418,8 +425,10 @@ func (d *Discovery) sync() {
 		d.log.Info("driver discovered", "driver", name, "controller", cfg.Controller != nil, "node_proxies", len(cfg.Nodes))
 	}
 	var next time.Duration // until the first grace ends (0: none runs)
-	for name := range d.current {
-		if _, ok := want[name]; ok {
+	for name, cur := range d.current {
+		// Back as registered (a configuration the broker refused leaves
+		// the old one, stale: still gone).
+		if w, ok := want[name]; ok && reflect.DeepEqual(w, cur) {
 			if _, was := d.goneSince[name]; was {
 				delete(d.goneSince, name)
 				d.log.Info("driver's proxy is ready again", "driver", name)

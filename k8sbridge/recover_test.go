@@ -66,12 +66,9 @@ func recordIntent(t *testing.T, c kubernetes.Interface, ns string, in Intent) {
 // createRequest is the CreateVolume the broker would send for volume name.
 func createRequest(name string) *csi.CreateVolumeRequest {
 	return &csi.CreateVolumeRequest{
-		Name:          name,
-		CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 20},
-		VolumeCapabilities: []*csi.VolumeCapability{{
-			AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
-			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-		}},
+		Name:               name,
+		CapacityRange:      &csi.CapacityRange{RequiredBytes: 1 << 20},
+		VolumeCapabilities: mountCaps(),
 	}
 }
 

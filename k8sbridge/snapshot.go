@@ -2,6 +2,7 @@ package k8sbridge
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -92,7 +93,8 @@ func snapshotGetError(err error, ns, name string) error {
 	if !apierrors.IsNotFound(err) {
 		return fmt.Errorf("VolumeSnapshot %s/%s: %w", ns, name, err)
 	}
-	if st, ok := err.(apierrors.APIStatus); ok {
+	var st apierrors.APIStatus
+	if errors.As(err, &st) {
 		if d := st.Status().Details; d == nil || d.Name == "" {
 			return fmt.Errorf("VolumeSnapshot %s/%s: this cluster does not serve the %s/v1 API (install the VolumeSnapshot CRDs and the snapshot-controller to restore snapshots)", ns, name, snapshotGroup)
 		}

@@ -119,8 +119,14 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if statusPath == "" && cfg.SocketDir != "" {
 		statusPath = filepath.Join(cfg.SocketDir, "csibroker-status.sock")
 	}
+	absPath := func(p string) string {
+		if a, err := filepath.Abs(p); err == nil {
+			return a
+		}
+		return filepath.Clean(p)
+	}
 	for name, path := range sockets {
-		if statusPath != "" && filepath.Clean(path) == filepath.Clean(statusPath) {
+		if statusPath != "" && absPath(path) == absPath(statusPath) {
 			// Each server would remove the other's socket file.
 			return fmt.Errorf("driver %s's front-end socket %s is the status socket: set --status-socket to another path", name, path)
 		}
