@@ -129,6 +129,28 @@ func (f *fakeRegistry) get(n string) (broker.DriverConfig, bool) {
 
 var _ Registry = (*fakeRegistry)(nil)
 
+// waitRemoved waits until driver drv is no longer registered.
+func (f *fakeRegistry) waitRemoved(t *testing.T, ctx context.Context, drv string) {
+	t.Helper()
+	err := testenv.WaitFor(ctx, 30*time.Second, "driver "+drv+" removed", func(context.Context) (bool, string, error) {
+		_, ok := f.get(drv)
+		return !ok, "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// deletePods deletes pods of namespace ns at once (no grace period).
+func deletePods(t *testing.T, ctx context.Context, c kubernetes.Interface, ns string, pods ...string) {
+	t.Helper()
+	for _, pod := range pods {
+		if err := c.CoreV1().Pods(ns).Delete(ctx, pod, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // makeReadyProxyPod creates a proxy pod of driver drv in namespace pns,
 // labelled for selector "csibroker-test=<label>", and marks it Running and
 // Ready at ip, as a kubelet would.
@@ -251,18 +273,8 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	}
 	// The static driver's pod goes first: the pass that removes drv has
 	// seen it gone.
-	for _, pod := range []string{"static-proxy", "controller"} {
-		if err := c.CoreV1().Pods(ns).Delete(ctx, pod, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	err = testenv.WaitFor(ctx, 30*time.Second, "driver removed", func(context.Context) (bool, string, error) {
-		_, ok := reg.get(drv)
-		return !ok, "", nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	deletePods(t, ctx, c, ns, "static-proxy", "controller")
+	reg.waitRemoved(t, ctx, drv)
 	// Its pod gone too, the static driver is still registered as it was.
 	if cfg, ok := reg.get(static); !ok || !reflect.DeepEqual(cfg, staticCfg) {
 		t.Fatalf("static entry %s (present %v) after its pod went away, want %s untouched", describeDriverConfig(cfg), ok, describeDriverConfig(staticCfg))
@@ -327,16 +339,8 @@ func TestDiscoveryKeepsADriverThroughABriefUnreadiness(t *testing.T) {
 	}
 
 	gone := time.Now()
-	if err := c.CoreV1().Pods(ns).Delete(ctx, "proxy", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
-		t.Fatal(err)
-	}
-	err = testenv.WaitFor(ctx, 30*time.Second, "driver removed", func(context.Context) (bool, string, error) {
-		_, ok := reg.get(drv)
-		return !ok, "", nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	deletePods(t, ctx, c, ns, "proxy")
+	reg.waitRemoved(t, ctx, drv)
 	if took := time.Since(gone); took < grace {
 		t.Errorf("driver removed %v after its pod went, before the grace of %v", took.Round(time.Millisecond), grace)
 	}
@@ -419,11 +423,7 @@ func TestDiscoveryFeedsBroker(t *testing.T) {
 	}
 
 	// Both pods go: found is unregistered, static stays.
-	for _, pod := range []string{"static-proxy", "found-proxy"} {
-		if err := c.CoreV1().Pods(ns).Delete(ctx, pod, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	deletePods(t, ctx, c, ns, "static-proxy", "found-proxy")
 	err = testenv.WaitFor(ctx, 30*time.Second, found+" unregistered", func(context.Context) (bool, string, error) {
 		_, err := br.ControllerConn(found)
 		return errors.Is(err, broker.ErrUnknownDriver), fmt.Sprint(err), nil

@@ -250,6 +250,25 @@ func TestRecoverBacksOffFailingCalls(t *testing.T) {
 	}
 }
 
+// goneClaim makes claim ns/name and deletes it, and returns it as made
+// once the API server no longer has it.
+func goneClaim(t *testing.T, c kubernetes.Interface, ns, name string) *corev1.PersistentVolumeClaim {
+	t.Helper()
+	ctx := context.Background()
+	claim := makeStaticClaim(t, c, ns, name, "")
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := testenv.WaitFor(ctx, 30*time.Second, "claim "+name+" deleted", func(ctx context.Context) (bool, string, error) {
+		_, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return claim
+}
+
 func testRecoverBacksOff(t *testing.T, method string) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
@@ -261,24 +280,14 @@ func testRecoverBacksOff(t *testing.T, method string) {
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
 		method: {First: failures, Code: codes.FailedPrecondition}}}})
 
-	claim := makeStaticClaim(t, c, ns, "gone", "")
-	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "gone", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	err := testenv.WaitFor(ctx, 30*time.Second, "claim gone deleted", func(ctx context.Context) (bool, string, error) {
-		_, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "gone", metav1.GetOptions{})
-		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	claim := goneClaim(t, c, ns, "gone")
 	vol := VolumeName("pvc", claim.UID, 0)
 	recordIntent(t, c, ns, intentFor(t, drv, vol, claim))
 
 	const interval = 400 * time.Millisecond
 	r := startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.RecoveryInterval = interval }})
 
-	err = testenv.WaitFor(ctx, 60*time.Second, fmt.Sprintf("%d %s calls", failures+1, method), func(context.Context) (bool, string, error) {
+	err := testenv.WaitFor(ctx, 60*time.Second, fmt.Sprintf("%d %s calls", failures+1, method), func(context.Context) (bool, string, error) {
 		n := d.CallCount(method)
 		return n >= failures+1, fmt.Sprintf("%d calls", n), nil
 	})
@@ -336,23 +345,13 @@ func TestRecoverBacksOffAnUnreachableDriver(t *testing.T) {
 	c := env.Client()
 	ctx := context.Background()
 	drv := clusterName(ns, "absent.csi.test")
-	claim := makeStaticClaim(t, c, ns, "gone", "")
-	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "gone", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	err := testenv.WaitFor(ctx, 30*time.Second, "claim gone deleted", func(ctx context.Context) (bool, string, error) {
-		_, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "gone", metav1.GetOptions{})
-		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	claim := goneClaim(t, c, ns, "gone")
 	recordIntent(t, c, ns, intentFor(t, drv, VolumeName("pvc", claim.UID, 0), claim))
 
 	const interval = 200 * time.Millisecond
 	r := startBridge(t, env, ns, &testDrivers{}, bridgeOpts{configureCfg: func(cfg *Config) { cfg.RecoveryInterval = interval }})
 	const passes = 16
-	err = testenv.WaitFor(ctx, 60*time.Second, fmt.Sprintf("%d recovery passes", passes), func(context.Context) (bool, string, error) {
+	err := testenv.WaitFor(ctx, 60*time.Second, fmt.Sprintf("%d recovery passes", passes), func(context.Context) (bool, string, error) {
 		n := r.b.prov.recoveryPasses.Load()
 		return n >= passes, fmt.Sprintf("%d passes", n), nil
 	})
