@@ -69,6 +69,15 @@ type provisioner struct {
 	started  map[string]time.Time     // first pick-up of a claim, for the duration metric
 	recover  chan struct{}            // nudges the recovery loop
 	recFails map[string]recoveryState // failed recovery attempts per volume
+	// asked is the accessibility requirement of a claim's CreateVolume
+	// whose volume may exist (its answer may still come, or it came and
+	// the PV is not saved yet), by claim UID: the next attempt asks the
+	// same, not a topology computed anew (a node gone, one added, the
+	// selected node rescheduled), which the driver would refuse
+	// (AlreadyExists) or answer with a second volume. Dropped once the
+	// claim is provisioned or the driver gave a final answer, as
+	// external-provisioner keeps its per-claim topology cache.
+	asked map[types.UID]*csi.TopologyRequirement
 
 	// afterCreate, when set (tests), runs after CreateVolume succeeded and
 	// before anything else: a broker dying there must leak nothing.
@@ -84,6 +93,7 @@ func newProvisioner(b *Bridge) *provisioner {
 		queue:    newTermQueue("provision", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
 		inflight: map[string]bool{},
 		started:  map[string]time.Time{},
+		asked:    map[types.UID]*csi.TopologyRequirement{},
 		recover:  make(chan struct{}, 1),
 	}
 	p.slots = p.queue.withSlots(b.cfg.PerDriverWorkers)
@@ -102,6 +112,7 @@ func (p *provisioner) claimHandler() cache.ResourceEventHandler {
 			c, ok := deleted[*corev1.PersistentVolumeClaim](obj)
 			if ok {
 				p.b.forgetEvents(c.UID)
+				p.setAsked(c.UID, nil)
 			}
 			if ok && p.b.intents.Has(VolumeName(p.b.cfg.VolumeNamePrefix, c.UID, p.b.cfg.VolumeNameUUIDLength)) {
 				p.nudgeRecovery()
@@ -305,6 +316,9 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		span.SetStatus(otelcodes.Error, result)
 		return 0, err
 	}
+	if result == "success" || result == "claim_deleted" {
+		p.setAsked(claim.UID, nil)
+	}
 	if result == "success" {
 		p.mu.Lock()
 		if t, ok := p.started[key]; ok {
@@ -314,6 +328,31 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		p.mu.Unlock()
 	}
 	return 0, nil
+}
+
+// askedBefore is the accessibility requirement an earlier attempt of the
+// claim asked for a volume that may exist (see provisioner.asked), nil if
+// none: a node-local driver's attempts are settled by node instead, and a
+// driver without topology is asked none.
+func (p *provisioner) askedBefore(uid types.UID, driver string, caps driverCaps) *csi.TopologyRequirement {
+	if !caps.accessibility || p.b.cfg.Drivers.NodeLocal(driver) {
+		return nil
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.asked[uid]
+}
+
+// setAsked records tr as what the claim's volume was asked with (nil:
+// forgets it).
+func (p *provisioner) setAsked(uid types.UID, tr *csi.TopologyRequirement) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if tr == nil {
+		delete(p.asked, uid)
+		return
+	}
+	p.asked[uid] = tr
 }
 
 // settleExistingPV is called when PV pvName turned out to exist already
@@ -512,7 +551,8 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
 	}
 	scheduled := selectedNode != "" // the scheduler chose the node, so it can choose again
-	if scheduled {
+	asked := p.askedBefore(claim.UID, driver, caps)
+	if scheduled && asked == nil {
 		// As external-provisioner, a node that is gone, or (for a driver
 		// with topology) that has no CSINode, whose topology is then
 		// unknown, is handed back to the scheduler. The intent record
@@ -579,7 +619,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		}
 		selectedNode = node
 	}
-	req, provSecretRef, snap, err := p.buildRequest(ctx, claim, class, driver, pvName, selectedNode, caps)
+	req, provSecretRef, snap, err := p.buildRequest(ctx, claim, class, driver, pvName, selectedNode, caps, asked)
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -706,7 +746,13 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			p.b.noteVolumeChange(volumeChange{driver: driver, class: class.Name, node: node})
 		}
 		failure := failureOf("CreateVolume", err)
-		switch ClassifyCreateError(err, caps.accessibility && scheduled) {
+		outcome := ClassifyCreateError(err, caps.accessibility && scheduled)
+		if outcome == CreateInProgress {
+			p.setAsked(claim.UID, req.AccessibilityRequirements)
+		} else {
+			p.setAsked(claim.UID, nil) // a final answer: the next attempt asks anew
+		}
+		switch outcome {
 		case CreateInProgress:
 			// The volume may still appear: keep the intent and re-issue
 			// the same request later.
@@ -726,6 +772,8 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		}
 	}
 
+	// The volume exists: until its PV is saved, a retry asks the same.
+	p.setAsked(claim.UID, req.AccessibilityRequirements)
 	made := volumeChange{driver: driver, node: node}
 	for _, t := range resp.GetVolume().GetAccessibleTopology() {
 		made.topo = append(made.topo, t.GetSegments())
@@ -903,7 +951,7 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 // buildRequest makes the CreateVolumeRequest (without secrets) and resolves
 // the provisioner secret reference. Its errors are the claim's or class's
 // fault and say which field is wrong.
-func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps driverCaps) (*csi.CreateVolumeRequest, *corev1.SecretReference, *snapshotv1.VolumeSnapshot, error) {
+func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps driverCaps, asked *csi.TopologyRequirement) (*csi.CreateVolumeRequest, *corev1.SecretReference, *snapshotv1.VolumeSnapshot, error) {
 	params, fsType, err := CreateParameters(class.Parameters, p.b.cfg.ExtraCreateMetadata, pvName, claim, p.b.cfg.DefaultFSType)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
@@ -947,7 +995,10 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 		}
 		req.MutableParameters = maps.Clone(vac.Parameters)
 	}
-	if caps.accessibility {
+	if caps.accessibility && asked != nil {
+		// An earlier attempt's, whose volume may exist (askedBefore).
+		req.AccessibilityRequirements = proto.Clone(asked).(*csi.TopologyRequirement)
+	} else if caps.accessibility {
 		in := TopologyInput{Driver: driver, ClaimName: claim.Name, AllowedTopologies: class.AllowedTopologies,
 			StrictTopology: p.b.cfg.StrictTopology, ImmediateTopology: p.b.cfg.ImmediateTopology}
 		nodes, err := p.topologyNodes(driver)

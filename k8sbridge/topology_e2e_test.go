@@ -8,6 +8,9 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -109,4 +112,73 @@ func TestTopologyThreeZones(t *testing.T) {
 	}
 	check("wffc", zones, n.Labels[testenv.LabelZone])
 	check("allowed", []string{"z2"}, "z2")
+}
+
+// TestRetryAfterALostAnswerAsksTheSameTopology: a CreateVolume whose answer
+// was lost (DeadlineExceeded: the volume may exist) is asked again with the
+// same accessibility requirement, even after its selected node was deleted
+// in between, instead of the claim being rescheduled and asked with another
+// topology (which a driver would refuse, AlreadyExists, or answer with a
+// second volume): the claim binds to the first attempt's volume, its
+// selected node kept.
+func TestRetryAfterALostAnswerAsksTheSameTopology(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "lost.csi.test")
+	var segs []map[string]string
+	nodes := map[string]string{}
+	for _, z := range []string{"z1", "z2"} {
+		node := clusterName(ns, "node-"+z)
+		nodes[z] = node
+		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: z, Region: "r1"}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
+		if err := env.AddCSINode(ctx, node, drv, node, []string{testenv.LabelZone}); err != nil {
+			t.Fatal(err)
+		}
+		segs = append(segs, map[string]string{testenv.LabelZone: z})
+	}
+	drivers := newCountingDrivers()
+	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: segs})
+	drivers.script("CreateVolume", func(n int, call func() error) error {
+		if n > 1 {
+			return call()
+		}
+		// The volume is made, its answer lost, and the selected node
+		// goes before the retry.
+		if err := call(); err != nil {
+			return err
+		}
+		if err := c.CoreV1().Nodes().Delete(context.Background(), nodes["z1"], metav1.DeleteOptions{}); err != nil {
+			return fmt.Errorf("delete node (test): %w", err)
+		}
+		return status.Error(codes.DeadlineExceeded, "answer lost (test)")
+	})
+	class := makeClass(t, c, clusterName(ns, "wffc"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	makeClaimWith(t, c, ns, "data", class.Name, func(p *corev1.PersistentVolumeClaim) {
+		p.Annotations = map[string]string{annSelectedNode: nodes["z1"]}
+	})
+	bound := waitBound(t, c, ns, "data", 60*time.Second)
+	if got := bound.Annotations[annSelectedNode]; got != nodes["z1"] {
+		t.Errorf("selected node %q after the retry, want %q kept (not rescheduled)", got, nodes["z1"])
+	}
+	reqs := d.CreateVolumeRequests()
+	if len(reqs) < 2 {
+		t.Fatalf("%d CreateVolume calls reached the driver, want the lost one and its retry", len(reqs))
+	}
+	first := reqs[0].GetAccessibilityRequirements()
+	for i, r := range reqs[1:] {
+		if !proto.Equal(r.GetAccessibilityRequirements(), first) {
+			t.Errorf("CreateVolume %d asked requisite %v preferred %v, want the first's %v / %v", i+2,
+				zonesOf(r.GetAccessibilityRequirements().GetRequisite()), zonesOf(r.GetAccessibilityRequirements().GetPreferred()),
+				zonesOf(first.GetRequisite()), zonesOf(first.GetPreferred()))
+		}
+	}
+	if n := len(d.Volumes()); n != 1 {
+		t.Errorf("%d volumes on the driver, want the first attempt's only", n)
+	}
 }
