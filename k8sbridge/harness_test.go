@@ -573,6 +573,15 @@ func (d *countingDrivers) ControllerConn(driver string) (grpc.ClientConnInterfac
 	return countingConn{ClientConnInterface: c, d: d}, nil
 }
 
+// NodeConn is ControllerConn for a node-local driver's node proxy.
+func (d *countingDrivers) NodeConn(driver, node string) (grpc.ClientConnInterface, error) {
+	c, err := d.testDrivers.NodeConn(driver, node)
+	if err != nil {
+		return nil, err
+	}
+	return countingConn{ClientConnInterface: c, d: d}, nil
+}
+
 type countingConn struct {
 	grpc.ClientConnInterface
 	d *countingDrivers

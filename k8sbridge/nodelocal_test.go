@@ -3,6 +3,7 @@ package k8sbridge
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -691,4 +692,38 @@ func TestNodeLocalMovedOffAFullNode(t *testing.T) {
 		t.Fatalf("volumes on a %d, on b %d; want the one on a", na, nb)
 	}
 	noLeaks(t, env, ns, inst[a], drv)
+}
+
+// TestNodeLocalAffinityByHostnameLabel: a node-local volume's PV is pinned
+// to its node by the node's kubernetes.io/hostname label, which need not be
+// the node's name; and a topology reported by a driver that does not
+// advertise VOLUME_ACCESSIBILITY_CONSTRAINTS is not made into an affinity
+// (its keys are no node labels it promised), as external-provisioner.
+func TestNodeLocalAffinityByHostnameLabel(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	drv := clusterName(ns, "host.csi.test")
+	node := clusterName(ns, "n1")
+	host := "host-" + ns
+	addNode(t, env, testenv.NodeSpec{Name: node, Labels: map[string]string{corev1.LabelHostname: host}}, drv, nil)
+	drivers := newCountingDrivers()
+	drivers.addNodeDriver(t, sampledriver.Config{Name: drv, CapacityBytes: 10 << 30}, node)
+	drivers.rewriteReply("CreateVolume", func(_ int, reply any) {
+		reply.(*csi.CreateVolumeResponse).Volume.AccessibleTopology = []*csi.Topology{{Segments: map[string]string{"example.com/rack": "r1"}}}
+	})
+	class := makeClass(t, c, clusterName(ns, "imm"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	pv, err := c.CoreV1().PersistentVolumes().Get(context.Background(), pvName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	terms := pv.Spec.NodeAffinity.Required.NodeSelectorTerms
+	if len(terms) != 1 || len(terms[0].MatchExpressions) != 1 {
+		t.Fatalf("PV node affinity %+v, want one hostname term", terms)
+	}
+	if e := terms[0].MatchExpressions[0]; e.Key != corev1.LabelHostname || !slices.Equal(e.Values, []string{host}) {
+		t.Errorf("PV node affinity %+v, want %s In [%s] (the node's label, not its name %s)", e, corev1.LabelHostname, host, node)
+	}
 }

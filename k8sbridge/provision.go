@@ -850,10 +850,21 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			pv.Annotations[annNamespaceLabels] = string(b)
 		}
 	}
+	if !caps.accessibility {
+		// As external-provisioner: the topology a driver without
+		// VOLUME_ACCESSIBILITY_CONSTRAINTS reports names no node labels
+		// it promised, and an affinity on it could match no node.
+		pv.Spec.NodeAffinity = nil
+	}
 	if node != "" && pv.Spec.NodeAffinity == nil {
-		// A node-local volume is reachable from its node only.
+		// A node-local volume is reachable from its node only: the
+		// node's hostname label, which need not be its name.
+		host := node
+		if n, err := p.b.nodes.Get(node); err == nil && n.Labels[corev1.LabelHostname] != "" {
+			host = n.Labels[corev1.LabelHostname]
+		}
 		pv.Spec.NodeAffinity = &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
-			MatchExpressions: []corev1.NodeSelectorRequirement{{Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpIn, Values: []string{node}}}}}}}
+			MatchExpressions: []corev1.NodeSelectorRequirement{{Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpIn, Values: []string{host}}}}}}}
 	}
 	_, err = p.b.cfg.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
 	if apierrors.IsAlreadyExists(err) {
@@ -1192,9 +1203,13 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 // reschedule removes the selected-node annotation so the scheduler picks
 // another node (the driver said this one has no room).
 func (p *provisioner) reschedule(ctx context.Context, claim *corev1.PersistentVolumeClaim) error {
-	patch := []byte(`{"metadata":{"annotations":{"` + annSelectedNode + `":null}}}`)
+	// The UID makes it a precondition: a claim made again under the name
+	// keeps its node.
+	patch := []byte(`{"metadata":{"uid":"` + string(claim.UID) + `","annotations":{"` + annSelectedNode + `":null}}}`)
 	_, err := p.b.cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Patch(ctx, claim.Name, types.MergePatchType, patch, metav1.PatchOptions{})
-	if err != nil && !apierrors.IsNotFound(err) {
+	// A conflict is the UID's: the claim was made again (its own sync
+	// decides for it).
+	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
 		return fmt.Errorf("remove %s from claim %s/%s: %w", annSelectedNode, claim.Namespace, claim.Name, err)
 	}
 	return nil
