@@ -727,3 +727,44 @@ func TestNodeLocalAffinityByHostnameLabel(t *testing.T) {
 		t.Errorf("PV node affinity %+v, want %s In [%s] (the node's label, not its name %s)", e, corev1.LabelHostname, host, node)
 	}
 }
+
+// TestNodeLocalPlacementKeepsToAllowedTopologiesAndMovesOn: an Immediate
+// claim of a node-local driver is placed only on a node in its class's
+// allowedTopologies, even when another has more room; and a node that
+// answers ResourceExhausted (its GetCapacity said there was room) is not
+// asked again and again: the next attempt goes to another node.
+func TestNodeLocalPlacementKeepsToAllowedTopologiesAndMovesOn(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "place.csi.test")
+	big, small := clusterName(ns, "big"), clusterName(ns, "small")
+	addNode(t, env, testenv.NodeSpec{Name: big, Zone: "za"}, drv, nil)
+	addNode(t, env, testenv.NodeSpec{Name: small, Zone: "zb"}, drv, nil)
+	drivers := &testDrivers{}
+	full := sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {First: 1 << 30, Code: codes.ResourceExhausted}}}
+	bigDrv := drivers.addNodeDriver(t, sampledriver.Config{Name: drv, CapacityBytes: 100 << 30, Faults: full}, big)
+	smallDrv := drivers.addNodeDriver(t, sampledriver.Config{Name: drv, CapacityBytes: 10 << 30}, small)
+	imm, del := storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete
+	anywhere := makeClass(t, c, clusterName(ns, "any"), drv, imm, del, nil)
+	zb := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "zb")}, Provisioner: drv, VolumeBindingMode: &imm, ReclaimPolicy: &del,
+		AllowedTopologies: []corev1.TopologySelectorTerm{{MatchLabelExpressions: []corev1.TopologySelectorLabelRequirement{{Key: testenv.LabelZone, Values: []string{"zb"}}}}}}
+	if _, err := c.StorageV1().StorageClasses().Create(ctx, zb, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.StorageV1().StorageClasses().Delete(context.Background(), zb.Name, metav1.DeleteOptions{}) })
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+
+	waitBound(t, c, ns, makeClaim(t, c, ns, "in-zb", zb.Name, "1Gi").Name, 60*time.Second)
+	if n := bigDrv.CallCount("CreateVolume"); n != 0 {
+		t.Fatalf("the claim of a class allowing zone zb only was asked of %s (zone za) %d times", big, n)
+	}
+	waitBound(t, c, ns, makeClaim(t, c, ns, "anywhere", anywhere.Name, "1Gi").Name, 60*time.Second)
+	if n := bigDrv.CallCount("CreateVolume"); n != 1 {
+		t.Errorf("%s, full, was asked %d times; want once, then another node", big, n)
+	}
+	if n := len(smallDrv.Volumes()); n != 2 {
+		t.Errorf("%s holds %d volumes, want both claims'", small, n)
+	}
+}

@@ -78,6 +78,10 @@ type provisioner struct {
 	// claim is provisioned or the driver gave a final answer, as
 	// external-provisioner keeps its per-claim topology cache.
 	asked map[types.UID]*csi.TopologyRequirement
+	// noRoom: the nodes that answered a claim's CreateVolume
+	// ResourceExhausted where the broker placed it (an Immediate claim of
+	// a node-local driver), by claim UID: placement tries them last.
+	noRoom map[types.UID][]string
 
 	// afterCreate, when set (tests), runs after CreateVolume succeeded and
 	// before anything else: a broker dying there must leak nothing.
@@ -94,6 +98,7 @@ func newProvisioner(b *Bridge) *provisioner {
 		inflight: map[string]bool{},
 		started:  map[string]time.Time{},
 		asked:    map[types.UID]*csi.TopologyRequirement{},
+		noRoom:   map[types.UID][]string{},
 		recover:  make(chan struct{}, 1),
 	}
 	p.slots = p.queue.withSlots(b.cfg.PerDriverWorkers)
@@ -113,6 +118,7 @@ func (p *provisioner) claimHandler() cache.ResourceEventHandler {
 			if ok {
 				p.b.forgetEvents(c.UID)
 				p.setAsked(c.UID, nil)
+				p.forgetNoRoom(c.UID)
 			}
 			if ok && p.b.intents.Has(VolumeName(p.b.cfg.VolumeNamePrefix, c.UID, p.b.cfg.VolumeNameUUIDLength)) {
 				p.nudgeRecovery()
@@ -318,6 +324,7 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 	}
 	if result == "success" || result == "claim_deleted" {
 		p.setAsked(claim.UID, nil)
+		p.forgetNoRoom(claim.UID)
 	}
 	if result == "success" {
 		p.mu.Lock()
@@ -744,6 +751,9 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			// The objects said there was room: refreshed now, not at
 			// the next poll.
 			p.b.noteVolumeChange(volumeChange{driver: driver, class: class.Name, node: node})
+			if node != "" && !scheduled {
+				p.noteNoRoom(claim.UID, node) // placed by the broker: another node next
+			}
 		}
 		failure := failureOf("CreateVolume", err)
 		outcome := ClassifyCreateError(err, caps.accessibility && scheduled)
@@ -917,6 +927,34 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 	if len(nodes) == 0 {
 		return "", fmt.Errorf("node-local driver %s has no node proxy registered", driver)
 	}
+	if len(class.AllowedTopologies) > 0 {
+		var allowed []string
+		for _, n := range nodes {
+			if node, err := p.b.nodes.Get(n); err == nil && inAllowedTopologies(class.AllowedTopologies, node.Labels) {
+				allowed = append(allowed, n)
+			}
+		}
+		if len(allowed) == 0 {
+			return "", fmt.Errorf("no node of node-local driver %s (%s) is in StorageClass %q's allowedTopologies", driver, strings.Join(nodes, ", "), class.Name)
+		}
+		nodes = allowed
+	}
+	// Claims are spread as external-provisioner spreads segments (by the
+	// claim's name, a StatefulSet's replicas on successive nodes), and the
+	// nodes that answered this claim ResourceExhausted come last.
+	h, i := claimNameHashAndIndex(claim.Name)
+	start := int((h + i) % uint32(len(nodes)))
+	nodes = append(slices.Clone(nodes[start:]), nodes[:start]...)
+	refused := p.noRoomNodes(claim.UID)
+	if len(refused) > 0 {
+		fresh := slices.DeleteFunc(slices.Clone(nodes), func(n string) bool { return slices.Contains(refused, n) })
+		if len(fresh) == 0 {
+			// Every node refused: round again, as a final answer's retry.
+			p.forgetNoRoom(claim.UID)
+		} else {
+			nodes = fresh
+		}
+	}
 	capRange, err := CapacityRange(claim)
 	if err != nil {
 		return "", err
@@ -957,6 +995,51 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 		return "", fmt.Errorf("no node of node-local driver %s has %d bytes free (%s)", driver, capRange.GetRequiredBytes(), strings.Join(seen, "; "))
 	}
 	return best, nil
+}
+
+// inAllowedTopologies reports whether a node with labels is in one of a
+// StorageClass's allowedTopologies terms (every expression of the term
+// holds: the node's label has one of its values).
+func inAllowedTopologies(terms []corev1.TopologySelectorTerm, labels map[string]string) bool {
+	for _, term := range terms {
+		if len(term.MatchLabelExpressions) == 0 {
+			continue
+		}
+		in := true
+		for _, e := range term.MatchLabelExpressions {
+			if v, ok := labels[e.Key]; !ok || !slices.Contains(e.Values, v) {
+				in = false
+				break
+			}
+		}
+		if in {
+			return true
+		}
+	}
+	return false
+}
+
+// noteNoRoom records that node answered the claim's CreateVolume
+// ResourceExhausted; noRoomNodes lists those nodes; forgetNoRoom forgets
+// them.
+func (p *provisioner) noteNoRoom(uid types.UID, node string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !slices.Contains(p.noRoom[uid], node) {
+		p.noRoom[uid] = append(p.noRoom[uid], node)
+	}
+}
+
+func (p *provisioner) noRoomNodes(uid types.UID) []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.noRoom[uid])
+}
+
+func (p *provisioner) forgetNoRoom(uid types.UID) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	delete(p.noRoom, uid)
 }
 
 // buildRequest makes the CreateVolumeRequest (without secrets) and resolves
