@@ -102,9 +102,20 @@ func validFieldName(v string) bool {
 }
 
 // ReadFrame returns the next frame; header blocks come back decoded.
+//
+// The Framer's stream errors (a HEADERS frame whose padding is as long as
+// its payload, a WINDOW_UPDATE of 0 on a stream) come back as connection
+// errors: a HEADERS frame refused so goes undecoded, and every later block
+// would be decoded against a table out of step with the peer's encoder
+// (RFC 9113 makes the padding a connection error; the zero increment is
+// taken as one too, as the Framer cannot tell the two apart).
 func (r *FrameReader) ReadFrame() (http2.Frame, error) {
 	f, err := r.fr.ReadFrame()
 	if err != nil {
+		var se http2.StreamError
+		if errors.As(err, &se) {
+			return nil, http2.ConnectionError(se.Code)
+		}
 		return nil, err
 	}
 	hf, ok := f.(*http2.HeadersFrame)

@@ -261,3 +261,22 @@ func TestWriteHeaderBlockKeepsRepeatingFieldsIndexed(t *testing.T) {
 		}
 	}
 }
+
+// TestFrameReaderHeadersPaddingIsAConnectionError: a HEADERS frame whose
+// padding is as long as its payload cannot be decoded, so the peer's HPACK
+// table and ours part ways: the reader says it is a connection error
+// (PROTOCOL_ERROR, RFC 9113 6.2), not a stream error after which the
+// connection would go on with the next block misread.
+func TestFrameReaderHeadersPaddingIsAConnectionError(t *testing.T) {
+	var wire bytes.Buffer
+	// Payload: pad length 5, then 2 bytes of block; 5 > 2.
+	payload := []byte{5, 0x82, 0x86}
+	wire.Write([]byte{0, 0, byte(len(payload)), byte(http2.FrameHeaders), byte(http2.FlagHeadersEndHeaders | http2.FlagHeadersEndStream | http2.FlagHeadersPadded), 0, 0, 0, 1})
+	wire.Write(payload)
+	r := NewFrameReader(http2.NewFramer(nil, &wire), 4096)
+	_, err := r.ReadFrame()
+	var ce http2.ConnectionError
+	if !errors.As(err, &ce) || http2.ErrCode(ce) != http2.ErrCodeProtocol {
+		t.Fatalf("err %v (%T), want ConnectionError(PROTOCOL_ERROR)", err, err)
+	}
+}
