@@ -541,6 +541,9 @@ func newUpConn(u *upstream, nc net.Conn) *upConn {
 		calls: map[uint32]*upCall{}, retiring: make(chan struct{}), nextID: 1, peer: rawgrpc.DefaultPeerSettings(100), sendWin: rawgrpc.DefaultWindow}
 	c.cond = sync.NewCond(&c.mu)
 	c.fr = http2.NewFramer(c.bw, c.br)
+	// The HTTP/2 default, which the broker announces by announcing none: a
+	// larger frame is the proxy's error, not 16 MiB to buffer.
+	c.fr.SetMaxReadFrameSize(16 << 10)
 	c.rd = rawgrpc.NewFrameReader(c.fr, 4096)
 	c.fr.MaxHeaderListSize = rawgrpc.MaxHeaderList
 	c.enc = hpack.NewEncoder(&c.hbuf)
@@ -798,8 +801,12 @@ func (c *upConn) readLoop() {
 			}
 			c.mu.Lock()
 			var ce http2.ConnectionError
-			if errors.As(err, &ce) && c.err == nil {
-				c.writeLocked(c.framer().WriteGoAway(0, http2.ErrCode(ce), nil))
+			code, goAway := http2.ErrCodeFrameSize, errors.Is(err, http2.ErrFrameTooLarge)
+			if errors.As(err, &ce) {
+				code, goAway = http2.ErrCode(ce), true
+			}
+			if goAway && c.err == nil {
+				c.writeLocked(c.framer().WriteGoAway(0, code, nil))
 				c.flushLocked()
 			}
 			c.failLocked(err)

@@ -48,6 +48,12 @@ type h2peer struct {
 	// push: answer a request's HEADERS with a PUSH_PROMISE, and nothing
 	// else.
 	push bool
+	// bigFrame: answer a request's HEADERS with a DATA frame of 64 KiB,
+	// over the 16 KiB the broker reads (it announces no other), and
+	// nothing else.
+	bigFrame bool
+	// goAwayCode is the code of the last GOAWAY the broker sent.
+	goAwayCode http2.ErrCode
 	// maxHeaderList, if set, is announced as SETTINGS_MAX_HEADER_LIST_SIZE.
 	maxHeaderList uint32
 	// trailers, if set, end every answer instead of grpc-status 0;
@@ -152,6 +158,10 @@ func (p *h2peer) serve(nc net.Conn) {
 				fr.WriteSettingsAck()
 				wmu.Unlock()
 			}
+		case *http2.GoAwayFrame:
+			p.mu.Lock()
+			p.goAwayCode = f.ErrCode
+			p.mu.Unlock()
 		case *http2.PingFrame:
 			if !f.IsAck() && p.answerPings {
 				wmu.Lock()
@@ -167,6 +177,12 @@ func (p *h2peer) serve(nc net.Conn) {
 				hbuf.Reset()
 				enc.WriteField(hpack.HeaderField{Name: ":method", Value: "GET"})
 				fr.WritePushPromise(http2.PushPromiseParam{StreamID: f.StreamID, PromiseID: 2, BlockFragment: hbuf.Bytes(), EndHeaders: true})
+				wmu.Unlock()
+				continue
+			}
+			if p.bigFrame {
+				wmu.Lock()
+				fr.WriteData(f.StreamID, false, make([]byte, 64<<10))
 				wmu.Unlock()
 				continue
 			}
@@ -556,6 +572,35 @@ func TestUpstreamRefusesPushPromise(t *testing.T) {
 	}
 	if ctx.Err() != nil {
 		t.Fatal("the call waited for its deadline")
+	}
+}
+
+// TestUpstreamRefusesFramesOverTheDefaultSize: a proxy that sends a frame
+// larger than the 16 KiB the broker reads (it announces no larger) has its
+// connection closed with GOAWAY(FRAME_SIZE_ERROR), and the call fails at
+// once instead of the broker buffering frames of up to 16 MiB.
+func TestUpstreamRefusesFramesOverTheDefaultSize(t *testing.T) {
+	peer := &h2peer{maxStreams: 10, answerPings: true, bigFrame: true}
+	addr, cfg := startPeer(t, peer)
+	u := newTestUpstream(t, addr, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, _, _, err := u.attempt(ctx, u.b.desc(u.p, "/csi.v1.Identity/Probe"), "/csi.v1.Identity/Probe", nil, make([]byte, 5))
+	if err == nil || ctx.Err() != nil {
+		t.Fatalf("call ended with %v (context: %v), want a failure at once", err, ctx.Err())
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		peer.mu.Lock()
+		code := peer.goAwayCode
+		peer.mu.Unlock()
+		if code == http2.ErrCodeFrameSize {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("GOAWAY code %v, want FRAME_SIZE_ERROR", code)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
 
