@@ -256,6 +256,7 @@ type feConn struct {
 	lastID    uint32
 	goingAway bool
 	closed    bool
+	shut      bool // drained: writes shut, the reader closes it (drainedLocked)
 	needFlush bool
 	wdlSet    time.Time
 	// arriving counts the bytes of unary requests not whole yet, at most
@@ -364,6 +365,12 @@ func (c *feConn) readLoop() error {
 			return err
 		}
 		c.mu.Lock()
+		if c.shut {
+			// Drained: what the caller still sends is read and dropped
+			// until it closes.
+			c.mu.Unlock()
+			continue
+		}
 		switch fr := fr.(type) {
 		case *http2.MetaHeadersFrame:
 			c.onHeadersLocked(fr)
@@ -483,7 +490,7 @@ func (c *feConn) goAwayLocked(lastID, refuse uint32, why error) {
 	c.needFlush = true
 	c.flushLocked()
 	if len(c.streams) == 0 {
-		c.closeLocked(why)
+		c.drainedLocked(why)
 	}
 }
 
@@ -510,9 +517,28 @@ func (c *feConn) removeLocked(st *feStream) {
 	}
 	delete(c.streams, st.id)
 	if c.goingAway && len(c.streams) == 0 {
-		c.flushLocked()
-		c.closeLocked(errors.New("connection drained"))
+		c.drainedLocked(errors.New("connection drained"))
 	}
+}
+
+// drainedLocked ends a connection whose calls are done after its GOAWAY:
+// what is written is flushed and the writes shut, and the reader closes
+// the connection once the caller has (or after rawgrpc.DrainLinger), so
+// that no unread bytes of the caller's reset it before the last answer is
+// through.
+func (c *feConn) drainedLocked(why error) {
+	if c.closed || c.shut {
+		return
+	}
+	c.flushLocked()
+	if c.closed {
+		return
+	}
+	if rawgrpc.ShutdownWrite(c.nc) {
+		c.shut = true
+		return
+	}
+	c.closeLocked(why)
 }
 
 func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {

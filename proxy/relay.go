@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -148,7 +149,10 @@ type conn struct {
 	peerCheck *mtls.PeerCheck
 	closed    bool
 	closeErr  error
-	wdlSet    time.Time // when the write deadline was last pushed forward
+	// shut: drained, writes shut; the reader drops what the peer still
+	// sends and closes the connection once the peer has (shutLocked).
+	shut   atomic.Bool
+	wdlSet time.Time // when the write deadline was last pushed forward
 
 	dconn *conn // broker side: its driver connection (guarded by Proxy.dmu)
 	owner *conn // driver side: the broker connection it serves
@@ -465,9 +469,28 @@ func (c *conn) removeLocked(l *leg) {
 		c.openWaitingLocked()
 	}
 	if (c.goingAway && c.driver || c.draining) && len(c.streams) == 0 && len(c.waiting) == 0 {
-		c.flushLocked()
-		c.closeLocked(errors.New("connection drained"))
+		c.shutLocked(errors.New("connection drained"))
 	}
+}
+
+// shutLocked ends a drained connection: what is written is flushed and
+// the writes shut, and the reader closes the connection once the peer has
+// (or after rawgrpc.DrainLinger), so that no unread bytes of the peer's
+// reset it before the last answer is through.
+func (c *conn) shutLocked(why error) {
+	if c.closed || c.shut.Load() {
+		return
+	}
+	c.flushLocked()
+	if c.closed {
+		return
+	}
+	if rawgrpc.ShutdownWrite(c.nc) {
+		c.shut.Store(true)
+		c.closeErr = why
+		return
+	}
+	c.closeLocked(why)
 }
 
 // openLocked gives a driver leg its stream ID now, or queues it while the
@@ -575,6 +598,15 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 	var credits []credit
 	for {
 		fr, err := c.rd.ReadFrame()
+		if c.shut.Load() {
+			// Drained: dropped until the peer closes (or the linger
+			// deadline passes).
+			if err != nil {
+				c.fail(err) // keeps the reason shutLocked gave
+				return
+			}
+			continue
+		}
 		if _, ok := fr.(*http2.MetaHeadersFrame); hoptrace.Enabled && ok {
 			if c.driver {
 				hoptrace.Mark(hoptrace.ProxyAnswerRead)

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/encoding/gzip"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/emptypb"
 
 	"github.com/csibroker/csibroker/internal/chaintest"
@@ -166,5 +167,43 @@ func TestUnknownMethodsShareOneMetricLabel(t *testing.T) {
 	}
 	if probeStarted < 1 {
 		t.Errorf("the proxy counted %v Probe calls under csi.v1.Identity/Probe, want at least 1", probeStarted)
+	}
+}
+
+// TestFrontEndDrainedConnectionLingers: once a stopping front end has
+// answered a connection's last call, it shuts its writes (the caller reads
+// the answer, then EOF) but goes on reading until the caller closes, or
+// for rawgrpc.DrainLinger: a caller's frame sent after the answer (a
+// WINDOW_UPDATE, a PING) is taken, not refused, so closing never resets
+// the connection with the last answer still on its way.
+func TestFrontEndDrainedConnectionLingers(t *testing.T) {
+	echo, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	r := dialRawFront(t, c)
+	msg, err := proto.Marshal(&csi.CreateVolumeRequest{Name: "slow", Parameters: map[string]string{"sleep-ms": "300"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	openCall(r, 1, "")
+	sendData(t, r, 1, append([]byte{0, 0, 0, 0, byte(len(msg))}, msg...), true)
+	echo.waitCreateCalls(t, 1)
+	stopped := make(chan struct{})
+	go func() { c.Stop(); close(stopped) }()
+	if code, why := statusOf(t, r, 1); code != "0" {
+		t.Fatalf("the call in flight while the front end stopped: grpc-status %s %q", code, why)
+	}
+	select {
+	case <-r.closed: // EOF after the answer
+	case <-time.After(5 * time.Second):
+		t.Fatal("no EOF after the last answer of a draining connection")
+	}
+	time.Sleep(20 * time.Millisecond)
+	if err := r.fr.WritePing(false, [8]byte{1}); err != nil {
+		t.Fatalf("a frame sent after the answer was refused (the front end closed at once): %v", err)
+	}
+	select {
+	case <-stopped:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the chain did not stop")
 	}
 }
