@@ -259,9 +259,9 @@ type feConn struct {
 	shut      bool // drained: writes shut, the reader closes it (drainedLocked)
 	needFlush bool
 	wdlSet    time.Time
-	// arriving counts the bytes of unary requests not whole yet, at most
-	// maxArriving.
-	arriving int
+	// held counts the bytes of the unary requests of the calls in flight
+	// (arriving, or whole and being served), at most maxHeld.
+	held int
 }
 
 // feStream is one call. Fields other than in are guarded by c.mu.
@@ -289,6 +289,7 @@ type feStream struct {
 	localEnded  bool
 	reset       bool
 	contentType string
+	held        int // bytes of the request counted in feConn.held
 	// arrived is when the call's HEADERS were read: its grpc-timeout
 	// counts from then, as the caller's deadline does, not from when a
 	// slowly sent request was whole.
@@ -515,6 +516,7 @@ func (c *feConn) removeLocked(st *feStream) {
 	if c.streams[st.id] != st {
 		return
 	}
+	c.releaseLocked(st)
 	delete(c.streams, st.id)
 	if c.goingAway && len(c.streams) == 0 {
 		c.drainedLocked(errors.New("connection drained"))
@@ -658,22 +660,25 @@ func (c *feConn) onDataLocked(fr *http2.DataFrame) {
 	data := fr.Data()
 	if st.unary {
 		// A unary request is kept whole, bounded by MaxMsgSize: its
-		// window is credited as it arrives. The requests still arriving
-		// on a connection hold at most maxArriving bytes together.
+		// window is credited as it arrives. The requests of a
+		// connection's calls in flight hold at most maxHeld bytes
+		// together, until each call ends (releaseLocked).
 		if len(st.req)+len(data) > c.s.fe.b.opts.MaxMsgSize+5 {
-			c.arriving -= len(st.req)
+			c.releaseLocked(st)
 			st.tooBig, st.req = true, nil
 		}
 		if !st.tooBig {
-			if limit := c.maxArriving(); c.arriving+len(data) > limit {
+			if limit := c.maxHeld(); c.held+len(data) > limit {
 				c.arrivedLocked(st)
+				c.releaseLocked(st)
 				st.req = nil
 				c.endLocked(st, false, status.Errorf(codes.ResourceExhausted,
-					"csibroker: the requests still arriving on this connection would hold more than %d bytes", limit), nil)
+					"csibroker: the unary requests of the calls in flight on this connection would hold more than %d bytes", limit), nil)
 				return
 			}
 			st.req = append(st.req, data...)
-			c.arriving += len(data)
+			st.held += len(data)
+			c.held += len(data)
 		}
 		c.creditLocked(st, n)
 	} else {
@@ -978,21 +983,24 @@ func (st *feStream) wake() {
 	}
 }
 
-// arrivedLocked ends st's request's share of the bytes still arriving
-// (it is whole, reset or refused) and its expiry.
+// arrivedLocked ends st's request's expiry (it is whole, reset or
+// refused).
 func (c *feConn) arrivedLocked(st *feStream) {
 	if st.expiry != nil {
 		st.expiry.Stop()
 		st.expiry = nil
 	}
-	if st.unary && !st.remoteEnded {
-		c.arriving -= len(st.req)
-	}
 }
 
-// maxArriving bounds the bytes of the unary requests a connection is still
-// receiving: two of the largest.
-func (c *feConn) maxArriving() int { return 2 * (c.s.fe.b.opts.MaxMsgSize + 5) }
+// releaseLocked gives back the bytes st's request held of maxHeld.
+func (c *feConn) releaseLocked(st *feStream) {
+	c.held -= st.held
+	st.held = 0
+}
+
+// maxHeld bounds the bytes of the unary requests of a connection's calls
+// in flight: two of the largest.
+func (c *feConn) maxHeld() int { return 2 * (c.s.fe.b.opts.MaxMsgSize + 5) }
 
 // expire answers DeadlineExceeded to a unary call whose deadline passed
 // before its request was whole, and drops what arrived of it.

@@ -107,7 +107,7 @@ func TestFrontEndBoundsRequestsStillArriving(t *testing.T) {
 		sendData(t, r, id, part, false)
 	}
 	code, text := statusOf(t, r, 5)
-	if code != "8" || !strings.Contains(text, "still arriving") {
+	if code != "8" || !strings.Contains(text, "calls in flight on this connection would hold more than") {
 		t.Fatalf("third request: status %s %q, want RESOURCE_EXHAUSTED (8) saying why", code, text)
 	}
 	for _, id := range []uint32{1, 3} {
@@ -119,6 +119,46 @@ func TestFrontEndBoundsRequestsStillArriving(t *testing.T) {
 	sendData(t, r, 7, frame, true)
 	if code, text := statusOf(t, r, 7); code != "0" {
 		t.Fatalf("a whole request after the others were reset: status %s %q, want OK", code, text)
+	}
+}
+
+// TestFrontEndBoundsWholeRequestsInFlight: with a 1 MiB message limit,
+// the whole unary requests of the calls a connection has in flight (the
+// driver slow to answer) hold at most two such messages too: a third is
+// refused with RESOURCE_EXHAUSTED while they are served, and served once
+// they are done.
+func TestFrontEndBoundsWholeRequestsInFlight(t *testing.T) {
+	echo, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, MaxMsgSize: 1 << 20})
+	r := dialRawFront(t, c)
+	request := func(name, sleep string) []byte {
+		msg, err := proto.Marshal(&csi.CreateVolumeRequest{Name: name, Parameters: map[string]string{"big": strings.Repeat("x", 900<<10), "quiet": "true", "sleep-ms": sleep}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		frame := make([]byte, 5, 5+len(msg))
+		binary.BigEndian.PutUint32(frame[1:], uint32(len(msg)))
+		return append(frame, msg...)
+	}
+	for i, id := range []uint32{1, 3} {
+		openCall(r, id, "")
+		sendData(t, r, id, request(fmt.Sprint("slow-", i), "1500"), true)
+	}
+	echo.waitCreateCalls(t, 2) // both whole, at the driver
+	openCall(r, 5, "")
+	sendData(t, r, 5, request("third", "0"), true)
+	if code, text := statusOf(t, r, 5); code != "8" || !strings.Contains(text, "calls in flight on this connection would hold more than") {
+		t.Fatalf("third request while two are served: status %s %q, want RESOURCE_EXHAUSTED (8) saying why", code, text)
+	}
+	for _, id := range []uint32{1, 3} {
+		if code, text := statusOf(t, r, id); code != "0" {
+			t.Fatalf("slow call %d: status %s %q", id, code, text)
+		}
+	}
+	openCall(r, 7, "")
+	sendData(t, r, 7, request("after", "0"), true)
+	if code, text := statusOf(t, r, 7); code != "0" {
+		t.Fatalf("a request after the others were served: status %s %q, want OK", code, text)
 	}
 }
 
