@@ -27,6 +27,22 @@ func zonesOf(ts []*csi.Topology) []string {
 	return out
 }
 
+// zoneNodes adds a node in each zone (region r1), named node-<zone> in
+// ns, with drv's CSINode keyed by the zone label, and returns the nodes by
+// zone and the zones as segments.
+func zoneNodes(t *testing.T, env *testenv.Env, ns, drv string, zones ...string) (map[string]string, []map[string]string) {
+	t.Helper()
+	nodes := map[string]string{}
+	var segs []map[string]string
+	for _, z := range zones {
+		node := clusterName(ns, "node-"+z)
+		nodes[z] = node
+		addNode(t, env, testenv.NodeSpec{Name: node, Zone: z, Region: "r1"}, drv, []string{testenv.LabelZone})
+		segs = append(segs, map[string]string{testenv.LabelZone: z})
+	}
+	return nodes, segs
+}
+
 // TestTopologyThreeZones checks the CreateVolume requests the driver saw for
 // Immediate, WaitForFirstConsumer and allowedTopologies claims in a
 // three-zone cluster, and the PVs' node affinity.
@@ -37,18 +53,7 @@ func TestTopologyThreeZones(t *testing.T) {
 	ctx := context.Background()
 	drv := clusterName(ns, "zonal.csi.test")
 	zones := []string{"z1", "z2", "z3"}
-	var segs []map[string]string
-	for _, z := range zones {
-		node := clusterName(ns, "node-"+z)
-		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: z, Region: "r1"}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-		if err := env.AddCSINode(ctx, node, drv, node, []string{testenv.LabelZone}); err != nil {
-			t.Fatal(err)
-		}
-		segs = append(segs, map[string]string{testenv.LabelZone: z})
-	}
+	_, segs := zoneNodes(t, env, ns, drv, zones...)
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: segs})
 	imm, wffc, del := storagev1.VolumeBindingImmediate, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
@@ -125,22 +130,8 @@ func TestRetryAfterALostAnswerAsksTheSameTopology(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	ctx := context.Background()
 	drv := clusterName(ns, "lost.csi.test")
-	var segs []map[string]string
-	nodes := map[string]string{}
-	for _, z := range []string{"z1", "z2"} {
-		node := clusterName(ns, "node-"+z)
-		nodes[z] = node
-		if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: node, Zone: z, Region: "r1"}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), node, metav1.DeleteOptions{}) })
-		if err := env.AddCSINode(ctx, node, drv, node, []string{testenv.LabelZone}); err != nil {
-			t.Fatal(err)
-		}
-		segs = append(segs, map[string]string{testenv.LabelZone: z})
-	}
+	nodes, segs := zoneNodes(t, env, ns, drv, "z1", "z2")
 	drivers := newCountingDrivers()
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: segs})
 	drivers.script("CreateVolume", func(n int, call func() error) error {
