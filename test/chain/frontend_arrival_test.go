@@ -150,10 +150,16 @@ func TestFrontEndBoundsWholeRequestsInFlight(t *testing.T) {
 	if code, text := statusOf(t, r, 5); code != "8" || !strings.Contains(text, "calls in flight on this connection would hold more than") {
 		t.Fatalf("third request while two are served: status %s %q, want RESOURCE_EXHAUSTED (8) saying why", code, text)
 	}
-	for _, id := range []uint32{1, 3} {
-		if code, text := statusOf(t, r, id); code != "0" {
-			t.Fatalf("slow call %d: status %s %q", id, code, text)
+	// The slow calls' trailers, in whichever order they come.
+	ended := map[uint32]string{}
+	r.wait(t, "the trailers of streams 1 and 3", func(f http2.Frame) bool {
+		if h, ok := f.(*http2.MetaHeadersFrame); ok && h.StreamEnded() && (h.StreamID == 1 || h.StreamID == 3) {
+			ended[h.StreamID] = headerValue(h.Fields, "grpc-status")
 		}
+		return len(ended) == 2
+	})
+	if ended[1] != "0" || ended[3] != "0" {
+		t.Fatalf("slow calls: grpc-status %v, want 0 for both", ended)
 	}
 	openCall(r, 7, "")
 	sendData(t, r, 7, request("after", "0"), true)
