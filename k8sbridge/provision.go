@@ -558,7 +558,24 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
 	}
 	scheduled := selectedNode != "" // the scheduler chose the node, so it can choose again
-	asked := p.askedBefore(claim.UID, driver, caps)
+	// The record as the API server has it, read once per term. An entry
+	// there already is an earlier attempt's (this leader's or the previous
+	// one's) that may have made the volume (on prev.Node, for a node-local
+	// driver): whatever this attempt's answer, the entry stays until that
+	// volume is accounted for.
+	prev, earlier, err := p.b.intents.Lookup(ctx, pvName)
+	if err != nil {
+		return fail("read the intent record: %v", err)
+	}
+	// What an earlier attempt of this claim asked, while its entry says
+	// its volume may exist (a requirement remembered from before another
+	// replica led is not: that replica's answers settled the entry).
+	var asked *csi.TopologyRequirement
+	if earlier && prev.ClaimUID == string(claim.UID) && !prev.Superseded {
+		asked = p.askedBefore(claim.UID, driver, caps)
+	} else {
+		p.setAsked(claim.UID, nil)
+	}
 	if scheduled && asked == nil {
 		// As external-provisioner, a node that is gone, or (for a driver
 		// with topology) that has no CSINode, whose topology is then
@@ -580,15 +597,6 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			return "rescheduled", nil
 		}
 	}
-	// The record as the API server has it, read once per term. An entry
-	// there already is an earlier attempt's (this leader's or the previous
-	// one's) that may have made the volume (on prev.Node, for a node-local
-	// driver): whatever this attempt's answer, the entry stays until that
-	// volume is accounted for.
-	prev, earlier, err := p.b.intents.Lookup(ctx, pvName)
-	if err != nil {
-		return fail("read the intent record: %v", err)
-	}
 	var gone *Intent // an earlier attempt's entry on a node deleted since
 	if p.b.cfg.Drivers.NodeLocal(driver) {
 		if earlier && prev.Node != "" && prev.ClaimUID == string(claim.UID) {
@@ -605,6 +613,13 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 				p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningOrphan",
 					"an earlier attempt may have made volume %s on node %s, which no longer exists; the claim is provisioned anew, and that volume is deleted if the node comes back", pvName, prev.Node)
 				p.b.log.Warn("an earlier attempt's node is gone; provisioning anew", "claim", claim.Namespace+"/"+claim.Name, "volume", pvName, "node", prev.Node)
+			case selectedNode == "" && slices.Contains(p.noRoomNodes(claim.UID), prev.Node):
+				// Placed by the broker on a node that has since answered
+				// it has no room: the volume the earlier attempt may have
+				// made there is deleted first, and the claim placed anew.
+				if err := p.undoOnNode(ctx, prev); err != nil {
+					return failAs(failureOf("undo on "+prev.Node, err), "an earlier attempt may have made volume %s on node %s, which has no room now; it must be deleted there before the claim is placed on another node: %v", pvName, prev.Node, err)
+				}
 			case selectedNode == "":
 				// Placed by the broker: finish on the same node.
 				selectedNode = prev.Node
@@ -941,26 +956,20 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 	}
 	// Claims are spread as external-provisioner spreads segments (by the
 	// claim's name, a StatefulSet's replicas on successive nodes), and the
-	// nodes that answered this claim ResourceExhausted come last.
+	// nodes that answered this claim ResourceExhausted come last: taken
+	// only if no other has room.
 	h, i := claimNameHashAndIndex(claim.Name)
 	start := int((h + i) % uint32(len(nodes)))
 	nodes = append(slices.Clone(nodes[start:]), nodes[:start]...)
 	refused := p.noRoomNodes(claim.UID)
-	if len(refused) > 0 {
-		fresh := slices.DeleteFunc(slices.Clone(nodes), func(n string) bool { return slices.Contains(refused, n) })
-		if len(fresh) == 0 {
-			// Every node refused: round again, as a final answer's retry.
-			p.forgetNoRoom(claim.UID)
-		} else {
-			nodes = fresh
-		}
-	}
+	fresh := slices.DeleteFunc(slices.Clone(nodes), func(n string) bool { return slices.Contains(refused, n) })
+	last := slices.DeleteFunc(slices.Clone(nodes), func(n string) bool { return !slices.Contains(refused, n) })
 	capRange, err := CapacityRange(claim)
 	if err != nil {
 		return "", err
 	}
 	if !caps.getCapacity {
-		return nodes[0], nil
+		return slices.Concat(fresh, last)[0], nil
 	}
 	params, fsType, err := CreateParameters(class.Parameters, false, "", claim, p.b.cfg.DefaultFSType)
 	if err != nil {
@@ -970,31 +979,33 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 	if err != nil {
 		return "", err
 	}
-	best, bestFree := "", int64(-1)
 	var seen []string
-	for _, n := range nodes {
-		conn, err := p.b.cfg.Drivers.NodeConn(driver, n)
-		if err != nil {
-			seen = append(seen, fmt.Sprintf("%s: %v", n, err))
-			continue
+	for _, group := range [][]string{fresh, last} {
+		best, bestFree := "", int64(-1)
+		for _, n := range group {
+			conn, err := p.b.cfg.Drivers.NodeConn(driver, n)
+			if err != nil {
+				seen = append(seen, fmt.Sprintf("%s: %v", n, err))
+				continue
+			}
+			callCtx, cancel := p.b.callContext(ctx, driver, "GetCapacity")
+			resp, err := csi.NewControllerClient(conn).GetCapacity(callCtx, &csi.GetCapacityRequest{Parameters: params, VolumeCapabilities: volCaps})
+			cancel()
+			if err != nil {
+				seen = append(seen, fmt.Sprintf("%s: %s", n, statusText(err)))
+				continue
+			}
+			free := resp.GetAvailableCapacity()
+			seen = append(seen, fmt.Sprintf("%s: %d bytes free", n, free))
+			if free >= capRange.GetRequiredBytes() && free > bestFree {
+				best, bestFree = n, free
+			}
 		}
-		callCtx, cancel := p.b.callContext(ctx, driver, "GetCapacity")
-		resp, err := csi.NewControllerClient(conn).GetCapacity(callCtx, &csi.GetCapacityRequest{Parameters: params, VolumeCapabilities: volCaps})
-		cancel()
-		if err != nil {
-			seen = append(seen, fmt.Sprintf("%s: %s", n, statusText(err)))
-			continue
-		}
-		free := resp.GetAvailableCapacity()
-		seen = append(seen, fmt.Sprintf("%s: %d bytes free", n, free))
-		if free >= capRange.GetRequiredBytes() && free > bestFree {
-			best, bestFree = n, free
+		if best != "" {
+			return best, nil
 		}
 	}
-	if best == "" {
-		return "", fmt.Errorf("no node of node-local driver %s has %d bytes free (%s)", driver, capRange.GetRequiredBytes(), strings.Join(seen, "; "))
-	}
-	return best, nil
+	return "", fmt.Errorf("no node of node-local driver %s has %d bytes free (%s)", driver, capRange.GetRequiredBytes(), strings.Join(seen, "; "))
 }
 
 // inAllowedTopologies reports whether a node with labels is in one of a
@@ -1290,9 +1301,10 @@ func (p *provisioner) reschedule(ctx context.Context, claim *corev1.PersistentVo
 	// keeps its node.
 	patch := []byte(`{"metadata":{"uid":"` + string(claim.UID) + `","annotations":{"` + annSelectedNode + `":null}}}`)
 	_, err := p.b.cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Patch(ctx, claim.Name, types.MergePatchType, patch, metav1.PatchOptions{})
-	// A conflict is the UID's: the claim was made again (its own sync
-	// decides for it).
-	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+	// A patch whose metadata.uid is not the claim's is refused as Invalid
+	// (a UID cannot change): the claim was made again, and its own sync
+	// decides for it.
+	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsInvalid(err) && !apierrors.IsConflict(err) {
 		return fmt.Errorf("remove %s from claim %s/%s: %w", annSelectedNode, claim.Namespace, claim.Name, err)
 	}
 	return nil

@@ -14,6 +14,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/policy"
@@ -53,6 +55,7 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 	defer p.recoveryPasses.Add(1)
 	now := time.Now()
 	p.forgetSettled(intents)
+	p.forgetSettledClaims()
 	for _, in := range intents {
 		if ctx.Err() != nil {
 			return
@@ -464,6 +467,41 @@ func (p *provisioner) recoveryDue(volume string, now time.Time) bool {
 	defer p.mu.Unlock()
 	st, ok := p.recFails[volume]
 	return !ok || !now.Before(st.next)
+}
+
+// forgetSettledClaims drops what provisioning remembers per claim (the
+// topology asked, the nodes without room) for claims that are no longer
+// waiting for a volume: bound, or gone (a deletion seen before an attempt
+// in flight remembered something).
+func (p *provisioner) forgetSettledClaims() {
+	p.mu.Lock()
+	n := len(p.asked) + len(p.noRoom)
+	p.mu.Unlock()
+	if n == 0 {
+		return
+	}
+	claims, err := p.b.claims.List(labels.Everything())
+	if err != nil {
+		return
+	}
+	waiting := make(map[types.UID]bool, len(claims))
+	for _, c := range claims {
+		if c.Spec.VolumeName == "" && c.DeletionTimestamp == nil {
+			waiting[c.UID] = true
+		}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for uid := range p.asked {
+		if !waiting[uid] {
+			delete(p.asked, uid)
+		}
+	}
+	for uid := range p.noRoom {
+		if !waiting[uid] {
+			delete(p.noRoom, uid)
+		}
+	}
 }
 
 // forgetSettled drops the failure counts of entries no longer recorded.

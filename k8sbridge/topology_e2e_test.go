@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sort"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,6 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
@@ -134,22 +136,28 @@ func TestRetryAfterALostAnswerAsksTheSameTopology(t *testing.T) {
 	nodes, segs := zoneNodes(t, env, ns, drv, "z1", "z2")
 	drivers := newCountingDrivers()
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: segs})
+	var run atomic.Pointer[bridgeRun] // set once the bridge runs
 	drivers.script("CreateVolume", func(n int, call func() error) error {
 		if n > 1 {
 			return call()
 		}
 		// The volume is made, its answer lost, and the selected node
-		// goes before the retry.
+		// goes before the retry, as the broker's cache sees it too.
 		if err := call(); err != nil {
 			return err
 		}
 		if err := c.CoreV1().Nodes().Delete(context.Background(), nodes["z1"], metav1.DeleteOptions{}); err != nil {
 			return fmt.Errorf("delete node (test): %w", err)
 		}
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+			if _, err := run.Load().b.nodes.Get(nodes["z1"]); apierrors.IsNotFound(err) {
+				break
+			}
+		}
 		return status.Error(codes.DeadlineExceeded, "answer lost (test)")
 	})
 	class := makeClass(t, c, clusterName(ns, "wffc"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{})
+	run.Store(startBridge(t, env, ns, drivers, bridgeOpts{}))
 	makeClaimWith(t, c, ns, "data", class.Name, func(p *corev1.PersistentVolumeClaim) {
 		p.Annotations = map[string]string{annSelectedNode: nodes["z1"]}
 	})

@@ -294,10 +294,11 @@ func (c *conn) goAwayLocked(lastID, refuse uint32, why error) {
 		c.writeErr(c.framer().WriteRSTStream(refuse, http2.ErrCodeRefusedStream))
 	}
 	c.needFlush = true
-	c.flushLocked()
 	if len(c.streams) == 0 {
-		c.closeLocked(why)
+		c.shutLocked(why) // the GOAWAY reaches the broker before the close
+		return
 	}
+	c.flushLocked()
 }
 
 // writeHeadersLocked writes fields as HEADERS (+ CONTINUATION) on stream id.
