@@ -181,3 +181,37 @@ func TestRetryAfterALostAnswerAsksTheSameTopology(t *testing.T) {
 		t.Errorf("%d volumes on the driver, want the first attempt's only", n)
 	}
 }
+
+// TestRescheduleLeavesAClaimMadeAgain: the patch that hands a claim back
+// to the scheduler names the claim's UID, so a claim deleted and made
+// again under the name while an attempt ran keeps its selected node; the
+// API server's refusal of the mismatched UID is taken as that, not as a
+// failure.
+func TestRescheduleLeavesAClaimMadeAgain(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	r := startBridge(t, env, ns, &testDrivers{}, bridgeOpts{})
+	claim := makeClaimWith(t, c, ns, "data", "none", func(p *corev1.PersistentVolumeClaim) {
+		p.Annotations = map[string]string{annSelectedNode: "n1"}
+	})
+	old := claim.DeepCopy()
+	old.UID = "00000000-0000-0000-0000-000000000001" // the claim an attempt began with
+	if err := r.b.prov.reschedule(context.Background(), old); err != nil {
+		t.Fatalf("reschedule of a claim made again: %v, want nothing done and no error", err)
+	}
+	cur, err := c.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "data", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cur.Annotations[annSelectedNode] != "n1" {
+		t.Fatalf("the claim made again lost its selected node: %v", cur.Annotations)
+	}
+	if err := r.b.prov.reschedule(context.Background(), cur); err != nil {
+		t.Fatal(err)
+	}
+	cur, err = c.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "data", metav1.GetOptions{})
+	if err != nil || cur.Annotations[annSelectedNode] != "" {
+		t.Fatalf("the claim itself: %v, annotations %v; want its selected node removed", err, cur.Annotations)
+	}
+}
