@@ -121,56 +121,24 @@ func (b *Broker) ServeSocketDir(ctx context.Context, dir string, reserved ...str
 		reserved[i] = abs(r)
 	}
 	type socket struct {
-		path    string
-		cancel  context.CancelFunc // nil once stopping
-		started time.Time
-		failed  bool
-		retry   time.Time // a failed socket's next try
-	}
-	type exit struct {
-		name string
-		err  error
+		stop     context.CancelFunc
+		stopping bool // its driver was removed: started again once it has stopped
 	}
 	serving := map[string]*socket{}
-	fails := map[string]int{} // failures in a row, by driver
-	exited := make(chan exit)
+	exited := make(chan string)
 	refused := map[string]bool{} // reserved paths, logged once
-	retry := time.NewTimer(time.Hour)
-	defer retry.Stop()
-	for {
-		if ctx.Err() != nil {
-			break
-		}
+	for ctx.Err() == nil {
 		changed := b.registryChanged() // before the names: no change is missed
 		want := b.DriverNames()
-		for name := range fails {
-			if !slices.Contains(want, name) {
-				delete(fails, name)
-			}
-		}
-		now := time.Now()
-		next := time.Duration(0) // until the first failed socket's retry
 		for name, s := range serving {
-			if !s.failed {
-				continue
-			}
-			if wait := s.retry.Sub(now); wait > 0 && slices.Contains(want, name) {
-				if next == 0 || wait < next {
-					next = wait
-				}
-				continue
-			}
-			delete(serving, name) // tried again below, if still registered
-		}
-		for name, s := range serving {
-			if s.cancel != nil && !slices.Contains(want, name) {
-				s.cancel()
-				s.cancel = nil
+			if !s.stopping && !slices.Contains(want, name) {
+				s.stop()
+				s.stopping = true
 			}
 		}
 		for _, name := range want {
 			if serving[name] != nil {
-				continue // serving, stopping (started again once it has stopped) or failed
+				continue
 			}
 			path := filepath.Join(dir, name+".sock")
 			if slices.Contains(reserved, abs(path)) {
@@ -180,57 +148,52 @@ func (b *Broker) ServeSocketDir(ctx context.Context, dir string, reserved ...str
 				}
 				continue
 			}
-			sctx, cancel := context.WithCancel(ctx)
-			s := &socket{path: path, cancel: cancel, started: time.Now()}
-			serving[name] = s
+			sctx, stop := context.WithCancel(ctx)
+			serving[name] = &socket{stop: stop}
 			go func() {
-				err := b.ServeSocket(sctx, name, path)
-				cancel()
-				exited <- exit{name, err}
+				b.serveSocketRetrying(sctx, name, path)
+				stop()
+				exited <- name
 			}()
-		}
-		var retryC <-chan time.Time
-		if next > 0 {
-			retry.Reset(next)
-			retryC = retry.C
 		}
 		select {
 		case <-changed:
-		case <-retryC:
-		case e := <-exited:
-			// Not stopped, and its driver still registered: it failed. (A
-			// driver removed just before its socket started is no failure.)
-			if s := serving[e.name]; s.cancel != nil && ctx.Err() == nil && b.HasDriver(e.name) {
-				if time.Since(s.started) > time.Minute {
-					fails[e.name] = 0 // it served a while: a new run of failures
-				}
-				fails[e.name]++
-				wait := min(time.Second<<min(fails[e.name]-1, 6), time.Minute)
-				s.failed, s.cancel, s.retry = true, nil, time.Now().Add(wait)
-				b.log.Error("CSI front end: socket failed; tried again after a backoff", "driver", e.name, "socket", s.path, "retry_in", wait, "err", e.err)
-			} else {
-				delete(serving, e.name)
-			}
+		case name := <-exited:
+			delete(serving, name)
 		case <-ctx.Done():
-		}
-		if retryC != nil && !retry.Stop() {
-			select {
-			case <-retry.C:
-			default:
-			}
 		}
 	}
 	// Stopping: wait for the sockets still serving (their calls in flight
 	// finish, as on shutdown) to go.
-	for name, s := range serving {
-		if s.failed {
-			delete(serving, name)
-		}
-	}
 	for len(serving) > 0 {
-		delete(serving, (<-exited).name)
+		delete(serving, <-exited)
 	}
 	return nil
+}
+
+// serveSocketRetrying serves driver's front end at path until ctx is done
+// (or the driver is gone): a socket that fails is logged and tried again
+// after a backoff, 1 s doubling up to a minute, from 1 s again after one
+// that served a minute.
+func (b *Broker) serveSocketRetrying(ctx context.Context, driver, path string) {
+	wait := time.Second
+	for {
+		started := time.Now()
+		err := b.ServeSocket(ctx, driver, path)
+		if ctx.Err() != nil || !b.HasDriver(driver) {
+			return // stopped, or removed just before it started: no failure
+		}
+		if time.Since(started) > time.Minute {
+			wait = time.Second
+		}
+		b.log.Error("CSI front end: socket failed; tried again after a backoff", "driver", driver, "socket", path, "retry_in", wait, "err", err)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, time.Minute)
+	}
 }
 
 // ServeTCP serves the shared mTLS front end on lis: callers name the driver
