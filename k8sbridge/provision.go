@@ -1008,28 +1008,6 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 	return "", fmt.Errorf("no node of node-local driver %s has %d bytes free (%s)", driver, capRange.GetRequiredBytes(), strings.Join(seen, "; "))
 }
 
-// inAllowedTopologies reports whether a node with labels is in one of a
-// StorageClass's allowedTopologies terms (every expression of the term
-// holds: the node's label has one of its values).
-func inAllowedTopologies(terms []corev1.TopologySelectorTerm, labels map[string]string) bool {
-	for _, term := range terms {
-		if len(term.MatchLabelExpressions) == 0 {
-			continue
-		}
-		in := true
-		for _, e := range term.MatchLabelExpressions {
-			if v, ok := labels[e.Key]; !ok || !slices.Contains(e.Values, v) {
-				in = false
-				break
-			}
-		}
-		if in {
-			return true
-		}
-	}
-	return false
-}
-
 // noteNoRoom records that node answered the claim's CreateVolume
 // ResourceExhausted; noRoomNodes lists those nodes; forgetNoRoom forgets
 // them.

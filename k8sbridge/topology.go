@@ -375,6 +375,28 @@ func flattenAllowedTopologies(allowed []corev1.TopologySelectorTerm) []topoTerm 
 	return out
 }
 
+// inAllowedTopologies reports whether a node with labels is in one of a
+// StorageClass's allowedTopologies terms (every expression of the term
+// holds: the node's label has one of its values).
+func inAllowedTopologies(terms []corev1.TopologySelectorTerm, labels map[string]string) bool {
+	for _, term := range terms {
+		if len(term.MatchLabelExpressions) == 0 {
+			continue
+		}
+		in := true
+		for _, e := range term.MatchLabelExpressions {
+			if v, ok := labels[e.Key]; !ok || !slices.Contains(e.Values, v) {
+				in = false
+				break
+			}
+		}
+		if in {
+			return true
+		}
+	}
+	return false
+}
+
 func topoTermsToCSI(ts []topoTerm) []*csi.Topology {
 	out := make([]*csi.Topology, 0, len(ts))
 	for _, t := range ts {

@@ -597,3 +597,27 @@ func ExampleAccessibilityRequirements() {
 	// requisite: topology.kubernetes.io/zone=a topology.kubernetes.io/zone=b topology.kubernetes.io/zone=c
 	// preferred: topology.kubernetes.io/zone=b topology.kubernetes.io/zone=c topology.kubernetes.io/zone=a
 }
+
+// TestInAllowedTopologies: a node is in a class's allowedTopologies when
+// every expression of one term holds for its labels.
+func TestInAllowedTopologies(t *testing.T) {
+	terms := []corev1.TopologySelectorTerm{
+		{MatchLabelExpressions: []corev1.TopologySelectorLabelRequirement{{Key: "zone", Values: []string{"z1", "z2"}}, {Key: "rack", Values: []string{"a"}}}},
+		{MatchLabelExpressions: []corev1.TopologySelectorLabelRequirement{{Key: "zone", Values: []string{"z3"}}}},
+		{}, // an empty term allows nothing
+	}
+	for _, tc := range []struct {
+		labels map[string]string
+		want   bool
+	}{
+		{map[string]string{"zone": "z2", "rack": "a"}, true},
+		{map[string]string{"zone": "z2", "rack": "b"}, false},
+		{map[string]string{"zone": "z2"}, false},
+		{map[string]string{"zone": "z3", "rack": "x"}, true},
+		{map[string]string{}, false},
+	} {
+		if got := inAllowedTopologies(terms, tc.labels); got != tc.want {
+			t.Errorf("labels %v: %v, want %v", tc.labels, got, tc.want)
+		}
+	}
+}
