@@ -322,15 +322,16 @@ func (p *Proxy) driverConn(bc *conn) (*conn, error) {
 	p.dmu.Lock()
 	if c := bc.dconn; c != nil {
 		c.mu.Lock()
-		if c.nextID > rawgrpc.LastStreamID-rawgrpc.StreamIDMargin && !c.goingAway {
+		if c.nextID > rawgrpc.LastStreamID-rawgrpc.StreamIDMargin && !c.retiring {
 			// Stream IDs nearly used up: new calls go to a new
-			// connection, this one closes when its calls are done.
-			c.goingAway = true
+			// connection, this one closes when its calls, queued ones
+			// included, are done.
+			c.retiring = true
 			if len(c.streams) == 0 && len(c.waiting) == 0 {
 				c.closeLocked(errors.New("stream IDs used up"))
 			}
 		}
-		ok := !c.closed && !c.goingAway
+		ok := !c.closed && !c.goingAway && !c.retiring
 		c.mu.Unlock()
 		if ok {
 			p.dmu.Unlock()

@@ -143,7 +143,11 @@ type conn struct {
 	blocked   []*leg               // legs with pending frames
 	needFlush bool
 	goingAway bool // no new streams on this connection
-	draining  bool // broker side: GOAWAY sent, close when idle
+	// retiring: driver side, its stream IDs nearly used up: no new call
+	// comes to it, but the legs queued for a slot still open (the IDs
+	// left are plenty for them), and it closes once none is left.
+	retiring bool
+	draining bool // broker side: GOAWAY sent, close when idle
 	// peerCheck verifies a broker connection's certificate again before
 	// each new call (nil on the driver side).
 	peerCheck *mtls.PeerCheck
@@ -469,7 +473,7 @@ func (c *conn) removeLocked(l *leg) {
 		c.active--
 		c.openWaitingLocked()
 	}
-	if (c.goingAway && c.driver || c.draining) && len(c.streams) == 0 && len(c.waiting) == 0 {
+	if ((c.goingAway || c.retiring) && c.driver || c.draining) && len(c.streams) == 0 && len(c.waiting) == 0 {
 		c.shutLocked(errors.New("connection drained"))
 	}
 }

@@ -10,6 +10,8 @@ import (
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
+
+	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
 
 // A driver connection's write side, driven directly: what the proxy writes
@@ -117,9 +119,12 @@ func TestEmptyDataFrameOnANegativeWindow(t *testing.T) {
 // driver's stream limit is written and flushed as soon as a slot frees,
 // with no other write to carry it. After a GOAWAY that refuses the open
 // stream (last stream 0), no queued leg is opened as that stream is
-// removed: it fails with the GOAWAY instead.
+// removed: it fails with the GOAWAY instead. A connection whose stream IDs
+// are nearly used up takes no new call, but the legs already queued on it
+// still open there (there are IDs left for them) and it closes after them.
 func TestQueuedLegsWaitAfterGoAwayAndGoOutWhenOpened(t *testing.T) {
-	for _, goAway := range []bool{false, true} {
+	for _, mode := range []string{"slot frees", "GOAWAY", "stream IDs nearly used up"} {
+		goAway := mode == "GOAWAY"
 		a, b := net.Pipe()
 		p := &Proxy{log: slog.New(slog.DiscardHandler), target: "unix:///driver.sock"}
 		d := newConn(p, a, true, "driver")
@@ -152,6 +157,19 @@ func TestQueuedLegsWaitAfterGoAwayAndGoOutWhenOpened(t *testing.T) {
 		second.pending = append(second.pending, hdr)
 		d.flushLocked()
 		d.mu.Unlock()
+		var idsLow uint32
+		if mode == "stream IDs nearly used up" {
+			d.mu.Lock()
+			idsLow = rawgrpc.LastStreamID - rawgrpc.StreamIDMargin + 2
+			d.nextID = idsLow
+			d.mu.Unlock()
+			bc.dconn = d
+			// The next call finds the IDs nearly used up and dials a new
+			// connection (there is no driver at the target: that fails).
+			if nc, err := p.driverConn(bc); err == nil {
+				t.Fatalf("%s: the next call went to %v, want a dial of a new connection", mode, nc)
+			}
+		}
 		if goAway {
 			var f flusher
 			d.onGoAway(frameOf(t, func(fr *http2.Framer) error { return fr.WriteGoAway(0, http2.ErrCodeNo, nil) }).(*http2.GoAwayFrame), &f)
@@ -162,6 +180,12 @@ func TestQueuedLegsWaitAfterGoAwayAndGoOutWhenOpened(t *testing.T) {
 		d.mu.Lock()
 		first.localEnded, first.remoteEnded = true, true
 		d.removeLocked(first)
+		closedEarly := d.closed || d.shut.Load()
+		if idsLow != 0 && second.id == idsLow {
+			second.localEnded, second.remoteEnded = true, true
+			d.removeLocked(second)
+		}
+		closedAfter := d.closed || d.shut.Load()
 		d.mu.Unlock()
 		a.Close()
 		frames := <-got
@@ -173,12 +197,16 @@ func TestQueuedLegsWaitAfterGoAwayAndGoOutWhenOpened(t *testing.T) {
 			}
 		}
 		switch {
-		case !goAway && (len(streams) != 2 || streams[1] != 3):
-			t.Errorf("no GOAWAY: HEADERS written on streams %v, want [1 3] (the queued call flushed once the slot freed)", streams)
+		case mode == "slot frees" && (len(streams) != 2 || streams[1] != 3):
+			t.Errorf("%s: HEADERS written on streams %v, want [1 3] (the queued call flushed once the slot freed)", mode, streams)
 		case goAway && len(streams) != 1:
-			t.Errorf("after GOAWAY: HEADERS written on streams %v, want only [1]", streams)
+			t.Errorf("%s: HEADERS written on streams %v, want only [1]", mode, streams)
 		case goAway && second.id != 0:
-			t.Errorf("after GOAWAY the queued leg got stream %d", second.id)
+			t.Errorf("%s: the queued leg got stream %d", mode, second.id)
+		case idsLow != 0 && (len(streams) != 2 || streams[1] != idsLow):
+			t.Errorf("%s: HEADERS written on streams %v, want [1 %d] (the queued call opened on the old connection)", mode, streams, idsLow)
+		case idsLow != 0 && (closedEarly || !closedAfter):
+			t.Errorf("%s: closed while a queued call was left: %v; closed once none was: %v; want false, true", mode, closedEarly, closedAfter)
 		}
 	}
 }
