@@ -222,7 +222,9 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 		d.writeLocked(dl, o, nil)
 	} else {
 		dl.pending = append(dl.pending, o)
-		dl.queuedAt = time.Now() // its grpc-timeout is shortened when it opens
+		// Its grpc-timeout is shortened when it opens, by the time since
+		// the call arrived (a dial of the driver included).
+		dl.queuedAt = s.start
 	}
 	d.mu.Unlock()
 	f.mark(d)

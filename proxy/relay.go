@@ -74,7 +74,7 @@ type leg struct {
 	c           *conn
 	s           *stream
 	id          uint32     // 0 until the stream is opened on c
-	queuedAt    time.Time  // when the leg waited for a stream slot (zero: it did not)
+	queuedAt    time.Time  // when the call of a leg queued for a stream slot arrived (zero: not queued)
 	sendWin     int64      // what the peer lets us send on this stream
 	recvWin     int64      // what we let the peer send on this stream
 	unacked     uint32     // bytes read on this leg and passed on, not yet credited back
