@@ -524,14 +524,21 @@ func (p *proxyConn) drain() {
 
 type proxyState struct{ driver, node, address, state, want string }
 
+// proxyStates reads each proxy connection's state with the registry's
+// lock released, as Status does.
 func (b *Broker) proxyStates() []proxyState {
 	b.mu.RLock()
-	defer b.mu.RUnlock()
 	var out []proxyState
+	var pcs []*proxyConn
 	for _, d := range b.drivers {
 		for _, pc := range d.all() {
-			out = append(out, proxyState{driver: d.name, node: pc.cfg.Node, address: pc.cfg.Address, state: pc.up.state(), want: pc.want})
+			out = append(out, proxyState{driver: d.name, node: pc.cfg.Node, address: pc.cfg.Address, want: pc.want})
+			pcs = append(pcs, pc)
 		}
+	}
+	b.mu.RUnlock()
+	for i, pc := range pcs {
+		out[i].state = pc.up.state()
 	}
 	return out
 }
@@ -549,17 +556,29 @@ type DriverStatus struct {
 type ProxyStatus struct{ Address, Node, State, ExpectedIdentity string }
 
 // Status snapshots every driver.
+//
+// A proxy connection's state is read with the registry's lock released,
+// so that no snapshot (nor a Prometheus scrape, through proxyStates) waits
+// on a proxy connection while holding a lock every call needs.
 func (b *Broker) Status() []DriverStatus {
 	b.mu.RLock()
-	defer b.mu.RUnlock()
 	var out []DriverStatus
+	var pcs [][]*proxyConn
 	for _, name := range sortedKeys(b.drivers) {
 		d := b.drivers[name]
 		ds := DriverStatus{Name: name, Socket: b.sockets[name], Inflight: d.stats.inflight.Load(), Total: d.stats.total.Load(), Failed: d.stats.failed.Load()}
-		for _, pc := range d.all() {
-			ds.Proxies = append(ds.Proxies, ProxyStatus{Address: pc.cfg.Address, Node: pc.cfg.Node, State: pc.up.state(), ExpectedIdentity: pc.want})
+		all := d.all()
+		for _, pc := range all {
+			ds.Proxies = append(ds.Proxies, ProxyStatus{Address: pc.cfg.Address, Node: pc.cfg.Node, ExpectedIdentity: pc.want})
 		}
 		out = append(out, ds)
+		pcs = append(pcs, all)
+	}
+	b.mu.RUnlock()
+	for i := range out {
+		for j, pc := range pcs[i] {
+			out[i].Proxies[j].State = pc.up.state()
+		}
 	}
 	return out
 }

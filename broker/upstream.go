@@ -187,7 +187,7 @@ func (u *upstream) state() string {
 // close closes the connection; calls in flight fail with Unavailable.
 func (u *upstream) close() {
 	if c := u.shut(); c != nil {
-		c.fail(errBrokerClosed)
+		c.abort(errBrokerClosed)
 	}
 	u.failOld(errBrokerClosed)
 }
@@ -199,10 +199,7 @@ func (u *upstream) keepOldLocked(c *upConn) {
 		u.old = map[*upConn]struct{}{}
 	}
 	for x := range u.old {
-		x.mu.Lock()
-		gone := x.err != nil
-		x.mu.Unlock()
-		if gone {
+		if x.ended.Load() {
 			delete(u.old, x)
 		}
 	}
@@ -235,7 +232,7 @@ func (u *upstream) failOld(err error) {
 	u.old = nil
 	u.mu.Unlock()
 	for c := range old {
-		c.fail(err)
+		c.abort(err)
 	}
 }
 
@@ -416,8 +413,15 @@ type upConn struct {
 	drainErr    error         // why goingAway was set
 	err         error         // why the connection ended; set once
 	retiring    chan struct{} // closed once the connection takes no new calls
-	retired     bool          // retiring is closed
-	deadline    time.Time
+	retireOnce  sync.Once     // closes retiring and sets noNew
+	// noNew and ended are read without mu by the upstream, which holds its
+	// own lock (and, through state(), callers hold the registry's): mu is
+	// held across socket writes, so a proxy that stops reading must not
+	// hold up anything but the calls on its own connection.
+	noNew    atomic.Bool           // takes no new calls (retiring is closed)
+	ended    atomic.Bool           // err is set
+	aborted  atomic.Pointer[error] // why abort closed the socket
+	deadline time.Time
 
 	// peerCheck verifies the proxy's certificate again before a call is
 	// given this connection, and tells when the broker's own was renewed.
@@ -459,9 +463,18 @@ func (u *upstream) admitLocked(c *upConn) bool {
 }
 
 // retireLocked makes c take no new calls; calls in flight finish on it.
+// It does not wait for c.mu, which a write to a proxy that stopped reading
+// may hold: the rest of stopTaking is then done by a goroutine once the
+// write is over.
 func (u *upstream) retireLocked(c *upConn, why error) {
 	u.keepOldLocked(c)
-	c.stopTaking(why)
+	c.retire()
+	if c.mu.TryLock() {
+		c.stopTakingLocked(why)
+		c.mu.Unlock()
+	} else {
+		go c.stopTaking(why)
+	}
 	if u.conn == c {
 		u.conn = nil
 	}
@@ -511,6 +524,10 @@ func (u *upstream) renewLocked(c *upConn) {
 func (c *upConn) stopTaking(why error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.stopTakingLocked(why)
+}
+
+func (c *upConn) stopTakingLocked(why error) {
 	if c.err != nil || c.goingAway {
 		return
 	}
@@ -568,11 +585,8 @@ func (c *upConn) start() error {
 	return c.bw.Flush()
 }
 
-func (c *upConn) takesCalls() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.err == nil && !c.goingAway && c.nextID < rawgrpc.LastStreamID-rawgrpc.StreamIDMargin
-}
+// takesCalls reports whether c takes new calls; it never waits for c.mu.
+func (c *upConn) takesCalls() bool { return !c.noNew.Load() }
 
 // writeLocked records a write's error: the connection is then done.
 func (c *upConn) writeLocked(err error) {
@@ -616,7 +630,11 @@ func (c *upConn) failLocked(err error) {
 	if c.err != nil {
 		return
 	}
+	if why := c.aborted.Load(); why != nil {
+		err = *why
+	}
 	c.err = err
+	c.ended.Store(true)
 	c.retireLocked()
 	c.nc.Close()
 	log := c.u.b.log.With("driver", c.u.p.driver, "node", c.u.p.cfg.Node, "proxy", c.u.addr)
@@ -642,17 +660,29 @@ func (c *upConn) failLocked(err error) {
 // retireLocked tells keepConnected that the connection takes no new calls
 // (it failed, the proxy is going away, or its stream IDs run out), so a new
 // one is dialled while the calls on this one finish.
-func (c *upConn) retireLocked() {
-	if !c.retired {
-		c.retired = true
+func (c *upConn) retireLocked() { c.retire() }
+
+// retire is retireLocked for callers that may not hold c.mu.
+func (c *upConn) retire() {
+	c.retireOnce.Do(func() {
+		c.noNew.Store(true)
 		close(c.retiring)
-	}
+	})
 }
 
 func (c *upConn) fail(err error) {
 	c.mu.Lock()
 	c.failLocked(err)
 	c.mu.Unlock()
+}
+
+// abort is fail for a connection a write may be stuck on (its proxy stopped
+// reading): the socket is closed first, which ends that write and frees
+// c.mu, and the connection fails with why, not with the write's error.
+func (c *upConn) abort(why error) {
+	c.aborted.Store(&why)
+	c.nc.Close()
+	c.fail(why)
 }
 
 func describeUpErr(err error) string {

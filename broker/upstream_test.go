@@ -59,6 +59,9 @@ type h2peer struct {
 	// trailers, if set, end every answer instead of grpc-status 0;
 	// headers are added to every answer's response headers.
 	trailers, headers []hpack.HeaderField
+	// stall: open windows of 1 GiB, then stop reading at the first
+	// request's HEADERS, until stall is closed (a proxy that hangs).
+	stall chan struct{}
 
 	mu       sync.Mutex
 	conns    int
@@ -144,7 +147,13 @@ func (p *h2peer) serve(nc net.Conn) {
 	if p.maxHeaderList > 0 {
 		settings = append(settings, http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: p.maxHeaderList})
 	}
+	if p.stall != nil {
+		settings = append(settings, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1 << 30})
+	}
 	fr.WriteSettings(settings...)
+	if p.stall != nil {
+		fr.WriteWindowUpdate(0, 1<<30)
+	}
 	wmu.Unlock()
 	for {
 		f, err := fr.ReadFrame()
@@ -172,6 +181,10 @@ func (p *h2peer) serve(nc net.Conn) {
 				p.mu.Unlock()
 			}
 		case *http2.MetaHeadersFrame:
+			if p.stall != nil {
+				<-p.stall
+				return
+			}
 			if p.push {
 				wmu.Lock()
 				hbuf.Reset()
@@ -238,6 +251,59 @@ func newTestUpstream(t *testing.T, addr string, tlsCfg *tls.Config) *upstream {
 	u := newUpstream(b, p, tlsCfg)
 	t.Cleanup(u.close)
 	return u
+}
+
+// TestUpstreamStuckProxyHoldsUpNoOneElse: a proxy that stops reading holds
+// a large request's write, and with it its connection's lock, until the
+// write deadline; the connection's state, the status snapshot and the
+// metrics' proxy states (which hold the registry's lock, as every call and
+// every registry change needs it) are read meanwhile without waiting.
+func TestUpstreamStuckProxyHoldsUpNoOneElse(t *testing.T) {
+	peer := &h2peer{maxStreams: 10, answerPings: true, stall: make(chan struct{})}
+	addr, cfg := startPeer(t, peer)
+	t.Cleanup(func() { close(peer.stall) })
+	u := newTestUpstream(t, addr, cfg)
+	u.p.up = u
+	b := u.b
+	b.mu.Lock()
+	b.drivers[u.p.driver] = &Driver{name: u.p.driver, b: b, controller: u.p, nodes: map[string]*proxyConn{}, stats: &driverStats{}}
+	b.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := u.get(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := make([]byte, 64<<20)
+	binary.BigEndian.PutUint32(big[1:], uint32(len(big)-5))
+	go u.attempt(ctx, u.b.desc(u.p, "/csi.v1.Controller/CreateVolume"), "/csi.v1.Controller/CreateVolume", nil, big)
+	// Wait until the write holds the connection's lock for good.
+	for held, deadline := 0, time.Now().Add(10*time.Second); held < 10; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the large request's write never blocked")
+		}
+		if c.mu.TryLock() {
+			c.mu.Unlock()
+			held = 0
+		} else {
+			held++
+		}
+	}
+	within := func(what string, f func()) {
+		t.Helper()
+		done := make(chan struct{})
+		start := time.Now()
+		go func() { f(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(2 * time.Second):
+			t.Fatalf("%s waited on the stuck proxy's connection (still waiting after %v)", what, time.Since(start).Round(time.Millisecond))
+		}
+	}
+	within("the connection's state", func() { u.state() })
+	within("the metrics' proxy states", func() { b.proxyStates() })
+	within("the status snapshot", func() { b.Status() })
+	within("a registry change", func() { b.RemoveDriver("other.csi.test") })
 }
 
 // TestUpstreamKeepsToTheStreamLimit: with a proxy that allows one stream,
