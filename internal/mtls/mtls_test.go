@@ -462,6 +462,9 @@ func TestPeerCheck(t *testing.T) {
 	if err := NewPeerCheck(ServerConfig(src, AuthorizeOneOf(BrokerID(td))), tls.ConnectionState{}, nil).Verify(); err == nil {
 		t.Fatal("a connection without a peer certificate verified")
 	}
+	if pc.PeerExpired(now) || !pc.PeerExpired(now.Add(2*time.Hour)) {
+		t.Fatalf("a peer certificate valid for an hour: expired now %v, in two hours %v; want false, true", pc.PeerExpired(now), pc.PeerExpired(now.Add(2*time.Hour)))
+	}
 }
 
 // TestWriteDevCertsKeepsTheCA: an existing CA is reused whatever PEM form

@@ -130,6 +130,18 @@ func sameLeaf(a, b *tls.Certificate) bool {
 	return bytes.Equal(a.Certificate[0], b.Certificate[0])
 }
 
+// PeerExpired reports whether a certificate the peer showed at the
+// handshake has expired by now: a Check that fails then may be nothing but
+// a routine renewal on the peer's side, which a new handshake picks up.
+func (p *PeerCheck) PeerExpired(now time.Time) bool {
+	for _, c := range p.certs {
+		if !now.Before(c.NotAfter) {
+			return true
+		}
+	}
+	return false
+}
+
 // OwnExpired reports whether the certificate we showed at the handshake
 // has expired: the peer refuses new calls on the connection from then on.
 func (p *PeerCheck) OwnExpired(now time.Time) bool {

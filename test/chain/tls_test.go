@@ -338,6 +338,14 @@ func TestExpiredPeerOnAnOpenConnection(t *testing.T) {
 		if n := spare.Handled(); n != 1 {
 			t.Errorf("the proxy with the expired certificate answered %d calls, want only the one before expiry", n)
 		}
+		// Expiry is what a routine renewal looks like from here: said
+		// at INFO, no warning.
+		waitLog(t, c, "INFO", "the certificate the proxy showed at the handshake has expired")
+		for _, line := range strings.Split(c.Logs.String(), "\n") {
+			if strings.Contains(line, "WARN") && strings.Contains(line, "no longer verifies") {
+				t.Errorf("an expired proxy certificate was warned about: %s", line)
+			}
+		}
 	})
 }
 
