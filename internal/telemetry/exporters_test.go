@@ -9,6 +9,7 @@ import (
 	"time"
 
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 )
 
 func TestSpanExporters(t *testing.T) {
@@ -96,5 +97,32 @@ func TestShutdownTracingIsBounded(t *testing.T) {
 	}
 	if !strings.Contains(buf.String(), "spans not exported before stopping") {
 		t.Fatalf("nothing logged: %q", buf.String())
+	}
+}
+
+// TestServiceNameFromTheEnvironment: OTEL_SERVICE_NAME names the spans'
+// service, and a malformed entry of OTEL_RESOURCE_ATTRIBUTES loses only
+// itself: the service name and the well-formed entries stay.
+func TestServiceNameFromTheEnvironment(t *testing.T) {
+	for _, attrs := range []string{"team=storage", "team=storage,oops"} {
+		t.Run(attrs, func(t *testing.T) {
+			t.Setenv("OTEL_SERVICE_NAME", "mysvc")
+			t.Setenv("OTEL_RESOURCE_ATTRIBUTES", attrs)
+			rec := tracetest.NewSpanRecorder()
+			tp, err := NewTracerProvider(context.Background(), "csibroker-proxy", rec)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tp.Shutdown(context.Background())
+			_, span := tp.Tracer("test").Start(context.Background(), "op")
+			span.End()
+			got := map[string]string{}
+			for _, kv := range rec.Ended()[0].Resource().Attributes() {
+				got[string(kv.Key)] = kv.Value.Emit()
+			}
+			if got["service.name"] != "mysvc" || got["team"] != "storage" {
+				t.Fatalf("resource service.name=%q team=%q, want mysvc and storage", got["service.name"], got["team"])
+			}
+		})
 	}
 }

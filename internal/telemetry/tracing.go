@@ -43,7 +43,10 @@ func NewTracerProvider(ctx context.Context, service string, extra ...sdktrace.Sp
 	if err != nil && !errors.Is(err, resource.ErrSchemaURLConflict) {
 		return nil, err
 	}
-	if env, err := resource.New(ctx, resource.WithFromEnv()); err == nil {
+	// A malformed entry in OTEL_RESOURCE_ATTRIBUTES gives an error and the
+	// resource of the entries that parsed (OTEL_SERVICE_NAME with them),
+	// which is kept: one bad entry must not drop the service's name.
+	if env, _ := resource.New(ctx, resource.WithFromEnv()); env != nil {
 		if merged, err := resource.Merge(res, env); err == nil {
 			res = merged
 		}
