@@ -104,9 +104,6 @@ type Proxy struct {
 	otherOnce sync.Once
 	other     *methodInfo // the series of unknown methods
 
-	infoMu sync.Mutex
-	info   *proxyinfov1.GetInfoResponse // driver name/version, cached once known
-
 	// driverDown: the last dial of the driver's socket failed (logged when
 	// it starts failing and when it answers again, not at every call).
 	driverMu   sync.Mutex
@@ -449,22 +446,12 @@ func (p *Proxy) getInfo(ctx context.Context) *proxyinfov1.GetInfoResponse {
 	out := &proxyinfov1.GetInfoResponse{Node: p.cfg.Node, ProxyVersion: p.cfg.Version, Identity: p.cfg.Identity}
 	pctx, cancel := context.WithTimeout(ctx, p.cfg.ProbeTimeout)
 	defer cancel()
-	p.infoMu.Lock()
-	cached := p.info
-	p.infoMu.Unlock()
-	if cached == nil {
-		pi, err := csi.NewIdentityClient(p.driver).GetPluginInfo(pctx, &csi.GetPluginInfoRequest{})
-		if err == nil {
-			cached = &proxyinfov1.GetInfoResponse{DriverName: pi.GetName(), DriverVersion: pi.GetVendorVersion()}
-			p.infoMu.Lock()
-			p.info = cached
-			p.infoMu.Unlock()
-		} else {
-			out.DriverError = err.Error()
-		}
-	}
-	if cached != nil {
-		out.DriverName, out.DriverVersion = cached.DriverName, cached.DriverVersion
+	// Asked each time (GetInfo is rare): the driver may have been replaced
+	// by another version since the last call.
+	if pi, err := csi.NewIdentityClient(p.driver).GetPluginInfo(pctx, &csi.GetPluginInfoRequest{}); err == nil {
+		out.DriverName, out.DriverVersion = pi.GetName(), pi.GetVendorVersion()
+	} else {
+		out.DriverError = err.Error()
 	}
 	if err := p.Ready(ctx); err != nil {
 		out.DriverError = err.Error()

@@ -34,6 +34,7 @@ type echoDriver struct {
 	csi.UnimplementedControllerServer
 
 	calls     atomic.Int64
+	version   atomic.Pointer[string] // GetPluginInfo's vendor version ("1" if nil)
 	mu        sync.Mutex
 	lastMD    metadata.MD
 	deadline  time.Duration // remaining time seen by the last call, 0 if none
@@ -52,7 +53,11 @@ type echoDriver struct {
 }
 
 func (e *echoDriver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
-	return &csi.GetPluginInfoResponse{Name: "echo.csi.test", VendorVersion: "1"}, nil
+	v := "1"
+	if p := e.version.Load(); p != nil {
+		v = *p
+	}
+	return &csi.GetPluginInfoResponse{Name: "echo.csi.test", VendorVersion: v}, nil
 }
 
 // waitCreateCalls waits until the driver has received n CreateVolume calls.

@@ -40,7 +40,7 @@ func brokerConn(t *testing.T, c *chaintest.Chain) *grpc.ClientConn {
 }
 
 func TestProxyInfoHealthAndScope(t *testing.T) {
-	_, ep := startEcho(t)
+	e, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
 	conn := brokerConn(t, c)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -53,6 +53,12 @@ func TestProxyInfoHealthAndScope(t *testing.T) {
 	if info.GetDriverName() != echoName || info.GetDriverVersion() != "1" || !info.GetDriverReady() || info.GetProxyVersion() != "test" ||
 		info.GetIdentity() != mtls.DriverID(chaintest.TrustDomain, echoName) {
 		t.Fatalf("info = %v", info)
+	}
+	// The driver upgraded in place: the info follows it.
+	v2 := "2"
+	e.version.Store(&v2)
+	if info, err := proxyinfov1.NewProxyInfoClient(conn).GetInfo(ctx, &proxyinfov1.GetInfoRequest{}); err != nil || info.GetDriverVersion() != "2" {
+		t.Fatalf("info after the driver's upgrade: %v, %v; want driver version 2", info, err)
 	}
 
 	// Only CSI services are forwarded.
