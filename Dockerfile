@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # One static binary serves every subcommand: broker, proxy, sample-driver,
-# certs, status, demo. Next to it, /csibroker-proxy is the proxy built alone
+# certs, status (and demo, which also needs the control-plane binaries of
+# hack/control-plane.sh, not in this image). Next to it, /csibroker-proxy is the proxy built alone
 # (same flags, none of the broker's code): the process that runs beside every
 # driver socket. Build: docker build -t csibroker .
 FROM golang:1.26 AS build

@@ -570,6 +570,9 @@ func TestExamples(t *testing.T) {
 	}
 	ctrl := typed[appsv1.Deployment](t, find(t, objs, "Deployment", brokerNamespace, "sample-csi-controller"))
 	node := typed[appsv1.DaemonSet](t, find(t, objs, "DaemonSet", "sample-csi", "sample-csi-node"))
+	if ctrl.Spec.Strategy.Type != appsv1.RecreateDeploymentStrategyType {
+		t.Errorf("controller Deployment strategy %q, want Recreate: a rolling update runs two controllers of a single-instance driver at once", ctrl.Spec.Strategy.Type)
+	}
 	for _, w := range []workload{
 		{"controller Deployment", ctrl.Namespace, ctrl.Spec.Template, false},
 		{"node DaemonSet", node.Namespace, node.Spec.Template, true},
@@ -749,8 +752,14 @@ func TestMonitoringWiring(t *testing.T) {
 
 	pm := find(t, mon, "PodMonitor", brokerNamespace, "csibroker-proxies")
 	psel, _, _ := unstructured.NestedStringMap(pm.Object, "spec", "selector", "matchLabels")
-	if any, _, _ := unstructured.NestedBool(pm.Object, "spec", "namespaceSelector", "any"); !any {
-		t.Error("PodMonitor must look in every namespace: drivers run anywhere")
+	// Only where the broker discovers proxies: a labelled pod elsewhere is
+	// trusted by neither.
+	full := build(t, ".")
+	dep := typed[appsv1.Deployment](t, find(t, full, "Deployment", brokerNamespace, "csibroker"))
+	discovered := strings.Split(parseCommand(t, "broker", container(t, dep.Spec.Template.Spec, "broker"), brokerFlags).flags["discover-proxies-namespace"], ",")
+	pmNS, _, _ := unstructured.NestedStringSlice(pm.Object, "spec", "namespaceSelector", "matchNames")
+	if any, _, _ := unstructured.NestedBool(pm.Object, "spec", "namespaceSelector", "any"); any || !slices.Equal(slices.Sorted(slices.Values(pmNS)), slices.Sorted(slices.Values(discovered))) {
+		t.Errorf("PodMonitor namespaces %v (any: %v), want the broker's --discover-proxies-namespace %v", pmNS, any, discovered)
 	}
 	pes, _, _ := unstructured.NestedSlice(pm.Object, "spec", "podMetricsEndpoints")
 	if len(pes) != 1 {
