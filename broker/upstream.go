@@ -1002,7 +1002,10 @@ func (c *upConn) onGoAwayLocked(f *http2.GoAwayFrame) {
 // that vanished without closing its connection is noticed.
 func (c *upConn) keepalive() {
 	every, wait := c.u.kaTime, c.u.kaTimeout
-	t := time.NewTicker(every)
+	// Woken when the connection has been silent for every (not on a fixed
+	// tick, which a frame read just after it would put off by almost two
+	// periods), as gRPC's client keepalive does.
+	t := time.NewTimer(every)
 	defer t.Stop()
 	for range t.C {
 		c.mu.Lock()
@@ -1010,8 +1013,9 @@ func (c *upConn) keepalive() {
 			c.mu.Unlock()
 			return
 		}
-		if time.Since(time.Unix(0, c.lastRead.Load())) < every {
+		if idle := time.Since(time.Unix(0, c.lastRead.Load())); idle < every {
 			c.mu.Unlock()
+			t.Reset(every - idle)
 			continue
 		}
 		sent := time.Now()
@@ -1023,6 +1027,7 @@ func (c *upConn) keepalive() {
 			c.fail(fmt.Errorf("no answer to a keepalive ping within %v", wait))
 			return
 		}
+		t.Reset(every)
 	}
 }
 
