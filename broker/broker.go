@@ -17,7 +17,6 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
 
 	"github.com/csibroker/csibroker/internal/mtls"
@@ -372,9 +371,10 @@ func (b *Broker) dial(d *Driver, pc ProxyConfig) (*proxyConn, error) {
 	p := &proxyConn{cfg: pc, driver: d.name, want: want, retry: d.cfg.Retry}
 	p.driverCfg.Store(&d.cfg)
 	tlsCfg := mtls.ClientConfig(b.opts.TLS, mtls.AuthorizeOneOf(want))
+	p.creds = newCheckedCreds(tlsCfg, b.log.With("driver", d.name, "node", pc.Node), pc.Address)
 	otelOpts := []otelgrpc.Option{otelgrpc.WithTracerProvider(b.opts.TracerProvider), otelgrpc.WithPropagators(b.opts.Propagator)}
 	conn, err := grpc.NewClient("passthrough:///"+pc.Address, append(rawgrpc.ClientTransportOptions(),
-		grpc.WithTransportCredentials(credentials.NewTLS(tlsCfg)),
+		grpc.WithTransportCredentials(p.creds),
 		grpc.WithConnectParams(grpc.ConnectParams{
 			Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
 			MinConnectTimeout: 5 * time.Second,
@@ -470,8 +470,9 @@ type proxyConn struct {
 	driverCfg atomic.Pointer[DriverConfig]
 	// conn carries streaming calls (gRPC's client, connected on first use);
 	// up carries every unary call (upstream.go).
-	conn *grpc.ClientConn
-	up   *upstream
+	conn  *grpc.ClientConn
+	creds *checkedCreds // conn's, checked before each new stream
+	up    *upstream
 	// descs holds a *callDesc per CSI method called through this proxy.
 	descs sync.Map
 }

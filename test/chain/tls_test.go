@@ -410,3 +410,42 @@ func waitUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// TestStreamsFollowTheProxysCertificate: streaming calls go over gRPC's
+// own connection to the proxy, which must follow the proxy's certificate
+// as the unary calls' connection does: once the certificate the proxy
+// showed has expired, a new stream is not given the open connection (its
+// new handshake fails, naming the expiry), and the proxy sees no stream.
+func TestStreamsFollowTheProxysCertificate(t *testing.T) {
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: startStreamDriver(t), Retry: broker.RetryConfig{MaxAttempts: 1}})
+	now := time.Now()
+	expiry := now.Add(1500 * time.Millisecond)
+	m, err := c.CA.IssueMaterial(mtls.Leaf{ID: mtls.DriverID(chaintest.TrustDomain, echoName), NotBefore: now.Add(-time.Minute), NotAfter: expiry})
+	if err != nil {
+		t.Fatal(err)
+	}
+	spare := c.StartSpareProxy(t, m)
+	moveDriver(t, c, spare.Addr)
+	client := csi.NewSnapshotMetadataClient(chaintest.Dial(t, c.Front))
+	stream := func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		st, err := client.GetMetadataAllocated(ctx, &csi.GetMetadataAllocatedRequest{SnapshotId: "abc"})
+		if err != nil {
+			return err
+		}
+		_, err = st.Recv()
+		return err
+	}
+	if err := stream(); err != nil {
+		t.Fatalf("a stream before the proxy's certificate expired: %v", err)
+	}
+	time.Sleep(time.Until(expiry) + 200*time.Millisecond)
+	err = stream()
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "expired") {
+		t.Fatalf("a stream after the proxy's certificate expired: %v; want Unavailable from a new handshake refusing it", err)
+	}
+	if n := spare.Handled(); n != 1 {
+		t.Errorf("the proxy with the expired certificate was given %d streams, want only the one before expiry", n)
+	}
+}
