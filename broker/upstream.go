@@ -168,9 +168,16 @@ func (u *upstream) keepConnected() {
 }
 
 // state names the connection's state as gRPC's connectivity states do.
+//
+// A connection whose proxy's certificate no longer verifies (expired while
+// idle, say) is retired here as the next call would retire it, so the
+// state does not stay READY for a connection no call will be given.
 func (u *upstream) state() string {
 	u.mu.Lock()
 	defer u.mu.Unlock()
+	if c := u.conn; c != nil && !u.closed && c.takesCalls() {
+		u.admitLocked(c)
+	}
 	switch {
 	case u.closed:
 		return "SHUTDOWN"

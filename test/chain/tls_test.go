@@ -331,6 +331,15 @@ func TestExpiredPeerOnAnOpenConnection(t *testing.T) {
 			t.Fatalf("a call before the proxy's certificate expired: %v", err)
 		}
 		time.Sleep(time.Until(expiry) + 200*time.Millisecond)
+		// Idle since, the connection is not reported ready: no call
+		// would be given it.
+		for _, ds := range c.Broker.Status() {
+			for _, ps := range ds.Proxies {
+				if ps.Address == spare.Addr && ps.State == "READY" {
+					t.Errorf("the connection to the proxy whose certificate expired is reported %s", ps.State)
+				}
+			}
+		}
 		err = call()
 		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "expired") {
 			t.Fatalf("a call after the proxy's certificate expired: %v; want Unavailable from a new handshake refusing it", err)
