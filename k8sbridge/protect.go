@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/retry"
 )
 
 // Source protection, as external-provisioner does it. A claim that is the
@@ -318,9 +319,31 @@ func (p *provisioner) protectSource(ctx context.Context, claim *corev1.Persisten
 		}
 	}
 	if snap != nil && !slices.Contains(snap.Finalizers, snapshotFinalizer) {
-		return p.b.patchSnapshotFinalizer(ctx, snap, true)
+		return p.b.protectSnapshot(ctx, snap)
 	}
 	return nil
+}
+
+// protectSnapshot adds snapshotFinalizer to snap. A conflict (claims
+// restoring the same snapshot at once each add it from what they read) is
+// no failure: the snapshot is read again, and the finalizer added to that
+// unless another worker's patch already did.
+func (b *Bridge) protectSnapshot(ctx context.Context, snap *snapshotv1.VolumeSnapshot) error {
+	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		err := b.patchSnapshotFinalizer(ctx, snap, true)
+		if !apierrors.IsConflict(err) {
+			return err
+		}
+		fresh, gerr := b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(snap.Namespace).Get(ctx, snap.Name, metav1.GetOptions{})
+		switch {
+		case gerr != nil:
+			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: read it again after a conflict: %w", snap.Namespace, snap.Name, snapshotFinalizer, gerr)
+		case slices.Contains(fresh.Finalizers, snapshotFinalizer):
+			return nil
+		}
+		snap = fresh
+		return err
+	})
 }
 
 // patchSnapshotFinalizer adds or removes snapshotFinalizer on snap, with a

@@ -150,8 +150,28 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	if _, err := sc.SnapshotV1().VolumeSnapshots(ns).Update(ctx, left, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	startBridge(t, env, ns, drivers, bridgeOpts{})
+	run := startBridge(t, env, ns, drivers, bridgeOpts{})
 	waitSnapshotReleased(t, sc, ns, "leftover")
+	// Claims restoring one snapshot at once each add the finalizer to what
+	// they read: one patch carries a resourceVersion the other changed.
+	// That conflict is no failure.
+	stale, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "leftover", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	changed := stale.DeepCopy()
+	changed.Labels = map[string]string{"changed": "meanwhile"}
+	if _, err := sc.SnapshotV1().VolumeSnapshots(ns).Update(ctx, changed, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := run.b.protectSnapshot(ctx, stale); err != nil {
+		t.Fatalf("protecting a snapshot changed since it was read: %v", err)
+	}
+	if s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "leftover", metav1.GetOptions{}); err != nil || !slices.Contains(s.Finalizers, snapshotFinalizer) || s.Labels["changed"] != "meanwhile" {
+		t.Fatalf("snapshot protected after a conflict: finalizers %v labels %v, err %v; want the finalizer added and the change kept", s.Finalizers, s.Labels, err)
+	} else if err := run.b.patchSnapshotFinalizer(ctx, s, false); err != nil {
+		t.Fatal(err)
+	}
 
 	fromSnapshot := func(snap, size string) func(*corev1.PersistentVolumeClaim) {
 		return func(p *corev1.PersistentVolumeClaim) {
