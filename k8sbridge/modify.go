@@ -36,7 +36,12 @@ import (
 // class). Done, the PV names the class, the claim's status says it is
 // current, and the modify conditions go. A claim set back to its current
 // class has its modify status cleared, after the current class's
-// parameters are applied again if the driver may have begun the other.
+// parameters are applied again if the driver may have begun the other; a
+// claim without a class set back to none has it cleared (there are no
+// parameters to apply again). A failed API request of a modification
+// (reading its class, writing the claim's status or the PV) is a
+// VolumeModifyFailed Event too, as the driver's failures are, but for a
+// conflict (a newer object is on its way: retried with it, quietly).
 //
 // API writes: three per modification (claim status, PV, claim status),
 // as upstream; a failure costs one more (its condition), and a retry of
@@ -99,16 +104,34 @@ func newModifier(b *Bridge) (controller, error) {
 
 // claimNeedsModify: a bound claim names a class its volume does not have
 // yet, or names its current class again with a modification still on
-// record (a rollback).
+// record (a rollback), or names no class, as its volume has none, with a
+// modification still on record (a rollback to no class: the API server
+// lets a class that was never applied be unset). Left on record, the
+// modification's target counts as a use of its class, whose deletion then
+// waits for ever.
 func claimNeedsModify(c *corev1.PersistentVolumeClaim) bool {
 	if c.Status.Phase != corev1.ClaimBound || c.Spec.VolumeName == "" || c.DeletionTimestamp != nil {
 		return false
 	}
 	want, cur := c.Spec.VolumeAttributesClassName, c.Status.CurrentVolumeAttributesClassName
 	if want == nil || *want == "" {
-		return false
+		return cur == nil && modifyOnRecord(c)
 	}
 	return cur == nil || *cur != *want || c.Status.ModifyVolumeStatus != nil
+}
+
+// modifyOnRecord: the claim's status holds a modification, or one of its
+// conditions.
+func modifyOnRecord(c *corev1.PersistentVolumeClaim) bool {
+	if c.Status.ModifyVolumeStatus != nil {
+		return true
+	}
+	for _, cond := range c.Status.Conditions {
+		if isModifyCondition(cond.Type) {
+			return true
+		}
+	}
+	return false
 }
 
 // modifyTriggered says whether an update is worth a look: the class asked
@@ -196,16 +219,18 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 	if !claimNeedsModify(claim) || claim.Spec.VolumeName != pv.Name {
 		return 0, nil
 	}
+	if want := claim.Spec.VolumeAttributesClassName; want == nil || *want == "" {
+		// Set back to no class, the volume's (claimNeedsModify): no
+		// class's parameters to apply again, whatever the driver began,
+		// so nothing to undo and nothing pending any more.
+		return 0, m.clearModify(ctx, claim)
+	}
 	target := *claim.Spec.VolumeAttributesClassName
 	if cur := claim.Status.CurrentVolumeAttributesClassName; cur != nil && *cur == target && !modifyMayHaveStarted(claim) {
 		// Set back to the class it has before the driver was asked for
 		// another (Pending, or Infeasible: the driver refused it): nothing
 		// to undo, so nothing is pending any more.
-		c := claim.DeepCopy()
-		c.Status.ModifyVolumeStatus = nil
-		c.Status.Conditions = clearModifyConditions(c.Status.Conditions)
-		_, err := m.b.patchClaimStatus(ctx, claim, c, true)
-		return 0, err
+		return 0, m.clearModify(ctx, claim)
 	}
 	m.mu.Lock()
 	inf, wasInfeasible := m.infeasible[claim.UID]
@@ -220,23 +245,61 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 	return requeue, err
 }
 
+// clearModify drops the modification on record from claim's status (its
+// modifyVolumeStatus and modify conditions): the claim was set back to
+// the class its volume has. No driver call.
+func (m *modifier) clearModify(ctx context.Context, claim *corev1.PersistentVolumeClaim) error {
+	c := claim.DeepCopy()
+	c.Status.ModifyVolumeStatus = nil
+	c.Status.Conditions = clearModifyConditions(c.Status.Conditions)
+	if _, err := m.b.patchClaimStatus(ctx, claim, c, true); err != nil {
+		if !retriedQuietly(ctx, err) {
+			class := ""
+			if s := claim.Status.ModifyVolumeStatus; s != nil {
+				class = s.TargetVolumeAttributesClassName
+			}
+			msg := m.warn(ctx, claim, class, "", "clear the cancelled modification of volume %s to VolumeAttributesClass %q: %v", claim.Spec.VolumeName, class, err)
+			m.b.log.Warn("volume modification: clearing a cancelled modification failed", "claim", claim.Namespace+"/"+claim.Name, "pv", claim.Spec.VolumeName, "class", class, "err", msg)
+		}
+		return err
+	}
+	return nil
+}
+
 // modify runs one attempt and returns its result label.
 func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver, target string) (string, time.Duration, error) {
 	key := claim.Namespace + "/" + claim.Name
 	warn := func(failure, format string, args ...any) {
-		msg := fmt.Sprintf(format, args...)
-		if failure == "" {
-			failure = msg
-		}
-		m.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeModifyFailed", target+" "+failure, "%s", msg)
+		msg := m.warn(ctx, claim, target, failure, format, args...)
 		m.b.log.Warn("volume modification failed", "claim", key, "pv", pv.Name, "driver", driver, "class", target, "err", msg)
 	}
-	infeasible := func(msg string) (string, time.Duration, error) {
+	// failed reports a failed API request, as warn does, unless it is
+	// retried quietly. After a ControllerModifyVolume that succeeded the
+	// retry asks the driver again, which the call's idempotence allows.
+	failed := func(result string, err error) (string, time.Duration, error) {
+		if !retriedQuietly(ctx, err) {
+			warn("", "modify volume %s to VolumeAttributesClass %s: %v", pv.Name, target, err)
+		}
+		return result, 0, err
+	}
+	// infeasible marks the claim Infeasible, with cond as its
+	// ModifyVolumeError condition's message, and reports msg as warn does
+	// (failure as warn's), or, the claim not marked, msg with the failure
+	// to mark it: one Event per attempt, so that a retry repeats none
+	// (eventOnce remembers the last of each reason).
+	infeasible := func(failure, msg, cond string) (string, time.Duration, error) {
 		c := modifyStatus(claim, target, corev1.PersistentVolumeClaimModifyVolumeInfeasible)
-		c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, "Infeasible", msg)
+		c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, "Infeasible", cond)
 		if _, err := m.b.patchClaimStatus(ctx, claim, c, true); err != nil {
+			if !retriedQuietly(ctx, err) {
+				if failure == "" {
+					failure = msg
+				}
+				warn(failure+"; "+err.Error(), "%s; marking claim %s Infeasible failed: %v", msg, key, err)
+			}
 			return "infeasible", 0, err // retried with backoff, and written then
 		}
+		warn(failure, "%s", msg)
 		m.mu.Lock()
 		m.infeasible[claim.UID] = infeasibleTarget{class: target, at: time.Now()}
 		m.mu.Unlock()
@@ -251,26 +314,25 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 	}
 	if !caps.modify {
 		msg := fmt.Sprintf("driver %s does not support volume modification (no MODIFY_VOLUME capability); volume %s cannot take VolumeAttributesClass %s", driver, pv.Name, target)
-		warn("", "%s", msg)
-		return infeasible(msg)
+		return infeasible("", msg, msg)
 	}
 	vac, err := m.b.cfg.Client.StorageV1().VolumeAttributesClasses().Get(ctx, target, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
-		// As upstream: Pending until the class exists.
+		// As upstream: Pending until the class exists. The claim is
+		// marked first, so that one Event says how things stand.
+		if _, perr := m.b.patchClaimStatus(ctx, claim, modifyStatus(claim, target, corev1.PersistentVolumeClaimModifyVolumePending), true); perr != nil {
+			return failed("pending", fmt.Errorf("VolumeAttributesClass %s not found, and marking claim %s Pending failed: %w", target, key, perr))
+		}
 		m.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeModifyFailed", target+" not found",
 			"VolumeAttributesClass %s not found; the modification of volume %s waits for it", target, pv.Name)
-		if _, perr := m.b.patchClaimStatus(ctx, claim, modifyStatus(claim, target, corev1.PersistentVolumeClaimModifyVolumePending), true); perr != nil {
-			return "pending", 0, perr
-		}
 		return "pending", 0, fmt.Errorf("volumeattributesclass %s not found", target)
 	}
 	if err != nil {
-		return "not_called", 0, fmt.Errorf("volumeattributesclass %s: %w", target, err)
+		return failed("not_called", fmt.Errorf("read VolumeAttributesClass %s: %w", target, err))
 	}
 	if vac.DriverName != driver {
 		msg := fmt.Sprintf("VolumeAttributesClass %s is for driver %s, but volume %s is of driver %s", target, vac.DriverName, pv.Name, driver)
-		warn("", "%s", msg)
-		return infeasible(msg)
+		return infeasible("", msg, msg)
 	}
 	node := ""
 	if m.b.cfg.Drivers.NodeLocal(driver) {
@@ -306,7 +368,7 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 
 	claim, err = m.b.patchClaimStatus(ctx, claim, modifyInProgress(claim, target), true)
 	if err != nil {
-		return "not_called", 0, fmt.Errorf("mark claim %s modifying: %w", key, err)
+		return failed("not_called", fmt.Errorf("mark claim %s modifying: %w", key, err))
 	}
 	m.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeNormal, "VolumeModify", target,
 		"csibroker is modifying volume %s to VolumeAttributesClass %s", pv.Name, target)
@@ -327,10 +389,12 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 		if ctx.Err() != nil {
 			return "failed", 0, err // the term ended; the next leader looks again
 		}
-		warn(failureOf("ControllerModifyVolume", err), "modify volume %s to VolumeAttributesClass %s failed: %s", pv.Name, target, statusText(err))
+		failure := failureOf("ControllerModifyVolume", err)
+		msg := fmt.Sprintf("modify volume %s to VolumeAttributesClass %s failed: %s", pv.Name, target, statusText(err))
 		if status.Code(err) == codes.InvalidArgument {
-			return infeasible("ControllerModifyVolume failed: " + statusText(err))
+			return infeasible(failure, msg, "ControllerModifyVolume failed: "+statusText(err))
 		}
+		warn(failure, "%s", msg)
 		c := claim.DeepCopy()
 		c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, status.Code(err).String(),
 			"ControllerModifyVolume failed: "+statusText(err)+"; will retry")
@@ -351,7 +415,7 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 		cur := pv.DeepCopy()
 		cur.Spec.VolumeAttributesClassName = &target
 		if err := m.b.patchPV(ctx, pv, cur); err != nil {
-			return "failed", 0, fmt.Errorf("set VolumeAttributesClass %s on pv %s: %w", target, pv.Name, err)
+			return failed("failed", fmt.Errorf("set VolumeAttributesClass %s on pv %s: %w", target, pv.Name, err))
 		}
 	}
 	done := claim.DeepCopy()
@@ -362,12 +426,32 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 	// true whatever was written since (a newer class asked for is seen,
 	// since the spec is not touched).
 	if _, err := m.b.patchClaimStatus(ctx, claim, done, false); err != nil {
-		return "failed", 0, fmt.Errorf("mark claim %s modified: %w", key, err)
+		return failed("failed", fmt.Errorf("mark claim %s modified: %w", key, err))
 	}
 	m.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "VolumeModifySuccessful", "Modified volume %s to VolumeAttributesClass %s", pv.Name, target)
 	m.b.forgetEvents(claim.UID)
 	m.b.log.Info("volume modified", "claim", key, "pv", pv.Name, "driver", driver, "class", target)
 	return "success", 0, nil
+}
+
+// warn records a VolumeModifyFailed Event on claim once per class and
+// failure (eventOnce), as the resizer's warn does, and returns its
+// message. failure names the failure: for a driver's answer its method and
+// code (failureOf); "" for the message itself.
+func (m *modifier) warn(ctx context.Context, claim *corev1.PersistentVolumeClaim, class, failure, format string, args ...any) string {
+	msg := fmt.Sprintf(format, args...)
+	if failure == "" {
+		failure = msg
+	}
+	m.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeModifyFailed", class+" "+failure, "%s", msg)
+	return msg
+}
+
+// retriedQuietly: an API request's failure is retried without an Event: a
+// conflict (a newer object is on its way, and the retry takes it), or a
+// request the end of the term cut short (the next leader looks again).
+func retriedQuietly(ctx context.Context, err error) bool {
+	return ctx.Err() != nil || apierrors.IsConflict(err)
 }
 
 // modifyMayHaveStarted: a modification reached the driver since the claim

@@ -2,17 +2,21 @@ package k8sbridge
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
@@ -279,4 +283,233 @@ func TestModifyPassesExtraMetadata(t *testing.T) {
 	if len(seen) != 1 || !maps.Equal(seen[0], want) {
 		t.Fatalf("ControllerModifyVolume mutable parameters %v, want one call with %v", seen, want)
 	}
+}
+
+// TestModifyCancelledBackToNoClass: a claim whose volume has no
+// VolumeAttributesClass, set to one and then back to none (null or ""),
+// has its modify status and conditions cleared, with no driver call: else
+// the class its status names stays in use, and its deletion waits for
+// ever. Both a class that does not exist (Pending) and one the driver
+// failed (InProgress, with both modify conditions).
+func TestModifyCancelledBackToNoClass(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "none.csi.test")
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	var calls atomic.Int64
+	hooked := &hookedDrivers{testDrivers: drivers, hook: func(_ string, args, _ any, err error) error {
+		if _, ok := args.(*csi.ControllerModifyVolumeRequest); ok {
+			calls.Add(1)
+			return status.Error(codes.Internal, "backend unavailable")
+		}
+		return err
+	}}
+	class := makeClass(t, c, clusterName(ns, "none"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	failing := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "failing")}, DriverName: drv,
+		Parameters: map[string]string{sampledriver.MutableIOPS: "900"}}
+	if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, failing, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), failing.Name, metav1.DeleteOptions{})
+	})
+	startBridge(t, env, ns, hooked, bridgeOpts{})
+	waitBound(t, c, ns, makeClaim(t, c, ns, "pending", class.Name, "1Gi").Name, 60*time.Second)
+	waitBound(t, c, ns, makeClaim(t, c, ns, "failed", class.Name, "1Gi").Name, 60*time.Second)
+
+	setVAC(t, c, ns, "pending", clusterName(ns, "nowhere"))
+	waitClaim(t, c, ns, "pending", "Pending", func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.ModifyVolumeStatus != nil && p.Status.ModifyVolumeStatus.Status == corev1.PersistentVolumeClaimModifyVolumePending
+	})
+	setVAC(t, c, ns, "failed", failing.Name)
+	waitClaim(t, c, ns, "failed", "InProgress with both modify conditions", func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.ModifyVolumeStatus != nil && p.Status.ModifyVolumeStatus.Status == corev1.PersistentVolumeClaimModifyVolumeInProgress &&
+			modifyCondition(p, corev1.PersistentVolumeClaimVolumeModifyingVolume) != nil &&
+			modifyCondition(p, corev1.PersistentVolumeClaimVolumeModifyVolumeError) != nil
+	})
+
+	for name, none := range map[string]string{"pending": `null`, "failed": `""`} {
+		patch := []byte(`{"spec":{"volumeAttributesClassName":` + none + `}}`)
+		if _, err := c.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			t.Fatalf("set the VolumeAttributesClass of claim %s back to %s: %v", name, none, err)
+		}
+	}
+	for _, name := range []string{"pending", "failed"} {
+		err := testenv.WaitFor(ctx, 10*time.Second, "claim "+name+": modify status cleared", func(ctx context.Context) (bool, string, error) {
+			p, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
+			if err != nil {
+				return false, err.Error(), nil
+			}
+			return p.Status.ModifyVolumeStatus == nil && !hasModifyCondition(p) && p.Status.CurrentVolumeAttributesClassName == nil,
+				fmt.Sprintf("status %+v", p.Status), nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Past the longest backoff: a retry of the failed class, had one been
+	// left queued, would have been made.
+	n := calls.Load()
+	time.Sleep(2500 * time.Millisecond)
+	if got := calls.Load(); got != n {
+		t.Errorf("%d ControllerModifyVolume calls after the modification was cancelled, want none", got-n)
+	}
+}
+
+// TestModifyReportsRefusedWrites: API writes of a modification that the
+// cluster refuses (admission policies here: the PV may not take the
+// class, then the claim's status may not say it is current) are each a
+// VolumeModifyFailed Warning Event on the claim, once however often the
+// modification is retried; with the refusals lifted, it completes.
+func TestModifyReportsRefusedWrites(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "refused.csi.test")
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	var calls atomic.Int64
+	hooked := &hookedDrivers{testDrivers: drivers, hook: func(_ string, args, _ any, err error) error {
+		if _, ok := args.(*csi.ControllerModifyVolumeRequest); ok {
+			calls.Add(1)
+		}
+		return err
+	}}
+	class := makeClass(t, c, clusterName(ns, "refused"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	gold := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "gold")}, DriverName: drv,
+		Parameters: map[string]string{sampledriver.MutableIOPS: "3000"}}
+	if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, gold, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), gold.Name, metav1.DeleteOptions{})
+	})
+	startBridge(t, env, ns, hooked, bridgeOpts{})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+
+	const pvRefused, claimRefused = "PV classes are refused by the test's policy", "current classes are refused by the test's policy"
+	allowPV := denyUpdates(t, c, clusterName(ns, "no-pv-class"), admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"persistentvolumes"}},
+		fmt.Sprintf("object.spec.storageClassName == %q", class.Name),
+		"!has(object.spec.volumeAttributesClassName) || (has(oldObject.spec.volumeAttributesClassName) && object.spec.volumeAttributesClassName == oldObject.spec.volumeAttributesClassName)",
+		pvRefused, func(ctx context.Context) error {
+			pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			pv.Spec.VolumeAttributesClassName = &gold.Name
+			_, err = c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
+			return err
+		})
+	allowClaim := denyUpdates(t, c, clusterName(ns, "no-current-class"), admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"persistentvolumeclaims/status"}},
+		fmt.Sprintf("object.metadata.namespace == %q && object.metadata.name == 'data'", ns),
+		"!has(object.status.currentVolumeAttributesClassName) || (has(oldObject.status.currentVolumeAttributesClassName) && object.status.currentVolumeAttributesClassName == oldObject.status.currentVolumeAttributesClassName)",
+		claimRefused, func(ctx context.Context) error {
+			p, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			p.Status.CurrentVolumeAttributesClassName = &gold.Name
+			_, err = c.CoreV1().PersistentVolumeClaims(ns).UpdateStatus(ctx, p, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
+			return err
+		})
+
+	// The driver modifies the volume; the PV may not say so.
+	setVAC(t, c, ns, "data", gold.Name)
+	waitEvent(t, c, ns, "data", "VolumeModifyFailed", pvRefused)
+	// Retried (the driver asked again each time), reported once.
+	err := testenv.WaitFor(ctx, 30*time.Second, "retries", func(context.Context) (bool, string, error) {
+		n := calls.Load()
+		return n >= 4, fmt.Sprintf("%d ControllerModifyVolume calls", n), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := countEvents(t, c, ns, "data", "VolumeModifyFailed", pvRefused); n != 1 {
+		t.Errorf("%d VolumeModifyFailed Events for the refused PV write over %d attempts, want 1:\n%s", n, calls.Load(), eventsOf(c, ns, "data"))
+	}
+
+	// The PV may; the claim's status may not say the class is current.
+	allowPV()
+	waitEvent(t, c, ns, "data", "VolumeModifyFailed", claimRefused)
+	waitPV(t, c, pvName, "class "+gold.Name, 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+		if pv == nil {
+			return false, "no PV"
+		}
+		return pv.Spec.VolumeAttributesClassName != nil && *pv.Spec.VolumeAttributesClassName == gold.Name,
+			fmt.Sprintf("volumeAttributesClassName %v", pv.Spec.VolumeAttributesClassName)
+	})
+
+	allowClaim()
+	waitClaim(t, c, ns, "data", "current class "+gold.Name, func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.CurrentVolumeAttributesClassName != nil && *p.Status.CurrentVolumeAttributesClassName == gold.Name &&
+			p.Status.ModifyVolumeStatus == nil && !hasModifyCondition(p)
+	})
+	if n := countEvents(t, c, ns, "data", "VolumeModifyFailed", claimRefused); n != 1 {
+		t.Errorf("%d VolumeModifyFailed Events for the refused claim status write, want 1:\n%s", n, eventsOf(c, ns, "data"))
+	}
+}
+
+// denyUpdates binds a ValidatingAdmissionPolicy that refuses, with
+// message, the updates of rule's objects that match and fail validation,
+// and waits until probe (a dry run of such an update) is refused; the
+// returned func unbinds it.
+func denyUpdates(t *testing.T, c kubernetes.Interface, name string, rule admissionregistrationv1.Rule, match, validation, message string, probe func(context.Context) error) func() {
+	t.Helper()
+	ctx := context.Background()
+	fail := admissionregistrationv1.Fail
+	vap := &admissionregistrationv1.ValidatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: admissionregistrationv1.ValidatingAdmissionPolicySpec{
+			FailurePolicy: &fail,
+			MatchConstraints: &admissionregistrationv1.MatchResources{ResourceRules: []admissionregistrationv1.NamedRuleWithOperations{{
+				RuleWithOperations: admissionregistrationv1.RuleWithOperations{Operations: []admissionregistrationv1.OperationType{admissionregistrationv1.Update}, Rule: rule}}}},
+			MatchConditions: []admissionregistrationv1.MatchCondition{{Name: "this-test", Expression: match}},
+			Validations:     []admissionregistrationv1.Validation{{Expression: validation, Message: message}},
+		}}
+	if _, err := c.AdmissionregistrationV1().ValidatingAdmissionPolicies().Create(ctx, vap, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.AdmissionregistrationV1().ValidatingAdmissionPolicies().Delete(context.Background(), name, metav1.DeleteOptions{})
+	})
+	binding := &admissionregistrationv1.ValidatingAdmissionPolicyBinding{ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: admissionregistrationv1.ValidatingAdmissionPolicyBindingSpec{PolicyName: name, ValidationActions: []admissionregistrationv1.ValidationAction{admissionregistrationv1.Deny}}}
+	if _, err := c.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	unbind := func() {
+		err := c.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Delete(context.Background(), name, metav1.DeleteOptions{})
+		if err != nil && !apierrors.IsNotFound(err) {
+			t.Error(err)
+		}
+	}
+	t.Cleanup(unbind)
+	err := testenv.WaitFor(ctx, 30*time.Second, "policy "+name+" in force", func(ctx context.Context) (bool, string, error) {
+		err := probe(ctx)
+		return err != nil && strings.Contains(err.Error(), message), fmt.Sprint(err), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return unbind
+}
+
+// countEvents counts the Events of reason on name whose message contains
+// want, repeats included.
+func countEvents(t *testing.T, c kubernetes.Interface, ns, name, reason, want string) int {
+	t.Helper()
+	evs, err := c.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{FieldSelector: "involvedObject.name=" + name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range evs.Items {
+		if e.Reason == reason && strings.Contains(e.Message, want) {
+			n += max(int(e.Count), 1)
+		}
+	}
+	return n
 }
