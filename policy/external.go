@@ -108,10 +108,12 @@ func (c ExternalConfig) Validate() error {
 	switch {
 	case u.User != nil:
 		return errors.New("external decision point URL: must not carry user info (use Header)")
+	// Not echoed either: without a scheme and host, user info may be read
+	// as a path ("http//user:password@host") or an opaque part.
 	case u.Scheme != "http" && u.Scheme != "https":
-		return fmt.Errorf("external decision point URL %q: scheme must be http or https", u.Redacted())
+		return fmt.Errorf("external decision point URL: scheme %q, want http or https (http://host[:port])", u.Scheme)
 	case u.Host == "":
-		return fmt.Errorf("external decision point URL %q: no host", u.Redacted())
+		return errors.New("external decision point URL: no host (want http://host[:port] or https://host[:port])")
 	case u.RawQuery != "" || u.Fragment != "":
 		// Not echoed: a query may carry a token.
 		return fmt.Errorf("external decision point URL %s://%s%s: must not carry a query or fragment", u.Scheme, u.Host, u.EscapedPath())

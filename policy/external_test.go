@@ -323,6 +323,8 @@ func TestExternalConfigValidate(t *testing.T) {
 		"no host":                   {URL: "http://", Path: "p"},
 		"user info":                 {URL: "http://u:secret@h", Path: "p"},
 		"user info, bad scheme":     {URL: "ftp://u:secret@h", Path: "p"},
+		"user info read as a path":  {URL: "http//u:secret@h", Path: "p"},
+		"user info read as opaque":  {URL: "http:u:secret@h", Path: "p"},
 		"unparsable with user info": {URL: "http://u:secret@h\x7f", Path: "p"},
 		"query":                     {URL: "http://h?token=secret", Path: "p"},
 		"fragment":                  {URL: "http://h#secret", Path: "p"},

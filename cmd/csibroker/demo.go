@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"sync"
 	"syscall"
 	"text/tabwriter"
 	"time"
@@ -99,6 +100,9 @@ type demo struct {
 	exe   string
 	env   *testenv.Env
 	procs []*demoProc
+	// exited is closed when the first of procs exits (firstExit), made
+	// once every component has started.
+	exited <-chan struct{}
 }
 
 type demoProc struct {
@@ -154,6 +158,9 @@ func (d *demo) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// Not before: a component started again on other ports (its first
+	// process exited) is not one that exited.
+	d.exited = firstExit(d.procs)
 	if err := d.objects(ctx, c); err != nil {
 		return err
 	}
@@ -181,7 +188,7 @@ func (d *demo) run(ctx context.Context) error {
 		d.step("running; kubeconfig %s; front end %s; status: csibroker status --socket %s; Ctrl-C stops everything", d.env.Kubeconfig, front, status)
 		select {
 		case <-ctx.Done():
-		case <-d.anyExited():
+		case <-d.exited:
 			return errors.New("a component exited; see the logs")
 		}
 	}
@@ -423,7 +430,7 @@ func (d *demo) watch(ctx context.Context, c kubernetes.Interface) (bool, error) 
 		select {
 		case <-ctx.Done():
 			return false, ctx.Err()
-		case <-d.anyExited():
+		case <-d.exited:
 			return false, errors.New("a component exited; see the logs")
 		case <-time.After(250 * time.Millisecond):
 		}
@@ -677,17 +684,16 @@ func (d *demo) start(name string, env []string, args ...string) error {
 	return nil
 }
 
-func (d *demo) anyExited() <-chan struct{} {
+// firstExit returns a channel closed when the first of procs exits: one
+// goroutine per process, each ending when its process does.
+func firstExit(procs []*demoProc) <-chan struct{} {
 	ch := make(chan struct{})
-	for _, p := range d.procs {
-		go func(p *demoProc) {
+	var once sync.Once
+	for _, p := range procs {
+		go func() {
 			<-p.done
-			select {
-			case <-ch:
-			default:
-				close(ch)
-			}
-		}(p)
+			once.Do(func() { close(ch) })
+		}()
 	}
 	return ch
 }

@@ -208,8 +208,10 @@ func (f *kubeFlags) validate() error {
 				errs = append(errs, fmt.Errorf("%s is for the external decision point, but --policy-opa-url is not set", flag))
 			}
 		}
-	} else if f.PolicyCAFile != "" && !strings.HasPrefix(strings.ToLower(f.PolicyURL), "https://") {
-		errs = append(errs, fmt.Errorf("--policy-opa-ca-file is for an https:// --policy-opa-url, not %s", f.PolicyURL))
+	} else if err := checkPolicyURL(f.PolicyURL, f.PolicyPath); err != nil {
+		errs = append(errs, err)
+	} else if u, _ := url.Parse(f.PolicyURL); f.PolicyCAFile != "" && u.Scheme != "https" {
+		errs = append(errs, fmt.Errorf("--policy-opa-ca-file is for an https:// --policy-opa-url, not %s", redactURL(f.PolicyURL)))
 	}
 	if f.VolumeNameUUIDLength != -1 && f.VolumeNameUUIDLength < minUUIDLength {
 		errs = append(errs, fmt.Errorf("--volume-name-uuid-length %d: -1 (the whole UID) or at least %d, else claims may share a volume name", f.VolumeNameUUIDLength, minUUIDLength))
@@ -301,7 +303,7 @@ func (f *kubeFlags) authorizer(log *slog.Logger) (*policy.Authorizer, *policy.St
 		}
 		a.External = ext
 	}
-	log.Info("secret policy", "mode", string(mode), "file", f.PolicyFile, "crds", f.PolicyCRDs, "external", f.PolicyURL)
+	log.Info("secret policy", "mode", string(mode), "file", f.PolicyFile, "crds", f.PolicyCRDs, "external", redactURL(f.PolicyURL))
 	return a, store, nil
 }
 
@@ -328,10 +330,49 @@ func (f *kubeFlags) policyHTTPClient(log *slog.Logger) (*http.Client, error) {
 		}
 		rt = withToken
 		if u, err := url.Parse(f.PolicyURL); err == nil && u.Scheme != "https" && !isLoopbackHost(u.Hostname()) {
-			log.Warn("the external decision point's bearer token goes over plain http to a host that is not this machine's; use https", "url", f.PolicyURL)
+			log.Warn("the external decision point's bearer token goes over plain http to a host that is not this machine's; use https", "url", redactURL(f.PolicyURL))
 		}
 	}
 	return &http.Client{Transport: rt}, nil
+}
+
+// checkPolicyURL checks --policy-opa-url (and --policy-opa-path) without
+// saying the URL: its user info may hold a password, its query a token.
+// What is not said here is left to the policy package's own check, which
+// never says either.
+func checkPolicyURL(raw, dataPath string) error {
+	if u, err := url.Parse(raw); err == nil {
+		switch {
+		case u.Scheme != "http" && u.Scheme != "https" || u.Host == "":
+			// The policy package would quote the URL (all but a password)
+			// here, and what is not a scheme and host may be a credential
+			// read as a path ("http//user:password@host").
+			return errors.New("--policy-opa-url: want http://host[:port][/path] or https://host[:port][/path]")
+		case u.User != nil || u.RawQuery != "" || u.Fragment != "":
+			return errors.New("--policy-opa-url: must carry no user info, query or fragment (give a bearer token with --policy-opa-token-file)")
+		}
+	}
+	if err := (policy.ExternalConfig{URL: raw, Path: dataPath}).Validate(); err != nil {
+		return fmt.Errorf("--policy-opa-url, --policy-opa-path: %w", err)
+	}
+	return nil
+}
+
+// redactURL is a URL as logs and messages may say it: scheme, host and
+// path, without the user info (a password) and query (a token) it may
+// carry. Empty stays empty.
+func redactURL(raw string) string {
+	if raw == "" {
+		return ""
+	}
+	u, err := url.Parse(raw)
+	switch {
+	case err != nil:
+		return "(a URL that does not parse)"
+	case u.Host == "":
+		return "(a URL without a host)"
+	}
+	return (&url.URL{Scheme: u.Scheme, Host: u.Host, Path: u.Path, RawPath: u.RawPath}).String()
 }
 
 // isLoopbackHost says whether host (a name or an address) is this machine.

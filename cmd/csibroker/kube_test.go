@@ -174,6 +174,7 @@ func TestBrokerFlagsRefusedTogether(t *testing.T) {
 		{"short volume name UID", "--volume-name-uuid-length", func(c *BrokerCommandConfig) { c.Kube.VolumeNameUUIDLength = 4 }},
 		{"metrics path without slash", "--metrics-path", func(c *BrokerCommandConfig) { c.MetricsPath = "metrics" }},
 		{"metrics path on the health endpoint", "--metrics-path", func(c *BrokerCommandConfig) { c.MetricsPath = "/readyz" }},
+		{"metrics path that ServeMux panics on", "--metrics-path", func(c *BrokerCommandConfig) { c.MetricsPath = "/metrics{" }},
 		{"no workers", "--worker-threads", func(c *BrokerCommandConfig) { c.Kube.WorkerThreads = 0 }},
 		{"negative per-driver workers", "--per-driver-workers", func(c *BrokerCommandConfig) { c.Kube.PerDriverWorkers = -1 }},
 		{"backoff start above its max", "--retry-interval-start", func(c *BrokerCommandConfig) { c.Kube.RetryIntervalStart = time.Hour }},
@@ -313,5 +314,85 @@ func TestPolicyOPAOverTLSWithBearerToken(t *testing.T) {
 	}
 	if strings.Contains(logs.String(), canary) {
 		t.Errorf("the token is in the log:\n%s", logs.String())
+	}
+}
+
+// TestPolicyOPAURLCredentialsNeverPrinted: a --policy-opa-url carrying a
+// password (user info) or a token (query, fragment, or a path that is
+// really user info) is refused at start naming the flag, and neither the
+// error nor anything written says the credential. The URL is said, where
+// it is, as scheme://host/path; the warning about a token over plain http
+// says it so too.
+func TestPolicyOPAURLCredentialsNeverPrinted(t *testing.T) {
+	canaries := []string{"hunter2", "S3CRET"}
+	leaked := func(s string) string {
+		for _, c := range canaries {
+			if strings.Contains(s, c) {
+				return c
+			}
+		}
+		return ""
+	}
+	dir := t.TempDir()
+	tokenFile := filepath.Join(dir, "token")
+	if err := os.WriteFile(tokenFile, []byte("opa-token\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name  string
+		url   string
+		extra []string
+	}{
+		{"password, with a CA file", "http://admin:hunter2@opa:8181", []string{"--policy-opa-ca-file", "ca.crt"}},
+		{"password", "https://admin:hunter2@opa:8181", nil},
+		{"token in the query, with a token file", "http://opa.example:8181/?token=S3CRET", []string{"--policy-opa-token-file", tokenFile}},
+		{"token in the query, with a CA file", "http://opa:8181?token=S3CRET", []string{"--policy-opa-ca-file", "ca.crt"}},
+		{"token in the fragment", "https://opa:8181/#S3CRET", nil},
+		{"both", "https://admin:hunter2@opa:8181/v?token=S3CRET", []string{"--policy-opa-ca-file", "ca.crt"}},
+		{"another scheme", "ftp://admin:hunter2@opa/?token=S3CRET", nil},
+		{"no scheme: user info read as a path", "http//admin:hunter2@opa:8181", nil},
+		{"no host: user info read as opaque", "http:admin:hunter2@opa:8181", nil},
+		{"does not parse", "http://admin:hunter2@opa:8181/%zz?token=S3CRET", nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			args := append([]string{"broker", "--kubernetes", "on", "--driver-registry", filepath.Join(dir, "none.yaml"),
+				"--tls-cert", "c", "--tls-key", "k", "--tls-ca", "ca", "--policy-opa-url", tc.url}, tc.extra...)
+			err := run(context.Background(), args, &stdout, &stderr)
+			if err == nil || !strings.Contains(err.Error(), "--policy-opa-url") {
+				t.Fatalf("broker --policy-opa-url %s: %v, want it refused naming --policy-opa-url", tc.url, err)
+			}
+			for what, s := range map[string]string{"error": err.Error(), "stdout": stdout.String(), "stderr": stderr.String()} {
+				if c := leaked(s); c != "" {
+					t.Errorf("%s says %q: %s", what, c, s)
+				}
+			}
+		})
+	}
+
+	// Past the flags' check, the policy's own code reports the URL:
+	// its warning and its start line say scheme://host/path only.
+	var logs syncBuffer
+	log := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	f := &kubeFlags{PolicyMode: "enforce", PolicyPath: "csibroker/allow", PolicyToken: tokenFile,
+		PolicyURL: "http://admin:hunter2@opa.example:8181/base?token=S3CRET"}
+	if _, err := f.policyHTTPClient(log); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(logs.String(), "plain http") || !strings.Contains(logs.String(), "url=http://opa.example:8181/base") {
+		t.Errorf("no warning naming http://opa.example:8181/base about the token over plain http:\n%s", logs.String())
+	}
+	if _, _, err := f.authorizer(log); err == nil || leaked(err.Error()) != "" {
+		t.Errorf("authorizer with a password and a token in the URL: %v, want it refused without saying them", err)
+	}
+	f.PolicyURL = "http://opa.example:8181/base"
+	if _, _, err := f.authorizer(log); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(logs.String(), "external=http://opa.example:8181/base") {
+		t.Errorf("the start line does not name the decision point:\n%s", logs.String())
+	}
+	if c := leaked(logs.String()); c != "" {
+		t.Errorf("the log says %q:\n%s", c, logs.String())
 	}
 }

@@ -100,11 +100,8 @@ func sampleDriverConfig(args []string, stderr io.Writer) (sampledriver.Config, e
 	fs.Uint64Var(&cfg.Faults.Seed, "fault-seed", 0, "seed for fault rates (0: random)")
 	fs.BoolVar(&cfg.DisablePublish, "disable-publish", false, "do not advertise PUBLISH_UNPUBLISH_VOLUME (no attach step)")
 	verbosity := fs.Int("v", 0, "log verbosity: 0 lifecycle and failed calls, 1 also requests, 2 also responses")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return cfg, err
-	}
-	if fs.NArg() > 0 {
-		return cfg, fmt.Errorf("sample-driver: unexpected arguments %q: %w", fs.Args(), errUsage)
 	}
 	if *nodes != "" {
 		for _, n := range strings.Split(*nodes, ",") {

@@ -9,8 +9,11 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"path"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/telemetry"
@@ -125,10 +128,28 @@ func ServeHTTP(ctx context.Context, addr string, h http.Handler, log *slog.Logge
 
 // ValidateMetricsPath checks a --metrics-path: a path of its own on the
 // HTTP endpoint, next to /healthz and /readyz.
+//
+// The path becomes a ServeMux pattern, so it must be a clean absolute path
+// of literal characters: { and } make a wildcard (or a pattern that
+// panics), whitespace splits off a method (a panic), ? and # never reach
+// the mux (it would never match), % is an escape (one that may never
+// match), and a path that path.Clean changes is redirected away or, with a
+// trailing slash, serves a whole subtree.
 func ValidateMetricsPath(p string) error {
 	switch {
 	case !strings.HasPrefix(p, "/") || p == "/":
 		return fmt.Errorf("--metrics-path %q: want a path such as /metrics", p)
+	case !utf8.ValidString(p):
+		return fmt.Errorf("--metrics-path %q: not valid UTF-8", p)
+	}
+	for _, r := range p {
+		if strings.ContainsRune("{}?#%", r) || unicode.IsSpace(r) || !unicode.IsPrint(r) {
+			return fmt.Errorf("--metrics-path %q: %q is not allowed in it (want a plain path such as /metrics)", p, r)
+		}
+	}
+	switch c := path.Clean(p); {
+	case c != p:
+		return fmt.Errorf("--metrics-path %q: not a clean path (%s is)", p, c)
 	case p == "/healthz" || p == "/readyz":
 		return fmt.Errorf("--metrics-path %q: taken by the health endpoint", p)
 	}
