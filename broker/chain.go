@@ -124,7 +124,9 @@ func (b *Broker) streamChain(p *proxyConn) []grpc.StreamClientInterceptor {
 			// The driver's timeout for the method bounds the whole stream,
 			// as it bounds a unary call.
 			ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
-			p.creds.check()
+			if p.creds.check() {
+				awaitClosed(ctx, cc)
+			}
 			d := b.desc(p, method)
 			ctx, span := b.tracer.Start(ctx, d.spanName, d.spanOpts...)
 			ds := b.began(p, d)

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials"
 
 	"github.com/csibroker/csibroker/internal/mtls"
@@ -71,9 +73,9 @@ func (c *checkedCreds) ClientHandshake(ctx context.Context, authority string, ra
 }
 
 // check closes every connection whose proxy's certificate no longer
-// verifies. Cheap while nothing changed (PeerCheck checks again only after
-// a reload or an expiry).
-func (c *checkedCreds) check() {
+// verifies, and reports whether it closed one. Cheap while nothing changed
+// (PeerCheck checks again only after a reload or an expiry).
+func (c *checkedCreds) check() bool {
 	c.mu.Lock()
 	var stale []*checkedConn
 	for cc := range c.conns {
@@ -89,6 +91,19 @@ func (c *checkedCreds) check() {
 	c.mu.Unlock()
 	for _, cc := range stale {
 		cc.Close()
+	}
+	return len(stale) > 0
+}
+
+// awaitClosed waits (a second at most) until gRPC has seen that the
+// connection check closed is gone: a stream started before that would be
+// written to the closed connection and fail, where one started after
+// waits for the new connection, as a stream does while gRPC connects.
+func awaitClosed(ctx context.Context, cc *grpc.ClientConn) {
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	if cc.GetState() == connectivity.Ready {
+		cc.WaitForStateChange(ctx, connectivity.Ready)
 	}
 }
 

@@ -170,8 +170,10 @@ func (u *upstream) keepConnected() {
 // state names the connection's state as gRPC's connectivity states do.
 //
 // A connection whose proxy's certificate no longer verifies (expired while
-// idle, say) is retired here as the next call would retire it, so the
-// state does not stay READY for a connection no call will be given.
+// idle, say) is retired here as the next call would retire it (and, the
+// broker's own certificate renewed, a renewal dial starts, as for a call),
+// so the state does not stay READY for a connection no call will be
+// given: reading the state (a scrape, the status API) has these effects.
 func (u *upstream) state() string {
 	u.mu.Lock()
 	defer u.mu.Unlock()
@@ -227,7 +229,7 @@ func (u *upstream) drain() {
 	}
 	u.mu.Unlock()
 	if c != nil {
-		c.stopTaking(errDriverChanged)
+		c.stopTakingSoon(errDriverChanged)
 	}
 }
 
@@ -477,18 +479,10 @@ func (u *upstream) admitLocked(c *upConn) bool {
 }
 
 // retireLocked makes c take no new calls; calls in flight finish on it.
-// It does not wait for c.mu, which a write to a proxy that stopped reading
-// may hold: the rest of stopTaking is then done by a goroutine once the
-// write is over.
+// It does not wait for c.mu (stopTakingSoon).
 func (u *upstream) retireLocked(c *upConn, why error) {
 	u.keepOldLocked(c)
-	c.retire()
-	if c.mu.TryLock() {
-		c.stopTakingLocked(why)
-		c.mu.Unlock()
-	} else {
-		go c.stopTaking(why)
-	}
+	c.stopTakingSoon(why)
 	if u.conn == c {
 		u.conn = nil
 	}
@@ -539,6 +533,20 @@ func (c *upConn) stopTaking(why error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.stopTakingLocked(why)
+}
+
+// stopTakingSoon is stopTaking for callers that must not wait for c.mu
+// (held by a write to a proxy that stopped reading): c takes no new call
+// from now on, and the rest is done now if c.mu is free, else by a
+// goroutine once the write is over (its deadline bounds it).
+func (c *upConn) stopTakingSoon(why error) {
+	c.retire()
+	if c.mu.TryLock() {
+		c.stopTakingLocked(why)
+		c.mu.Unlock()
+	} else {
+		go c.stopTaking(why)
+	}
 }
 
 func (c *upConn) stopTakingLocked(why error) {

@@ -220,9 +220,26 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 		return 0, nil
 	}
 	if want := claim.Spec.VolumeAttributesClassName; want == nil || *want == "" {
+		if applied := pv.Spec.VolumeAttributesClassName; applied != nil && *applied != "" {
+			// The driver applied a class and the PV names it; only the
+			// claim's last status write was lost. The volume has that
+			// class, whatever the claim asks now: it is recorded as the
+			// claim's current one.
+			done := claim.DeepCopy()
+			done.Status.CurrentVolumeAttributesClassName = applied
+			done.Status.ModifyVolumeStatus = nil
+			done.Status.Conditions = clearModifyConditions(done.Status.Conditions)
+			if _, err := m.b.patchClaimStatus(ctx, claim, done, true); err != nil {
+				return 0, err
+			}
+			m.warn(ctx, claim, *applied, "", "claim no longer names a VolumeAttributesClass, but volume %s was modified to VolumeAttributesClass %s already; that is its current class", pv.Name, *applied)
+			return 0, nil
+		}
+		if s := claim.Status.ModifyVolumeStatus; s != nil && modifyMayHaveStarted(claim) {
+			m.warn(ctx, claim, s.TargetVolumeAttributesClassName, "", "modification of volume %s to VolumeAttributesClass %s cancelled after the driver was asked for it: the volume may carry some of that class's parameters", pv.Name, s.TargetVolumeAttributesClassName)
+		}
 		// Set back to no class, the volume's (claimNeedsModify): no
-		// class's parameters to apply again, whatever the driver began,
-		// so nothing to undo and nothing pending any more.
+		// class's parameters to apply again, so nothing pending any more.
 		return 0, m.clearModify(ctx, claim)
 	}
 	target := *claim.Spec.VolumeAttributesClassName
@@ -249,6 +266,9 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 // modifyVolumeStatus and modify conditions): the claim was set back to
 // the class its volume has. No driver call.
 func (m *modifier) clearModify(ctx context.Context, claim *corev1.PersistentVolumeClaim) error {
+	m.mu.Lock()
+	delete(m.infeasible, claim.UID)
+	m.mu.Unlock()
 	c := claim.DeepCopy()
 	c.Status.ModifyVolumeStatus = nil
 	c.Status.Conditions = clearModifyConditions(c.Status.Conditions)

@@ -513,3 +513,47 @@ func countEvents(t *testing.T, c kubernetes.Interface, ns, name, reason, want st
 	}
 	return n
 }
+
+// TestModifyAppliedBeforeTheClaimWasSetBackToNone: the driver applied a
+// class and the PV names it, but the claim's last status write was lost
+// (here: written by the test while no broker led), and the claim asks for
+// no class. The volume has that class: it is recorded as the claim's
+// current one, with a Warning Event, not dropped (the PV would keep the
+// class in use with nothing saying so).
+func TestModifyAppliedBeforeTheClaimWasSetBackToNone(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "applied.csi.test")
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "applied"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	gold := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "gold")}, DriverName: drv,
+		Parameters: map[string]string{sampledriver.MutableIOPS: "3000"}}
+	if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, gold, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), gold.Name, metav1.DeleteOptions{})
+	})
+	run := startBridge(t, env, ns, drivers, bridgeOpts{})
+	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "applied", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	run.stop()
+
+	pvPatch := []byte(`{"spec":{"volumeAttributesClassName":"` + gold.Name + `"}}`)
+	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, pvPatch, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	statusPatch := []byte(`{"status":{"modifyVolumeStatus":{"targetVolumeAttributesClassName":"` + gold.Name + `","status":"InProgress"},` +
+		`"conditions":[{"type":"ModifyingVolume","status":"True","reason":"InProgress"}]}}`)
+	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "applied", types.MergePatchType, statusPatch, metav1.PatchOptions{}, "status"); err != nil {
+		t.Fatal(err)
+	}
+	startBridge(t, env, ns, drivers, bridgeOpts{})
+	waitClaim(t, c, ns, "applied", "the applied class recorded as current", func(p *corev1.PersistentVolumeClaim) bool {
+		cur := p.Status.CurrentVolumeAttributesClassName
+		return cur != nil && *cur == gold.Name && p.Status.ModifyVolumeStatus == nil && !hasModifyCondition(p)
+	})
+	waitEvent(t, c, ns, "applied", "VolumeModifyFailed", "was modified to VolumeAttributesClass "+gold.Name+" already")
+}

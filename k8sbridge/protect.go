@@ -338,8 +338,14 @@ func (b *Bridge) protectSnapshot(ctx context.Context, snap *snapshotv1.VolumeSna
 		switch {
 		case gerr != nil:
 			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: read it again after a conflict: %w", snap.Namespace, snap.Name, snapshotFinalizer, gerr)
+		case fresh.UID != snap.UID:
+			// Not the snapshot this attempt checked any more: the next
+			// attempt reads and checks it from the start.
+			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: it was made again meanwhile", snap.Namespace, snap.Name, snapshotFinalizer)
 		case slices.Contains(fresh.Finalizers, snapshotFinalizer):
 			return nil
+		case fresh.DeletionTimestamp != nil:
+			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: it is being deleted", snap.Namespace, snap.Name, snapshotFinalizer)
 		}
 		snap = fresh
 		return err

@@ -130,16 +130,13 @@ func sameLeaf(a, b *tls.Certificate) bool {
 	return bytes.Equal(a.Certificate[0], b.Certificate[0])
 }
 
-// PeerExpired reports whether a certificate the peer showed at the
+// PeerExpired reports whether the leaf certificate the peer showed at the
 // handshake has expired by now: a Check that fails then may be nothing but
 // a routine renewal on the peer's side, which a new handshake picks up.
+// (Only the leaf: an extra certificate already expired at the handshake,
+// which earliestExpiry tolerates, says nothing about a later failure.)
 func (p *PeerCheck) PeerExpired(now time.Time) bool {
-	for _, c := range p.certs {
-		if !now.Before(c.NotAfter) {
-			return true
-		}
-	}
-	return false
+	return len(p.certs) > 0 && !now.Before(p.certs[0].NotAfter)
 }
 
 // OwnExpired reports whether the certificate we showed at the handshake
