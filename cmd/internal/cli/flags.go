@@ -43,6 +43,9 @@ func (f *TLSFlags) Validate() error {
 	if f.TrustDomain == "" {
 		return errors.New("--trust-domain must not be empty")
 	}
+	if f.ReloadInterval <= 0 {
+		return fmt.Errorf("--tls-reload-interval %v: must be positive (how often the certificate files are checked)", f.ReloadInterval)
+	}
 	return nil
 }
 

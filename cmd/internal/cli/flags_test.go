@@ -5,6 +5,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestValidateMetricsPath: a --metrics-path is taken only if it is a clean
@@ -84,5 +85,26 @@ func TestValidateMetricsPath(t *testing.T) {
 				t.Errorf("GET %s: HTTP %d, want the metrics handler's %d", tc.path, resp.StatusCode, http.StatusAccepted)
 			}
 		})
+	}
+}
+
+// TestTLSFlagsValidate: the certificate files are required, and a reload
+// interval that is not positive is refused, not taken as another value.
+func TestTLSFlagsValidate(t *testing.T) {
+	ok := TLSFlags{Cert: "c", Key: "k", CA: "ca", TrustDomain: "td", ReloadInterval: time.Second}
+	if err := ok.Validate(); err != nil {
+		t.Fatalf("valid flags: %v", err)
+	}
+	for name, edit := range map[string]func(*TLSFlags){
+		"no cert":           func(f *TLSFlags) { f.Cert = "" },
+		"no trust domain":   func(f *TLSFlags) { f.TrustDomain = "" },
+		"zero interval":     func(f *TLSFlags) { f.ReloadInterval = 0 },
+		"negative interval": func(f *TLSFlags) { f.ReloadInterval = -time.Second },
+	} {
+		f := ok
+		edit(&f)
+		if err := f.Validate(); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
 	}
 }
