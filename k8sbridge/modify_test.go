@@ -76,14 +76,7 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 	}
 	classOK, classDenied := modClass("ok", "mod-ok"), modClass("denied", "mod-forbidden")
 	vac := func(name string, params map[string]string) string {
-		v := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, name)}, DriverName: drv, Parameters: params}
-		if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, v, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), v.Name, metav1.DeleteOptions{})
-		})
-		return v.Name
+		return makeVAC(t, c, clusterName(ns, name), drv, params)
 	}
 	silver := vac("silver", map[string]string{sampledriver.MutableIOPS: "100", sampledriver.MutableTier: "standard"})
 	gold := vac("gold", map[string]string{sampledriver.MutableIOPS: "3000", sampledriver.MutableTier: "premium"})
@@ -218,6 +211,20 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 	assertNoCanary(t, c, ns, r, drivers, modifyCanary)
 }
 
+// makeVAC creates a VolumeAttributesClass of driver drv (deleted at the
+// test's end) and returns its name.
+func makeVAC(t *testing.T, c kubernetes.Interface, name, drv string, params map[string]string) string {
+	t.Helper()
+	v := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: name}, DriverName: drv, Parameters: params}
+	if _, err := c.StorageV1().VolumeAttributesClasses().Create(context.Background(), v, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), v.Name, metav1.DeleteOptions{})
+	})
+	return v.Name
+}
+
 func setVAC(t *testing.T, c kubernetes.Interface, ns, claim, class string) {
 	t.Helper()
 	patch := []byte(`{"spec":{"volumeAttributesClassName":"` + class + `"}}`)
@@ -248,7 +255,6 @@ func TestModifyPassesExtraMetadata(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	ctx := context.Background()
 	drv := clusterName(ns, "meta.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
@@ -263,19 +269,12 @@ func TestModifyPassesExtraMetadata(t *testing.T) {
 		return err
 	}}
 	class := makeClass(t, c, clusterName(ns, "meta"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	v := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "fast")}, DriverName: drv,
-		Parameters: map[string]string{sampledriver.MutableIOPS: "900"}}
-	if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, v, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), v.Name, metav1.DeleteOptions{})
-	})
+	vName := makeVAC(t, c, clusterName(ns, "fast"), drv, map[string]string{sampledriver.MutableIOPS: "900"})
 	startBridge(t, env, ns, hooked, bridgeOpts{configureCfg: func(cfg *Config) { cfg.ExtraModifyMetadata = true }})
 	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	setVAC(t, c, ns, "data", v.Name)
-	waitClaim(t, c, ns, "data", "current class "+v.Name, func(p *corev1.PersistentVolumeClaim) bool {
-		return p.Status.CurrentVolumeAttributesClassName != nil && *p.Status.CurrentVolumeAttributesClassName == v.Name
+	setVAC(t, c, ns, "data", vName)
+	waitClaim(t, c, ns, "data", "current class "+vName, func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.CurrentVolumeAttributesClassName != nil && *p.Status.CurrentVolumeAttributesClassName == vName
 	})
 	mu.Lock()
 	defer mu.Unlock()
@@ -308,14 +307,7 @@ func TestModifyCancelledBackToNoClass(t *testing.T) {
 		return err
 	}}
 	class := makeClass(t, c, clusterName(ns, "none"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	failing := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "failing")}, DriverName: drv,
-		Parameters: map[string]string{sampledriver.MutableIOPS: "900"}}
-	if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, failing, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), failing.Name, metav1.DeleteOptions{})
-	})
+	failingName := makeVAC(t, c, clusterName(ns, "failing"), drv, map[string]string{sampledriver.MutableIOPS: "900"})
 	startBridge(t, env, ns, hooked, bridgeOpts{})
 	waitBound(t, c, ns, makeClaim(t, c, ns, "pending", class.Name, "1Gi").Name, 60*time.Second)
 	waitBound(t, c, ns, makeClaim(t, c, ns, "failed", class.Name, "1Gi").Name, 60*time.Second)
@@ -324,7 +316,7 @@ func TestModifyCancelledBackToNoClass(t *testing.T) {
 	waitClaim(t, c, ns, "pending", "Pending", func(p *corev1.PersistentVolumeClaim) bool {
 		return p.Status.ModifyVolumeStatus != nil && p.Status.ModifyVolumeStatus.Status == corev1.PersistentVolumeClaimModifyVolumePending
 	})
-	setVAC(t, c, ns, "failed", failing.Name)
+	setVAC(t, c, ns, "failed", failingName)
 	waitClaim(t, c, ns, "failed", "InProgress with both modify conditions", func(p *corev1.PersistentVolumeClaim) bool {
 		return p.Status.ModifyVolumeStatus != nil && p.Status.ModifyVolumeStatus.Status == corev1.PersistentVolumeClaimModifyVolumeInProgress &&
 			modifyCondition(p, corev1.PersistentVolumeClaimVolumeModifyingVolume) != nil &&
@@ -380,14 +372,7 @@ func TestModifyReportsRefusedWrites(t *testing.T) {
 		return err
 	}}
 	class := makeClass(t, c, clusterName(ns, "refused"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	gold := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "gold")}, DriverName: drv,
-		Parameters: map[string]string{sampledriver.MutableIOPS: "3000"}}
-	if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, gold, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), gold.Name, metav1.DeleteOptions{})
-	})
+	goldName := makeVAC(t, c, clusterName(ns, "gold"), drv, map[string]string{sampledriver.MutableIOPS: "3000"})
 	startBridge(t, env, ns, hooked, bridgeOpts{})
 	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 
@@ -400,7 +385,7 @@ func TestModifyReportsRefusedWrites(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			pv.Spec.VolumeAttributesClassName = &gold.Name
+			pv.Spec.VolumeAttributesClassName = &goldName
 			_, err = c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
 			return err
 		})
@@ -412,13 +397,13 @@ func TestModifyReportsRefusedWrites(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			p.Status.CurrentVolumeAttributesClassName = &gold.Name
+			p.Status.CurrentVolumeAttributesClassName = &goldName
 			_, err = c.CoreV1().PersistentVolumeClaims(ns).UpdateStatus(ctx, p, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
 			return err
 		})
 
 	// The driver modifies the volume; the PV may not say so.
-	setVAC(t, c, ns, "data", gold.Name)
+	setVAC(t, c, ns, "data", goldName)
 	waitEvent(t, c, ns, "data", "VolumeModifyFailed", pvRefused)
 	// Retried (the driver asked again each time), reported once.
 	err := testenv.WaitFor(ctx, 30*time.Second, "retries", func(context.Context) (bool, string, error) {
@@ -435,17 +420,17 @@ func TestModifyReportsRefusedWrites(t *testing.T) {
 	// The PV may; the claim's status may not say the class is current.
 	allowPV()
 	waitEvent(t, c, ns, "data", "VolumeModifyFailed", claimRefused)
-	waitPV(t, c, pvName, "class "+gold.Name, 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+	waitPV(t, c, pvName, "class "+goldName, 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
 		if pv == nil {
 			return false, "no PV"
 		}
-		return pv.Spec.VolumeAttributesClassName != nil && *pv.Spec.VolumeAttributesClassName == gold.Name,
+		return pv.Spec.VolumeAttributesClassName != nil && *pv.Spec.VolumeAttributesClassName == goldName,
 			fmt.Sprintf("volumeAttributesClassName %v", pv.Spec.VolumeAttributesClassName)
 	})
 
 	allowClaim()
-	waitClaim(t, c, ns, "data", "current class "+gold.Name, func(p *corev1.PersistentVolumeClaim) bool {
-		return p.Status.CurrentVolumeAttributesClassName != nil && *p.Status.CurrentVolumeAttributesClassName == gold.Name &&
+	waitClaim(t, c, ns, "data", "current class "+goldName, func(p *corev1.PersistentVolumeClaim) bool {
+		return p.Status.CurrentVolumeAttributesClassName != nil && *p.Status.CurrentVolumeAttributesClassName == goldName &&
 			p.Status.ModifyVolumeStatus == nil && !hasModifyCondition(p)
 	})
 	if n := countEvents(t, c, ns, "data", "VolumeModifyFailed", claimRefused); n != 1 {
@@ -529,23 +514,16 @@ func TestModifyAppliedBeforeTheClaimWasSetBackToNone(t *testing.T) {
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
 	class := makeClass(t, c, clusterName(ns, "applied"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	gold := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "gold")}, DriverName: drv,
-		Parameters: map[string]string{sampledriver.MutableIOPS: "3000"}}
-	if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, gold, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.StorageV1().VolumeAttributesClasses().Delete(context.Background(), gold.Name, metav1.DeleteOptions{})
-	})
+	goldName := makeVAC(t, c, clusterName(ns, "gold"), drv, map[string]string{sampledriver.MutableIOPS: "3000"})
 	run := startBridge(t, env, ns, drivers, bridgeOpts{})
 	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "applied", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	run.stop()
 
-	pvPatch := []byte(`{"spec":{"volumeAttributesClassName":"` + gold.Name + `"}}`)
+	pvPatch := []byte(`{"spec":{"volumeAttributesClassName":"` + goldName + `"}}`)
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, pvPatch, metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	statusPatch := []byte(`{"status":{"modifyVolumeStatus":{"targetVolumeAttributesClassName":"` + gold.Name + `","status":"InProgress"},` +
+	statusPatch := []byte(`{"status":{"modifyVolumeStatus":{"targetVolumeAttributesClassName":"` + goldName + `","status":"InProgress"},` +
 		`"conditions":[{"type":"ModifyingVolume","status":"True","reason":"InProgress"}]}}`)
 	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "applied", types.MergePatchType, statusPatch, metav1.PatchOptions{}, "status"); err != nil {
 		t.Fatal(err)
@@ -553,7 +531,7 @@ func TestModifyAppliedBeforeTheClaimWasSetBackToNone(t *testing.T) {
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 	waitClaim(t, c, ns, "applied", "the applied class recorded as current", func(p *corev1.PersistentVolumeClaim) bool {
 		cur := p.Status.CurrentVolumeAttributesClassName
-		return cur != nil && *cur == gold.Name && p.Status.ModifyVolumeStatus == nil && !hasModifyCondition(p)
+		return cur != nil && *cur == goldName && p.Status.ModifyVolumeStatus == nil && !hasModifyCondition(p)
 	})
-	waitEvent(t, c, ns, "applied", "VolumeModifyFailed", "was modified to VolumeAttributesClass "+gold.Name+" already")
+	waitEvent(t, c, ns, "applied", "VolumeModifyFailed", "was modified to VolumeAttributesClass "+goldName+" already")
 }

@@ -312,14 +312,8 @@ func TestExpiredPeerOnAnOpenConnection(t *testing.T) {
 	t.Run("broker side", func(t *testing.T) {
 		_, ep := startEcho(t)
 		c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep, Retry: broker.RetryConfig{MaxAttempts: 1}})
-		now := time.Now()
-		expiry := now.Add(1500 * time.Millisecond)
-		m, err := c.CA.IssueMaterial(mtls.Leaf{ID: mtls.DriverID(chaintest.TrustDomain, echoName), NotBefore: now.Add(-time.Minute), NotAfter: expiry})
-		if err != nil {
-			t.Fatal(err)
-		}
-		spare := c.StartSpareProxy(t, m)
-		moveDriver(t, c, spare.Addr)
+		expiry := time.Now().Add(1500 * time.Millisecond)
+		spare := moveToProxyExpiring(t, c, expiry)
 		client := csi.NewIdentityClient(chaintest.Dial(t, c.Front))
 		call := func() error {
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -340,7 +334,7 @@ func TestExpiredPeerOnAnOpenConnection(t *testing.T) {
 				}
 			}
 		}
-		err = call()
+		err := call()
 		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "expired") {
 			t.Fatalf("a call after the proxy's certificate expired: %v; want Unavailable from a new handshake refusing it", err)
 		}
@@ -427,14 +421,8 @@ func waitUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
 // new handshake fails, naming the expiry), and the proxy sees no stream.
 func TestStreamsFollowTheProxysCertificate(t *testing.T) {
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: startStreamDriver(t), Retry: broker.RetryConfig{MaxAttempts: 1}})
-	now := time.Now()
-	expiry := now.Add(1500 * time.Millisecond)
-	m, err := c.CA.IssueMaterial(mtls.Leaf{ID: mtls.DriverID(chaintest.TrustDomain, echoName), NotBefore: now.Add(-time.Minute), NotAfter: expiry})
-	if err != nil {
-		t.Fatal(err)
-	}
-	spare := c.StartSpareProxy(t, m)
-	moveDriver(t, c, spare.Addr)
+	expiry := time.Now().Add(1500 * time.Millisecond)
+	spare := moveToProxyExpiring(t, c, expiry)
 	client := csi.NewSnapshotMetadataClient(chaintest.Dial(t, c.Front))
 	stream := func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -450,11 +438,24 @@ func TestStreamsFollowTheProxysCertificate(t *testing.T) {
 		t.Fatalf("a stream before the proxy's certificate expired: %v", err)
 	}
 	time.Sleep(time.Until(expiry) + 200*time.Millisecond)
-	err = stream()
+	err := stream()
 	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "expired") {
 		t.Fatalf("a stream after the proxy's certificate expired: %v; want Unavailable from a new handshake refusing it", err)
 	}
 	if n := spare.Handled(); n != 1 {
 		t.Errorf("the proxy with the expired certificate was given %d streams, want only the one before expiry", n)
 	}
+}
+
+// moveToProxyExpiring moves the echo driver to a new proxy whose
+// certificate expires at expiry.
+func moveToProxyExpiring(t *testing.T, c *chaintest.Chain, expiry time.Time) *chaintest.SpareProxy {
+	t.Helper()
+	m, err := c.CA.IssueMaterial(mtls.Leaf{ID: mtls.DriverID(chaintest.TrustDomain, echoName), NotBefore: time.Now().Add(-time.Minute), NotAfter: expiry})
+	if err != nil {
+		t.Fatal(err)
+	}
+	spare := c.StartSpareProxy(t, m)
+	moveDriver(t, c, spare.Addr)
+	return spare
 }
