@@ -239,6 +239,17 @@ func (p *Proxy) onDriverHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 		c.mu.Unlock()
 		return
 	}
+	if !end {
+		if l.gotHeaders {
+			// A second header block before the trailers is a malformed
+			// answer (gRPC's client fails it so): not passed on, and not
+			// queued, however many a misbehaving driver sends.
+			c.mu.Unlock()
+			l.s.fail(codes.Internal, fmt.Sprintf("csibroker proxy: driver at %s sent a second header block before its trailers", p.target), f)
+			return
+		}
+		l.gotHeaders = true
+	}
 	if end {
 		l.remoteEnded = true
 		if !l.localEnded {

@@ -82,6 +82,7 @@ type leg struct {
 	remoteEnded bool       // the peer sent END_STREAM
 	localEnded  bool       // we sent END_STREAM
 	sentHeaders bool       // we sent the first HEADERS (for the broker leg: response headers)
+	gotHeaders  bool       // driver leg: the driver's response headers arrived
 	done        bool       // removed from c.streams
 	pending     []out
 	blocked     bool // in c.blocked

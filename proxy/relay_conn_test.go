@@ -210,3 +210,74 @@ func TestQueuedLegsWaitAfterGoAwayAndGoOutWhenOpened(t *testing.T) {
 		}
 	}
 }
+
+// TestSecondHeaderBlockFromTheDriverFailsTheCall: a driver that sends a
+// second header block before its trailers (a malformed answer, which
+// gRPC's client fails) has its stream reset, and the broker gets the
+// call's end as Internal, not the block: however many a misbehaving
+// driver sends, none is passed on or queued.
+func TestSecondHeaderBlockFromTheDriverFailsTheCall(t *testing.T) {
+	a, b := net.Pipe()
+	ba, bb := net.Pipe()
+	t.Cleanup(func() { a.Close(); b.Close(); ba.Close(); bb.Close() })
+	p := &Proxy{log: slog.New(slog.DiscardHandler), target: "/driver.sock"}
+	d := newConn(p, a, true, "driver")
+	bc := newConn(p, ba, false, "broker")
+	d.onSettings(frameOf(t, func(fr *http2.Framer) error { return fr.WriteSettings() }).(*http2.SettingsFrame), nil)
+	s := &stream{p: p}
+	s.b = &leg{c: bc, id: 1, s: s, sendWin: 65535, remoteEnded: true}
+	bc.streams[1] = s.b
+	s.d = &leg{c: d, s: s, localEnded: true}
+	d.mu.Lock()
+	d.openLocked(s.d)
+	d.mu.Unlock()
+	collect := func(nc net.Conn) chan []http2.Frame {
+		rd := http2.NewFramer(nil, nc)
+		rd.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+		got := make(chan []http2.Frame, 1)
+		go func() { got <- readFrames(rd) }()
+		return got
+	}
+	toDriver, toBroker := collect(b), collect(bb)
+	hdr := &http2.MetaHeadersFrame{
+		HeadersFrame: frameOf(t, func(fr *http2.Framer) error {
+			return fr.WriteHeaders(http2.HeadersFrameParam{StreamID: s.d.id, BlockFragment: []byte{0x88}, EndHeaders: true})
+		}).(*http2.HeadersFrame),
+		Fields: []hpack.HeaderField{{Name: ":status", Value: "200"}, {Name: "content-type", Value: "application/grpc"}},
+	}
+	for i := 0; i < 3; i++ {
+		var f flusher
+		p.onDriverHeaders(d, hdr, &f)
+		f.flush()
+	}
+	a.Close()
+	ba.Close()
+	var brokerHeaders []*http2.MetaHeadersFrame
+	for _, f := range <-toBroker {
+		if h, ok := f.(*http2.MetaHeadersFrame); ok {
+			brokerHeaders = append(brokerHeaders, h)
+		}
+	}
+	var reset bool
+	for _, f := range <-toDriver {
+		if r, ok := f.(*http2.RSTStreamFrame); ok && r.StreamID == s.d.id {
+			reset = true
+		}
+	}
+	if len(brokerHeaders) != 2 || !brokerHeaders[1].StreamEnded() || brokerHeaders[1].PseudoValue("status") != "" ||
+		headerValue(brokerHeaders[1].Fields, "grpc-status") != "13" {
+		t.Fatalf("the broker got %d header blocks %v, want the response headers and then trailers with grpc-status 13", len(brokerHeaders), brokerHeaders)
+	}
+	if !reset {
+		t.Error("the driver's stream was not reset")
+	}
+}
+
+func headerValue(fields []hpack.HeaderField, name string) string {
+	for _, f := range fields {
+		if f.Name == name {
+			return f.Value
+		}
+	}
+	return ""
+}
