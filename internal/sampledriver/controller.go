@@ -26,6 +26,10 @@ const (
 	// PublishContextDevicePath is the volume directory, in the publish
 	// context of ControllerPublishVolume.
 	PublishContextDevicePath = "devicePath"
+	// PublishContextReadonly is "true" in the publish context of a
+	// read-only ControllerPublishVolume: the node then publishes the
+	// volume read-only, whatever NodePublishVolume asks.
+	PublishContextReadonly = "readonly"
 )
 
 // toStatus maps the pure checks' sentinel errors to gRPC codes; anything
@@ -174,13 +178,6 @@ func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return nil, invalid("accessibility_requirements set, but this plugin does not advertise VOLUME_ACCESSIBILITY_CONSTRAINTS")
 	}
 	placed, ok := pickSegment(segments, req.GetAccessibilityRequirements())
-	if !ok {
-		var served []string
-		for _, seg := range segments {
-			served = append(served, FormatTopology(seg))
-		}
-		return nil, status.Errorf(codes.ResourceExhausted, "cannot provision in the requisite topologies: this driver serves %s", strings.Join(served, "; "))
-	}
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -206,8 +203,21 @@ func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with other mutable parameters", v.Name)
 		case v.SourceVolumeID != srcVol || v.SourceSnapshotID != srcSnap:
 			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with another content source", v.Name)
+		case len(v.Topology) > 0 && !topologyAllows(v.Topology, req.GetAccessibilityRequirements()):
+			// The spec: OK only for a volume accessible from the
+			// requirements; AlreadyExists for one incompatible with them.
+			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists in %s, outside the requisite topologies", v.Name, FormatTopology(v.Topology))
 		}
 		return &csi.CreateVolumeResponse{Volume: s.csiVolume(v)}, nil
+	}
+	if !ok {
+		// After the lookup by name: a retry of a volume made gets it (or
+		// AlreadyExists), not ResourceExhausted.
+		var served []string
+		for _, seg := range segments {
+			served = append(served, FormatTopology(seg))
+		}
+		return nil, status.Errorf(codes.ResourceExhausted, "cannot provision in the requisite topologies: this driver serves %s", strings.Join(served, "; "))
 	}
 	srcDir, srcSize, _, _, err := s.contentSource(cs)
 	if err != nil {
@@ -366,6 +376,9 @@ func (s *server) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		Readonly:       req.GetReadonly(),
 		AccessMode:     int32(mode),
 		PublishContext: map[string]string{PublishContextDevicePath: s.volumeDir(id)},
+	}
+	if req.GetReadonly() {
+		a.PublishContext[PublishContextReadonly] = "true"
 	}
 	if v.Attachments == nil {
 		v.Attachments = map[string]*attachment{}

@@ -525,6 +525,18 @@ func TestNodeMounts(t *testing.T) {
 	}
 	// Idempotent.
 	attachAndMount(t, c, vol, "node-1", staging, target, false)
+	// A stage that is not identical (another access mode) is refused, as
+	// the spec asks; a publish without a staging path is
+	// FailedPrecondition, the spec's code for it.
+	pub, err := c.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: vol.GetVolumeId(), NodeId: "node-1", VolumeCapability: capa})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: vol.GetVolumeId(), StagingTargetPath: staging, PublishContext: pub.GetPublishContext(),
+		VolumeCapability: mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)})
+	wantCode(t, "stage again with another access mode", err, codes.AlreadyExists)
+	_, err = c.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: vol.GetVolumeId(), TargetPath: target, VolumeCapability: capa})
+	wantCode(t, "publish without a staging path", err, codes.FailedPrecondition)
 	if err := os.WriteFile(filepath.Join(target, "f"), []byte("data"), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -1036,4 +1048,60 @@ func TestUnstageAfterTheVolumeWasDeleted(t *testing.T) {
 	if ok, err := isMountPoint(staging); err != nil || ok {
 		t.Fatalf("staging path %s still mounted after unstage: %v", staging, err)
 	}
+}
+
+// TestReadOnlyControllerPublishReachesTheNode: a read-only
+// ControllerPublishVolume makes the node publish the volume read-only,
+// even when NodePublishVolume does not ask for it (the spec: the SP MUST
+// publish it read-only).
+func TestReadOnlyControllerPublishReachesTheNode(t *testing.T) {
+	ep, _ := StartTest(t, Config{})
+	c := dial(t, ep)
+	ctx := ctxT(t)
+	vol := mustCreate(t, c, "ro", 8<<20)
+	staging, target := mountPaths(t)
+	capa := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	pub, err := c.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: vol.GetVolumeId(), NodeId: "node-1", VolumeCapability: capa, Readonly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: vol.GetVolumeId(), StagingTargetPath: staging, VolumeCapability: capa, PublishContext: pub.GetPublishContext()}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: vol.GetVolumeId(), StagingTargetPath: staging, TargetPath: target,
+		VolumeCapability: capa, PublishContext: pub.GetPublishContext()}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unmountAndDetach(t, c, vol.GetVolumeId(), "node-1", staging, target) })
+	if err := os.WriteFile(filepath.Join(target, "f"), nil, 0o644); !errors.Is(err, syscall.EROFS) {
+		t.Fatalf("write to a volume published read-only by the controller: %v, want EROFS", err)
+	}
+}
+
+// TestCreateVolumeIdempotencyKeepsToTopology: a CreateVolume of a name
+// that exists elsewhere than the requisite topologies is AlreadyExists,
+// not OK with a volume the caller cannot use, nor ResourceExhausted when
+// no segment fits (the name is looked up first); the same request again is
+// OK with the volume.
+func TestCreateVolumeIdempotencyKeepsToTopology(t *testing.T) {
+	zone := "topology.kubernetes.io/zone"
+	ep, _ := StartTest(t, Config{CapacityBytes: 10 << 20, ControllerSegments: []map[string]string{{zone: "z1"}, {zone: "z2"}}})
+	c := dial(t, ep)
+	ctx := ctxT(t)
+	create := func(z string) (*csi.CreateVolumeResponse, error) {
+		return c.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: []*csi.VolumeCapability{mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)},
+			CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 20}, AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{zone: z}}}}})
+	}
+	first, err := create("z1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := create("z1")
+	if err != nil || again.GetVolume().GetVolumeId() != first.GetVolume().GetVolumeId() {
+		t.Fatalf("the same request again: %v, %v; want the same volume", again, err)
+	}
+	_, err = create("z2")
+	wantCode(t, "the name again in another zone", err, codes.AlreadyExists)
+	_, err = create("z3")
+	wantCode(t, "the name again in a zone the driver does not serve", err, codes.AlreadyExists)
 }

@@ -71,7 +71,7 @@ func (f Faults) Validate() error {
 		if m != AllMethods && !knownMethods[m] {
 			errs = append(errs, fmt.Errorf("fault for unknown method %q", m))
 		}
-		if ft.Rate < 0 || ft.Rate > 1 {
+		if !(ft.Rate >= 0 && ft.Rate <= 1) { // NaN too
 			errs = append(errs, fmt.Errorf("fault %s: rate %v not in [0, 1]", m, ft.Rate))
 		}
 		if ft.Latency < 0 || ft.First < 0 || ft.ExitAfter < 0 {
@@ -141,8 +141,9 @@ func (f Faults) clone() Faults {
 // Keys: latency (a Go duration), rate (0..1), first (fail the first N calls),
 // code (a gRPC code name such as Unavailable or RESOURCE_EXHAUSTED, or its
 // number; default Unavailable), after (fail after the call took effect) and
-// exit-after (stop the process when the Nth call was handled). A code with
-// neither rate nor first means rate 1.
+// exit-after (stop the process when the Nth call was handled). A code or
+// after with neither rate nor first means rate 1; rate:0 (or first:0) given
+// means no failure, whatever the code.
 func ParseFault(spec string) (method string, f Fault, err error) {
 	method, rest, ok := strings.Cut(strings.TrimSpace(spec), "=")
 	method = strings.TrimSpace(method)
@@ -152,7 +153,7 @@ func ParseFault(spec string) (method string, f Fault, err error) {
 	if method != AllMethods && !knownMethods[method] {
 		return "", Fault{}, fmt.Errorf("fault %q: unknown CSI method %q", spec, method)
 	}
-	codeSet := false
+	codeSet, countSet := false, false
 	for _, kv := range strings.Split(rest, ",") {
 		kv = strings.TrimSpace(kv)
 		if kv == "" {
@@ -166,8 +167,10 @@ func ParseFault(spec string) (method string, f Fault, err error) {
 			f.Latency, perr = time.ParseDuration(v)
 		case "rate":
 			f.Rate, perr = strconv.ParseFloat(v, 64)
+			countSet = true
 		case "first":
 			f.First, perr = strconv.ParseInt(v, 10, 64)
+			countSet = true
 		case "code":
 			f.Code, perr = ParseCode(v)
 			if perr == nil && f.Code == codes.OK {
@@ -191,7 +194,7 @@ func ParseFault(spec string) (method string, f Fault, err error) {
 	if !codeSet {
 		f.Code = codes.Unavailable
 	}
-	if codeSet && !f.failing() {
+	if (codeSet || f.After) && !countSet {
 		f.Rate = 1
 	}
 	fs := Faults{Methods: map[string]Fault{method: f}}
@@ -207,13 +210,15 @@ func FormatFault(method string, f Fault) string {
 	if f.Latency > 0 {
 		parts = append(parts, "latency:"+f.Latency.String())
 	}
-	if f.Rate > 0 {
+	codeSaid := f.failing() || f.Code != codes.Unavailable
+	// rate:0 said when a code or after alone would mean rate 1.
+	if f.Rate > 0 || !f.failing() && (codeSaid || f.After) {
 		parts = append(parts, "rate:"+strconv.FormatFloat(f.Rate, 'g', -1, 64))
 	}
 	if f.First > 0 {
 		parts = append(parts, "first:"+strconv.FormatInt(f.First, 10))
 	}
-	if f.failing() {
+	if codeSaid {
 		parts = append(parts, "code:"+f.Code.String())
 	}
 	if f.After {

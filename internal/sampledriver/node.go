@@ -132,6 +132,9 @@ func (s *server) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	}
 	if st, ok := s.st.Staged[id]; ok && st.Path != path {
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is already staged at %s", id, st.Path)
+	} else if ok && st.AccessMode != mode {
+		// The spec: OK only for a stage identical to the one made.
+		return nil, status.Errorf(codes.AlreadyExists, "volume %s is staged at %s with access mode %s", id, path, csi.VolumeCapability_AccessMode_Mode(st.AccessMode))
 	}
 	for oid, st := range s.st.Staged {
 		if oid != id && st.Path == path {
@@ -244,7 +247,8 @@ func (s *server) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	case req.GetVolumeCapability() == nil:
 		return nil, invalid("volume capability is required")
 	case staging == "":
-		return nil, invalid("staging target path is required (the driver has STAGE_UNSTAGE_VOLUME)")
+		// The spec's code for it: the driver has STAGE_UNSTAGE_VOLUME.
+		return nil, status.Error(codes.FailedPrecondition, "staging target path is required (the driver has STAGE_UNSTAGE_VOLUME)")
 	case !filepath.IsAbs(target):
 		return nil, invalid("target path %q is not absolute", target)
 	}
@@ -253,7 +257,9 @@ func (s *server) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	}
 	target, staging = filepath.Clean(target), filepath.Clean(staging)
 	mode := req.GetVolumeCapability().GetAccessMode().GetMode()
-	ro := req.GetReadonly() || readerOnly(mode)
+	// Read-only if asked here, by the access mode, or by a read-only
+	// ControllerPublishVolume (its publish context says so).
+	ro := req.GetReadonly() || readerOnly(mode) || req.GetPublishContext()[PublishContextReadonly] == "true"
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
