@@ -684,9 +684,6 @@ func (s *server) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	case req.GetSourceVolumeId() == "":
 		return nil, invalid("source volume ID is required")
 	}
-	if !topologyAllows(s.cfg.Topology, req.GetAccessibilityRequirements()) {
-		return nil, status.Errorf(codes.ResourceExhausted, "cannot snapshot in the requisite topologies: this driver serves %s", FormatTopology(s.cfg.Topology))
-	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, sn := range s.st.Snapshots {
@@ -701,6 +698,12 @@ func (s *server) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	v, ok := s.st.Volumes[req.GetSourceVolumeId()]
 	if !ok {
 		return nil, status.Errorf(codes.NotFound, "source volume %s not found", req.GetSourceVolumeId())
+	}
+	// A snapshot is where its volume is: the requirements are held
+	// against that (after the lookup by name, so a retry gets its
+	// snapshot).
+	if !topologyAllows(v.Topology, req.GetAccessibilityRequirements()) {
+		return nil, status.Errorf(codes.ResourceExhausted, "cannot snapshot volume %s, in %s, in the requisite topologies", v.ID, FormatTopology(v.Topology))
 	}
 	sn := &snapshot{
 		ID:             newID("ss-"),

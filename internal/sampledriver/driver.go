@@ -270,6 +270,12 @@ func (d *Driver) save() error {
 	if err == nil {
 		err = writeFileAtomic(d.statePath, b, 0o600)
 	}
+	if errors.Is(err, errRenamedNotSynced) {
+		// In place (a restart reads it): the call's work stands, and
+		// undoing it would leave the state naming what is gone.
+		d.log.Warn("state saved, but not yet durable", "err", err)
+		return nil
+	}
 	if err != nil {
 		if st, lerr := loadState(d.statePath); lerr == nil {
 			d.st = st

@@ -1105,3 +1105,26 @@ func TestCreateVolumeIdempotencyKeepsToTopology(t *testing.T) {
 	_, err = create("z3")
 	wantCode(t, "the name again in a zone the driver does not serve", err, codes.AlreadyExists)
 }
+
+// TestCreateSnapshotKeepsToItsVolumesTopology: a snapshot is where its
+// volume is, whatever segment this instance serves first: requisite
+// topologies that hold the volume's are OK, others ResourceExhausted.
+func TestCreateSnapshotKeepsToItsVolumesTopology(t *testing.T) {
+	zone := "topology.kubernetes.io/zone"
+	in := func(z string) *csi.TopologyRequirement {
+		return &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{zone: z}}}}
+	}
+	ep, _ := StartTest(t, Config{CapacityBytes: 10 << 20, Topology: map[string]string{zone: "z1"}, ControllerSegments: []map[string]string{{zone: "z1"}, {zone: "z2"}}})
+	c := dial(t, ep)
+	ctx := ctxT(t)
+	vol, err := c.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: []*csi.VolumeCapability{mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 20}, AccessibilityRequirements: in("z2")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "in-z2", SourceVolumeId: vol.GetVolume().GetVolumeId(), AccessibilityRequirements: in("z2")}); err != nil {
+		t.Fatalf("a snapshot in its volume's zone: %v", err)
+	}
+	_, err = c.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "in-z1", SourceVolumeId: vol.GetVolume().GetVolumeId(), AccessibilityRequirements: in("z1")})
+	wantCode(t, "a snapshot required in another zone than its volume's", err, codes.ResourceExhausted)
+}

@@ -158,10 +158,19 @@ func writeFileAtomic(path string, data []byte, perm os.FileMode) (err error) {
 	if err = os.Rename(tmp, path); err != nil {
 		return err
 	}
+	// From here the new file is in place: a failure only leaves the
+	// rename not yet durable, and must not be undone as a failed write.
 	d, err := os.Open(dir)
 	if err != nil {
-		return err
+		return fmt.Errorf("%w: %v", errRenamedNotSynced, err)
 	}
 	defer d.Close()
-	return d.Sync()
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("%w: %v", errRenamedNotSynced, err)
+	}
+	return nil
 }
+
+// errRenamedNotSynced: the file was replaced, but its directory could not
+// be synced.
+var errRenamedNotSynced = errors.New("written and renamed, but the directory could not be synced")
