@@ -260,8 +260,9 @@ type feConn struct {
 	needFlush bool
 	wdlSet    time.Time
 	// held counts the bytes of the unary requests of the calls in flight
-	// (arriving, or whole and being served), at most maxHeld.
-	held int
+	// (arriving, or whole and being served), at most maxHeld; hdrHeld the
+	// bytes of their header lists, at most maxHdrHeld.
+	held, hdrHeld int
 }
 
 // feStream is one call. Fields other than in are guarded by c.mu.
@@ -290,6 +291,7 @@ type feStream struct {
 	reset       bool
 	contentType string
 	held        int // bytes of the request counted in feConn.held
+	hdrHeld     int // bytes of its header list counted in feConn.hdrHeld
 	// arrived is when the call's HEADERS were read: its grpc-timeout
 	// counts from then, as the caller's deadline does, not from when a
 	// slowly sent request was whole.
@@ -517,6 +519,8 @@ func (c *feConn) removeLocked(st *feStream) {
 		return
 	}
 	c.releaseLocked(st)
+	c.hdrHeld -= st.hdrHeld
+	st.hdrHeld = 0
 	delete(c.streams, st.id)
 	if c.goingAway && len(c.streams) == 0 {
 		c.drainedLocked(errors.New("connection drained"))
@@ -592,6 +596,17 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 	st.contentType = ct
 	st.remoteEnded = end
 	c.streams[id] = st
+	// Its header list is kept as long as the call is here: counted with
+	// the requests' bytes, so that calls whose requests never end cannot
+	// hold header lists without bound.
+	st.hdrHeld = int(rawgrpc.HeaderListSize(st.fields))
+	c.hdrHeld += st.hdrHeld
+	if c.hdrHeld > maxHdrHeld {
+		c.arrivedLocked(st)
+		c.endLocked(st, false, status.Errorf(codes.ResourceExhausted,
+			"csibroker: the header lists of the calls in flight on this connection would hold more than %d bytes", maxHdrHeld), nil)
+		return
+	}
 	st.unary = c.s.fe.method(path).unary
 	if st.unary {
 		if end {
@@ -1001,6 +1016,11 @@ func (c *feConn) releaseLocked(st *feStream) {
 // maxHeld bounds the bytes of the unary requests of a connection's calls
 // in flight: two of the largest.
 func (c *feConn) maxHeld() int { return 2 * (c.s.fe.b.opts.MaxMsgSize + 5) }
+
+// maxHdrHeld bounds the bytes of the header lists of a connection's calls
+// in flight: four of the largest the front end accepts (each call's is
+// kept for the call), 4 KiB for each of feMaxStreams calls.
+const maxHdrHeld = 4 * rawgrpc.MaxHeaderList
 
 // expire answers DeadlineExceeded to a unary call whose deadline passed
 // before its request was whole, and drops what arrived of it.

@@ -208,3 +208,56 @@ func TestFrontEndWindowUpdateWakesItsCall(t *testing.T) {
 		}
 	}
 }
+
+// TestFrontEndBoundsHeaderListsOfCallsInFlight: each call's header list
+// is kept while the call is in flight, and a connection's calls hold at
+// most 4 MiB of them: calls whose requests never end cannot pile up header
+// lists of up to 1 MiB each. A fifth call of 900 KiB of metadata is
+// refused with RESOURCE_EXHAUSTED, saying why; once one of the others is
+// reset, a call of the same size is served.
+func TestFrontEndBoundsHeaderListsOfCallsInFlight(t *testing.T) {
+	_, ep := startEcho(t)
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
+	r := dialRawFront(t, c)
+	big := strings.Repeat("m", 900<<10)
+	open := func(id uint32) {
+		r.hbuf.Reset()
+		for _, f := range []hpack.HeaderField{{Name: ":method", Value: "POST"}, {Name: ":scheme", Value: "http"}, {Name: ":path", Value: "/csi.v1.Controller/CreateVolume"},
+			{Name: ":authority", Value: "front"}, {Name: "content-type", Value: "application/grpc"}, {Name: "te", Value: "trailers"}, {Name: "x-big", Value: big}} {
+			r.enc.WriteField(f)
+		}
+		block := r.hbuf.Bytes()
+		first := block[:16<<10]
+		if err := r.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: first}); err != nil {
+			t.Fatal(err)
+		}
+		for rest := block[len(first):]; len(rest) > 0; {
+			n := min(len(rest), 16<<10)
+			if err := r.fr.WriteContinuation(id, n == len(rest), rest[:n]); err != nil {
+				t.Fatal(err)
+			}
+			rest = rest[n:]
+		}
+	}
+	for _, id := range []uint32{1, 3, 5, 7} {
+		open(id)
+	}
+	open(9)
+	if code, text := statusOf(t, r, 9); code != "8" || !strings.Contains(text, "header lists of the calls in flight on this connection would hold more than") {
+		t.Fatalf("fifth call: status %s %q, want RESOURCE_EXHAUSTED (8) saying why", code, text)
+	}
+	if err := r.fr.WriteRSTStream(1, http2.ErrCodeCancel); err != nil {
+		t.Fatal(err)
+	}
+	msg, err := proto.Marshal(&csi.CreateVolumeRequest{Name: "after"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	frame := make([]byte, 5, 5+len(msg))
+	binary.BigEndian.PutUint32(frame[1:], uint32(len(msg)))
+	open(11)
+	sendData(t, r, 11, append(frame, msg...), true)
+	if code, text := statusOf(t, r, 11); code != "0" {
+		t.Fatalf("a call after another was reset: status %s %q, want OK", code, text)
+	}
+}
