@@ -41,11 +41,15 @@ func markRetried(err error) error {
 // (the driver's, or the proxy's when it could not reach the driver), not
 // one the broker made itself. A caller that reads a driver's answer as a
 // statement about the driver's state (recovery takes "no room" to mean "no
-// such volume") asks this first.
+// such volume") asks this first. Any error in err's chain with an Answered
+// method that says so counts, so a caller's unit test can stand in for a
+// driver's answer.
 func Answered(err error) bool {
-	ce, ok := errors.AsType[*callError](err)
-	return ok && ce.answered
+	var e interface{ Answered() bool }
+	return errors.As(err, &e) && e.Answered()
 }
+
+func (e *callError) Answered() bool { return e.answered }
 
 // EarlierAttemptUnavailable reports whether err ends a call the broker
 // retried after an attempt that ended Unavailable: the driver may have

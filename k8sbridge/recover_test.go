@@ -445,16 +445,29 @@ func TestLearnVolumeIDFromAnEarlierRequest(t *testing.T) {
 
 // TestLearnVolumeIDPastANoRoomAnswer: "no room" proves there is no volume
 // only when every recorded request gets it. A driver that checks topology
-// before the name answers the latest request ResourceExhausted; the
-// earlier one, which made the volume, still gets its ID. With no earlier
-// request, or after an AlreadyExists, there is no proof of absence.
+// before the name (played here by the sample driver behind a hook that
+// turns its answer for zone z9 into ResourceExhausted; the sample driver
+// itself looks the name up first, as the spec asks) answers the latest
+// request ResourceExhausted; the earlier one, which made the volume, still
+// gets its ID. With no earlier request, or after an AlreadyExists, there
+// is no proof of absence.
 func TestLearnVolumeIDPastANoRoomAnswer(t *testing.T) {
-	drivers := &testDrivers{}
+	plain := &testDrivers{}
 	drv := "zoned.csi.test"
-	drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{"zone": "z1"}}, CapacityBytes: 4 << 30})
+	plain.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{"zone": "z1"}}, CapacityBytes: 4 << 30})
+	drivers := &hookedDrivers{testDrivers: plain, hook: func(_ string, args, _ any, err error) error {
+		if req, ok := args.(*csi.CreateVolumeRequest); ok {
+			for _, t := range req.GetAccessibilityRequirements().GetRequisite() {
+				if t.GetSegments()["zone"] == "z9" {
+					return driverAnswer{status.New(codes.ResourceExhausted, "cannot provision in zone z9")}
+				}
+			}
+		}
+		return err
+	}}
 	made := createRequest("pvc-zoned")
 	made.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"zone": "z1"}}}}
-	madeID := createDriverVolumeWith(t, drivers, drv, made)
+	madeID := createDriverVolumeWith(t, plain, drv, made)
 	elsewhere := createRequest("pvc-zoned")
 	elsewhere.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"zone": "z9"}}}}
 	tooBig := createRequest("pvc-zoned")
@@ -489,3 +502,11 @@ func marshalRequest(t *testing.T, r *csi.CreateVolumeRequest) []byte {
 	}
 	return b
 }
+
+// driverAnswer is a status as a driver's answer, for tests standing in for
+// a driver (broker.Answered says so).
+type driverAnswer struct{ st *status.Status }
+
+func (e driverAnswer) Error() string              { return e.st.Err().Error() }
+func (e driverAnswer) GRPCStatus() *status.Status { return e.st }
+func (e driverAnswer) Answered() bool             { return true }
