@@ -76,6 +76,13 @@ func (b *Broker) ServeSocket(ctx context.Context, driver, path string) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return fmt.Errorf("front end %s: %w", path, err)
 	}
+	// A socket someone answers on is another server's (a second broker
+	// sharing the directory): not taken from it. One nobody answers on is
+	// stale, left by a process that died.
+	if nc, err := net.DialTimeout("unix", path, time.Second); err == nil {
+		nc.Close()
+		return fmt.Errorf("front end %s: another process serves this socket", path)
+	}
 	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("front end %s: remove stale socket: %w", path, err)
 	}
@@ -83,7 +90,19 @@ func (b *Broker) ServeSocket(ctx context.Context, driver, path string) error {
 	if err != nil {
 		return fmt.Errorf("front end for %s: %w", driver, err)
 	}
-	defer os.Remove(path)
+	// On the way out the socket file is removed only if it is still ours:
+	// another server may have replaced it since.
+	lis.(*net.UnixListener).SetUnlinkOnClose(false)
+	ours, err := os.Stat(path)
+	if err != nil {
+		lis.Close()
+		return fmt.Errorf("front end for %s: %w", driver, err)
+	}
+	defer func() {
+		if now, err := os.Stat(path); err == nil && os.SameFile(now, ours) {
+			os.Remove(path)
+		}
+	}()
 	b.mu.Lock()
 	b.sockets[driver] = path
 	b.mu.Unlock()
@@ -206,11 +225,18 @@ func (b *Broker) ServeTCP(ctx context.Context, lis net.Listener, tlsCfg *tls.Con
 	return newFEServer(&frontEnd{b: b}, tlsCfg).serve(ctx, lis)
 }
 
-func firstMD(md metadata.MD, k string) string {
-	if v := md.Get(k); len(v) > 0 {
-		return v[0]
+// onlyMD is the value of metadata key k ("" if absent); given more than
+// once it is the caller's error (which one it meant is not for the broker
+// to guess).
+func onlyMD(md metadata.MD, k string) (string, error) {
+	switch v := md.Get(k); len(v) {
+	case 0:
+		return "", nil
+	case 1:
+		return v[0], nil
+	default:
+		return "", status.Errorf(codes.InvalidArgument, "csibroker: the %s request metadata key is given %d times; give it once", k, len(v))
 	}
-	return ""
 }
 
 // route picks the connection for a call from its method and the caller's
@@ -221,7 +247,10 @@ func (fe *frontEnd) route(method string, md metadata.MD) (*proxyConn, error) {
 	}
 	name := fe.driver
 	if name == "" {
-		name = firstMD(md, MetadataDriver)
+		var err error
+		if name, err = onlyMD(md, MetadataDriver); err != nil {
+			return nil, err
+		}
 		if name == "" {
 			return nil, status.Errorf(codes.InvalidArgument, "csibroker: name the driver with the %s request metadata key", MetadataDriver)
 		}
@@ -233,7 +262,11 @@ func (fe *frontEnd) route(method string, md metadata.MD) (*proxyConn, error) {
 		// and a driver found by discovery may be registered again soon.
 		return nil, status.Errorf(codes.Unavailable, "csibroker: %v", err)
 	}
-	pc, err := d.route(method, firstMD(md, MetadataNode))
+	node, err := onlyMD(md, MetadataNode)
+	if err != nil {
+		return nil, err
+	}
+	pc, err := d.route(method, node)
 	if err != nil {
 		return nil, status.Errorf(codes.FailedPrecondition, "csibroker: %v", err)
 	}

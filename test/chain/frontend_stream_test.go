@@ -458,3 +458,50 @@ func TestStreamsCountInTheStatus(t *testing.T) {
 	scancel()
 	waitCounts(i0, n0+2, f0+1)
 }
+
+// TestFrontEndSocketIsNotTakenFromAnotherServer: a front-end socket that
+// answers belongs to another server (a second broker sharing the
+// directory) and is neither taken nor removed; on the way out a front end
+// removes its socket file only while it is still its own.
+func TestFrontEndSocketIsNotTakenFromAnotherServer(t *testing.T) {
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: startStreamDriver(t)})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := c.Broker.ServeSocket(ctx, echoName, c.Front); err == nil || !strings.Contains(err.Error(), "another process serves this socket") {
+		t.Fatalf("serving a socket another server answers on: %v, want refused", err)
+	}
+	if _, err := csi.NewIdentityClient(chaintest.Dial(t, c.Front)).Probe(ctx, &csi.ProbeRequest{}); err != nil {
+		t.Fatalf("the first server's socket after the refusal: %v", err)
+	}
+
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	sctx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- c.Broker.ServeSocket(sctx, echoName, path) }()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if nc, err := net.Dial("unix", path); err == nil {
+			nc.Close()
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("the front end never served %s: %v", path, err)
+		}
+	}
+	// Another server takes the path over (as an operator's restart might).
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	other, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	stop()
+	if err := <-done; err != nil {
+		t.Fatalf("the front end's end: %v", err)
+	}
+	if nc, err := net.Dial("unix", path); err != nil {
+		t.Fatalf("the other server's socket after the front end ended: %v", err)
+	} else {
+		nc.Close()
+	}
+}

@@ -167,6 +167,10 @@ func TestTCPFrontEnd(t *testing.T) {
 	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), broker.MetadataDriver) {
 		t.Fatalf("no driver named: %v", err)
 	}
+	_, err = ident.GetPluginInfo(metadata.AppendToOutgoingContext(cctx, broker.MetadataDriver, echoName, broker.MetadataDriver, "other.csi"), &csi.GetPluginInfoRequest{})
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "given 2 times") {
+		t.Fatalf("the driver named twice: %v, want InvalidArgument", err)
+	}
 	_, err = ident.GetPluginInfo(metadata.AppendToOutgoingContext(cctx, broker.MetadataDriver, "nope.csi"), &csi.GetPluginInfoRequest{})
 	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), `unknown driver "nope.csi"`) {
 		t.Fatalf("unknown driver: %v", err)
