@@ -255,6 +255,7 @@ type feConn struct {
 	peer      rawgrpc.PeerSettings // the caller's SETTINGS
 	lastID    uint32
 	goingAway bool
+	started   bool // our SETTINGS are sent: the first frame, before any GOAWAY
 	closed    bool
 	shut      bool // drained: writes shut, the reader closes it (drainedLocked)
 	needFlush bool
@@ -329,6 +330,12 @@ func (c *feConn) run() {
 		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: rawgrpc.MaxHeaderList}))
 	c.writeErr(c.fr.WriteWindowUpdate(0, feConnWindow-rawgrpc.DefaultWindow))
 	c.writeErr(c.bw.Flush())
+	c.started = true
+	if c.goingAway {
+		// Shut down before the preface: the GOAWAY follows the SETTINGS,
+		// which must be the server's first frame (RFC 9113, 3.4).
+		c.goAwayLocked(0, 0, errors.New("shutting down"))
+	}
 	c.mu.Unlock()
 
 	err := c.readLoop()
@@ -485,6 +492,11 @@ func (c *feConn) goAwayLocked(lastID, refuse uint32, why error) {
 		return
 	}
 	c.goingAway = true
+	if !c.started {
+		// Sent by run once its SETTINGS are (a caller that never sends
+		// its preface is closed at the handshake timeout).
+		return
+	}
 	c.writeErr(c.framer().WriteGoAway(lastID, http2.ErrCodeNo, nil))
 	if refuse != 0 {
 		// After the GOAWAY, so the caller retries it on another connection.

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -503,5 +504,53 @@ func TestFrontEndSocketIsNotTakenFromAnotherServer(t *testing.T) {
 		t.Fatalf("the other server's socket after the front end ended: %v", err)
 	} else {
 		nc.Close()
+	}
+}
+
+// TestFrontEndShutdownBeforeThePreface: a connection whose caller has not
+// sent its preface when the front end stops still gets SETTINGS first
+// (RFC 9113, 3.4; gRPC's client fails a connection whose first frame is
+// another), then GOAWAY.
+func TestFrontEndShutdownBeforeThePreface(t *testing.T) {
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: startStreamDriver(t)})
+	path := filepath.Join(chaintest.ShortTempDir(t), "d.sock")
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	done := make(chan error, 1)
+	go func() { done <- c.Broker.ServeSocket(ctx, echoName, path) }()
+	var nc net.Conn
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var err error
+		if nc, err = net.Dial("unix", path); err == nil {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("the front end never served %s: %v", path, err)
+		}
+	}
+	defer nc.Close()
+	time.Sleep(100 * time.Millisecond) // the connection is the front end's
+	stop()
+	time.Sleep(100 * time.Millisecond) // its GOAWAY is due
+	nc.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := nc.Write([]byte(http2.ClientPreface)); err != nil {
+		t.Fatal(err)
+	}
+	fr := http2.NewFramer(nc, nc)
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	var types []http2.FrameType
+	for len(types) < 4 {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			break
+		}
+		types = append(types, f.Header().Type)
+	}
+	if len(types) == 0 || types[0] != http2.FrameSettings || !slices.Contains(types, http2.FrameGoAway) {
+		t.Fatalf("frames after a shutdown before the preface: %v, want SETTINGS first, then GOAWAY", types)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("the front end's end: %v", err)
 	}
 }
