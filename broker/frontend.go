@@ -93,6 +93,12 @@ func (b *Broker) ServeSocket(ctx context.Context, driver, path string) error {
 	// On the way out the socket file is removed only if it is still ours:
 	// another server may have replaced it since.
 	lis.(*net.UnixListener).SetUnlinkOnClose(false)
+	// Whoever may call the driver: the socket's owner and group, whatever
+	// the process's umask.
+	if err := os.Chmod(path, 0o660); err != nil {
+		lis.Close()
+		return fmt.Errorf("front end for %s: %w", driver, err)
+	}
 	ours, err := os.Stat(path)
 	if err != nil {
 		lis.Close()

@@ -487,6 +487,9 @@ func TestFrontEndSocketIsNotTakenFromAnotherServer(t *testing.T) {
 			t.Fatalf("the front end never served %s: %v", path, err)
 		}
 	}
+	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o660 {
+		t.Fatalf("the front-end socket's mode: %v, %v; want 0660", fi.Mode(), err)
+	}
 	// Another server takes the path over (as an operator's restart might).
 	if err := os.Remove(path); err != nil {
 		t.Fatal(err)
