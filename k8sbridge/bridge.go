@@ -481,14 +481,18 @@ func (b *Bridge) Run(ctx context.Context) error {
 		// The elector runs until the process stops and the term's
 		// controllers have stopped (below): the lease is released only
 		// then, so a standby cannot start while this leader's workers
-		// are still finishing.
+		// are still finishing. Not by client-go (ReleaseOnCancel): it
+		// releases as soon as a renewal fails, before the term's context
+		// is even cancelled, and a standby would lead at once beside
+		// workers still running. A lease that failed to renew is left to
+		// expire.
 		elCtx, elCancel := context.WithCancel(context.WithoutCancel(ctx))
 		le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
 			Lock:            lock,
 			LeaseDuration:   b.cfg.LeaderElectionLease,
 			RenewDeadline:   b.cfg.LeaderElectionRenew,
 			RetryPeriod:     b.cfg.LeaderElectionRetry,
-			ReleaseOnCancel: !b.keepLeaseOnStop,
+			ReleaseOnCancel: false,
 			Name:            b.cfg.LeaderElectionLockName,
 			Callbacks: leaderelection.LeaderCallbacks{
 				OnStartedLeading: func(leCtx context.Context) {
@@ -559,8 +563,31 @@ func (b *Bridge) Run(ctx context.Context) error {
 		if done != nil {
 			<-done
 		}
+		if ctx.Err() != nil && !b.keepLeaseOnStop {
+			b.releaseLease(lock)
+		}
 	}
 	return nil
+}
+
+// releaseLease gives the lease up as the process stops, once the term's
+// controllers have stopped, if this replica still holds it: the record is
+// read and written back free with its resourceVersion, so a lease another
+// replica took meanwhile is left alone.
+func (b *Bridge) releaseLease(lock *resourcelock.LeaseLock) {
+	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.LeaderElectionRenew)
+	defer cancel()
+	rec, _, err := lock.Get(ctx)
+	if err != nil || rec.HolderIdentity != b.cfg.Identity {
+		return
+	}
+	now := metav1.NewTime(time.Now())
+	free := resourcelock.LeaderElectionRecord{LeaderTransitions: rec.LeaderTransitions, LeaseDurationSeconds: 1, RenewTime: now, AcquireTime: now}
+	if err := lock.Update(ctx, free); err != nil {
+		b.log.Warn("releasing the leader lease failed; it expires by itself", "err", err)
+		return
+	}
+	b.log.Info("leader lease released", "identity", b.cfg.Identity)
 }
 
 func (b *Bridge) setLeader(leading bool, id string) {

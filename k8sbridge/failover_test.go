@@ -1,8 +1,14 @@
 package k8sbridge
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -10,6 +16,7 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/util/retry"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
@@ -218,4 +225,81 @@ func TestLeaseHeldUntilTheTermHasStopped(t *testing.T) {
 	if h := holder(); h != "" {
 		t.Fatalf("after the stop the Lease is held by %q, want it released", h)
 	}
+}
+
+// TestLeaseNotReleasedWhenARenewalFails: a leader whose renewals fail
+// (the API server refuses its lease writes a while) ends its term, but
+// does not write the lease free while its workers are still running, as
+// client-go's ReleaseOnCancel does: a standby would lead at once beside
+// them. The lease is left to expire.
+func TestLeaseNotReleasedWhenARenewalFails(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drv := clusterName(ns, "renew.csi.test")
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, "renew"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	// Lease writes that keep this replica the holder fail while failing
+	// is set; any other lease request (a release writes no holder) passes.
+	var failing atomic.Bool
+	rc := rest.CopyConfig(env.RESTConfig())
+	rc.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(req *http.Request) (*http.Response, error) {
+			if failing.Load() && req.Method == http.MethodPut && strings.Contains(req.URL.Path, "/leases/") && req.Body != nil {
+				body, err := io.ReadAll(req.Body)
+				if err != nil {
+					return nil, err
+				}
+				req.Body = io.NopCloser(bytes.NewReader(body))
+				if bytes.Contains(body, []byte("broker-0")) { // the holder, in JSON or protobuf
+					return nil, errors.New("test: lease renewal refused")
+				}
+			}
+			return rt.RoundTrip(req)
+		})
+	}
+	leases := kubernetes.NewForConfigOrDie(rc)
+	entered, finish := make(chan struct{}, 1), make(chan struct{})
+	defer func() {
+		select {
+		case <-finish:
+		default:
+			close(finish)
+		}
+	}()
+	r := startBridge(t, env, ns, drivers, bridgeOpts{leader: true, configureCfg: func(cfg *Config) { cfg.LeaseClient = leases }, configure: func(b *Bridge) {
+		b.prov.afterCreate = func(ctx context.Context, _ string) {
+			entered <- struct{}{}
+			<-finish // a worker slow to finish, until the test lets it
+		}
+	}})
+	makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	select {
+	case <-entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("CreateVolume never returned")
+	}
+	failing.Store(true)
+	if err := testenv.WaitFor(ctx, 20*time.Second, "the term ended by the failed renewal", func(context.Context) (bool, string, error) {
+		r.b.leaderMu.Lock()
+		defer r.b.leaderMu.Unlock()
+		return !r.b.leading, "", nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	l, err := c.CoordinationV1().Leases(ns).Get(ctx, "csibroker-leader", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h := l.Spec.HolderIdentity; h == nil || *h != "broker-0" {
+		holder := "no one"
+		if h != nil {
+			holder = fmt.Sprintf("%q", *h)
+		}
+		t.Fatalf("after a failed renewal, with a worker of the term still running, the Lease is held by %s, want broker-0 (left to expire, not released)", holder)
+	}
+	close(finish)
+	failing.Store(false)
 }
