@@ -640,6 +640,11 @@ func (s *IntentStore) flush(ctx context.Context) {
 		}
 	}
 	var err error
+	// last is the record as this broker knew it before a write found it
+	// gone or changed: if what is read again is another object (deleted,
+	// by an administrator say, and made again), the entries it held are
+	// written back, not lost with it (their volumes would leak).
+	var last *corev1.ConfigMap
 	for attempt := 0; attempt < 5; attempt++ {
 		if !loaded || cached == nil {
 			if cached, err = s.get(ctx, &prepaid); err != nil {
@@ -651,6 +656,19 @@ func (s *IntentStore) flush(ctx context.Context) {
 		if cm.Data == nil {
 			cm.Data = map[string]string{}
 		}
+		if last != nil && last.UID != cm.UID {
+			restored := 0
+			for k, v := range last.Data {
+				if _, ok := cm.Data[k]; !ok && !removes[k] {
+					cm.Data[k] = v
+					restored++
+				}
+			}
+			if restored > 0 {
+				s.log.Error("the intent record was deleted or replaced; writing back the entries it held", "configmap", s.namespace+"/"+s.name, "entries", restored)
+			}
+		}
+		last = nil
 		for k := range removes {
 			delete(cm.Data, k)
 		}
@@ -700,6 +718,7 @@ func (s *IntentStore) flush(ctx context.Context) {
 			return
 		}
 		if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
+			last = cached
 			loaded, cached = false, nil
 			continue
 		}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -757,5 +758,43 @@ func TestIntentLookupReadsEachTermOnce(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestIntentRecordDeletedKeepsItsEntries: an administrator deletes the
+// intent record while entries stand (a volume being made, say); the next
+// write finds it gone, makes it again, and writes back the entries this
+// store had acknowledged with its own: none is lost, or its volume could
+// leak.
+func TestIntentRecordDeletedKeepsItsEntries(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	s := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	go s.Run(runCtx)
+	add := func(name string) {
+		t.Helper()
+		if err := s.Add(ctx, Intent{VolumeName: name, Driver: "d", ClaimNamespace: ns, ClaimName: name, Request: []byte{1}, Created: metav1.Now()}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	add("pvc-first")
+	if err := env.Client().CoreV1().ConfigMaps(ns).Delete(ctx, "csibroker-intents", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	add("pvc-second")
+	got, err := NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, in := range got {
+		names = append(names, in.VolumeName)
+	}
+	if !slices.Equal(names, []string{"pvc-first", "pvc-second"}) {
+		t.Fatalf("after the record was deleted and a new entry added, it holds %v, want [pvc-first pvc-second]", names)
 	}
 }
