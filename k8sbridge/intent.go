@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math"
 	"slices"
 	"sort"
@@ -236,6 +237,9 @@ func (p batchPolicy) writeDue(pending int, oldest, newest time.Time, rate float6
 // ErrIntentStoreFull means too many volumes are being created at once; the
 // caller backs off and tries again.
 var ErrIntentStoreFull = errors.New("intent record is full: too many volumes being created at once")
+
+// ErrIntentTooLarge means one intent is larger than the record can hold.
+var ErrIntentTooLarge = errors.New("intent too large for the intent record")
 
 // NewIntentStore uses ConfigMap namespace/name (created when missing).
 func NewIntentStore(client kubernetes.Interface, namespace, name string, log *slog.Logger) *IntentStore {
@@ -684,6 +688,13 @@ func (s *IntentStore) flush(ctx context.Context) {
 				delete(adds, k)
 				continue
 			}
+			if n := len(k) + len(b); n > s.maxBytes {
+				// Never fits, however empty the record: said so, not
+				// "too many at once".
+				p.done <- fmt.Errorf("%w: the intent of volume %s alone is %d bytes, over the record's %d (a class's parameters too large to record)", ErrIntentTooLarge, k, n, s.maxBytes)
+				delete(adds, k)
+				continue
+			}
 			prev, exists := cm.Data[k]
 			grow := len(k) + len(b)
 			if exists {
@@ -700,6 +711,13 @@ func (s *IntentStore) flush(ctx context.Context) {
 		for _, k := range full {
 			adds[k].done <- ErrIntentStoreFull
 			delete(adds, k)
+		}
+		if len(adds) == 0 && len(removes) == 0 && maps.Equal(cm.Data, cached.Data) {
+			// Nothing to write (every Add failed): no API write spent.
+			s.mu.Lock()
+			s.removing = nil
+			s.mu.Unlock()
+			return
 		}
 		var updated *corev1.ConfigMap
 		if err = s.take(ctx, &prepaid); err != nil {

@@ -117,6 +117,14 @@ func TestIntentStoreByteBudget(t *testing.T) {
 	if err := s.Add(ctx, Intent{VolumeName: "c", Request: []byte{1}}); err != nil {
 		t.Fatalf("a small entry that fits: %v", err)
 	}
+	// One that could never fit says so, and costs no API write.
+	writes := s.Writes()
+	if err := s.Add(ctx, Intent{VolumeName: "huge", Request: make([]byte, 4000)}); !errors.Is(err, ErrIntentTooLarge) || !strings.Contains(err.Error(), "alone is") {
+		t.Fatalf("an entry larger than the whole record: %v, want ErrIntentTooLarge saying its size", err)
+	}
+	if w := s.Writes() - writes; w != 0 {
+		t.Errorf("%d API writes for a batch whose only entry was refused, want 0", w)
+	}
 }
 
 func TestBatchPolicyWriteDue(t *testing.T) {
