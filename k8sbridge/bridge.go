@@ -517,6 +517,9 @@ func (b *Bridge) Run(ctx context.Context) error {
 					defer stop()
 					b.log.Info("became leader", "identity", b.cfg.Identity)
 					b.setLeader(true, b.cfg.Identity)
+					// Also here: OnStoppedLeading may have run between the
+					// check above and the line before.
+					defer b.setLeader(false, "")
 					b.lead(termCtx)
 				},
 				OnStoppedLeading: func() {
