@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -168,25 +169,7 @@ func TestLeaseHeldUntilTheTermHasStopped(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "lease.csi.test")
-	drivers := &testDrivers{}
-	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "lease"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	entered, ended, finish := make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{})
-	r := startBridge(t, env, ns, drivers, bridgeOpts{leader: true, configure: func(b *Bridge) {
-		b.prov.afterCreate = func(ctx context.Context, _ string) {
-			entered <- struct{}{}
-			<-ctx.Done()
-			ended <- struct{}{}
-			<-finish // a worker slow to finish, until the test lets it
-		}
-	}})
-	makeClaim(t, c, ns, "data", class.Name, "1Gi")
-	select {
-	case <-entered:
-	case <-time.After(30 * time.Second):
-		t.Fatal("CreateVolume never returned")
-	}
+	r, ended, release := leaderWithHeldCreate(t, env, ns, "lease", nil)
 	holder := func() string {
 		l, err := c.CoordinationV1().Leases(ns).Get(ctx, "csibroker-leader", metav1.GetOptions{})
 		if err != nil {
@@ -202,7 +185,7 @@ func TestLeaseHeldUntilTheTermHasStopped(t *testing.T) {
 	select {
 	case <-ended:
 	case <-time.After(10 * time.Second):
-		close(finish)
+		release()
 		t.Fatal("the term never ended")
 	}
 	// The worker stays busy until finish is closed: the Lease must stay
@@ -213,7 +196,7 @@ func TestLeaseHeldUntilTheTermHasStopped(t *testing.T) {
 			released = fmt.Sprintf("%q", h)
 		}
 	}
-	close(finish)
+	release()
 	select {
 	case <-r.exited:
 	case <-time.After(20 * time.Second):
@@ -237,10 +220,6 @@ func TestLeaseNotReleasedWhenARenewalFails(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "renew.csi.test")
-	drivers := &testDrivers{}
-	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "renew"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	// Lease writes that keep this replica the holder fail while failing
 	// is set; any other lease request (a release writes no holder) passes.
 	var failing atomic.Bool
@@ -261,26 +240,7 @@ func TestLeaseNotReleasedWhenARenewalFails(t *testing.T) {
 		})
 	}
 	leases := kubernetes.NewForConfigOrDie(rc)
-	entered, finish := make(chan struct{}, 1), make(chan struct{})
-	defer func() {
-		select {
-		case <-finish:
-		default:
-			close(finish)
-		}
-	}()
-	r := startBridge(t, env, ns, drivers, bridgeOpts{leader: true, configureCfg: func(cfg *Config) { cfg.LeaseClient = leases }, configure: func(b *Bridge) {
-		b.prov.afterCreate = func(ctx context.Context, _ string) {
-			entered <- struct{}{}
-			<-finish // a worker slow to finish, until the test lets it
-		}
-	}})
-	makeClaim(t, c, ns, "data", class.Name, "1Gi")
-	select {
-	case <-entered:
-	case <-time.After(30 * time.Second):
-		t.Fatal("CreateVolume never returned")
-	}
+	r, _, release := leaderWithHeldCreate(t, env, ns, "renew", func(cfg *Config) { cfg.LeaseClient = leases })
 	failing.Store(true)
 	if err := testenv.WaitFor(ctx, 20*time.Second, "the term ended by the failed renewal", func(context.Context) (bool, string, error) {
 		r.b.leaderMu.Lock()
@@ -300,6 +260,43 @@ func TestLeaseNotReleasedWhenARenewalFails(t *testing.T) {
 		}
 		t.Fatalf("after a failed renewal, with a worker of the term still running, the Lease is held by %s, want broker-0 (left to expire, not released)", holder)
 	}
-	close(finish)
 	failing.Store(false)
+	release()
+}
+
+// leaderWithHeldCreate starts a leader (configured by cfg, if set) with a
+// driver and class named after name, and a claim whose CreateVolume the
+// driver has answered but whose worker is held until release is called
+// (at the test's end if not before); ended receives once the term's
+// context is done while it is held.
+func leaderWithHeldCreate(t *testing.T, env *testenv.Env, ns, name string, cfg func(*Config)) (r *bridgeRun, ended <-chan struct{}, release func()) {
+	t.Helper()
+	c := env.Client()
+	drv := clusterName(ns, name+".csi.test")
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	class := makeClass(t, c, clusterName(ns, name), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	entered, endedC, finish := make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{})
+	var once sync.Once
+	release = func() { once.Do(func() { close(finish) }) }
+	r = startBridge(t, env, ns, drivers, bridgeOpts{leader: true, configureCfg: cfg, configure: func(b *Bridge) {
+		b.prov.afterCreate = func(ctx context.Context, _ string) {
+			entered <- struct{}{}
+			select {
+			case <-ctx.Done():
+				endedC <- struct{}{}
+			case <-finish:
+				return
+			}
+			<-finish // a worker slow to finish, until the test lets it
+		}
+	}})
+	t.Cleanup(release) // before the bridge's stop, which waits for the worker
+	makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	select {
+	case <-entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("CreateVolume never returned")
+	}
+	return r, endedC, release
 }

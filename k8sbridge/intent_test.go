@@ -22,14 +22,7 @@ import (
 )
 
 func TestIntentStoreBatchesWrites(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	s := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	go s.Run(runCtx)
+	env, ns, ctx, s := runIntentStore(t)
 
 	const n = 100
 	var wg sync.WaitGroup
@@ -775,14 +768,7 @@ func TestIntentLookupReadsEachTermOnce(t *testing.T) {
 // store had acknowledged with its own: none is lost, or its volume could
 // leak.
 func TestIntentRecordDeletedKeepsItsEntries(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	s := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	go s.Run(runCtx)
+	env, ns, ctx, s := runIntentStore(t)
 	add := func(name string) {
 		t.Helper()
 		if err := s.Add(ctx, Intent{VolumeName: name, Driver: "d", ClaimNamespace: ns, ClaimName: name, Request: []byte{1}, Created: metav1.Now()}); err != nil {
@@ -805,4 +791,19 @@ func TestIntentRecordDeletedKeepsItsEntries(t *testing.T) {
 	if !slices.Equal(names, []string{"pvc-first", "pvc-second"}) {
 		t.Fatalf("after the record was deleted and a new entry added, it holds %v, want [pvc-first pvc-second]", names)
 	}
+}
+
+// runIntentStore runs an intent store on a fresh namespace's
+// csibroker-intents for the test's length (a minute at most).
+func runIntentStore(t *testing.T) (*testenv.Env, string, context.Context, *IntentStore) {
+	t.Helper()
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	s := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
+	runCtx, stop := context.WithCancel(ctx)
+	t.Cleanup(stop)
+	go s.Run(runCtx)
+	return env, ns, ctx, s
 }
