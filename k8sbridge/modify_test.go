@@ -296,16 +296,7 @@ func TestModifyCancelledBackToNoClass(t *testing.T) {
 	c := env.Client()
 	ctx := context.Background()
 	drv := clusterName(ns, "none.csi.test")
-	drivers := &testDrivers{}
-	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	var calls atomic.Int64
-	hooked := &hookedDrivers{testDrivers: drivers, hook: func(_ string, args, _ any, err error) error {
-		if _, ok := args.(*csi.ControllerModifyVolumeRequest); ok {
-			calls.Add(1)
-			return status.Error(codes.Internal, "backend unavailable")
-		}
-		return err
-	}}
+	hooked, calls := modifyCountingDriver(t, drv, status.Error(codes.Internal, "backend unavailable"))
 	class := makeClass(t, c, clusterName(ns, "none"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	failingName := makeVAC(t, c, clusterName(ns, "failing"), drv, map[string]string{sampledriver.MutableIOPS: "900"})
 	startBridge(t, env, ns, hooked, bridgeOpts{})
@@ -362,15 +353,7 @@ func TestModifyReportsRefusedWrites(t *testing.T) {
 	c := env.Client()
 	ctx := context.Background()
 	drv := clusterName(ns, "refused.csi.test")
-	drivers := &testDrivers{}
-	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	var calls atomic.Int64
-	hooked := &hookedDrivers{testDrivers: drivers, hook: func(_ string, args, _ any, err error) error {
-		if _, ok := args.(*csi.ControllerModifyVolumeRequest); ok {
-			calls.Add(1)
-		}
-		return err
-	}}
+	hooked, calls := modifyCountingDriver(t, drv, nil)
 	class := makeClass(t, c, clusterName(ns, "refused"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	goldName := makeVAC(t, c, clusterName(ns, "gold"), drv, map[string]string{sampledriver.MutableIOPS: "3000"})
 	startBridge(t, env, ns, hooked, bridgeOpts{})
@@ -534,4 +517,22 @@ func TestModifyAppliedBeforeTheClaimWasSetBackToNone(t *testing.T) {
 		return cur != nil && *cur == goldName && p.Status.ModifyVolumeStatus == nil && !hasModifyCondition(p)
 	})
 	waitEvent(t, c, ns, "applied", "VolumeModifyFailed", "was modified to VolumeAttributesClass "+goldName+" already")
+}
+
+// modifyCountingDriver is a sample driver named drv that counts its
+// ControllerModifyVolume calls, each answered answer if that is set.
+func modifyCountingDriver(t *testing.T, drv string, answer error) (*hookedDrivers, *atomic.Int64) {
+	t.Helper()
+	drivers := &testDrivers{}
+	drivers.addDriver(t, sampledriver.Config{Name: drv})
+	calls := &atomic.Int64{}
+	return &hookedDrivers{testDrivers: drivers, hook: func(_ string, args, _ any, err error) error {
+		if _, ok := args.(*csi.ControllerModifyVolumeRequest); ok {
+			calls.Add(1)
+			if answer != nil {
+				return answer
+			}
+		}
+		return err
+	}}, calls
 }
