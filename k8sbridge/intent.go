@@ -164,8 +164,12 @@ type IntentStore struct {
 	removes  map[string]bool
 	removing map[string]bool   // removes of the write in flight
 	cache    *corev1.ConfigMap // last written or read copy
-	writes   int64
-	loaded   bool
+	// lost is the record as this term knew it when a write found it gone
+	// or changed: until a write of another object of that name (deleted
+	// and made again) carries its entries back, each flush merges them.
+	lost   *corev1.ConfigMap
+	writes int64
+	loaded bool
 	// term counts the ends of leadership terms (failAll): a read begun in
 	// one term does not seed the cache of the next, which starts from a
 	// fresh read.
@@ -616,7 +620,7 @@ func (s *IntentStore) failAll(err error) {
 	// record, may be stale by the next term (another leader writes
 	// meanwhile), which starts from a fresh read.
 	clear(s.removes)
-	s.cache, s.loaded = nil, false
+	s.cache, s.loaded, s.lost = nil, false, nil
 	s.term++
 	s.ended = true
 }
@@ -644,11 +648,23 @@ func (s *IntentStore) flush(ctx context.Context) {
 		}
 	}
 	var err error
-	// last is the record as this broker knew it before a write found it
-	// gone or changed: if what is read again is another object (deleted,
-	// by an administrator say, and made again), the entries it held are
-	// written back, not lost with it (their volumes would leak).
-	var last *corev1.ConfigMap
+	// If what is read again after a failed write is another object
+	// (deleted, by an administrator say, and made again), the entries the
+	// record held (s.lost) are written back, not lost with it (their
+	// volumes would leak): kept until a write carrying them succeeds,
+	// across failed flushes.
+	s.mu.Lock()
+	last := s.lost
+	if last != nil && len(removes) > 0 {
+		// What is removed now is not to come back with it.
+		last = last.DeepCopy()
+		for k := range removes {
+			delete(last.Data, k)
+		}
+		s.lost = last
+	}
+	s.mu.Unlock()
+	merged := false
 	for attempt := 0; attempt < 5; attempt++ {
 		if !loaded || cached == nil {
 			if cached, err = s.get(ctx, &prepaid); err != nil {
@@ -660,6 +676,7 @@ func (s *IntentStore) flush(ctx context.Context) {
 		if cm.Data == nil {
 			cm.Data = map[string]string{}
 		}
+		merged = false
 		if last != nil && last.UID != cm.UID {
 			restored := 0
 			for k, v := range last.Data {
@@ -668,11 +685,11 @@ func (s *IntentStore) flush(ctx context.Context) {
 					restored++
 				}
 			}
+			merged = true
 			if restored > 0 {
 				s.log.Error("the intent record was deleted or replaced; writing back the entries it held", "configmap", s.namespace+"/"+s.name, "entries", restored)
 			}
 		}
-		last = nil
 		for k := range removes {
 			delete(cm.Data, k)
 		}
@@ -716,6 +733,9 @@ func (s *IntentStore) flush(ctx context.Context) {
 			// Nothing to write (every Add failed): no API write spent.
 			s.mu.Lock()
 			s.removing = nil
+			if merged {
+				s.lost = nil // nothing of it was missing
+			}
 			s.mu.Unlock()
 			return
 		}
@@ -731,12 +751,22 @@ func (s *IntentStore) flush(ctx context.Context) {
 			s.mu.Lock()
 			s.cache, s.loaded = updated, true
 			s.removing = nil
+			if merged || (last != nil && last.UID == updated.UID) {
+				s.lost = nil // written back, or never replaced
+			}
 			s.mu.Unlock()
 			finish(nil)
 			return
 		}
 		if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
-			last = cached
+			if last == nil {
+				// The first record known before the failure: later
+				// reads may be the replacement, without its entries.
+				last = cached
+				s.mu.Lock()
+				s.lost = cached
+				s.mu.Unlock()
+			}
 			loaded, cached = false, nil
 			continue
 		}

@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,6 +18,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/csibroker/csibroker/internal/testenv"
 )
@@ -806,4 +808,56 @@ func runIntentStore(t *testing.T) (*testenv.Env, string, context.Context, *Inten
 	t.Cleanup(stop)
 	go s.Run(runCtx)
 	return env, ns, ctx, s
+}
+
+// TestIntentRecordDeletedKeepsItsEntriesAcrossAFailedWrite: the write
+// that finds the record deleted fails to make it again (the API server
+// refuses the create once); the next write still carries the entries the
+// deleted record held.
+func TestIntentRecordDeletedKeepsItsEntriesAcrossAFailedWrite(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var refuseCreate atomic.Bool
+	rc := rest.CopyConfig(env.RESTConfig())
+	rc.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(req *http.Request) (*http.Response, error) {
+			if req.Method == http.MethodPost && strings.HasSuffix(req.URL.Path, "/configmaps") && refuseCreate.CompareAndSwap(true, false) {
+				return nil, errors.New("test: create refused once")
+			}
+			return rt.RoundTrip(req)
+		})
+	}
+	s := NewIntentStore(kubernetes.NewForConfigOrDie(rc), ns, "csibroker-intents", nil)
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	go s.Run(runCtx)
+	add := func(name string) error {
+		return s.Add(ctx, Intent{VolumeName: name, Driver: "d", ClaimNamespace: ns, ClaimName: name, Request: []byte{1}, Created: metav1.Now()})
+	}
+	if err := add("pvc-first"); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.Client().CoreV1().ConfigMaps(ns).Delete(ctx, "csibroker-intents", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	refuseCreate.Store(true)
+	if err := add("pvc-second"); err == nil {
+		t.Fatal("an Add whose write could not make the record again succeeded")
+	}
+	if err := add("pvc-third"); err != nil {
+		t.Fatal(err)
+	}
+	got, err := NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, in := range got {
+		names = append(names, in.VolumeName)
+	}
+	if !slices.Equal(names, []string{"pvc-first", "pvc-third"}) {
+		t.Fatalf("the record holds %v, want [pvc-first pvc-third]", names)
+	}
 }
