@@ -664,7 +664,6 @@ func (s *IntentStore) flush(ctx context.Context) {
 		s.lost = last
 	}
 	s.mu.Unlock()
-	merged := false
 	for attempt := 0; attempt < 5; attempt++ {
 		if !loaded || cached == nil {
 			if cached, err = s.get(ctx, &prepaid); err != nil {
@@ -676,16 +675,14 @@ func (s *IntentStore) flush(ctx context.Context) {
 		if cm.Data == nil {
 			cm.Data = map[string]string{}
 		}
-		merged = false
 		if last != nil && last.UID != cm.UID {
 			restored := 0
 			for k, v := range last.Data {
-				if _, ok := cm.Data[k]; !ok && !removes[k] {
+				if _, ok := cm.Data[k]; !ok {
 					cm.Data[k] = v
 					restored++
 				}
 			}
-			merged = true
 			if restored > 0 {
 				s.log.Error("the intent record was deleted or replaced; writing back the entries it held", "configmap", s.namespace+"/"+s.name, "entries", restored)
 			}
@@ -733,9 +730,7 @@ func (s *IntentStore) flush(ctx context.Context) {
 			// Nothing to write (every Add failed): no API write spent.
 			s.mu.Lock()
 			s.removing = nil
-			if merged {
-				s.lost = nil // nothing of it was missing
-			}
+			s.lost = nil // nothing of it was missing
 			s.mu.Unlock()
 			return
 		}
@@ -751,9 +746,7 @@ func (s *IntentStore) flush(ctx context.Context) {
 			s.mu.Lock()
 			s.cache, s.loaded = updated, true
 			s.removing = nil
-			if merged || (last != nil && last.UID == updated.UID) {
-				s.lost = nil // written back, or never replaced
-			}
+			s.lost = nil // written back, or never replaced
 			s.mu.Unlock()
 			finish(nil)
 			return

@@ -782,14 +782,7 @@ func TestIntentRecordDeletedKeepsItsEntries(t *testing.T) {
 		t.Fatal(err)
 	}
 	add("pvc-second")
-	got, err := NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var names []string
-	for _, in := range got {
-		names = append(names, in.VolumeName)
-	}
+	names := recordedVolumes(ctx, t, env, ns)
 	if !slices.Equal(names, []string{"pvc-first", "pvc-second"}) {
 		t.Fatalf("after the record was deleted and a new entry added, it holds %v, want [pvc-first pvc-second]", names)
 	}
@@ -849,6 +842,16 @@ func TestIntentRecordDeletedKeepsItsEntriesAcrossAFailedWrite(t *testing.T) {
 	if err := add("pvc-third"); err != nil {
 		t.Fatal(err)
 	}
+	names := recordedVolumes(ctx, t, env, ns)
+	if !slices.Equal(names, []string{"pvc-first", "pvc-third"}) {
+		t.Fatalf("the record holds %v, want [pvc-first pvc-third]", names)
+	}
+}
+
+// recordedVolumes lists the volume names of ns's intent record, as a fresh
+// store reads it from the API server.
+func recordedVolumes(ctx context.Context, t *testing.T, env *testenv.Env, ns string) []string {
+	t.Helper()
 	got, err := NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -857,7 +860,5 @@ func TestIntentRecordDeletedKeepsItsEntriesAcrossAFailedWrite(t *testing.T) {
 	for _, in := range got {
 		names = append(names, in.VolumeName)
 	}
-	if !slices.Equal(names, []string{"pvc-first", "pvc-third"}) {
-		t.Fatalf("the record holds %v, want [pvc-first pvc-third]", names)
-	}
+	return names
 }
