@@ -525,21 +525,14 @@ func (p *proxyConn) drain() {
 
 type proxyState struct{ driver, node, address, state, want string }
 
-// proxyStates reads each proxy connection's state with the registry's
-// lock released, as Status does.
+// proxyStates flattens Status (which reads the states with the registry's
+// lock released) for the connection-state metric.
 func (b *Broker) proxyStates() []proxyState {
-	b.mu.RLock()
 	var out []proxyState
-	var pcs []*proxyConn
-	for _, d := range b.drivers {
-		for _, pc := range d.all() {
-			out = append(out, proxyState{driver: d.name, node: pc.cfg.Node, address: pc.cfg.Address, want: pc.want})
-			pcs = append(pcs, pc)
+	for _, d := range b.Status() {
+		for _, p := range d.Proxies {
+			out = append(out, proxyState{driver: d.Name, node: p.Node, address: p.Address, state: p.State, want: p.ExpectedIdentity})
 		}
-	}
-	b.mu.RUnlock()
-	for i, pc := range pcs {
-		out[i].state = pc.up.state()
 	}
 	return out
 }
