@@ -554,7 +554,7 @@ func (c *upConn) stopTakingLocked(why error) {
 		return
 	}
 	c.goingAway, c.drainErr = true, why
-	c.retireLocked()
+	c.retire()
 	if len(c.calls) == 0 {
 		c.failLocked(why)
 	}
@@ -657,7 +657,7 @@ func (c *upConn) failLocked(err error) {
 	}
 	c.err = err
 	c.ended.Store(true)
-	c.retireLocked()
+	c.retire()
 	c.nc.Close()
 	log := c.u.b.log.With("driver", c.u.p.driver, "node", c.u.p.cfg.Node, "proxy", c.u.addr)
 	switch {
@@ -679,12 +679,9 @@ func (c *upConn) failLocked(err error) {
 	c.cond.Broadcast()
 }
 
-// retireLocked tells keepConnected that the connection takes no new calls
-// (it failed, the proxy is going away, or its stream IDs run out), so a new
-// one is dialled while the calls on this one finish.
-func (c *upConn) retireLocked() { c.retire() }
-
-// retire is retireLocked for callers that may not hold c.mu.
+// retire tells keepConnected that the connection takes no new calls (it
+// failed, the proxy is going away, or its stream IDs run out), so a new
+// one is dialled while the calls on this one finish. With or without c.mu.
 func (c *upConn) retire() {
 	c.retireOnce.Do(func() {
 		c.noNew.Store(true)
@@ -786,7 +783,7 @@ func (c *upConn) roundTrip(ctx context.Context, fields []hpack.HeaderField, msg 
 	if c.nextID >= rawgrpc.LastStreamID-rawgrpc.StreamIDMargin {
 		// This is the connection's last call: closed once it ends.
 		c.goingAway, c.drainErr = true, errStreamIDsUsed
-		c.retireLocked()
+		c.retire()
 	}
 	call.sendWin = c.peer.InitialWindow
 	c.calls[call.id] = call
@@ -999,7 +996,7 @@ func (c *upConn) onWindowUpdateLocked(f *http2.WindowUpdateFrame) {
 
 func (c *upConn) onGoAwayLocked(f *http2.GoAwayFrame) {
 	c.goingAway, c.drainErr = true, errProxyGoingAway
-	c.retireLocked()
+	c.retire()
 	for id, call := range c.calls {
 		if id > f.LastStreamID {
 			// Never processed: safe to retry on another connection.
