@@ -89,7 +89,7 @@ func sampleDriverConfig(args []string, stderr io.Writer) (sampledriver.Config, e
 	fs.StringVar(&cfg.Endpoint, "endpoint", "unix:///var/lib/csibroker/sample/csi.sock", "CSI endpoint to listen on: unix:///path or unix:/path")
 	fs.StringVar(&cfg.Name, "name", cfg.Name, "CSI driver name (GetPluginInfo)")
 	fs.StringVar(&cfg.NodeID, "node-id", "", "this instance's node ID (required)")
-	fs.StringVar(&cfg.StateDir, "state-dir", "", "directory for state.json and the volume directories (required)")
+	fs.StringVar(&cfg.StateDir, "state-dir", "", "directory for the state (state.json and its journal) and the volume directories (required)")
 	fs.Var(segmentsFlag{&cfg.ControllerSegments}, "controller-segment", "a segment the controller can place volumes in, key=value[,...]; repeatable (a multi-zone storage system); default: --topology")
 	fs.Var(topologyFlag{&cfg.Topology}, "topology", "accessible segment of this instance, key=value[,key=value...] (e.g. topology.kubernetes.io/zone=z1); empty: no topology")
 	fs.Var(sizeFlag{&cfg.CapacityBytes}, "capacity", "total capacity of the pool, in bytes or with a suffix (Ki, Mi, Gi, Ti; k, M, G, T)")

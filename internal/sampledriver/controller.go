@@ -257,7 +257,7 @@ func (s *server) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return nil, status.Errorf(codes.Internal, "create volume directory: %v", err)
 	}
 	s.st.Volumes[v.ID] = v
-	if err := s.save(); err != nil {
+	if err := s.save(volumeKey(v.ID)); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, status.Error(codes.Internal, err.Error())
 	}
@@ -290,7 +290,7 @@ func (s *server) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 		return nil, status.Errorf(codes.Internal, "delete volume directory: %v", err)
 	}
 	delete(s.st.Volumes, id)
-	if err := s.save(); err != nil {
+	if err := s.save(volumeKey(id)); err != nil {
 		_ = os.Rename(trash, dir)
 		return nil, status.Error(codes.Internal, err.Error())
 	}
@@ -384,7 +384,7 @@ func (s *server) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		v.Attachments = map[string]*attachment{}
 	}
 	v.Attachments[node] = a
-	if err := s.save(); err != nil {
+	if err := s.save(volumeKey(id)); err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
 	s.log.Info("volume published", "volume_id", id, "node_id", node, "readonly", a.Readonly)
@@ -414,7 +414,7 @@ func (s *server) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 		}
 		delete(v.Attachments, node)
 	}
-	if err := s.save(); err != nil {
+	if err := s.save(volumeKey(id)); err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
 	s.log.Info("volume unpublished", "volume_id", id, "node_id", node)
@@ -576,7 +576,7 @@ func (s *server) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	}
 	old := v.CapacityBytes
 	v.CapacityBytes = want
-	if err := s.save(); err != nil {
+	if err := s.save(volumeKey(id)); err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
 	s.log.Info("volume expanded", "volume_id", id, "from_bytes", old, "to_bytes", want)
@@ -606,7 +606,7 @@ func (s *server) ControllerModifyVolume(ctx context.Context, req *csi.Controller
 	for k, val := range userMutable(req.GetMutableParameters()) {
 		v.MutableParameters[k] = val
 	}
-	if err := s.save(); err != nil {
+	if err := s.save(volumeKey(id)); err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
 	return &csi.ControllerModifyVolumeResponse{}, nil
@@ -720,7 +720,7 @@ func (s *server) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 		return nil, status.Errorf(codes.Internal, "copy volume: %v", err)
 	}
 	s.st.Snapshots[sn.ID] = sn
-	if err := s.save(); err != nil {
+	if err := s.save(snapshotKey(sn.ID)); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, status.Error(codes.Internal, err.Error())
 	}
@@ -739,7 +739,7 @@ func (s *server) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 		return &csi.DeleteSnapshotResponse{}, nil
 	}
 	delete(s.st.Snapshots, id)
-	if err := s.save(); err != nil {
+	if err := s.save(snapshotKey(id)); err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
 	if err := os.RemoveAll(s.snapshotDir(id)); err != nil {

@@ -20,10 +20,14 @@
 //     stage/unstage, publish/unpublish, stats, expansion, health,
 //     SINGLE_NODE_MULTI_WRITER. Not implemented: group snapshots.
 //   - State (volumes, attachments, snapshots, this node's stage and publish
-//     mounts) lives in <StateDir>/state.json, rewritten atomically (temp
-//     file, fsync, rename, fsync of the directory) before a call that changed
-//     it returns, so a new Driver on the same StateDir sees everything. A lock
-//     file keeps two live drivers off one StateDir.
+//     mounts) lives in <StateDir>/state.json and its journal: a call that
+//     changes an entry appends the entry's new value to the journal and
+//     fsyncs it before it returns, so a new Driver on the same StateDir sees
+//     everything and a call's cost does not grow with the number of
+//     volumes. Once the journal outgrows state.json, the whole state is
+//     rewritten atomically (temp file, fsync, rename, fsync of the
+//     directory) with a new, empty journal (see journal.go). A lock file
+//     keeps two live drivers off one StateDir.
 //   - The node side uses real bind mounts: NodeStageVolume binds the volume
 //     directory onto the staging path, NodePublishVolume binds the staging
 //     path onto the target (created if missing, removed on unpublish,

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"google.golang.org/protobuf/proto"
@@ -39,6 +38,7 @@ type Driver struct {
 	volumesDir   string
 	snapshotsDir string
 	statePath    string
+	store        *stateStore
 	lock         *os.File
 
 	mu sync.Mutex // guards st and every change on disk or to mounts
@@ -98,9 +98,13 @@ func New(cfg Config) (*Driver, error) {
 	if d.lock, err = lockDir(dir); err != nil {
 		return nil, err
 	}
-	if d.st, err = loadState(d.statePath); err != nil {
+	var torn int64
+	if d.store, d.st, torn, err = openStateStore(d.statePath); err != nil {
 		d.Close()
 		return nil, err
+	}
+	if torn > 0 {
+		d.log.Info("state journal: dropped a last change cut short by a stop (its call never returned)", "bytes", torn)
 	}
 	d.sweep()
 	d.log.Info("sample driver state loaded", "state_dir", dir, "volumes", len(d.st.Volumes),
@@ -153,16 +157,26 @@ func (d *Driver) sweep() {
 			remove(p, "an unfinished state write")
 		}
 	}
+	if journals, err := filepath.Glob(strings.TrimSuffix(d.statePath, ".json") + ".*.journal"); err == nil {
+		for _, p := range journals {
+			if p != d.store.journal.Name() {
+				remove(p, "a state journal the state no longer names")
+			}
+		}
+	}
 }
 
 // Close releases the StateDir lock. Mounts stay (see UnmountAll).
 func (d *Driver) Close() error {
+	d.mu.Lock()
+	serr := d.store.close()
+	d.mu.Unlock()
 	if d.lock == nil {
-		return nil
+		return serr
 	}
 	err := d.lock.Close()
 	d.lock = nil
-	return err
+	return errors.Join(serr, err)
 }
 
 // Config returns the effective configuration (with defaults applied).
@@ -263,12 +277,19 @@ func (d *Driver) logInterceptor(ctx context.Context, req any, info *grpc.UnarySe
 	return resp, err
 }
 
-// save persists d.st; on failure it reloads the last durable state so memory
-// never runs ahead of disk. Callers hold d.mu.
-func (d *Driver) save() error {
-	b, err := json.MarshalIndent(d.st, "", "  ")
-	if err == nil {
-		err = writeFileAtomic(d.statePath, b, 0o600)
+// save persists the entries of d.st named by keys (all of it if none)
+// before the call that changed them returns; on failure it reloads the
+// last durable state so memory never runs ahead of disk. Callers hold d.mu.
+func (d *Driver) save(keys ...stateKey) error {
+	var err error
+	if len(keys) == 0 || d.store.unsure {
+		err = d.store.writeAll(d.st)
+	} else if err = d.store.appendChanges(d.st, keys); err == nil && d.store.wantsRewrite() {
+		// The change is saved in the journal; folding it into a new
+		// snapshot can fail without failing the call.
+		if werr := d.store.writeAll(d.st); werr != nil {
+			d.log.Warn("state journal not folded into a new snapshot", "err", werr)
+		}
 	}
 	if errors.Is(err, errRenamedNotSynced) {
 		// In place (a restart reads it): the call's work stands, and
@@ -277,7 +298,7 @@ func (d *Driver) save() error {
 		return nil
 	}
 	if err != nil {
-		if st, lerr := loadState(d.statePath); lerr == nil {
+		if st, _, _, lerr := readState(d.statePath); lerr == nil {
 			d.st = st
 		}
 		return fmt.Errorf("save state: %w", err)

@@ -171,7 +171,7 @@ func (s *server) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		return &csi.NodeStageVolumeResponse{}, nil
 	}
 	s.st.Staged[id] = &staging{VolumeID: id, Path: path, Source: src, AccessMode: mode}
-	if err := s.save(); err != nil {
+	if err := s.save(stagedKey(id)); err != nil {
 		if !mounted {
 			_ = unmount(path)
 		}
@@ -230,7 +230,7 @@ func (s *server) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 		}
 	}
 	delete(s.st.Staged, id)
-	if err := s.save(); err != nil {
+	if err := s.save(stagedKey(id)); err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
 	s.log.Info("volume unstaged", "volume_id", id, "staging_path", path)
@@ -337,7 +337,7 @@ func (s *server) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		}
 	}
 	s.st.Published[target] = &publication{VolumeID: id, TargetPath: target, StagingPath: staging, Source: st.Source, Readonly: ro, AccessMode: int32(mode)}
-	if err := s.save(); err != nil {
+	if err := s.save(publishedKey(target)); err != nil {
 		delete(s.st.Published, target)
 		if !adopted {
 			_ = unmount(target)
@@ -391,7 +391,7 @@ func (s *server) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	}
 	if ok {
 		delete(s.st.Published, target)
-		if err := s.save(); err != nil {
+		if err := s.save(publishedKey(target)); err != nil {
 			return nil, status.Error(codes.Internal, err.Error())
 		}
 	}
@@ -493,7 +493,7 @@ func (s *server) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	}
 	if st, ok := s.st.Staged[id]; ok && st.ExpandedBytes != size {
 		st.ExpandedBytes = size
-		if err := s.save(); err != nil {
+		if err := s.save(stagedKey(id)); err != nil {
 			return nil, status.Error(codes.Internal, err.Error())
 		}
 	}

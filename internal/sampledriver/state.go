@@ -15,10 +15,11 @@ const stateVersion = 1
 // state is everything the driver remembers, persisted as state.json.
 type state struct {
 	Version   int                     `json:"version"`
-	Volumes   map[string]*volume      `json:"volumes"`   // by volume ID
-	Snapshots map[string]*snapshot    `json:"snapshots"` // by snapshot ID
-	Staged    map[string]*staging     `json:"staged"`    // by volume ID (this node)
-	Published map[string]*publication `json:"published"` // by target path (this node)
+	Journal   int64                   `json:"journal,omitempty"` // the journal generation (see journal.go)
+	Volumes   map[string]*volume      `json:"volumes"`           // by volume ID
+	Snapshots map[string]*snapshot    `json:"snapshots"`         // by snapshot ID
+	Staged    map[string]*staging     `json:"staged"`            // by volume ID (this node)
+	Published map[string]*publication `json:"published"`         // by target path (this node)
 }
 
 type volume struct {
