@@ -390,7 +390,7 @@ func (u *upstream) connect() (*upConn, error) {
 	// keeps ahead of them (clearing it too would leave the next second of
 	// writes without one).
 	tc.SetReadDeadline(time.Time{})
-	c.lastRead.Store(time.Now().UnixNano())
+	c.lastRead.Store(int64(time.Since(c.born)))
 	go c.readLoop()
 	go c.keepalive()
 	return c, nil
@@ -408,7 +408,11 @@ type upConn struct {
 	enc  *hpack.Encoder
 	hbuf bytes.Buffer
 
-	lastRead atomic.Int64 // unix nanoseconds of the last frame read
+	// lastRead is when the last frame was read, as time since born (a
+	// monotonic reading: a step of the wall clock must not fail a live
+	// connection's keepalive or put its ping off).
+	lastRead atomic.Int64
+	born     time.Time
 
 	mu          sync.Mutex
 	cond        *sync.Cond // windows opened, a stream slot freed, or the connection failed
@@ -423,10 +427,10 @@ type upConn struct {
 	err         error         // why the connection ended; set once
 	retiring    chan struct{} // closed once the connection takes no new calls
 	retireOnce  sync.Once     // closes retiring and sets noNew
-	// noNew and ended are read without mu by the upstream, which holds its
-	// own lock (and, through state(), callers hold the registry's): mu is
-	// held across socket writes, so a proxy that stops reading must not
-	// hold up anything but the calls on its own connection.
+	// noNew and ended are read without mu by the upstream, under its own
+	// lock (and so by state(): Status and the metrics' scrape): mu is held
+	// across socket writes, so a proxy that stops reading must not hold up
+	// anything but the calls on its own connection.
 	noNew    atomic.Bool           // takes no new calls (retiring is closed)
 	ended    atomic.Bool           // err is set
 	aborted  atomic.Pointer[error] // why abort closed the socket
@@ -577,7 +581,7 @@ type upCall struct {
 
 func newUpConn(u *upstream, nc net.Conn) *upConn {
 	c := &upConn{u: u, nc: nc, br: bufio.NewReaderSize(nc, upBufSize), bw: bufio.NewWriterSize(nc, upBufSize),
-		calls: map[uint32]*upCall{}, retiring: make(chan struct{}), nextID: 1, peer: rawgrpc.DefaultPeerSettings(100), sendWin: rawgrpc.DefaultWindow}
+		calls: map[uint32]*upCall{}, retiring: make(chan struct{}), nextID: 1, peer: rawgrpc.DefaultPeerSettings(100), sendWin: rawgrpc.DefaultWindow, born: time.Now()}
 	c.cond = sync.NewCond(&c.mu)
 	c.fr = http2.NewFramer(c.bw, c.br)
 	// The HTTP/2 default, which the broker announces by announcing none: a
@@ -862,7 +866,7 @@ func (c *upConn) readLoop() {
 			c.mu.Unlock()
 			return
 		}
-		c.lastRead.Store(time.Now().UnixNano())
+		c.lastRead.Store(int64(time.Since(c.born)))
 		c.mu.Lock()
 		switch f := f.(type) {
 		case *http2.MetaHeadersFrame:
@@ -1025,17 +1029,17 @@ func (c *upConn) keepalive() {
 			c.mu.Unlock()
 			return
 		}
-		if idle := time.Since(time.Unix(0, c.lastRead.Load())); idle < every {
+		if idle := time.Since(c.born) - time.Duration(c.lastRead.Load()); idle < every {
 			c.mu.Unlock()
 			t.Reset(every - idle)
 			continue
 		}
-		sent := time.Now()
+		sent := int64(time.Since(c.born))
 		c.writeLocked(c.framer().WritePing(false, [8]byte{'c', 's', 'i', 'b', 'k'}))
 		c.flushLocked()
 		c.mu.Unlock()
 		time.Sleep(wait)
-		if c.lastRead.Load() < sent.UnixNano() {
+		if c.lastRead.Load() < sent {
 			c.fail(fmt.Errorf("no answer to a keepalive ping within %v", wait))
 			return
 		}

@@ -255,9 +255,10 @@ func newTestUpstream(t *testing.T, addr string, tlsCfg *tls.Config) *upstream {
 
 // TestUpstreamStuckProxyHoldsUpNoOneElse: a proxy that stops reading holds
 // a large request's write, and with it its connection's lock, until the
-// write deadline; the connection's state, the status snapshot and the
-// metrics' proxy states (which hold the registry's lock, as every call and
-// every registry change needs it) are read meanwhile without waiting.
+// write deadline; meanwhile the connection's state, the status snapshot and
+// the metrics' proxy states are read, and the registry changed (its lock is
+// what every call needs), without waiting; draining and closing that
+// connection do not wait either, and close ends the stuck call.
 func TestUpstreamStuckProxyHoldsUpNoOneElse(t *testing.T) {
 	peer := &h2peer{maxStreams: 10, answerPings: true, stall: make(chan struct{})}
 	addr, cfg := startPeer(t, peer)
@@ -276,7 +277,11 @@ func TestUpstreamStuckProxyHoldsUpNoOneElse(t *testing.T) {
 	}
 	big := make([]byte, 64<<20)
 	binary.BigEndian.PutUint32(big[1:], uint32(len(big)-5))
-	go u.attempt(ctx, u.b.desc(u.p, "/csi.v1.Controller/CreateVolume"), "/csi.v1.Controller/CreateVolume", nil, big)
+	bigErr := make(chan error, 1)
+	go func() {
+		_, _, _, err := u.attempt(ctx, u.b.desc(u.p, "/csi.v1.Controller/CreateVolume"), "/csi.v1.Controller/CreateVolume", nil, big)
+		bigErr <- err
+	}()
 	// Wait until the write holds the connection's lock for good.
 	for held, deadline := 0, time.Now().Add(10*time.Second); held < 10; time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -304,6 +309,22 @@ func TestUpstreamStuckProxyHoldsUpNoOneElse(t *testing.T) {
 	within("the metrics' proxy states", func() { b.proxyStates() })
 	within("the status snapshot", func() { b.Status() })
 	within("a registry change", func() { b.RemoveDriver("other.csi.test") })
+	// Draining the stuck connection (its driver reconfigured) and then
+	// closing it (the grace period over) wait for nothing either, and the
+	// call whose write was stuck ends with the broker's reason.
+	within("draining the connection", func() { u.drain() })
+	if c.takesCalls() {
+		t.Fatal("a drained connection still takes calls")
+	}
+	within("closing the drained connection", func() { u.failOld(errDriverChanged) })
+	select {
+	case err := <-bigErr:
+		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), errDriverChanged.Error()) {
+			t.Fatalf("the stuck call ended with %v; want Unavailable saying %q", err, errDriverChanged)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("the stuck call still waits after its connection was closed")
+	}
 }
 
 // TestUpstreamKeepsToTheStreamLimit: with a proxy that allows one stream,

@@ -137,8 +137,14 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 		if err := c.peerCheck.Verify(); err != nil {
 			// The broker's certificate expired, or its CA left the bundle,
 			// since the handshake: no new call on this connection; those
-			// in flight end as they would.
-			p.log.Warn("proxy refuses new calls from a broker connection whose certificate no longer verifies; closing it", "peer", c.desc, "err", err)
+			// in flight end as they would. Expiry is what the broker's
+			// routine renewal looks like from here (gRPC's streams keep
+			// their connection until the proxy says so): no warning.
+			if c.peerCheck.PeerExpired(time.Now()) {
+				p.log.Info("proxy refuses new calls from a broker connection whose certificate has expired since the handshake; closing it (the broker opens a new one)", "peer", c.desc)
+			} else {
+				p.log.Warn("proxy refuses new calls from a broker connection whose certificate no longer verifies; closing it", "peer", c.desc, "err", err)
+			}
 			c.goAwayLocked(prevID, id, err)
 			c.mu.Unlock()
 			return
