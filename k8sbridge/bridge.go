@@ -485,7 +485,13 @@ func (b *Bridge) Run(ctx context.Context) error {
 		// releases as soon as a renewal fails, before the term's context
 		// is even cancelled, and a standby would lead at once beside
 		// workers still running. A lease that failed to renew is left to
-		// expire.
+		// expire: a standby may take it once the lease duration has
+		// passed since the last renewal, when this leader has given up
+		// (the renew deadline, shorter) but its workers may still be
+		// ending their calls. No write is fenced against that overlap;
+		// the intent record's writes carry its resource version, so
+		// neither leader's write replaces the other's record: a batch
+		// that conflicts is applied again to what the other wrote.
 		elCtx, elCancel := context.WithCancel(context.WithoutCancel(ctx))
 		le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
 			Lock:            lock,

@@ -164,9 +164,11 @@ type IntentStore struct {
 	removes  map[string]bool
 	removing map[string]bool   // removes of the write in flight
 	cache    *corev1.ConfigMap // last written or read copy
-	// lost is the record as this term knew it when a write found it gone
-	// or changed: until a write of another object of that name (deleted
-	// and made again) carries its entries back, each flush merges them.
+	// lost holds the entries of a record this term knew (s.cache) that a
+	// read found replaced by another object of that name (deleted, by an
+	// administrator say, and made again): until a write carries them back
+	// into the record, each flush merges them in, and Has, Get and List
+	// count them (their volumes would leak). Its UID is the old record's.
 	lost   *corev1.ConfigMap
 	writes int64
 	loaded bool
@@ -391,7 +393,12 @@ func (s *IntentStore) Has(volumeName string) bool {
 		return false
 	}
 	if s.cache != nil {
-		_, ok := s.cache.Data[volumeName]
+		if _, ok := s.cache.Data[volumeName]; ok {
+			return true
+		}
+	}
+	if s.lost != nil {
+		_, ok := s.lost.Data[volumeName]
 		return ok
 	}
 	return false
@@ -404,10 +411,17 @@ func (s *IntentStore) Get(volumeName string) (Intent, bool) {
 	if p, ok := s.adds[volumeName]; ok {
 		return p.intent, true
 	}
-	if s.removedLocked(volumeName) || s.cache == nil {
+	if s.removedLocked(volumeName) {
 		return Intent{}, false
 	}
-	v, ok := s.cache.Data[volumeName]
+	var v string
+	var ok bool
+	if s.cache != nil {
+		v, ok = s.cache.Data[volumeName]
+	}
+	if !ok && s.lost != nil {
+		v, ok = s.lost.Data[volumeName]
+	}
 	if !ok {
 		return Intent{}, false
 	}
@@ -453,12 +467,32 @@ func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
 		return nil, err
 	}
 	s.mu.Lock()
-	if !s.loaded && s.term == term {
-		// Only the first read seeds the cache: later the cache holds what
-		// this store wrote, which a read racing a write could predate.
-		s.cache, s.loaded = cm, true
+	if s.term == term {
+		if s.noteReplacedLocked(cm) {
+			// The write-back is due: a record left without them for
+			// long is what a leader change would then start from.
+			s.cache, s.loaded = cm, true
+			s.signal()
+		} else if !s.loaded {
+			// Only the first read seeds the cache: later the cache
+			// holds what this store wrote, which a read racing a write
+			// could predate.
+			s.cache, s.loaded = cm, true
+		}
 	}
-	all := decodeIntents(cm, s.log)
+	rec := cm
+	if s.lost != nil {
+		rec = cm.DeepCopy()
+		if rec.Data == nil {
+			rec.Data = map[string]string{}
+		}
+		for k, v := range s.lost.Data {
+			if _, ok := rec.Data[k]; !ok {
+				rec.Data[k] = v
+			}
+		}
+	}
+	all := decodeIntents(rec, s.log)
 	out := all[:0]
 	for _, in := range all {
 		if !s.removedLocked(in.Key()) {
@@ -467,6 +501,30 @@ func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
 	}
 	s.mu.Unlock()
 	return out, nil
+}
+
+// noteReplacedLocked compares rec, just read from the API server, with the
+// record this term last knew (s.cache). If rec is another object (the
+// record was deleted and made again), the entries the old one held are
+// kept in s.lost, to be written back; it reports whether it was. The
+// caller holds s.mu.
+func (s *IntentStore) noteReplacedLocked(rec *corev1.ConfigMap) bool {
+	old := s.cache
+	if old == nil || rec == nil || old.UID == rec.UID {
+		return false
+	}
+	if len(old.Data) > 0 {
+		if s.lost == nil {
+			s.lost = &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{UID: old.UID}, Data: map[string]string{}}
+		}
+		for k, v := range old.Data {
+			if _, ok := s.lost.Data[k]; !ok && !s.removedLocked(k) {
+				s.lost.Data[k] = v
+			}
+		}
+		s.log.Error("the intent record was deleted or replaced; the entries it held are written back", "configmap", s.namespace+"/"+s.name, "entries", len(s.lost.Data))
+	}
+	return true
 }
 
 func decodeIntents(cm *corev1.ConfigMap, log *slog.Logger) []Intent {
@@ -585,7 +643,7 @@ func (s *IntentStore) nextWriteLocked() (time.Time, bool) {
 	if len(s.adds) > 0 {
 		return s.batch.writeDue(len(s.adds), s.oldestAdd, s.newestAdd, s.arrivals/rateWindow.Seconds()), true
 	}
-	if len(s.removes) > 0 {
+	if len(s.removes) > 0 || s.lost != nil {
 		since := s.firstRem
 		if s.lastArrival.After(since) {
 			since = s.lastArrival
@@ -620,6 +678,13 @@ func (s *IntentStore) failAll(err error) {
 	// record, may be stale by the next term (another leader writes
 	// meanwhile), which starts from a fresh read.
 	clear(s.removes)
+	if s.lost != nil && len(s.lost.Data) > 0 {
+		// Not written back within the term: the next leader starts
+		// from a record without them. Said, with the volumes' names,
+		// for an administrator to check (a volume may exist without a
+		// PV).
+		s.log.Error("the term ended before the entries of a deleted intent record were written back", "configmap", s.namespace+"/"+s.name, "volumes", slices.Sorted(maps.Keys(s.lost.Data)))
+	}
 	s.cache, s.loaded, s.lost = nil, false, nil
 	s.term++
 	s.ended = true
@@ -648,43 +713,33 @@ func (s *IntentStore) flush(ctx context.Context) {
 		}
 	}
 	var err error
-	// If what is read again after a failed write is another object
-	// (deleted, by an administrator say, and made again), the entries the
-	// record held (s.lost) are written back, not lost with it (their
-	// volumes would leak): kept until a write carrying them succeeds,
-	// across failed flushes.
-	s.mu.Lock()
-	last := s.lost
-	if last != nil && len(removes) > 0 {
-		// What is removed now is not to come back with it.
-		last = last.DeepCopy()
-		for k := range removes {
-			delete(last.Data, k)
-		}
-		s.lost = last
-	}
-	s.mu.Unlock()
 	for attempt := 0; attempt < 5; attempt++ {
 		if !loaded || cached == nil {
 			if cached, err = s.get(ctx, &prepaid); err != nil {
 				break
 			}
 			loaded = true
+			// Another object than the record last known (deleted and
+			// made again, after a failed write or between writes): its
+			// entries are to be written back (noteReplacedLocked).
+			s.mu.Lock()
+			s.noteReplacedLocked(cached)
+			s.cache = cached
+			s.mu.Unlock()
 		}
 		cm := cached.DeepCopy()
 		if cm.Data == nil {
 			cm.Data = map[string]string{}
 		}
+		s.mu.Lock()
+		last := s.lost
+		s.mu.Unlock()
 		if last != nil && last.UID != cm.UID {
-			restored := 0
+			// What is removed now is not to come back with it.
 			for k, v := range last.Data {
-				if _, ok := cm.Data[k]; !ok {
+				if _, ok := cm.Data[k]; !ok && !removes[k] {
 					cm.Data[k] = v
-					restored++
 				}
-			}
-			if restored > 0 {
-				s.log.Error("the intent record was deleted or replaced; writing back the entries it held", "configmap", s.namespace+"/"+s.name, "entries", restored)
 			}
 		}
 		for k := range removes {
@@ -752,14 +807,12 @@ func (s *IntentStore) flush(ctx context.Context) {
 			return
 		}
 		if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
-			if last == nil {
-				// The first record known before the failure: later
-				// reads may be the replacement, without its entries.
-				last = cached
-				s.mu.Lock()
-				s.lost = cached
-				s.mu.Unlock()
-			}
+			// Read again; if it is another object, the entries of the
+			// one written to are kept (noteReplacedLocked compares
+			// with it).
+			s.mu.Lock()
+			s.cache = cached
+			s.mu.Unlock()
 			loaded, cached = false, nil
 			continue
 		}
@@ -777,7 +830,7 @@ func (s *IntentStore) flush(ctx context.Context) {
 		}
 	}
 	s.removing = nil
-	if len(removes) > 0 {
+	if len(removes) > 0 || s.lost != nil {
 		s.firstRem = time.Now()
 	}
 	s.loaded = false

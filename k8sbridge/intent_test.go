@@ -862,3 +862,79 @@ func recordedVolumes(ctx context.Context, t *testing.T, env *testenv.Env, ns str
 	}
 	return names
 }
+
+// TestIntentRecordDeletedAfterAnyFailedWrite: a write fails for a reason
+// other than a conflict (the API server errs once), then the record is
+// deleted; the next write, which finds another object, still writes back
+// the entries the store had acknowledged before the failure.
+func TestIntentRecordDeletedAfterAnyFailedWrite(t *testing.T) {
+	env := testenv.Shared(t)
+	ns := env.NewNamespace(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var refusePut atomic.Bool
+	rc := rest.CopyConfig(env.RESTConfig())
+	rc.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(req *http.Request) (*http.Response, error) {
+			if req.Method == http.MethodPut && strings.Contains(req.URL.Path, "/configmaps/") && refusePut.CompareAndSwap(true, false) {
+				return nil, errors.New("test: update refused once")
+			}
+			return rt.RoundTrip(req)
+		})
+	}
+	s := NewIntentStore(kubernetes.NewForConfigOrDie(rc), ns, "csibroker-intents", nil)
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	go s.Run(runCtx)
+	add := func(name string) error {
+		return s.Add(ctx, Intent{VolumeName: name, Driver: "d", ClaimNamespace: ns, ClaimName: name, Request: []byte{1}, Created: metav1.Now()})
+	}
+	if err := add("pvc-first"); err != nil {
+		t.Fatal(err)
+	}
+	refusePut.Store(true)
+	if err := add("pvc-second"); err == nil {
+		t.Fatal("an Add whose write was refused succeeded")
+	}
+	if err := env.Client().CoreV1().ConfigMaps(ns).Delete(ctx, "csibroker-intents", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := add("pvc-third"); err != nil {
+		t.Fatal(err)
+	}
+	if names := recordedVolumes(ctx, t, env, ns); !slices.Equal(names, []string{"pvc-first", "pvc-third"}) {
+		t.Fatalf("the record holds %v, want [pvc-first pvc-third]", names)
+	}
+}
+
+// TestIntentRecordDeletedFoundByARead: the record is deleted while no
+// write is due; recovery's List, which finds another object, still
+// reports the entries the store knew, Lookup finds them (a retried
+// CreateVolume must know of its earlier attempt), and they are written
+// back without waiting for another Add.
+func TestIntentRecordDeletedFoundByARead(t *testing.T) {
+	env, ns, ctx, s := runIntentStore(t)
+	if err := s.Add(ctx, Intent{VolumeName: "pvc-first", Driver: "d", ClaimNamespace: ns, ClaimName: "first", Request: []byte{1}, Created: metav1.Now()}); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.Client().CoreV1().ConfigMaps(ns).Delete(ctx, "csibroker-intents", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 1 || got[0].VolumeName != "pvc-first" {
+		t.Fatalf("List after the record was deleted: %+v, want pvc-first's entry", got)
+	}
+	if in, ok, err := s.Lookup(ctx, "pvc-first"); err != nil || !ok || in.ClaimName != "first" {
+		t.Fatalf("Lookup after the record was deleted: %+v, %v, %v", in, ok, err)
+	}
+	err = testenv.WaitFor(ctx, 20*time.Second, "the entry written back", func(ctx context.Context) (bool, string, error) {
+		names := recordedVolumes(ctx, t, env, ns)
+		return slices.Equal(names, []string{"pvc-first"}), fmt.Sprintf("the record holds %v", names), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}

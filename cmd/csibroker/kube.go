@@ -225,6 +225,11 @@ func (f *kubeFlags) validate() error {
 	if f.ContentType != runtime.ContentTypeProtobuf && f.ContentType != runtime.ContentTypeJSON {
 		errs = append(errs, fmt.Errorf("--kube-api-content-type %q: want %s or %s", f.ContentType, runtime.ContentTypeProtobuf, runtime.ContentTypeJSON))
 	}
+	if f.LeaseDuration < time.Second || f.LeaseDuration%time.Second != 0 {
+		// client-go writes leaseDurationSeconds, truncated: a standby
+		// would take over before the leader's own term ends.
+		errs = append(errs, fmt.Errorf("--leader-election-lease-duration %v: must be whole seconds, at least 1s (the Lease records it in seconds)", f.LeaseDuration))
+	}
 	if f.RenewDeadline >= f.LeaseDuration {
 		errs = append(errs, errors.New("--leader-election-renew-deadline must be shorter than --leader-election-lease-duration"))
 	}

@@ -181,6 +181,10 @@ func TestBrokerFlagsRefusedTogether(t *testing.T) {
 		{"no backoff", "--retry-interval-start", func(c *BrokerCommandConfig) { c.Kube.RetryIntervalStart = 0 }},
 		{"renew deadline within client-go's jitter of the retry period", "--leader-election-retry-period", func(c *BrokerCommandConfig) { c.Kube.RetryPeriod = 2500 * time.Millisecond }},
 		{"no retry period", "--leader-election-retry-period", func(c *BrokerCommandConfig) { c.Kube.RetryPeriod = 0 }},
+		{"lease duration the Lease cannot record", "--leader-election-lease-duration 3.5s: must be whole seconds", func(c *BrokerCommandConfig) { c.Kube.LeaseDuration = 3500 * time.Millisecond }},
+		{"lease duration under a second", "--leader-election-lease-duration 800ms: must be whole seconds", func(c *BrokerCommandConfig) {
+			c.Kube.LeaseDuration, c.Kube.RenewDeadline, c.Kube.RetryPeriod = 800*time.Millisecond, 600*time.Millisecond, 100*time.Millisecond
+		}},
 		{"discovery selector that does not parse", "--discover-proxies", func(c *BrokerCommandConfig) { c.Kube.Mode, c.Kube.DiscoverProxies = "on", "app in (a" }},
 		{"Kubernetes flags with Kubernetes off", "--leader-election, --policy-file: Kubernetes flags, but Kubernetes is off here (--kubernetes off)", func(c *BrokerCommandConfig) {
 			c.Kube.given = []string{"--leader-election", "--policy-file"}
