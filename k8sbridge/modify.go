@@ -220,7 +220,18 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 		return 0, nil
 	}
 	if want := claim.Spec.VolumeAttributesClassName; want == nil || *want == "" {
-		if applied := pv.Spec.VolumeAttributesClassName; applied != nil && *applied != "" {
+		// Whether the driver applied a class is read from the API
+		// server too: the cache may not have this controller's own PV
+		// write yet, and a claim cleared as cancelled would not be
+		// looked at again while its PV names the class.
+		fresh, err := m.b.cfg.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return 0, nil
+		}
+		if err != nil {
+			return 0, err
+		}
+		if applied := fresh.Spec.VolumeAttributesClassName; applied != nil && *applied != "" {
 			// The driver applied a class and the PV names it; only the
 			// claim's last status write was lost. The volume has that
 			// class, whatever the claim asks now: it is recorded as the
@@ -230,6 +241,10 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 			done.Status.ModifyVolumeStatus = nil
 			done.Status.Conditions = clearModifyConditions(done.Status.Conditions)
 			if _, err := m.b.patchClaimStatus(ctx, claim, done, true); err != nil {
+				if !retriedQuietly(ctx, err) {
+					msg := m.warn(ctx, claim, *applied, "", "record VolumeAttributesClass %s, which volume %s has, as the claim's current class: %v", *applied, pv.Name, err)
+					m.b.log.Warn("volume modification: recording the applied class failed", "claim", key, "pv", pv.Name, "class", *applied, "err", msg)
+				}
 				return 0, err
 			}
 			m.warn(ctx, claim, *applied, "", "claim no longer names a VolumeAttributesClass, but volume %s was modified to VolumeAttributesClass %s already; that is its current class", pv.Name, *applied)

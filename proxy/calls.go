@@ -109,6 +109,12 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 	id := fr.StreamID
 	end := fr.StreamEnded()
 	c.mu.Lock()
+	if c.closed {
+		// Closed under the reader (a failed write, the proxy stopping):
+		// the connection's streams fail, and nothing new starts.
+		c.mu.Unlock()
+		return
+	}
 	if l := c.streams[id]; l != nil {
 		// Trailers from the caller: gRPC clients do not send them, but
 		// HTTP/2 allows them; pass them on.

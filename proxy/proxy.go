@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -93,7 +94,7 @@ type Proxy struct {
 	tracer  trace.Tracer
 	log     *slog.Logger
 
-	dmu     sync.Mutex // guards every broker connection's dconn, and dclosed
+	dmu     sync.Mutex // guards every broker connection's dconn and dconns, and dclosed
 	dclosed bool       // Close ran: no driver connection is made any more
 
 	bmu    sync.Mutex
@@ -363,11 +364,13 @@ func (p *Proxy) driverConn(bc *conn) (*conn, error) {
 		return nil, errors.New("the proxy is closed")
 	}
 	bc.dconn = c
+	bc.dconns = append(bc.dconns, c)
 	go c.readLoop(func(fr *http2.MetaHeadersFrame, f *flusher) { p.onDriverHeaders(c, fr, f) })
 	return c, nil
 }
 
-// dropDriverConn forgets a driver connection that is gone or going away.
+// dropDriverConn takes a driver connection the driver is shutting down
+// (GOAWAY) out of use for new calls; its calls in flight finish on it.
 func (p *Proxy) dropDriverConn(c *conn) {
 	p.dmu.Lock()
 	if c.owner != nil && c.owner.dconn == c {
@@ -376,14 +379,28 @@ func (p *Proxy) dropDriverConn(c *conn) {
 	p.dmu.Unlock()
 }
 
-// closeDriverConn closes the driver connection of a broker connection that
-// is gone (its calls were reset first).
+// forgetDriverConn forgets a driver connection whose reader is done.
+func (p *Proxy) forgetDriverConn(c *conn) {
+	p.dmu.Lock()
+	if bc := c.owner; bc != nil {
+		if bc.dconn == c {
+			bc.dconn = nil
+		}
+		bc.dconns = slices.DeleteFunc(bc.dconns, func(x *conn) bool { return x == c })
+	}
+	p.dmu.Unlock()
+}
+
+// closeDriverConn closes the driver connections of a broker connection that
+// is gone (its calls were reset first) or of a proxy that is closing: not
+// only the current one, but also older ones still finishing their calls (a
+// retiring connection's calls may wait for a slot the driver never frees).
 func (p *Proxy) closeDriverConn(bc *conn) {
 	p.dmu.Lock()
-	c := bc.dconn
-	bc.dconn = nil
+	conns := bc.dconns
+	bc.dconn, bc.dconns = nil, nil
 	p.dmu.Unlock()
-	if c != nil {
+	for _, c := range conns {
 		c.mu.Lock()
 		c.closeLocked(errors.New("the broker's connection is gone"))
 		c.mu.Unlock()

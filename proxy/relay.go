@@ -159,8 +159,12 @@ type conn struct {
 	shut   atomic.Bool
 	wdlSet time.Time // when the write deadline was last pushed forward
 
-	dconn *conn // broker side: its driver connection (guarded by Proxy.dmu)
-	owner *conn // driver side: the broker connection it serves
+	dconn *conn // broker side: its driver connection for new calls (guarded by Proxy.dmu)
+	// dconns: broker side: every driver connection made for it whose
+	// reader has not yet returned, retiring ones and those the driver
+	// sent GOAWAY on included (guarded by Proxy.dmu).
+	dconns []*conn
+	owner  *conn // driver side: the broker connection it serves
 }
 
 func newConn(p *Proxy, nc net.Conn, driver bool, desc string) *conn {
@@ -460,19 +464,21 @@ func (c *conn) removeLocked(l *leg) {
 	l.done = true
 	l.pending = nil
 	if l.id == 0 {
-		// Still waiting for a stream slot: never opened.
+		// Still waiting for a stream slot: never opened. (The last call
+		// waiting on a retiring connection, which no call comes to any
+		// more, drains it as the last open stream would.)
 		for i, w := range c.waiting {
 			if w == l {
 				c.waiting = append(c.waiting[:i], c.waiting[i+1:]...)
 				break
 			}
 		}
-		return
-	}
-	delete(c.streams, l.id)
-	if c.driver {
-		c.active--
-		c.openWaitingLocked()
+	} else {
+		delete(c.streams, l.id)
+		if c.driver {
+			c.active--
+			c.openWaitingLocked()
+		}
 	}
 	if ((c.goingAway || c.retiring) && c.driver || c.draining) && len(c.streams) == 0 && len(c.waiting) == 0 {
 		c.shutLocked(errors.New("connection drained"))
@@ -613,6 +619,17 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 			}
 			continue
 		}
+		if why := c.closedErr(); why != nil {
+			// Closed since the last frame: by a connection error of the
+			// peer's (a frame handler sent GOAWAY), a failed write, or
+			// another goroutine. What the peer sent after is not acted
+			// on, however much of it is buffered: the GOAWAY told the
+			// peer which of its streams were not processed, and it may
+			// retry those elsewhere (RFC 9113, 6.8).
+			f.flush()
+			c.fail(why)
+			return
+		}
 		if _, ok := fr.(*http2.MetaHeadersFrame); hoptrace.Enabled && ok {
 			if c.driver {
 				hoptrace.Mark(hoptrace.ProxyAnswerRead)
@@ -690,6 +707,19 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 			}
 		}
 	}
+}
+
+// closedErr is why the connection was closed, or nil while it is open.
+func (c *conn) closedErr() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.closed {
+		return nil
+	}
+	if c.closeErr == nil {
+		return errors.New("connection closed")
+	}
+	return c.closeErr
 }
 
 // onData passes a DATA frame on to the other leg of its stream.
@@ -921,7 +951,7 @@ func (c *conn) fail(err error) {
 	}
 	c.mu.Unlock()
 	if c.driver {
-		c.p.dropDriverConn(c)
+		c.p.forgetDriverConn(c)
 	}
 	var f flusher
 	for _, l := range legs {
