@@ -3,8 +3,16 @@
 # certs, status (and demo, which also needs the control-plane binaries of
 # hack/control-plane.sh, not in this image). Next to it, /csibroker-proxy is the proxy built alone
 # (same flags, none of the broker's code): the process that runs beside every
-# driver socket. Build: docker build -t csibroker .
-FROM golang:1.26 AS build
+# driver socket. Build: docker build -t csibroker . (csibroker:latest, the
+# tag deploy/ names), or make docker (csibroker:<git describe>, see
+# deploy/README.md for pointing deploy/ at it).
+#
+# The Go release go.mod requires (its go line; test/deploy checks they
+# agree), not whatever 1.26.x a floating tag holds that day. GOTOOLCHAIN=local:
+# should they ever disagree, the build fails instead of downloading another
+# toolchain.
+FROM golang:1.26.8 AS build
+ENV GOTOOLCHAIN=local
 WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download

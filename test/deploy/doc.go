@@ -6,8 +6,10 @@
 // of Secrets, asserted on the objects and by SubjectAccessReviews against the
 // real authorizer), the manifests agree with each other and with the code
 // (flags, certificate identities, discovery labels, the example SecretGrant
-// admitting the example StorageClass's secret), and the dashboard and alert
-// rules query only metrics the broker and proxy export.
+// admitting the example StorageClass's secret, one csibroker image set by
+// the kustomizations' images entries), the dashboard and alert rules query
+// only metrics the broker and proxy export, and the Dockerfile builds the
+// image with the Go release go.mod requires.
 //
 // cert-manager and the Prometheus Operator are not installed in the test
 // cluster: their objects are validated against minimal CRDs under testdata/

@@ -37,7 +37,13 @@ const (
 	brokerNamespace = "csibroker"
 	trustDomain     = "csibroker.local"
 	sampleDriver    = "sample.csibroker.io"
-	proxySelector   = "app.kubernetes.io/component=csibroker-proxy"
+	// proxySelector is the broker's --discover-proxies: csibroker's own
+	// key, so that the label can be added to a driver's pod template
+	// without touching its workload's (immutable) selector.
+	proxySelector = "csibroker.io/proxy=true"
+	// image is the csibroker image every kustomization's containers run:
+	// "csibroker" in the manifests, tagged by their images entries.
+	image = "csibroker:latest"
 )
 
 // repoRoot is the module root (the directory holding go.mod).

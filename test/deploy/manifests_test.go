@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"crypto/tls"
 	"net"
 	"os"
 	"path"
@@ -23,6 +24,7 @@ import (
 	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/policy"
+	"github.com/csibroker/csibroker/proxy"
 )
 
 // Flags of the broker and proxy subcommands the manifests may use.
@@ -94,8 +96,8 @@ type command struct {
 func parseCommand(t *testing.T, where string, c corev1.Container, allowed []string) command {
 	t.Helper()
 	src := cmdSource(t)
-	if c.Image != "csibroker:latest" {
-		t.Errorf("%s: image %q, want csibroker:latest", where, c.Image)
+	if c.Image != image {
+		t.Errorf("%s: image %q, want %s", where, c.Image, image)
 	}
 	args := c.Args
 	switch {
@@ -299,6 +301,20 @@ func hasResources(t *testing.T, where string, c corev1.Container) {
 			t.Errorf("%s: no %s limit", where, r)
 		}
 	}
+}
+
+// proxyProbeTimeout is how long the proxy's /readyz waits for the driver's
+// Probe: the proxy's default, which the proxy command does not change.
+func proxyProbeTimeout(t *testing.T) time.Duration {
+	t.Helper()
+	if strings.Contains(cmdSource(t), "ProbeTimeout") {
+		t.Fatal("the proxy command sets proxy.Config.ProbeTimeout: read the value it sets")
+	}
+	cfg := proxy.Config{DriverEndpoint: "unix:///csi/csi.sock", TLS: &tls.Config{}}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	return cfg.ProbeTimeout
 }
 
 func selects(t *testing.T, selector map[string]string, podLabels map[string]string) bool {
@@ -566,6 +582,7 @@ func TestExamples(t *testing.T) {
 		name      string
 		namespace string
 		template  corev1.PodTemplateSpec
+		selector  map[string]string
 		nodeSide  bool
 	}
 	ctrl := typed[appsv1.Deployment](t, find(t, objs, "Deployment", brokerNamespace, "sample-csi-controller"))
@@ -574,14 +591,22 @@ func TestExamples(t *testing.T) {
 		t.Errorf("controller Deployment strategy %q, want Recreate: a rolling update runs two controllers of a single-instance driver at once", ctrl.Spec.Strategy.Type)
 	}
 	for _, w := range []workload{
-		{"controller Deployment", ctrl.Namespace, ctrl.Spec.Template, false},
-		{"node DaemonSet", node.Namespace, node.Spec.Template, true},
+		{"controller Deployment", ctrl.Namespace, ctrl.Spec.Template, ctrl.Spec.Selector.MatchLabels, false},
+		{"node DaemonSet", node.Namespace, node.Spec.Template, node.Spec.Selector.MatchLabels, true},
 	} {
 		t.Run(w.name, func(t *testing.T) {
 			pod := w.template
 			spec := pod.Spec
 			if !selector.Matches(labels.Set(pod.Labels)) {
 				t.Errorf("pod labels %v do not match the broker's --discover-proxies=%s", pod.Labels, proxySelector)
+			}
+			// The discovery label is added to the template only: a
+			// driver's existing workload keeps its immutable selector.
+			reqs, _ := selector.Requirements()
+			for _, r := range reqs {
+				if _, ok := w.selector[r.Key()]; ok {
+					t.Errorf("the workload's selector uses the discovery label %s; an existing driver's could not take it", r.Key())
+				}
 			}
 			if pod.Annotations["csibroker.io/driver"] != sampleDriver {
 				t.Errorf("annotation csibroker.io/driver=%q, want %s", pod.Annotations["csibroker.io/driver"], sampleDriver)
@@ -618,6 +643,15 @@ func TestExamples(t *testing.T) {
 			for name, probe := range map[string]*corev1.Probe{"/healthz": p.LivenessProbe, "/readyz": p.ReadinessProbe} {
 				if probe == nil || probe.HTTPGet == nil || probe.HTTPGet.Path != name || probe.HTTPGet.Port.String() != "proxy-metrics" {
 					t.Errorf("proxy probe %s on proxy-metrics missing", name)
+				}
+			}
+			// /readyz answers once the driver's Probe has, or after the
+			// proxy's probe timeout: the kubelet must wait longer, or a
+			// slow Probe reads as a failed one (the kubelet's default
+			// timeout is 1s).
+			if rp := p.ReadinessProbe; rp != nil {
+				if got, want := time.Duration(rp.TimeoutSeconds)*time.Second, proxyProbeTimeout(t); got <= want {
+					t.Errorf("proxy readinessProbe timeoutSeconds %d: want more than /readyz's %v", rp.TimeoutSeconds, want)
 				}
 			}
 			nodeFlag, hasNode := cmd.flags["node"]
