@@ -47,8 +47,11 @@ import (
 // Flow control: the connection window is credited as DATA arrives. A unary
 // request is kept whole (at most MaxMsgSize), so its stream window is
 // credited as it arrives too; a streaming request's bytes are credited once
-// they were sent on, so what is held for it is at most one stream window.
-// Answers respect the caller's windows.
+// they were sent on, so what is held for it is at most one stream window,
+// except for a message larger than the stream window, which is credited as
+// it arrives (or it could never arrive whole) once the connection's budget
+// has room for all of it (feConn.held). Answers respect the caller's
+// windows.
 
 const (
 	feStreamWindow = rawgrpc.StreamWindow
@@ -261,9 +264,18 @@ type feConn struct {
 	needFlush bool
 	wdlSet    time.Time
 	// held counts the bytes of the unary requests of the calls in flight
-	// (arriving, or whole and being served), at most maxHeld; hdrHeld the
-	// bytes of their header lists, at most maxHdrHeld.
+	// (arriving, or whole and being served) and the streaming request
+	// messages credited as they arrive (each counted whole from then until
+	// it was sent on), at most maxHeld; hdrHeld the bytes of their header
+	// lists, at most maxHdrHeld.
 	held, hdrHeld int
+	// waiting holds, in the order they came, the streams whose request
+	// message at the head of their input is larger than the stream window
+	// and waits for room in held to be credited as it arrives (aheadLocked);
+	// until then the stream window holds its caller back.
+	waiting []*feStream
+	// warned: a budget refusal was logged for this connection (once).
+	warned bool
 }
 
 // feStream is one call. Fields other than in are guarded by c.mu.
@@ -291,8 +303,13 @@ type feStream struct {
 	localEnded  bool
 	reset       bool
 	contentType string
-	held        int // bytes of the request counted in feConn.held
-	hdrHeld     int // bytes of its header list counted in feConn.hdrHeld
+	// held: bytes of the request counted in feConn.held. A unary call's
+	// are what arrived of its request; a streaming call's the sizes of
+	// the messages its input credits as they arrive (feInput.ahead), and
+	// of those taken from it and being sent on (given back by release).
+	held    int
+	hdrHeld int  // bytes of its header list counted in feConn.hdrHeld
+	waiting bool // in feConn.waiting
 	// arrived is when the call's HEADERS were read: its grpc-timeout
 	// counts from then, as the caller's deadline does, not from when a
 	// slowly sent request was whole.
@@ -460,8 +477,14 @@ func (c *feConn) closeLocked(error) {
 			st.in.abort()
 		}
 		st.wake()
+		// What it held is given back, as removeLocked does: nothing is
+		// counted for a call that is gone.
+		c.held -= st.held
+		c.hdrHeld -= st.hdrHeld
+		st.held, st.hdrHeld, st.waiting = 0, 0, false
 		delete(c.streams, id)
 	}
+	c.waiting = nil
 }
 
 func (c *feConn) connErrorLocked(code http2.ErrCode, why string) {
@@ -529,6 +552,9 @@ func (c *feConn) resetLocked(st *feStream) {
 func (c *feConn) removeLocked(st *feStream) {
 	if c.streams[st.id] != st {
 		return
+	}
+	if st.waiting {
+		c.unwaitLocked(st)
 	}
 	c.releaseLocked(st)
 	c.hdrHeld -= st.hdrHeld
@@ -605,20 +631,19 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 		}
 		return
 	}
-	st.contentType = ct
-	st.remoteEnded = end
-	c.streams[id] = st
 	// Its header list is kept as long as the call is here: counted with
 	// the requests' bytes, so that calls whose requests never end cannot
 	// hold header lists without bound.
-	st.hdrHeld = int(rawgrpc.HeaderListSize(st.fields))
-	c.hdrHeld += st.hdrHeld
-	if c.hdrHeld > maxHdrHeld {
-		c.arrivedLocked(st)
-		c.endLocked(st, false, status.Errorf(codes.ResourceExhausted,
-			"csibroker: the header lists of the calls in flight on this connection would hold more than %d bytes", maxHdrHeld), nil)
+	hdrHeld := int(rawgrpc.HeaderListSize(st.fields))
+	if c.hdrHeld+hdrHeld > maxHdrHeld {
+		c.refuseLocked(id, "the header lists of its calls in flight", maxHdrHeld)
 		return
 	}
+	st.contentType = ct
+	st.remoteEnded = end
+	st.hdrHeld = hdrHeld
+	c.hdrHeld += hdrHeld
+	c.streams[id] = st
 	st.unary = c.s.fe.method(path).unary
 	if st.unary {
 		if end {
@@ -653,6 +678,10 @@ func (c *feConn) endRequestLocked(st *feStream) {
 		c.s.workers.run(func() { c.serveUnary(st) })
 	} else {
 		st.in.push(nil, true)
+		if st.waiting {
+			// Its message can no longer arrive whole (next says so).
+			c.unwaitLocked(st)
+		}
 	}
 	if st.localEnded {
 		c.removeLocked(st)
@@ -696,11 +725,11 @@ func (c *feConn) onDataLocked(fr *http2.DataFrame) {
 		}
 		if !st.tooBig {
 			if limit := c.maxHeld(); c.held+len(data) > limit {
-				c.arrivedLocked(st)
-				c.releaseLocked(st)
+				// Not served yet (its request is not whole): refused,
+				// the caller may retry it.
 				st.req = nil
-				c.endLocked(st, false, status.Errorf(codes.ResourceExhausted,
-					"csibroker: the unary requests of the calls in flight on this connection would hold more than %d bytes", limit), nil)
+				c.refuseLocked(st.id, "the requests of its calls in flight", limit)
+				c.resetLocked(st)
 				return
 			}
 			st.req = append(st.req, data...)
@@ -709,13 +738,16 @@ func (c *feConn) onDataLocked(fr *http2.DataFrame) {
 		}
 		c.creditLocked(st, n)
 	} else {
-		// Padding is never passed on: credited now; whole messages once
-		// sent on (the caller's backpressure), the bytes of a message
-		// still arriving at once (a message larger than the stream window
-		// must be able to arrive whole).
-		owe := n - uint32(len(data)) + uint32(st.in.push(bytes.Clone(data), false))
-		if owe > 0 {
-			c.creditLocked(st, owe)
+		// Padding is never passed on: credited now; messages once sent
+		// on (the caller's backpressure), but for those larger than the
+		// stream window, credited as they arrive when the connection's
+		// budget lets them (they must be able to arrive whole).
+		st.in.push(data, false)
+		if pad := n - uint32(len(data)); pad > 0 {
+			c.creditLocked(st, pad)
+		}
+		if !st.waiting {
+			c.aheadLocked(st)
 		}
 	}
 	if fr.StreamEnded() {
@@ -1021,13 +1053,103 @@ func (c *feConn) arrivedLocked(st *feStream) {
 
 // releaseLocked gives back the bytes st's request held of maxHeld.
 func (c *feConn) releaseLocked(st *feStream) {
+	if st.held == 0 {
+		return
+	}
 	c.held -= st.held
 	st.held = 0
+	if len(c.waiting) > 0 {
+		c.aheadWaitingLocked()
+	}
 }
 
 // maxHeld bounds the bytes of the unary requests of a connection's calls
-// in flight: two of the largest.
+// in flight, and of the streaming request messages credited as they
+// arrive: two of the largest.
 func (c *feConn) maxHeld() int { return 2 * (c.s.fe.b.opts.MaxMsgSize + 5) }
+
+// aheadLocked credits what arrived of the message at the head of st's
+// input if it is larger than the stream window, still arriving, and the
+// connection's budget has room for all of it (counted in held from then
+// until it was sent on), or if it was already let in; else st waits in
+// c.waiting (after those that waited before it), held back by the stream
+// window. False: it waits.
+func (c *feConn) aheadLocked(st *feStream) bool {
+	if c.closed || st.remoteEnded || st.reset {
+		return true
+	}
+	room := c.maxHeld() - c.held
+	if len(c.waiting) > 0 && c.waiting[0] != st {
+		room = 0 // none jumps the queue: a large message is not starved by smaller ones
+	}
+	owe, took, need, short := st.in.creditAhead(room)
+	if need > 0 {
+		if !st.waiting {
+			st.waiting = true
+			c.waiting = append(c.waiting, st)
+		}
+		return false
+	}
+	st.held += took
+	c.held += took
+	if owe > 0 {
+		c.creditLocked(st, uint32(owe))
+	}
+	if int64(short) > st.recvWin && st.unacked > 0 {
+		// The caller cannot send the rest of the message without the
+		// credit waiting to make up a quarter window: sent now.
+		c.writeErr(c.framer().WriteWindowUpdate(st.id, st.unacked))
+		st.recvWin += int64(st.unacked)
+		st.unacked = 0
+		c.needFlush = true
+	}
+	return true
+}
+
+// aheadWaitingLocked lets in the waiting streams' messages, in the order
+// they came, while the budget has room.
+func (c *feConn) aheadWaitingLocked() {
+	for len(c.waiting) > 0 {
+		st := c.waiting[0]
+		if !c.aheadLocked(st) {
+			return
+		}
+		// (A failed write closes the connection, emptying waiting.)
+		if len(c.waiting) > 0 && c.waiting[0] == st {
+			st.waiting = false
+			c.waiting = slices.Delete(c.waiting, 0, 1)
+		}
+	}
+}
+
+// unwaitLocked takes st out of c.waiting (its call ended, or its request
+// did): the one then first may fit where st did not.
+func (c *feConn) unwaitLocked(st *feStream) {
+	st.waiting = false
+	if i := slices.Index(c.waiting, st); i >= 0 {
+		c.waiting = slices.Delete(c.waiting, i, i+1)
+		if i == 0 {
+			c.aheadWaitingLocked()
+		}
+	}
+}
+
+// refuseLocked refuses call id for a budget of its connection: with
+// RST_STREAM REFUSED_STREAM, which a gRPC client retries transparently
+// and otherwise reports as Unavailable. It is only for calls of which
+// nothing was served yet (the driver never saw them). Not
+// RESOURCE_EXHAUSTED: to a CSI caller that is the driver saying it has no
+// room (external-provisioner reschedules the claim), not a limit of one
+// connection to the broker.
+func (c *feConn) refuseLocked(id uint32, budget string, limit int) {
+	if !c.warned {
+		c.warned = true
+		c.s.fe.b.log.Warn("CSI front end: refusing calls (REFUSED_STREAM, retried by the caller) on a connection over a memory budget; logged once per connection",
+			"budget", budget, "limit_bytes", limit)
+	}
+	c.writeErr(c.framer().WriteRSTStream(id, http2.ErrCodeRefusedStream))
+	c.needFlush = true
+}
 
 // maxHdrHeld bounds the bytes of the header lists of a connection's calls
 // in flight: four of the largest the front end accepts (each call's is
@@ -1048,12 +1170,31 @@ func (c *feConn) expire(st *feStream) {
 	c.flushLocked()
 }
 
-// credit returns n bytes of a streaming call's window once they were sent
-// on.
+// credit returns n bytes of a streaming call's window once they were taken
+// from its input to be sent on, and credits the next message if it is
+// already arriving (aheadLocked).
 func (c *feConn) credit(st *feStream, n int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.creditLocked(st, uint32(n))
+	if !st.waiting && c.streams[st.id] == st {
+		c.aheadLocked(st)
+	}
+	c.flushLocked()
+}
+
+// release gives back the n bytes a streaming call's message held of
+// maxHeld once it was sent on (none if the call is gone: removeLocked gave
+// them back), and lets in the messages waiting for them.
+func (c *feConn) release(st *feStream, n int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n = min(n, st.held)
+	st.held -= n
+	c.held -= n
+	if n > 0 && len(c.waiting) > 0 {
+		c.aheadWaitingLocked()
+	}
 	c.flushLocked()
 }
 
@@ -1218,7 +1359,7 @@ func (c *feConn) serveStream(st *feStream) {
 	upErr := make(chan error, 1)
 	go func() {
 		for {
-			msg, n, err := st.in.next()
+			msg, n, held, err := st.in.next()
 			if err != nil {
 				if errors.Is(err, io.EOF) {
 					upErr <- cs.CloseSend()
@@ -1231,7 +1372,12 @@ func (c *feConn) serveStream(st *feStream) {
 				return
 			}
 			c.credit(st, n)
-			if err := cs.SendMsg(&rawgrpc.Frame{Payload: msg}); err != nil {
+			err = cs.SendMsg(&rawgrpc.Frame{Payload: msg})
+			if held > 0 {
+				// Counted in the connection's budget until sent on.
+				c.release(st, held)
+			}
+			if err != nil {
 				// The next hop ended the call; its status comes from RecvMsg.
 				upErr <- nil
 				return
@@ -1295,79 +1441,133 @@ type feInput struct {
 	cond     *sync.Cond
 	buf      []byte
 	credited int // bytes at the head of buf whose window was returned on arrival
-	ended    bool
-	aborted  bool
-	max      int
+	// ahead is the size (prefix included) of the message at the head of
+	// buf once it is let in to be credited as it arrives (creditAhead), 0
+	// before; next hands it back with the message, to be released from
+	// the connection's budget once the message was sent on.
+	ahead   int
+	ended   bool
+	aborted bool
+	max     int
 }
 
-// push adds request bytes and returns how many of them to credit now: the
-// bytes of a message still incomplete at the head of buf. The window of
-// whole messages is returned once they are sent on (next), so a slow next
-// hop holds the caller back; a message larger than the stream window could
-// otherwise never arrive whole. A message over max is not credited (it is
-// refused).
-func (in *feInput) push(p []byte, end bool) int {
+// push adds request bytes (copied). Their window is returned once they are
+// sent on (next), so a slow next hop holds the caller back; or, for a
+// message larger than the stream window, as they arrive (creditAhead).
+func (in *feInput) push(p []byte, end bool) {
 	in.mu.Lock()
-	in.buf = append(in.buf, p...)
+	if !in.aborted {
+		in.grow(len(p))
+		in.buf = append(in.buf, p...)
+	}
 	in.ended = in.ended || end
-	owe := in.creditHeadLocked()
 	in.mu.Unlock()
 	in.cond.Broadcast()
-	return owe
 }
 
-// creditHeadLocked returns the bytes of an incomplete message at the head
-// of buf not credited yet, and counts them as credited.
-func (in *feInput) creditHeadLocked() int {
-	if len(in.buf) >= 5 {
-		n := int(binary.BigEndian.Uint32(in.buf[1:5]))
-		if n > in.max || len(in.buf) >= 5+n {
-			return 0
-		}
+// grow makes room for extra more bytes in buf: no more than a window
+// beyond what it holds, nor beyond the message let in at its head.
+func (in *feInput) grow(extra int) {
+	need := len(in.buf) + extra
+	if need <= cap(in.buf) {
+		return
 	}
-	owe := len(in.buf) - in.credited
-	in.credited = len(in.buf)
-	return owe
+	size := max(need, min(2*cap(in.buf), need+feStreamWindow))
+	if in.ahead >= need {
+		size = min(size, in.ahead)
+	}
+	b := make([]byte, len(in.buf), size)
+	copy(b, in.buf)
+	in.buf = b
 }
 
+// creditAhead returns the bytes of the message at the head of buf to credit
+// now, those not credited yet, if that message is larger than the stream
+// window (it could never arrive whole otherwise), still arriving, not over
+// max, and let in: already, or now if room holds all of it (took: its
+// size, counted in the connection's budget from now until next hands it
+// back). need: its size, if it is to be let in but room does not hold it.
+// short: the bytes still to come of a message at the head that is not
+// larger than the stream window (they must not wait for credit held back
+// to be sent in larger updates).
+func (in *feInput) creditAhead(room int) (owe, took, need, short int) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.aborted {
+		return 0, 0, 0, 0
+	}
+	if len(in.buf) < 5 {
+		return 0, 0, 0, 5 - len(in.buf)
+	}
+	n := int(binary.BigEndian.Uint32(in.buf[1:5]))
+	switch {
+	case n > in.max || len(in.buf) >= 5+n:
+		return 0, 0, 0, 0
+	case 5+n <= feStreamWindow:
+		return 0, 0, 0, 5 + n - len(in.buf)
+	}
+	if in.ahead == 0 {
+		if 5+n > room {
+			return 0, 0, 5 + n, 0
+		}
+		in.ahead, took = 5+n, 5+n
+	}
+	owe = len(in.buf) - in.credited
+	in.credited = len(in.buf)
+	return owe, took, 0, 0
+}
+
+// abort ends the input; its bytes are dropped.
 func (in *feInput) abort() {
 	in.mu.Lock()
 	in.aborted = true
+	in.buf, in.credited, in.ahead = nil, 0, 0
 	in.mu.Unlock()
 	in.cond.Broadcast()
 }
 
-// next returns the next whole message and the bytes to credit for it (those
-// not credited on arrival, and those of the next message if it is still
-// arriving), io.EOF once the caller half-closed between messages.
-func (in *feInput) next() ([]byte, int, error) {
+// next returns the next whole message, the bytes to credit for it (those
+// not credited on arrival), and the bytes it held of the connection's
+// budget (its size if it was credited as it arrived, else 0); io.EOF once
+// the caller half-closed between messages.
+func (in *feInput) next() ([]byte, int, int, error) {
 	in.mu.Lock()
 	defer in.mu.Unlock()
 	for {
 		if in.aborted {
-			return nil, 0, status.Error(codes.Canceled, "csibroker: the caller reset the call")
+			return nil, 0, 0, status.Error(codes.Canceled, "csibroker: the caller reset the call")
 		}
 		if len(in.buf) >= 5 {
 			if in.buf[0] != 0 {
-				return nil, 0, status.Error(codes.Unimplemented, "csibroker: compressed requests are not supported")
+				return nil, 0, 0, status.Error(codes.Unimplemented, "csibroker: compressed requests are not supported")
 			}
 			n := int(binary.BigEndian.Uint32(in.buf[1:5]))
 			if n > in.max {
-				return nil, 0, status.Errorf(codes.ResourceExhausted, "csibroker: received message larger than max (%d vs. %d bytes)", n, in.max)
+				return nil, 0, 0, status.Errorf(codes.ResourceExhausted, "csibroker: received message larger than max (%d vs. %d bytes)", n, in.max)
 			}
 			if len(in.buf) >= 5+n {
-				msg := bytes.Clone(in.buf[5 : 5+n])
-				in.buf = in.buf[5+n:]
+				// Not copied: what follows in buf is appended after it,
+				// never over it.
+				msg := in.buf[5 : 5+n : 5+n]
+				if rest := in.buf[5+n:]; 5+n > feStreamWindow {
+					// Not kept alive by the bytes after it (at most a
+					// window's).
+					in.buf = bytes.Clone(rest)
+				} else {
+					in.buf = rest
+				}
 				early := min(in.credited, 5+n)
 				in.credited -= early
-				return msg, 5 + n - early + in.creditHeadLocked(), nil
+				held := in.ahead
+				in.ahead = 0
+				return msg, 5 + n - early, held, nil
 			}
 		}
 		if in.ended {
 			if len(in.buf) == 0 {
-				return nil, 0, io.EOF
+				return nil, 0, 0, io.EOF
 			}
-			return nil, 0, status.Error(codes.Internal, "csibroker: the request ended inside a message")
+			return nil, 0, 0, status.Error(codes.Internal, "csibroker: the request ended inside a message")
 		}
 		in.cond.Wait()
 	}
