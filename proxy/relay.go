@@ -154,6 +154,9 @@ type conn struct {
 	peerCheck *mtls.PeerCheck
 	closed    bool
 	closeErr  error
+	// isClosed mirrors closed for the reader's check after every frame,
+	// without taking mu.
+	isClosed atomic.Bool
 	// shut: drained, writes shut; the reader drops what the peer still
 	// sends and closes the connection once the peer has (shutLocked).
 	shut   atomic.Bool
@@ -264,6 +267,7 @@ func (c *conn) closeLocked(err error) {
 		return
 	}
 	c.closed, c.closeErr = true, err
+	c.isClosed.Store(true)
 	c.nc.Close()
 }
 
@@ -711,6 +715,9 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 
 // closedErr is why the connection was closed, or nil while it is open.
 func (c *conn) closedErr() error {
+	if !c.isClosed.Load() {
+		return nil
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !c.closed {
@@ -939,6 +946,7 @@ func (c *conn) fail(err error) {
 	}
 	why := c.closeErr
 	c.closed = true
+	c.isClosed.Store(true)
 	c.nc.Close()
 	legs := make([]*leg, 0, len(c.streams)+len(c.waiting))
 	for _, l := range c.streams {
