@@ -298,7 +298,7 @@ func (d *Driver) save(keys ...stateKey) error {
 		return nil
 	}
 	if err != nil {
-		if st, _, _, lerr := readState(d.statePath); lerr == nil {
+		if st, _, _, lerr := readState(d.statePath, d.store.size); lerr == nil {
 			d.st = st
 		}
 		return fmt.Errorf("save state: %w", err)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"path/filepath"
 	"strings"
 )
 
@@ -139,7 +140,11 @@ func journalPath(snapPath string, gen int64) string {
 // readState loads the snapshot at snapPath and replays its journal onto
 // it. good is the length of the journal's complete lines: what follows
 // (torn) is a last line cut short by a crash.
-func readState(snapPath string) (st *state, good, torn int64, err error) {
+//
+// limit, if not negative, is how much of the journal to read: after a
+// failed append, what was known good before it (a line written whole whose
+// sync failed is not replayed into the state the failed call leaves).
+func readState(snapPath string, limit int64) (st *state, good, torn int64, err error) {
 	if st, err = loadState(snapPath); err != nil {
 		return nil, 0, 0, err
 	}
@@ -150,6 +155,9 @@ func readState(snapPath string) (st *state, good, torn int64, err error) {
 	}
 	if err != nil {
 		return nil, 0, 0, fmt.Errorf("read state journal: %w", err)
+	}
+	if limit >= 0 && int64(len(b)) > limit {
+		b = b[:limit]
 	}
 	for off := 0; off < len(b); {
 		n := bytes.IndexByte(b[off:], '\n')
@@ -176,16 +184,22 @@ type stateStore struct {
 	// and cutting it off failed too; the next save rewrites the snapshot
 	// and starts a new journal.
 	unsure bool
+	// dirUnsynced: the directory entry of the journal (made, or named by
+	// a renamed snapshot) may not be durable yet: each append syncs the
+	// directory until that succeeds, or its fsync alone would not keep it.
+	dirUnsynced bool
 }
 
 // openStateStore loads the state and opens its journal for appending,
 // cutting off a torn last line (dropped: its length).
 func openStateStore(snapPath string) (s *stateStore, st *state, dropped int64, err error) {
-	st, good, torn, err := readState(snapPath)
+	st, good, torn, err := readState(snapPath, -1)
 	if err != nil {
 		return nil, nil, 0, err
 	}
-	f, err := os.OpenFile(journalPath(snapPath, st.Journal), os.O_CREATE|os.O_WRONLY, 0o600)
+	path := journalPath(snapPath, st.Journal)
+	_, serr := os.Stat(path)
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY, 0o600)
 	if err != nil {
 		return nil, nil, 0, fmt.Errorf("open state journal: %w", err)
 	}
@@ -195,7 +209,10 @@ func openStateStore(snapPath string) (s *stateStore, st *state, dropped int64, e
 			return nil, nil, 0, fmt.Errorf("cut the torn end off the state journal: %w", err)
 		}
 	}
-	s = &stateStore{snapPath: snapPath, gen: st.Journal, journal: f, size: good}
+	// A journal made here (a new StateDir, or one of a driver before
+	// journals) is in the directory durably before the first append
+	// counts on it.
+	s = &stateStore{snapPath: snapPath, gen: st.Journal, journal: f, size: good, dirUnsynced: errors.Is(serr, fs.ErrNotExist)}
 	if fi, err := os.Stat(snapPath); err == nil {
 		s.snapSize = fi.Size()
 	}
@@ -222,6 +239,12 @@ func (s *stateStore) appendChanges(st *state, keys []stateKey) error {
 		return fmt.Errorf("append to state journal: %w", err)
 	}
 	s.size += int64(len(line))
+	if s.dirUnsynced {
+		if err := syncDir(filepath.Dir(s.snapPath)); err != nil {
+			return fmt.Errorf("%w: %v", errRenamedNotSynced, err)
+		}
+		s.dirUnsynced = false
+	}
 	return nil
 }
 
@@ -264,6 +287,7 @@ func (s *stateStore) writeAll(st *state) error {
 	}
 	st.Journal = gen
 	s.gen, s.journal, s.size, s.snapSize, s.unsure = gen, f, 0, int64(len(b)), false
+	s.dirUnsynced = err != nil
 	return err
 }
 

@@ -16,7 +16,7 @@ import (
 // persisted is what a new Driver on d's StateDir would load, as JSON.
 func persisted(t *testing.T, d *Driver) []byte {
 	t.Helper()
-	st, _, torn, err := readState(d.statePath)
+	st, _, torn, err := readState(d.statePath, -1)
 	if err != nil {
 		t.Fatalf("read the saved state: %v", err)
 	}

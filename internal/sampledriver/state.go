@@ -161,15 +161,20 @@ func writeFileAtomic(path string, data []byte, perm os.FileMode) (err error) {
 	}
 	// From here the new file is in place: a failure only leaves the
 	// rename not yet durable, and must not be undone as a failed write.
-	d, err := os.Open(dir)
-	if err != nil {
-		return fmt.Errorf("%w: %v", errRenamedNotSynced, err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
+	if err := syncDir(dir); err != nil {
 		return fmt.Errorf("%w: %v", errRenamedNotSynced, err)
 	}
 	return nil
+}
+
+// syncDir makes the entries of directory dir durable.
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
 }
 
 // errRenamedNotSynced: the file was replaced, but its directory could not
