@@ -164,6 +164,9 @@ type IntentStore struct {
 	removes  map[string]bool
 	removing map[string]bool   // removes of the write in flight
 	cache    *corev1.ConfigMap // last written or read copy
+	// cacheGen counts the changes of cache: a List whose read began
+	// before one neither seeds the cache nor compares with it.
+	cacheGen uint64
 	// lost holds the entries of a record this term knew (s.cache) that a
 	// read found replaced by another object of that name (deleted, by an
 	// administrator say, and made again): until a write carries them back
@@ -460,24 +463,27 @@ func (s *IntentStore) Lookup(ctx context.Context, volumeName string) (Intent, bo
 // to remove and has not written yet.
 func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
 	s.mu.Lock()
-	term := s.term
+	term, gen := s.term, s.cacheGen
 	s.mu.Unlock()
 	cm, err := s.read(ctx)
 	if err != nil {
 		return nil, err
 	}
 	s.mu.Lock()
-	if s.term == term {
+	// A read that began before the cache last changed may predate what
+	// the store wrote or read since (even the record's replacement).
+	if s.term == term && s.cacheGen == gen {
 		if s.noteReplacedLocked(cm) {
 			// The write-back is due: a record left without them for
 			// long is what a leader change would then start from.
-			s.cache, s.loaded = cm, true
+			s.setCacheLocked(cm)
+			s.loaded = true
 			s.signal()
 		} else if !s.loaded {
 			// Only the first read seeds the cache: later the cache
-			// holds what this store wrote, which a read racing a write
-			// could predate.
-			s.cache, s.loaded = cm, true
+			// holds what this store wrote.
+			s.setCacheLocked(cm)
+			s.loaded = true
 		}
 	}
 	rec := cm
@@ -501,6 +507,11 @@ func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
 	}
 	s.mu.Unlock()
 	return out, nil
+}
+
+func (s *IntentStore) setCacheLocked(cm *corev1.ConfigMap) {
+	s.cache = cm
+	s.cacheGen++
 }
 
 // noteReplacedLocked compares rec, just read from the API server, with the
@@ -685,7 +696,8 @@ func (s *IntentStore) failAll(err error) {
 		// PV).
 		s.log.Error("the term ended before the entries of a deleted intent record were written back", "configmap", s.namespace+"/"+s.name, "volumes", slices.Sorted(maps.Keys(s.lost.Data)))
 	}
-	s.cache, s.loaded, s.lost = nil, false, nil
+	s.setCacheLocked(nil)
+	s.loaded, s.lost = false, nil
 	s.term++
 	s.ended = true
 }
@@ -724,7 +736,7 @@ func (s *IntentStore) flush(ctx context.Context) {
 			// entries are to be written back (noteReplacedLocked).
 			s.mu.Lock()
 			s.noteReplacedLocked(cached)
-			s.cache = cached
+			s.setCacheLocked(cached)
 			s.mu.Unlock()
 		}
 		cm := cached.DeepCopy()
@@ -799,7 +811,8 @@ func (s *IntentStore) flush(ctx context.Context) {
 		s.mu.Unlock()
 		if err == nil {
 			s.mu.Lock()
-			s.cache, s.loaded = updated, true
+			s.setCacheLocked(updated)
+			s.loaded = true
 			s.removing = nil
 			s.lost = nil // written back, or never replaced
 			s.mu.Unlock()
@@ -811,7 +824,7 @@ func (s *IntentStore) flush(ctx context.Context) {
 			// one written to are kept (noteReplacedLocked compares
 			// with it).
 			s.mu.Lock()
-			s.cache = cached
+			s.setCacheLocked(cached)
 			s.mu.Unlock()
 			loaded, cached = false, nil
 			continue
