@@ -1374,7 +1374,12 @@ func (c *feConn) serveStream(st *feStream) {
 			c.credit(st, n)
 			err = cs.SendMsg(&rawgrpc.Frame{Payload: msg})
 			if held > 0 {
-				// Counted in the connection's budget until sent on.
+				// Counted in the connection's budget until sent on:
+				// until gRPC took it, that is. SendMsg returns once the
+				// message is queued on the next hop's transport, which
+				// keeps it until that hop's window lets it out, so one
+				// message per stream can be held there beyond the
+				// budget (as in any gRPC proxy).
 				c.release(st, held)
 			}
 			if err != nil {
