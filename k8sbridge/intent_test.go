@@ -808,27 +808,9 @@ func runIntentStore(t *testing.T) (*testenv.Env, string, context.Context, *Inten
 // refuses the create once); the next write still carries the entries the
 // deleted record held.
 func TestIntentRecordDeletedKeepsItsEntriesAcrossAFailedWrite(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	var refuseCreate atomic.Bool
-	rc := rest.CopyConfig(env.RESTConfig())
-	rc.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
-		return roundTripFunc(func(req *http.Request) (*http.Response, error) {
-			if req.Method == http.MethodPost && strings.HasSuffix(req.URL.Path, "/configmaps") && refuseCreate.CompareAndSwap(true, false) {
-				return nil, errors.New("test: create refused once")
-			}
-			return rt.RoundTrip(req)
-		})
-	}
-	s := NewIntentStore(kubernetes.NewForConfigOrDie(rc), ns, "csibroker-intents", nil)
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	go s.Run(runCtx)
-	add := func(name string) error {
-		return s.Add(ctx, Intent{VolumeName: name, Driver: "d", ClaimNamespace: ns, ClaimName: name, Request: []byte{1}, Created: metav1.Now()})
-	}
+	env, ns, ctx, add, refuseCreate := intentStoreRefusingOnce(t, func(req *http.Request) bool {
+		return req.Method == http.MethodPost && strings.HasSuffix(req.URL.Path, "/configmaps")
+	})
 	if err := add("pvc-first"); err != nil {
 		t.Fatal(err)
 	}
@@ -868,27 +850,9 @@ func recordedVolumes(ctx context.Context, t *testing.T, env *testenv.Env, ns str
 // deleted; the next write, which finds another object, still writes back
 // the entries the store had acknowledged before the failure.
 func TestIntentRecordDeletedAfterAnyFailedWrite(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	var refusePut atomic.Bool
-	rc := rest.CopyConfig(env.RESTConfig())
-	rc.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
-		return roundTripFunc(func(req *http.Request) (*http.Response, error) {
-			if req.Method == http.MethodPut && strings.Contains(req.URL.Path, "/configmaps/") && refusePut.CompareAndSwap(true, false) {
-				return nil, errors.New("test: update refused once")
-			}
-			return rt.RoundTrip(req)
-		})
-	}
-	s := NewIntentStore(kubernetes.NewForConfigOrDie(rc), ns, "csibroker-intents", nil)
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	go s.Run(runCtx)
-	add := func(name string) error {
-		return s.Add(ctx, Intent{VolumeName: name, Driver: "d", ClaimNamespace: ns, ClaimName: name, Request: []byte{1}, Created: metav1.Now()})
-	}
+	env, ns, ctx, add, refusePut := intentStoreRefusingOnce(t, func(req *http.Request) bool {
+		return req.Method == http.MethodPut && strings.Contains(req.URL.Path, "/configmaps/")
+	})
 	if err := add("pvc-first"); err != nil {
 		t.Fatal(err)
 	}
@@ -937,4 +901,33 @@ func TestIntentRecordDeletedFoundByARead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+}
+
+// intentStoreRefusingOnce runs an intent store on a fresh namespace's
+// csibroker-intents whose client fails the next request that matches, once
+// the returned flag is set; add adds the intent of a volume of that name.
+func intentStoreRefusingOnce(t *testing.T, matches func(*http.Request) bool) (env *testenv.Env, ns string, ctx context.Context, add func(string) error, refuse *atomic.Bool) {
+	t.Helper()
+	env = testenv.Shared(t)
+	ns = env.NewNamespace(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	refuse = new(atomic.Bool)
+	rc := rest.CopyConfig(env.RESTConfig())
+	rc.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(req *http.Request) (*http.Response, error) {
+			if matches(req) && refuse.CompareAndSwap(true, false) {
+				return nil, fmt.Errorf("test: %s refused once", req.Method)
+			}
+			return rt.RoundTrip(req)
+		})
+	}
+	s := NewIntentStore(kubernetes.NewForConfigOrDie(rc), ns, "csibroker-intents", nil)
+	runCtx, stop := context.WithCancel(ctx)
+	t.Cleanup(stop)
+	go s.Run(runCtx)
+	add = func(name string) error {
+		return s.Add(ctx, Intent{VolumeName: name, Driver: "d", ClaimNamespace: ns, ClaimName: name, Request: []byte{1}, Created: metav1.Now()})
+	}
+	return env, ns, ctx, add, refuse
 }

@@ -290,6 +290,20 @@ var (
 
 const deleteVolume = "/csi.v1.Controller/DeleteVolume"
 
+// callAtTheDriver has the broker send a DeleteVolume on stream 1 and waits
+// until the whole call has reached the driver: the broker's end, the
+// driver's, and the call's HEADERS there.
+func (e *relayEnv) callAtTheDriver() (b, d *h2peer, call rec) {
+	b, _, _ = e.broker()
+	b.headers(1, false, request(deleteVolume)...)
+	b.message(1, true)
+	b.send()
+	d = e.driver()
+	call = d.next("the call", isHeaders)
+	d.next("the call's end", func(r rec) bool { return r.typ == http2.FrameData && r.end })
+	return b, d, call
+}
+
 // TestRelayDropsWhatABrokerSendsAfterAConnectionError: a call the broker
 // sent after a frame that is a connection error (here a SETTINGS value out
 // of range), in the same write, is refused with the connection: the GOAWAY
@@ -298,13 +312,7 @@ const deleteVolume = "/csi.v1.Controller/DeleteVolume"
 // run it twice.
 func TestRelayDropsWhatABrokerSendsAfterAConnectionError(t *testing.T) {
 	e := newRelayEnv(t, nil)
-	b, _, _ := e.broker()
-	b.headers(1, false, request(deleteVolume)...)
-	b.message(1, true)
-	b.send()
-	d := e.driver()
-	first := d.next("the first call", isHeaders)
-	d.next("the first call's end", func(r rec) bool { return r.typ == http2.FrameData && r.end })
+	b, d, first := e.callAtTheDriver()
 	d.headers(first.stream, false, okHeaders...)
 	d.message(first.stream, false)
 	d.headers(first.stream, true, okStatus...)
@@ -370,13 +378,7 @@ func TestRelayClosedBrokerConnectionStartsNoCall(t *testing.T) {
 // loss of the driver's connection (Unavailable), not the driver's OK.
 func TestRelayDropsWhatADriverSendsAfterAConnectionError(t *testing.T) {
 	e := newRelayEnv(t, nil)
-	b, _, _ := e.broker()
-	b.headers(1, false, request(deleteVolume)...)
-	b.message(1, true)
-	b.send()
-	d := e.driver()
-	call := d.next("the call", isHeaders)
-	d.next("the call's end", func(r rec) bool { return r.typ == http2.FrameData && r.end })
+	b, d, call := e.callAtTheDriver()
 	d.w.WritePushPromise(http2.PushPromiseParam{StreamID: call.stream, PromiseID: 2, BlockFragment: []byte{0x88}, EndHeaders: true})
 	d.headers(call.stream, true, append(okHeaders, okStatus...)...)
 	d.send()
