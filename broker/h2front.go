@@ -631,9 +631,9 @@ func (c *feConn) onHeadersLocked(fr *http2.MetaHeadersFrame) {
 		}
 		return
 	}
-	// Its header list is kept as long as the call is here: counted with
-	// the requests' bytes, so that calls whose requests never end cannot
-	// hold header lists without bound.
+	// Its header list is kept as long as the call is here: counted in
+	// hdrHeld (at most maxHdrHeld), so that calls whose requests never end
+	// cannot hold header lists without bound.
 	hdrHeld := int(rawgrpc.HeaderListSize(st.fields))
 	if c.hdrHeld+hdrHeld > maxHdrHeld {
 		c.refuseLocked(id, "the header lists of its calls in flight", maxHdrHeld)
@@ -1172,7 +1172,7 @@ func (c *feConn) expire(st *feStream) {
 
 // credit returns n bytes of a streaming call's window once they were taken
 // from its input to be sent on, and credits the next message if it is
-// already arriving (aheadLocked).
+// larger than the stream window and already arriving (aheadLocked).
 func (c *feConn) credit(st *feStream, n int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()

@@ -553,8 +553,8 @@ func (b *Bridge) Run(ctx context.Context) error {
 				return
 			case <-ctx.Done():
 			}
-			// The process stops: the term first, then the elector
-			// (which releases the lease).
+			// The process stops: the term first, then the elector;
+			// the lease is released by hand after both (below).
 			termMu.Lock()
 			done := termDone
 			termMu.Unlock()

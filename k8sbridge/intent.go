@@ -171,8 +171,8 @@ type IntentStore struct {
 	// read found replaced by another object of that name (deleted, by an
 	// administrator say, and made again): until a write carries them back
 	// into the record, each flush merges them in, and Has, Get and List
-	// count them (their volumes would leak). Its UID is the old record's.
-	lost   *corev1.ConfigMap
+	// count them (their volumes would leak).
+	lost   map[string]string
 	writes int64
 	loaded bool
 	// term counts the ends of leadership terms (failAll): a read begun in
@@ -401,7 +401,7 @@ func (s *IntentStore) Has(volumeName string) bool {
 		}
 	}
 	if s.lost != nil {
-		_, ok := s.lost.Data[volumeName]
+		_, ok := s.lost[volumeName]
 		return ok
 	}
 	return false
@@ -423,7 +423,7 @@ func (s *IntentStore) Get(volumeName string) (Intent, bool) {
 		v, ok = s.cache.Data[volumeName]
 	}
 	if !ok && s.lost != nil {
-		v, ok = s.lost.Data[volumeName]
+		v, ok = s.lost[volumeName]
 	}
 	if !ok {
 		return Intent{}, false
@@ -492,7 +492,7 @@ func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
 		if rec.Data == nil {
 			rec.Data = map[string]string{}
 		}
-		for k, v := range s.lost.Data {
+		for k, v := range s.lost {
 			if _, ok := rec.Data[k]; !ok {
 				rec.Data[k] = v
 			}
@@ -526,14 +526,14 @@ func (s *IntentStore) noteReplacedLocked(rec *corev1.ConfigMap) bool {
 	}
 	if len(old.Data) > 0 {
 		if s.lost == nil {
-			s.lost = &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{UID: old.UID}, Data: map[string]string{}}
+			s.lost = map[string]string{}
 		}
 		for k, v := range old.Data {
-			if _, ok := s.lost.Data[k]; !ok && !s.removedLocked(k) {
-				s.lost.Data[k] = v
+			if _, ok := s.lost[k]; !ok && !s.removedLocked(k) {
+				s.lost[k] = v
 			}
 		}
-		s.log.Error("the intent record was deleted or replaced; the entries it held are written back", "configmap", s.namespace+"/"+s.name, "entries", len(s.lost.Data))
+		s.log.Error("the intent record was deleted or replaced; the entries it held are written back", "configmap", s.namespace+"/"+s.name, "entries", len(s.lost))
 	}
 	return true
 }
@@ -689,12 +689,12 @@ func (s *IntentStore) failAll(err error) {
 	// record, may be stale by the next term (another leader writes
 	// meanwhile), which starts from a fresh read.
 	clear(s.removes)
-	if s.lost != nil && len(s.lost.Data) > 0 {
+	if s.lost != nil && len(s.lost) > 0 {
 		// Not written back within the term: the next leader starts
 		// from a record without them. Said, with the volumes' names,
 		// for an administrator to check (a volume may exist without a
 		// PV).
-		s.log.Error("the term ended before the entries of a deleted intent record were written back", "configmap", s.namespace+"/"+s.name, "volumes", slices.Sorted(maps.Keys(s.lost.Data)))
+		s.log.Error("the term ended before the entries of a deleted intent record were written back", "configmap", s.namespace+"/"+s.name, "volumes", slices.Sorted(maps.Keys(s.lost)))
 	}
 	s.setCacheLocked(nil)
 	s.loaded, s.lost = false, nil
@@ -743,17 +743,17 @@ func (s *IntentStore) flush(ctx context.Context) {
 		if cm.Data == nil {
 			cm.Data = map[string]string{}
 		}
+		// The entries of a replaced record go back in (merged into the
+		// replacement, or into the record written to, whose write then
+		// fails and reads it again); what is removed now is not to
+		// come back with them.
 		s.mu.Lock()
-		last := s.lost
-		s.mu.Unlock()
-		if last != nil && last.UID != cm.UID {
-			// What is removed now is not to come back with it.
-			for k, v := range last.Data {
-				if _, ok := cm.Data[k]; !ok && !removes[k] {
-					cm.Data[k] = v
-				}
+		for k, v := range s.lost {
+			if _, ok := cm.Data[k]; !ok && !removes[k] {
+				cm.Data[k] = v
 			}
 		}
+		s.mu.Unlock()
 		for k := range removes {
 			delete(cm.Data, k)
 		}

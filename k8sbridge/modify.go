@@ -220,16 +220,17 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 		return 0, nil
 	}
 	if want := claim.Spec.VolumeAttributesClassName; want == nil || *want == "" {
-		// Whether the driver applied a class is read from the API
-		// server too: the cache may not have this controller's own PV
-		// write yet, and a claim cleared as cancelled would not be
-		// looked at again while its PV names the class.
-		fresh, err := m.b.cfg.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			return 0, nil
-		}
-		if err != nil {
-			return 0, err
+		// Whether the driver applied a class: if it may have been asked,
+		// read from the API server, as the cache may not have this
+		// controller's own PV write yet (a claim cleared as cancelled
+		// would not be looked at again while its PV names the class).
+		fresh := pv
+		if modifyMayHaveStarted(claim) {
+			if fresh, err = m.b.cfg.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{}); apierrors.IsNotFound(err) {
+				return 0, nil
+			} else if err != nil {
+				return 0, err
+			}
 		}
 		if applied := fresh.Spec.VolumeAttributesClassName; applied != nil && *applied != "" {
 			// The driver applied a class and the PV names it; only the

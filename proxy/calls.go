@@ -233,10 +233,9 @@ func (p *Proxy) onBrokerHeaders(c *conn, fr *http2.MetaHeadersFrame, f *flusher)
 	if d.openLocked(dl) {
 		d.writeLocked(dl, o, nil)
 	} else {
-		dl.pending = append(dl.pending, o)
 		// Its grpc-timeout is shortened when it opens, by the time since
 		// the call arrived (a dial of the driver included).
-		dl.queuedAt = s.start
+		dl.pending = append(dl.pending, o)
 	}
 	d.mu.Unlock()
 	f.mark(d)

@@ -74,7 +74,6 @@ type leg struct {
 	c           *conn
 	s           *stream
 	id          uint32     // 0 until the stream is opened on c
-	queuedAt    time.Time  // when the call of a leg queued for a stream slot arrived (zero: not queued)
 	sendWin     int64      // what the peer lets us send on this stream
 	recvWin     int64      // what we let the peer send on this stream
 	unacked     uint32     // bytes read on this leg and passed on, not yet credited back
@@ -259,6 +258,9 @@ func (c *conn) flushLocked() {
 	}
 	c.needFlush = false
 }
+
+// errConnClosed is a closed connection's error when nothing said why.
+var errConnClosed = errors.New("connection closed")
 
 // closeLocked marks the connection closed and closes the socket; the reader
 // goroutine then fails every stream left on it.
@@ -527,15 +529,15 @@ func (c *conn) openLocked(l *leg) bool {
 	return true
 }
 
-// shortenTimeoutLocked takes the time a queued leg waited for a stream
-// slot off the grpc-timeout of its request headers, as gRPC computes the
-// field when it writes them: the driver's deadline is then no later than
-// the caller's.
+// shortenTimeoutLocked takes the time since a queued leg's call arrived
+// (its dial and its wait for a stream slot) off the grpc-timeout of its
+// request headers, as gRPC computes the field when it writes them: the
+// driver's deadline is then no later than the caller's.
 func (l *leg) shortenTimeoutLocked() {
-	if l.queuedAt.IsZero() || len(l.pending) == 0 || l.pending[0].isData {
+	if len(l.pending) == 0 || l.pending[0].isData {
 		return
 	}
-	waited := time.Since(l.queuedAt)
+	waited := time.Since(l.s.start)
 	fields := l.pending[0].fields
 	for i, hf := range fields {
 		if hf.Name != "grpc-timeout" {
@@ -623,7 +625,7 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 			}
 			continue
 		}
-		if why := c.closedErr(); why != nil {
+		if c.isClosed.Load() {
 			// Closed since the last frame: by a connection error of the
 			// peer's (a frame handler sent GOAWAY), a failed write, or
 			// another goroutine. What the peer sent after is not acted
@@ -631,7 +633,7 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 			// peer which of its streams were not processed, and it may
 			// retry those elsewhere (RFC 9113, 6.8).
 			f.flush()
-			c.fail(why)
+			c.fail(errConnClosed) // keeps the reason it was closed with
 			return
 		}
 		if _, ok := fr.(*http2.MetaHeadersFrame); hoptrace.Enabled && ok {
@@ -711,22 +713,6 @@ func (c *conn) readLoop(onHeaders func(*http2.MetaHeadersFrame, *flusher)) {
 			}
 		}
 	}
-}
-
-// closedErr is why the connection was closed, or nil while it is open.
-func (c *conn) closedErr() error {
-	if !c.isClosed.Load() {
-		return nil
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if !c.closed {
-		return nil
-	}
-	if c.closeErr == nil {
-		return errors.New("connection closed")
-	}
-	return c.closeErr
 }
 
 // onData passes a DATA frame on to the other leg of its stream.

@@ -47,7 +47,7 @@ type h2peer struct {
 	hbuf   bytes.Buffer
 	enc    *hpack.Encoder
 	frames chan rec // closed once the proxy closed (or shut) its end
-	seen   []rec    // what next and waitClosed read
+	seen   []rec    // what next and closed read
 }
 
 func newH2Peer(t *testing.T, nc net.Conn) *h2peer {

@@ -31,7 +31,8 @@ type Config struct {
 	// NodeID is this instance's node ID (NodeGetInfo) and a node that
 	// ControllerPublishVolume accepts.
 	NodeID string
-	// StateDir holds state.json, the volume and snapshot directories.
+	// StateDir holds state.json, its journal, and the volume and snapshot
+	// directories.
 	StateDir string
 	// Endpoint is where Run listens: unix:///path or unix:/path (or a
 	// plain absolute path). Serve ignores it.

@@ -24,7 +24,7 @@
 //     changes an entry appends the entry's new value to the journal and
 //     fsyncs it before it returns, so a new Driver on the same StateDir sees
 //     everything and a call's cost does not grow with the number of
-//     volumes. Once the journal outgrows state.json, the whole state is
+//     volumes. Once the journal outgrows state.json (and 64 KiB), the whole state is
 //     rewritten atomically (temp file, fsync, rename, fsync of the
 //     directory) with a new, empty journal (see journal.go). A lock file
 //     keeps two live drivers off one StateDir.

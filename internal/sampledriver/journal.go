@@ -220,11 +220,9 @@ func openStateStore(snapPath string) (s *stateStore, st *state, dropped int64, e
 }
 
 // appendChanges appends the current values of keys to the journal and
-// syncs it. On failure the journal is cut back to where it was.
+// syncs it. On failure the journal is cut back to where it was. Not called
+// while unsure (Driver.save rewrites the whole state then).
 func (s *stateStore) appendChanges(st *state, keys []stateKey) error {
-	if s.unsure {
-		return errors.New("the state journal's end is unknown after a failed write")
-	}
 	line, err := st.changes(keys)
 	if err != nil {
 		return err
@@ -251,7 +249,7 @@ func (s *stateStore) appendChanges(st *state, keys []stateKey) error {
 // wantsRewrite reports whether the journal should be folded into a new
 // snapshot.
 func (s *stateStore) wantsRewrite() bool {
-	return s.unsure || (s.size >= journalCompactMin && s.size > s.snapSize)
+	return s.size >= journalCompactMin && s.size > s.snapSize
 }
 
 // writeAll writes the whole state as a new snapshot naming a new, empty

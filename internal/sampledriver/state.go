@@ -12,7 +12,8 @@ import (
 
 const stateVersion = 1
 
-// state is everything the driver remembers, persisted as state.json.
+// state is everything the driver remembers, persisted as state.json and
+// its journal (journal.go).
 type state struct {
 	Version   int                     `json:"version"`
 	Journal   int64                   `json:"journal,omitempty"` // the journal generation (see journal.go)
