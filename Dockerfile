@@ -5,7 +5,7 @@
 # (same flags, none of the broker's code): the process that runs beside every
 # driver socket. Build: docker build -t csibroker . (csibroker:latest, the
 # tag deploy/ names), or make docker (csibroker:<git describe>, see
-# deploy/README.md for pointing deploy/ at it).
+# docs/install.md for pointing deploy/ at it).
 #
 # The Go release go.mod requires (its go line; test/deploy checks they
 # agree), not whatever 1.26.x a floating tag holds that day. GOTOOLCHAIN=local:
