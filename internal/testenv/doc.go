@@ -11,6 +11,11 @@
 // die abruptly). When a start fails, the tail of every component's log is part
 // of the error.
 //
+// hack/control-plane.sh builds the binaries (KubernetesVersion,
+// EtcdVersion) from the Go module proxy, since no prebuilt ones can be
+// downloaded here, into DefaultBinDir: about 15 minutes the first time on
+// 2 cores, skipped once built. A start then takes about 3 seconds.
+//
 // There is no kubelet. Helpers create what a kubelet and node-driver-registrar
 // would: Ready, schedulable Node objects managed by the attach/detach
 // controller (AddNodes) and CSINode driver entries (AddCSINode). The node
