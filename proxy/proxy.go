@@ -6,27 +6,30 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
-	"slices"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric/noop"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
-	"golang.org/x/net/http2"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
-	"github.com/csibroker/csibroker/internal/mtls"
+	"github.com/csibroker/csibroker/internal/grpcsrv"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 	"github.com/csibroker/csibroker/internal/telemetry"
 	proxyinfov1 "github.com/csibroker/csibroker/proto/proxyinfo/v1"
@@ -46,10 +49,14 @@ type Config struct {
 	Identity string
 	// ProbeTimeout bounds the Probe behind /readyz and GetInfo.
 	ProbeTimeout time.Duration
-	// MaxMsgSize bounds the messages of the proxy's own calls to the driver
-	// (Probe, GetPluginInfo). Relayed calls are not decoded: what the proxy
-	// holds of them is bounded by the HTTP/2 flow-control windows.
+	// MaxMsgSize bounds a message in either direction, forwarded or the
+	// proxy's own.
 	MaxMsgSize int
+	// MaxConcurrentCalls bounds the calls the driver has from the proxy at
+	// once, over every broker connection and the proxy's own Probe and
+	// GetPluginInfo; a call over the bound waits for a slot within its
+	// deadline. It is each broker connection's stream limit too.
+	MaxConcurrentCalls int
 
 	Logger         *slog.Logger
 	TracerProvider trace.TracerProvider
@@ -57,6 +64,9 @@ type Config struct {
 	Registerer     prometheus.Registerer
 	Gatherer       prometheus.Gatherer
 }
+
+// DefaultMaxConcurrentCalls is Config.MaxConcurrentCalls' default.
+const DefaultMaxConcurrentCalls = 256
 
 // Validate checks the configuration and fills defaults.
 func (c *Config) Validate() error {
@@ -75,38 +85,32 @@ func (c *Config) Validate() error {
 	if c.MaxMsgSize <= 0 {
 		c.MaxMsgSize = 64 << 20
 	}
+	if c.MaxConcurrentCalls <= 0 {
+		c.MaxConcurrentCalls = DefaultMaxConcurrentCalls
+	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
 	if c.Propagator == nil {
 		c.Propagator = telemetry.Propagator()
 	}
+	if c.TracerProvider == nil {
+		c.TracerProvider = otel.GetTracerProvider()
+	}
 	return nil
 }
 
 // Proxy forwards CSI calls arriving over mTLS to one driver socket.
 type Proxy struct {
-	cfg     Config
-	target  string
-	tls     *tls.Config
-	driver  *grpc.ClientConn // the proxy's own calls: Probe (readiness) and GetPluginInfo
-	metrics *serverMetrics
-	tracer  trace.Tracer
-	log     *slog.Logger
-
-	dmu     sync.Mutex // guards every broker connection's dconn and dconns, and dclosed
-	dclosed bool       // Close ran: no driver connection is made any more
-
-	bmu    sync.Mutex
-	bconns map[*conn]struct{}
-	bgone  chan struct{} // signalled when a broker connection goes away
-
-	methods   sync.Map // method -> *methodInfo
-	otherOnce sync.Once
-	other     *methodInfo // the series of unknown methods
+	cfg    Config
+	target string           // the driver socket's path
+	driver *grpc.ClientConn // every call to the driver, forwarded or the proxy's own
+	srv    *grpc.Server
+	slots  chan struct{} // one per call the driver may have at once
+	log    *slog.Logger
 
 	// driverDown: the last dial of the driver's socket failed (logged when
-	// it starts failing and when it answers again, not at every call).
+	// it starts failing and when it answers again, not at every dial).
 	driverMu   sync.Mutex
 	driverDown bool
 }
@@ -125,26 +129,30 @@ func (p *Proxy) noteDial(err error) {
 	}
 }
 
-// New prepares the proxy; the driver is dialled when the first call comes.
+// New prepares the proxy; the driver is dialled at once and again, with
+// backoff, whenever its connection is lost.
 func New(cfg Config) (*Proxy, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("proxy config: %w", err)
 	}
-	path, target, _ := telemetry.UnixTarget(cfg.DriverEndpoint)
-	p := &Proxy{cfg: cfg, target: path, log: cfg.Logger.With("component", "proxy", "driver_endpoint", path),
-		bconns: map[*conn]struct{}{}, bgone: make(chan struct{}, 1)}
-	tp := cfg.TracerProvider
-	if tp == nil {
-		tp = otel.GetTracerProvider()
-	}
-	p.tracer = tp.Tracer("github.com/csibroker/csibroker/proxy")
+	path, _, _ := telemetry.UnixTarget(cfg.DriverEndpoint)
+	p := &Proxy{cfg: cfg, target: path, slots: make(chan struct{}, cfg.MaxConcurrentCalls),
+		log: cfg.Logger.With("component", "proxy", "driver_endpoint", path)}
 
-	conn, err := grpc.NewClient(target, append(rawgrpc.ClientTransportOptions(),
+	conn, err := grpc.NewClient("passthrough:///"+path, append(rawgrpc.ClientTransportOptions(),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithAuthority("localhost"),
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
+			c, err := grpcsrv.DialUnix(ctx, addr)
+			p.noteDial(err)
+			return c, err
+		}),
 		grpc.WithConnectParams(grpc.ConnectParams{
 			Backoff:           backoff.Config{BaseDelay: 50 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
 			MinConnectTimeout: time.Second,
 		}),
+		grpc.WithIdleTimeout(0),
+		grpc.WithChainUnaryInterceptor(p.boundOwnCall),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(cfg.MaxMsgSize), grpc.MaxCallSendMsgSize(cfg.MaxMsgSize)),
 	)...)
 	if err != nil {
@@ -152,16 +160,32 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	p.driver = conn
 
-	p.metrics = newServerMetrics()
+	metrics := grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
+		grpcprom.WithHistogramBuckets(prometheus.ExponentialBucketsRange(10e-6, 120, 24))))
 	if cfg.Registerer != nil {
-		if err := cfg.Registerer.Register(p.metrics); err != nil {
+		if err := cfg.Registerer.Register(metrics); err != nil {
+			conn.Close()
 			return nil, fmt.Errorf("proxy: register metrics: %w", err)
 		}
 	}
-	p.tls = p.logRefusals(cfg.TLS)
-	if len(p.tls.NextProtos) == 0 {
-		p.tls.NextProtos = []string{"h2"}
-	}
+	opts := append(grpcsrv.ServerOptions(grpcsrv.Limits{
+		MaxConcurrentStreams: uint32(cfg.MaxConcurrentCalls),
+		MaxRecvMsgSize:       cfg.MaxMsgSize,
+		MaxSendMsgSize:       cfg.MaxMsgSize,
+	}),
+		grpc.Creds(grpcsrv.Credentials(p.logRefusals(cfg.TLS), p.log)),
+		grpc.StatsHandler(grpcsrv.CallTracker()),
+		grpc.StatsHandler(otelgrpc.NewServerHandler(
+			otelgrpc.WithTracerProvider(cfg.TracerProvider),
+			otelgrpc.WithPropagators(cfg.Propagator),
+			otelgrpc.WithMeterProvider(noop.NewMeterProvider()))), // metrics are Prometheus' below
+		grpc.ChainUnaryInterceptor(grpcsrv.UnaryCheckPeer(), metrics.UnaryServerInterceptor()),
+		grpc.ChainStreamInterceptor(grpcsrv.StreamCheckPeer(), boundedLabels(metrics)),
+		grpc.ForceServerCodecV2(rawgrpc.Codec{}),
+		grpc.UnknownServiceHandler(p.forward),
+	)
+	p.srv = grpc.NewServer(opts...)
+	proxyinfov1.RegisterProxyInfoServer(p.srv, infoServer{p})
 	return p, nil
 }
 
@@ -185,242 +209,127 @@ func (p *Proxy) logRefusals(cfg *tls.Config) *tls.Config {
 	return cfg
 }
 
+// boundedLabels makes the metrics interceptors name every method the
+// protobuf registry does not know rawgrpc.OtherMethod (a caller may name
+// any path, and each would be a new series), give known methods their own
+// kind (to grpc-go every forwarded call is a bidirectional stream), and
+// count a status code outside gRPC's range as Unknown (a driver may send
+// any number). The call's own status is not changed.
+func boundedLabels(m *grpcprom.ServerMetrics) grpc.StreamServerInterceptor {
+	stream, unary := m.StreamServerInterceptor(), m.UnaryServerInterceptor()
+	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		var err error
+		counted := func() error {
+			err = h(srv, ss)
+			if status.Code(err) > codes.Unauthenticated {
+				return status.Error(codes.Unknown, "")
+			}
+			return err
+		}
+		known, cs, sst := rawgrpc.MethodKind(info.FullMethod)
+		switch {
+		case !known || !strings.HasPrefix(info.FullMethod, "/"):
+			other := "/" + rawgrpc.OtherMethod + "/" + rawgrpc.OtherMethod
+			stream(srv, ss, &grpc.StreamServerInfo{FullMethod: other, IsClientStream: true, IsServerStream: true},
+				func(any, grpc.ServerStream) error { return counted() })
+		case !cs && !sst:
+			unary(ss.Context(), nil, &grpc.UnaryServerInfo{FullMethod: info.FullMethod},
+				func(context.Context, any) (any, error) { return nil, counted() })
+		default:
+			stream(srv, ss, &grpc.StreamServerInfo{FullMethod: info.FullMethod, IsClientStream: cs, IsServerStream: sst},
+				func(any, grpc.ServerStream) error { return counted() })
+		}
+		return err
+	}
+}
+
+// forward passes one call to the driver: any /csi.* method, of any kind.
+func (p *Proxy) forward(_ any, in grpc.ServerStream) error {
+	method, _ := grpc.MethodFromServerStream(in)
+	if !strings.HasPrefix(method, "/csi.") {
+		return status.Errorf(codes.Unimplemented, "csibroker proxy: %s is not a CSI method; this proxy forwards CSI services only", method)
+	}
+	ctx, cancel := context.WithCancel(in.Context())
+	defer cancel()
+	release, err := p.acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer release()
+	// The driver sees the proxy's span as the caller (otelgrpc's server
+	// span, in ctx).
+	ctx, md := rawgrpc.OutgoingContext(ctx)
+	p.cfg.Propagator.Inject(ctx, rawgrpc.MDCarrier(md))
+	out, err := p.driver.NewStream(ctx, rawgrpc.StreamDesc, method, grpc.ForceCodecV2(rawgrpc.Codec{}))
+	if err != nil {
+		st := status.Convert(err)
+		return status.Errorf(st.Code(), "csibroker proxy: driver at %s: %s", p.target, st.Message())
+	}
+	return rawgrpc.Forward(in, out)
+}
+
+// acquire takes one of the driver's call slots, waiting within ctx.
+func (p *Proxy) acquire(ctx context.Context) (release func(), err error) {
+	release = func() { <-p.slots }
+	select {
+	case p.slots <- struct{}{}:
+		return release, nil
+	default:
+	}
+	select {
+	case p.slots <- struct{}{}:
+		return release, nil
+	case <-ctx.Done():
+		return nil, status.Errorf(status.FromContextError(ctx.Err()).Code(),
+			"csibroker proxy: the call waited for one of the driver's %d call slots (MaxConcurrentCalls) until it ended: %v", cap(p.slots), ctx.Err())
+	}
+}
+
+// boundOwnCall makes the proxy's own calls to the driver (Probe,
+// GetPluginInfo) take a call slot too.
+func (p *Proxy) boundOwnCall(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	release, err := p.acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer release()
+	return invoker(ctx, method, req, reply, cc, opts...)
+}
+
 // Serve accepts the broker's connections on lis until ctx is done, then
-// asks them to go away and waits up to 10s for their calls to finish.
+// stops gracefully: no new call, the calls in flight have 10s to finish,
+// then every connection is closed.
 func (p *Proxy) Serve(ctx context.Context, lis net.Listener) error {
 	p.log.Info("proxy serving", "listen", lis.Addr().String(), "node", p.cfg.Node)
 	if _, err := os.Stat(p.target); err != nil {
 		// Not fatal: a driver container may start after its proxy.
 		p.log.Warn("the driver's socket is not there yet; calls fail with Unavailable until it is", "err", err)
 	}
-	stop := context.AfterFunc(ctx, func() { lis.Close() })
-	defer stop()
-	var delay time.Duration
-	for {
-		nc, err := lis.Accept()
-		if err != nil {
-			if ctx.Err() != nil {
-				p.drain()
-				return nil
-			}
-			if ne, ok := err.(interface{ Temporary() bool }); ok && ne.Temporary() {
-				delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-				time.Sleep(delay)
-				continue
-			}
-			return err
-		}
-		delay = 0
-		go p.serveConn(ctx, nc)
-	}
-}
-
-// serveConn completes the TLS handshake and the HTTP/2 preface, then relays
-// the connection's calls.
-func (p *Proxy) serveConn(ctx context.Context, nc net.Conn) {
-	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	own := mtls.OwnCert(p.tls) // before the handshake: see mtls.NewPeerCheck
-	tc := tls.Server(nc, p.tls)
-	if err := tc.HandshakeContext(hctx); err != nil {
-		p.log.Debug("TLS handshake failed", "peer", nc.RemoteAddr().String(), "err", err)
-		nc.Close()
-		return
-	}
-	if proto := tc.ConnectionState().NegotiatedProtocol; proto != "h2" {
-		p.log.Warn("proxy refused a peer", "peer", nc.RemoteAddr().String(), "err", fmt.Sprintf("ALPN protocol %q, want h2", proto))
-		tc.Close()
-		return
-	}
-	c := newConn(p, tc, false, nc.RemoteAddr().String())
-	c.peerCheck = mtls.NewPeerCheck(p.tls, tc.ConnectionState(), own)
-	tc.SetReadDeadline(time.Now().Add(10 * time.Second))
-	preface := make([]byte, len(http2.ClientPreface))
-	if _, err := io.ReadFull(c.br, preface); err != nil || string(preface) != http2.ClientPreface {
-		p.log.Warn("not an HTTP/2 client", "peer", c.desc, "err", err)
-		tc.Close()
-		return
-	}
-	tc.SetReadDeadline(time.Time{})
-	if err := c.start(); err != nil {
-		tc.Close()
-		return
-	}
-	p.bmu.Lock()
-	if ctx.Err() != nil {
-		p.bmu.Unlock()
-		tc.Close()
-		return
-	}
-	p.bconns[c] = struct{}{}
-	p.bmu.Unlock()
-	c.readLoop(func(fr *http2.MetaHeadersFrame, f *flusher) { p.onBrokerHeaders(c, fr, f) })
-}
-
-func (p *Proxy) forgetBrokerConn(c *conn) {
-	p.bmu.Lock()
-	delete(p.bconns, c)
-	p.bmu.Unlock()
+	served := make(chan error, 1)
+	go func() { served <- p.srv.Serve(lis) }()
 	select {
-	case p.bgone <- struct{}{}:
-	default:
+	case err := <-served:
+		return err
+	case <-ctx.Done():
 	}
+	stopped := make(chan struct{})
+	go func() {
+		p.srv.GracefulStop()
+		close(stopped)
+	}()
+	select {
+	case <-stopped:
+	case <-time.After(10 * time.Second):
+		p.srv.Stop()
+		<-stopped
+	}
+	<-served
+	return nil
 }
 
-// drain sends GOAWAY on every broker connection, lets their calls finish
-// for up to 10s, then closes what is left.
-func (p *Proxy) drain() {
-	p.bmu.Lock()
-	conns := make([]*conn, 0, len(p.bconns))
-	for c := range p.bconns {
-		conns = append(conns, c)
-	}
-	p.bmu.Unlock()
-	for _, c := range conns {
-		c.mu.Lock()
-		if !c.draining {
-			// (A connection refused by the peer check has had its GOAWAY,
-			// with a lower last stream: a second may not raise it.)
-			c.goAwayLocked(c.lastID, 0, errors.New("proxy stopping"))
-		}
-		c.mu.Unlock()
-	}
-	deadline := time.After(10 * time.Second)
-	for {
-		p.bmu.Lock()
-		n := len(p.bconns)
-		p.bmu.Unlock()
-		if n == 0 {
-			return
-		}
-		select {
-		case <-p.bgone:
-		case <-deadline:
-			p.bmu.Lock()
-			for c := range p.bconns {
-				c.mu.Lock()
-				c.closeLocked(errors.New("proxy stopped"))
-				c.mu.Unlock()
-			}
-			p.bmu.Unlock()
-			return
-		}
-	}
-}
-
-// driverConn returns the driver connection of broker connection bc,
-// dialling a new one when there is none or the last one is gone or going
-// away: a restarted driver is found again by the next call. Each broker
-// connection has a driver connection of its own, so a broker connection
-// that stops reading stalls only its own calls, never another's; and the
-// dial is made without the proxy-wide lock, so a driver slow to accept
-// holds up only the broker connection that needs it. Called by bc's
-// reader only.
-func (p *Proxy) driverConn(bc *conn) (*conn, error) {
-	p.dmu.Lock()
-	if c := bc.dconn; c != nil {
-		c.mu.Lock()
-		if c.nextID > rawgrpc.LastStreamID-rawgrpc.StreamIDMargin && !c.retiring {
-			// Stream IDs nearly used up: new calls go to a new
-			// connection, this one closes when its calls, queued ones
-			// included, are done.
-			c.retiring = true
-			if len(c.streams) == 0 && len(c.waiting) == 0 {
-				c.closeLocked(errors.New("stream IDs used up"))
-			}
-		}
-		ok := !c.closed && !c.goingAway && !c.retiring
-		c.mu.Unlock()
-		if ok {
-			p.dmu.Unlock()
-			return c, nil
-		}
-	}
-	p.dmu.Unlock()
-	bc.mu.Lock()
-	gone := bc.closed
-	bc.mu.Unlock()
-	if gone {
-		return nil, errors.New("the broker's connection is closed")
-	}
-	nc, err := net.DialTimeout("unix", p.target, time.Second)
-	p.noteDial(err)
-	if err != nil {
-		return nil, err
-	}
-	c := newConn(p, nc, true, p.target)
-	c.owner = bc
-	if err := c.start(); err != nil {
-		nc.Close()
-		return nil, err
-	}
-	p.dmu.Lock()
-	defer p.dmu.Unlock()
-	if p.dclosed {
-		// Close ran during the dial and released what it found.
-		c.mu.Lock()
-		c.closeLocked(errors.New("proxy closed"))
-		c.mu.Unlock()
-		return nil, errors.New("the proxy is closed")
-	}
-	bc.dconn = c
-	bc.dconns = append(bc.dconns, c)
-	go c.readLoop(func(fr *http2.MetaHeadersFrame, f *flusher) { p.onDriverHeaders(c, fr, f) })
-	return c, nil
-}
-
-// dropDriverConn takes a driver connection the driver is shutting down
-// (GOAWAY) out of use for new calls; its calls in flight finish on it.
-func (p *Proxy) dropDriverConn(c *conn) {
-	p.dmu.Lock()
-	if c.owner != nil && c.owner.dconn == c {
-		c.owner.dconn = nil
-	}
-	p.dmu.Unlock()
-}
-
-// forgetDriverConn forgets a driver connection whose reader is done.
-func (p *Proxy) forgetDriverConn(c *conn) {
-	p.dmu.Lock()
-	if bc := c.owner; bc != nil {
-		if bc.dconn == c {
-			bc.dconn = nil
-		}
-		bc.dconns = slices.DeleteFunc(bc.dconns, func(x *conn) bool { return x == c })
-	}
-	p.dmu.Unlock()
-}
-
-// closeDriverConn closes the driver connections of a broker connection that
-// is gone (its calls were reset first) or of a proxy that is closing: not
-// only the current one, but also older ones still finishing their calls (a
-// retiring connection's calls may wait for a slot the driver never frees).
-func (p *Proxy) closeDriverConn(bc *conn) {
-	p.dmu.Lock()
-	conns := bc.dconns
-	bc.dconn, bc.dconns = nil, nil
-	p.dmu.Unlock()
-	for _, c := range conns {
-		c.mu.Lock()
-		c.closeLocked(errors.New("the broker's connection is gone"))
-		c.mu.Unlock()
-	}
-}
-
-// Close releases the driver connections.
+// Close stops serving and releases the driver connection.
 func (p *Proxy) Close() error {
-	p.dmu.Lock()
-	p.dclosed = true
-	p.dmu.Unlock()
-	p.bmu.Lock()
-	conns := make([]*conn, 0, len(p.bconns))
-	for c := range p.bconns {
-		conns = append(conns, c)
-	}
-	p.bmu.Unlock()
-	for _, c := range conns {
-		p.closeDriverConn(c)
-	}
+	p.srv.Stop()
 	return p.driver.Close()
 }
 
@@ -456,6 +365,13 @@ func (p *Proxy) HTTPHandler(metricsPath string) http.Handler {
 		mux.Handle(metricsPath, promhttp.HandlerFor(p.cfg.Gatherer, promhttp.HandlerOpts{}))
 	}
 	return mux
+}
+
+// infoServer is the proxy's own API (proto/proxyinfo).
+type infoServer struct{ p *Proxy }
+
+func (s infoServer) GetInfo(ctx context.Context, _ *proxyinfov1.GetInfoRequest) (*proxyinfov1.GetInfoResponse, error) {
+	return s.p.getInfo(ctx), nil
 }
 
 // getInfo answers ProxyInfo.GetInfo.

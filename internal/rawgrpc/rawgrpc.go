@@ -1,13 +1,14 @@
-// Package rawgrpc carries gRPC calls without decoding their messages: a
-// codec whose frames are a message's bytes, the method kinds from the
-// protobuf registry, and gRPC's wire conventions on HTTP/2 (reserved
-// headers, status messages, timeouts, binary metadata) for the hops that
-// speak HTTP/2 themselves.
+// Package rawgrpc carries gRPC calls on grpc-go without decoding their
+// messages: a codec whose frames are a message's bytes (Codec, Frame), a
+// stream descriptor for any kind of call (StreamDesc), Forward, which
+// relays one call a grpc-go server received to a grpc-go client stream,
+// the metadata a forwarded call carries on (ForwardedMetadata), the method
+// kinds from the protobuf registry, and bounded metric labels.
 //
-// The broker's front end (broker/h2front.go) reads calls off HTTP/2 and
-// hands each one, as frames, to the driver's client chain, so services added
-// to the spec later pass through unchanged; the proxy relays HTTP/2 frames
-// (proxy/relay.go) and uses the wire helpers only.
+// The proxy forwards every CSI call with it, and so does the broker's front
+// end, so services added to the spec later pass through unchanged.
+//
+// It must not speak HTTP/2 itself: grpc-go's transport does.
 package rawgrpc
 
 import (
