@@ -357,4 +357,3 @@ func TestForwardedMetadata(t *testing.T) {
 		t.Errorf("nil: %s", d)
 	}
 }
-

@@ -27,8 +27,10 @@ type ProxyCommandConfig struct {
 	Node           string
 	HTTPEndpoint   string
 	MetricsPath    string
-	TLS            TLSFlags
-	Log            LogFlags
+	// MaxConcurrentCalls bounds the calls the driver has at once.
+	MaxConcurrentCalls int
+	TLS                TLSFlags
+	Log                LogFlags
 }
 
 // Validate checks the flags.
@@ -41,6 +43,9 @@ func (c *ProxyCommandConfig) Validate() error {
 	}
 	if c.Listen == "" {
 		errs = append(errs, errors.New("--listen is required"))
+	}
+	if c.MaxConcurrentCalls < 1 {
+		errs = append(errs, fmt.Errorf("--max-concurrent-calls must be at least 1, got %d", c.MaxConcurrentCalls))
 	}
 	errs = append(errs, ValidateMetricsPath(c.MetricsPath), c.TLS.Validate(), c.Log.Validate())
 	return errors.Join(errs...)
@@ -58,6 +63,8 @@ func RunProxy(ctx context.Context, name, version string, args []string, stderr i
 	fs.StringVar(&cfg.Node, "node", "", "node name for a node plugin's proxy (its certificate must name it); empty for a controller proxy")
 	fs.StringVar(&cfg.HTTPEndpoint, "http-endpoint", "", "address for /healthz, /readyz and metrics (empty: off)")
 	fs.StringVar(&cfg.MetricsPath, "metrics-path", "/metrics", "path of the Prometheus metrics on --http-endpoint")
+	fs.IntVar(&cfg.MaxConcurrentCalls, "max-concurrent-calls", proxy.DefaultMaxConcurrentCalls,
+		"the most calls the driver is sent at once, over all broker connections (more wait for a slot within their deadline)")
 	cfg.TLS.Register(fs)
 	cfg.Log.Register(fs)
 	if err := ParseFlags(fs, args); err != nil {
@@ -80,15 +87,16 @@ func RunProxy(ctx context.Context, name, version string, args []string, stderr i
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), mtls.NewCollector(src))
 
 	p, err := proxy.New(proxy.Config{
-		DriverEndpoint: cfg.DriverEndpoint,
-		Node:           cfg.Node,
-		Version:        version,
-		Identity:       src.Current().ID,
-		TLS:            mtls.ServerConfig(src, mtls.AuthorizeOneOf(mtls.BrokerID(cfg.TLS.TrustDomain))),
-		Logger:         log,
-		TracerProvider: tp,
-		Registerer:     reg,
-		Gatherer:       reg,
+		DriverEndpoint:     cfg.DriverEndpoint,
+		Node:               cfg.Node,
+		Version:            version,
+		MaxConcurrentCalls: cfg.MaxConcurrentCalls,
+		Identity:           src.Current().ID,
+		TLS:                mtls.ServerConfig(src, mtls.AuthorizeOneOf(mtls.BrokerID(cfg.TLS.TrustDomain))),
+		Logger:             log,
+		TracerProvider:     tp,
+		Registerer:         reg,
+		Gatherer:           reg,
 	})
 	if err != nil {
 		return err
