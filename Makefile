@@ -36,7 +36,6 @@ fmt-check:
 
 vet:
 	$(GO) vet $(PKGS)
-	$(GO) vet -tags hoptrace ./internal/hoptrace/ ./test/bench/
 
 lint: fmt-check vet
 

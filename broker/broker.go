@@ -16,11 +16,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/backoff"
-	"google.golang.org/grpc/keepalive"
 
 	"github.com/csibroker/csibroker/internal/mtls"
-	"github.com/csibroker/csibroker/internal/rawgrpc"
 	"github.com/csibroker/csibroker/internal/telemetry"
 )
 
@@ -51,6 +48,7 @@ type Broker struct {
 	log     *slog.Logger
 	tracer  trace.Tracer
 	metrics *Metrics
+	stats   brokerStats // every proxy connection's
 
 	mu      sync.RWMutex
 	drivers map[string]*Driver
@@ -96,6 +94,7 @@ func New(opts Options) (*Broker, error) {
 		changed:  make(chan struct{}),
 		sockets:  map[string]string{},
 	}
+	b.stats = brokerStats{otelgrpc.NewClientHandler(otelgrpc.WithTracerProvider(opts.TracerProvider), otelgrpc.WithPropagators(opts.Propagator))}
 	b.metrics = newMetrics()
 	b.metrics.b = b
 	if opts.Registerer != nil {
@@ -314,7 +313,7 @@ func (b *Broker) ControllerConn(driver string) (grpc.ClientConnInterface, error)
 	if err != nil {
 		return nil, err
 	}
-	return frameConn{pc}, nil
+	return chainConn{pc}, nil
 }
 
 // NodeConn returns the connection to driver's proxy on node.
@@ -368,28 +367,15 @@ func (b *Broker) dial(d *Driver, pc ProxyConfig) (*proxyConn, error) {
 	if pc.Node != "" {
 		want = mtls.NodeDriverID(b.opts.TrustDomain, d.name, pc.Node)
 	}
-	p := &proxyConn{cfg: pc, driver: d.name, want: want, retry: d.cfg.Retry}
+	p := &proxyConn{b: b, cfg: pc, driver: d.name, want: want, retry: d.cfg.Retry,
+		tls: mtls.ClientConfig(b.opts.TLS, mtls.AuthorizeOneOf(want)), log: b.log.With("driver", d.name, "node", pc.Node, "proxy", pc.Address)}
 	p.driverCfg.Store(&d.cfg)
-	tlsCfg := mtls.ClientConfig(b.opts.TLS, mtls.AuthorizeOneOf(want))
-	p.creds = newCheckedCreds(tlsCfg, b.log.With("driver", d.name, "node", pc.Node), pc.Address)
-	otelOpts := []otelgrpc.Option{otelgrpc.WithTracerProvider(b.opts.TracerProvider), otelgrpc.WithPropagators(b.opts.Propagator)}
-	conn, err := grpc.NewClient("passthrough:///"+pc.Address, append(rawgrpc.ClientTransportOptions(),
-		grpc.WithTransportCredentials(p.creds),
-		grpc.WithConnectParams(grpc.ConnectParams{
-			Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
-			MinConnectTimeout: 5 * time.Second,
-		}),
-		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
-		grpc.WithStatsHandler(codeOnlyStats{otelgrpc.NewClientHandler(otelOpts...)}),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(b.opts.MaxMsgSize), grpc.MaxCallSendMsgSize(b.opts.MaxMsgSize)),
-		grpc.WithChainStreamInterceptor(b.streamChain(p)...),
-	)...)
+	p.buildChain()
+	g, err := p.dialGen()
 	if err != nil {
-		return nil, fmt.Errorf("driver %q: proxy %s: %w", d.name, pc.Address, err)
+		return nil, err
 	}
-	p.conn = conn
-	p.up = newUpstream(b, p, tlsCfg)
-	p.up.keepConnected()
+	p.cur.Store(g)
 	return p, nil
 }
 
@@ -421,7 +407,7 @@ func (d *Driver) Controller() (grpc.ClientConnInterface, error) {
 	if d.controller == nil {
 		return nil, fmt.Errorf("driver %q: %w: no controller proxy registered", d.name, ErrNoProxy)
 	}
-	return frameConn{d.controller}, nil
+	return chainConn{d.controller}, nil
 }
 
 // Node returns the connection to the driver's proxy on node.
@@ -430,7 +416,7 @@ func (d *Driver) Node(node string) (grpc.ClientConnInterface, error) {
 	if pc == nil {
 		return nil, fmt.Errorf("driver %q: %w: no node proxy registered for node %q", d.name, ErrNoProxy, node)
 	}
-	return frameConn{pc}, nil
+	return chainConn{pc}, nil
 }
 
 // Nodes lists the nodes that have a proxy of this driver, sorted.
@@ -459,68 +445,6 @@ func (d *Driver) all() []*proxyConn {
 		out = append(out, d.nodes[n])
 	}
 	return out
-}
-
-// proxyConn is the connection to one proxy.
-type proxyConn struct {
-	cfg       ProxyConfig
-	driver    string
-	want      string // identity required of the proxy
-	retry     RetryConfig
-	driverCfg atomic.Pointer[DriverConfig]
-	// conn carries streaming calls (gRPC's client, connected on first use);
-	// up carries every unary call (upstream.go).
-	conn  *grpc.ClientConn
-	creds *checkedCreds // conn's, checked before each new stream
-	up    *upstream
-	// descs holds a *callDesc per CSI method called through this proxy.
-	descs sync.Map
-}
-
-func (p *proxyConn) close() {
-	p.conn.Close()
-	p.up.close()
-}
-
-// live is p, or, once p is drained, the connection that replaced it; an
-// error if nothing replaced it (the driver, or its node, was removed).
-func (p *proxyConn) live() (*proxyConn, error) {
-	if !p.up.gone.Load() {
-		return p, nil
-	}
-	if n := p.up.b.current(p); n != p {
-		return n, nil
-	}
-	return nil, errClosedUpstream(p.cfg.Address)
-}
-
-// drain closes p once its calls in flight have ended: unary calls at once
-// after the last one, streams (gRPC's client cannot drain) when the
-// driver's longest method timeout, which bounds every call, has passed.
-func (p *proxyConn) drain() {
-	cfg := p.driverCfg.Load()
-	grace := cfg.Timeout
-	for _, t := range cfg.MethodTimeouts {
-		grace = max(grace, t)
-	}
-	grace += time.Second
-	b := p.up.b
-	b.mu.Lock()
-	if b.closed {
-		b.mu.Unlock()
-		p.close()
-		return
-	}
-	b.draining[p] = struct{}{}
-	b.mu.Unlock()
-	p.up.drain()
-	time.AfterFunc(grace, func() {
-		p.up.failOld(errDriverChanged)
-		p.conn.Close()
-		b.mu.Lock()
-		delete(b.draining, p)
-		b.mu.Unlock()
-	})
 }
 
 type proxyState struct{ driver, node, address, state, want string }
@@ -571,7 +495,7 @@ func (b *Broker) Status() []DriverStatus {
 	b.mu.RUnlock()
 	for i := range out {
 		for j, pc := range pcs[i] {
-			out[i].Proxies[j].State = pc.up.state()
+			out[i].Proxies[j].State = pc.state()
 		}
 	}
 	return out

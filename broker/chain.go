@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/base64"
-	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -15,15 +14,16 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/timeout"
 	"github.com/kubernetes-csi/csi-lib-utils/protosanitizer"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/attribute"
 	otelcodes "go.opentelemetry.io/otel/codes"
-	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -37,13 +37,190 @@ import (
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
 
-// The client chain of a unary call, outermost first (invokeFrames):
+// The client chain of a call, outermost first, as grpc-go interceptors:
 // observe (one span per logical call, in-flight gauge, latency histograms,
-// sanitized log) → timeout (per driver and method) → retry (Unavailable
-// only, jittered exponential backoff, each attempt inside the caller's
-// deadline) → one client span per attempt, whose W3C trace context goes to
-// the proxy, over the broker's own HTTP/2 connection (upstream.go). Streams
-// go through gRPC's client with streamChain and otelgrpc's stats handler.
+// sanitized log, secret redaction, what the status says of where it came
+// from) → timeout (per driver and method, go-grpc-middleware's) → retry
+// (go-grpc-middleware's: Unavailable only, jittered exponential backoff,
+// each attempt inside the caller's deadline; unary calls only) → attempt,
+// which picks the proxy's current connection (a driver reconfigured since
+// the call began sends the attempt to its new proxy) and calls through
+// it: otelgrpc's stats handler makes a client span per attempt and sends
+// its W3C trace context to the proxy. The chain is composed here rather
+// than installed on the ClientConn, since a proxy's connection is
+// replaced (certificate renewal, reconfiguration) while calls retry.
+
+// callState is what the chain learns of one logical call.
+type callState struct {
+	answered atomic.Bool // the last attempt's status came in the proxy's trailers
+	retried  bool        // an attempt was retried after Unavailable
+	giveUp   bool        // no further attempt: the last one's error is the call's
+	lastErr  error       // the last attempt's error
+}
+
+type callStateKey struct{}
+
+func stateOf(ctx context.Context) *callState {
+	st, _ := ctx.Value(callStateKey{}).(*callState)
+	return st
+}
+
+// unaryChain runs interceptors, outermost first, around final.
+func unaryChain(final grpc.UnaryInvoker, ics ...grpc.UnaryClientInterceptor) grpc.UnaryInvoker {
+	for i := len(ics) - 1; i >= 0; i-- {
+		ic, next := ics[i], final
+		final = func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, opts ...grpc.CallOption) error {
+			return ic(ctx, method, req, reply, cc, next, opts...)
+		}
+	}
+	return final
+}
+
+// buildChain makes p's unary chain.
+func (p *proxyConn) buildChain() {
+	r := p.retry
+	base := retry.BackoffExponentialWithJitterBounded(r.IntervalStart, 0.2, r.IntervalMax)
+	p.unary = unaryChain(p.attempt,
+		p.observeUnary,
+		func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+			return timeout.UnaryClientInterceptor(p.methodTimeout(method))(ctx, method, req, reply, cc, invoker, opts...)
+		},
+		retry.UnaryClientInterceptor(
+			retry.WithMax(uint(max(r.MaxAttempts, 1))),
+			retry.WithCodes(codes.Unavailable),
+			retry.WithBackoff(func(ctx context.Context, attempt uint) time.Duration {
+				st := stateOf(ctx)
+				if st.giveUp {
+					return 0
+				}
+				wait := base(ctx, attempt)
+				if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= wait {
+					// No attempt could start in time: the driver's own
+					// answer is the call's, not a DeadlineExceeded of ours.
+					st.giveUp = true
+					return 0
+				}
+				return wait
+			}),
+			retry.WithOnRetryCallback(func(ctx context.Context, attempt uint, err error) {
+				if st := stateOf(ctx); !st.giveUp {
+					st.retried = true
+					p.b.onRetry(ctx, p, p.b.desc(p, p.methodOf(ctx)), attempt, err)
+				}
+			}),
+		),
+	)
+}
+
+type methodKey struct{}
+
+func (p *proxyConn) methodOf(ctx context.Context) string {
+	m, _ := ctx.Value(methodKey{}).(string)
+	return m
+}
+
+// observeUnary is the chain's outermost interceptor.
+func (p *proxyConn) observeUnary(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	st := &callState{}
+	ctx = context.WithValue(context.WithValue(ctx, callStateKey{}, st), methodKey{}, method)
+	return p.b.observe(ctx, p, p.b.desc(p, method), method, req, reply, func(ctx context.Context) error {
+		err := invoker(ctx, method, req, reply, cc, opts...)
+		if err == nil {
+			return nil
+		}
+		// An attempt ended Unavailable and the call then ended otherwise
+		// (its context, during the backoff): that attempt may have
+		// reached the driver and acted.
+		retried := st.retried || (st.lastErr != nil && err != st.lastErr && status.Code(st.lastErr) == codes.Unavailable)
+		return &callError{st: status.Convert(err), answered: err == st.lastErr && st.answered.Load(), retried: retried}
+	})
+}
+
+// attempt is one try of a unary call, on the connection that serves the
+// driver now.
+func (p *proxyConn) attempt(ctx context.Context, method string, req, reply any, _ *grpc.ClientConn, opts ...grpc.CallOption) error {
+	st := stateOf(ctx)
+	if st.giveUp && st.lastErr != nil {
+		return st.lastErr
+	}
+	ap, err := p.live()
+	if err == nil {
+		var g *generation
+		if g, err = ap.acquire(); err == nil {
+			st.answered.Store(false)
+			err = g.cc.Invoke(stripAttempt(ctx), method, req, reply, opts...)
+			if err != nil && ctx.Err() == nil && g.closed.Load() && status.Code(err) == codes.Canceled {
+				// grpc-go's word for its connection closed under the call.
+				err = errClosedUpstream(ap.cfg.Address)
+			}
+			g.release()
+		}
+	}
+	if err != nil && status.Code(err) == codes.Unavailable {
+		if ap == nil {
+			st.giveUp = true // the driver was removed: no proxy will take a retry
+		} else if _, lerr := ap.live(); lerr != nil {
+			st.giveUp = true
+		}
+	}
+	st.lastErr = err
+	return err
+}
+
+// stripAttempt drops the attempt number the retry interceptor adds to a
+// retry's metadata: what reaches the driver is what the caller sent.
+func stripAttempt(ctx context.Context) context.Context {
+	md, ok := metadata.FromOutgoingContext(ctx)
+	if !ok || len(md.Get(retry.AttemptMetadataKey)) == 0 {
+		return ctx
+	}
+	md = md.Copy()
+	md.Delete(retry.AttemptMetadataKey)
+	return metadata.NewOutgoingContext(ctx, md)
+}
+
+// newStream opens a stream on the connection that serves the driver now,
+// bounded by the driver's timeout for the method, as a unary call is.
+func (p *proxyConn) newStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	ap, err := p.live()
+	if err != nil {
+		return nil, err
+	}
+	b := ap.b
+	ctx, cancel := context.WithTimeout(ctx, ap.methodTimeout(method))
+	d := b.desc(ap, method)
+	ctx, span := b.tracer.Start(ctx, d.spanName, d.spanOpts...)
+	ds := b.began(ap, d)
+	start := time.Now()
+	fail := func(err error) (grpc.ClientStream, error) {
+		span.SetStatus(otelcodes.Error, status.Code(err).String())
+		span.End()
+		b.streamEnded(ap, d, ds, start, err)
+		cancel()
+		return nil, err
+	}
+	g, err := ap.acquire()
+	if err != nil {
+		return fail(err)
+	}
+	cs, err := g.cc.NewStream(ctx, desc, method, opts...)
+	if err != nil {
+		g.release()
+		return fail(err)
+	}
+	// The span covers opening the stream; the per-attempt span from
+	// otelgrpc covers the whole stream.
+	span.End()
+	bs := &boundStream{ClientStream: cs, method: method, done: func(err error) {
+		b.streamEnded(ap, d, ds, start, err)
+		g.release()
+		cancel()
+	}}
+	// A stream its caller abandons without reading it to the end ends
+	// with its context.
+	context.AfterFunc(ctx, func() { bs.end(status.FromContextError(ctx.Err()).Err()) })
+	return bs, nil
+}
 
 // onRetry records a retry: attempt is the retry's number (1 for the
 // second try) and err the previous attempt's error.
@@ -53,102 +230,6 @@ func (b *Broker) onRetry(ctx context.Context, p *proxyConn, d *callDesc, attempt
 	trace.SpanFromContext(ctx).AddEvent("retry", trace.WithAttributes(
 		attribute.Int("csi.attempt", int(attempt)+1), attribute.String("rpc.grpc.previous_status_code", code)))
 	b.log.Debug("csi call retried", "driver", p.driver, "method", d.short, "attempt", attempt+1, "code", code)
-}
-
-// invokeFrames is the client chain of every unary call (the front end's
-// and, through frameConn, the controllers'). req is the whole gRPC message,
-// prefix included, and so is the answer's (the front end sends it on as
-// one DATA frame; frameConn decodes what follows the prefix).
-func (b *Broker) invokeFrames(ctx context.Context, p *proxyConn, method string, md metadata.MD, req []byte) (resp []byte, hdr, trl metadata.MD, err error) {
-	if n := len(req) - 5; n > b.opts.MaxMsgSize {
-		return nil, nil, nil, status.Errorf(codes.ResourceExhausted, "csibroker: trying to send message larger than max (%d vs. %d)", n, b.opts.MaxMsgSize)
-	}
-	reply := &rawgrpc.Frame{}
-	d := b.desc(p, method)
-	err = b.observe(ctx, p, d, method, &rawgrpc.Frame{Payload: req[5:]}, reply, func(ctx context.Context) error {
-		ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
-		defer cancel()
-		r := p.retry
-		ap, ad := p, d // the connection of the next attempt, its callDesc
-		var err error
-		for attempt := uint(0); attempt < uint(max(r.MaxAttempts, 1)); attempt++ {
-			if attempt > 0 {
-				wait := retry.BackoffExponentialWithJitterBounded(r.IntervalStart, 0.2, r.IntervalMax)(ctx, attempt)
-				if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= wait {
-					// No attempt could start in time: the driver's own
-					// answer is the call's, not a DeadlineExceeded of ours.
-					return err
-				}
-				t := time.NewTimer(wait)
-				select {
-				case <-ctx.Done():
-					t.Stop()
-					return markRetried(status.FromContextError(ctx.Err()).Err())
-				case <-t.C:
-				}
-				b.onRetry(ctx, p, d, attempt, err)
-			}
-			// The driver reconfigured since: the attempt goes to the
-			// proxy that serves it now (removed: the attempt fails on the
-			// closed connection, saying so).
-			if n, lerr := ap.live(); lerr == nil && n != ap {
-				ap, ad = n, b.desc(n, method)
-			}
-			resp, hdr, trl, err = ap.up.attempt(ctx, ad, method, md, req)
-			if err == nil {
-				reply.Payload = resp[5:] // for the response log
-			}
-			if err != nil && attempt > 0 {
-				// An earlier attempt ended Unavailable: it may have
-				// reached the driver and acted, whatever this one says.
-				err = markRetried(err)
-			}
-			if err == nil || ctx.Err() != nil || status.Code(err) != codes.Unavailable {
-				return err
-			}
-			if _, lerr := ap.live(); lerr != nil {
-				return err // the driver was removed: no proxy will take a retry
-			}
-		}
-		return err
-	})
-	if err != nil {
-		return nil, hdr, trl, err
-	}
-	return resp, hdr, trl, nil
-}
-
-func (b *Broker) streamChain(p *proxyConn) []grpc.StreamClientInterceptor {
-	return []grpc.StreamClientInterceptor{
-		func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-			// The driver's timeout for the method bounds the whole stream,
-			// as it bounds a unary call.
-			ctx, cancel := context.WithTimeout(ctx, p.methodTimeout(method))
-			if p.creds.check() {
-				awaitClosed(ctx, cc)
-			}
-			d := b.desc(p, method)
-			ctx, span := b.tracer.Start(ctx, d.spanName, d.spanOpts...)
-			ds := b.began(p, d)
-			start := time.Now()
-			cs, err := streamer(ctx, desc, cc, method, opts...)
-			if err != nil {
-				span.SetStatus(otelcodes.Error, status.Code(err).String())
-				span.End()
-				b.streamEnded(p, d, ds, start, err)
-				cancel()
-				return nil, err
-			}
-			// The span covers opening the stream; the per-attempt span from
-			// otelgrpc covers the whole stream.
-			span.End()
-			bs := &boundStream{ClientStream: cs, method: method, done: func(err error) { b.streamEnded(p, d, ds, start, err); cancel() }}
-			// A stream its caller abandons without reading it to the end
-			// ends with its context.
-			context.AfterFunc(ctx, func() { bs.end(status.FromContextError(ctx.Err()).Err()) })
-			return bs, nil
-		},
-	}
 }
 
 // streamEnded records a stream's end as observe records a unary call's.
@@ -230,21 +311,6 @@ func (s *boundStream) RecvMsg(m any) error {
 	return err
 }
 
-// codeOnlyStats passes gRPC's stats to otelgrpc's handler with an ended
-// stream's status reduced to its code: a driver's message may quote its
-// request's secrets (the unary path's spans record the code only too).
-type codeOnlyStats struct{ stats.Handler }
-
-func (h codeOnlyStats) HandleRPC(ctx context.Context, rs stats.RPCStats) {
-	if e, ok := rs.(*stats.End); ok && e.Error != nil {
-		code := status.Code(e.Error)
-		ended := *e
-		ended.Error = status.Error(code, code.String())
-		rs = &ended
-	}
-	h.Handler.HandleRPC(ctx, rs)
-}
-
 // methodTimeout is the driver's timeout for method.
 func (p *proxyConn) methodTimeout(method string) time.Duration {
 	cfg := p.driverCfg.Load()
@@ -261,8 +327,8 @@ type callDesc struct {
 	// the method's metric labels, short and full: its names if the
 	// protobuf registry knows it, else rawgrpc.OtherMethod
 	metricShort, metricFull string
-	spanName, clientName    string
-	spanOpts, clientOpts    []trace.SpanStartOption
+	spanName                string
+	spanOpts                []trace.SpanStartOption
 	inflight                prometheus.Gauge
 	okCalls, okSidecar      prometheus.Observer
 }
@@ -275,7 +341,6 @@ func (b *Broker) desc(p *proxyConn, method string) *callDesc {
 		return d.(*callDesc)
 	}
 	short := shortMethod(method)
-	name := strings.TrimPrefix(method, "/")
 	mFull := rawgrpc.MetricMethod(method)
 	mShort := shortMethod(mFull)
 	d := &callDesc{
@@ -285,10 +350,6 @@ func (b *Broker) desc(p *proxyConn, method string) *callDesc {
 		spanName:    "broker " + method,
 		spanOpts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindInternal),
 			trace.WithAttributes(attribute.String("csi.driver", p.driver), attribute.String("csi.node", p.cfg.Node), attribute.String("rpc.method", short), attribute.String("csi.proxy", p.cfg.Address))},
-		// The client span per attempt, named and described as otelgrpc does.
-		clientName: name,
-		clientOpts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindClient),
-			trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(name), attribute.String("server.address", p.cfg.Address))},
 		inflight:  b.metrics.inflight.WithLabelValues(p.driver, mShort),
 		okCalls:   b.metrics.calls.WithLabelValues(p.driver, mShort, codes.OK.String()),
 		okSidecar: b.metrics.sidecar.WithLabelValues(p.driver, mFull, codes.OK.String()),
@@ -518,58 +579,41 @@ func newMessage(fullMethod string, request bool) proto.Message {
 	return mt.New().Interface()
 }
 
-// frameConn is a proxy connection as gRPC client code sees it (the
-// Kubernetes controllers, Driver.Route): unary calls are marshalled here and
-// go through invokeFrames; streams go through gRPC's client.
-type frameConn struct{ p *proxyConn }
+// chainConn is a proxy connection as gRPC client code sees it (the
+// Kubernetes controllers' typed CSI clients, the front end): every call
+// goes through the chain.
+type chainConn struct{ p *proxyConn }
 
-// Invoke supports the grpc.Header and grpc.Trailer call options; the
-// chain's own timeout and retry replace gRPC's per-call options.
-func (f frameConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
-	var req []byte
-	switch a := args.(type) {
-	case *rawgrpc.Frame:
-		req = append(make([]byte, 5, 5+len(a.Payload)), a.Payload...)
-	case proto.Message:
-		var err error
-		if req, err = (proto.MarshalOptions{}).MarshalAppend(make([]byte, 5, 5+proto.Size(a)), a); err != nil {
-			return status.Errorf(codes.Internal, "csibroker: marshal %s request: %v", shortMethod(method), err)
-		}
-	default:
-		return status.Errorf(codes.Internal, "csibroker: %s: cannot send a %T", shortMethod(method), args)
-	}
-	binary.BigEndian.PutUint32(req[1:5], uint32(len(req)-5))
-	md, _ := metadata.FromOutgoingContext(ctx)
-	resp, hdr, trl, err := f.p.up.b.invokeFrames(ctx, f.p, method, md, req)
-	for _, o := range opts {
-		switch o := o.(type) {
-		case grpc.HeaderCallOption:
-			*o.HeaderAddr = hdr
-		case grpc.TrailerCallOption:
-			*o.TrailerAddr = trl
-		}
-	}
-	if err != nil {
-		return err
-	}
-	switch r := reply.(type) {
-	case *rawgrpc.Frame:
-		r.Payload = resp[5:]
-	case proto.Message:
-		if err := proto.Unmarshal(resp[5:], r); err != nil {
-			return status.Errorf(codes.Internal, "csibroker: unmarshal %s answer: %v", shortMethod(method), err)
-		}
-	default:
-		return status.Errorf(codes.Internal, "csibroker: %s: cannot receive into a %T", shortMethod(method), reply)
-	}
-	return nil
+// Invoke runs a unary call through the chain. args and reply are protobuf
+// messages or, where a call is only forwarded, *rawgrpc.Frame.
+func (c chainConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	return c.p.unary(ctx, method, args, reply, nil, opts...)
 }
 
-// NewStream opens a stream through gRPC's client and the stream chain.
-func (f frameConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-	p, err := f.p.live()
-	if err != nil {
-		return nil, err
+// NewStream opens a stream through the stream chain.
+func (c chainConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	return c.p.newStream(ctx, desc, method, opts...)
+}
+
+// brokerStats is every proxy connection's stats handler: otelgrpc's, with
+// an ended call's status reduced to its code (a driver's message may
+// quote its request's secrets), and a note on the call's state that its
+// status came in the proxy's trailers.
+type brokerStats struct{ stats.Handler }
+
+func (h brokerStats) HandleRPC(ctx context.Context, rs stats.RPCStats) {
+	switch e := rs.(type) {
+	case *stats.InTrailer:
+		if st := stateOf(ctx); st != nil {
+			st.answered.Store(true)
+		}
+	case *stats.End:
+		if e.Error != nil {
+			code := status.Code(e.Error)
+			ended := *e
+			ended.Error = status.Error(code, code.String())
+			rs = &ended
+		}
 	}
-	return p.conn.NewStream(ctx, desc, method, opts...)
+	h.Handler.HandleRPC(ctx, rs)
 }

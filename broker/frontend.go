@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -14,13 +15,19 @@ import (
 	"time"
 
 	_ "github.com/container-storage-interface/spec/lib/go/csi" // registers the CSI services for routing and sanitized logging
-	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	_ "google.golang.org/grpc/encoding/gzip" // callers may compress: the front end's server decompresses
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	"github.com/csibroker/csibroker/internal/grpcsrv"
+	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
 )
 
@@ -33,37 +40,121 @@ const (
 	MetadataNode = "x-csibroker-node"
 )
 
-// frontEnd serves CSI to ordinary CSI clients and forwards every call, as raw
-// frames, through the driver's client chain (h2front.go speaks HTTP/2).
+// frontEnd serves CSI to ordinary CSI clients: a grpc-go server whose
+// UnknownServiceHandler hands every call, undecoded, to the driver's client
+// chain (timeout, retry, tracing, metrics, sanitized logging).
 type frontEnd struct {
 	b      *Broker
 	driver string // fixed driver for a per-driver socket; empty: from metadata
-	// methods holds a *feMethod per method path the protobuf registry
-	// knows (the CSI spec registers its services); other paths, which a
-	// caller may make up, are described anew on each call.
-	methods sync.Map
+	tcp    bool   // the shared mTLS TCP listener: callers are checked per call
+	// unary holds, per method path the protobuf registry knows (the CSI
+	// spec registers its services), whether it is unary; other paths,
+	// which a caller may make up, are streamed.
+	unary sync.Map
 }
 
-// feMethod is what the front end's calls of one method share.
-type feMethod struct {
-	unary    bool
-	spanOpts []trace.SpanStartOption // the server span's, named and described as otelgrpc does
-}
-
-// method describes a method path. Methods the registry does not know are
-// streamed.
-func (fe *frontEnd) method(path string) *feMethod {
-	if v, ok := fe.methods.Load(path); ok {
-		return v.(*feMethod)
+func (fe *frontEnd) isUnary(path string) bool {
+	if v, ok := fe.unary.Load(path); ok {
+		return v.(bool)
 	}
 	known, cs, ss := rawgrpc.MethodKind(path)
-	m := &feMethod{unary: known && !cs && !ss, spanOpts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindServer),
-		trace.WithAttributes(semconv.RPCSystemNameGRPC, semconv.RPCMethod(strings.TrimPrefix(path, "/")))}}
 	if known {
-		v, _ := fe.methods.LoadOrStore(path, m)
-		m = v.(*feMethod)
+		fe.unary.Store(path, !cs && !ss)
 	}
-	return m
+	return known && !cs && !ss
+}
+
+// serve runs the front end's grpc-go server on lis until ctx is done, then
+// lets the calls in flight finish (for up to frontEndDrain) and stops.
+func (fe *frontEnd) serve(ctx context.Context, lis net.Listener, creds credentials.TransportCredentials) error {
+	b := fe.b
+	opts := append(grpcsrv.ServerOptions(grpcsrv.Limits{MaxRecvMsgSize: b.opts.MaxMsgSize, MaxSendMsgSize: b.opts.MaxMsgSize}),
+		grpc.ForceServerCodecV2(rawgrpc.Codec{}),
+		grpc.UnknownServiceHandler(fe.handle),
+		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(b.opts.TracerProvider), otelgrpc.WithPropagators(b.opts.Propagator))),
+	)
+	if creds != nil {
+		opts = append(opts, grpc.Creds(creds), grpc.StatsHandler(grpcsrv.CallTracker()))
+	}
+	srv := grpc.NewServer(opts...)
+	stop := context.AfterFunc(ctx, func() { stopGracefully(srv, frontEndDrain) })
+	defer stop()
+	if err := srv.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return err
+	}
+	return nil
+}
+
+// frontEndDrain bounds how long a stopping front end waits for its calls.
+const frontEndDrain = 10 * time.Second
+
+// stopGracefully lets srv's calls in flight finish, for up to grace, then
+// ends what is left.
+func stopGracefully(srv *grpc.Server, grace time.Duration) {
+	t := time.AfterFunc(grace, srv.Stop)
+	srv.GracefulStop()
+	t.Stop()
+}
+
+// callerID is the SPIFFE ID of a TCP front-end caller ("" if it showed none).
+func callerID(ctx context.Context) string {
+	p, ok := peer.FromContext(ctx)
+	if !ok {
+		return ""
+	}
+	info, ok := p.AuthInfo.(grpcsrv.AuthInfo)
+	if !ok || len(info.State.PeerCertificates) == 0 {
+		return ""
+	}
+	id, _ := mtls.PeerID(info.State.PeerCertificates[0])
+	return id
+}
+
+// handle forwards one call through the chain of the driver it routes to.
+func (fe *frontEnd) handle(_ any, ss grpc.ServerStream) error {
+	ctx := ss.Context()
+	method, _ := grpc.MethodFromServerStream(ss)
+	if fe.tcp {
+		if err := grpcsrv.CheckPeer(ctx); err != nil {
+			return err
+		}
+		if id := callerID(ctx); id != "" {
+			trace.SpanFromContext(ctx).SetAttributes(attribute.String("csibroker.caller", id))
+		}
+	}
+	md, _ := metadata.FromIncomingContext(ctx)
+	pc, err := fe.route(method, md)
+	if err != nil {
+		return err
+	}
+	out := metadata.NewOutgoingContext(ctx, rawgrpc.ForwardedMetadata(md))
+	conn := chainConn{pc}
+	if !fe.isUnary(method) {
+		cs, err := conn.NewStream(out, rawgrpc.StreamDesc, method)
+		if err != nil {
+			return err
+		}
+		return rawgrpc.Forward(ss, cs)
+	}
+	req := &rawgrpc.Frame{}
+	if err := ss.RecvMsg(req); errors.Is(err, io.EOF) {
+		return status.Error(codes.Internal, "csibroker: the request holds no message")
+	} else if err != nil {
+		return err
+	}
+	var hdr, trl metadata.MD
+	reply := &rawgrpc.Frame{}
+	err = conn.Invoke(out, method, req, reply, grpc.Header(&hdr), grpc.Trailer(&trl))
+	if len(hdr) > 0 {
+		if herr := ss.SetHeader(hdr); herr != nil && err == nil {
+			err = herr
+		}
+	}
+	ss.SetTrailer(trl)
+	if err != nil {
+		return err
+	}
+	return ss.SendMsg(reply)
 }
 
 // ServeSocket serves driver's CSI front end on a unix socket at path until
@@ -120,7 +211,7 @@ func (b *Broker) ServeSocket(ctx context.Context, driver, path string) error {
 		b.mu.Unlock()
 	}()
 	b.log.Info("CSI front end serving", "driver", driver, "socket", path)
-	return newFEServer(&frontEnd{b: b, driver: driver}, nil).serve(ctx, lis)
+	return (&frontEnd{b: b, driver: driver}).serve(ctx, grpcsrv.UnixListener(lis), nil)
 }
 
 // ServeSocketDir serves a front end <dir>/<driver>.sock for every
@@ -228,7 +319,7 @@ func (b *Broker) ServeTCP(ctx context.Context, lis net.Listener, tlsCfg *tls.Con
 		return errors.New("TCP front end: TLS is required")
 	}
 	b.log.Info("CSI TCP front end serving", "listen", lis.Addr().String())
-	return newFEServer(&frontEnd{b: b}, tlsCfg).serve(ctx, lis)
+	return (&frontEnd{b: b, tcp: true}).serve(ctx, lis, grpcsrv.Credentials(tlsCfg, b.log))
 }
 
 // onlyMD is the value of metadata key k ("" if absent); given more than
@@ -289,7 +380,7 @@ func (d *Driver) Route(method, node string) (grpc.ClientConnInterface, error) {
 	if err != nil {
 		return nil, err
 	}
-	return frameConn{pc}, nil
+	return chainConn{pc}, nil
 }
 
 func (d *Driver) route(method, node string) (*proxyConn, error) {

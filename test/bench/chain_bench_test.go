@@ -79,6 +79,12 @@ func runDriver(sock string) int {
 	if d, err := time.ParseDuration(os.Getenv("CSIBROKER_BENCH_PROBE_LATENCY")); err == nil && d > 0 {
 		cfg.Faults.Methods = map[string]sampledriver.Fault{"Probe": {Latency: d}}
 	}
+	// CSIBROKER_BENCH_CREATE_LATENCY makes CreateVolume take that long
+	// (BenchmarkCreateVolume10ms: a driver whose storage answers in
+	// milliseconds).
+	if d, err := time.ParseDuration(os.Getenv(createLatencyEnv)); err == nil && d > 0 {
+		cfg.Faults.Methods = map[string]sampledriver.Fault{"CreateVolume": {Latency: d}}
+	}
 	d, err := sampledriver.New(cfg)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

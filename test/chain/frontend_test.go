@@ -15,28 +15,32 @@ import (
 	"google.golang.org/grpc/encoding/gzip"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/emptypb"
 
+	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/chaintest"
 )
 
-// TestFrontEndRefusesCompressedRequests: the front end relays messages
-// undecoded, so a compressed request is refused with a status saying why,
-// and the caller's connection keeps serving uncompressed calls.
-func TestFrontEndRefusesCompressedRequests(t *testing.T) {
-	_, ep := startEcho(t)
+// TestFrontEndCompressedRequests: a gzip-compressed request is decompressed
+// by the front end's server (csibroker registers gzip) and forwarded to
+// the driver, whose answer comes back; uncompressed calls on the same
+// connection are unaffected.
+func TestFrontEndCompressedRequests(t *testing.T) {
+	e, ep := startEcho(t)
 	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
 	client := csi.NewControllerClient(chaintest.Dial(t, c.Front))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	_, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "gz"}, grpc.UseCompressor(gzip.Name))
-	if status.Code(err) != codes.Unimplemented || !strings.Contains(status.Convert(err).Message(), "compressed") {
-		t.Fatalf("compressed request: err = %v, want Unimplemented naming compression", err)
+	resp, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "gz"}, grpc.UseCompressor(gzip.Name))
+	if err != nil || resp.GetVolume().GetVolumeId() != "id-gz" {
+		t.Fatalf("compressed request: %v, %v", resp, err)
 	}
-	resp, err := client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "plain"})
+	resp, err = client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "plain"})
 	if err != nil || resp.GetVolume().GetVolumeId() != "id-plain" {
-		t.Fatalf("plain request after a refused one: %v, %v", resp, err)
+		t.Fatalf("plain request after a compressed one: %v, %v", resp, err)
+	}
+	if n := e.calls.Load(); n != 2 {
+		t.Fatalf("the driver saw %d calls, want 2", n)
 	}
 }
 
@@ -170,40 +174,31 @@ func TestUnknownMethodsShareOneMetricLabel(t *testing.T) {
 	}
 }
 
-// TestFrontEndDrainedConnectionLingers: once a stopping front end has
-// answered a connection's last call, it shuts its writes (the caller reads
-// the answer, then EOF) but goes on reading until the caller closes, or
-// for rawgrpc.DrainLinger: a caller's frame sent after the answer (a
-// WINDOW_UPDATE, a PING) is taken, not refused, so closing never resets
-// the connection with the last answer still on its way.
-func TestFrontEndDrainedConnectionLingers(t *testing.T) {
-	echo, ep := startEcho(t)
-	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: ep})
-	r := dialRawFront(t, c)
-	msg, err := proto.Marshal(&csi.CreateVolumeRequest{Name: "slow", Parameters: map[string]string{"sleep-ms": "300"}})
-	if err != nil {
-		t.Fatal(err)
+// TestFrontEndNodeNamedTwice: the node metadata key given twice is the
+// caller's error (which node it meant is not for the broker to guess),
+// for unary and streaming calls alike.
+func TestFrontEndNodeNamedTwice(t *testing.T) {
+	c := chaintest.Start(t, chaintest.Options{Driver: echoName, DriverEndpoint: startStreamDriver(t)})
+	conn := chaintest.Dial(t, c.Front)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	twice := metadata.AppendToOutgoingContext(ctx, broker.MetadataNode, "node-a", broker.MetadataNode, "node-b")
+	check := func(what string, err error) {
+		t.Helper()
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), broker.MetadataNode) || !strings.Contains(err.Error(), "given 2 times") {
+			t.Fatalf("%s with the node named twice: %v, want InvalidArgument naming %s", what, err, broker.MetadataNode)
+		}
 	}
-	openCall(r, 1, "")
-	sendData(t, r, 1, append([]byte{0, 0, 0, 0, byte(len(msg))}, msg...), true)
-	echo.waitCreateCalls(t, 1)
-	stopped := make(chan struct{})
-	go func() { c.Stop(); close(stopped) }()
-	if code, why := statusOf(t, r, 1); code != "0" {
-		t.Fatalf("the call in flight while the front end stopped: grpc-status %s %q", code, why)
+	_, err := csi.NewControllerClient(conn).CreateVolume(twice, &csi.CreateVolumeRequest{Name: "twice"})
+	check("CreateVolume", err)
+	st, err := csi.NewSnapshotMetadataClient(conn).GetMetadataAllocated(twice, &csi.GetMetadataAllocatedRequest{SnapshotId: "s"})
+	if err == nil {
+		_, err = st.Recv()
 	}
-	select {
-	case <-r.closed: // EOF after the answer
-	case <-time.After(5 * time.Second):
-		t.Fatal("no EOF after the last answer of a draining connection")
-	}
-	time.Sleep(20 * time.Millisecond)
-	if err := r.fr.WritePing(false, [8]byte{1}); err != nil {
-		t.Fatalf("a frame sent after the answer was refused (the front end closed at once): %v", err)
-	}
-	select {
-	case <-stopped:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the chain did not stop")
+	check("GetMetadataAllocated", err)
+	// Once is fine.
+	once := metadata.AppendToOutgoingContext(ctx, broker.MetadataNode, "node-a")
+	if _, err := csi.NewControllerClient(conn).CreateVolume(once, &csi.CreateVolumeRequest{Name: "once"}); err != nil {
+		t.Fatalf("CreateVolume with the node named once: %v", err)
 	}
 }

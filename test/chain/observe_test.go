@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -125,9 +126,21 @@ func TestOneTracePerCall(t *testing.T) {
 	// The proxy's span is a child of the broker's client span, and the
 	// driver's server span a child of the proxy's: the context went through
 	// the proxy, not around it.
-	var proxySpan sdktrace.ReadOnlySpan
+	// The proxy's span is the server span whose parent is the client span
+	// of the broker's logical-call span.
+	byID := map[trace.SpanID]sdktrace.ReadOnlySpan{}
 	for _, s := range spans.Ended() {
-		if s.InstrumentationScope().Name == "github.com/csibroker/csibroker/proxy" && s.SpanContext().TraceID() == traceID {
+		if s.SpanContext().TraceID() == traceID {
+			byID[s.SpanContext().SpanID()] = s
+		}
+	}
+	var proxySpan sdktrace.ReadOnlySpan
+	for _, s := range byID {
+		client := byID[s.Parent().SpanID()]
+		if s.SpanKind() != trace.SpanKindServer || client == nil || client.SpanKind() != trace.SpanKindClient {
+			continue
+		}
+		if b := byID[client.Parent().SpanID()]; b != nil && strings.HasPrefix(b.Name(), "broker ") {
 			proxySpan = s
 		}
 	}

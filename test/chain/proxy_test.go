@@ -208,7 +208,7 @@ func TestTCPFrontEnd(t *testing.T) {
 	if _, err := short.GetPluginInfo(metadata.AppendToOutgoingContext(cctx, broker.MetadataDriver, echoName), &csi.GetPluginInfoRequest{}); status.Code(err) != codes.Unavailable {
 		t.Fatalf("a call after the caller's certificate expired: %v, want Unavailable", err)
 	}
-	waitLog(t, c, "CSI TCP front end refuses new calls", "expired")
+	waitLog(t, c, "refusing new calls from a peer whose certificate has expired")
 	// A client certificate reaches no proxy directly: the proxy admits the
 	// broker only.
 	m, err := c.CA.IssueMaterial(mtls.Leaf{ID: client, NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
