@@ -3,7 +3,6 @@ package proxy
 import (
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -173,7 +172,7 @@ func New(cfg Config) (*Proxy, error) {
 		MaxRecvMsgSize:       cfg.MaxMsgSize,
 		MaxSendMsgSize:       cfg.MaxMsgSize,
 	}),
-		grpc.Creds(grpcsrv.Credentials(p.logRefusals(cfg.TLS), p.log)),
+		grpc.Creds(grpcsrv.Credentials(cfg.TLS, p.log, grpcsrv.LogHandshakeRefusals("proxy refused a peer"))),
 		grpc.StatsHandler(grpcsrv.CallTracker()),
 		grpc.StatsHandler(otelgrpc.NewServerHandler(
 			otelgrpc.WithTracerProvider(cfg.TracerProvider),
@@ -187,26 +186,6 @@ func New(cfg Config) (*Proxy, error) {
 	p.srv = grpc.NewServer(opts...)
 	proxyinfov1.RegisterProxyInfoServer(p.srv, infoServer{p})
 	return p, nil
-}
-
-// logRefusals makes every refused peer certificate a log line: the
-// handshake itself only fails.
-func (p *Proxy) logRefusals(cfg *tls.Config) *tls.Config {
-	cfg = cfg.Clone()
-	verify := cfg.VerifyPeerCertificate
-	cfg.VerifyPeerCertificate = func(raw [][]byte, chains [][]*x509.Certificate) error {
-		var err error
-		if verify != nil {
-			err = verify(raw, chains)
-		} else if len(raw) == 0 {
-			err = errors.New("peer presented no certificate")
-		}
-		if err != nil {
-			p.log.Warn("proxy refused a peer", "err", err)
-		}
-		return err
-	}
-	return cfg
 }
 
 // boundedLabels makes the metrics interceptors name every method the

@@ -22,6 +22,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -375,5 +376,42 @@ func TestDriverDown(t *testing.T) {
 	logs := tp.logs.String()
 	if n := strings.Count(logs, "cannot reach the driver's socket"); n != 1 {
 		t.Errorf("the unreachable driver logged %d times, want once:\n%s", n, logs)
+	}
+}
+
+// TestExpiredBrokerRefused: a broker connection whose certificate expires
+// while it is open has its next call refused with Unavailable (said at
+// INFO: a routine renewal looks so) and is closed; the driver never sees
+// the call.
+func TestExpiredBrokerRefused(t *testing.T) {
+	d, ep := startRawDriver(t)
+	tp := startProxy(t, ep, Config{})
+	expiry := time.Now().Add(1500 * time.Millisecond)
+	m, err := tp.ca.IssueMaterial(mtls.Leaf{ID: mtls.BrokerID(trustDomain), NotBefore: time.Now().Add(-time.Minute), NotAfter: expiry})
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := tp.dial(t, m)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := invoke(ctx, conn, "/csi.t.T/Slow"); err != nil {
+		t.Fatalf("a call before expiry: %v", err)
+	}
+	time.Sleep(time.Until(expiry) + 100*time.Millisecond)
+	before := d.peak.Load()
+	d.peak.Store(0)
+	if err := invoke(ctx, conn, "/csi.t.T/Slow"); status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "expired") {
+		t.Fatalf("a call after expiry: %v, want Unavailable naming the expiry", err)
+	}
+	if d.peak.Load() != 0 || before != 1 {
+		t.Error("the driver saw the refused call")
+	}
+	for conn.GetState() == connectivity.Ready {
+		if !conn.WaitForStateChange(ctx, connectivity.Ready) {
+			t.Fatal("the proxy kept the expired broker's connection open")
+		}
+	}
+	if l := tp.logs.String(); !strings.Contains(l, "level=INFO") || !strings.Contains(l, "expired since the handshake") || strings.Contains(l, "level=WARN") {
+		t.Errorf("want an INFO line about the expiry and no warning:\n%s", l)
 	}
 }

@@ -47,9 +47,12 @@
 // has its call refused with Unavailable, and its connection is closed once
 // its calls in flight have ended (CallTracker counts them with two atomic
 // adds per call): grpc-go has no GOAWAY for one connection, and a closed
-// connection makes the client reconnect, where the new handshake says what
-// is wrong. Expiry, what a routine renewal looks like, is logged at INFO;
-// any other failure at WARN.
+// connection makes the client reconnect with its current certificate (or
+// fail a new handshake, which LogHandshakeRefusals logs with the reason;
+// the client hears only "bad certificate"). Expiry, what a routine renewal
+// looks like, is logged at INFO; any other failure at WARN. The refused
+// call's status is written before the close: the close waits 200 ms after
+// the connection's last call ended.
 //
 // # Unix socket buffers (grpc-go issue 9330)
 //

@@ -224,7 +224,7 @@ func (s *switchSource) Current() *mtls.Material { return s.m.Load() }
 func tlsServer(t *testing.T, src mtls.Source, log *slog.Logger) string {
 	t.Helper()
 	cfg := mtls.ServerConfig(src, mtls.AuthorizeOneOf(mtls.BrokerID("test")))
-	srv := grpc.NewServer(grpc.Creds(Credentials(cfg, log)), grpc.StatsHandler(CallTracker()),
+	srv := grpc.NewServer(grpc.Creds(Credentials(cfg, log, LogHandshakeRefusals("handshake refused a peer"))), grpc.StatsHandler(CallTracker()),
 		grpc.ChainUnaryInterceptor(UnaryCheckPeer()), grpc.ChainStreamInterceptor(StreamCheckPeer()),
 		grpc.ForceServerCodecV2(rawgrpc.Codec{}), grpc.UnknownServiceHandler(echo(nil)))
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
@@ -295,9 +295,13 @@ func TestCheckPeer(t *testing.T) {
 		if l := logs.String(); !strings.Contains(l, "level=INFO") || !strings.Contains(l, "expired since the handshake") || strings.Contains(l, "level=WARN") {
 			t.Errorf("logs:\n%s\nwant one INFO line about the expiry, no warning", l)
 		}
-		// The new handshake says what is wrong.
+		// The new handshake fails (the client hears "bad certificate"),
+		// and the server's log says why.
 		if err := invoke(ctx, cc, "/t.S/M", nil); status.Code(err) != codes.Unavailable {
 			t.Errorf("a call on a new connection: %v, want Unavailable", err)
+		}
+		if l := logs.String(); !strings.Contains(l, "level=WARN msg=\"handshake refused a peer\"") || !strings.Contains(l, "expired") {
+			t.Errorf("the refused handshake was not logged:\n%s", l)
 		}
 	})
 

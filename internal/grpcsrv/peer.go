@@ -3,6 +3,8 @@ package grpcsrv
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
+	"errors"
 	"log/slog"
 	"net"
 	"sync"
@@ -60,8 +62,33 @@ func (c *connState) closeSoon() {
 // connection.
 type creds struct {
 	credentials.TransportCredentials
-	cfg *tls.Config
+	cfg *tls.Config // what PeerChecks verify with: the caller's, unwrapped
 	log *slog.Logger
+}
+
+// CredentialsOption adjusts Credentials.
+type CredentialsOption func(hs *tls.Config, log *slog.Logger)
+
+// LogHandshakeRefusals logs, at WARN with msg, every peer certificate a
+// TLS handshake refuses (the handshake itself only fails). The checks of
+// CheckPeer are not logged so: they log their own refusal once per
+// connection, at INFO for an expiry.
+func LogHandshakeRefusals(msg string) CredentialsOption {
+	return func(hs *tls.Config, log *slog.Logger) {
+		verify := hs.VerifyPeerCertificate
+		hs.VerifyPeerCertificate = func(raw [][]byte, chains [][]*x509.Certificate) error {
+			var err error
+			if verify != nil {
+				err = verify(raw, chains)
+			} else if len(raw) == 0 {
+				err = errors.New("peer presented no certificate")
+			}
+			if err != nil {
+				log.Warn(msg, "err", err)
+			}
+			return err
+		}
+	}
 }
 
 // Credentials are grpc-go's TLS server credentials over cfg (a server
@@ -69,12 +96,16 @@ type creds struct {
 // certificate and authorize the peer), recording each connection's
 // *mtls.PeerCheck in its AuthInfo so that CheckPeer can verify the peer
 // again at every call. Use them with CallTracker; log receives the
-// refusals of CheckPeer.
-func Credentials(cfg *tls.Config, log *slog.Logger) credentials.TransportCredentials {
+// refusals of CheckPeer (and of the handshakes, with LogHandshakeRefusals).
+func Credentials(cfg *tls.Config, log *slog.Logger, opts ...CredentialsOption) credentials.TransportCredentials {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &creds{TransportCredentials: credentials.NewTLS(cfg), cfg: cfg, log: log}
+	hs := cfg.Clone()
+	for _, o := range opts {
+		o(hs, log)
+	}
+	return &creds{TransportCredentials: credentials.NewTLS(hs), cfg: cfg, log: log}
 }
 
 func (c *creds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
@@ -117,7 +148,8 @@ func connOf(ctx context.Context) (AuthInfo, bool) {
 // Unavailable, as is every later call on the connection, and the
 // connection is closed once it has no call in flight (with CallTracker
 // installed): grpc-go cannot send one connection GOAWAY, and closing it
-// makes the client reconnect, and the new handshake says what is wrong.
+// makes the client reconnect, with its current certificate, or fail the
+// new handshake, which the server logs with LogHandshakeRefusals.
 // An expired peer is logged at INFO (a routine renewal looks so), any
 // other failure at WARN.
 func CheckPeer(ctx context.Context) error {
