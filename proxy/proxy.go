@@ -228,6 +228,15 @@ func (p *Proxy) forward(_ any, in grpc.ServerStream) error {
 	if !strings.HasPrefix(method, "/csi.") {
 		return status.Errorf(codes.Unimplemented, "csibroker proxy: %s is not a CSI method; this proxy forwards CSI services only", method)
 	}
+	if known, clientStreams, _ := rawgrpc.MethodKind(method); known && !clientStreams {
+		// Every CSI method today: the request comes before a driver
+		// slot and stream are taken, so a call that never sends it, or
+		// is reset first, costs the driver nothing.
+		var err error
+		if in, err = rawgrpc.Prefetch(in); err != nil {
+			return err
+		}
+	}
 	ctx, cancel := context.WithCancel(in.Context())
 	defer cancel()
 	release, err := p.acquire(ctx)

@@ -135,3 +135,42 @@ func (c MDCarrier) Keys() []string {
 	}
 	return keys
 }
+
+// Prefetch receives in's first message and returns a stream whose first
+// RecvMsg gives it again, so that a forwarder can wait for a call's
+// request before it opens the backend's stream: a call whose request never
+// comes, or that is reset before it is sent, then costs the backend
+// nothing. It fails with the error of receiving, unless that is io.EOF (a
+// call without a message, which the backend is left to answer). Only for
+// methods whose client does not stream: a streaming client may wait for
+// the answer's headers before it sends.
+func Prefetch(in grpc.ServerStream) (grpc.ServerStream, error) {
+	p := &prefetched{ServerStream: in, first: &Frame{}}
+	if p.err = in.RecvMsg(p.first); p.err != nil && !errors.Is(p.err, io.EOF) {
+		return nil, p.err
+	}
+	return p, nil
+}
+
+type prefetched struct {
+	grpc.ServerStream
+	first *Frame
+	err   error
+}
+
+func (p *prefetched) RecvMsg(m any) error {
+	if p.first == nil {
+		return p.ServerStream.RecvMsg(m)
+	}
+	f, err := p.first, p.err
+	p.first, p.err = nil, nil
+	if err != nil {
+		return err
+	}
+	dst, ok := m.(*Frame)
+	if !ok {
+		return errors.New("rawgrpc: a prefetched stream receives frames only")
+	}
+	*dst = *f
+	return nil
+}

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -56,9 +57,11 @@ func serveUnix(t *testing.T, srv *grpc.Server) *grpc.ClientConn {
 //	/t.S/Block  waits for the call's end, and reports it on cancelled
 type backend struct {
 	cancelled chan error
+	calls     atomic.Int32
 }
 
 func (b *backend) handle(_ any, ss grpc.ServerStream) error {
+	b.calls.Add(1)
 	method, _ := grpc.MethodFromServerStream(ss)
 	ctx := ss.Context()
 	md, _ := metadata.FromIncomingContext(ctx)
@@ -125,13 +128,21 @@ func (b *backend) handle(_ any, ss grpc.ServerStream) error {
 }
 
 // startForwarder starts backend and a forwarding server in front of it,
-// and returns a client connection to the forwarder.
-func startForwarder(t *testing.T) (*grpc.ClientConn, *backend) {
+// and returns a client connection to the forwarder. With prefetch, the
+// forwarder waits for each call's first message before it calls the
+// backend.
+func startForwarder(t *testing.T, prefetch ...bool) (*grpc.ClientConn, *backend) {
 	t.Helper()
 	b := &backend{cancelled: make(chan error, 1)}
 	back := serveUnix(t, grpc.NewServer(grpc.ForceServerCodecV2(Codec{}), grpc.UnknownServiceHandler(b.handle)))
 	front := grpc.NewServer(grpc.ForceServerCodecV2(Codec{}), grpc.UnknownServiceHandler(func(_ any, in grpc.ServerStream) error {
 		method, _ := grpc.MethodFromServerStream(in)
+		if len(prefetch) > 0 && prefetch[0] {
+			var err error
+			if in, err = Prefetch(in); err != nil {
+				return err
+			}
+		}
 		ctx, cancel := context.WithCancel(in.Context())
 		defer cancel()
 		ctx, _ = OutgoingContext(ctx)
@@ -213,7 +224,13 @@ func TestForwardStatusPassesThrough(t *testing.T) {
 }
 
 func TestForwardMessagesAndMetadata(t *testing.T) {
-	cc, _ := startForwarder(t)
+	for _, prefetch := range []bool{false, true} {
+		t.Run(fmt.Sprintf("prefetch=%v", prefetch), func(t *testing.T) { testForwardMessagesAndMetadata(t, prefetch) })
+	}
+}
+
+func testForwardMessagesAndMetadata(t *testing.T, prefetch bool) {
+	cc, _ := startForwarder(t, prefetch)
 	bin := string([]byte{0, 1, 2, 0xff})
 	tests := []struct {
 		name   string
@@ -355,5 +372,36 @@ func TestForwardedMetadata(t *testing.T) {
 	}
 	if d := cmp.Diff(metadata.MD{}, ForwardedMetadata(nil)); d != "" {
 		t.Errorf("nil: %s", d)
+	}
+}
+
+// TestPrefetchWaitsForTheRequest: with Prefetch, a call that has sent
+// nothing has not reached the backend; its first message, when it comes,
+// is the first the backend receives.
+func TestPrefetchWaitsForTheRequest(t *testing.T) {
+	cc, b := startForwarder(t, true)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := cc.NewStream(ctx, StreamDesc, "/t.S/Echo", grpc.ForceCodecV2(Codec{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	if n := b.calls.Load(); n != 0 {
+		t.Fatalf("the backend has %d calls before the request was sent", n)
+	}
+	if err := s.SendMsg(&Frame{Payload: []byte("first")}); err != nil {
+		t.Fatal(err)
+	}
+	s.CloseSend()
+	var f Frame
+	if err := s.RecvMsg(&f); err != nil || string(f.Payload) != "first" {
+		t.Fatalf("answer %q, %v", f.Payload, err)
+	}
+	if err := s.RecvMsg(&f); !errors.Is(err, io.EOF) {
+		t.Fatalf("end: %v", err)
+	}
+	if n := b.calls.Load(); n != 1 {
+		t.Errorf("the backend had %d calls, want 1", n)
 	}
 }
