@@ -191,6 +191,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 			g.Go(func() error { return gc.Run(ctx) })
 		}
 		g.Go(func() error { return bridge.Run(ctx) })
+		g.Go(func() error { cfg.Kube.followDrivers(ctx, b, log); return nil })
 		if cfg.Kube.DiscoverProxies != "" {
 			var static []string
 			for _, d := range reg.Drivers {
@@ -244,7 +245,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 			}
 			fmt.Fprintln(w, "ok")
 		})
-		mux.Handle(cfg.MetricsPath, promhttp.HandlerFor(promReg, promhttp.HandlerOpts{}))
+		mux.Handle(cfg.MetricsPath, promhttp.HandlerFor(promReg, promhttp.HandlerOpts{EnableOpenMetrics: true}))
 		g.Go(func() error { return serveHTTP(ctx, cfg.HTTPEndpoint, mux, log) })
 	}
 	return g.Wait()

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -25,6 +26,7 @@ import (
 	"k8s.io/client-go/util/flowcontrol"
 	"k8s.io/klog/v2"
 
+	"github.com/csibroker/csibroker/internal/budget"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/telemetry"
 	"github.com/csibroker/csibroker/k8sbridge"
@@ -38,6 +40,8 @@ type kubeFlags struct {
 	Kubeconfig           string
 	QPS                  float64
 	Burst                int
+	Budget               string // per-driver or fixed
+	budget               *budget.Limiter
 	EventsQPS            float64
 	EventsBurst          int
 	ContentType          string
@@ -98,8 +102,9 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	}()
 	fs.StringVar(&f.Mode, "kubernetes", "auto", "run the Kubernetes controllers: on, off, or auto (on when --kubeconfig is set or running in a pod)")
 	fs.StringVar(&f.Kubeconfig, "kubeconfig", "", "kubeconfig file (empty: in-cluster configuration)")
-	fs.Float64Var(&f.QPS, "kube-api-qps", 5, "QPS of the client for Kubernetes objects")
-	fs.IntVar(&f.Burst, "kube-api-burst", 10, "burst of the client for Kubernetes objects")
+	fs.Float64Var(&f.QPS, "kube-api-qps", 5, "QPS of the client for Kubernetes objects, per registered driver (see --kube-api-budget)")
+	fs.IntVar(&f.Burst, "kube-api-burst", 10, "burst of the client for Kubernetes objects, per registered driver (see --kube-api-budget)")
+	fs.StringVar(&f.Budget, "kube-api-budget", budgetPerDriver, "the objects' client budget: per-driver (--kube-api-qps/-burst times the registered drivers, as many sidecars as drivers would have, shared in turn among the drivers' writes) or fixed (--kube-api-qps/-burst in all)")
 	fs.Float64Var(&f.EventsQPS, "events-qps", 20, "QPS of the separate client for Events, so they are never starved by object writes")
 	fs.IntVar(&f.EventsBurst, "events-burst", 50, "burst of the Events client")
 	fs.StringVar(&f.ContentType, "kube-api-content-type", runtime.ContentTypeProtobuf, "encoding of built-in objects on the wire: "+runtime.ContentTypeProtobuf+" (cheaper to decode, as kube-controller-manager and the CSI sidecars use) or "+runtime.ContentTypeJSON+"; custom resources are always JSON")
@@ -221,6 +226,9 @@ func (f *kubeFlags) validate() error {
 	}
 	if f.QPS <= 0 || f.Burst <= 0 || f.EventsQPS <= 0 || f.EventsBurst <= 0 {
 		errs = append(errs, errors.New("--kube-api-qps/-burst and --events-qps/-burst must be positive"))
+	}
+	if f.Budget != budgetPerDriver && f.Budget != budgetFixed {
+		errs = append(errs, fmt.Errorf("--kube-api-budget %q: want %s or %s", f.Budget, budgetPerDriver, budgetFixed))
 	}
 	if f.ContentType != runtime.ContentTypeProtobuf && f.ContentType != runtime.ContentTypeJSON {
 		errs = append(errs, fmt.Errorf("--kube-api-content-type %q: want %s or %s", f.ContentType, runtime.ContentTypeProtobuf, runtime.ContentTypeJSON))
@@ -416,10 +424,11 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	informerCfg, _ := f.restConfig(20, 50, "informers")
 	// The objects' budget is one limiter, shared with the intent record's
 	// client, which takes its tokens before it cuts a batch
-	// (k8sbridge.Config.IntentBudget).
-	budget := flowcontrol.NewTokenBucketRateLimiter(float32(f.QPS), f.Burst)
+	// (k8sbridge.Config.IntentBudget); per driver, it grows with the
+	// registered drivers (followDrivers).
+	f.budget = budget.New(f.budgetSize(len(drivers.DriverNames())))
 	clientCfg := rest.CopyConfig(objCfg)
-	clientCfg.RateLimiter = budget
+	clientCfg.RateLimiter = f.budget
 	intentCfg := rest.CopyConfig(objCfg)
 	intentCfg.RateLimiter = flowcontrol.NewFakeAlwaysRateLimiter()
 	client, err := f.builtinClient(clientCfg)
@@ -450,7 +459,7 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	ns := f.Namespace
 	b, err := k8sbridge.New(k8sbridge.Config{
 		Client: client, EventClient: evClient, LeaseClient: leaseClient, InformerClient: informerClient,
-		IntentClient: intentClient, IntentBudget: budget, SnapshotClient: snapClient,
+		IntentClient: intentClient, IntentBudget: f.budget, SnapshotClient: snapClient,
 		Drivers: drivers, Policy: authz, Namespace: ns, Identity: f.Identity,
 		LeaderElection: f.LeaderElection, LeaderElectionLease: f.LeaseDuration, LeaderElectionRenew: f.RenewDeadline, LeaderElectionRetry: f.RetryPeriod,
 		LeaderElectionNamespace: f.LeaderNamespace,
@@ -464,6 +473,46 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 		return nil, nil, err
 	}
 	return b, objCfg, nil
+}
+
+// The objects' client budget (--kube-api-budget).
+const (
+	budgetPerDriver = "per-driver"
+	budgetFixed     = "fixed"
+)
+
+// budgetSize is the objects' budget for n registered drivers.
+func (f *kubeFlags) budgetSize(n int) budget.Size {
+	s := budget.Size{QPS: f.QPS, Burst: f.Burst}
+	if f.Budget == budgetFixed {
+		return s
+	}
+	return s.Times(n)
+}
+
+// followDrivers resizes a per-driver budget as drivers are registered and
+// removed (discovery), checking every second, until ctx is done.
+func (f *kubeFlags) followDrivers(ctx context.Context, drivers interface{ DriverNames() []string }, log *slog.Logger) {
+	if f.budget == nil || f.Budget == budgetFixed {
+		return
+	}
+	defer f.budget.Stop()
+	n := len(drivers.DriverNames())
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if m := len(drivers.DriverNames()); m != n {
+			n = m
+			s := f.budgetSize(n)
+			f.budget.Resize(s)
+			log.Info("object writes budget resized", "drivers", n, "qps", s.QPS, "burst", s.Burst)
+		}
+	}
 }
 
 // discoverNamespaces is --discover-proxies-namespace as a list.

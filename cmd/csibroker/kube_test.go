@@ -28,6 +28,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/csibroker/csibroker/broker"
+	"github.com/csibroker/csibroker/internal/budget"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/telemetry"
 	"github.com/csibroker/csibroker/policy"
@@ -72,7 +73,7 @@ func TestBuiltinClientEncoding(t *testing.T) {
 		})
 	}
 
-	f := &kubeFlags{Mode: "off", PolicyMode: "enforce", QPS: 5, Burst: 10, EventsQPS: 20, EventsBurst: 50,
+	f := &kubeFlags{Mode: "off", PolicyMode: "enforce", QPS: 5, Burst: 10, Budget: budgetPerDriver, EventsQPS: 20, EventsBurst: 50,
 		LeaseDuration: 3e9, RenewDeadline: 2e9, RetryPeriod: 5e8, WorkerThreads: 1, RetryIntervalStart: 1e9, RetryIntervalMax: 1e9,
 		ContentType: "application/yaml", VolumeNameUUIDLength: -1}
 	err := f.validate()
@@ -398,5 +399,27 @@ func TestPolicyOPAURLCredentialsNeverPrinted(t *testing.T) {
 	}
 	if c := leaked(logs.String()); c != "" {
 		t.Errorf("the log says %q:\n%s", c, logs.String())
+	}
+}
+
+// TestBudgetFollowsTheDrivers: by default the objects' budget is
+// --kube-api-qps/-burst per registered driver (N sidecars' worth for N
+// drivers); --kube-api-budget=fixed keeps it as given.
+func TestBudgetFollowsTheDrivers(t *testing.T) {
+	for _, c := range []struct {
+		mode    string
+		drivers int
+		want    budget.Size
+	}{
+		{budgetPerDriver, 0, budget.Size{QPS: 5, Burst: 10}},
+		{budgetPerDriver, 1, budget.Size{QPS: 5, Burst: 10}},
+		{budgetPerDriver, 5, budget.Size{QPS: 25, Burst: 50}},
+		{budgetPerDriver, 20, budget.Size{QPS: 100, Burst: 200}},
+		{budgetFixed, 20, budget.Size{QPS: 5, Burst: 10}},
+	} {
+		f := &kubeFlags{QPS: 5, Burst: 10, Budget: c.mode}
+		if got := f.budgetSize(c.drivers); got != c.want {
+			t.Errorf("%s with %d drivers: %v, want %v", c.mode, c.drivers, got, c.want)
+		}
 	}
 }
