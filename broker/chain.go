@@ -234,7 +234,7 @@ func (b *Broker) onRetry(ctx context.Context, p *proxyConn, d *callDesc, attempt
 
 // streamEnded records a stream's end as observe records a unary call's.
 func (b *Broker) streamEnded(p *proxyConn, d *callDesc, ds *driverStats, start time.Time, err error) {
-	if code := b.ended(p, d, ds, time.Since(start), err); err != nil {
+	if code := b.ended(p, d, ds, time.Since(start), err, trace.SpanContext{}); err != nil {
 		b.log.Info("csi stream failed", "driver", p.driver, "node", p.cfg.Node, "method", d.short, "code", code.String())
 	}
 }
@@ -248,20 +248,21 @@ func (b *Broker) began(p *proxyConn, d *callDesc) *driverStats {
 	return ds
 }
 
-// ended records the end of a call that began: the latency histograms and
-// the driver's status counts.
-func (b *Broker) ended(p *proxyConn, d *callDesc, ds *driverStats, elapsed time.Duration, err error) codes.Code {
+// ended records the end of a call that began: the latency histograms (with
+// sc's trace ID as exemplar when it is sampled) and the driver's status
+// counts.
+func (b *Broker) ended(p *proxyConn, d *callDesc, ds *driverStats, elapsed time.Duration, err error, sc trace.SpanContext) codes.Code {
 	d.inflight.Dec()
 	ds.inflight.Add(-1)
 	ds.total.Add(1)
 	code := status.Code(err)
 	if code == codes.OK {
-		d.okCalls.Observe(elapsed.Seconds())
-		d.okSidecar.Observe(elapsed.Seconds())
+		observeTraced(d.okCalls, elapsed.Seconds(), sc)
+		observeTraced(d.okSidecar, elapsed.Seconds(), sc)
 	} else {
 		ds.failed.Add(1)
-		b.metrics.calls.WithLabelValues(p.driver, d.metricShort, rawgrpc.CodeLabel(code)).Observe(elapsed.Seconds())
-		b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, rawgrpc.CodeLabel(code)).Observe(elapsed.Seconds())
+		observeTraced(b.metrics.calls.WithLabelValues(p.driver, d.metricShort, rawgrpc.CodeLabel(code)), elapsed.Seconds(), sc)
+		observeTraced(b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, rawgrpc.CodeLabel(code)), elapsed.Seconds(), sc)
 	}
 	return code
 }
@@ -382,7 +383,7 @@ func (b *Broker) observe(ctx context.Context, p *proxyConn, d *callDesc, method 
 		// the request's secret values never leave in an error message.
 		err = redactSecrets(err, method, req)
 	}
-	code := b.ended(p, d, ds, elapsed, err)
+	code := b.ended(p, d, ds, elapsed, err, span.SpanContext())
 	span.SetAttributes(attribute.String("rpc.grpc.status_code", code.String()))
 	if err != nil {
 		span.SetStatus(otelcodes.Error, code.String())
