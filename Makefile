@@ -2,8 +2,8 @@
 #
 #   make run      build what is missing and run the local demo: a real control plane,
 #                 two sample drivers behind proxies, the broker, claims, a policy denial
-#   make test     everything CI runs: format, vet, the control plane and sidecar
-#                 builds (cached), and every test with the race detector
+#   make test     everything CI runs: format, vet, the control plane, sidecar and
+#                 Jaeger builds (cached), and every test with the race detector
 #   make bench    CSI path benchmarks and policy benchmarks (see BENCHMARKS.md)
 #   make bench-k8s  csibroker against external-provisioner/attacher on a real control plane
 
@@ -17,7 +17,7 @@ TEST_TIMEOUT ?= 40m
 BENCH_TIME ?= 2s
 BENCH_COUNT ?= 3
 
-.PHONY: all build test test-unit fmt-check vet lint bench bench-k8s rss-floor proto run demo control-plane sidecars clean docker
+.PHONY: all build test test-unit fmt-check vet lint bench bench-k8s rss-floor proto run demo control-plane sidecars jaeger clean docker
 
 all: build
 
@@ -39,10 +39,10 @@ vet:
 
 lint: fmt-check vet
 
-## The sidecars (for the side-by-side harness's smoke test) are built here
-## too, before the tests and outside their time limits, cached like the
-## control plane.
-test: fmt-check vet control-plane sidecars
+## The sidecars (for the side-by-side harness's smoke test) and Jaeger (for
+## the tracing tests) are built here too, before the tests and outside their
+## time limits, cached like the control plane.
+test: fmt-check vet control-plane sidecars jaeger
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) $(PKGS)
 
 ## Fast tests: no race detector, and the packages that need the control plane
@@ -71,6 +71,11 @@ rss-floor:
 sidecars:
 	hack/sidecars.sh build
 
+## Jaeger all-in-one (OTLP in, query API out), for test/tracing and the demo:
+## about 6 minutes the first time on 2 cores, cached after.
+jaeger:
+	hack/jaeger.sh build
+
 ## Regenerate proto/ (needs protoc: apt-get install protobuf-compiler).
 proto:
 	@command -v protoc >/dev/null || { echo "installing protoc"; apt-get update -qq && apt-get install -y -qq protobuf-compiler; }
@@ -84,6 +89,8 @@ proto:
 	# Unimplemented*/Unsafe* stubs.
 	$(GO) run ./hack/stripstubs $$(find proto -name '*_grpc.pb.go')
 
+## The demo sends its traces to Jaeger when it is built (make jaeger), and
+## prints them as a tree either way.
 run: control-plane build
 	$(BIN) demo
 
