@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/csibroker/csibroker/broker"
+	"github.com/csibroker/csibroker/internal/grpcsrv"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/telemetry"
 	"github.com/csibroker/csibroker/k8sbridge"
@@ -261,7 +262,7 @@ func serveStatus(ctx context.Context, path string, s *broker.StatusServer) error
 		return fmt.Errorf("status socket (--status-socket, or under --socket-dir): %w", err)
 	}
 	defer os.Remove(path)
-	srv := grpc.NewServer()
+	srv := grpc.NewServer(grpcsrv.ServerOptions(grpcsrv.Limits{})...)
 	brokerstatusv1.RegisterBrokerStatusServer(srv, s)
 	go func() { <-ctx.Done(); srv.GracefulStop() }()
 	return srv.Serve(lis)
