@@ -3,6 +3,8 @@ package deploy
 import (
 	"encoding/json"
 	"fmt"
+	"maps"
+	"net/url"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -543,6 +545,217 @@ func TestSourceCheckedMetrics(t *testing.T) {
 		}
 		if !found {
 			t.Errorf("%s: no declaration in %s", name, want.Source)
+		}
+	}
+}
+
+// spanAttrRE matches a span attribute's declaration in the Go sources.
+var spanAttrRE = regexp.MustCompile(`attribute\.(?:String|Int|Bool|Int64)\("([a-z0-9_.]+)"`)
+
+// The dashboard reaches traces: a tracing data source variable; the
+// latency panels show the histograms' exemplars, whose trace_id opens the
+// trace on that data source; and the CSI call and provisioning panels link
+// each driver/method (or driver/StorageClass) series to a trace search
+// there, in Jaeger's and in Tempo's query language, by span attributes the
+// broker sets and labels the panel's series have.
+func TestDashboardTraceLinks(t *testing.T) {
+	data, err := os.ReadFile(deployDir(t, filepath.Join("monitoring", "grafana-dashboard.json")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	type link struct {
+		Title string `json:"title"`
+		URL   string `json:"url"`
+	}
+	type fieldConfig struct {
+		Defaults struct {
+			Links []link `json:"links"`
+		} `json:"defaults"`
+		Overrides []struct {
+			Matcher struct {
+				ID      string `json:"id"`
+				Options string `json:"options"`
+			} `json:"matcher"`
+			Properties []struct {
+				ID    string          `json:"id"`
+				Value json.RawMessage `json:"value"`
+			} `json:"properties"`
+		} `json:"overrides"`
+	}
+	var dash struct {
+		Templating struct {
+			List []struct {
+				Name  string `json:"name"`
+				Type  string `json:"type"`
+				Query any    `json:"query"`
+			} `json:"list"`
+		} `json:"templating"`
+		Panels []struct {
+			ID          int         `json:"id"`
+			Title       string      `json:"title"`
+			FieldConfig fieldConfig `json:"fieldConfig"`
+			Targets     []struct {
+				Expr     string `json:"expr"`
+				Exemplar bool   `json:"exemplar"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	if err := json.Unmarshal(data, &dash); err != nil {
+		t.Fatalf("grafana-dashboard.json: %v", err)
+	}
+
+	tracing := false
+	for _, v := range dash.Templating.List {
+		if v.Name == "tracing" {
+			tracing = true
+			if v.Type != "datasource" || (v.Query != "jaeger" && v.Query != "tempo") {
+				t.Errorf("variable tracing: type %q query %v, want a datasource variable of type jaeger or tempo", v.Type, v.Query)
+			}
+		}
+	}
+	if !tracing {
+		t.Fatal("no tracing data source variable")
+	}
+
+	// The span attributes the broker and its controllers set.
+	attrs := map[string]bool{}
+	for _, dir := range []string{"broker", "k8sbridge", "proxy"} {
+		files, _ := filepath.Glob(filepath.Join(repoRoot(t), dir, "*.go"))
+		for _, f := range files {
+			if strings.HasSuffix(f, "_test.go") {
+				continue
+			}
+			src, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, m := range spanAttrRE.FindAllStringSubmatch(string(src), -1) {
+				attrs[m[1]] = true
+			}
+		}
+	}
+	if !attrs["csi.driver"] {
+		t.Fatal("found no span attribute declarations (csi.driver) in broker/ and k8sbridge/")
+	}
+
+	fieldRE := regexp.MustCompile(`\$\{__field\.labels\.([A-Za-z_][A-Za-z0-9_]*)\}`)
+	// explore checks an Explore URL on the tracing data source and
+	// returns its queries.
+	explore := func(where string, l link) []map[string]any {
+		u, err := url.Parse(l.URL)
+		if err != nil || u.Path != "/explore" {
+			t.Errorf("%s: link %q: URL %q is not an Explore URL (%v)", where, l.Title, l.URL, err)
+			return nil
+		}
+		var left struct {
+			Datasource string           `json:"datasource"`
+			Queries    []map[string]any `json:"queries"`
+			Range      struct{ From, To string }
+		}
+		if err := json.Unmarshal([]byte(u.Query().Get("left")), &left); err != nil {
+			t.Errorf("%s: link %q: left pane: %v", where, l.Title, err)
+			return nil
+		}
+		if left.Datasource != "${tracing}" || len(left.Queries) == 0 || left.Range.From != "${__from}" || left.Range.To != "${__to}" {
+			t.Errorf("%s: link %q: data source %q, %d queries, range %v: want ${tracing}, the dashboard's time range", where, l.Title, left.Datasource, len(left.Queries), left.Range)
+		}
+		for _, q := range left.Queries {
+			if ds, _ := q["datasource"].(map[string]any); ds == nil || ds["uid"] != "${tracing}" {
+				t.Errorf("%s: link %q: query data source %v, want ${tracing}", where, l.Title, q["datasource"])
+			}
+		}
+		return left.Queries
+	}
+
+	searched := map[string]bool{} // panel titles with both searches
+	for _, p := range dash.Panels {
+		where := fmt.Sprintf("panel %d %q", p.ID, p.Title)
+		labels := map[string]bool{}
+		latency := false
+		for _, tg := range p.Targets {
+			for l := range checkQuery(tg.Expr).labels {
+				labels[l] = true
+			}
+			if strings.Contains(tg.Expr, "histogram_quantile") &&
+				(strings.Contains(tg.Expr, "csibroker_csi_call_duration_seconds_bucket") || strings.Contains(tg.Expr, "csi_sidecar_operations_seconds_bucket")) {
+				latency = true
+			}
+		}
+		if latency {
+			for i, tg := range p.Targets {
+				if !tg.Exemplar {
+					t.Errorf("%s: target %d does not show exemplars", where, i)
+				}
+			}
+			opens := false
+			for _, o := range p.FieldConfig.Overrides {
+				if o.Matcher.ID != "byName" || o.Matcher.Options != "trace_id" {
+					continue
+				}
+				for _, pr := range o.Properties {
+					var ls []link
+					if pr.ID != "links" || json.Unmarshal(pr.Value, &ls) != nil {
+						continue
+					}
+					for _, l := range ls {
+						for _, q := range explore(where, l) {
+							opens = opens || q["query"] == "${__value.raw}"
+						}
+					}
+				}
+			}
+			if !opens {
+				t.Errorf("%s: no link from an exemplar's trace_id to its trace on ${tracing}", where)
+			}
+		}
+		var jaeger, tempo bool
+		for _, l := range p.FieldConfig.Defaults.Links {
+			for _, m := range fieldRE.FindAllStringSubmatch(l.URL+l.Title, -1) {
+				if !labels[m[1]] {
+					t.Errorf("%s: link %q names label %s, which the panel's series do not have", where, l.Title, m[1])
+				}
+			}
+			for _, q := range explore(where, l) {
+				switch q["queryType"] {
+				case "search": // Jaeger
+					jaeger = true
+					tags, _ := q["tags"].(string)
+					if q["service"] != "csibroker-broker" || !strings.Contains(tags, "${__field.labels.") {
+						t.Errorf("%s: Jaeger search %v: want service csibroker-broker and tags from the series' labels", where, q)
+					}
+					for _, kv := range strings.Fields(tags) {
+						if k, _, _ := strings.Cut(kv, "="); k != "error" && !attrs[k] {
+							t.Errorf("%s: Jaeger search by tag %s, which no span carries", where, k)
+						}
+					}
+				case "traceql": // Tempo
+					tempo = true
+					expr, _ := q["query"].(string)
+					for _, m := range regexp.MustCompile(`\bspan\.([a-z0-9_.]+)\s*=`).FindAllStringSubmatch(expr, -1) {
+						if !attrs[m[1]] {
+							t.Errorf("%s: TraceQL by span.%s, which no span carries", where, m[1])
+						}
+					}
+					if !strings.Contains(expr, "${__field.labels.") {
+						t.Errorf("%s: TraceQL %q does not select by the series' labels", where, expr)
+					}
+				default:
+					t.Errorf("%s: link %q: query type %v", where, l.Title, q["queryType"])
+				}
+			}
+		}
+		if jaeger && tempo {
+			searched[p.Title] = true
+		} else if len(p.FieldConfig.Defaults.Links) > 0 {
+			t.Errorf("%s: links search Jaeger %v, Tempo %v: want both", where, jaeger, tempo)
+		}
+		if latency && !searched[p.Title] {
+			t.Errorf("%s: a latency panel without trace searches per series", where)
+		}
+	}
+	for _, want := range []string{"CSI error ratio by driver and method", "Provisioning failures", "Provisioning duration"} {
+		if !slices.ContainsFunc(slices.Collect(maps.Keys(searched)), func(s string) bool { return strings.Contains(s, want) }) {
+			t.Errorf("no trace search from the panel %q", want)
 		}
 	}
 }
