@@ -234,7 +234,12 @@ func TestForwardsCSIAndOnlyCSI(t *testing.T) {
 	}
 	// W3C trace context: the driver's parent is the proxy's server span,
 	// in the caller's trace.
+	// (The server span ends as the call's status is written: maybe just
+	// after the caller has read it.)
 	spans := tp.spans.Ended()
+	for deadline := time.Now().Add(5 * time.Second); len(spans) == 0 && time.Now().Before(deadline); spans = tp.spans.Ended() {
+		time.Sleep(5 * time.Millisecond)
+	}
 	if len(spans) != 1 {
 		t.Fatalf("%d proxy spans, want 1", len(spans))
 	}
