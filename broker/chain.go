@@ -35,6 +35,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoregistry"
 
 	"github.com/csibroker/csibroker/internal/rawgrpc"
+	"github.com/csibroker/csibroker/internal/telemetry"
 )
 
 // The client chain of a call, outermost first, as grpc-go interceptors:
@@ -257,12 +258,12 @@ func (b *Broker) ended(p *proxyConn, d *callDesc, ds *driverStats, elapsed time.
 	ds.total.Add(1)
 	code := status.Code(err)
 	if code == codes.OK {
-		observeTraced(d.okCalls, elapsed.Seconds(), sc)
-		observeTraced(d.okSidecar, elapsed.Seconds(), sc)
+		telemetry.ObserveTraced(d.okCalls, elapsed.Seconds(), sc)
+		telemetry.ObserveTraced(d.okSidecar, elapsed.Seconds(), sc)
 	} else {
 		ds.failed.Add(1)
-		observeTraced(b.metrics.calls.WithLabelValues(p.driver, d.metricShort, rawgrpc.CodeLabel(code)), elapsed.Seconds(), sc)
-		observeTraced(b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, rawgrpc.CodeLabel(code)), elapsed.Seconds(), sc)
+		telemetry.ObserveTraced(b.metrics.calls.WithLabelValues(p.driver, d.metricShort, rawgrpc.CodeLabel(code)), elapsed.Seconds(), sc)
+		telemetry.ObserveTraced(b.metrics.sidecar.WithLabelValues(p.driver, d.metricFull, rawgrpc.CodeLabel(code)), elapsed.Seconds(), sc)
 	}
 	return code
 }

@@ -4,7 +4,6 @@ import (
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"go.opentelemetry.io/otel/trace"
 )
 
 // Metrics are the broker's CSI client metrics.
@@ -72,18 +71,6 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	for _, ps := range m.b.proxyStates() {
 		ch <- prometheus.MustNewConstMetric(m.connDesc, prometheus.GaugeValue, 1, ps.driver, ps.node, ps.address, ps.state)
 	}
-}
-
-// observeTraced records v in o, with the trace ID of sc as the exemplar
-// (label trace_id) when sc is a sampled span's: a dashboard then links the
-// observation to its trace. Prometheus keeps one exemplar per bucket, the
-// latest, and serves them in the OpenMetrics format only.
-func observeTraced(o prometheus.Observer, v float64, sc trace.SpanContext) {
-	if eo, ok := o.(prometheus.ExemplarObserver); ok && sc.IsSampled() {
-		eo.ObserveWithExemplar(v, prometheus.Labels{"trace_id": sc.TraceID().String()})
-		return
-	}
-	o.Observe(v)
 }
 
 // shortMethod turns "/csi.v1.Controller/CreateVolume" into "CreateVolume".

@@ -1,4 +1,4 @@
-package broker
+package telemetry
 
 import (
 	"testing"
@@ -7,7 +7,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-func TestObserveTracedExemplar(t *testing.T) {
+func TestObserveTraced(t *testing.T) {
 	tid, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
 	sid, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
 	for _, tc := range []struct {
@@ -20,10 +20,10 @@ func TestObserveTracedExemplar(t *testing.T) {
 		{name: "no span", sc: trace.SpanContext{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			h := prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "h_seconds", Help: "h", Buckets: CallBuckets}, []string{"l"})
+			h := prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "h_seconds", Help: "h", Buckets: prometheus.ExponentialBucketsRange(1e-5, 100, 20)}, []string{"l"})
 			reg := prometheus.NewPedanticRegistry()
 			reg.MustRegister(h)
-			observeTraced(h.WithLabelValues("x"), 0.003, tc.sc)
+			ObserveTraced(h.WithLabelValues("x"), 0.003, tc.sc)
 			mfs, err := reg.Gather()
 			if err != nil {
 				t.Fatal(err)
