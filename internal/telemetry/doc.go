@@ -32,4 +32,11 @@
 //
 // ShutdownTracing flushes within TracingShutdownTimeout: a stopping process
 // does not wait on an exporter that does not answer.
+//
+// # Exemplars
+//
+// ObserveTraced records a histogram observation with the trace ID of a
+// sampled span as its exemplar (label trace_id), which the OpenMetrics
+// format carries to Prometheus and a dashboard turns into a link to the
+// trace.
 package telemetry
