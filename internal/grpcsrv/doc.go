@@ -33,6 +33,10 @@
 //     GOAWAY; its client reconnects when it next calls. Longer than the
 //     broker's idle time between calls on any live proxy, short enough
 //     that abandoned connections do not pile up.
+//   - No MaxConnectionAge: what a forced reconnect would catch (a peer
+//     whose certificate changed or expired) the per-call peer check
+//     catches, without a handshake and a broken stream for every
+//     connection on a timer.
 //   - The flow-control windows of rawgrpc (1 MiB per stream, 4 MiB per
 //     connection), set explicitly, which also turns off grpc-go's
 //     bandwidth estimator and its PINGs.
