@@ -128,8 +128,9 @@ func (p *Proxy) noteDial(err error) {
 	}
 }
 
-// New prepares the proxy; the driver is dialled at once and again, with
-// backoff, whenever its connection is lost.
+// New prepares the proxy. The driver is dialled when the first call comes,
+// and again, with backoff, whenever its connection is lost (the
+// connection never goes idle).
 func New(cfg Config) (*Proxy, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("proxy config: %w", err)
