@@ -16,8 +16,13 @@ PKGS := ./...
 TEST_TIMEOUT ?= 40m
 BENCH_TIME ?= 2s
 BENCH_COUNT ?= 3
+# h2spec (HTTP/2 conformance, test/h2spec), pinned; `make h2spec` installs it
+# here, and the tests find it through the H2SPEC environment variable.
+H2SPEC_VERSION := v2.2.1+incompatible
+H2SPEC := $(CURDIR)/bin/tools/h2spec-$(H2SPEC_VERSION)
+export H2SPEC
 
-.PHONY: all build test test-unit fmt-check vet lint bench bench-k8s rss-floor proto run demo control-plane sidecars jaeger clean docker
+.PHONY: all build test test-unit fmt-check vet lint bench bench-k8s rss-floor proto run demo control-plane sidecars jaeger h2spec clean docker
 
 all: build
 
@@ -39,10 +44,10 @@ vet:
 
 lint: fmt-check vet
 
-## The sidecars (for the side-by-side harness's smoke test) and Jaeger (for
-## the tracing tests) are built here too, before the tests and outside their
-## time limits, cached like the control plane.
-test: fmt-check vet control-plane sidecars jaeger
+## The sidecars (for the side-by-side harness's smoke test), Jaeger (for
+## the tracing tests) and h2spec are built here too, before the tests and
+## outside their time limits, cached like the control plane.
+test: fmt-check vet control-plane sidecars jaeger h2spec
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) $(PKGS)
 
 ## Fast tests: no race detector, and the packages that need the control plane
@@ -75,6 +80,17 @@ sidecars:
 ## about 6 minutes the first time on 2 cores, cached after.
 jaeger:
 	hack/jaeger.sh build
+
+## h2spec, installed once into bin/tools/ (git-ignored) under a name with its
+## version, so a new pin installs anew. It has no go.mod: its dependencies
+## resolve to their newest versions when it is installed.
+h2spec: $(H2SPEC)
+
+$(H2SPEC):
+	@mkdir -p $(@D)/.h2spec
+	GOFLAGS= GOBIN=$(@D)/.h2spec $(GO) install github.com/summerwind/h2spec/cmd/h2spec@$(H2SPEC_VERSION)
+	mv $(@D)/.h2spec/h2spec $@
+	rmdir $(@D)/.h2spec
 
 ## Regenerate proto/ (needs protoc: apt-get install protobuf-compiler).
 proto:
