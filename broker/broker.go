@@ -49,6 +49,7 @@ type Broker struct {
 	tracer  trace.Tracer
 	metrics *Metrics
 	stats   brokerStats // every proxy connection's
+	feSlots sync.Map    // driver → chan struct{}: front-end call slots (frontEndSlot)
 
 	mu      sync.RWMutex
 	drivers map[string]*Driver

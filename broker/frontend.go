@@ -85,6 +85,34 @@ func (fe *frontEnd) serve(ctx context.Context, lis net.Listener, creds credentia
 	return nil
 }
 
+// FrontEndShare bounds the calls that front-end callers have in flight to
+// one driver at once, over all their connections: half the proxy's
+// default stream limit, so that callers of the front ends (slow calls,
+// or calls that never finish) always leave room on the broker's
+// connection to the proxy for the Kubernetes controllers. A call over
+// the bound waits for a slot within its deadline.
+const FrontEndShare = 128
+
+// frontEndSlot takes one of driver's front-end call slots, waiting within
+// ctx.
+func (b *Broker) frontEndSlot(ctx context.Context, driver string) (release func(), err error) {
+	v, _ := b.feSlots.LoadOrStore(driver, make(chan struct{}, FrontEndShare))
+	slots := v.(chan struct{})
+	release = func() { <-slots }
+	select {
+	case slots <- struct{}{}:
+		return release, nil
+	default:
+	}
+	select {
+	case slots <- struct{}{}:
+		return release, nil
+	case <-ctx.Done():
+		return nil, status.Errorf(status.FromContextError(ctx.Err()).Code(),
+			"csibroker: the call waited for one of the %d front-end call slots of driver %s until it ended: %v", FrontEndShare, driver, ctx.Err())
+	}
+}
+
 // frontEndDrain bounds how long a stopping front end waits for its calls.
 const frontEndDrain = 10 * time.Second
 
@@ -127,15 +155,34 @@ func (fe *frontEnd) handle(_ any, ss grpc.ServerStream) error {
 	if err != nil {
 		return err
 	}
-	out := metadata.NewOutgoingContext(ctx, rawgrpc.ForwardedMetadata(md))
-	conn := chainConn{pc}
-	if !fe.isUnary(method) {
-		cs, err := conn.NewStream(out, rawgrpc.StreamDesc, method)
-		if err != nil {
+	// The request first (every CSI method's client sends one message): a
+	// call whose request never comes holds no slot and no stream to the
+	// proxy.
+	if known, clientStreams, _ := rawgrpc.MethodKind(method); known && !clientStreams {
+		if ss, err = rawgrpc.Prefetch(ss); err != nil {
 			return err
 		}
-		return rawgrpc.Forward(ss, cs)
 	}
+	release, err := fe.b.frontEndSlot(ctx, pc.driver)
+	if err != nil {
+		return err
+	}
+	defer release()
+	out := metadata.NewOutgoingContext(ctx, rawgrpc.ForwardedMetadata(md))
+	if fe.isUnary(method) {
+		return forwardUnary(out, chainConn{pc}, method, ss)
+	}
+	cs, err := chainConn{pc}.NewStream(out, rawgrpc.StreamDesc, method)
+	if err != nil {
+		return err
+	}
+	return rawgrpc.Forward(ss, cs)
+}
+
+// forwardUnary calls method through conn with ss's request and answers
+// ss with the result: headers, the message, trailers and status as the
+// driver sent them.
+func forwardUnary(ctx context.Context, conn chainConn, method string, ss grpc.ServerStream) error {
 	req := &rawgrpc.Frame{}
 	if err := ss.RecvMsg(req); errors.Is(err, io.EOF) {
 		return status.Error(codes.Internal, "csibroker: the request holds no message")
@@ -144,7 +191,7 @@ func (fe *frontEnd) handle(_ any, ss grpc.ServerStream) error {
 	}
 	var hdr, trl metadata.MD
 	reply := &rawgrpc.Frame{}
-	err = conn.Invoke(out, method, req, reply, grpc.Header(&hdr), grpc.Trailer(&trl))
+	err := conn.Invoke(ctx, method, req, reply, grpc.Header(&hdr), grpc.Trailer(&trl))
 	if len(hdr) > 0 {
 		if herr := ss.SetHeader(hdr); herr != nil && err == nil {
 			err = herr
