@@ -9,7 +9,12 @@ import (
 	"log/slog"
 	"strings"
 
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	"go.opentelemetry.io/otel/metric/noop"
+	"google.golang.org/grpc"
+
 	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/telemetry"
 )
 
 func init() {
@@ -129,6 +134,17 @@ func runSampleDriver(ctx context.Context, args []string, _, stderr io.Writer) er
 	if err != nil {
 		return err
 	}
+	// Spans, configured by the standard OTEL_* variables as the broker's and
+	// the proxy's are: a server span per call, child of the proxy's, with
+	// a failed call's code but not its message.
+	tp, err := telemetry.NewTracerProvider(ctx, "csibroker-sample-driver")
+	if err != nil {
+		return fmt.Errorf("tracing: %w", err)
+	}
+	defer telemetry.ShutdownTracing(ctx, tp, cfg.Logger)
+	cfg.ServerOptions = append(cfg.ServerOptions, grpc.StatsHandler(telemetry.CodeOnly(otelgrpc.NewServerHandler(
+		otelgrpc.WithTracerProvider(tp), otelgrpc.WithPropagators(telemetry.Propagator()),
+		otelgrpc.WithMeterProvider(noop.NewMeterProvider())))))
 	d, err := sampledriver.New(cfg)
 	if err != nil {
 		return err

@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 
+	"google.golang.org/grpc"
+
 	"github.com/csibroker/csibroker/internal/csiname"
 )
 
@@ -70,6 +72,9 @@ type Config struct {
 	// Logger receives lifecycle messages at Info and sanitized requests at
 	// Debug (responses at Debug-4). Nil discards.
 	Logger *slog.Logger
+	// ServerOptions are added to the CSI server's own (an OpenTelemetry
+	// stats handler, so the driver's spans join its callers' traces).
+	ServerOptions []grpc.ServerOption
 }
 
 // csiNameRE is the driver name format csi-sanity checks, which is stricter

@@ -186,7 +186,7 @@ func (d *Driver) Config() Config { return d.cfg }
 // flight get gracePeriod to finish). It returns nil after a stop caused by
 // ctx, or the listener's error.
 func (d *Driver) Serve(ctx context.Context, lis net.Listener) error {
-	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(d.logInterceptor, d.faultInterceptor))
+	srv := grpc.NewServer(append([]grpc.ServerOption{grpc.ChainUnaryInterceptor(d.logInterceptor, d.faultInterceptor)}, d.cfg.ServerOptions...)...)
 	s := &server{Driver: d}
 	csi.RegisterIdentityServer(srv, s)
 	csi.RegisterControllerServer(srv, s)
