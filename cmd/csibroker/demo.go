@@ -10,9 +10,11 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -94,12 +96,15 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 }
 
 type demo struct {
-	cfg   DemoConfig
-	out   io.Writer
-	dir   string
-	exe   string
-	env   *testenv.Env
-	procs []*demoProc
+	cfg DemoConfig
+	out io.Writer
+	dir string
+	exe string
+	env *testenv.Env
+	// jaeger receives the components' spans when its binary is built
+	// (make jaeger); nil otherwise, and they print them instead.
+	jaeger *testenv.Jaeger
+	procs  []*demoProc
 	// exited is closed when the first of procs exits (firstExit), made
 	// once every component has started.
 	exited <-chan struct{}
@@ -150,6 +155,16 @@ func (d *demo) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if testenv.JaegerBuilt() {
+		d.step("starting Jaeger %s all-in-one (OTLP in, in-memory storage, query API out)", testenv.JaegerVersion)
+		if d.jaeger, err = testenv.StartJaeger(ctx, testenv.JaegerOptions{
+			Logf: func(f string, a ...any) { fmt.Fprintf(d.out, "    "+f+"\n", a...) }}); err != nil {
+			return err
+		}
+		fmt.Fprintf(d.out, "    started jaeger (pid %d)\n", d.jaeger.PID())
+	} else {
+		d.step("Jaeger is not built (make jaeger): the components print their spans, and the demo reads them from there")
+	}
 	c := d.env.Client()
 	if err := d.cluster(ctx, c, crdPath); err != nil {
 		return err
@@ -185,6 +200,9 @@ func (d *demo) run(ctx context.Context) error {
 		return errors.New("not every claim was Bound, or the denial did not happen")
 	}
 	if d.cfg.Wait {
+		if d.jaeger != nil {
+			d.step("Jaeger's query API: %s (a Jaeger UI's query service, or Grafana's Jaeger data source URL)", d.jaeger.QueryURL)
+		}
 		d.step("running; kubeconfig %s; front end %s; status: csibroker status --socket %s; Ctrl-C stops everything", d.env.Kubeconfig, front, status)
 		select {
 		case <-ctx.Done():
@@ -278,7 +296,7 @@ func (d *demo) components(ctx context.Context) (front, status, metricsURL string
 		if drv.extra != "" {
 			args = append(args, strings.Fields(drv.extra)...)
 		}
-		if err := d.start(short+"-driver", nil, args...); err != nil {
+		if err := d.start(short+"-driver", d.traceEnv("csibroker-sample-driver-"+short), args...); err != nil {
 			return "", "", "", err
 		}
 		if err := d.waitFile(ctx, sock, short+" driver"); err != nil {
@@ -329,9 +347,13 @@ func (d *demo) components(ctx context.Context) (front, status, metricsURL string
 	return front, status, "http://" + httpAddr + "/metrics", nil
 }
 
-// traceEnv makes a component print its spans (JSON) to standard output,
-// which the demo reads back to show a trace.
+// traceEnv makes a component export its spans to Jaeger over OTLP, or
+// without Jaeger print them (JSON) to standard output; the demo reads them
+// back from there to show a trace. Only standard OTEL_* variables.
 func (d *demo) traceEnv(service string) []string {
+	if d.jaeger != nil {
+		return d.jaeger.OTLPEnv(service, "http/protobuf")
+	}
 	return []string{"OTEL_TRACES_EXPORTER=console", "OTEL_SERVICE_NAME=" + service, "OTEL_BSP_SCHEDULE_DELAY=200"}
 }
 
@@ -530,8 +552,10 @@ func (d *demo) showMetrics(ctx context.Context, url string) error {
 	return sc.Err()
 }
 
-// span is the part of the console exporter's JSON the demo reads.
+// span is the part of the console exporter's JSON the demo reads (or a
+// span read from Jaeger, then with svc and kind set).
 type span struct {
+	svc         string
 	Name        string
 	SpanContext struct{ TraceID, SpanID string }
 	Parent      struct{ SpanID string }
@@ -545,6 +569,9 @@ type span struct {
 }
 
 func (s span) service() string {
+	if s.svc != "" {
+		return s.svc
+	}
 	for _, r := range s.Resource {
 		if r.Key == "service.name" {
 			return fmt.Sprint(r.Value.Value)
@@ -572,10 +599,18 @@ func (d *demo) showTrace(ctx context.Context, c kubernetes.Interface) error {
 		return errors.New("no trace ID in alpha-1's Events")
 	}
 	// The provisioning's own span ends last (after the PV exists), so it
-	// may reach the log a batch after its children: wait for it.
+	// may reach the log or Jaeger a batch after its children: wait for it.
 	root := "provision " + demoNS + "/alpha-1"
 	var spans []span
-	for end := time.Now().Add(15 * time.Second); ; {
+	from := "the broker's, proxies' and drivers' output"
+	if d.jaeger != nil {
+		var err error
+		if spans, err = d.jaegerSpans(ctx, traceID, root); err != nil {
+			return err
+		}
+		from = "Jaeger's query API (" + d.jaeger.QueryURL + "/api/traces/" + traceID + ")"
+	}
+	for end := time.Now().Add(15 * time.Second); d.jaeger == nil; {
 		spans = spans[:0]
 		haveRoot := false
 		files, _ := filepath.Glob(filepath.Join(d.dir, "logs", "*.stdout"))
@@ -605,7 +640,7 @@ func (d *demo) showTrace(ctx context.Context, c kubernetes.Interface) error {
 	if len(spans) == 0 {
 		return fmt.Errorf("no span of trace %s was exported", traceID)
 	}
-	d.step("trace %s: provisioning of %s/alpha-1, %d spans from broker and proxy", traceID, demoNS, len(spans))
+	d.step("trace %s: provisioning of %s/alpha-1, %d spans from %s", traceID, demoNS, len(spans), from)
 	children := map[string][]span{}
 	ids := map[string]bool{}
 	for _, s := range spans {
@@ -622,7 +657,7 @@ func (d *demo) showTrace(ctx context.Context, c kubernetes.Interface) error {
 	kinds := map[int]string{1: "internal", 2: "server", 3: "client"}
 	var walk func(s span, depth int)
 	walk = func(s span, depth int) {
-		fmt.Fprintf(d.out, "    %s%-*s %-24s %-8s %9s\n", strings.Repeat("  ", depth), 52-2*depth, s.Name, s.service(), kinds[s.SpanKind], s.EndTime.Sub(s.StartTime).Round(10*time.Microsecond))
+		fmt.Fprintf(d.out, "    %s%-*s %-30s %-8s %9s\n", strings.Repeat("  ", depth), 52-2*depth, s.Name, s.service(), kinds[s.SpanKind], s.EndTime.Sub(s.StartTime).Round(10*time.Microsecond))
 		kids := children[s.SpanContext.SpanID]
 		sort.Slice(kids, func(i, j int) bool { return kids[i].StartTime.Before(kids[j].StartTime) })
 		for _, k := range kids {
@@ -633,7 +668,45 @@ func (d *demo) showTrace(ctx context.Context, c kubernetes.Interface) error {
 	for _, r := range roots {
 		walk(r, 0)
 	}
+	if d.jaeger != nil {
+		fmt.Fprintf(d.out, "    to browse it: point a Jaeger UI's query service, or a Grafana Jaeger data source (URL %s), at Jaeger's query API; search service csibroker-broker, or open trace %s\n", d.jaeger.QueryURL, traceID)
+	}
 	return nil
+}
+
+// jaegerSpans reads trace traceID from Jaeger, waiting up to 15s for its
+// root span and a driver's span to arrive.
+func (d *demo) jaegerSpans(ctx context.Context, traceID, root string) ([]span, error) {
+	var tr testenv.JaegerTrace
+	var err error
+	for end := time.Now().Add(15 * time.Second); ; {
+		tr, err = d.jaeger.Trace(ctx, traceID)
+		if err == nil && slices.ContainsFunc(tr.Spans, func(s testenv.JaegerSpan) bool { return s.OperationName == root }) &&
+			slices.ContainsFunc(tr.Spans, func(s testenv.JaegerSpan) bool { return strings.HasPrefix(tr.Service(s), "csibroker-sample-driver") }) {
+			break
+		}
+		if time.Now().After(end) || ctx.Err() != nil {
+			if err != nil {
+				return nil, fmt.Errorf("trace %s from Jaeger: %w", traceID, err)
+			}
+			break // show what came
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	kinds := map[string]int{"internal": 1, "server": 2, "client": 3}
+	out := make([]span, 0, len(tr.Spans))
+	for _, js := range tr.Spans {
+		s := span{Name: js.OperationName, svc: tr.Service(js), StartTime: time.UnixMicro(js.StartTime)}
+		s.SpanContext.TraceID, s.SpanContext.SpanID, s.Parent.SpanID = js.TraceID, js.SpanID, js.Parent()
+		s.EndTime = s.StartTime.Add(time.Duration(js.Duration) * time.Microsecond)
+		if k, ok := js.Tag("span.kind"); ok {
+			s.SpanKind = kinds[k]
+		} else {
+			s.SpanKind = 1
+		}
+		out = append(out, s)
+	}
+	return out, nil
 }
 
 func (d *demo) checkNoSecret() error {
@@ -652,8 +725,49 @@ func (d *demo) checkNoSecret() error {
 		}
 		lines += strings.Count(string(b), "\n")
 	}
-	d.step("the secret's value appears in none of the %d lines of logs and exported spans", lines)
+	if d.jaeger == nil {
+		d.step("the secret's value appears in none of the %d lines of logs and exported spans", lines)
+		return nil
+	}
+	spans, err := d.jaegerSecretFree(context.Background())
+	if err != nil {
+		return err
+	}
+	d.step("the secret's value appears in none of the %d lines of logs and the %d spans in Jaeger", lines, spans)
 	return nil
+}
+
+// jaegerSecretFree checks every span Jaeger holds for the secret's value,
+// and returns how many it read.
+func (d *demo) jaegerSecretFree(ctx context.Context) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	services, err := d.jaeger.Services(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("Jaeger's services: %w", err)
+	}
+	n, seen := 0, map[string]bool{}
+	for _, svc := range services {
+		traces, err := d.jaeger.Traces(ctx, svc, url.Values{"limit": {"1000"}})
+		if err != nil {
+			return n, fmt.Errorf("Jaeger's traces of %s: %w", svc, err)
+		}
+		for _, tr := range traces {
+			if seen[tr.TraceID] {
+				continue
+			}
+			seen[tr.TraceID] = true
+			b, err := json.Marshal(tr)
+			if err != nil {
+				return n, err
+			}
+			if strings.Contains(string(b), demoSecret) {
+				return n, fmt.Errorf("the secret's value appears in trace %s in Jaeger", tr.TraceID)
+			}
+			n += len(tr.Spans)
+		}
+	}
+	return n, nil
 }
 
 // start runs a subcommand of this binary; stderr goes to logs/<name>.log and
@@ -710,6 +824,9 @@ func (d *demo) stopAll() {
 			_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
 			<-p.done
 		}
+	}
+	if d.jaeger != nil {
+		d.jaeger.Stop()
 	}
 	if d.env != nil {
 		d.env.Stop()

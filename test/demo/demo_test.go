@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/csibroker/csibroker/internal/testenv"
 )
 
 func TestDemoEndToEnd(t *testing.T) {
@@ -115,6 +117,15 @@ func TestDemoEndToEnd(t *testing.T) {
 	} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("demo output lacks %q", want)
+		}
+	}
+	// With Jaeger built (make test builds it), the trace comes from its
+	// query API, and the demo says where to point a UI.
+	if testenv.JaegerBuilt() {
+		for _, want := range []string{"started jaeger (pid", "spans from Jaeger's query API", "Grafana Jaeger data source (URL http://127.0.0.1:", "spans in Jaeger"} {
+			if !strings.Contains(out.String(), want) {
+				t.Errorf("Jaeger is built, but the demo output lacks %q", want)
+			}
 		}
 	}
 }
