@@ -78,7 +78,8 @@ EOF
 	gorun "$logf" "$src" go get -tool "${JAEGER_PKG}@${JAEGER_VERSION}"
 	log "${JAEGER_VERSION}: modules resolved in $(fmt_secs $((SECONDS - start)))"
 	local t=$SECONDS
-	gorun "$logf" "$src" go build -trimpath -ldflags "-s -w" \
+	gorun "$logf" "$src" go build -trimpath \
+		-ldflags "-s -w -X ${JAEGER_MODULE}/internal/version.latestVersion=${JAEGER_VERSION}" \
 		-o "${J_DIR}/.jaeger.tmp.$$" "$JAEGER_PKG"
 	mv -f "${J_DIR}/.jaeger.tmp.$$" "$J_BIN"
 	ok || die "built jaeger does not answer 'jaeger version'"
