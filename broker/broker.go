@@ -95,7 +95,7 @@ func New(opts Options) (*Broker, error) {
 		changed:  make(chan struct{}),
 		sockets:  map[string]string{},
 	}
-	b.stats = brokerStats{otelgrpc.NewClientHandler(otelgrpc.WithTracerProvider(opts.TracerProvider), otelgrpc.WithPropagators(opts.Propagator))}
+	b.stats = brokerStats{telemetry.CodeOnly(otelgrpc.NewClientHandler(otelgrpc.WithTracerProvider(opts.TracerProvider), otelgrpc.WithPropagators(opts.Propagator)))}
 	b.metrics = newMetrics()
 	b.metrics.b = b
 	if opts.Registerer != nil {

@@ -598,23 +598,15 @@ func (c chainConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method 
 }
 
 // brokerStats is every proxy connection's stats handler: otelgrpc's, with
-// an ended call's status reduced to its code (a driver's message may
-// quote its request's secrets), and a note on the call's state that its
-// status came in the proxy's trailers.
+// an ended call's status reduced to its code (telemetry.CodeOnly: a
+// driver's message may quote its request's secrets), and a note on the
+// call's state that its status came in the proxy's trailers.
 type brokerStats struct{ stats.Handler }
 
 func (h brokerStats) HandleRPC(ctx context.Context, rs stats.RPCStats) {
-	switch e := rs.(type) {
-	case *stats.InTrailer:
+	if _, ok := rs.(*stats.InTrailer); ok {
 		if st := stateOf(ctx); st != nil {
 			st.answered.Store(true)
-		}
-	case *stats.End:
-		if e.Error != nil {
-			code := status.Code(e.Error)
-			ended := *e
-			ended.Error = status.Error(code, code.String())
-			rs = &ended
 		}
 	}
 	h.Handler.HandleRPC(ctx, rs)

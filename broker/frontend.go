@@ -29,6 +29,7 @@ import (
 	"github.com/csibroker/csibroker/internal/grpcsrv"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
+	"github.com/csibroker/csibroker/internal/telemetry"
 )
 
 // Request metadata a front-end caller may set.
@@ -71,7 +72,8 @@ func (fe *frontEnd) serve(ctx context.Context, lis net.Listener, creds credentia
 	opts := append(grpcsrv.ServerOptions(grpcsrv.Limits{MaxRecvMsgSize: b.opts.MaxMsgSize, MaxSendMsgSize: b.opts.MaxMsgSize}),
 		grpc.ForceServerCodecV2(rawgrpc.Codec{}),
 		grpc.UnknownServiceHandler(fe.handle),
-		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(b.opts.TracerProvider), otelgrpc.WithPropagators(b.opts.Propagator))),
+		// The server span keeps a failed call's code, not the driver's message.
+		grpc.StatsHandler(telemetry.CodeOnly(otelgrpc.NewServerHandler(otelgrpc.WithTracerProvider(b.opts.TracerProvider), otelgrpc.WithPropagators(b.opts.Propagator)))),
 	)
 	if creds != nil {
 		opts = append(opts, grpc.Creds(creds), grpc.StatsHandler(grpcsrv.CallTracker()))

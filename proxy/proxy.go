@@ -175,10 +175,12 @@ func New(cfg Config) (*Proxy, error) {
 	}),
 		grpc.Creds(grpcsrv.Credentials(cfg.TLS, p.log, grpcsrv.LogHandshakeRefusals("proxy refused a peer"))),
 		grpc.StatsHandler(grpcsrv.CallTracker()),
-		grpc.StatsHandler(otelgrpc.NewServerHandler(
+		// Spans keep a failed call's code, never the driver's message (it
+		// may quote the request's secrets).
+		grpc.StatsHandler(telemetry.CodeOnly(otelgrpc.NewServerHandler(
 			otelgrpc.WithTracerProvider(cfg.TracerProvider),
 			otelgrpc.WithPropagators(cfg.Propagator),
-			otelgrpc.WithMeterProvider(noop.NewMeterProvider()))), // metrics are Prometheus' below
+			otelgrpc.WithMeterProvider(noop.NewMeterProvider())))), // metrics are Prometheus' below
 		grpc.ChainUnaryInterceptor(grpcsrv.UnaryCheckPeer(), metrics.UnaryServerInterceptor()),
 		grpc.ChainStreamInterceptor(grpcsrv.StreamCheckPeer(), boundedLabels(metrics)),
 		grpc.ForceServerCodecV2(rawgrpc.Codec{}),
