@@ -1,13 +1,11 @@
 package proxy
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"io"
 	"log/slog"
 	"net"
-	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -29,39 +27,11 @@ import (
 
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
+	"github.com/csibroker/csibroker/internal/testutil"
 	proxyinfov1 "github.com/csibroker/csibroker/proto/proxyinfo/v1"
 )
 
 const trustDomain = "test"
-
-// syncBuffer is a log sink safe for concurrent writers.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-// shortDir is a temporary directory short enough for socket paths.
-func shortDir(t testing.TB) string {
-	t.Helper()
-	dir, err := os.MkdirTemp("", "px")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	return dir
-}
 
 // rawDriver is a driver of raw frames: /csi.t.T/Echo answers each message
 // with itself and its metadata (as "got-<key>" headers);
@@ -115,7 +85,7 @@ func (d *rawDriver) handle(_ any, ss grpc.ServerStream) error {
 // startRawDriver serves a rawDriver and returns its endpoint.
 func startRawDriver(t testing.TB) (*rawDriver, string) {
 	t.Helper()
-	sock := filepath.Join(shortDir(t), "d.sock")
+	sock := filepath.Join(testutil.ShortTempDir(t), "d.sock")
 	lis, err := net.Listen("unix", sock)
 	if err != nil {
 		t.Fatal(err)
@@ -133,7 +103,7 @@ type testProxy struct {
 	conn  *grpc.ClientConn
 	reg   *prometheus.Registry
 	spans *tracetest.SpanRecorder
-	logs  *syncBuffer
+	logs  *testutil.SyncBuffer
 	ca    *mtls.CA
 	addr  string
 }
@@ -154,7 +124,7 @@ func startProxy(t testing.TB, endpoint string, cfg Config) *testProxy {
 		}
 		return m
 	}
-	tp := &testProxy{reg: prometheus.NewRegistry(), spans: tracetest.NewSpanRecorder(), logs: &syncBuffer{}, ca: ca}
+	tp := &testProxy{reg: prometheus.NewRegistry(), spans: tracetest.NewSpanRecorder(), logs: &testutil.SyncBuffer{}, ca: ca}
 	cfg.DriverEndpoint = endpoint
 	cfg.TLS = mtls.ServerConfig(mtls.StaticSource{M: issue(mtls.DriverID(trustDomain, "d"))}, mtls.AuthorizeOneOf(mtls.BrokerID(trustDomain)))
 	cfg.Logger = slog.New(slog.NewTextHandler(tp.logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
@@ -365,7 +335,7 @@ func TestMetricLabelsBounded(t *testing.T) {
 // TestDriverDown: with no driver, calls fail with Unavailable naming the
 // socket, /readyz fails, and the proxy says so once, not at every call.
 func TestDriverDown(t *testing.T) {
-	ep := "unix://" + filepath.Join(shortDir(t), "missing.sock")
+	ep := "unix://" + filepath.Join(testutil.ShortTempDir(t), "missing.sock")
 	tp := startProxy(t, ep, Config{})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()

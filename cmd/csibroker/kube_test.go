@@ -31,6 +31,7 @@ import (
 	"github.com/csibroker/csibroker/internal/budget"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/telemetry"
+	"github.com/csibroker/csibroker/internal/testutil"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -113,7 +114,7 @@ func TestClientGoNeverLogsSecrets(t *testing.T) {
 			t.Fatalf("secret read: %v, %v", s, err)
 		}
 	}
-	var uncapped, capped syncBuffer
+	var uncapped, capped testutil.SyncBuffer
 	read(telemetry.NewLogger(&uncapped, 10, false))
 	if !strings.Contains(uncapped.String(), leaks[1]) {
 		t.Fatalf("client-go did not log the response body at V(10) without the cap; this test cannot see a leak:\n%s", uncapped.String())
@@ -124,23 +125,6 @@ func TestClientGoNeverLogsSecrets(t *testing.T) {
 			t.Fatalf("the secret's value is in the broker's log:\n%s", capped.String())
 		}
 	}
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // TestBrokerFlagsRefusedTogether: flag values that would let the broker
@@ -377,7 +361,7 @@ func TestPolicyOPAURLCredentialsNeverPrinted(t *testing.T) {
 
 	// Past the flags' check, the policy's own code reports the URL:
 	// its warning and its start line say scheme://host/path only.
-	var logs syncBuffer
+	var logs testutil.SyncBuffer
 	log := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	f := &kubeFlags{PolicyMode: "enforce", PolicyPath: "csibroker/allow", PolicyToken: tokenFile,
 		PolicyURL: "http://admin:hunter2@opa.example:8181/base?token=S3CRET"}

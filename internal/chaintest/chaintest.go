@@ -5,7 +5,6 @@
 package chaintest
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -29,6 +28,7 @@ import (
 	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/telemetry"
+	"github.com/csibroker/csibroker/internal/testutil"
 	"github.com/csibroker/csibroker/proxy"
 )
 
@@ -299,34 +299,11 @@ func (l *trackingListener) dropAll() int {
 }
 
 // SyncBuffer is a goroutine-safe log sink.
-type SyncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *SyncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-// String returns everything written so far.
-func (s *SyncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+type SyncBuffer = testutil.SyncBuffer
 
 // ShortTempDir makes a temp dir with a short path (unix sockets are limited
 // to 108 bytes), removed at cleanup.
-func ShortTempDir(t testing.TB) string {
-	d, err := os.MkdirTemp("", "cb")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(d) })
-	return d
-}
+func ShortTempDir(t testing.TB) string { return testutil.ShortTempDir(t) }
 
 var (
 	sharedOnce sync.Once

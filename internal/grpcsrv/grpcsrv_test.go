@@ -1,7 +1,6 @@
 package grpcsrv
 
 import (
-	"bytes"
 	"context"
 	"crypto/x509"
 	"log/slog"
@@ -25,25 +24,8 @@ import (
 
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/rawgrpc"
+	"github.com/csibroker/csibroker/internal/testutil"
 )
-
-// syncBuffer is a log sink safe for concurrent writers.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // peak records the most calls echo handled at once.
 var active, peak atomic.Int32
@@ -275,7 +257,7 @@ func TestCheckPeer(t *testing.T) {
 	server := leaf("spiffe://test/csibroker/driver/d", now.Add(time.Hour))
 
 	t.Run("expired since the handshake", func(t *testing.T) {
-		var logs syncBuffer
+		var logs testutil.SyncBuffer
 		src := &switchSource{}
 		src.m.Store(server)
 		addr := tlsServer(t, src, slog.New(slog.NewTextHandler(&logs, nil)))
@@ -306,7 +288,7 @@ func TestCheckPeer(t *testing.T) {
 	})
 
 	t.Run("CA left the bundle", func(t *testing.T) {
-		var logs syncBuffer
+		var logs testutil.SyncBuffer
 		src := &switchSource{}
 		src.m.Store(server)
 		addr := tlsServer(t, src, slog.New(slog.NewTextHandler(&logs, nil)))

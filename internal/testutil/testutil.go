@@ -1,0 +1,42 @@
+// Package testutil holds the few test helpers that packages below
+// internal/chaintest need too (chaintest imports the broker and the proxy,
+// so their own tests cannot import it). It imports nothing of the project.
+package testutil
+
+import (
+	"bytes"
+	"os"
+	"sync"
+	"testing"
+)
+
+// SyncBuffer is a goroutine-safe log sink.
+type SyncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *SyncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+// String returns everything written so far.
+func (s *SyncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// ShortTempDir makes a temp dir with a short path (unix sockets are limited
+// to 108 bytes), removed at cleanup.
+func ShortTempDir(t testing.TB) string {
+	t.Helper()
+	d, err := os.MkdirTemp("", "cb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(d) })
+	return d
+}
