@@ -35,12 +35,6 @@ die() { log "error: $*"; exit 1; }
 # shellcheck source=hack/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-# fmt_secs 372 -> 6m12s
-fmt_secs() {
-	local s=$1
-	if ((s >= 60)); then printf '%dm%02ds' $((s / 60)) $((s % 60)); else printf '%ds' "$s"; fi
-}
-
 # ok NAME: the binary exists and answers --version.
 ok() {
 	local b="${BIN_DIR}/$1"

@@ -36,11 +36,6 @@ die() {
 # shellcheck source=hack/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-fmt_secs() {
-	local s=$1
-	if ((s >= 60)); then printf '%dm%02ds' $((s / 60)) $((s % 60)); else printf '%ds' "$s"; fi
-}
-
 # ok: the binary exists and answers its version subcommand.
 ok() {
 	[[ -x "$J_BIN" ]] && "$J_BIN" version >/dev/null 2>&1

@@ -1,5 +1,5 @@
-# Shared by hack/control-plane.sh and hack/sidecars.sh (sourced; each
-# defines log first).
+# Shared by hack/control-plane.sh, hack/sidecars.sh and hack/jaeger.sh
+# (sourced; each defines log first).
 
 # go_env CMD...: run a go command outside any workspace, modules resolved
 # as needed, statically linked.
@@ -26,4 +26,10 @@ gorun() {
 	log "failed: $* (in ${d}); end of ${logf}:"
 	tail -n 40 "$logf" >&2
 	exit 1
+}
+
+# fmt_secs N: N seconds as 1m05s or 42s.
+fmt_secs() {
+	local s=$1
+	if ((s >= 60)); then printf '%dm%02ds' $((s / 60)) $((s % 60)); else printf '%ds' "$s"; fi
 }

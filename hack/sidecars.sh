@@ -39,11 +39,6 @@ die() {
 # shellcheck source=hack/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-fmt_secs() {
-	local s=$1
-	if ((s >= 60)); then printf '%dm%02ds' $((s / 60)) $((s % 60)); else printf '%ds' "$s"; fi
-}
-
 # fields ENTRY sets name, module, version, pkg and dir for one sidecar.
 fields() {
 	IFS='|' read -r name module version pkg <<<"$1"
