@@ -3,7 +3,8 @@
 #   make run      build what is missing and run the local demo: a real control plane,
 #                 two sample drivers behind proxies, the broker, claims, a policy denial
 #   make test     everything CI runs: format, vet, the control plane, sidecar and
-#                 Jaeger builds (cached), and every test with the race detector
+#                 Jaeger builds (cached), every test with the race detector, then
+#                 every fuzz target for FUZZ_TIME (make fuzz)
 #   make bench    CSI path benchmarks and policy benchmarks (see BENCHMARKS.md)
 #   make bench-k8s  csibroker against external-provisioner/attacher on a real control plane
 
@@ -22,7 +23,7 @@ H2SPEC_VERSION := v2.2.1+incompatible
 H2SPEC := $(CURDIR)/bin/tools/h2spec-$(H2SPEC_VERSION)
 export H2SPEC
 
-.PHONY: all build test test-unit fmt-check vet lint bench bench-k8s rss-floor proto run demo control-plane sidecars jaeger h2spec clean docker
+.PHONY: all build test test-unit fuzz fmt-check vet lint bench bench-k8s rss-floor proto run demo control-plane sidecars jaeger h2spec clean docker
 
 all: build
 
@@ -49,6 +50,18 @@ lint: fmt-check vet
 ## outside their time limits, cached like the control plane.
 test: fmt-check vet control-plane sidecars jaeger h2spec
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) $(PKGS)
+	$(MAKE) --no-print-directory fuzz
+
+## Every fuzz target of a parser of input the broker does not control, for
+## FUZZ_TIME each (plain `go test` runs only their seed corpora).
+FUZZ_TIME ?= 10s
+FUZZ_TARGETS := ./broker/:FuzzParseRegistryConfig ./policy/:FuzzCompileGrant ./policy/:FuzzDecide
+fuzz:
+	@set -e; for t in $(FUZZ_TARGETS); do \
+		pkg=$${t%%:*}; name=$${t##*:}; \
+		echo "fuzz $$name in $$pkg for $(FUZZ_TIME)"; \
+		$(GO) test -run='^$$' -fuzz="^$$name\$$" -fuzztime=$(FUZZ_TIME) $$pkg; \
+	done
 
 ## Fast tests: no race detector, and the packages that need the control plane
 ## fail with a message saying how to build it.

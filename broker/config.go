@@ -1,12 +1,12 @@
 package broker
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
-	"strings"
 	"sync"
 	"time"
 
@@ -169,22 +169,28 @@ func LoadRegistryConfig(path string) (*RegistryConfig, error) {
 	if err != nil {
 		return nil, fmt.Errorf("driver registry: %w", err)
 	}
+	return ParseRegistryConfig(b, path)
+}
+
+// ParseRegistryConfig parses and validates a registry file's contents;
+// source names it in errors.
+func ParseRegistryConfig(data []byte, source string) (*RegistryConfig, error) {
 	var rc RegistryConfig
-	dec := yaml.NewDecoder(strings.NewReader(string(b)))
+	dec := yaml.NewDecoder(bytes.NewReader(data))
 	dec.KnownFields(true)
 	if err := dec.Decode(&rc); err != nil {
 		if errors.Is(err, io.EOF) {
-			return nil, fmt.Errorf("driver registry %s is empty: list the drivers under \"drivers:\" (write \"drivers: []\" for none)", path)
+			return nil, fmt.Errorf("driver registry %s is empty: list the drivers under \"drivers:\" (write \"drivers: []\" for none)", source)
 		}
-		return nil, fmt.Errorf("driver registry %s: %w", path, err)
+		return nil, fmt.Errorf("driver registry %s: %w", source, err)
 	}
 	seen := map[string]bool{}
 	for _, d := range rc.Drivers {
 		if err := d.Validate(); err != nil {
-			return nil, fmt.Errorf("driver registry %s: %w", path, err)
+			return nil, fmt.Errorf("driver registry %s: %w", source, err)
 		}
 		if seen[d.Name] {
-			return nil, fmt.Errorf("driver registry %s: driver %q listed twice", path, d.Name)
+			return nil, fmt.Errorf("driver registry %s: driver %q listed twice", source, d.Name)
 		}
 		seen[d.Name] = true
 	}
