@@ -58,6 +58,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/csibroker/csibroker/k8sbridge/topology"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/attribute"
 	otelcodes "go.opentelemetry.io/otel/codes"
@@ -120,7 +121,7 @@ func init() { extraControllers = append(extraControllers, newCapacityController)
 // capacityKey names one CSIStorageCapacity object.
 type capacityKey struct {
 	driver, class string
-	// segment is the canonical form of the topology segment (topoTerm.String).
+	// segment is the canonical form of the topology segment (topology.Term.String).
 	segment string
 }
 
@@ -138,18 +139,18 @@ func parseCapacityKey(s string) (capacityKey, bool) {
 type capacitySegment struct {
 	// term is the segment: the object's nodeTopology matches exactly its
 	// labels.
-	term topoTerm
+	term topology.Term
 	// request is the accessible topology sent with GetCapacity (to a driver
 	// with VOLUME_ACCESSIBILITY_CONSTRAINTS; to others none): term, or for
 	// a node-local driver the node's values of the driver's own topology keys
 	// when its CSINode lists some (the keys the driver understands).
-	request topoTerm
+	request topology.Term
 	// node is the node whose proxy answers GetCapacity (node-local drivers).
 	node string
 }
 
 // capacitySegments returns the topology segments a driver's capacity is
-// tracked for, sorted, from its view of every node (NewTopologyNode).
+// tracked for, sorted, from its view of every node (topology.NewNode).
 //
 // A node that does not run the driver (nil DriverKeys) gives nothing. For a
 // central driver each node that lists topology keys and carries a label for
@@ -158,7 +159,7 @@ type capacitySegment struct {
 // external-provisioner has it). For a node-local driver
 // every node that runs it and has a kubernetes.io/hostname label is a segment
 // of its own.
-func capacitySegments(nodes []TopologyNode, nodeLocal bool) []capacitySegment {
+func capacitySegments(nodes []topology.Node, nodeLocal bool) []capacitySegment {
 	seen := map[string]bool{}
 	var out []capacitySegment
 	for _, n := range nodes {
@@ -171,15 +172,15 @@ func capacitySegments(nodes []TopologyNode, nodeLocal bool) []capacitySegment {
 			if host == "" || n.Name == "" {
 				continue
 			}
-			seg = capacitySegment{term: topoTerm{{corev1.LabelHostname, host}}, node: n.Name}
+			seg = capacitySegment{term: topology.Term{{Key: corev1.LabelHostname, Value: host}}, node: n.Name}
 			seg.request = seg.term
 			if len(n.DriverKeys) > 0 {
-				if own, missing := topoTermFromLabels(n.Labels, n.DriverKeys); len(missing) == 0 {
+				if own, missing := topology.TermFromLabels(n.Labels, n.DriverKeys); len(missing) == 0 {
 					seg.request = own
 				}
 			}
 		} else {
-			term, missing := topoTermFromLabels(n.Labels, n.DriverKeys)
+			term, missing := topology.TermFromLabels(n.Labels, n.DriverKeys)
 			if len(missing) > 0 {
 				continue
 			}
@@ -216,14 +217,6 @@ func CapacityRequest(class *storagev1.StorageClass, segment map[string]string) *
 	return req
 }
 
-func (t topoTerm) labels() map[string]string {
-	m := make(map[string]string, len(t))
-	for _, s := range t {
-		m[s.key] = s.value
-	}
-	return m
-}
-
 // capacityKeyOf is the key an existing object stands for.
 func capacityKeyOf(csc *storagev1.CSIStorageCapacity) capacityKey {
 	k := capacityKey{driver: csc.Labels[capacityLabelDriver], class: csc.StorageClassName, segment: capacityBadSegment}
@@ -235,16 +228,16 @@ func capacityKeyOf(csc *storagev1.CSIStorageCapacity) capacityKey {
 
 // capacityTermOf is the segment of an object's nodeTopology, if it is one
 // this controller writes (match labels only; none: the empty segment).
-func capacityTermOf(csc *storagev1.CSIStorageCapacity) (topoTerm, bool) {
+func capacityTermOf(csc *storagev1.CSIStorageCapacity) (topology.Term, bool) {
 	sel := csc.NodeTopology
 	if sel == nil || len(sel.MatchExpressions) > 0 {
 		return nil, false
 	}
-	t := make(topoTerm, 0, len(sel.MatchLabels))
+	t := make(topology.Term, 0, len(sel.MatchLabels))
 	for key, v := range sel.MatchLabels {
-		t = append(t, topoSegment{key, v})
+		t = append(t, topology.Segment{Key: key, Value: v})
 	}
-	t.sort()
+	t.Sort()
 	return t, true
 }
 
@@ -264,7 +257,7 @@ type capacityItem struct {
 // sameRequest reports whether a and b ask the driver the same question.
 func (a capacityItem) sameRequest(b capacityItem) bool {
 	return a.classUID == b.classUID && a.nodeLoc == b.nodeLoc && a.kept == b.kept && a.segment.node == b.segment.node &&
-		a.segment.request.compare(b.segment.request) == 0
+		a.segment.request.Compare(b.segment.request) == 0
 }
 
 // capacityController keeps the CSIStorageCapacity objects. Its informer,
@@ -390,7 +383,7 @@ func (s capacitySegment) holds(nodeLocal bool, v volumeChange) bool {
 	}
 	return slices.ContainsFunc(v.topo, func(seg map[string]string) bool {
 		for _, e := range s.term {
-			if v, ok := seg[e.key]; ok && v != e.value {
+			if v, ok := seg[e.Key]; ok && v != e.Value {
 				return false
 			}
 		}
@@ -557,13 +550,13 @@ func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
 			c.log.Error("driver name cannot be a label value: no capacity objects", "driver", driver, "problem", strings.Join(errs, "; "))
 			continue
 		}
-		var nodes []TopologyNode
+		var nodes []topology.Node
 		for _, cn := range csiNodes {
 			node, err := c.b.nodes.Get(cn.Name)
 			if err != nil {
 				continue // no Node (yet): no labels to make a segment of
 			}
-			nodes = append(nodes, NewTopologyNode(node, cn, driver))
+			nodes = append(nodes, topology.NewNode(node, cn, driver))
 		}
 		nodeLocal := c.b.cfg.Drivers.NodeLocal(driver)
 		var proxies map[string]bool
@@ -579,7 +572,7 @@ func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
 			// if any, stays as it is, and none is made.
 			kept := nodeLocal && !proxies[seg.node]
 			for _, sc := range driverClasses {
-				out[capacityKey{driver: driver, class: sc.Name, segment: seg.term.String()}] = capacityItem{segment: seg, nodeLoc: nodeLocal, selector: seg.term.labels(), classUID: sc.UID, kept: kept}
+				out[capacityKey{driver: driver, class: sc.Name, segment: seg.term.String()}] = capacityItem{segment: seg, nodeLoc: nodeLocal, selector: seg.term.Labels(), classUID: sc.UID, kept: kept}
 			}
 		}
 	}
@@ -656,7 +649,7 @@ func (c *capacityController) adoptUnregistered(objs []any) {
 		if _, ok := c.lastItems[key.driver][key]; ok {
 			continue
 		}
-		item := capacityItem{segment: capacitySegment{term: term, request: term}, selector: term.labels()}
+		item := capacityItem{segment: capacitySegment{term: term, request: term}, selector: term.Labels()}
 		if class, err := c.b.classes.Get(key.class); err == nil {
 			item.classUID = class.UID
 		}
@@ -810,11 +803,11 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 	// The spec lets a request carry a topology only to a driver with
 	// VOLUME_ACCESSIBILITY_CONSTRAINTS; a node-local driver without it is
 	// asked on its node's proxy, which says where.
-	var topology map[string]string
+	var segment map[string]string
 	if caps.accessibility {
-		topology = item.segment.request.labels()
+		segment = item.segment.request.Labels()
 	}
-	req := CapacityRequest(class, topology)
+	req := CapacityRequest(class, segment)
 	resp, err := c.getCapacity(ctx, key.driver, item, req)
 	if err != nil {
 		// Keep the object with its last value: stale beats missing.

@@ -27,6 +27,7 @@ import (
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/topology"
 )
 
 const gib = int64(1) << 30
@@ -73,23 +74,23 @@ func waitLogLine(t *testing.T, r *bridgeRun, parts ...string) {
 
 func TestCapacitySegments(t *testing.T) {
 	const zone, rack, host = testenv.LabelZone, "example.com/rack", corev1.LabelHostname
-	node := func(name string, keys []string, labels ...string) TopologyNode {
+	node := func(name string, keys []string, labels ...string) topology.Node {
 		l := map[string]string{}
 		for i := 0; i+1 < len(labels); i += 2 {
 			l[labels[i]] = labels[i+1]
 		}
-		return TopologyNode{Name: name, Labels: l, DriverKeys: keys}
+		return topology.Node{Name: name, Labels: l, DriverKeys: keys}
 	}
 	type seg struct{ term, request, node string }
 	for _, tc := range []struct {
 		name      string
 		nodeLocal bool
-		nodes     []TopologyNode
+		nodes     []topology.Node
 		want      []seg
 	}{
 		{
 			name: "central driver: one segment per distinct zone, sorted",
-			nodes: []TopologyNode{
+			nodes: []topology.Node{
 				node("n3", []string{zone}, zone, "z2", host, "n3"),
 				node("n1", []string{zone}, zone, "z1", host, "n1"),
 				node("n2", []string{zone}, zone, "z1", host, "n2"),
@@ -98,7 +99,7 @@ func TestCapacitySegments(t *testing.T) {
 		},
 		{
 			name: "central driver: several keys make one segment",
-			nodes: []TopologyNode{
+			nodes: []topology.Node{
 				node("n1", []string{zone, rack}, zone, "z1", rack, "r1"),
 				node("n2", []string{rack, zone}, zone, "z1", rack, "r2"),
 			},
@@ -109,7 +110,7 @@ func TestCapacitySegments(t *testing.T) {
 		},
 		{
 			name: "nodes not running the driver or missing a key label give nothing",
-			nodes: []TopologyNode{
+			nodes: []topology.Node{
 				node("n1", nil, zone, "z9"),
 				node("n2", []string{zone}, rack, "r1"),
 				node("n3", []string{zone}, zone, "z1"),
@@ -118,7 +119,7 @@ func TestCapacitySegments(t *testing.T) {
 		},
 		{
 			name: "central driver without topology keys: the empty segment, every node",
-			nodes: []TopologyNode{
+			nodes: []topology.Node{
 				node("n1", []string{}, zone, "z1"),
 				node("n2", []string{}, zone, "z2"),
 			},
@@ -127,7 +128,7 @@ func TestCapacitySegments(t *testing.T) {
 		{
 			name:      "node-local driver: one segment per node, asked in its own keys",
 			nodeLocal: true,
-			nodes: []TopologyNode{
+			nodes: []topology.Node{
 				node("n2", []string{rack}, host, "n2", rack, "r1"),
 				node("n1", []string{host}, host, "n1"),
 			},
@@ -139,7 +140,7 @@ func TestCapacitySegments(t *testing.T) {
 		{
 			name:      "node-local driver without topology keys still gets per-node segments",
 			nodeLocal: true,
-			nodes: []TopologyNode{
+			nodes: []topology.Node{
 				node("n1", []string{}, host, "n1"),
 				node("n2", nil, host, "n2"),
 				node("n3", []string{}, zone, "z1"), // no hostname label
@@ -1006,9 +1007,9 @@ func TestCapacityFollowsVolumes(t *testing.T) {
 // TestCapacitySegmentHolds: which objects a volume change refreshes.
 func TestCapacitySegmentHolds(t *testing.T) {
 	const zone, rack = testenv.LabelZone, "example.com/rack"
-	z1 := capacitySegment{term: topoTerm{{zone, "z1"}}}
-	z1r1 := capacitySegment{term: topoTerm{{rack, "r1"}, {zone, "z1"}}}
-	n1 := capacitySegment{term: topoTerm{{corev1.LabelHostname, "n1"}}, node: "n1"}
+	z1 := capacitySegment{term: topology.Term{{Key: zone, Value: "z1"}}}
+	z1r1 := capacitySegment{term: topology.Term{{Key: rack, Value: "r1"}, {Key: zone, Value: "z1"}}}
+	n1 := capacitySegment{term: topology.Term{{Key: corev1.LabelHostname, Value: "n1"}}, node: "n1"}
 	for _, c := range []struct {
 		name      string
 		seg       capacitySegment
@@ -1022,7 +1023,7 @@ func TestCapacitySegmentHolds(t *testing.T) {
 		{"one of its segments", z1, false, volumeChange{topo: []map[string]string{{zone: "z2"}, {zone: "z1"}}}, true},
 		{"another rack", z1r1, false, volumeChange{topo: []map[string]string{{zone: "z1", rack: "r2"}}}, false},
 		{"a key the volume does not say", z1r1, false, volumeChange{topo: []map[string]string{{zone: "z1"}}}, true},
-		{"the empty segment", capacitySegment{term: topoTerm{}}, false, volumeChange{topo: []map[string]string{{zone: "z1"}}}, true},
+		{"the empty segment", capacitySegment{term: topology.Term{}}, false, volumeChange{topo: []map[string]string{{zone: "z1"}}}, true},
 		{"node-local, its node", n1, true, volumeChange{node: "n1"}, true},
 		{"node-local, another node", n1, true, volumeChange{node: "n2"}, false},
 		{"node-local, node not known", n1, true, volumeChange{}, true},

@@ -32,6 +32,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 
+	"github.com/csibroker/csibroker/k8sbridge/topology"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -945,7 +946,7 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 	if len(class.AllowedTopologies) > 0 {
 		var allowed []string
 		for _, n := range nodes {
-			if node, err := p.b.nodes.Get(n); err == nil && inAllowedTopologies(class.AllowedTopologies, node.Labels) {
+			if node, err := p.b.nodes.Get(n); err == nil && topology.InAllowed(class.AllowedTopologies, node.Labels) {
 				allowed = append(allowed, n)
 			}
 		}
@@ -958,7 +959,7 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 	// claim's name, a StatefulSet's replicas on successive nodes), and the
 	// nodes that answered this claim ResourceExhausted come last: taken
 	// only if no other has room.
-	h, i := claimNameHashAndIndex(claim.Name)
+	h, i := topology.ClaimNameHashAndIndex(claim.Name)
 	start := int((h + i) % uint32(len(nodes)))
 	nodes = append(slices.Clone(nodes[start:]), nodes[:start]...)
 	refused := p.noRoomNodes(claim.UID)
@@ -1082,7 +1083,7 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 		// An earlier attempt's, whose volume may exist (askedBefore).
 		req.AccessibilityRequirements = proto.Clone(asked).(*csi.TopologyRequirement)
 	} else if caps.accessibility {
-		in := TopologyInput{Driver: driver, ClaimName: claim.Name, AllowedTopologies: class.AllowedTopologies,
+		in := topology.Input{Driver: driver, ClaimName: claim.Name, AllowedTopologies: class.AllowedTopologies,
 			StrictTopology: p.b.cfg.StrictTopology, ImmediateTopology: p.b.cfg.ImmediateTopology}
 		nodes, err := p.topologyNodes(driver)
 		if err != nil {
@@ -1102,7 +1103,7 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 				return nil, nil, nil, fmt.Errorf("selected node %q not found", selectedNode)
 			}
 		}
-		tr, err := AccessibilityRequirements(in)
+		tr, err := topology.AccessibilityRequirements(in)
 		if err != nil {
 			return nil, nil, nil, fmt.Errorf("topology: %w", err)
 		}
@@ -1120,14 +1121,14 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 }
 
 // topologyNodes lists every node with the driver's topology keys from its CSINode.
-func (p *provisioner) topologyNodes(driver string) ([]TopologyNode, error) {
+func (p *provisioner) topologyNodes(driver string) ([]topology.Node, error) {
 	nodes, err := p.b.nodes.List(labels.Everything())
 	if err != nil {
 		return nil, err
 	}
-	out := make([]TopologyNode, 0, len(nodes))
+	out := make([]topology.Node, 0, len(nodes))
 	for _, n := range nodes {
-		tn := TopologyNode{Name: n.Name, Labels: n.Labels}
+		tn := topology.Node{Name: n.Name, Labels: n.Labels}
 		if cn, err := p.b.csiNodes.Get(n.Name); err == nil {
 			for _, d := range cn.Spec.Drivers {
 				if d.Name == driver {
@@ -1240,7 +1241,7 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 			VolumeMode:                    claim.Spec.VolumeMode,
 			VolumeAttributesClassName:     vacName(claim),
 			ClaimRef:                      &corev1.ObjectReference{Kind: "PersistentVolumeClaim", APIVersion: "v1", Namespace: claim.Namespace, Name: claim.Name, UID: claim.UID},
-			NodeAffinity:                  NodeAffinity(vol.GetAccessibleTopology()),
+			NodeAffinity:                  topology.NodeAffinity(vol.GetAccessibleTopology()),
 		},
 	}
 	if reclaim == corev1.PersistentVolumeReclaimDelete {

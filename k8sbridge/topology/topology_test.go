@@ -1,4 +1,4 @@
-package k8sbridge
+package topology
 
 import (
 	"errors"
@@ -21,8 +21,8 @@ const (
 	tkRack = "rack"
 )
 
-func topoNode(name string, keys []string, labels ...string) TopologyNode {
-	n := TopologyNode{Name: name, DriverKeys: keys, Labels: map[string]string{}}
+func topoNode(name string, keys []string, labels ...string) Node {
+	n := Node{Name: name, DriverKeys: keys, Labels: map[string]string{}}
 	for i := 0; i+1 < len(labels); i += 2 {
 		n.Labels[labels[i]] = labels[i+1]
 	}
@@ -36,10 +36,10 @@ var (
 	tn2       = topoNode("n2", zoneKeys, tkZone, "z2")
 	tn3       = topoNode("n3", zoneKeys, tkZone, "z3")
 	tn4       = topoNode("n4", nil, tkZone, "z4") // driver not registered
-	topoNodes = []TopologyNode{tn3, tn1, tn4, tn2, tn1b}
+	topoNodes = []Node{tn3, tn1, tn4, tn2, tn1b}
 )
 
-func topoPtr(n TopologyNode) *TopologyNode { return &n }
+func topoPtr(n Node) *Node { return &n }
 
 // allowedZones is an allowedTopologies with one term: zone in values.
 func allowedZones(values ...string) []corev1.TopologySelectorTerm {
@@ -94,7 +94,7 @@ func TestAccessibilityRequirements(t *testing.T) {
 
 	type tc struct {
 		name    string
-		in      TopologyInput
+		in      Input
 		want    string // topoRenderReq of the result
 		wantErr error  // errors.Is target; want is ignored when set
 	}
@@ -113,7 +113,7 @@ func TestAccessibilityRequirements(t *testing.T) {
 			// Requisite = Preferred = selected node topology.
 			cases = append(cases, tc{
 				name: fmt.Sprintf("row1 delayed, strict [allowed=%v immediate-topology=%v]", allowed, immediate),
-				in: TopologyInput{Driver: "d", ClaimName: "data-web-1", SelectedNode: topoPtr(tn2), Nodes: topoNodes,
+				in: Input{Driver: "d", ClaimName: "data-web-1", SelectedNode: topoPtr(tn2), Nodes: topoNodes,
 					AllowedTopologies: at, StrictTopology: true, ImmediateTopology: immediate},
 				want: "req=[zone=z2] pref=[zone=z2]",
 			})
@@ -124,7 +124,7 @@ func TestAccessibilityRequirements(t *testing.T) {
 		// driver); Preferred = Requisite with the selected node's first.
 		cases = append(cases, tc{
 			name: fmt.Sprintf("row2 delayed, not strict, no allowed [immediate-topology=%v]", immediate),
-			in: TopologyInput{Driver: "d", ClaimName: "data-web-1", SelectedNode: topoPtr(tn2), Nodes: topoNodes,
+			in: Input{Driver: "d", ClaimName: "data-web-1", SelectedNode: topoPtr(tn2), Nodes: topoNodes,
 				ImmediateTopology: immediate},
 			want: topoRotated(zones3, 1),
 		})
@@ -134,7 +134,7 @@ func TestAccessibilityRequirements(t *testing.T) {
 		// selected node's first.
 		cases = append(cases, tc{
 			name: fmt.Sprintf("row3 delayed, not strict, allowed [immediate-topology=%v]", immediate),
-			in: TopologyInput{Driver: "d", ClaimName: "data-web-1", SelectedNode: topoPtr(tn3), Nodes: topoNodes,
+			in: Input{Driver: "d", ClaimName: "data-web-1", SelectedNode: topoPtr(tn3), Nodes: topoNodes,
 				AllowedTopologies: allowedZones("z3", "z1", "z4"), ImmediateTopology: immediate},
 			want: topoRotated([]string{"zone=z1", "zone=z3", "zone=z4"}, 1),
 		})
@@ -145,7 +145,7 @@ func TestAccessibilityRequirements(t *testing.T) {
 			// by the claim name's hash.
 			cases = append(cases, tc{
 				name: fmt.Sprintf("row4 immediate, allowed [strict=%v immediate-topology=%v]", strict, immediate),
-				in: TopologyInput{Driver: "d", ClaimName: "data-web-1", Nodes: topoNodes,
+				in: Input{Driver: "d", ClaimName: "data-web-1", Nodes: topoNodes,
 					AllowedTopologies: allowedZones("z3", "z2", "z1"), StrictTopology: strict, ImmediateTopology: immediate},
 				want: topoRotated(zones3, webFirst),
 			})
@@ -156,7 +156,7 @@ func TestAccessibilityRequirements(t *testing.T) {
 		// rotated by the claim name's hash.
 		cases = append(cases, tc{
 			name: fmt.Sprintf("row5 immediate, no allowed, immediate-topology [strict=%v]", strict),
-			in: TopologyInput{Driver: "d", ClaimName: "data-web-1", Nodes: topoNodes,
+			in: Input{Driver: "d", ClaimName: "data-web-1", Nodes: topoNodes,
 				StrictTopology: strict, ImmediateTopology: true},
 			want: topoRotated(zones3, webFirst),
 		})
@@ -165,7 +165,7 @@ func TestAccessibilityRequirements(t *testing.T) {
 		// Requisite and Preferred both nil.
 		cases = append(cases, tc{
 			name: fmt.Sprintf("row6 immediate, no allowed, no immediate-topology [strict=%v]", strict),
-			in: TopologyInput{Driver: "d", ClaimName: "data-web-1", Nodes: topoNodes,
+			in: Input{Driver: "d", ClaimName: "data-web-1", Nodes: topoNodes,
 				StrictTopology: strict},
 			want: "nil",
 		})
@@ -175,53 +175,53 @@ func TestAccessibilityRequirements(t *testing.T) {
 		// Errors.
 		tc{
 			name:    "error: selected node's CSINode lists no keys for the driver",
-			in:      TopologyInput{Driver: "d", SelectedNode: topoPtr(tn4), Nodes: topoNodes},
+			in:      Input{Driver: "d", SelectedNode: topoPtr(tn4), Nodes: topoNodes},
 			wantErr: ErrNoTopologyKeys,
 		},
 		tc{
 			name:    "error: selected node's driver registered with empty keys",
-			in:      TopologyInput{Driver: "d", SelectedNode: topoPtr(topoNode("n9", []string{}, tkZone, "z1")), Nodes: topoNodes},
+			in:      Input{Driver: "d", SelectedNode: topoPtr(topoNode("n9", []string{}, tkZone, "z1")), Nodes: topoNodes},
 			wantErr: ErrNoTopologyKeys,
 		},
 		tc{
 			name: "error: selected node lacks a key label",
-			in: TopologyInput{Driver: "d", SelectedNode: topoPtr(topoNode("n9", []string{tkZone, tkRack}, tkZone, "z1")),
+			in: Input{Driver: "d", SelectedNode: topoPtr(topoNode("n9", []string{tkZone, tkRack}, tkZone, "z1")),
 				Nodes: topoNodes},
 			wantErr: ErrNodeMissingTopologyLabel,
 		},
 		tc{
 			name: "error: strict, selected node outside allowedTopologies",
-			in: TopologyInput{Driver: "d", SelectedNode: topoPtr(tn3), Nodes: topoNodes,
+			in: Input{Driver: "d", SelectedNode: topoPtr(tn3), Nodes: topoNodes,
 				AllowedTopologies: allowedZones("z1", "z2"), StrictTopology: true},
 			wantErr: ErrNodeNotInTopology,
 		},
 		tc{
 			name: "error: strict, allowedTopologies uses a key the node's segment lacks",
-			in: TopologyInput{Driver: "d", SelectedNode: topoPtr(tn1), Nodes: topoNodes, StrictTopology: true,
+			in: Input{Driver: "d", SelectedNode: topoPtr(tn1), Nodes: topoNodes, StrictTopology: true,
 				AllowedTopologies: []corev1.TopologySelectorTerm{{MatchLabelExpressions: []corev1.TopologySelectorLabelRequirement{
 					{Key: tkZone, Values: []string{"z1"}}, {Key: tkRack, Values: []string{"r1"}}}}}},
 			wantErr: ErrNodeNotInTopology,
 		},
 		tc{
 			name: "error: not strict, selected node outside allowedTopologies",
-			in: TopologyInput{Driver: "d", SelectedNode: topoPtr(tn3), Nodes: topoNodes,
+			in: Input{Driver: "d", SelectedNode: topoPtr(tn3), Nodes: topoNodes,
 				AllowedTopologies: allowedZones("z1", "z2")},
 			wantErr: ErrNodeNotInTopology,
 		},
 		tc{
 			name:    "error: immediate topology, no node runs the driver",
-			in:      TopologyInput{Driver: "d", Nodes: []TopologyNode{tn4}, ImmediateTopology: true},
+			in:      Input{Driver: "d", Nodes: []Node{tn4}, ImmediateTopology: true},
 			wantErr: ErrNoAvailableTopology,
 		},
 		tc{
 			name:    "error: immediate topology, no nodes at all",
-			in:      TopologyInput{Driver: "d", ImmediateTopology: true},
+			in:      Input{Driver: "d", ImmediateTopology: true},
 			wantErr: ErrNoAvailableTopology,
 		},
 		tc{
 			name: "error: immediate topology, the picked keys are on no node's labels",
-			in: TopologyInput{Driver: "d", ImmediateTopology: true,
-				Nodes: []TopologyNode{topoNode("n1", []string{tkRack}, tkZone, "z1")}},
+			in: Input{Driver: "d", ImmediateTopology: true,
+				Nodes: []Node{topoNode("n1", []string{tkRack}, tkZone, "z1")}},
 			wantErr: ErrNoAvailableTopology,
 		},
 
@@ -229,7 +229,7 @@ func TestAccessibilityRequirements(t *testing.T) {
 		// term with more keys: the node's full segment is sent.
 		tc{
 			name: "strict: selected node within a coarser allowed term sends its own segment",
-			in: TopologyInput{Driver: "d", Nodes: topoNodes, StrictTopology: true,
+			in: Input{Driver: "d", Nodes: topoNodes, StrictTopology: true,
 				SelectedNode:      topoPtr(topoNode("r", []string{tkZone, tkRack}, tkZone, "z1", tkRack, "r7")),
 				AllowedTopologies: allowedZones("z1")},
 			want: "req=[rack=r7,zone=z1] pref=[rack=r7,zone=z1]",
@@ -238,20 +238,20 @@ func TestAccessibilityRequirements(t *testing.T) {
 		// Aggregation details.
 		tc{
 			name: "aggregated: nodes without the driver are left out, duplicates merged",
-			in: TopologyInput{Driver: "d", SelectedNode: topoPtr(tn1), ImmediateTopology: false,
-				Nodes: []TopologyNode{tn1, tn1b, tn4, topoNode("n5", zoneKeys, tkZone, "z1")}},
+			in: Input{Driver: "d", SelectedNode: topoPtr(tn1), ImmediateTopology: false,
+				Nodes: []Node{tn1, tn1b, tn4, topoNode("n5", zoneKeys, tkZone, "z1")}},
 			want: "req=[zone=z1] pref=[zone=z1]",
 		},
 		tc{
 			name: "aggregated: the selected node counts even when missing from Nodes",
-			in:   TopologyInput{Driver: "d", SelectedNode: topoPtr(tn3), Nodes: []TopologyNode{tn1, tn2}},
+			in:   Input{Driver: "d", SelectedNode: topoPtr(tn3), Nodes: []Node{tn1, tn2}},
 			want: topoRotated(zones3, 2),
 		},
 		tc{
 			name: "aggregated: keys are the selected node's, nodes lacking one of them are left out",
-			in: TopologyInput{Driver: "d",
+			in: Input{Driver: "d",
 				SelectedNode: topoPtr(topoNode("a", []string{tkZone, tkRack}, tkZone, "z1", tkRack, "r2")),
-				Nodes: []TopologyNode{
+				Nodes: []Node{
 					topoNode("b", []string{tkZone, tkRack}, tkZone, "z1", tkRack, "r1"),
 					topoNode("c", []string{tkZone}, tkZone, "z2"),
 					topoNode("d", []string{tkZone}, tkZone, "z3", tkRack, "r1"),
@@ -260,9 +260,9 @@ func TestAccessibilityRequirements(t *testing.T) {
 		},
 		tc{
 			name: "aggregated, immediate: Pick chooses whose keys (here zone+rack)",
-			in: TopologyInput{Driver: "d", ClaimName: "solo", ImmediateTopology: true,
+			in: Input{Driver: "d", ClaimName: "solo", ImmediateTopology: true,
 				Pick: func(n int) int { return n - 1 }, // the last in name order: "c"
-				Nodes: []TopologyNode{
+				Nodes: []Node{
 					topoNode("c", []string{tkZone, tkRack}, tkZone, "z1", tkRack, "r1"),
 					topoNode("a", []string{tkZone}, tkZone, "z2", tkRack, "r2"),
 					topoNode("b", nil, tkZone, "z3", tkRack, "r3"),
@@ -272,8 +272,8 @@ func TestAccessibilityRequirements(t *testing.T) {
 		},
 		tc{
 			name: "aggregated, immediate: nil Pick takes the first node in name order with keys",
-			in: TopologyInput{Driver: "d", ClaimName: "solo", ImmediateTopology: true,
-				Nodes: []TopologyNode{
+			in: Input{Driver: "d", ClaimName: "solo", ImmediateTopology: true,
+				Nodes: []Node{
 					topoNode("c", []string{tkZone, tkRack}, tkZone, "z1", tkRack, "r1"),
 					topoNode("b", []string{tkZone}, tkZone, "z2", tkRack, "r2"),
 					topoNode("a", nil, tkZone, "z3"),
@@ -283,8 +283,8 @@ func TestAccessibilityRequirements(t *testing.T) {
 		},
 		tc{
 			name: "aggregated, immediate: an out-of-range Pick wraps around",
-			in: TopologyInput{Driver: "d", ClaimName: "solo", ImmediateTopology: true, Pick: func(int) int { return -1 },
-				Nodes: []TopologyNode{
+			in: Input{Driver: "d", ClaimName: "solo", ImmediateTopology: true, Pick: func(int) int { return -1 },
+				Nodes: []Node{
 					topoNode("a", []string{tkZone}, tkZone, "z1", tkRack, "r1"),
 					topoNode("b", []string{tkRack}, tkZone, "z2", tkRack, "r2"),
 				}},
@@ -295,13 +295,13 @@ func TestAccessibilityRequirements(t *testing.T) {
 		// Deduplication and flattening of allowedTopologies.
 		tc{
 			name: "allowed: duplicate values and terms are sent once",
-			in: TopologyInput{Driver: "d", SelectedNode: topoPtr(tn2), Nodes: topoNodes,
+			in: Input{Driver: "d", SelectedNode: topoPtr(tn2), Nodes: topoNodes,
 				AllowedTopologies: append(allowedZones("z2", "z1", "z2"), allowedZones("z1")...)},
 			want: "req=[zone=z1 zone=z2] pref=[zone=z2 zone=z1]",
 		},
 		tc{
 			name: "allowed: multi-value expressions are flattened into their cartesian product, terms ORed",
-			in: TopologyInput{Driver: "d", ClaimName: "x", SelectedNode: topoPtr(topoNode("n", []string{tkZone, tkRack}, tkZone, "z2", tkRack, "b")),
+			in: Input{Driver: "d", ClaimName: "x", SelectedNode: topoPtr(topoNode("n", []string{tkZone, tkRack}, tkZone, "z2", tkRack, "b")),
 				AllowedTopologies: []corev1.TopologySelectorTerm{
 					{MatchLabelExpressions: []corev1.TopologySelectorLabelRequirement{
 						{Key: tkZone, Values: []string{"z1", "z2"}},
@@ -313,7 +313,7 @@ func TestAccessibilityRequirements(t *testing.T) {
 		},
 		tc{
 			name: "allowed: only empty terms behaves as no topology",
-			in: TopologyInput{Driver: "d", SelectedNode: topoPtr(tn2), Nodes: topoNodes,
+			in: Input{Driver: "d", SelectedNode: topoPtr(tn2), Nodes: topoNodes,
 				AllowedTopologies: []corev1.TopologySelectorTerm{{}}},
 			want: "nil",
 		},
@@ -367,7 +367,7 @@ func topoCheckRotation(t *testing.T, r *csi.TopologyRequirement) {
 }
 
 func TestAccessibilityRequirementsSpreadsStatefulSet(t *testing.T) {
-	in := TopologyInput{Driver: "d", Nodes: topoNodes, ImmediateTopology: true}
+	in := Input{Driver: "d", Nodes: topoNodes, ImmediateTopology: true}
 	first := func(claim string) string {
 		t.Helper()
 		in.ClaimName = claim
@@ -428,7 +428,7 @@ func TestClaimNameHashAndIndex(t *testing.T) {
 		{"", "", 0},
 	}
 	for _, c := range cases {
-		h, i := claimNameHashAndIndex(c.name)
+		h, i := ClaimNameHashAndIndex(c.name)
 		if h != topoFNV1(c.hashed) || i != c.wantIndex {
 			t.Errorf("%q: hash %d index %d, want hash of %q (%d) index %d", c.name, h, i, c.hashed, topoFNV1(c.hashed), c.wantIndex)
 		}
@@ -471,16 +471,16 @@ func TestFlattenAllowedTopologies(t *testing.T) {
 }
 
 func TestTopoTermSubsetOf(t *testing.T) {
-	term := func(kv ...string) topoTerm {
-		var t topoTerm
+	term := func(kv ...string) Term {
+		var t Term
 		for i := 0; i+1 < len(kv); i += 2 {
-			t = append(t, topoSegment{kv[i], kv[i+1]})
+			t = append(t, Segment{kv[i], kv[i+1]})
 		}
-		t.sort()
+		t.Sort()
 		return t
 	}
 	cases := []struct {
-		a, b topoTerm
+		a, b Term
 		want bool
 	}{
 		{term(), term("z", "1"), true},
@@ -492,7 +492,7 @@ func TestTopoTermSubsetOf(t *testing.T) {
 		{term("q", "1"), term("r", "a", "z", "1"), false},
 	}
 	for _, c := range cases {
-		if got := c.a.subsetOf(c.b); got != c.want {
+		if got := c.a.SubsetOf(c.b); got != c.want {
 			t.Errorf("%s subsetOf %s = %v, want %v", c.a, c.b, got, c.want)
 		}
 	}
@@ -562,7 +562,7 @@ func TestNewTopologyNode(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			n := NewTopologyNode(c.node, c.csiNode, c.driver)
+			n := NewNode(c.node, c.csiNode, c.driver)
 			if n.Name != c.wantName || (n.DriverKeys == nil) != c.wantNil || !slices.Equal(n.DriverKeys, c.wantKeys) {
 				t.Errorf("got %+v, want name %q keys %v (nil %v)", n, c.wantName, c.wantKeys, c.wantNil)
 			}
@@ -576,12 +576,12 @@ func TestNewTopologyNode(t *testing.T) {
 // A claim waiting for its first consumer, scheduled to a node in zone b of a
 // three-zone cluster: any zone is allowed, zone b is preferred.
 func ExampleAccessibilityRequirements() {
-	node := func(name, zone string) TopologyNode {
-		return TopologyNode{Name: name, Labels: map[string]string{"topology.kubernetes.io/zone": zone},
+	node := func(name, zone string) Node {
+		return Node{Name: name, Labels: map[string]string{"topology.kubernetes.io/zone": zone},
 			DriverKeys: []string{"topology.kubernetes.io/zone"}}
 	}
-	nodes := []TopologyNode{node("n1", "a"), node("n2", "b"), node("n3", "c")}
-	req, err := AccessibilityRequirements(TopologyInput{
+	nodes := []Node{node("n1", "a"), node("n2", "b"), node("n3", "c")}
+	req, err := AccessibilityRequirements(Input{
 		Driver:       "hostpath.example.com",
 		ClaimName:    "data-db-0",
 		SelectedNode: &nodes[1],
@@ -616,7 +616,7 @@ func TestInAllowedTopologies(t *testing.T) {
 		{map[string]string{"zone": "z3", "rack": "x"}, true},
 		{map[string]string{}, false},
 	} {
-		if got := inAllowedTopologies(terms, tc.labels); got != tc.want {
+		if got := InAllowed(terms, tc.labels); got != tc.want {
 			t.Errorf("labels %v: %v, want %v", tc.labels, got, tc.want)
 		}
 	}

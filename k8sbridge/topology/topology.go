@@ -1,4 +1,4 @@
-package k8sbridge
+package topology
 
 import (
 	"cmp"
@@ -26,7 +26,7 @@ import (
 //	no      | -      | no                | no                 | nil (no requirement sent)
 //
 // Everything here is pure: the caller turns Node and CSINode objects from its
-// listers into TopologyNode values.
+// listers into Node values.
 
 // Errors AccessibilityRequirements wraps, so a caller can tell them apart
 // (with a selected node, each of them is a reason to let the scheduler pick
@@ -47,8 +47,8 @@ var (
 	ErrNoAvailableTopology = errors.New("no available topology")
 )
 
-// TopologyNode is one node as topology decisions see it.
-type TopologyNode struct {
+// Node is one node as topology decisions see it.
+type Node struct {
 	Name   string
 	Labels map[string]string
 	// DriverKeys are the topology keys the node's CSINode lists for the driver;
@@ -56,13 +56,13 @@ type TopologyNode struct {
 	DriverKeys []string
 }
 
-// NewTopologyNode builds a driver's view of a node from its Node and CSINode
+// NewNode builds a driver's view of a node from its Node and CSINode
 // objects. csiNode may be nil (not created yet); so may node (deleted), and
 // then the name is taken from csiNode. A driver the CSINode lists gets a
 // non-nil DriverKeys even when it registered no topology keys, so it still
 // counts as running on the node.
-func NewTopologyNode(node *corev1.Node, csiNode *storagev1.CSINode, driver string) TopologyNode {
-	var n TopologyNode
+func NewNode(node *corev1.Node, csiNode *storagev1.CSINode, driver string) Node {
+	var n Node
 	if node != nil {
 		n.Name, n.Labels = node.Name, node.Labels
 	} else if csiNode != nil {
@@ -79,13 +79,13 @@ func NewTopologyNode(node *corev1.Node, csiNode *storagev1.CSINode, driver strin
 	return n
 }
 
-// TopologyInput is everything AccessibilityRequirements decides from.
-type TopologyInput struct {
+// Input is everything AccessibilityRequirements decides from.
+type Input struct {
 	Driver            string
 	ClaimName         string                        // for StatefulSet-style spreading (name-<index>)
 	AllowedTopologies []corev1.TopologySelectorTerm // from the StorageClass
-	SelectedNode      *TopologyNode                 // nil: Immediate binding
-	Nodes             []TopologyNode                // every node, for aggregating cluster topology
+	SelectedNode      *Node                         // nil: Immediate binding
+	Nodes             []Node                        // every node, for aggregating cluster topology
 	StrictTopology    bool
 	ImmediateTopology bool
 	// Pick chooses which node's keys to aggregate by when no node is selected
@@ -111,12 +111,12 @@ type TopologyInput struct {
 // carries the labels, whether the driver runs there or not; a volume placed
 // in a segment where no node runs the driver could not be used, so nodes
 // whose CSINode does not list the driver are left out here.
-func AccessibilityRequirements(in TopologyInput) (*csi.TopologyRequirement, error) {
+func AccessibilityRequirements(in Input) (*csi.TopologyRequirement, error) {
 	var (
-		selected     topoTerm
+		selected     Term
 		selectedKeys []string
 		selectedName string
-		requisite    []topoTerm
+		requisite    []Term
 		nodeSelected = in.SelectedNode != nil
 		allowed      = flattenAllowedTopologies(in.AllowedTopologies)
 	)
@@ -130,17 +130,17 @@ func AccessibilityRequirements(in TopologyInput) (*csi.TopologyRequirement, erro
 				selectedName, in.Driver, ErrNoTopologyKeys)
 		}
 		var missing []string
-		selected, missing = topoTermFromLabels(in.SelectedNode.Labels, selectedKeys)
+		selected, missing = TermFromLabels(in.SelectedNode.Labels, selectedKeys)
 		if len(missing) > 0 {
 			return nil, fmt.Errorf("node %q has no label for topology key(s) %s that its CSINode lists for driver %q: %w",
 				selectedName, strings.Join(missing, ", "), in.Driver, ErrNodeMissingTopologyLabel)
 		}
 		if in.StrictTopology {
-			if len(in.AllowedTopologies) > 0 && !slices.ContainsFunc(allowed, func(t topoTerm) bool { return t.subsetOf(selected) }) {
+			if len(in.AllowedTopologies) > 0 && !slices.ContainsFunc(allowed, func(t Term) bool { return t.SubsetOf(selected) }) {
 				return nil, fmt.Errorf("node %q has topology %s, which is not in the StorageClass's allowedTopologies %s (strict topology): %w",
 					selectedName, selected, topoTermsString(allowed), ErrNodeNotInTopology)
 			}
-			requisite = []topoTerm{selected}
+			requisite = []Term{selected}
 		}
 	}
 
@@ -165,25 +165,25 @@ func AccessibilityRequirements(in TopologyInput) (*csi.TopologyRequirement, erro
 		// allowedTopologies had only empty terms: behave as without topology.
 		return nil, nil
 	}
-	slices.SortFunc(requisite, topoTerm.compare)
-	requisite = slices.CompactFunc(requisite, func(a, b topoTerm) bool { return a.compare(b) == 0 })
+	slices.SortFunc(requisite, Term.Compare)
+	requisite = slices.CompactFunc(requisite, func(a, b Term) bool { return a.Compare(b) == 0 })
 
 	// 3. Preferred: requisite rotated.
 	first := 0
 	switch {
 	case !nodeSelected:
-		hash, index := claimNameHashAndIndex(in.ClaimName)
+		hash, index := ClaimNameHashAndIndex(in.ClaimName)
 		first = int((hash + index) % uint32(len(requisite)))
 	case in.StrictTopology:
 		// requisite is the selected node's segment alone.
 	default:
-		first = slices.IndexFunc(requisite, func(t topoTerm) bool { return t.subsetOf(selected) })
+		first = slices.IndexFunc(requisite, func(t Term) bool { return t.SubsetOf(selected) })
 		if first < 0 {
 			return nil, fmt.Errorf("node %q has topology %s, which is in none of the requisite terms %s: %w",
 				selectedName, selected, topoTermsString(requisite), ErrNodeNotInTopology)
 		}
 	}
-	rotated := make([]topoTerm, 0, len(requisite))
+	rotated := make([]Term, 0, len(requisite))
 	rotated = append(rotated, requisite[first:]...)
 	rotated = append(rotated, requisite[:first]...)
 	return &csi.TopologyRequirement{
@@ -195,15 +195,15 @@ func AccessibilityRequirements(in TopologyInput) (*csi.TopologyRequirement, erro
 // aggregateTopology returns the segments of the nodes that run the driver,
 // keyed by the selected node's keys or, without a selected node, by the keys
 // of a node picked among those that list some.
-func aggregateTopology(in TopologyInput, keys []string) ([]topoTerm, error) {
+func aggregateTopology(in Input, keys []string) ([]Term, error) {
 	nodes := slices.Clone(in.Nodes)
-	if in.SelectedNode != nil && !slices.ContainsFunc(nodes, func(n TopologyNode) bool { return n.Name == in.SelectedNode.Name }) {
+	if in.SelectedNode != nil && !slices.ContainsFunc(nodes, func(n Node) bool { return n.Name == in.SelectedNode.Name }) {
 		nodes = append(nodes, *in.SelectedNode)
 	}
-	slices.SortStableFunc(nodes, func(a, b TopologyNode) int { return cmp.Compare(a.Name, b.Name) })
+	slices.SortStableFunc(nodes, func(a, b Node) int { return cmp.Compare(a.Name, b.Name) })
 
 	if in.SelectedNode == nil {
-		var candidates []TopologyNode
+		var candidates []Node
 		for _, n := range nodes {
 			if len(n.DriverKeys) > 0 {
 				candidates = append(candidates, n)
@@ -221,12 +221,12 @@ func aggregateTopology(in TopologyInput, keys []string) ([]topoTerm, error) {
 		keys = candidates[i].DriverKeys
 	}
 
-	var terms []topoTerm
+	var terms []Term
 	for _, n := range nodes {
 		if n.DriverKeys == nil {
 			continue // the driver does not run there
 		}
-		if t, missing := topoTermFromLabels(n.Labels, keys); len(missing) == 0 {
+		if t, missing := TermFromLabels(n.Labels, keys); len(missing) == 0 {
 			terms = append(terms, t)
 		}
 	}
@@ -268,25 +268,25 @@ func NodeAffinity(segments []*csi.Topology) *corev1.VolumeNodeAffinity {
 	return &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: terms}}
 }
 
-// topoSegment is one key=value pair of a topology term.
-type topoSegment struct{ key, value string }
+// Segment is one key=value pair of a topology term.
+type Segment struct{ Key, Value string }
 
-// topoTerm is an AND of segments, kept sorted by key then value.
-type topoTerm []topoSegment
+// Term is an AND of segments, kept sorted by key then value.
+type Term []Segment
 
-func (t topoTerm) sort() {
-	slices.SortFunc(t, func(a, b topoSegment) int {
-		return cmp.Or(strings.Compare(a.key, b.key), strings.Compare(a.value, b.value))
+func (t Term) Sort() {
+	slices.SortFunc(t, func(a, b Segment) int {
+		return cmp.Or(strings.Compare(a.Key, b.Key), strings.Compare(a.Value, b.Value))
 	})
 }
 
 // compare orders terms by length, then segment by segment.
-func (t topoTerm) compare(o topoTerm) int {
+func (t Term) Compare(o Term) int {
 	if c := cmp.Compare(len(t), len(o)); c != 0 {
 		return c
 	}
 	for i := range t {
-		if c := cmp.Or(strings.Compare(t[i].key, o[i].key), strings.Compare(t[i].value, o[i].value)); c != 0 {
+		if c := cmp.Or(strings.Compare(t[i].Key, o[i].Key), strings.Compare(t[i].Value, o[i].Value)); c != 0 {
 			return c
 		}
 	}
@@ -295,10 +295,10 @@ func (t topoTerm) compare(o topoTerm) int {
 
 // subsetOf reports whether every segment of t is in o (both sorted): a node
 // whose segment is o satisfies t.
-func (t topoTerm) subsetOf(o topoTerm) bool {
+func (t Term) SubsetOf(o Term) bool {
 	j := 0
 	for _, s := range t {
-		for j < len(o) && o[j].key < s.key {
+		for j < len(o) && o[j].Key < s.Key {
 			j++
 		}
 		if j == len(o) || o[j] != s {
@@ -309,15 +309,15 @@ func (t topoTerm) subsetOf(o topoTerm) bool {
 	return true
 }
 
-func (t topoTerm) String() string {
+func (t Term) String() string {
 	parts := make([]string, len(t))
 	for i, s := range t {
-		parts[i] = s.key + "=" + s.value
+		parts[i] = s.Key + "=" + s.Value
 	}
 	return "{" + strings.Join(parts, ",") + "}"
 }
 
-func topoTermsString(ts []topoTerm) string {
+func topoTermsString(ts []Term) string {
 	parts := make([]string, len(ts))
 	for i, t := range ts {
 		parts[i] = t.String()
@@ -325,10 +325,10 @@ func topoTermsString(ts []topoTerm) string {
 	return "[" + strings.Join(parts, " ") + "]"
 }
 
-// topoTermFromLabels returns the term of keys' values in labels, or the keys
+// TermFromLabels returns the term of keys' values in labels, or the keys
 // that have no label.
-func topoTermFromLabels(labels map[string]string, keys []string) (topoTerm, []string) {
-	t := make(topoTerm, 0, len(keys))
+func TermFromLabels(labels map[string]string, keys []string) (Term, []string) {
+	t := make(Term, 0, len(keys))
 	var missing []string
 	for _, k := range keys {
 		v, ok := labels[k]
@@ -336,12 +336,12 @@ func topoTermFromLabels(labels map[string]string, keys []string) (topoTerm, []st
 			missing = append(missing, k)
 			continue
 		}
-		t = append(t, topoSegment{k, v})
+		t = append(t, Segment{k, v})
 	}
 	if len(missing) > 0 {
 		return nil, missing
 	}
-	t.sort()
+	t.Sort()
 	return t, nil
 }
 
@@ -351,18 +351,18 @@ func topoTermFromLabels(labels map[string]string, keys []string) (topoTerm, []st
 //
 // For example {zone in [z1,z2], rack in [a,b]} becomes
 // {zone=z1,rack=a} {zone=z2,rack=a} {zone=z1,rack=b} {zone=z2,rack=b}.
-func flattenAllowedTopologies(allowed []corev1.TopologySelectorTerm) []topoTerm {
-	var out []topoTerm
+func flattenAllowedTopologies(allowed []corev1.TopologySelectorTerm) []Term {
+	var out []Term
 	for _, sel := range allowed {
 		if len(sel.MatchLabelExpressions) == 0 {
 			continue
 		}
-		product := []topoTerm{nil}
+		product := []Term{nil}
 		for _, expr := range sel.MatchLabelExpressions {
-			next := make([]topoTerm, 0, len(product)*len(expr.Values))
+			next := make([]Term, 0, len(product)*len(expr.Values))
 			for _, v := range expr.Values {
 				for _, t := range product {
-					next = append(next, append(slices.Clone(t), topoSegment{expr.Key, v}))
+					next = append(next, append(slices.Clone(t), Segment{expr.Key, v}))
 				}
 			}
 			product = next
@@ -370,15 +370,15 @@ func flattenAllowedTopologies(allowed []corev1.TopologySelectorTerm) []topoTerm 
 		out = append(out, product...)
 	}
 	for _, t := range out {
-		t.sort()
+		t.Sort()
 	}
 	return out
 }
 
-// inAllowedTopologies reports whether a node with labels is in one of a
+// InAllowed reports whether a node with labels is in one of a
 // StorageClass's allowedTopologies terms (every expression of the term
 // holds: the node's label has one of its values).
-func inAllowedTopologies(terms []corev1.TopologySelectorTerm, labels map[string]string) bool {
+func InAllowed(terms []corev1.TopologySelectorTerm, labels map[string]string) bool {
 	for _, term := range terms {
 		if len(term.MatchLabelExpressions) == 0 {
 			continue
@@ -397,7 +397,7 @@ func inAllowedTopologies(terms []corev1.TopologySelectorTerm, labels map[string]
 	return false
 }
 
-func topoTermsToCSI(ts []topoTerm) []*csi.Topology {
+func topoTermsToCSI(ts []Term) []*csi.Topology {
 	out := make([]*csi.Topology, 0, len(ts))
 	for _, t := range ts {
 		if len(t) == 0 {
@@ -405,14 +405,14 @@ func topoTermsToCSI(ts []topoTerm) []*csi.Topology {
 		}
 		segs := make(map[string]string, len(t))
 		for _, s := range t {
-			segs[s.key] = s.value
+			segs[s.Key] = s.Value
 		}
 		out = append(out, &csi.Topology{Segments: segs})
 	}
 	return out
 }
 
-// claimNameHashAndIndex is the StatefulSet spreading heuristic of
+// ClaimNameHashAndIndex is the StatefulSet spreading heuristic of
 // external-provisioner (and of the in-tree volume plugins): a claim named
 // <template>-<set>-<ordinal> hashes only <set> (the part after the last dash
 // before the ordinal) and is offset by its ordinal, so the replicas of a set
@@ -420,7 +420,7 @@ func topoTermsToCSI(ts []topoTerm) []*csi.Topology {
 // Other names are hashed whole with no offset. The hash is 32-bit FNV-1.
 // (Upstream hashes a random number for an empty name; claims always have
 // names, and this stays deterministic.)
-func claimNameHashAndIndex(name string) (hash, index uint32) {
+func ClaimNameHashAndIndex(name string) (hash, index uint32) {
 	hashed := name
 	if dash := strings.LastIndexByte(name, '-'); dash >= 0 {
 		if ordinal, err := strconv.ParseUint(name[dash+1:], 10, 32); err == nil {
@@ -434,4 +434,13 @@ func claimNameHashAndIndex(name string) (hash, index uint32) {
 	h := fnv.New32()
 	h.Write([]byte(hashed))
 	return h.Sum32(), index
+}
+
+// Labels is the term as a label map (key → value).
+func (t Term) Labels() map[string]string {
+	m := make(map[string]string, len(t))
+	for _, s := range t {
+		m[s.Key] = s.Value
+	}
+	return m
 }
