@@ -58,6 +58,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/k8sbridge/topology"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/attribute"
@@ -206,7 +207,7 @@ func capacitySegments(nodes []topology.Node, nodeLocal bool) []capacitySegment {
 func CapacityRequest(class *storagev1.StorageClass, segment map[string]string) *csi.GetCapacityRequest {
 	params := map[string]string{}
 	for k, v := range class.Parameters {
-		if !strings.HasPrefix(k, ParameterPrefix) {
+		if !strings.HasPrefix(k, secrets.ParameterPrefix) {
 			params[k] = v
 		}
 	}

@@ -27,6 +27,7 @@ import (
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/k8sbridge/topology"
 )
 
@@ -169,7 +170,7 @@ func TestCapacityRequest(t *testing.T) {
 		Parameters: map[string]string{
 			"label":     "blue",
 			ParamFSType: "xfs",
-			ParameterPrefix + "provisioner-secret-name": "s",
+			secrets.ParameterPrefix + "provisioner-secret-name": "s",
 		},
 		MountOptions: []string{"noatime"},
 	}

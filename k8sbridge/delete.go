@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 
+	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -360,7 +361,7 @@ func (d *deleter) classDeletionSecret(pv *corev1.PersistentVolume) (*corev1.Secr
 	if cr := pv.Spec.ClaimRef; cr != nil {
 		claim.Name, claim.Namespace = cr.Name, cr.Namespace
 	}
-	ref, err := SecretRef(SecretProvisioner, class.Parameters, pv.Name, claim)
+	ref, err := secrets.Ref(secrets.Provisioner, class.Parameters, pv.Name, claim)
 	if err != nil {
 		return nil, fmt.Errorf("persistentvolume %s records no deletion secret, and its StorageClass %q's provisioner secret cannot be resolved for it: %w", pv.Name, class.Name, err)
 	}

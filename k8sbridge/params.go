@@ -15,18 +15,19 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/csibroker/csibroker/broker"
+	"github.com/csibroker/csibroker/k8sbridge/secrets"
 )
 
 // StorageClass parameter keys the provisioner itself reads or writes.
 const (
 	// ParamFSType is the filesystem type of Filesystem-mode volumes.
-	ParamFSType = ParameterPrefix + "fstype"
+	ParamFSType = secrets.ParameterPrefix + "fstype"
 	// ParamPVCName, ParamPVCNamespace and ParamPVName are added to the driver's
 	// parameters with --extra-create-metadata, and to its mutable parameters
 	// with --extra-modify-metadata.
-	ParamPVCName      = ParameterPrefix + "pvc/name"
-	ParamPVCNamespace = ParameterPrefix + "pvc/namespace"
-	ParamPVName       = ParameterPrefix + "pv/name"
+	ParamPVCName      = secrets.ParameterPrefix + "pvc/name"
+	ParamPVCNamespace = secrets.ParameterPrefix + "pvc/namespace"
+	ParamPVName       = secrets.ParameterPrefix + "pv/name"
 )
 
 // legacyFSTypeKey is the unprefixed fstype key (any case), deprecated but
@@ -42,12 +43,12 @@ var ErrInvalidParameters = errors.New("invalid provisioning parameters")
 // parameters go to the driver.
 func knownPrefixedParams() map[string]bool {
 	known := map[string]bool{
-		ParamFSType:                 true,
-		ParamDefaultSecretName:      true,
-		ParamDefaultSecretNamespace: true,
+		ParamFSType:                         true,
+		secrets.ParamDefaultSecretName:      true,
+		secrets.ParamDefaultSecretNamespace: true,
 	}
-	for _, k := range SecretKinds() {
-		name, ns := SecretParamKeys(k)
+	for _, k := range secrets.Kinds() {
+		name, ns := secrets.ParamKeys(k)
 		known[name], known[ns] = true, true
 	}
 	return known
@@ -90,7 +91,7 @@ func CreateParameters(params map[string]string, extraMetadata bool, pvName strin
 	driverParams = make(map[string]string, len(params)+3)
 	for k, v := range params {
 		switch {
-		case !strings.HasPrefix(k, ParameterPrefix):
+		case !strings.HasPrefix(k, secrets.ParameterPrefix):
 			driverParams[k] = v
 		case !known[k]:
 			unknown = append(unknown, k)
@@ -99,7 +100,7 @@ func CreateParameters(params map[string]string, extraMetadata bool, pvName strin
 	if len(unknown) > 0 {
 		slices.Sort(unknown)
 		return nil, "", fmt.Errorf("unknown parameter %s: the prefix %s is reserved for the provisioner: %w",
-			strings.Join(unknown, ", "), ParameterPrefix, ErrInvalidParameters)
+			strings.Join(unknown, ", "), secrets.ParameterPrefix, ErrInvalidParameters)
 	}
 
 	if extraMetadata {

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
@@ -19,13 +20,13 @@ import (
 
 func TestCreateParameters(t *testing.T) {
 	allKnown := map[string]string{
-		"type":                      "ssd",
-		ParamFSType:                 "xfs",
-		ParamDefaultSecretName:      "s",
-		ParamDefaultSecretNamespace: "ns",
+		"type":                              "ssd",
+		ParamFSType:                         "xfs",
+		secrets.ParamDefaultSecretName:      "s",
+		secrets.ParamDefaultSecretNamespace: "ns",
 	}
-	for _, k := range SecretKinds() {
-		name, ns := SecretParamKeys(k)
+	for _, k := range secrets.Kinds() {
+		name, ns := secrets.ParamKeys(k)
 		allKnown[name], allKnown[ns] = "s", "ns"
 	}
 
@@ -53,9 +54,9 @@ func TestCreateParameters(t *testing.T) {
 			errHas: []string{ParamFSType, "fstype", "more than once"}},
 		{name: "fstype twice: two spellings of the deprecated key", params: map[string]string{"FSTYPE": "xfs", "fsType": "ext4"},
 			errHas: []string{"FSTYPE", "fsType"}},
-		{name: "unknown csi.storage.k8s.io/ key", params: map[string]string{"type": "ssd", ParameterPrefix + "fs-type": "xfs"},
+		{name: "unknown csi.storage.k8s.io/ key", params: map[string]string{"type": "ssd", secrets.ParameterPrefix + "fs-type": "xfs"},
 			errHas: []string{`csi.storage.k8s.io/fs-type`, "reserved"}, errAbsent: []string{"ssd", "xfs"}},
-		{name: "several unknown keys are all named", params: map[string]string{ParameterPrefix + "b": "1", ParameterPrefix + "a": "2"},
+		{name: "several unknown keys are all named", params: map[string]string{secrets.ParameterPrefix + "b": "1", secrets.ParameterPrefix + "a": "2"},
 			errHas: []string{"csi.storage.k8s.io/a, csi.storage.k8s.io/b"}},
 		{name: "extra metadata keys in the class are unknown keys", params: map[string]string{ParamPVCName: "x"},
 			errHas: []string{ParamPVCName}},
@@ -360,3 +361,17 @@ type retriedAfterUnavailable struct{ error }
 
 func (e retriedAfterUnavailable) Unwrap() error                   { return e.error }
 func (e retriedAfterUnavailable) EarlierAttemptUnavailable() bool { return true }
+
+func pureClaim() *corev1.PersistentVolumeClaim {
+	return &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{
+		Name:      "data-web-0",
+		Namespace: "team-a",
+		Annotations: map[string]string{
+			"team.example.com/key": "blue-key",
+			"upper":                "NotADNSName",
+			"empty":                "",
+		},
+	}}
+}
+
+const purePV = "pvc-0a1b2c3d"

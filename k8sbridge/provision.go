@@ -32,6 +32,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 
+	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/k8sbridge/topology"
 	"github.com/csibroker/csibroker/policy"
 )
@@ -657,8 +658,8 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		// can say which nodes' proxies may receive the secret.
 		requester.Node = selectedNode
 	}
-	provSource := policySource(SecretProvisioner, class.Parameters)
-	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpCreateVolume, ref: provSecretRef, source: provSource, requester: requester})
+	provSource := secrets.PolicySource(secrets.Provisioner, class.Parameters)
+	creds, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpCreateVolume, ref: provSecretRef, source: provSource, requester: requester})
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -666,17 +667,17 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	// node plugin: writing them there is their use, so they are decided
 	// now, before any volume exists.
 	for _, k := range []struct {
-		kind SecretKind
+		kind secrets.Kind
 		op   policy.Operation
-	}{{SecretNodeStage, policy.OpNodeStageVolume}, {SecretNodePublish, policy.OpNodePublishVolume}, {SecretNodeExpand, policy.OpNodeExpandVolume}} {
-		ref, err := SecretRef(k.kind, class.Parameters, pvName, claim)
+	}{{secrets.NodeStage, policy.OpNodeStageVolume}, {secrets.NodePublish, policy.OpNodePublishVolume}, {secrets.NodeExpand, policy.OpNodeExpandVolume}} {
+		ref, err := secrets.Ref(k.kind, class.Parameters, pvName, claim)
 		if err != nil {
 			return fail("storageclass %q: %v", class.Name, err)
 		}
 		if ref == nil {
 			continue
 		}
-		if err := p.b.decideSecret(ctx, secretUse{driver: driver, op: k.op, ref: ref, source: policySource(k.kind, class.Parameters), requester: requester}); err != nil {
+		if err := p.b.decideSecret(ctx, secretUse{driver: driver, op: k.op, ref: ref, source: secrets.PolicySource(k.kind, class.Parameters), requester: requester}); err != nil {
 			return fail("%v (the secret would go into the PV for the kubelet)", err)
 		}
 	}
@@ -758,7 +759,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return fail("%v", err)
 	}
 	callCtx, cancel := p.b.callContext(ctx, driver, "CreateVolume")
-	req.Secrets = secrets
+	req.Secrets = creds
 	resp, err := csi.NewControllerClient(conn).CreateVolume(callCtx, req)
 	cancel()
 	req.Secrets = nil
@@ -1048,17 +1049,17 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	secretRef, err := SecretRef(SecretProvisioner, class.Parameters, pvName, claim)
+	secretRef, err := secrets.Ref(secrets.Provisioner, class.Parameters, pvName, claim)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
 	}
 	// Every other secret named by the class must resolve now, so a typo is
 	// reported at provisioning rather than at attach or mount time.
-	for _, k := range SecretKinds() {
-		if k == SecretProvisioner {
+	for _, k := range secrets.Kinds() {
+		if k == secrets.Provisioner {
 			continue // resolved above
 		}
-		if _, err := SecretRef(k, class.Parameters, pvName, claim); err != nil {
+		if _, err := secrets.Ref(k, class.Parameters, pvName, claim); err != nil {
 			return nil, nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
 		}
 	}
@@ -1210,16 +1211,16 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 		src.ReadOnly = true
 	}
 	for _, k := range []struct {
-		kind SecretKind
+		kind secrets.Kind
 		dst  **corev1.SecretReference
 	}{
-		{SecretControllerPublish, &src.ControllerPublishSecretRef},
-		{SecretNodeStage, &src.NodeStageSecretRef},
-		{SecretNodePublish, &src.NodePublishSecretRef},
-		{SecretControllerExpand, &src.ControllerExpandSecretRef},
-		{SecretNodeExpand, &src.NodeExpandSecretRef},
+		{secrets.ControllerPublish, &src.ControllerPublishSecretRef},
+		{secrets.NodeStage, &src.NodeStageSecretRef},
+		{secrets.NodePublish, &src.NodePublishSecretRef},
+		{secrets.ControllerExpand, &src.ControllerExpandSecretRef},
+		{secrets.NodeExpand, &src.NodeExpandSecretRef},
 	} {
-		ref, err := SecretRef(k.kind, class.Parameters, pvName, claim)
+		ref, err := secrets.Ref(k.kind, class.Parameters, pvName, claim)
 		if err != nil {
 			return nil, err
 		}
@@ -1249,7 +1250,7 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 	}
 	// As external-provisioner: the secret for ControllerModifyVolume, for
 	// whoever calls it.
-	if ref, err := SecretRef(SecretControllerModify, class.Parameters, pvName, claim); err != nil {
+	if ref, err := secrets.Ref(secrets.ControllerModify, class.Parameters, pvName, claim); err != nil {
 		return nil, err
 	} else if ref != nil {
 		pv.Annotations[annModifySecretName], pv.Annotations[annModifySecretNS] = ref.Name, ref.Namespace
@@ -1302,7 +1303,7 @@ func (p *provisioner) deleteVolume(ctx context.Context, driver, node, volumeID s
 // may have gone with its namespace, with the claims), which is logged and,
 // with on, recorded as an Event on that object.
 func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester, recordedNSLabels map[string]string, on *corev1.ObjectReference) error {
-	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpDeleteVolume, ref: secretRef, source: policy.Source{Kind: policy.SourcePVField, Key: "provisioner secret"}, requester: requester, recordedNSLabels: recordedNSLabels})
+	creds, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpDeleteVolume, ref: secretRef, source: policy.Source{Kind: policy.SourcePVField, Key: "provisioner secret"}, requester: requester, recordedNSLabels: recordedNSLabels})
 	var gone secretNotFound
 	switch {
 	case errors.As(err, &gone):
@@ -1311,7 +1312,7 @@ func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volume
 			p.b.eventOnce(ctx, *on, corev1.EventTypeWarning, "DeletionSecretNotFound", secretRef.Namespace+"/"+secretRef.Name,
 				"%v; deleting volume %s without credentials", err, volumeID)
 		}
-		secrets = nil
+		creds = nil
 	case err != nil:
 		return err
 	}
@@ -1321,7 +1322,7 @@ func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volume
 	}
 	ctx, cancel := p.b.callContext(ctx, driver, "DeleteVolume")
 	defer cancel()
-	_, err = csi.NewControllerClient(conn).DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: volumeID, Secrets: secrets})
+	_, err = csi.NewControllerClient(conn).DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: volumeID, Secrets: creds})
 	if err != nil {
 		// NotFound included: the CSI spec has a plugin answer OK for a
 		// volume it does not have, so NotFound may be about something

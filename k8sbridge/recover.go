@@ -230,7 +230,7 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 	if in.SecretSource != nil {
 		source = *in.SecretSource
 	}
-	secrets, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: source, requester: requester, recordedNSLabels: in.NamespaceLabels})
+	creds, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: source, requester: requester, recordedNSLabels: in.NamespaceLabels})
 	var gone secretNotFound
 	switch {
 	case errors.As(err, &gone):
@@ -241,7 +241,7 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 		// it; one that refuses leaves the entry failing, as before.
 		p.b.log.Warn("recovery: the provisioner secret is gone; re-issuing CreateVolume without credentials to learn the volume's ID",
 			"driver", in.Driver, "volume", in.VolumeName, "err", err)
-		secrets = nil
+		creds = nil
 	case err != nil:
 		return "", requester, stageSecret, err
 	}
@@ -256,7 +256,7 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, 
 	absent := len(reqs) > 0
 	for _, req := range reqs {
 		callCtx, cancel := p.b.callContext(ctx, in.Driver, "CreateVolume")
-		req.Secrets = secrets
+		req.Secrets = creds
 		var resp *csi.CreateVolumeResponse
 		resp, err = csi.NewControllerClient(conn).CreateVolume(callCtx, req)
 		cancel()

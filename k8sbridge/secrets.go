@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -148,19 +147,4 @@ func (b *Bridge) decideSecret(ctx context.Context, u secretUse) error {
 		return fmt.Errorf("%w: %s%s", errSecretDenied, d.Reason, hint)
 	}
 	return nil
-}
-
-// policySource says where a reference came from, for the policy and its audit.
-// It names the keys SecretRef read, deprecated ones included.
-func policySource(kind SecretKind, params map[string]string) policy.Source {
-	nameKey, _ := SecretParamKeys(kind)
-	src := policy.Source{Kind: policy.SourceStorageClassParameter, Key: nameKey}
-	if t, err := kindTemplates(kind, params); err == nil && t != nil {
-		src.Key = t.nameKey
-		if strings.Contains(t.nameTemplate+t.nsTemplate, "${") {
-			src.Kind = policy.SourceTemplate
-			src.Template = t.nsTemplate + "/" + t.nameTemplate
-		}
-	}
-	return src
 }

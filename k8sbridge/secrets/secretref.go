@@ -1,10 +1,11 @@
-package k8sbridge
+package secrets
 
 import (
 	"errors"
 	"fmt"
 	"strings"
 
+	"github.com/csibroker/csibroker/policy"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
 )
@@ -32,40 +33,40 @@ import (
 // One rule is stricter than upstream: a "$" that does not start a well-formed
 // ${token} is an error (upstream silently drops "${" and "${}").
 
-// ErrSecretParameter is wrapped by every error SecretRef returns: the
+// ErrParameter is wrapped by every error SecretRef returns: the
 // StorageClass (or the claim it templates from) is wrong, and retrying the
 // same objects cannot help.
-var ErrSecretParameter = errors.New("invalid secret parameter")
+var ErrParameter = errors.New("invalid secret parameter")
 
-// SecretKind names one of the secrets a StorageClass can reference. Its value
+// Kind names one of the secrets a StorageClass can reference. Its value
 // is the infix of the kind's parameter keys.
-type SecretKind string
+type Kind string
 
 // The kinds of secret a StorageClass can reference.
 const (
-	// SecretProvisioner is passed to CreateVolume and DeleteVolume.
-	SecretProvisioner SecretKind = "provisioner"
-	// SecretControllerPublish becomes the PV's controllerPublishSecretRef.
-	SecretControllerPublish SecretKind = "controller-publish"
-	// SecretNodeStage becomes the PV's nodeStageSecretRef.
-	SecretNodeStage SecretKind = "node-stage"
-	// SecretNodePublish becomes the PV's nodePublishSecretRef.
-	SecretNodePublish SecretKind = "node-publish"
-	// SecretControllerExpand becomes the PV's controllerExpandSecretRef.
-	SecretControllerExpand SecretKind = "controller-expand"
-	// SecretNodeExpand becomes the PV's nodeExpandSecretRef.
-	SecretNodeExpand SecretKind = "node-expand"
-	// SecretControllerModify is recorded in the PV's
+	// Provisioner is passed to CreateVolume and DeleteVolume.
+	Provisioner Kind = "provisioner"
+	// ControllerPublish becomes the PV's controllerPublishSecretRef.
+	ControllerPublish Kind = "controller-publish"
+	// NodeStage becomes the PV's nodeStageSecretRef.
+	NodeStage Kind = "node-stage"
+	// NodePublish becomes the PV's nodePublishSecretRef.
+	NodePublish Kind = "node-publish"
+	// ControllerExpand becomes the PV's controllerExpandSecretRef.
+	ControllerExpand Kind = "controller-expand"
+	// NodeExpand becomes the PV's nodeExpandSecretRef.
+	NodeExpand Kind = "node-expand"
+	// ControllerModify is recorded in the PV's
 	// volume.kubernetes.io/controller-modify-secret-* annotations, as
 	// external-provisioner does, and passed to ControllerModifyVolume when
 	// the claim's VolumeAttributesClass changes (modify.go).
-	SecretControllerModify SecretKind = "controller-modify"
+	ControllerModify Kind = "controller-modify"
 )
 
-// SecretKinds returns every kind, in a fixed order.
-func SecretKinds() []SecretKind {
-	return []SecretKind{SecretProvisioner, SecretControllerPublish, SecretNodeStage,
-		SecretNodePublish, SecretControllerExpand, SecretNodeExpand, SecretControllerModify}
+// Kinds returns every kind, in a fixed order.
+func Kinds() []Kind {
+	return []Kind{Provisioner, ControllerPublish, NodeStage,
+		NodePublish, ControllerExpand, NodeExpand, ControllerModify}
 }
 
 // Parameter keys shared by every kind.
@@ -81,34 +82,34 @@ const (
 
 // deprecatedSecretKeys are the pre-prefix keys upstream still reads (and, as
 // upstream, passes on to the driver: they are not csi.storage.k8s.io/ keys).
-var deprecatedSecretKeys = map[SecretKind][2]string{
-	SecretProvisioner:       {"csiProvisionerSecretName", "csiProvisionerSecretNamespace"},
-	SecretControllerPublish: {"csiControllerPublishSecretName", "csiControllerPublishSecretNamespace"},
-	SecretNodeStage:         {"csiNodeStageSecretName", "csiNodeStageSecretNamespace"},
-	SecretNodePublish:       {"csiNodePublishSecretName", "csiNodePublishSecretNamespace"},
+var deprecatedSecretKeys = map[Kind][2]string{
+	Provisioner:       {"csiProvisionerSecretName", "csiProvisionerSecretNamespace"},
+	ControllerPublish: {"csiControllerPublishSecretName", "csiControllerPublishSecretNamespace"},
+	NodeStage:         {"csiNodeStageSecretName", "csiNodeStageSecretNamespace"},
+	NodePublish:       {"csiNodePublishSecretName", "csiNodePublishSecretNamespace"},
 }
 
-func (k SecretKind) valid() bool {
+func (k Kind) valid() bool {
 	switch k {
-	case SecretProvisioner, SecretControllerPublish, SecretNodeStage,
-		SecretNodePublish, SecretControllerExpand, SecretNodeExpand, SecretControllerModify:
+	case Provisioner, ControllerPublish, NodeStage,
+		NodePublish, ControllerExpand, NodeExpand, ControllerModify:
 		return true
 	}
 	return false
 }
 
-// SecretParamKeys returns the name and namespace parameter keys of a kind (for messages and for stripping).
+// ParamKeys returns the name and namespace parameter keys of a kind (for messages and for stripping).
 // An unknown kind has none.
-func SecretParamKeys(kind SecretKind) (nameKey, namespaceKey string) {
+func ParamKeys(kind Kind) (nameKey, namespaceKey string) {
 	if !kind.valid() {
 		return "", ""
 	}
 	return ParameterPrefix + string(kind) + "-secret-name", ParameterPrefix + string(kind) + "-secret-namespace"
 }
 
-// DeprecatedSecretParamKeys returns the deprecated (unprefixed) name and
+// DeprecatedParamKeys returns the deprecated (unprefixed) name and
 // namespace keys of a kind, or empty strings for kinds that never had them.
-func DeprecatedSecretParamKeys(kind SecretKind) (nameKey, namespaceKey string) {
+func DeprecatedParamKeys(kind Kind) (nameKey, namespaceKey string) {
 	keys := deprecatedSecretKeys[kind]
 	return keys[0], keys[1]
 }
@@ -116,9 +117,9 @@ func DeprecatedSecretParamKeys(kind SecretKind) (nameKey, namespaceKey string) {
 // kindTemplates are the templates of kind's secret: its own parameters
 // (the deprecated ones included) or, when the class sets none of them, the
 // default csi.storage.k8s.io/secret-name and -namespace; nil when neither.
-func kindTemplates(kind SecretKind, params map[string]string) (*secretSource, error) {
-	nameKey, nsKey := SecretParamKeys(kind)
-	depName, depNS := DeprecatedSecretParamKeys(kind)
+func kindTemplates(kind Kind, params map[string]string) (*secretSource, error) {
+	nameKey, nsKey := ParamKeys(kind)
+	depName, depNS := DeprecatedParamKeys(kind)
 	src, err := secretTemplates(string(kind), params, nameKey, nsKey, depName, depNS)
 	if err != nil || src != nil {
 		return src, err
@@ -131,10 +132,10 @@ func kindTemplates(kind SecretKind, params map[string]string) (*secretSource, er
 // For deletion, upstream passes a claim carrying only the name and namespace
 // of the PV's claimRef, so that ${pvc.name} and ${pvc.namespace} resolve as at
 // creation; a caller may do the same. Errors name the parameter, the template
-// and the reason, and wrap ErrSecretParameter.
-func SecretRef(kind SecretKind, params map[string]string, pvName string, claim *corev1.PersistentVolumeClaim) (*corev1.SecretReference, error) {
+// and the reason, and wrap ErrParameter.
+func Ref(kind Kind, params map[string]string, pvName string, claim *corev1.PersistentVolumeClaim) (*corev1.SecretReference, error) {
 	if !kind.valid() {
-		return nil, fmt.Errorf("unknown secret kind %q: %w", kind, ErrSecretParameter)
+		return nil, fmt.Errorf("unknown secret kind %q: %w", kind, ErrParameter)
 	}
 	src, err := kindTemplates(kind, params)
 	if err != nil || src == nil {
@@ -147,7 +148,7 @@ func SecretRef(kind SecretKind, params map[string]string, pvName string, claim *
 	}
 	if errs := validation.IsDNS1123Label(ns); len(errs) > 0 {
 		return nil, fmt.Errorf("parameter %s: %s, which is not a valid namespace name: %s: %w",
-			src.nsKey, describeResolved(src.nsTemplate, ns), strings.Join(errs, "; "), ErrSecretParameter)
+			src.nsKey, describeResolved(src.nsTemplate, ns), strings.Join(errs, "; "), ErrParameter)
 	}
 	name, err := expandSecretTemplate(src.nameTemplate, true, pvName, claim)
 	if err != nil {
@@ -155,7 +156,7 @@ func SecretRef(kind SecretKind, params map[string]string, pvName string, claim *
 	}
 	if errs := validation.IsDNS1123Subdomain(name); len(errs) > 0 {
 		return nil, fmt.Errorf("parameter %s: %s, which is not a valid secret name: %s: %w",
-			src.nameKey, describeResolved(src.nameTemplate, name), strings.Join(errs, "; "), ErrSecretParameter)
+			src.nameKey, describeResolved(src.nameTemplate, name), strings.Join(errs, "; "), ErrParameter)
 	}
 	return &corev1.SecretReference{Name: name, Namespace: ns}, nil
 }
@@ -199,22 +200,22 @@ func secretTemplates(kind string, params map[string]string, nameKey, nsKey, depN
 	switch {
 	case len(names) > 1:
 		return nil, fmt.Errorf("%s secret name set twice, by %s and by %s (the former is deprecated; keep only the latter): %w",
-			kind, names[0], names[1], ErrSecretParameter)
+			kind, names[0], names[1], ErrParameter)
 	case len(namespaces) > 1:
 		return nil, fmt.Errorf("%s secret namespace set twice, by %s and by %s (the former is deprecated; keep only the latter): %w",
-			kind, namespaces[0], namespaces[1], ErrSecretParameter)
+			kind, namespaces[0], namespaces[1], ErrParameter)
 	case len(names) == 1 && len(namespaces) == 0:
 		return nil, fmt.Errorf("parameter %s is set but %s is not: a secret's name and namespace must be set together: %w",
-			names[0], nsKey, ErrSecretParameter)
+			names[0], nsKey, ErrParameter)
 	case len(names) == 0 && len(namespaces) == 1:
 		return nil, fmt.Errorf("parameter %s is set but %s is not: a secret's name and namespace must be set together: %w",
-			namespaces[0], nameKey, ErrSecretParameter)
+			namespaces[0], nameKey, ErrParameter)
 	case len(names) == 0:
 		return nil, nil
 	case src.nameTemplate == "":
-		return nil, fmt.Errorf("parameter %s is empty: %w", src.nameKey, ErrSecretParameter)
+		return nil, fmt.Errorf("parameter %s is empty: %w", src.nameKey, ErrParameter)
 	case src.nsTemplate == "":
-		return nil, fmt.Errorf("parameter %s is empty: %w", src.nsKey, ErrSecretParameter)
+		return nil, fmt.Errorf("parameter %s is empty: %w", src.nsKey, ErrParameter)
 	}
 	return src, nil
 }
@@ -242,11 +243,11 @@ func expandSecretTemplate(tpl string, forName bool, pvName string, claim *corev1
 		b.WriteString(rest[:i])
 		rest = rest[i:]
 		if !strings.HasPrefix(rest, "${") {
-			return "", fmt.Errorf("%q must start a ${...} token: %w", "$", ErrSecretParameter)
+			return "", fmt.Errorf("%q must start a ${...} token: %w", "$", ErrParameter)
 		}
 		end := strings.IndexByte(rest, '}')
 		if end < 0 {
-			return "", fmt.Errorf("%q is not closed by %q: %w", "${", "}", ErrSecretParameter)
+			return "", fmt.Errorf("%q is not closed by %q: %w", "${", "}", ErrParameter)
 		}
 		token := rest[2:end]
 		rest = rest[end+1:]
@@ -261,7 +262,7 @@ func expandSecretTemplate(tpl string, forName bool, pvName string, claim *corev1
 func resolveSecretToken(token string, forName bool, pvName string, claim *corev1.PersistentVolumeClaim) (string, error) {
 	const namespaceRule = "a secret namespace may use only ${pv.name} and ${pvc.namespace}: the claim's name and annotations are set by its creator, who must not choose where secrets are read from"
 	noClaim := func() error {
-		return fmt.Errorf("${%s} needs the claim, and there is none (deletion without a claim resolves only ${pv.name}): %w", token, ErrSecretParameter)
+		return fmt.Errorf("${%s} needs the claim, and there is none (deletion without a claim resolves only ${pv.name}): %w", token, ErrParameter)
 	}
 	switch {
 	case token == tokenPVName:
@@ -273,7 +274,7 @@ func resolveSecretToken(token string, forName bool, pvName string, claim *corev1
 		return claim.Namespace, nil
 	case token == tokenPVCName:
 		if !forName {
-			return "", fmt.Errorf("${%s} is not allowed here: %s: %w", token, namespaceRule, ErrSecretParameter)
+			return "", fmt.Errorf("${%s} is not allowed here: %s: %w", token, namespaceRule, ErrParameter)
 		}
 		if claim == nil {
 			return "", noClaim()
@@ -282,7 +283,7 @@ func resolveSecretToken(token string, forName bool, pvName string, claim *corev1
 	case strings.HasPrefix(token, tokenAnnotationHead) && strings.HasSuffix(token, tokenAnnotationTail) &&
 		len(token) >= len(tokenAnnotationHead)+len(tokenAnnotationTail):
 		if !forName {
-			return "", fmt.Errorf("${%s} is not allowed here: %s: %w", token, namespaceRule, ErrSecretParameter)
+			return "", fmt.Errorf("${%s} is not allowed here: %s: %w", token, namespaceRule, ErrParameter)
 		}
 		if claim == nil {
 			return "", noClaim()
@@ -290,7 +291,7 @@ func resolveSecretToken(token string, forName bool, pvName string, claim *corev1
 		key := token[len(tokenAnnotationHead) : len(token)-len(tokenAnnotationTail)]
 		v, ok := claim.Annotations[key]
 		if !ok {
-			return "", fmt.Errorf("${%s}: claim %s/%s has no annotation %q: %w", token, claim.Namespace, claim.Name, key, ErrSecretParameter)
+			return "", fmt.Errorf("${%s}: claim %s/%s has no annotation %q: %w", token, claim.Namespace, claim.Name, key, ErrParameter)
 		}
 		return v, nil
 	}
@@ -298,5 +299,20 @@ func resolveSecretToken(token string, forName bool, pvName string, claim *corev1
 	if forName {
 		allowed = "${pv.name}, ${pvc.namespace}, ${pvc.name}, ${pvc.annotations['<key>']}"
 	}
-	return "", fmt.Errorf("unknown token ${%s} (known here: %s): %w", token, allowed, ErrSecretParameter)
+	return "", fmt.Errorf("unknown token ${%s} (known here: %s): %w", token, allowed, ErrParameter)
+}
+
+// PolicySource says where a reference came from, for the policy and its audit.
+// It names the keys SecretRef read, deprecated ones included.
+func PolicySource(kind Kind, params map[string]string) policy.Source {
+	nameKey, _ := ParamKeys(kind)
+	src := policy.Source{Kind: policy.SourceStorageClassParameter, Key: nameKey}
+	if t, err := kindTemplates(kind, params); err == nil && t != nil {
+		src.Key = t.nameKey
+		if strings.Contains(t.nameTemplate+t.nsTemplate, "${") {
+			src.Kind = policy.SourceTemplate
+			src.Template = t.nsTemplate + "/" + t.nameTemplate
+		}
+	}
+	return src
 }

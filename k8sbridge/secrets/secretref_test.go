@@ -1,4 +1,4 @@
-package k8sbridge
+package secrets
 
 import (
 	"errors"
@@ -13,31 +13,31 @@ import (
 )
 
 func TestSecretParamKeys(t *testing.T) {
-	want := map[SecretKind][4]string{
-		SecretProvisioner: {"csi.storage.k8s.io/provisioner-secret-name", "csi.storage.k8s.io/provisioner-secret-namespace",
+	want := map[Kind][4]string{
+		Provisioner: {"csi.storage.k8s.io/provisioner-secret-name", "csi.storage.k8s.io/provisioner-secret-namespace",
 			"csiProvisionerSecretName", "csiProvisionerSecretNamespace"},
-		SecretControllerPublish: {"csi.storage.k8s.io/controller-publish-secret-name", "csi.storage.k8s.io/controller-publish-secret-namespace",
+		ControllerPublish: {"csi.storage.k8s.io/controller-publish-secret-name", "csi.storage.k8s.io/controller-publish-secret-namespace",
 			"csiControllerPublishSecretName", "csiControllerPublishSecretNamespace"},
-		SecretNodeStage: {"csi.storage.k8s.io/node-stage-secret-name", "csi.storage.k8s.io/node-stage-secret-namespace",
+		NodeStage: {"csi.storage.k8s.io/node-stage-secret-name", "csi.storage.k8s.io/node-stage-secret-namespace",
 			"csiNodeStageSecretName", "csiNodeStageSecretNamespace"},
-		SecretNodePublish: {"csi.storage.k8s.io/node-publish-secret-name", "csi.storage.k8s.io/node-publish-secret-namespace",
+		NodePublish: {"csi.storage.k8s.io/node-publish-secret-name", "csi.storage.k8s.io/node-publish-secret-namespace",
 			"csiNodePublishSecretName", "csiNodePublishSecretNamespace"},
-		SecretControllerExpand: {"csi.storage.k8s.io/controller-expand-secret-name", "csi.storage.k8s.io/controller-expand-secret-namespace", "", ""},
-		SecretNodeExpand:       {"csi.storage.k8s.io/node-expand-secret-name", "csi.storage.k8s.io/node-expand-secret-namespace", "", ""},
-		SecretControllerModify: {"csi.storage.k8s.io/controller-modify-secret-name", "csi.storage.k8s.io/controller-modify-secret-namespace", "", ""},
-		SecretKind("bogus"):    {"", "", "", ""},
+		ControllerExpand: {"csi.storage.k8s.io/controller-expand-secret-name", "csi.storage.k8s.io/controller-expand-secret-namespace", "", ""},
+		NodeExpand:       {"csi.storage.k8s.io/node-expand-secret-name", "csi.storage.k8s.io/node-expand-secret-namespace", "", ""},
+		ControllerModify: {"csi.storage.k8s.io/controller-modify-secret-name", "csi.storage.k8s.io/controller-modify-secret-namespace", "", ""},
+		Kind("bogus"):    {"", "", "", ""},
 	}
-	if len(SecretKinds()) != 7 {
-		t.Errorf("SecretKinds() = %v, want the 7 kinds", SecretKinds())
+	if len(Kinds()) != 7 {
+		t.Errorf("Kinds() = %v, want the 7 kinds", Kinds())
 	}
-	for _, k := range SecretKinds() {
+	for _, k := range Kinds() {
 		if _, ok := want[k]; !ok {
-			t.Errorf("SecretKinds() has %q, not in this test", k)
+			t.Errorf("Kinds() has %q, not in this test", k)
 		}
 	}
 	for kind, w := range want {
-		name, ns := SecretParamKeys(kind)
-		dName, dNS := DeprecatedSecretParamKeys(kind)
+		name, ns := ParamKeys(kind)
+		dName, dNS := DeprecatedParamKeys(kind)
 		if got := [4]string{name, ns, dName, dNS}; got != w {
 			t.Errorf("%s: keys %q, want %q", kind, got, w)
 		}
@@ -67,7 +67,7 @@ func TestSecretRef(t *testing.T) {
 	)
 	type tc struct {
 		name    string
-		kind    SecretKind
+		kind    Kind
 		params  map[string]string
 		noClaim bool
 		want    string   // "namespace/name", or "" for no reference
@@ -75,122 +75,122 @@ func TestSecretRef(t *testing.T) {
 	}
 	cases := []tc{
 		// Which parameters name the secret.
-		{name: "no parameters: no secret", kind: SecretProvisioner, params: nil},
-		{name: "other kinds' parameters only: no secret", kind: SecretNodeStage,
+		{name: "no parameters: no secret", kind: Provisioner, params: nil},
+		{name: "other kinds' parameters only: no secret", kind: NodeStage,
 			params: map[string]string{provName: "s", provNS: "ns"}},
-		{name: "deprecated keys", kind: SecretProvisioner,
+		{name: "deprecated keys", kind: Provisioner,
 			params: map[string]string{"csiProvisionerSecretName": "s", "csiProvisionerSecretNamespace": "ns"}, want: "ns/s"},
-		{name: "deprecated name with current namespace key", kind: SecretNodeStage,
+		{name: "deprecated name with current namespace key", kind: NodeStage,
 			params: map[string]string{"csiNodeStageSecretName": "s", "csi.storage.k8s.io/node-stage-secret-namespace": "ns"}, want: "ns/s"},
-		{name: "expand kinds have no deprecated keys", kind: SecretControllerExpand,
+		{name: "expand kinds have no deprecated keys", kind: ControllerExpand,
 			params: map[string]string{"csiControllerExpandSecretName": "s", "csiControllerExpandSecretNamespace": "ns"}},
-		{name: "deprecated and current name keys together", kind: SecretProvisioner,
+		{name: "deprecated and current name keys together", kind: Provisioner,
 			params: map[string]string{"csiProvisionerSecretName": "s", provName: "s", provNS: "ns"},
 			errHas: []string{"csiProvisionerSecretName", provName, "twice"}},
-		{name: "deprecated and current namespace keys together", kind: SecretProvisioner,
+		{name: "deprecated and current namespace keys together", kind: Provisioner,
 			params: map[string]string{"csiProvisionerSecretNamespace": "ns", provName: "s", provNS: "ns"},
 			errHas: []string{"csiProvisionerSecretNamespace", provNS, "twice"}},
-		{name: "name without namespace", kind: SecretNodePublish, params: map[string]string{npName: "s"},
+		{name: "name without namespace", kind: NodePublish, params: map[string]string{npName: "s"},
 			errHas: []string{npName, npNS, "together"}},
-		{name: "namespace without name", kind: SecretNodePublish, params: map[string]string{npNS: "ns"},
+		{name: "namespace without name", kind: NodePublish, params: map[string]string{npNS: "ns"},
 			errHas: []string{npNS, npName, "together"}},
-		{name: "empty name", kind: SecretNodePublish, params: map[string]string{npName: "", npNS: "ns"},
+		{name: "empty name", kind: NodePublish, params: map[string]string{npName: "", npNS: "ns"},
 			errHas: []string{npName, "empty"}},
-		{name: "empty namespace", kind: SecretNodePublish, params: map[string]string{npName: "s", npNS: ""},
+		{name: "empty namespace", kind: NodePublish, params: map[string]string{npName: "s", npNS: ""},
 			errHas: []string{npNS, "empty"}},
-		{name: "default keys when the kind sets none", kind: SecretNodeExpand,
+		{name: "default keys when the kind sets none", kind: NodeExpand,
 			params: map[string]string{ParamDefaultSecretName: "common", ParamDefaultSecretNamespace: "creds"}, want: "creds/common"},
-		{name: "the kind's own keys win over the default", kind: SecretNodePublish,
+		{name: "the kind's own keys win over the default", kind: NodePublish,
 			params: map[string]string{ParamDefaultSecretName: "common", ParamDefaultSecretNamespace: "creds", npName: "own", npNS: "ns"},
 			want:   "ns/own"},
-		{name: "default keys half set", kind: SecretProvisioner,
+		{name: "default keys half set", kind: Provisioner,
 			params: map[string]string{ParamDefaultSecretName: "common"},
 			errHas: []string{ParamDefaultSecretName, ParamDefaultSecretNamespace, "together"}},
-		{name: "the kind's half-set keys are an error even with defaults", kind: SecretProvisioner,
+		{name: "the kind's half-set keys are an error even with defaults", kind: Provisioner,
 			params: map[string]string{provName: "s", ParamDefaultSecretName: "common", ParamDefaultSecretNamespace: "creds"},
 			errHas: []string{provName, provNS}},
-		{name: "unknown kind", kind: SecretKind("snapshotter"), params: map[string]string{provName: "s", provNS: "ns"},
+		{name: "unknown kind", kind: Kind("snapshotter"), params: map[string]string{provName: "s", provNS: "ns"},
 			errHas: []string{"snapshotter"}},
 
 		// Templates allowed in names.
-		{name: "name: ${pv.name}", kind: SecretNodePublish,
+		{name: "name: ${pv.name}", kind: NodePublish,
 			params: map[string]string{npName: "${pv.name}", npNS: "ns"}, want: "ns/" + purePV},
-		{name: "name: ${pvc.name} and ${pvc.namespace} with literal text", kind: SecretNodePublish,
+		{name: "name: ${pvc.name} and ${pvc.namespace} with literal text", kind: NodePublish,
 			params: map[string]string{npName: "${pvc.namespace}.${pvc.name}-key", npNS: "ns"}, want: "ns/team-a.data-web-0-key"},
-		{name: "name: ${pvc.annotations['k']}", kind: SecretNodePublish,
+		{name: "name: ${pvc.annotations['k']}", kind: NodePublish,
 			params: map[string]string{npName: "${pvc.annotations['team.example.com/key']}", npNS: "${pvc.namespace}"},
 			want:   "team-a/blue-key"},
-		{name: "name: provisioner secret may use claim name and annotations (upstream v5+)", kind: SecretProvisioner,
+		{name: "name: provisioner secret may use claim name and annotations (upstream v5+)", kind: Provisioner,
 			params: map[string]string{provName: "${pvc.name}-${pvc.annotations['team.example.com/key']}", provNS: "${pvc.namespace}-fast"},
 			want:   "team-a-fast/data-web-0-blue-key"},
-		{name: "name: every kind resolves the same way", kind: SecretControllerExpand,
+		{name: "name: every kind resolves the same way", kind: ControllerExpand,
 			params: map[string]string{"csi.storage.k8s.io/controller-expand-secret-name": "${pvc.name}",
 				"csi.storage.k8s.io/controller-expand-secret-namespace": "${pv.name}"},
 			want: purePV + "/data-web-0"},
 
 		// Templates allowed in namespaces.
-		{name: "namespace: ${pv.name}", kind: SecretNodeStage,
+		{name: "namespace: ${pv.name}", kind: NodeStage,
 			params: map[string]string{"csi.storage.k8s.io/node-stage-secret-name": "s", "csi.storage.k8s.io/node-stage-secret-namespace": "${pv.name}"},
 			want:   purePV + "/s"},
-		{name: "namespace: ${pvc.namespace} with literal text", kind: SecretNodePublish,
+		{name: "namespace: ${pvc.namespace} with literal text", kind: NodePublish,
 			params: map[string]string{npName: "s", npNS: "creds-${pvc.namespace}"}, want: "creds-team-a/s"},
-		{name: "namespace: ${pvc.name} is not allowed", kind: SecretNodePublish,
+		{name: "namespace: ${pvc.name} is not allowed", kind: NodePublish,
 			params: map[string]string{npName: "s", npNS: "${pvc.name}"},
 			errHas: []string{npNS, `"${pvc.name}"`, "not allowed", "only ${pv.name} and ${pvc.namespace}"}},
-		{name: "namespace: annotations are not allowed", kind: SecretProvisioner,
+		{name: "namespace: annotations are not allowed", kind: Provisioner,
 			params: map[string]string{provName: "s", provNS: "${pvc.annotations['team.example.com/key']}"},
 			errHas: []string{provNS, "${pvc.annotations['team.example.com/key']}", "not allowed"}},
 
 		// Bad templates.
-		{name: "unknown token", kind: SecretNodePublish,
+		{name: "unknown token", kind: NodePublish,
 			params: map[string]string{npName: "${pvc.uid}", npNS: "ns"},
 			errHas: []string{npName, `"${pvc.uid}"`, "unknown token ${pvc.uid}"}},
-		{name: "unknown token in a namespace lists the namespace tokens", kind: SecretNodePublish,
+		{name: "unknown token in a namespace lists the namespace tokens", kind: NodePublish,
 			params: map[string]string{npName: "s", npNS: "${namespace}"},
 			errHas: []string{npNS, "unknown token ${namespace}", "known here: ${pv.name}, ${pvc.namespace})"}},
-		{name: "missing annotation", kind: SecretNodePublish,
+		{name: "missing annotation", kind: NodePublish,
 			params: map[string]string{npName: "${pvc.annotations['absent']}", npNS: "ns"},
 			errHas: []string{npName, `no annotation "absent"`, "team-a/data-web-0"}},
-		{name: "annotation token with double quotes is unknown", kind: SecretNodePublish,
+		{name: "annotation token with double quotes is unknown", kind: NodePublish,
 			params: map[string]string{npName: `${pvc.annotations["team.example.com/key"]}`, npNS: "ns"},
 			errHas: []string{npName, "unknown token"}},
-		{name: "$ without braces", kind: SecretNodePublish,
+		{name: "$ without braces", kind: NodePublish,
 			params: map[string]string{npName: "$pv.name", npNS: "ns"},
 			errHas: []string{npName, `"$pv.name"`, `"$" must start a ${...} token`}},
-		{name: "unterminated ${", kind: SecretNodePublish,
+		{name: "unterminated ${", kind: NodePublish,
 			params: map[string]string{npName: "key-${pv.name", npNS: "ns"},
 			errHas: []string{npName, "not closed"}},
-		{name: "empty ${}", kind: SecretNodePublish,
+		{name: "empty ${}", kind: NodePublish,
 			params: map[string]string{npName: "key-${}", npNS: "ns"},
 			errHas: []string{npName, "unknown token ${}"}},
 
 		// Resolved values must be valid names.
-		{name: "resolved name is not a DNS subdomain", kind: SecretNodePublish,
+		{name: "resolved name is not a DNS subdomain", kind: NodePublish,
 			params: map[string]string{npName: "${pvc.annotations['upper']}", npNS: "ns"},
 			errHas: []string{npName, `resolved to "NotADNSName"`, "not a valid secret name"}},
-		{name: "resolved name is empty", kind: SecretNodePublish,
+		{name: "resolved name is empty", kind: NodePublish,
 			params: map[string]string{npName: "${pvc.annotations['empty']}", npNS: "ns"},
 			errHas: []string{npName, `resolved to ""`, "not a valid secret name"}},
-		{name: "literal name is not a DNS subdomain", kind: SecretNodePublish,
+		{name: "literal name is not a DNS subdomain", kind: NodePublish,
 			params: map[string]string{npName: "under_score", npNS: "ns"},
 			errHas: []string{npName, `"under_score", which is not a valid secret name`}},
-		{name: "name too long", kind: SecretNodePublish,
+		{name: "name too long", kind: NodePublish,
 			params: map[string]string{npName: strings.Repeat("a", 250) + "-${pvc.name}", npNS: "ns"},
 			errHas: []string{npName, "not a valid secret name", "253"}},
-		{name: "namespace with a dot is not a DNS label", kind: SecretNodePublish,
+		{name: "namespace with a dot is not a DNS label", kind: NodePublish,
 			params: map[string]string{npName: "s", npNS: "${pvc.namespace}.creds"},
 			errHas: []string{npNS, `resolved to "team-a.creds"`, "not a valid namespace name"}},
 
 		// Without a claim (deletion).
-		{name: "no claim: ${pv.name} resolves", kind: SecretProvisioner, noClaim: true,
+		{name: "no claim: ${pv.name} resolves", kind: Provisioner, noClaim: true,
 			params: map[string]string{provName: "${pv.name}", provNS: "creds"}, want: "creds/" + purePV},
-		{name: "no claim: ${pvc.namespace} cannot resolve", kind: SecretProvisioner, noClaim: true,
+		{name: "no claim: ${pvc.namespace} cannot resolve", kind: Provisioner, noClaim: true,
 			params: map[string]string{provName: "s", provNS: "${pvc.namespace}"},
 			errHas: []string{provNS, "${pvc.namespace} needs the claim"}},
-		{name: "no claim: ${pvc.name} cannot resolve", kind: SecretProvisioner, noClaim: true,
+		{name: "no claim: ${pvc.name} cannot resolve", kind: Provisioner, noClaim: true,
 			params: map[string]string{provName: "${pvc.name}", provNS: "creds"},
 			errHas: []string{provName, "${pvc.name} needs the claim"}},
-		{name: "no claim: annotations cannot resolve", kind: SecretProvisioner, noClaim: true,
+		{name: "no claim: annotations cannot resolve", kind: Provisioner, noClaim: true,
 			params: map[string]string{provName: "${pvc.annotations['team.example.com/key']}", provNS: "creds"},
 			errHas: []string{provName, "needs the claim"}},
 	}
@@ -201,13 +201,13 @@ func TestSecretRef(t *testing.T) {
 			if c.noClaim {
 				claim = nil
 			}
-			ref, err := SecretRef(c.kind, c.params, purePV, claim)
+			ref, err := Ref(c.kind, c.params, purePV, claim)
 			if c.errHas != nil {
 				if err == nil {
 					t.Fatalf("no error, got %+v", ref)
 				}
-				if !errors.Is(err, ErrSecretParameter) {
-					t.Errorf("error does not wrap ErrSecretParameter: %v", err)
+				if !errors.Is(err, ErrParameter) {
+					t.Errorf("error does not wrap ErrParameter: %v", err)
 				}
 				for _, s := range c.errHas {
 					if !strings.Contains(err.Error(), s) {
@@ -236,21 +236,21 @@ func TestSecretRef(t *testing.T) {
 
 // Every kind reads its own pair of keys.
 func TestSecretRefEveryKind(t *testing.T) {
-	for _, kind := range SecretKinds() {
-		name, ns := SecretParamKeys(kind)
+	for _, kind := range Kinds() {
+		name, ns := ParamKeys(kind)
 		params := map[string]string{name: string(kind) + "-${pvc.name}", ns: "${pvc.namespace}"}
-		ref, err := SecretRef(kind, params, purePV, pureClaim())
+		ref, err := Ref(kind, params, purePV, pureClaim())
 		if err != nil {
 			t.Fatalf("%s: %v", kind, err)
 		}
 		if want := string(kind) + "-data-web-0"; ref.Name != want || ref.Namespace != "team-a" {
 			t.Errorf("%s: got %s/%s, want team-a/%s", kind, ref.Namespace, ref.Name, want)
 		}
-		for _, other := range SecretKinds() {
+		for _, other := range Kinds() {
 			if other == kind {
 				continue
 			}
-			if ref, err := SecretRef(other, params, purePV, pureClaim()); ref != nil || err != nil {
+			if ref, err := Ref(other, params, purePV, pureClaim()); ref != nil || err != nil {
 				t.Errorf("%s's keys gave %s: %+v, %v", kind, other, ref, err)
 			}
 		}
@@ -279,7 +279,7 @@ func TestPolicySourceNamesTheKeysRead(t *testing.T) {
 		{map[string]string{"csi.storage.k8s.io/secret-name": "creds", "csi.storage.k8s.io/secret-namespace": "ns"},
 			policy.SourceStorageClassParameter, "csi.storage.k8s.io/secret-name", ""},
 	} {
-		got := policySource(SecretProvisioner, tc.params)
+		got := PolicySource(Provisioner, tc.params)
 		if got.Kind != tc.kind || got.Key != tc.key || got.Template != tc.template {
 			t.Errorf("%v: %+v, want kind %s key %s template %q", tc.params, got, tc.kind, tc.key, tc.template)
 		}
@@ -292,7 +292,7 @@ func TestPolicySourceNamesTheKeysRead(t *testing.T) {
 func TestSecretRefCutsALongResolvedValue(t *testing.T) {
 	claim := pureClaim()
 	claim.Annotations = map[string]string{"team.example.com/key": strings.Repeat("Ab_", 20000)}
-	_, err := SecretRef(SecretProvisioner, map[string]string{
+	_, err := Ref(Provisioner, map[string]string{
 		"csi.storage.k8s.io/provisioner-secret-name":      "${pvc.annotations['team.example.com/key']}",
 		"csi.storage.k8s.io/provisioner-secret-namespace": "creds",
 	}, purePV, claim)
