@@ -24,6 +24,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -369,7 +370,7 @@ func capability(src *attachSource, singleNodeMultiWriter bool) (*csi.VolumeCapab
 		}
 	}
 	c := &csi.VolumeCapability{AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode}}
-	if volumeModeOf(src.volumeMode) == corev1.PersistentVolumeBlock {
+	if csiparams.VolumeMode(src.volumeMode) == corev1.PersistentVolumeBlock {
 		c.AccessType = &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}
 	} else {
 		c.AccessType = &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: src.csi.FSType, MountFlags: src.mountOptions}}

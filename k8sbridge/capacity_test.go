@@ -27,6 +27,7 @@ import (
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/k8sbridge/topology"
 )
@@ -168,8 +169,8 @@ func TestCapacitySegments(t *testing.T) {
 func TestCapacityRequest(t *testing.T) {
 	class := &storagev1.StorageClass{
 		Parameters: map[string]string{
-			"label":     "blue",
-			ParamFSType: "xfs",
+			"label":               "blue",
+			csiparams.ParamFSType: "xfs",
 			secrets.ParameterPrefix + "provisioner-secret-name": "s",
 		},
 		MountOptions: []string{"noatime"},
@@ -286,7 +287,7 @@ func TestCapacityZonalDriverTwoClasses(t *testing.T) {
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: segs, CapacityBytes: 10 * gib})
 	wffc, del := storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
 	classA := makeClass(t, c, clusterName(ns, "a"), drv, wffc, del, nil)
-	classB := makeClass(t, c, clusterName(ns, "b"), drv, wffc, del, map[string]string{"label": "blue", ParamFSType: "ext4"})
+	classB := makeClass(t, c, clusterName(ns, "b"), drv, wffc, del, map[string]string{"label": "blue", csiparams.ParamFSType: "ext4"})
 	// An Immediate class of the driver gets no objects (the scheduler
 	// reads capacity for WaitForFirstConsumer claims only): the exact sets
 	// waited for below, the later ones many polls on, hold none of it.

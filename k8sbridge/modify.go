@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -414,7 +415,7 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 		if params == nil {
 			params = map[string]string{}
 		}
-		params[ParamPVCName], params[ParamPVCNamespace], params[ParamPVName] = claim.Name, claim.Namespace, pv.Name
+		params[csiparams.ParamPVCName], params[csiparams.ParamPVCNamespace], params[csiparams.ParamPVName] = claim.Name, claim.Namespace, pv.Name
 	}
 	req := &csi.ControllerModifyVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, Secrets: secrets, MutableParameters: params}
 	callCtx, cancel := m.b.callContext(ctx, driver, "ControllerModifyVolume")

@@ -23,6 +23,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -278,7 +279,7 @@ func TestModifyPassesExtraMetadata(t *testing.T) {
 	})
 	mu.Lock()
 	defer mu.Unlock()
-	want := map[string]string{sampledriver.MutableIOPS: "900", ParamPVCName: "data", ParamPVCNamespace: ns, ParamPVName: pvName}
+	want := map[string]string{sampledriver.MutableIOPS: "900", csiparams.ParamPVCName: "data", csiparams.ParamPVCNamespace: ns, csiparams.ParamPVName: pvName}
 	if len(seen) != 1 || !maps.Equal(seen[0], want) {
 		t.Fatalf("ControllerModifyVolume mutable parameters %v, want one call with %v", seen, want)
 	}

@@ -20,6 +20,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -400,7 +401,7 @@ func TestNodeLocalAttemptsOfAnEarlierLeader(t *testing.T) {
 	// entry on a node deleted since.
 	earlier := makeClaim(t, c, ns, "earlier", class.Name, "1Gi")
 	lost := makeClaim(t, c, ns, "lost", class.Name, "1Gi")
-	earlierPV, lostPV := VolumeName("pvc", earlier.UID, 0), VolumeName("pvc", lost.UID, 0)
+	earlierPV, lostPV := csiparams.VolumeName("pvc", earlier.UID, 0), csiparams.VolumeName("pvc", lost.UID, 0)
 	conn, err := drivers.NodeConn(drv, small)
 	if err != nil {
 		t.Fatal(err)
@@ -484,7 +485,7 @@ func TestNodeLocalSecondVolumeOfAnExistingPV(t *testing.T) {
 	// Recovery: the earlier leader saved "recorded"'s PV on small, and an
 	// attempt of its own on big left a volume and its entry there.
 	recorded := makeClaim(t, c, ns, "recorded", class.Name, "1Gi")
-	recordedPV := VolumeName("pvc", recorded.UID, 0)
+	recordedPV := csiparams.VolumeName("pvc", recorded.UID, 0)
 	if err := saveOnSmall(ctx, recordedPV, recorded); err != nil {
 		t.Fatal(err)
 	}
@@ -502,7 +503,7 @@ func TestNodeLocalSecondVolumeOfAnExistingPV(t *testing.T) {
 	// Provisioning: "meanwhile" is placed on big (more room); while its
 	// CreateVolume runs, the earlier leader's PV appears, on small.
 	meanwhile := makeClaim(t, c, ns, "meanwhile", class.Name, "1Gi")
-	meanwhilePV := VolumeName("pvc", meanwhile.UID, 0)
+	meanwhilePV := csiparams.VolumeName("pvc", meanwhile.UID, 0)
 	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) {
 		var once sync.Once
 		b.prov.afterCreate = func(ctx context.Context, vol string) {
@@ -518,7 +519,7 @@ func TestNodeLocalSecondVolumeOfAnExistingPV(t *testing.T) {
 	}})
 
 	for _, name := range []string{"recorded", "meanwhile"} {
-		if got := waitBound(t, c, ns, name, 60*time.Second); got.Spec.VolumeName != VolumeName("pvc", got.UID, 0) {
+		if got := waitBound(t, c, ns, name, 60*time.Second); got.Spec.VolumeName != csiparams.VolumeName("pvc", got.UID, 0) {
 			t.Fatalf("claim %s bound to %s", name, got.Spec.VolumeName)
 		}
 	}
@@ -556,7 +557,7 @@ func TestNodeLocalVolumeOfANodeThatComesBack(t *testing.T) {
 	// The earlier leader's attempt on flaky made the volume; then the
 	// node object went (its storage, and here its proxy, stay).
 	claim := makeClaim(t, c, ns, "data", class.Name, "1Gi")
-	pvName := VolumeName("pvc", claim.UID, 0)
+	pvName := csiparams.VolumeName("pvc", claim.UID, 0)
 	conn, err := drivers.NodeConn(drv, flaky)
 	if err != nil {
 		t.Fatal(err)

@@ -32,6 +32,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/k8sbridge/topology"
 	"github.com/csibroker/csibroker/policy"
@@ -122,7 +123,7 @@ func (p *provisioner) claimHandler() cache.ResourceEventHandler {
 				p.setAsked(c.UID, nil)
 				p.forgetNoRoom(c.UID)
 			}
-			if ok && p.b.intents.Has(VolumeName(p.b.cfg.VolumeNamePrefix, c.UID, p.b.cfg.VolumeNameUUIDLength)) {
+			if ok && p.b.intents.Has(csiparams.VolumeName(p.b.cfg.VolumeNamePrefix, c.UID, p.b.cfg.VolumeNameUUIDLength)) {
 				p.nudgeRecovery()
 			}
 			if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
@@ -264,7 +265,7 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		return 0, nil
 	}
 	className := claimClass(claim)
-	pvName := VolumeName(p.b.cfg.VolumeNamePrefix, claim.UID, p.b.cfg.VolumeNameUUIDLength)
+	pvName := csiparams.VolumeName(p.b.cfg.VolumeNamePrefix, claim.UID, p.b.cfg.VolumeNameUUIDLength)
 	if _, err := p.b.volumes.Get(pvName); err == nil {
 		return 0, nil // provisioned; the PV controller binds it
 	}
@@ -773,19 +774,19 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			}
 		}
 		failure := failureOf("CreateVolume", err)
-		outcome := ClassifyCreateError(err, caps.accessibility && scheduled)
-		if outcome == CreateInProgress {
+		outcome := csiparams.ClassifyCreateError(err, caps.accessibility && scheduled)
+		if outcome == csiparams.CreateInProgress {
 			p.setAsked(claim.UID, req.AccessibilityRequirements)
 		} else {
 			p.setAsked(claim.UID, nil) // a final answer: the next attempt asks anew
 		}
 		switch outcome {
-		case CreateInProgress:
+		case csiparams.CreateInProgress:
 			// The volume may still appear: keep the intent and re-issue
 			// the same request later.
 			warn(failure, "failed to provision volume with StorageClass %q: %s (may still be in progress; retrying with the same name)", class.Name, statusText(err))
 			return "in_progress", err
-		case CreateReschedule:
+		case csiparams.CreateReschedule:
 			forget()
 			warn(failure+" reschedule from "+selectedNode, "failed to provision volume with StorageClass %q: %s; asking the scheduler for another node", class.Name, statusText(err))
 			if rerr := p.reschedule(ctx, claim); rerr != nil {
@@ -966,18 +967,18 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 	refused := p.noRoomNodes(claim.UID)
 	fresh := slices.DeleteFunc(slices.Clone(nodes), func(n string) bool { return slices.Contains(refused, n) })
 	last := slices.DeleteFunc(slices.Clone(nodes), func(n string) bool { return !slices.Contains(refused, n) })
-	capRange, err := CapacityRange(claim)
+	capRange, err := csiparams.CapacityRange(claim)
 	if err != nil {
 		return "", err
 	}
 	if !caps.getCapacity {
 		return slices.Concat(fresh, last)[0], nil
 	}
-	params, fsType, err := CreateParameters(class.Parameters, false, "", claim, p.b.cfg.DefaultFSType)
+	params, fsType, err := csiparams.CreateParameters(class.Parameters, false, "", claim, p.b.cfg.DefaultFSType)
 	if err != nil {
 		return "", fmt.Errorf("storageclass %q: %w", class.Name, err)
 	}
-	volCaps, err := VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
+	volCaps, err := csiparams.VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
 	if err != nil {
 		return "", err
 	}
@@ -1037,15 +1038,15 @@ func (p *provisioner) forgetNoRoom(uid types.UID) {
 // the provisioner secret reference. Its errors are the claim's or class's
 // fault and say which field is wrong.
 func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps driverCaps, asked *csi.TopologyRequirement) (*csi.CreateVolumeRequest, *corev1.SecretReference, *snapshotv1.VolumeSnapshot, error) {
-	params, fsType, err := CreateParameters(class.Parameters, p.b.cfg.ExtraCreateMetadata, pvName, claim, p.b.cfg.DefaultFSType)
+	params, fsType, err := csiparams.CreateParameters(class.Parameters, p.b.cfg.ExtraCreateMetadata, pvName, claim, p.b.cfg.DefaultFSType)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
 	}
-	volCaps, err := VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
+	volCaps, err := csiparams.VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	capRange, err := CapacityRange(claim)
+	capRange, err := csiparams.CapacityRange(claim)
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -1182,7 +1183,7 @@ func (p *provisioner) contentSource(ctx context.Context, claim *corev1.Persisten
 	if q, ok := src.Spec.Resources.Requests[corev1.ResourceStorage]; ok && capRange != nil && q.CmpInt64(capRange.RequiredBytes) > 0 {
 		return nil, nil, fmt.Errorf("clone source claim %s/%s requests %s, more than this claim", claim.Namespace, ds.Name, q.String())
 	}
-	if from, to := volumeModeOf(src.Spec.VolumeMode), volumeModeOf(claim.Spec.VolumeMode); from != to {
+	if from, to := csiparams.VolumeMode(src.Spec.VolumeMode), csiparams.VolumeMode(claim.Spec.VolumeMode); from != to {
 		return nil, nil, fmt.Errorf("clone source claim %s/%s has volume mode %s, this claim %s", claim.Namespace, ds.Name, from, to)
 	}
 	return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: pv.Spec.CSI.VolumeHandle}}}, nil, nil

@@ -19,6 +19,7 @@ import (
 	"github.com/csibroker/csibroker/internal/chaintest"
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 )
 
 // TestProvisionTwoDriversImmediateAndWFFC: one broker provisions Immediate
@@ -213,7 +214,7 @@ func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
 	var want []string
 	for i := range 5 {
 		claim := makeClaim(t, c, ns, fmt.Sprintf("c%d", i), class.Name, "1Gi")
-		want = append(want, VolumeName(r.b.cfg.VolumeNamePrefix, claim.UID, r.b.cfg.VolumeNameUUIDLength))
+		want = append(want, csiparams.VolumeName(r.b.cfg.VolumeNamePrefix, claim.UID, r.b.cfg.VolumeNameUUIDLength))
 		// Each claim in line before the next is made: the first in the
 		// driver, then one more waiting each time.
 		err := testenv.WaitFor(context.Background(), 30*time.Second, fmt.Sprintf("claim c%d handled", i), func(context.Context) (bool, string, error) {
@@ -316,7 +317,7 @@ func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
 	class := makeClass(t, c, clusterName(ns, "lost"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
 	claim := makeClaim(t, c, ns, "data", class.Name, "1Gi")
-	pvName := VolumeName(r.b.cfg.VolumeNamePrefix, claim.UID, r.b.cfg.VolumeNameUUIDLength)
+	pvName := csiparams.VolumeName(r.b.cfg.VolumeNamePrefix, claim.UID, r.b.cfg.VolumeNameUUIDLength)
 	waitEvent(t, c, ns, "data", "ProvisioningFailed", "refused (test)")
 	if n := len(d.Volumes()); n != 1 {
 		t.Fatalf("%d volumes on the driver after the lost answer, want 1", n)
@@ -425,7 +426,7 @@ func TestDefaultFSType(t *testing.T) {
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
 	plain := makeClass(t, c, clusterName(ns, "plain"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	xfs := makeClass(t, c, clusterName(ns, "xfs"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
-		map[string]string{ParamFSType: "xfs"})
+		map[string]string{csiparams.ParamFSType: "xfs"})
 	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.DefaultFSType = "ext4" }})
 	for _, tc := range []struct{ claim, class, want string }{{"plain", plain.Name, "ext4"}, {"xfs", xfs.Name, "xfs"}} {
 		pvName := waitBound(t, c, ns, makeClaim(t, c, ns, tc.claim, tc.class, "1Gi").Name, 60*time.Second).Spec.VolumeName

@@ -21,6 +21,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 )
 
 func TestRecoveryBackoff(t *testing.T) {
@@ -171,14 +172,14 @@ func TestRecoverBoundClaimWithoutItsPV(t *testing.T) {
 	})
 	prebound := makeStaticClaim(t, c, ns, "prebound", staticName)
 	waitBound(t, c, ns, "prebound", 60*time.Second)
-	orphan := VolumeName("pvc", prebound.UID, 0)
+	orphan := csiparams.VolumeName("pvc", prebound.UID, 0)
 	createDriverVolume(t, drivers, drv, orphan)
 	recordIntent(t, c, ns, intentFor(t, drv, orphan, prebound))
 
 	// b. A claim bound to its own PV (as the PV controller binds it),
 	// the PV since deleted; its volume stays on the driver.
 	retained := makeStaticClaim(t, c, ns, "retained", "")
-	kept := VolumeName("pvc", retained.UID, 0)
+	kept := csiparams.VolumeName("pvc", retained.UID, 0)
 	retained.Spec.VolumeName = kept
 	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Update(ctx, retained, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
@@ -281,7 +282,7 @@ func testRecoverBacksOff(t *testing.T, method string) {
 		method: {First: failures, Code: codes.FailedPrecondition}}}})
 
 	claim := goneClaim(t, c, ns, "gone")
-	vol := VolumeName("pvc", claim.UID, 0)
+	vol := csiparams.VolumeName("pvc", claim.UID, 0)
 	recordIntent(t, c, ns, intentFor(t, drv, vol, claim))
 
 	const interval = 400 * time.Millisecond
@@ -346,7 +347,7 @@ func TestRecoverBacksOffAnUnreachableDriver(t *testing.T) {
 	ctx := context.Background()
 	drv := clusterName(ns, "absent.csi.test")
 	claim := goneClaim(t, c, ns, "gone")
-	recordIntent(t, c, ns, intentFor(t, drv, VolumeName("pvc", claim.UID, 0), claim))
+	recordIntent(t, c, ns, intentFor(t, drv, csiparams.VolumeName("pvc", claim.UID, 0), claim))
 
 	const interval = 200 * time.Millisecond
 	r := startBridge(t, env, ns, &testDrivers{}, bridgeOpts{configureCfg: func(cfg *Config) { cfg.RecoveryInterval = interval }})

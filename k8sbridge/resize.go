@@ -27,6 +27,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -408,7 +409,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 
 	// Everything that can fail before the driver is asked fails before the
 	// claim is marked: nothing is in progress, so nothing is written.
-	if err := fitsCSISize(target); err != nil {
+	if err := csiparams.FitsCSISize(target); err != nil {
 		return failed("not_called", err)
 	}
 	var req *csi.ControllerExpandVolumeRequest
@@ -640,7 +641,7 @@ func resizeVolumeCapability(spec corev1.PersistentVolumeSpec, singleNodeMultiWri
 		return nil, fmt.Errorf("volume capability: %w", err)
 	}
 	c := &csi.VolumeCapability{AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode}}
-	if volumeModeOf(spec.VolumeMode) == corev1.PersistentVolumeBlock {
+	if csiparams.VolumeMode(spec.VolumeMode) == corev1.PersistentVolumeBlock {
 		c.AccessType = &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}
 	} else {
 		c.AccessType = &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: spec.CSI.FSType, MountFlags: spec.MountOptions}}

@@ -1,4 +1,4 @@
-package k8sbridge
+package csiparams
 
 import (
 	"errors"
@@ -134,7 +134,7 @@ func VolumeCapabilities(claim *corev1.PersistentVolumeClaim, fsType string, moun
 		return nil, fmt.Errorf("claim %s/%s has no access modes: %w", claim.Namespace, claim.Name, ErrInvalidParameters)
 	}
 	block := false
-	switch m := volumeModeOf(claim.Spec.VolumeMode); m {
+	switch m := VolumeMode(claim.Spec.VolumeMode); m {
 	case corev1.PersistentVolumeBlock:
 		block = true
 	case corev1.PersistentVolumeFilesystem:
@@ -213,15 +213,15 @@ func CapacityRange(claim *corev1.PersistentVolumeClaim) (*csi.CapacityRange, err
 	if q.Sign() <= 0 {
 		return nil, fmt.Errorf("claim %s/%s requests %s of storage; it must be positive: %w", claim.Namespace, claim.Name, q.String(), ErrInvalidParameters)
 	}
-	if err := fitsCSISize(q); err != nil {
+	if err := FitsCSISize(q); err != nil {
 		return nil, fmt.Errorf("claim %s/%s: %w", claim.Namespace, claim.Name, err)
 	}
 	return &csi.CapacityRange{RequiredBytes: q.Value()}, nil
 }
 
-// fitsCSISize refuses a size CSI cannot carry (its sizes are int64 bytes):
+// FitsCSISize refuses a size CSI cannot carry (its sizes are int64 bytes):
 // Quantity.Value would wrap it to 0 or a negative number without a word.
-func fitsCSISize(q resource.Quantity) error {
+func FitsCSISize(q resource.Quantity) error {
 	if q.CmpInt64(math.MaxInt64) > 0 {
 		return fmt.Errorf("a size of %s is more than CSI can express (at most %d bytes): %w", q.String(), int64(math.MaxInt64), ErrInvalidParameters)
 	}
@@ -302,9 +302,9 @@ func ClassifyCreateError(err error, hasSelectedNode bool) CreateErrorClass {
 	return CreateFinal
 }
 
-// volumeModeOf is a claim's or volume's mode: unset is Filesystem, as the
+// VolumeMode is a claim's or volume's mode: unset is Filesystem, as the
 // API server defaults it.
-func volumeModeOf(m *corev1.PersistentVolumeMode) corev1.PersistentVolumeMode {
+func VolumeMode(m *corev1.PersistentVolumeMode) corev1.PersistentVolumeMode {
 	if m == nil {
 		return corev1.PersistentVolumeFilesystem
 	}

@@ -1,4 +1,4 @@
-package k8sbridge
+package csiparams
 
 import (
 	"context"
