@@ -29,6 +29,7 @@ import (
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 	"k8s.io/client-go/tools/record"
 
+	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -56,7 +57,7 @@ type Config struct {
 	// is Client's rate limiter. The intent record then takes each
 	// request's token from Client's budget before it cuts its batch, so a
 	// write that waited behind PV writes carries every claim that arrived
-	// meanwhile (IntentStore.UseBudget). Unset: the record writes through
+	// meanwhile (intent.Store.UseBudget). Unset: the record writes through
 	// Client.
 	IntentClient kubernetes.Interface
 	IntentBudget interface{ Wait(context.Context) error }
@@ -276,7 +277,7 @@ type Bridge struct {
 	sent        eventMemory
 	broadcaster record.EventBroadcaster
 	caps        *capsCache
-	intents     *IntentStore
+	intents     *intent.Store
 
 	prov  *provisioner
 	del   *deleter
@@ -322,7 +323,7 @@ func New(cfg Config) (*Bridge, error) {
 	b.broadcaster = record.NewBroadcaster(record.WithContext(context.Background()))
 	b.recorder = b.broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "csibroker", Host: cfg.Identity})
 	b.caps = &capsCache{drivers: cfg.Drivers}
-	b.intents = NewIntentStore(cfg.Client, cfg.Namespace, "csibroker-intents", b.log)
+	b.intents = intent.NewStore(cfg.Client, cfg.Namespace, "csibroker-intents", b.log)
 	if cfg.IntentClient != nil && cfg.IntentBudget != nil {
 		b.intents.UseBudget(cfg.IntentClient, cfg.IntentBudget.Wait)
 	}
@@ -439,7 +440,7 @@ func (b *Bridge) WaitFor(ready func() bool, what string) {
 }
 
 // Intents exposes the intent record (tests, status).
-func (b *Bridge) Intents() *IntentStore { return b.intents }
+func (b *Bridge) Intents() *intent.Store { return b.intents }
 
 // Run starts the informers (standby replicas keep warm caches too), waits for
 // them, then runs the controllers while this replica holds the lease.
@@ -624,7 +625,7 @@ func (b *Bridge) lead(ctx context.Context) {
 	b.sent.reset()
 	// Before any worker may record an intent: Run, started below with
 	// them, may come later.
-	b.intents.startTerm()
+	b.intents.StartTerm()
 	// The drivers known before the controllers list their objects: one
 	// registered from here on is seen as new, and its objects listed again.
 	known := map[string]bool{}
@@ -791,4 +792,20 @@ func (b *Bridge) event(ctx context.Context, obj corev1.ObjectReference, eventTyp
 		msg += " (trace " + sc.TraceID().String() + ")"
 	}
 	b.recorder.Event(&obj, eventType, reason, msg)
+}
+
+// sleepCtx waits d, or less if ctx ends first; it reports whether ctx is
+// still live.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
 }

@@ -995,7 +995,7 @@ func (c *capacityController) ownerRef(ctx context.Context) (metav1.OwnerReferenc
 		return *o, nil
 	}
 	c.mu.Unlock()
-	cm, err := c.b.intents.get(ctx, nil)
+	cm, err := c.b.intents.Record(ctx)
 	if err != nil {
 		return metav1.OwnerReference{}, fmt.Errorf("owner of capacity objects: %w", err)
 	}

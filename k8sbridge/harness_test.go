@@ -29,6 +29,7 @@ import (
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/policy"
+	"net/http"
 )
 
 // testDrivers reaches each sample driver through its own real chain (broker
@@ -670,3 +671,7 @@ func grantsAuthorizer(t *testing.T, grants ...policy.Grant) *policy.Authorizer {
 	}
 	return &policy.Authorizer{Rules: policy.NewStore(rs)}
 }
+
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }

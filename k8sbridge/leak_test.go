@@ -12,6 +12,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -37,7 +38,7 @@ func noLeaks(t *testing.T, env *testenv.Env, ns string, d *sampledriver.Driver, 
 				leaked = append(leaked, v.ID+" ("+v.Name+")")
 			}
 		}
-		intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+		intents, err := intent.NewStore(c, ns, "csibroker-intents", nil).List(ctx)
 		if err != nil {
 			return false, err.Error(), nil
 		}
@@ -138,7 +139,7 @@ func TestBrokerKilledAfterCreateVolume(t *testing.T) {
 	if n := len(d.Volumes()); n != 2 {
 		t.Fatalf("driver has %d volumes, want 2 made before the crash", n)
 	}
-	intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+	intents, err := intent.NewStore(c, ns, "csibroker-intents", nil).List(ctx)
 	if err != nil || len(intents) != 2 {
 		t.Fatalf("intent record holds %d entries (%v), want 2", len(intents), err)
 	}

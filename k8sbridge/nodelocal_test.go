@@ -21,6 +21,7 @@ import (
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -526,7 +527,7 @@ func TestNodeLocalSecondVolumeOfAnExistingPV(t *testing.T) {
 	err = testenv.WaitFor(ctx, 60*time.Second, "only the PVs' volumes, on small", func(ctx context.Context) (bool, string, error) {
 		onBig, onSmall := len(inst[big].Volumes()), len(inst[small].Volumes())
 		seen := fmt.Sprintf("volumes on big %d, on small %d", onBig, onSmall)
-		intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+		intents, err := intent.NewStore(c, ns, "csibroker-intents", nil).List(ctx)
 		if err != nil {
 			return false, seen + "; " + err.Error(), nil
 		}
@@ -585,7 +586,7 @@ func TestNodeLocalVolumeOfANodeThatComesBack(t *testing.T) {
 	// Once the new attempt's entry is dropped (its PV exists), the record
 	// holds the attempt on flaky only.
 	err = testenv.WaitFor(ctx, 30*time.Second, "the record to hold only the attempt on "+flaky, func(ctx context.Context) (bool, string, error) {
-		intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+		intents, err := intent.NewStore(c, ns, "csibroker-intents", nil).List(ctx)
 		if err != nil {
 			return false, err.Error(), nil
 		}
@@ -608,7 +609,7 @@ func TestNodeLocalVolumeOfANodeThatComesBack(t *testing.T) {
 	}
 	err = testenv.WaitFor(ctx, 60*time.Second, "the volume left on "+flaky+" deleted and its entry gone", func(ctx context.Context) (bool, string, error) {
 		left := len(inst[flaky].Volumes())
-		intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+		intents, err := intent.NewStore(c, ns, "csibroker-intents", nil).List(ctx)
 		if err != nil {
 			return false, err.Error(), nil
 		}
@@ -643,7 +644,7 @@ func TestSupersededEntryGivenUp(t *testing.T) {
 
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
 	err := testenv.WaitFor(ctx, 30*time.Second, "the old entry given up, the recent one kept", func(ctx context.Context) (bool, string, error) {
-		intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+		intents, err := intent.NewStore(c, ns, "csibroker-intents", nil).List(ctx)
 		if err != nil {
 			return false, err.Error(), nil
 		}

@@ -33,6 +33,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/k8sbridge/topology"
 	"github.com/csibroker/csibroker/policy"
@@ -600,7 +601,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			return "rescheduled", nil
 		}
 	}
-	var gone *Intent // an earlier attempt's entry on a node deleted since
+	var gone *intent.Intent // an earlier attempt's entry on a node deleted since
 	if p.b.cfg.Drivers.NodeLocal(driver) {
 		if earlier && prev.Node != "" && prev.ClaimUID == string(claim.UID) {
 			// An earlier attempt asked prev.Node's proxy for this volume
@@ -725,7 +726,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			return fail("keep the intent of the attempt on node %s, which is gone, before provisioning anew: %v", gone.Node, err)
 		}
 	}
-	entry := Intent{VolumeName: pvName, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID),
+	entry := intent.Intent{VolumeName: pvName, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID),
 		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, NamespaceLabels: requester.NamespaceLabels, Created: metav1.Now()}
 	if provSecretRef != nil {
 		entry.ClaimLabels, entry.SecretSource = claim.Labels, &provSource
@@ -733,14 +734,14 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if earlier && gone == nil && prev.Node == node && prev.ClaimUID == string(claim.UID) {
 		// The same volume, asked for again: an earlier request (other
 		// topology, say) may be the one that made it.
-		entry = withEarlier(entry, prev)
+		entry = intent.WithEarlier(entry, prev)
 	}
 	folded := ""
 	if node != "" {
 		// Back on a node an attempt was superseded on (it was gone, and
 		// registered again): that attempt's requests join this entry's.
-		if kept, ok := p.b.intents.Get(Intent{VolumeName: pvName, Node: node, Superseded: true}.Key()); ok && kept.ClaimUID == string(claim.UID) {
-			entry, folded = withEarlier(entry, kept), kept.Key()
+		if kept, ok := p.b.intents.Get(intent.Intent{VolumeName: pvName, Node: node, Superseded: true}.Key()); ok && kept.ClaimUID == string(claim.UID) {
+			entry, folded = intent.WithEarlier(entry, kept), kept.Key()
 		}
 	}
 	if err := p.b.intents.Add(ctx, entry); err != nil {

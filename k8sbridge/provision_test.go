@@ -20,6 +20,7 @@ import (
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/intent"
 )
 
 // TestProvisionTwoDriversImmediateAndWFFC: one broker provisions Immediate
@@ -250,10 +251,10 @@ func TestIntentRecordFullIsReported(t *testing.T) {
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	class := makeClass(t, c, clusterName(ns, "full"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.intents.maxEntries = 0 }})
+	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.intents.LimitEntries(0) }})
 	makeClaim(t, c, ns, "data", class.Name, "1Gi")
 	waitEvent(t, c, ns, "data", "ProvisioningFailed", "record the intent to create volume")
-	waitEvent(t, c, ns, "data", "ProvisioningFailed", ErrIntentStoreFull.Error())
+	waitEvent(t, c, ns, "data", "ProvisioningFailed", intent.ErrFull.Error())
 	if n := d.CallCount("CreateVolume"); n != 0 {
 		t.Errorf("%d CreateVolume calls without a recorded intent, want 0", n)
 	}

@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/csibroker/csibroker/broker"
+	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -120,7 +121,7 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 // PV when that PV is gone: the claim could only be bound to it once it
 // existed, so the PV's own lifecycle (its reclaim policy, or an admin) has
 // decided the volume's fate, and recovery must not overrule it.
-func (p *provisioner) settleBoundToGonePV(ctx context.Context, in Intent) {
+func (p *provisioner) settleBoundToGonePV(ctx context.Context, in intent.Intent) {
 	found, err := p.pvHolds(ctx, in.VolumeName, "") // "": whatever node it names
 	if err != nil {
 		p.b.log.Warn("recovery: cannot read PersistentVolume; will retry", "volume", in.VolumeName, "err", err)
@@ -143,7 +144,7 @@ const supersededKeep = 7 * 24 * time.Hour
 // gone there is nothing to reach: the node is looked at again less and
 // less often, nothing is logged (the claim's ProvisioningOrphan Event said
 // so), and after supersededKeep the entry is given up, saying so.
-func (p *provisioner) recoverSuperseded(ctx context.Context, in Intent, now time.Time) {
+func (p *provisioner) recoverSuperseded(ctx context.Context, in intent.Intent, now time.Time) {
 	if cur, ok := p.b.intents.Get(in.VolumeName); ok && cur.Node == in.Node {
 		// A later attempt is on the same node again, under the same name:
 		// provisioning folds this entry's requests into its own.
@@ -214,10 +215,10 @@ const (
 // learnVolumeID re-issues in's recorded CreateVolume on in.Node (CSI makes
 // it idempotent by name) to learn the volume's ID; on failure it says at
 // which stage. requester is whom the volume's secrets are used for.
-func (p *provisioner) learnVolumeID(ctx context.Context, in Intent) (id string, requester policy.Requester, stage reissueStage, err error) {
+func (p *provisioner) learnVolumeID(ctx context.Context, in intent.Intent) (id string, requester policy.Requester, stage reissueStage, err error) {
 	requester = policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, Labels: in.ClaimLabels, StorageClass: in.StorageClass, Node: in.Node}
 	var reqs []*csi.CreateVolumeRequest
-	for _, raw := range in.requests() {
+	for _, raw := range in.Requests() {
 		req := &csi.CreateVolumeRequest{}
 		if err := proto.Unmarshal(raw, req); err != nil {
 			return "", requester, stageRequest, fmt.Errorf("unreadable recorded request: %w", err)
@@ -295,7 +296,7 @@ func driversNoRoom(err error) bool {
 // deleteOrphan re-issues the recorded CreateVolume to learn the volume's ID
 // and deletes the volume; why says why it is an orphan. now is the start of
 // the recovery pass, from which a failure's backoff is counted.
-func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time, why string) {
+func (p *provisioner) deleteOrphan(ctx context.Context, in intent.Intent, now time.Time, why string) {
 	// Outside the driver's --per-driver-workers slots: recovery cleans up
 	// one volume at a time, and must not wait behind a line of claims
 	// that never lets a slot go free.
@@ -373,7 +374,7 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in Intent, now time.Time
 // longer wait (recoveryBackoff), and at its recoveryStuckAfter-th failure
 // in a row it is reported as stuck, so an administrator can look. what
 // says what could not be done.
-func (p *provisioner) orphanFailed(log *slog.Logger, in Intent, now time.Time, what, detail string) {
+func (p *provisioner) orphanFailed(log *slog.Logger, in intent.Intent, now time.Time, what, detail string) {
 	n, wait := p.recoveryFailed(in.Key(), now)
 	if n == recoveryStuckAfter {
 		p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
@@ -386,7 +387,7 @@ func (p *provisioner) orphanFailed(log *slog.Logger, in Intent, now time.Time, w
 
 // undoOnNode deletes the volume of an intent on its node, if it exists
 // there. The caller holds the volume's slot.
-func (p *provisioner) undoOnNode(ctx context.Context, in Intent) error {
+func (p *provisioner) undoOnNode(ctx context.Context, in intent.Intent) error {
 	id, requester, stage, err := p.learnVolumeID(ctx, in)
 	if stage == stageAbsent {
 		// Full, say: nothing to delete there.
@@ -505,7 +506,7 @@ func (p *provisioner) forgetSettledClaims() {
 }
 
 // forgetSettled drops the failure counts of entries no longer recorded.
-func (p *provisioner) forgetSettled(intents []Intent) {
+func (p *provisioner) forgetSettled(intents []intent.Intent) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if len(p.recFails) == 0 {

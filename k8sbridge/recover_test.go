@@ -1,10 +1,8 @@
 package k8sbridge
 
 import (
-	"bytes"
 	"context"
 	"fmt"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -22,6 +20,7 @@ import (
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/intent"
 )
 
 func TestRecoveryBackoff(t *testing.T) {
@@ -51,11 +50,11 @@ func TestRecoveryBackoff(t *testing.T) {
 
 // recordIntent writes in into the namespace's intent record, as a broker
 // that died after recording it would have left it.
-func recordIntent(t *testing.T, c kubernetes.Interface, ns string, in Intent) {
+func recordIntent(t *testing.T, c kubernetes.Interface, ns string, in intent.Intent) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	s := NewIntentStore(c, ns, "csibroker-intents", nil)
+	s := intent.NewStore(c, ns, "csibroker-intents", nil)
 	go s.Run(ctx)
 	addCtx, addCancel := context.WithTimeout(ctx, 30*time.Second)
 	defer addCancel()
@@ -74,13 +73,13 @@ func createRequest(name string) *csi.CreateVolumeRequest {
 }
 
 // intentFor is the entry a broker records before creating volume name for claim.
-func intentFor(t *testing.T, driver, name string, claim *corev1.PersistentVolumeClaim) Intent {
+func intentFor(t *testing.T, driver, name string, claim *corev1.PersistentVolumeClaim) intent.Intent {
 	t.Helper()
 	raw, err := proto.Marshal(createRequest(name))
 	if err != nil {
 		t.Fatal(err)
 	}
-	return Intent{VolumeName: name, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID), Request: raw, Created: metav1.Now()}
+	return intent.Intent{VolumeName: name, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID), Request: raw, Created: metav1.Now()}
 }
 
 // createDriverVolume makes volume name on the driver through its chain, as
@@ -189,7 +188,7 @@ func TestRecoverBoundClaimWithoutItsPV(t *testing.T) {
 
 	creates := d.CallCount("CreateVolume")
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
-	store := NewIntentStore(c, ns, "csibroker-intents", nil)
+	store := intent.NewStore(c, ns, "csibroker-intents", nil)
 	err := testenv.WaitFor(ctx, 60*time.Second, "the intent record to empty", func(ctx context.Context) (bool, string, error) {
 		intents, err := store.List(ctx)
 		if err != nil {
@@ -378,48 +377,6 @@ func gaps(ts []time.Time) []time.Duration {
 	return out
 }
 
-// TestWithEarlier: an attempt's entry keeps the differing requests of the
-// earlier attempts for the same volume, oldest first, each once, at most
-// maxEarlierRequests of them.
-func TestWithEarlier(t *testing.T) {
-	r := func(s string) []byte { return []byte(s) }
-	prev := Intent{Request: r("b"), EarlierRequests: [][]byte{r("a")}}
-	got := withEarlier(Intent{Request: r("c")}, prev)
-	if want := [][]byte{r("a"), r("b")}; !slices.EqualFunc(got.EarlierRequests, want, bytes.Equal) {
-		t.Errorf("earlier requests %q, want %q", got.EarlierRequests, want)
-	}
-	if got := withEarlier(Intent{Request: r("b")}, prev); !slices.EqualFunc(got.EarlierRequests, [][]byte{r("a")}, bytes.Equal) {
-		t.Errorf("the same request again: earlier requests %q, want only a", got.EarlierRequests)
-	}
-	long := Intent{Request: r("e"), EarlierRequests: [][]byte{r("a"), r("b"), r("c"), r("a")}}
-	if got := withEarlier(Intent{Request: r("f")}, long); !slices.EqualFunc(got.EarlierRequests, [][]byte{r("a"), r("b"), r("e")}, bytes.Equal) {
-		t.Errorf("bounded: earlier requests %q, want the oldest %d and the newest", got.EarlierRequests, maxEarlierRequests-1)
-	}
-	// Folding a second entry in keeps what the first folded.
-	got = withEarlier(withEarlier(Intent{Request: r("c")}, prev), Intent{Request: r("x")})
-	if want := [][]byte{r("a"), r("b"), r("x")}; !slices.EqualFunc(got.EarlierRequests, want, bytes.Equal) {
-		t.Errorf("two entries folded: earlier requests %q, want %q", got.EarlierRequests, want)
-	}
-}
-
-// TestSupersededKey: a superseded entry's key names its node, by hash when
-// the key would be longer than a ConfigMap key may be.
-func TestSupersededKey(t *testing.T) {
-	short := Intent{VolumeName: "pvc-1", Node: "n1", Superseded: true}
-	if k := short.Key(); k != "pvc-1_n1" {
-		t.Errorf("key %q, want pvc-1_n1", k)
-	}
-	long := Intent{VolumeName: "pvc-" + strings.Repeat("u", 36), Node: strings.Repeat("n", 240), Superseded: true}
-	other := long
-	other.Node = strings.Repeat("n", 239) + "m"
-	if k := long.Key(); len(k) > maxIntentKey || k == other.Key() || !strings.HasPrefix(k, long.VolumeName+"_") {
-		t.Errorf("long node name: key %q (%d characters), other node's %q", k, len(k), other.Key())
-	}
-	if k := (Intent{VolumeName: "pvc-1", Node: "n1"}).Key(); k != "pvc-1" {
-		t.Errorf("an entry that is not superseded has key %q, want its volume name", k)
-	}
-}
-
 // TestLearnVolumeIDFromAnEarlierRequest: recovery re-issues the entry's
 // latest request to learn the volume's ID; a driver that made the volume
 // for an earlier, different request answers AlreadyExists to it, and the
@@ -433,7 +390,7 @@ func TestLearnVolumeIDFromAnEarlierRequest(t *testing.T) {
 	later := createRequest("pvc-strict")
 	later.CapacityRange.RequiredBytes *= 2
 	p := &provisioner{b: &Bridge{cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
-	in := Intent{VolumeName: "pvc-strict", Driver: drv, Request: marshalRequest(t, later)}
+	in := intent.Intent{VolumeName: "pvc-strict", Driver: drv, Request: marshalRequest(t, later)}
 	if _, _, _, err := p.learnVolumeID(context.Background(), in); status.Code(err) != codes.AlreadyExists {
 		t.Fatalf("the later request alone: %v, want AlreadyExists (the driver checks the request)", err)
 	}
@@ -474,16 +431,16 @@ func TestLearnVolumeIDPastANoRoomAnswer(t *testing.T) {
 	tooBig := createRequest("pvc-zoned")
 	tooBig.CapacityRange.RequiredBytes = 8 << 30
 	p := &provisioner{b: &Bridge{cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
-	in := Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, elsewhere), EarlierRequests: [][]byte{marshalRequest(t, made)}}
+	in := intent.Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, elsewhere), EarlierRequests: [][]byte{marshalRequest(t, made)}}
 	id, _, stage, err := p.learnVolumeID(context.Background(), in)
 	if err != nil || id != madeID {
 		t.Fatalf("no room for the latest request, the earlier made the volume: ID %q, stage %v, %v; want %q", id, stage, err, madeID)
 	}
-	in = Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, elsewhere)}
+	in = intent.Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, elsewhere)}
 	if _, _, stage, err := p.learnVolumeID(context.Background(), in); stage != stageAbsent || status.Code(err) != codes.ResourceExhausted {
 		t.Fatalf("the no-room request alone: stage %v, %v; want absent", stage, err)
 	}
-	in = Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, tooBig), EarlierRequests: [][]byte{marshalRequest(t, elsewhere)}}
+	in = intent.Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, tooBig), EarlierRequests: [][]byte{marshalRequest(t, elsewhere)}}
 	if _, _, stage, err := p.learnVolumeID(context.Background(), in); stage == stageAbsent {
 		t.Fatalf("after AlreadyExists (%v), a no-room answer was taken as absence", err)
 	}

@@ -1,4 +1,4 @@
-package k8sbridge
+package intent
 
 import (
 	"bytes"
@@ -72,12 +72,12 @@ type Intent struct {
 // maxEarlierRequests bounds Intent.EarlierRequests.
 const maxEarlierRequests = 3
 
-// withEarlier is next, an attempt's entry for the volume of prev, with
+// WithEarlier is next, an attempt's entry for the volume of prev, with
 // prev's requests kept (see EarlierRequests) when they differ from next's,
 // after the earlier requests next holds already. Over the bound, the
 // oldest ones and the newest (prev's own) are kept: the first attempt to
 // reach the driver, or the last one, is the likeliest to have made it.
-func withEarlier(next, prev Intent) Intent {
+func WithEarlier(next, prev Intent) Intent {
 	var out [][]byte
 	for _, r := range slices.Concat(next.EarlierRequests, prev.EarlierRequests, [][]byte{prev.Request}) {
 		if len(r) == 0 || bytes.Equal(r, next.Request) || slices.ContainsFunc(out, func(o []byte) bool { return bytes.Equal(o, r) }) {
@@ -94,7 +94,7 @@ func withEarlier(next, prev Intent) Intent {
 
 // requests are the requests recovery may re-issue for the entry's volume:
 // the latest first, then the earlier ones.
-func (in Intent) requests() [][]byte {
+func (in Intent) Requests() [][]byte {
 	return append([][]byte{in.Request}, in.EarlierRequests...)
 }
 
@@ -117,7 +117,7 @@ func (in Intent) Key() string {
 // maxIntentKey is the longest key a ConfigMap takes.
 const maxIntentKey = 253
 
-// IntentStore keeps the in-flight intents of all drivers in one ConfigMap and
+// Store keeps the in-flight intents of all drivers in one ConfigMap and
 // writes it in batches: every Add waits for a write that holds it, and one
 // write carries every Add and Remove queued since the last one. Under load
 // that is one API write for many claims instead of one per claim.
@@ -139,7 +139,7 @@ const maxIntentKey = 253
 // record's budget: a write applies them before it adds anything. Has and
 // List leave out entries this store has been asked to remove, so recovery
 // in this process never acts on a settled entry still in the record.
-type IntentStore struct {
+type Store struct {
 	client    kubernetes.Interface
 	namespace string
 	name      string
@@ -180,7 +180,7 @@ type IntentStore struct {
 	// fresh read.
 	term uint64
 	// ended: the term is over (failAll) and the next has not begun
-	// (startTerm). Workers of the ended term may still be finishing: what
+	// (StartTerm). Workers of the ended term may still be finishing: what
 	// they ask is refused, so it is not written in a later term, when
 	// another leader may have changed the record meanwhile.
 	ended bool
@@ -243,19 +243,19 @@ func (p batchPolicy) writeDue(pending int, oldest, newest time.Time, rate float6
 	return due
 }
 
-// ErrIntentStoreFull means too many volumes are being created at once; the
+// ErrFull means too many volumes are being created at once; the
 // caller backs off and tries again.
-var ErrIntentStoreFull = errors.New("intent record is full: too many volumes being created at once")
+var ErrFull = errors.New("intent record is full: too many volumes being created at once")
 
-// ErrIntentTooLarge means one intent is larger than the record can hold.
-var ErrIntentTooLarge = errors.New("intent too large for the intent record")
+// ErrTooLarge means one intent is larger than the record can hold.
+var ErrTooLarge = errors.New("intent too large for the intent record")
 
-// NewIntentStore uses ConfigMap namespace/name (created when missing).
-func NewIntentStore(client kubernetes.Interface, namespace, name string, log *slog.Logger) *IntentStore {
+// NewStore uses ConfigMap namespace/name (created when missing).
+func NewStore(client kubernetes.Interface, namespace, name string, log *slog.Logger) *Store {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &IntentStore{
+	return &Store{
 		client: client, namespace: namespace, name: name, log: log,
 		maxEntries: 1500, maxBytes: 900 << 10, batch: defaultBatch, removeDelay: 2 * time.Second,
 		cond: make(chan struct{}), adds: map[string]*pendingAdd{}, removes: map[string]bool{},
@@ -269,7 +269,7 @@ func NewIntentStore(client kubernetes.Interface, namespace, name string, log *sl
 // the PV creations already waiting for tokens, and every Add that arrives
 // meanwhile goes in it instead of in the next write. The requests still
 // count against the same budget.
-func (s *IntentStore) UseBudget(client kubernetes.Interface, wait func(context.Context) error) {
+func (s *Store) UseBudget(client kubernetes.Interface, wait func(context.Context) error) {
 	s.client, s.wait = client, wait
 }
 
@@ -279,13 +279,13 @@ func (s *IntentStore) UseBudget(client kubernetes.Interface, wait func(context.C
 // record at every start and interval, and at a low --kube-api-qps each read
 // would delay a PV by a token. Creating a missing record stays a write of
 // the objects' budget.
-func (s *IntentStore) UseReader(client kubernetes.Interface) {
+func (s *Store) UseReader(client kubernetes.Interface) {
 	s.reader = client
 }
 
 // take waits for a token for one request of the record; a token taken in
 // advance (*prepaid) is used first.
-func (s *IntentStore) take(ctx context.Context, prepaid *bool) error {
+func (s *Store) take(ctx context.Context, prepaid *bool) error {
 	if s.wait == nil {
 		return nil
 	}
@@ -300,7 +300,7 @@ func (s *IntentStore) take(ctx context.Context, prepaid *bool) error {
 }
 
 // Writes is how many API writes the store made.
-func (s *IntentStore) Writes() int64 {
+func (s *Store) Writes() int64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.writes
@@ -308,7 +308,7 @@ func (s *IntentStore) Writes() int64 {
 
 // Add records intent and returns once it is durable on the API server: only
 // after an update of the record that holds it has succeeded.
-func (s *IntentStore) Add(ctx context.Context, in Intent) error {
+func (s *Store) Add(ctx context.Context, in Intent) error {
 	p := &pendingAdd{intent: in, done: make(chan error, 1)}
 	now := time.Now()
 	s.mu.Lock()
@@ -354,7 +354,7 @@ func (s *IntentStore) Add(ctx context.Context, in Intent) error {
 // leads next finds it settled (its PV exists, or its volume is gone) and
 // drops it. Written in a later term instead, it could delete an entry
 // another leader recorded again in between, for a volume that may exist.
-func (s *IntentStore) Remove(key string) {
+func (s *Store) Remove(key string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.ended {
@@ -373,20 +373,20 @@ func (s *IntentStore) Remove(key string) {
 	s.removes[key] = true
 }
 
-func (s *IntentStore) signal() {
+func (s *Store) signal() {
 	close(s.cond)
 	s.cond = make(chan struct{})
 }
 
 // removedLocked reports whether volumeName was removed here and the record
 // may still show it (the caller holds s.mu).
-func (s *IntentStore) removedLocked(volumeName string) bool {
+func (s *Store) removedLocked(volumeName string) bool {
 	return s.removes[volumeName] || s.removing[volumeName]
 }
 
 // Has reports whether the last record written or read holds volumeName, or
 // an Add for it is queued (no API call); a Remove not yet written counts.
-func (s *IntentStore) Has(volumeName string) bool {
+func (s *Store) Has(volumeName string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if _, ok := s.adds[volumeName]; ok {
@@ -408,7 +408,7 @@ func (s *IntentStore) Has(volumeName string) bool {
 }
 
 // Get returns the entry of volumeName as Has finds it (no API call).
-func (s *IntentStore) Get(volumeName string) (Intent, bool) {
+func (s *Store) Get(volumeName string) (Intent, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if p, ok := s.adds[volumeName]; ok {
@@ -438,7 +438,7 @@ func (s *IntentStore) Get(volumeName string) (Intent, bool) {
 // Lookup is Get after the record has been read from the API server in this
 // term (a List, or a write): at the start of a term the store knows nothing
 // of the entries an earlier leader wrote.
-func (s *IntentStore) Lookup(ctx context.Context, volumeName string) (Intent, bool, error) {
+func (s *Store) Lookup(ctx context.Context, volumeName string) (Intent, bool, error) {
 	known := func() bool {
 		s.mu.Lock()
 		defer s.mu.Unlock()
@@ -461,7 +461,7 @@ func (s *IntentStore) Lookup(ctx context.Context, volumeName string) (Intent, bo
 // List reads the record from the API server (the source of truth at
 // start-up and for recovery), without the entries this store has been asked
 // to remove and has not written yet.
-func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
+func (s *Store) List(ctx context.Context) ([]Intent, error) {
 	s.mu.Lock()
 	term, gen := s.term, s.cacheGen
 	s.mu.Unlock()
@@ -509,7 +509,7 @@ func (s *IntentStore) List(ctx context.Context) ([]Intent, error) {
 	return out, nil
 }
 
-func (s *IntentStore) setCacheLocked(cm *corev1.ConfigMap) {
+func (s *Store) setCacheLocked(cm *corev1.ConfigMap) {
 	s.cache = cm
 	s.cacheGen++
 }
@@ -519,7 +519,7 @@ func (s *IntentStore) setCacheLocked(cm *corev1.ConfigMap) {
 // record was deleted and made again), the entries the old one held are
 // kept in s.lost, to be written back; it reports whether it was. The
 // caller holds s.mu.
-func (s *IntentStore) noteReplacedLocked(rec *corev1.ConfigMap) bool {
+func (s *Store) noteReplacedLocked(rec *corev1.ConfigMap) bool {
 	old := s.cache
 	if old == nil || rec == nil || old.UID == rec.UID {
 		return false
@@ -554,7 +554,7 @@ func decodeIntents(cm *corev1.ConfigMap, log *slog.Logger) []Intent {
 
 // read is the record as the API server has it, through the reader if one
 // is set (a missing record is created as get does).
-func (s *IntentStore) read(ctx context.Context) (*corev1.ConfigMap, error) {
+func (s *Store) read(ctx context.Context) (*corev1.ConfigMap, error) {
 	if s.reader == nil {
 		return s.get(ctx, nil)
 	}
@@ -568,7 +568,7 @@ func (s *IntentStore) read(ctx context.Context) (*corev1.ConfigMap, error) {
 	return cm, nil
 }
 
-func (s *IntentStore) get(ctx context.Context, prepaid *bool) (*corev1.ConfigMap, error) {
+func (s *Store) get(ctx context.Context, prepaid *bool) (*corev1.ConfigMap, error) {
 	if err := s.take(ctx, prepaid); err != nil {
 		return nil, err
 	}
@@ -597,17 +597,17 @@ func (s *IntentStore) get(ctx context.Context, prepaid *bool) (*corev1.ConfigMap
 // errTermEnded is Add's answer after the term's end (failAll).
 var errTermEnded = errors.New("intent record: the leadership term has ended")
 
-// startTerm begins a term: Add and Remove are taken again. The bridge
+// StartTerm begins a term: Add and Remove are taken again. The bridge
 // calls it before it starts the term's workers; Run calls it too.
-func (s *IntentStore) startTerm() {
+func (s *Store) StartTerm() {
 	s.mu.Lock()
 	s.ended = false
 	s.mu.Unlock()
 }
 
 // Run writes batches until ctx is done, which ends the term.
-func (s *IntentStore) Run(ctx context.Context) {
-	s.startTerm()
+func (s *Store) Run(ctx context.Context) {
+	s.StartTerm()
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
@@ -650,7 +650,7 @@ func (s *IntentStore) Run(ctx context.Context) {
 
 // nextWriteLocked is when the queued changes are to be written, if any are
 // queued (the caller holds s.mu).
-func (s *IntentStore) nextWriteLocked() (time.Time, bool) {
+func (s *Store) nextWriteLocked() (time.Time, bool) {
 	if len(s.adds) > 0 {
 		return s.batch.writeDue(len(s.adds), s.oldestAdd, s.newestAdd, s.arrivals/rateWindow.Seconds()), true
 	}
@@ -678,7 +678,7 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	}
 }
 
-func (s *IntentStore) failAll(err error) {
+func (s *Store) failAll(err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for k, p := range s.adds {
@@ -703,7 +703,7 @@ func (s *IntentStore) failAll(err error) {
 }
 
 // flush writes every queued change in one update (re-reading on conflict).
-func (s *IntentStore) flush(ctx context.Context) {
+func (s *Store) flush(ctx context.Context) {
 	// The first request's token is taken before the batch is cut, so the
 	// batch holds what arrived while it waited.
 	prepaid := s.wait != nil
@@ -772,7 +772,7 @@ func (s *IntentStore) flush(ctx context.Context) {
 			if n := len(k) + len(b); n > s.maxBytes {
 				// Never fits, however empty the record: said so, not
 				// "too many at once".
-				p.done <- fmt.Errorf("%w: the intent of volume %s alone is %d bytes, over the record's %d (a class's parameters too large to record)", ErrIntentTooLarge, k, n, s.maxBytes)
+				p.done <- fmt.Errorf("%w: the intent of volume %s alone is %d bytes, over the record's %d (a class's parameters too large to record)", ErrTooLarge, k, n, s.maxBytes)
 				delete(adds, k)
 				continue
 			}
@@ -790,7 +790,7 @@ func (s *IntentStore) flush(ctx context.Context) {
 			cm.Data[k] = string(b)
 		}
 		for _, k := range full {
-			adds[k].done <- ErrIntentStoreFull
+			adds[k].done <- ErrFull
 			delete(adds, k)
 		}
 		if len(adds) == 0 && len(removes) == 0 && maps.Equal(cm.Data, cached.Data) {
@@ -850,3 +850,13 @@ func (s *IntentStore) flush(ctx context.Context) {
 	s.mu.Unlock()
 	finish(err)
 }
+
+// Record is the record's ConfigMap as the store last read or wrote it,
+// read now if it has not been (other objects name it as their owner).
+func (s *Store) Record(ctx context.Context) (*corev1.ConfigMap, error) {
+	return s.get(ctx, nil)
+}
+
+// LimitEntries bounds how many entries the record holds (1500 by default);
+// an Add beyond it fails with ErrFull. Call it before Run.
+func (s *Store) LimitEntries(n int) { s.maxEntries = n }

@@ -1,6 +1,7 @@
-package k8sbridge
+package intent
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -49,7 +50,7 @@ func TestIntentStoreBatchesWrites(t *testing.T) {
 		t.Fatalf("%d writes for %d intents: not batched", adds, n)
 	}
 	// Durable: a fresh store reads them all from the API server.
-	got, err := NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
+	got, err := NewStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -61,7 +62,7 @@ func TestIntentStoreBatchesWrites(t *testing.T) {
 		s.Remove(fmt.Sprintf("pvc-%03d", i))
 	}
 	err = testenv.WaitFor(ctx, 20*time.Second, "intents removed", func(ctx context.Context) (bool, string, error) {
-		got, err := NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
+		got, err := NewStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
 		return err == nil && len(got) == 0, fmt.Sprintf("%d left", len(got)), err
 	})
 	if err != nil {
@@ -77,7 +78,7 @@ func TestIntentStoreFull(t *testing.T) {
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	s := NewIntentStore(env.Client(), ns, "intents", nil)
+	s := NewStore(env.Client(), ns, "intents", nil)
 	s.maxEntries = 2
 	go s.Run(ctx)
 	for i := 0; i < 2; i++ {
@@ -85,7 +86,7 @@ func TestIntentStoreFull(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if err := s.Add(ctx, Intent{VolumeName: "v3"}); err != ErrIntentStoreFull {
+	if err := s.Add(ctx, Intent{VolumeName: "v3"}); err != ErrFull {
 		t.Fatalf("err = %v", err)
 	}
 	// Re-adding an existing entry is not growth.
@@ -99,23 +100,23 @@ func TestIntentStoreByteBudget(t *testing.T) {
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	s := NewIntentStore(env.Client(), ns, "intents", nil)
+	s := NewStore(env.Client(), ns, "intents", nil)
 	s.maxBytes = 4000
 	go s.Run(ctx)
 	big := make([]byte, 1500) // base64 in JSON: ~2 KB per entry
 	if err := s.Add(ctx, Intent{VolumeName: "a", Request: big}); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Add(ctx, Intent{VolumeName: "b", Request: big}); err != ErrIntentStoreFull {
-		t.Fatalf("second big entry: %v, want ErrIntentStoreFull", err)
+	if err := s.Add(ctx, Intent{VolumeName: "b", Request: big}); err != ErrFull {
+		t.Fatalf("second big entry: %v, want ErrFull", err)
 	}
 	if err := s.Add(ctx, Intent{VolumeName: "c", Request: []byte{1}}); err != nil {
 		t.Fatalf("a small entry that fits: %v", err)
 	}
 	// One that could never fit says so, and costs no API write.
 	writes := s.Writes()
-	if err := s.Add(ctx, Intent{VolumeName: "huge", Request: make([]byte, 4000)}); !errors.Is(err, ErrIntentTooLarge) || !strings.Contains(err.Error(), "alone is") {
-		t.Fatalf("an entry larger than the whole record: %v, want ErrIntentTooLarge saying its size", err)
+	if err := s.Add(ctx, Intent{VolumeName: "huge", Request: make([]byte, 4000)}); !errors.Is(err, ErrTooLarge) || !strings.Contains(err.Error(), "alone is") {
+		t.Fatalf("an entry larger than the whole record: %v, want ErrTooLarge saying its size", err)
 	}
 	if w := s.Writes() - writes; w != 0 {
 		t.Errorf("%d API writes for a batch whose only entry was refused, want 0", w)
@@ -208,7 +209,7 @@ func TestIntentAddNeedsASuccessfulWrite(t *testing.T) {
 	faults := &faultyWrites{blocked: make(chan struct{}, 1)}
 	cfg := env.RESTConfig()
 	cfg.WrapTransport = faults.wrap
-	s := NewIntentStore(kubernetes.NewForConfigOrDie(cfg), ns, "csibroker-intents", nil)
+	s := NewStore(kubernetes.NewForConfigOrDie(cfg), ns, "csibroker-intents", nil)
 	inRecord := func(name string) bool {
 		t.Helper()
 		cm, err := env.Client().CoreV1().ConfigMaps(ns).Get(ctx, "csibroker-intents", metav1.GetOptions{})
@@ -282,7 +283,7 @@ func TestIntentAddNeedsASuccessfulWrite(t *testing.T) {
 	faults.set("")
 	runCtx, stopRun = context.WithCancel(ctx)
 	defer stopRun()
-	s.startTerm() // as the bridge does before the term's workers start
+	s.StartTerm() // as the bridge does before the term's workers start
 	go s.Run(runCtx)
 	if err := s.Add(ctx, Intent{VolumeName: "ok", Request: []byte{1}}); err != nil {
 		t.Fatal(err)
@@ -299,7 +300,7 @@ func TestIntentRemovesRideAlong(t *testing.T) {
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	s := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
+	s := NewStore(env.Client(), ns, "csibroker-intents", nil)
 	s.removeDelay = 1500 * time.Millisecond
 	go s.Run(ctx)
 	names := func(ins []Intent) []string {
@@ -311,7 +312,7 @@ func TestIntentRemovesRideAlong(t *testing.T) {
 	}
 	fresh := func() []string {
 		t.Helper()
-		ins, err := NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
+		ins, err := NewStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -405,7 +406,7 @@ func runProvisioningLoad(t *testing.T, env *testenv.Env, l *provisioningLoad) {
 		})
 	}
 	client := kubernetes.NewForConfigOrDie(cfg)
-	s := NewIntentStore(client, ns, "csibroker-intents", nil)
+	s := NewStore(client, ns, "csibroker-intents", nil)
 	s.batch, s.removeDelay = l.batch, l.removeDelay
 	runCtx, stop := context.WithCancel(ctx)
 	defer stop()
@@ -485,7 +486,7 @@ func runProvisioningLoad(t *testing.T, env *testenv.Env, l *provisioningLoad) {
 	}
 	// Every entry is removed in the end (the last Removes alone, once idle).
 	err := testenv.WaitFor(ctx, 30*time.Second, "empty intent record", func(ctx context.Context) (bool, string, error) {
-		ins, err := NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
+		ins, err := NewStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
 		return err == nil && len(ins) == 0, fmt.Sprintf("%d entries", len(ins)), err
 	})
 	if err != nil {
@@ -541,7 +542,7 @@ func TestIntentBatchCutWhenTokenGranted(t *testing.T) {
 	defer cancel()
 	tokens := make(chan struct{}, 10)
 	waits := make(chan struct{}, 100) // one per request that asked for a token
-	s := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
+	s := NewStore(env.Client(), ns, "csibroker-intents", nil)
 	s.UseBudget(env.Client(), func(ctx context.Context) error {
 		waits <- struct{}{}
 		select {
@@ -588,7 +589,7 @@ func TestIntentBatchCutWhenTokenGranted(t *testing.T) {
 	if n := 1 + len(waits); n != 3 {
 		t.Fatalf("%d requests asked for a token, want 3 (GET, create, update)", n)
 	}
-	got, err := NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
+	got, err := NewStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
 	if err != nil || len(got) != 4 {
 		t.Fatalf("record holds %d intents (%v), want 4", len(got), err)
 	}
@@ -620,7 +621,7 @@ func TestIntentReaderCreatesMissingRecordOnBudget(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	var tokens int
-	s := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
+	s := NewStore(env.Client(), ns, "csibroker-intents", nil)
 	s.UseBudget(env.Client(), func(context.Context) error { tokens++; return nil })
 	s.UseReader(env.Client())
 	got, err := s.List(ctx)
@@ -645,7 +646,7 @@ func TestIntentTermEndForgetsItsRemoves(t *testing.T) {
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	s := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
+	s := NewStore(env.Client(), ns, "csibroker-intents", nil)
 	s.removeDelay = time.Hour // queued Removes wait for an Add
 	term1, end1 := context.WithCancel(ctx)
 	done1 := make(chan struct{})
@@ -663,7 +664,7 @@ func TestIntentTermEndForgetsItsRemoves(t *testing.T) {
 	}
 
 	// Another leader, meanwhile, records "v" again.
-	other := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
+	other := NewStore(env.Client(), ns, "csibroker-intents", nil)
 	term, endOther := context.WithCancel(ctx)
 	go other.Run(term)
 	if err := other.Add(ctx, Intent{VolumeName: "v", ClaimNamespace: ns, ClaimName: "v", Node: "other-leaders"}); err != nil {
@@ -672,7 +673,7 @@ func TestIntentTermEndForgetsItsRemoves(t *testing.T) {
 	endOther()
 
 	// This replica leads again.
-	s.startTerm()
+	s.StartTerm()
 	go s.Run(ctx)
 	ins, err := s.List(ctx)
 	if err != nil {
@@ -687,7 +688,7 @@ func TestIntentTermEndForgetsItsRemoves(t *testing.T) {
 	if err := s.Add(ctx, Intent{VolumeName: "w", ClaimNamespace: ns, ClaimName: "w"}); err != nil {
 		t.Fatal(err)
 	}
-	ins, err = NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
+	ins, err = NewStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -717,13 +718,13 @@ func TestIntentLookupReadsEachTermOnce(t *testing.T) {
 			return rt.RoundTrip(req)
 		})
 	}
-	s := NewIntentStore(kubernetes.NewForConfigOrDie(cfg), ns, "csibroker-intents", nil)
+	s := NewStore(kubernetes.NewForConfigOrDie(cfg), ns, "csibroker-intents", nil)
 	readsOf := func() int {
 		mu.Lock()
 		defer mu.Unlock()
 		return gets
 	}
-	other := NewIntentStore(env.Client(), ns, "csibroker-intents", nil) // another leader
+	other := NewStore(env.Client(), ns, "csibroker-intents", nil) // another leader
 	otherCtx, otherStop := context.WithCancel(ctx)
 	go other.Run(otherCtx)
 	if err := other.Add(ctx, Intent{VolumeName: "pvc-first", Driver: "d", Node: "n1", Created: metav1.Now()}); err != nil {
@@ -790,13 +791,13 @@ func TestIntentRecordDeletedKeepsItsEntries(t *testing.T) {
 
 // runIntentStore runs an intent store on a fresh namespace's
 // csibroker-intents for the test's length (a minute at most).
-func runIntentStore(t *testing.T) (*testenv.Env, string, context.Context, *IntentStore) {
+func runIntentStore(t *testing.T) (*testenv.Env, string, context.Context, *Store) {
 	t.Helper()
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	t.Cleanup(cancel)
-	s := NewIntentStore(env.Client(), ns, "csibroker-intents", nil)
+	s := NewStore(env.Client(), ns, "csibroker-intents", nil)
 	runCtx, stop := context.WithCancel(ctx)
 	t.Cleanup(stop)
 	go s.Run(runCtx)
@@ -834,7 +835,7 @@ func TestIntentRecordDeletedKeepsItsEntriesAcrossAFailedWrite(t *testing.T) {
 // store reads it from the API server.
 func recordedVolumes(ctx context.Context, t *testing.T, env *testenv.Env, ns string) []string {
 	t.Helper()
-	got, err := NewIntentStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
+	got, err := NewStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -922,7 +923,7 @@ func intentStoreRefusingOnce(t *testing.T, matches func(*http.Request) bool) (en
 			return rt.RoundTrip(req)
 		})
 	}
-	s := NewIntentStore(kubernetes.NewForConfigOrDie(rc), ns, "csibroker-intents", nil)
+	s := NewStore(kubernetes.NewForConfigOrDie(rc), ns, "csibroker-intents", nil)
 	runCtx, stop := context.WithCancel(ctx)
 	t.Cleanup(stop)
 	go s.Run(runCtx)
@@ -930,4 +931,46 @@ func intentStoreRefusingOnce(t *testing.T, matches func(*http.Request) bool) (en
 		return s.Add(ctx, Intent{VolumeName: name, Driver: "d", ClaimNamespace: ns, ClaimName: name, Request: []byte{1}, Created: metav1.Now()})
 	}
 	return env, ns, ctx, add, refuse
+}
+
+// TestWithEarlier: an attempt's entry keeps the differing requests of the
+// earlier attempts for the same volume, oldest first, each once, at most
+// maxEarlierRequests of them.
+func TestWithEarlier(t *testing.T) {
+	r := func(s string) []byte { return []byte(s) }
+	prev := Intent{Request: r("b"), EarlierRequests: [][]byte{r("a")}}
+	got := WithEarlier(Intent{Request: r("c")}, prev)
+	if want := [][]byte{r("a"), r("b")}; !slices.EqualFunc(got.EarlierRequests, want, bytes.Equal) {
+		t.Errorf("earlier requests %q, want %q", got.EarlierRequests, want)
+	}
+	if got := WithEarlier(Intent{Request: r("b")}, prev); !slices.EqualFunc(got.EarlierRequests, [][]byte{r("a")}, bytes.Equal) {
+		t.Errorf("the same request again: earlier requests %q, want only a", got.EarlierRequests)
+	}
+	long := Intent{Request: r("e"), EarlierRequests: [][]byte{r("a"), r("b"), r("c"), r("a")}}
+	if got := WithEarlier(Intent{Request: r("f")}, long); !slices.EqualFunc(got.EarlierRequests, [][]byte{r("a"), r("b"), r("e")}, bytes.Equal) {
+		t.Errorf("bounded: earlier requests %q, want the oldest %d and the newest", got.EarlierRequests, maxEarlierRequests-1)
+	}
+	// Folding a second entry in keeps what the first folded.
+	got = WithEarlier(WithEarlier(Intent{Request: r("c")}, prev), Intent{Request: r("x")})
+	if want := [][]byte{r("a"), r("b"), r("x")}; !slices.EqualFunc(got.EarlierRequests, want, bytes.Equal) {
+		t.Errorf("two entries folded: earlier requests %q, want %q", got.EarlierRequests, want)
+	}
+}
+
+// TestSupersededKey: a superseded entry's key names its node, by hash when
+// the key would be longer than a ConfigMap key may be.
+func TestSupersededKey(t *testing.T) {
+	short := Intent{VolumeName: "pvc-1", Node: "n1", Superseded: true}
+	if k := short.Key(); k != "pvc-1_n1" {
+		t.Errorf("key %q, want pvc-1_n1", k)
+	}
+	long := Intent{VolumeName: "pvc-" + strings.Repeat("u", 36), Node: strings.Repeat("n", 240), Superseded: true}
+	other := long
+	other.Node = strings.Repeat("n", 239) + "m"
+	if k := long.Key(); len(k) > maxIntentKey || k == other.Key() || !strings.HasPrefix(k, long.VolumeName+"_") {
+		t.Errorf("long node name: key %q (%d characters), other node's %q", k, len(k), other.Key())
+	}
+	if k := (Intent{VolumeName: "pvc-1", Node: "n1"}).Key(); k != "pvc-1" {
+		t.Errorf("an entry that is not superseded has key %q, want its volume name", k)
+	}
 }
