@@ -25,6 +25,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 // snapshotModule ships the VolumeSnapshot CRDs this build's client is for.
@@ -50,7 +51,7 @@ func installSnapshotCRDs(t *testing.T, env *testenv.Env) {
 		if err := yaml.Unmarshal(bytes.TrimPrefix(data, []byte("---\n")), &obj); err != nil {
 			t.Fatal(err)
 		}
-		createCRD(t, env, &unstructured.Unstructured{Object: obj}, schema.GroupVersionResource{Group: snapshotGroup, Version: "v1", Resource: res})
+		kubetest.CreateCRD(t, env, &unstructured.Unstructured{Object: obj}, schema.GroupVersionResource{Group: snapshotGroup, Version: "v1", Resource: res})
 	}
 }
 

@@ -1,4 +1,4 @@
-package k8sbridge
+package grants
 
 import (
 	"context"
@@ -53,7 +53,7 @@ const (
 	grantMaxMessage = 32768
 )
 
-// GrantController watches SecretGrant objects in all namespaces with a
+// Controller watches SecretGrant objects in all namespaces with a
 // dynamic informer and keeps a policy.Store equal to them: every change
 // recompiles every grant (reusing compiled CEL conditions) and swaps the new
 // rule set in at once. Until the first complete list has been compiled the
@@ -65,7 +65,7 @@ const (
 // with reason, message and observedGeneration, written only when they
 // change and only while writeStatus returns true (the leader), so standby
 // replicas keep their rules warm without writing.
-type GrantController struct {
+type Controller struct {
 	dyn         dynamic.Interface
 	gvr         schema.GroupVersionResource
 	store       *policy.Store
@@ -109,23 +109,23 @@ type grantResult struct {
 	message    string
 }
 
-// NewGrantController returns a controller that keeps store equal to the
+// NewController returns a controller that keeps store equal to the
 // SecretGrant objects served through dyn. writeStatus is called before each
 // status write (and every few seconds, to notice a new leadership); it must
 // be safe for concurrent use. nil means always write. A nil log is
 // slog.Default().
-func NewGrantController(dyn dynamic.Interface, store *policy.Store, log *slog.Logger, writeStatus func() bool) *GrantController {
-	return newGrantController(dyn, grantGVR, store, log, writeStatus)
+func NewController(dyn dynamic.Interface, store *policy.Store, log *slog.Logger, writeStatus func() bool) *Controller {
+	return newController(dyn, grantGVR, store, log, writeStatus)
 }
 
-func newGrantController(dyn dynamic.Interface, gvr schema.GroupVersionResource, store *policy.Store, log *slog.Logger, writeStatus func() bool) *GrantController {
+func newController(dyn dynamic.Interface, gvr schema.GroupVersionResource, store *policy.Store, log *slog.Logger, writeStatus func() bool) *Controller {
 	if log == nil {
 		log = slog.Default()
 	}
 	if writeStatus == nil {
 		writeStatus = func() bool { return true }
 	}
-	c := &GrantController{
+	c := &Controller{
 		dyn:         dyn,
 		gvr:         gvr,
 		store:       store,
@@ -181,13 +181,13 @@ func stripManagedFields(obj any) (any, error) {
 
 // HasSynced reports whether every SecretGrant has been listed and the store
 // holds their compiled rule set.
-func (c *GrantController) HasSynced() bool { return c.synced.Load() }
+func (c *Controller) HasSynced() bool { return c.synced.Load() }
 
 // Run watches SecretGrants until ctx is done, then returns nil. While the
 // resource cannot be listed (the CRD is not installed, or RBAC forbids it),
 // it logs the error and keeps retrying, and the store is left untouched. Run
 // may be called once.
-func (c *GrantController) Run(ctx context.Context) error {
+func (c *Controller) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
 		return errors.New("secretgrant controller: Run called twice")
 	}
@@ -251,7 +251,7 @@ func grantWorker(ctx context.Context, q workqueue.TypedRateLimitingInterface[str
 
 // compile compiles every cached grant into the store and queues the grants
 // whose status no longer says what happened to them.
-func (c *GrantController) compile(ctx context.Context, _ string) error {
+func (c *Controller) compile(ctx context.Context, _ string) error {
 	start := time.Now()
 	objs := c.informer.GetIndexer().List()
 	grants := make([]policy.Grant, 0, len(objs))
@@ -415,7 +415,7 @@ func grantTruncate(s string) string {
 
 // syncStatus writes the status of the grant key from the last compile, when
 // it differs from the one the grant has and this replica writes statuses.
-func (c *GrantController) syncStatus(ctx context.Context, key string) error {
+func (c *Controller) syncStatus(ctx context.Context, key string) error {
 	obj, exists, err := c.informer.GetIndexer().GetByKey(key)
 	if err != nil || !exists {
 		return nil // deleted: nothing to report
@@ -462,7 +462,7 @@ func (c *GrantController) syncStatus(ctx context.Context, key string) error {
 
 // watchLeadership queues every grant's status check when writeStatus turns
 // true, so a new leader writes what the standby held back.
-func (c *GrantController) watchLeadership(ctx context.Context) {
+func (c *Controller) watchLeadership(ctx context.Context) {
 	tick := time.NewTicker(grantLeaderPoll)
 	defer tick.Stop()
 	leading := c.writeStatus()
@@ -488,7 +488,7 @@ func (c *GrantController) watchLeadership(ctx context.Context) {
 // klog) so failures to list or watch SecretGrants are logged here, clearly,
 // and not more than once a minute while they persist; the reflector keeps
 // retrying with backoff.
-func (c *GrantController) watchError(ctx context.Context, _ *cache.Reflector, err error) {
+func (c *Controller) watchError(ctx context.Context, _ *cache.Reflector, err error) {
 	if ctx.Err() != nil || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || apierrors.IsResourceExpired(err) || apierrors.IsGone(err) {
 		return // normal watch turnover: relisted at once
 	}

@@ -1,4 +1,4 @@
-package k8sbridge
+package grants
 
 import (
 	"bytes"
@@ -25,6 +25,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -36,7 +37,7 @@ var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version:
 // grantCRD reads the SecretGrant CRD from deploy/crds/.
 func grantCRD(t *testing.T) *unstructured.Unstructured {
 	t.Helper()
-	files, err := filepath.Glob(filepath.Join("..", "deploy", "crds", "*.yaml"))
+	files, err := filepath.Glob(filepath.Join("..", "..", "deploy", "crds", "*.yaml"))
 	if err != nil || len(files) == 0 {
 		t.Fatalf("no CRD manifests in deploy/crds (err %v)", err)
 	}
@@ -83,43 +84,8 @@ func installGrantCRD(t *testing.T, env *testenv.Env, group string) schema.GroupV
 			}
 		})
 	}
-	createCRD(t, env, crd, gvr)
+	kubetest.CreateCRD(t, env, crd, gvr)
 	return gvr
-}
-
-// createCRD creates crd (one already there is kept) and waits until it is
-// established and gvr is served.
-func createCRD(t *testing.T, env *testenv.Env, crd *unstructured.Unstructured, gvr schema.GroupVersionResource) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), grantWait)
-	defer cancel()
-	dyn := dynamic.NewForConfigOrDie(env.RESTConfig())
-	if _, err := dyn.Resource(crdGVR).Create(ctx, crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		t.Fatalf("create CRD %s: %v", crd.GetName(), err)
-	}
-	err := testenv.WaitFor(ctx, grantWait, "CRD "+crd.GetName()+" established and served", func(ctx context.Context) (bool, string, error) {
-		got, err := dyn.Resource(crdGVR).Get(ctx, crd.GetName(), metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		conds, _, _ := unstructured.NestedSlice(got.Object, "status", "conditions")
-		established := false
-		for _, c := range conds {
-			if m, ok := c.(map[string]any); ok && m["type"] == "Established" && m["status"] == "True" {
-				established = true
-			}
-		}
-		if !established {
-			return false, fmt.Sprintf("conditions %v", conds), nil
-		}
-		if _, err := dyn.Resource(gvr).List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
-			return false, "established; list: " + err.Error(), nil
-		}
-		return true, "", nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
 }
 
 // grantLogSink records a controller's log lines and passes them to t.Log
@@ -179,7 +145,7 @@ type grantFixture struct {
 	dyn   dynamic.Interface
 	gvr   schema.GroupVersionResource
 	store *policy.Store
-	c     *GrantController
+	c     *Controller
 	logs  *grantLogSink
 }
 
@@ -194,7 +160,7 @@ func startGrantController(t *testing.T, env *testenv.Env, gvr schema.GroupVersio
 		store: policy.NewStore(nil),
 		logs:  newGrantLogSink(t),
 	}
-	f.c = newGrantController(f.dyn, gvr, f.store, f.logs.logger(), writeStatus)
+	f.c = newController(f.dyn, gvr, f.store, f.logs.logger(), writeStatus)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- f.c.Run(ctx) }()
