@@ -25,42 +25,19 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/policy"
-)
-
-// Names shared with external-attacher, so attachments move between the
-// sidecar and the broker unchanged.
-const (
-	annVANodeID         = "csi.alpha.kubernetes.io/node-id"
-	annNodeIDs          = "csi.volume.kubernetes.io/nodeid"
-	attacherFinalizerPf = "external-attacher/"
 )
 
 // attachReconcileInterval is how often attached volumes are checked against
 // the driver's ListVolumes published nodes (drivers that report them).
 var attachReconcileInterval = 5 * time.Minute
 
-// attacherFinalizer is external-attacher's finalizer name for driver: every
-// character outside [a-zA-Z0-9-] becomes '-', and a name ending in '-' gets
-// an 'X' ("ebs.csi.aws.com" → "external-attacher/ebs-csi-aws-com").
-func attacherFinalizer(driver string) string {
-	b := []byte(driver)
-	for i, c := range b {
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-') {
-			b[i] = '-'
-		}
-	}
-	if len(b) == 0 || b[len(b)-1] == '-' {
-		b = append(b, 'X')
-	}
-	return attacherFinalizerPf + string(b)
-}
-
 // attacherFinalizers are the finalizer names an attachment of driver may
 // carry: external-attacher's, and the one earlier csibroker releases wrote
 // (only '/' replaced), which detach also honours and removes.
 func attacherFinalizers(driver string) []string {
-	cur, legacy := attacherFinalizer(driver), attacherFinalizerPf+strings.ReplaceAll(driver, "/", "-")
+	cur, legacy := kube.AttacherFinalizer(driver), kube.AttacherFinalizerPrefix+strings.ReplaceAll(driver, "/", "-")
 	if cur == legacy {
 		return []string{cur}
 	}
@@ -251,7 +228,7 @@ func vaChanged(o, n *storagev1.VolumeAttachment) bool {
 			return true
 		}
 	}
-	return o.Annotations[annVANodeID] != n.Annotations[annVANodeID]
+	return o.Annotations[kube.AnnVANodeID] != n.Annotations[kube.AnnVANodeID]
 }
 
 func (a *attacher) sync(ctx context.Context, key string) (time.Duration, error) {
@@ -338,7 +315,7 @@ func (a *attacher) nodeID(driver, node string) (string, error) {
 		}
 	}
 	if n, err := a.b.nodes.Get(node); err == nil {
-		if id := jsonField(n.Annotations[annNodeIDs], driver); id != "" {
+		if id := jsonField(n.Annotations[kube.AnnNodeIDs], driver); id != "" {
 			return id, nil
 		}
 	}
@@ -533,7 +510,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
 	}
-	fin := attacherFinalizer(driver)
+	fin := kube.AttacherFinalizer(driver)
 	if src.pv != nil && !hasFinalizer(src.pv, fin) {
 		cp := src.pv.DeepCopy()
 		cp.Finalizers = append(cp.Finalizers, fin)
@@ -570,7 +547,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	// being deleted, its secret missing or denied) has nothing to detach
 	// and can go; a detach never lacks either.
 	before := va.ResourceVersion
-	if !containsString(va.Finalizers, fin) || va.Annotations[annVANodeID] != nodeID || (nsLabelsNote != "" && va.Annotations[annNamespaceLabels] != nsLabelsNote) {
+	if !containsString(va.Finalizers, fin) || va.Annotations[kube.AnnVANodeID] != nodeID || (nsLabelsNote != "" && va.Annotations[kube.AnnNamespaceLabels] != nsLabelsNote) {
 		cp := va.DeepCopy()
 		if !containsString(cp.Finalizers, fin) {
 			cp.Finalizers = append(cp.Finalizers, fin)
@@ -578,9 +555,9 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		if cp.Annotations == nil {
 			cp.Annotations = map[string]string{}
 		}
-		cp.Annotations[annVANodeID] = nodeID
+		cp.Annotations[kube.AnnVANodeID] = nodeID
 		if nsLabelsNote != "" {
-			cp.Annotations[annNamespaceLabels] = nsLabelsNote
+			cp.Annotations[kube.AnnNamespaceLabels] = nsLabelsNote
 		}
 		updated, err := a.patchVA(ctx, va, cp)
 		if err != nil {
@@ -644,7 +621,7 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if err != nil {
 		return a.attachFailed(ctx, va, true, err)
 	}
-	nodeID := va.Annotations[annVANodeID]
+	nodeID := va.Annotations[kube.AnnVANodeID]
 	if nodeID == "" {
 		if nodeID, err = a.nodeID(driver, node); err != nil {
 			return a.attachFailed(ctx, va, true, err)
@@ -654,7 +631,7 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if recorded == nil {
 		// Those the publish was decided with (attach records them when
 		// the PV does not).
-		if v := va.Annotations[annNamespaceLabels]; v != "" {
+		if v := va.Annotations[kube.AnnNamespaceLabels]; v != "" {
 			_ = json.Unmarshal([]byte(v), &recorded)
 		}
 	}
@@ -733,7 +710,7 @@ func (a *attacher) syncPV(ctx context.Context, name string) error {
 		if !apierrors.IsConflict(err) {
 			a.b.log.Warn("remove the attacher finalizer of a PersistentVolume being deleted", "pv", name, "driver", driver, "err", err)
 			a.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "DetachFailed", "remove finalizer "+string(apierrors.ReasonForError(err)),
-				"no attachment uses the volume any more, but removing finalizer %s failed: %v", attacherFinalizer(driver), err)
+				"no attachment uses the volume any more, but removing finalizer %s failed: %v", kube.AttacherFinalizer(driver), err)
 		}
 		return err
 	}
@@ -801,11 +778,11 @@ func (a *attacher) reconcile(ctx context.Context) {
 				// A translated handle may lack what the driver's own IDs
 				// hold (GCE PD's project): completed from the node's ID,
 				// as external-attacher compares them.
-				if h, err := migration.RepairVolumeHandle(driver, handle, va.Annotations[annVANodeID]); err == nil {
+				if h, err := migration.RepairVolumeHandle(driver, handle, va.Annotations[kube.AnnVANodeID]); err == nil {
 					handle = h
 				}
 			}
-			if published[handle][va.Annotations[annVANodeID]] {
+			if published[handle][va.Annotations[kube.AnnVANodeID]] {
 				continue
 			}
 			// Published again through the queue, as external-attacher does;

@@ -27,6 +27,8 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -43,7 +45,7 @@ func makeCSIDriver(t *testing.T, c kubernetes.Interface, name string, attach boo
 // attached to, deleted when the test ends.
 func addAttachNode(t *testing.T, env *testenv.Env, ns string) string {
 	t.Helper()
-	node := clusterName(ns, "node")
+	node := kubetest.ClusterName(ns, "node")
 	if _, err := env.AddNodes(context.Background(), testenv.NodeSpec{Name: node, Zone: "z1"}); err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +57,7 @@ func addAttachNode(t *testing.T, env *testenv.Env, ns string) string {
 // as the attach/detach controller does, deleted when the test ends.
 func createVA(t *testing.T, c kubernetes.Interface, ns, drv, node, pvName string) *storagev1.VolumeAttachment {
 	t.Helper()
-	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va")},
+	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "va")},
 		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
 	if _, err := c.StorageV1().VolumeAttachments().Create(context.Background(), va, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -121,7 +123,7 @@ func TestAttachDetach(t *testing.T) {
 	ctx := context.Background()
 	node := addAttachNode(t, env, ns)
 
-	pub, triv, bad := clusterName(ns, "pub.csi.test"), clusterName(ns, "triv.csi.test"), clusterName(ns, "bad.csi.test")
+	pub, triv, bad := kubetest.ClusterName(ns, "pub.csi.test"), kubetest.ClusterName(ns, "triv.csi.test"), kubetest.ClusterName(ns, "bad.csi.test")
 	drivers := &testDrivers{}
 	dPub := drivers.addDriver(t, sampledriver.Config{Name: pub, NodeID: node})
 	dTriv := drivers.addDriver(t, sampledriver.Config{Name: triv, NodeID: node, DisablePublish: true})
@@ -135,14 +137,14 @@ func TestAttachDetach(t *testing.T) {
 	}
 	imm, del := storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete
 	for _, d := range []string{pub, triv, bad} {
-		makeClass(t, c, d+"-class", d, imm, del, nil)
+		kubetest.MakeClass(t, c, d+"-class", d, imm, del, nil)
 	}
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 
 	pvOf := map[string]string{}
 	for _, d := range []struct{ claim, driver string }{{"pub", pub}, {"triv", triv}, {"bad", bad}} {
-		makeClaim(t, c, ns, d.claim, d.driver+"-class", "1Gi")
-		pvOf[d.claim] = waitBound(t, c, ns, d.claim, 60*time.Second).Spec.VolumeName
+		kubetest.MakeClaim(t, c, ns, d.claim, d.driver+"-class", "1Gi")
+		pvOf[d.claim] = kubetest.WaitBound(t, c, ns, d.claim, 60*time.Second).Spec.VolumeName
 		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "pod-" + d.claim, Namespace: ns}, Spec: corev1.PodSpec{NodeName: node,
 			Containers: []corev1.Container{{Name: "c", Image: "busybox"}},
 			Volumes:    []corev1.Volume{{Name: "v", VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: d.claim}}}}}}
@@ -155,13 +157,13 @@ func TestAttachDetach(t *testing.T) {
 	if va.Status.AttachmentMetadata[sampledriver.PublishContextDevicePath] == "" {
 		t.Fatalf("publish context %v", va.Status.AttachmentMetadata)
 	}
-	fin := attacherFinalizer(pub)
+	fin := kube.AttacherFinalizer(pub)
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvOf["pub"], metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !containsString(va.Finalizers, fin) || !hasFinalizer(pv, fin) || va.Annotations[annVANodeID] != node {
-		t.Fatalf("finalizers VA %v PV %v, node ID %q", va.Finalizers, pv.Finalizers, va.Annotations[annVANodeID])
+	if !containsString(va.Finalizers, fin) || !hasFinalizer(pv, fin) || va.Annotations[kube.AnnVANodeID] != node {
+		t.Fatalf("finalizers VA %v PV %v, node ID %q", va.Finalizers, pv.Finalizers, va.Annotations[kube.AnnVANodeID])
 	}
 	if n := dPub.CallCount("ControllerPublishVolume"); n != 1 {
 		t.Fatalf("the driver was asked to publish %d times, want once", n)
@@ -251,14 +253,14 @@ func TestAttachCapabilityFromAllAccessModes(t *testing.T) {
 // removed), so a cluster moves from the sidecar to the broker unchanged.
 func TestDetachesWhatExternalAttacherAttached(t *testing.T) {
 	for driver, want := range map[string]string{"ebs.csi.aws.com": "external-attacher/ebs-csi-aws-com", "a/b_c.": "external-attacher/a-b-c-X", "plain-name": "external-attacher/plain-name"} {
-		if got := attacherFinalizer(driver); got != want {
-			t.Errorf("attacherFinalizer(%q) = %q, want %q (external-attacher's)", driver, got, want)
+		if got := kube.AttacherFinalizer(driver); got != want {
+			t.Errorf("kube.AttacherFinalizer(%q) = %q, want %q (external-attacher's)", driver, got, want)
 		}
 	}
 	s := newAttachSetup(t, "moved.csi.test", sampledriver.Config{})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "moved"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "moved"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 
 	// What external-attacher left: its finalizer on the attachment and the
 	// PV, named as it names it (computed here, not by the code under test).
@@ -271,7 +273,7 @@ func TestDetachesWhatExternalAttacherAttached(t *testing.T) {
 	if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	va := createHeldVA(t, c, &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{sidecarFin}, Annotations: map[string]string{annVANodeID: node}},
+	va := createHeldVA(t, c, &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "va"), Finalizers: []string{sidecarFin}, Annotations: map[string]string{kube.AnnVANodeID: node}},
 		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}})
 	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attachment attached")
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
@@ -305,7 +307,7 @@ func TestEarlierBrokerFinalizerStillDetaches(t *testing.T) {
 	if !hasAttacherFinalizer(fins, drv) {
 		t.Fatalf("%v: the earlier release's finalizer is not recognised", fins)
 	}
-	if got := withoutAttacherFinalizers(append(fins, attacherFinalizer(drv)), drv); len(got) != 1 || got[0] != "other" {
+	if got := withoutAttacherFinalizers(append(fins, kube.AttacherFinalizer(drv)), drv); len(got) != 1 || got[0] != "other" {
 		t.Fatalf("finalizers left after detach: %v, want [other]", got)
 	}
 }
@@ -316,8 +318,8 @@ func TestEarlierBrokerFinalizerStillDetaches(t *testing.T) {
 func TestNoAttachOfAPVBeingDeleted(t *testing.T) {
 	s := newAttachSetup(t, "del.csi.test", sampledriver.Config{})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "del"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "del"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	const hold = "test.csibroker.io/hold"
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 	if err != nil {
@@ -354,11 +356,11 @@ func TestAttacherFinalizerOfAPVLeftTerminating(t *testing.T) {
 	env := testenv.Shared(t)
 	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
 	drivers := &testDrivers{}
-	drv := clusterName(ns, "left.csi.test")
+	drv := kubetest.ClusterName(ns, "left.csi.test")
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
 	makeCSIDriver(t, c, drv, true)
 	pv := &corev1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "pv"), Finalizers: []string{attacherFinalizer(drv)}},
+		ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "pv"), Finalizers: []string{kube.AttacherFinalizer(drv)}},
 		Spec: corev1.PersistentVolumeSpec{
 			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
 			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
@@ -373,7 +375,7 @@ func TestAttacherFinalizerOfAPVLeftTerminating(t *testing.T) {
 		t.Fatal(err)
 	}
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	waitPVGone(t, c, pv.Name, 30*time.Second)
+	kubetest.WaitPVGone(t, c, pv.Name, 30*time.Second)
 }
 
 // TestReadOnlyPublishOnlyWhenTheDriverMayBeAsked: a read-only PV of a
@@ -394,7 +396,7 @@ func TestReadOnlyPublishOnlyWhenTheDriverMayBeAsked(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pvName := clusterName(ns, "ro-pv")
+	pvName := kubetest.ClusterName(ns, "ro-pv")
 	pv := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: pvName}, Spec: corev1.PersistentVolumeSpec{
 		Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
 		AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadOnlyMany},
@@ -441,7 +443,7 @@ func newAttachSetupWith(t *testing.T, name string, cfg sampledriver.Config, td *
 	env := testenv.Shared(t)
 	s := &attachSetup{ctx: context.Background(), c: env.Client(), ns: env.NewNamespace(t), drivers: td}
 	s.node = addAttachNode(t, env, s.ns)
-	s.drv = clusterName(s.ns, name)
+	s.drv = kubetest.ClusterName(s.ns, name)
 	cfg.Name, cfg.NodeID = s.drv, s.node
 	s.d = s.drivers.addDriver(t, cfg)
 	makeCSIDriver(t, s.c, s.drv, true)
@@ -461,12 +463,12 @@ func newAttachSetupWith(t *testing.T, name string, cfg sampledriver.Config, td *
 func TestVANeverPublishedCanGo(t *testing.T) {
 	s := newAttachSetup(t, "nosecret.csi.test", sampledriver.Config{})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "nosecret"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "nosecret"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
 		"csi.storage.k8s.io/controller-publish-secret-name": "missing", "csi.storage.k8s.io/controller-publish-secret-namespace": ns})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	va := createVA(t, c, ns, drv, node, pvName)
 	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error recorded")
-	if !strings.Contains(got.Status.AttachError.Message, "missing") || containsString(got.Finalizers, attacherFinalizer(drv)) {
+	if !strings.Contains(got.Status.AttachError.Message, "missing") || containsString(got.Finalizers, kube.AttacherFinalizer(drv)) {
 		t.Fatalf("attach without its secret: status %+v, finalizers %v; want the error and no finalizer", got.Status, got.Finalizers)
 	}
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
@@ -501,8 +503,8 @@ func TestAttachReconcilePublishesAgain(t *testing.T) {
 	t.Cleanup(func() { attachReconcileInterval = prev })
 	s := newAttachSetup(t, "relist.csi.test", sampledriver.Config{})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "relist"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "relist"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	va := createVA(t, c, ns, drv, node, pvName)
 	attached := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
 	// Every version of the attachment from now on, to see whether any
@@ -597,17 +599,17 @@ func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
 	drivers := newCountingDrivers()
 	s := newAttachSetupWith(t, "sa.csi.test", sampledriver.Config{}, drivers.testDrivers, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
 	ctx, c, ns, node, drv := s.ctx, s.c, s.ns, s.node, s.drv
-	class := makeClass(t, c, clusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 
 	// Three claims used by pods on the node (attached), three left alone
 	// (deleted).
 	used, spare := []string{"a", "b", "c"}, []string{"x", "y", "z"}
 	pvOf := map[string]string{}
 	for _, name := range append(slices.Clone(used), spare...) {
-		makeClaim(t, c, ns, name, class.Name, "1Gi")
+		kubetest.MakeClaim(t, c, ns, name, class.Name, "1Gi")
 	}
 	for _, name := range append(slices.Clone(used), spare...) {
-		pvOf[name] = waitBound(t, c, ns, name, 60*time.Second).Spec.VolumeName
+		pvOf[name] = kubetest.WaitBound(t, c, ns, name, 60*time.Second).Spec.VolumeName
 	}
 	// The first publish and the first deletion are held at the driver
 	// until the other two of each wait for the driver's slot: they
@@ -664,7 +666,7 @@ func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
 		vaFor(t, c, pvOf[name], func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, name+" attached")
 	}
 	for _, name := range spare {
-		waitPVGone(t, c, pvOf[name], 60*time.Second)
+		kubetest.WaitPVGone(t, c, pvOf[name], 60*time.Second)
 	}
 	if most := drivers.most("ControllerPublishVolume"); most != 1 {
 		t.Errorf("%d ControllerPublishVolume calls of one driver at once, want at most PerDriverWorkers = 1", most)
@@ -683,21 +685,21 @@ func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
 func TestAttachRefusalsAreReported(t *testing.T) {
 	s := newAttachSetup(t, "refused.csi.test", sampledriver.Config{})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "refused"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "refused"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 
 	// A volume of another driver, attached by this one's name.
-	other := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "other-pv")}, Spec: corev1.PersistentVolumeSpec{
+	other := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "other-pv")}, Spec: corev1.PersistentVolumeSpec{
 		Capacity:               corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
 		AccessModes:            []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-		PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: clusterName(ns, "other.csi.test"), VolumeHandle: "other-volume"}}}}
+		PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: kubetest.ClusterName(ns, "other.csi.test"), VolumeHandle: "other-volume"}}}}
 	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, other, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		c.CoreV1().PersistentVolumes().Delete(context.Background(), other.Name, metav1.DeleteOptions{})
 	})
-	mixed := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "mixed")},
+	mixed := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "mixed")},
 		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &other.Name}}}
 	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, mixed, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -710,15 +712,15 @@ func TestAttachRefusalsAreReported(t *testing.T) {
 	got := vaFor(t, c, other.Name, func(va *storagev1.VolumeAttachment) bool {
 		return va.Status.AttachError != nil && strings.Contains(va.Status.AttachError.Message, "not of the attachment's attacher")
 	}, "attach error of the mixed attachment")
-	if msg := got.Status.AttachError.Message; !strings.Contains(msg, "not of the attachment's attacher") || got.Status.Attached || containsString(got.Finalizers, attacherFinalizer(drv)) {
+	if msg := got.Status.AttachError.Message; !strings.Contains(msg, "not of the attachment's attacher") || got.Status.Attached || containsString(got.Finalizers, kube.AttacherFinalizer(drv)) {
 		t.Fatalf("attachment of another driver's volume: %+v, finalizers %v", got.Status, got.Finalizers)
 	}
-	waitEvent(t, c, "default", mixed.Name, "AttachFailed", "not of the attachment's attacher")
+	kubetest.WaitEvent(t, c, "default", mixed.Name, "AttachFailed", "not of the attachment's attacher")
 
 	// The cluster refuses the attacher's finalizer on this driver's
 	// attachments.
 	fail := admissionregistrationv1.Fail
-	policy := &admissionregistrationv1.ValidatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "no-attacher-finalizer")},
+	policy := &admissionregistrationv1.ValidatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "no-attacher-finalizer")},
 		Spec: admissionregistrationv1.ValidatingAdmissionPolicySpec{
 			FailurePolicy: &fail,
 			MatchConstraints: &admissionregistrationv1.MatchResources{ResourceRules: []admissionregistrationv1.NamedRuleWithOperations{{
@@ -745,7 +747,7 @@ func TestAttachRefusalsAreReported(t *testing.T) {
 		c.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Delete(context.Background(), binding.Name, metav1.DeleteOptions{})
 	})
 	// The policy is in force once a dry run of such an attachment is refused.
-	probe := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "probe"), Finalizers: []string{attacherFinalizer(drv)}},
+	probe := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "probe"), Finalizers: []string{kube.AttacherFinalizer(drv)}},
 		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
 	err := testenv.WaitFor(ctx, 30*time.Second, "the admission policy to refuse the finalizer", func(ctx context.Context) (bool, string, error) {
 		_, err := c.StorageV1().VolumeAttachments().Create(ctx, probe, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
@@ -759,7 +761,7 @@ func TestAttachRefusalsAreReported(t *testing.T) {
 	if msg := got.Status.AttachError.Message; !strings.Contains(msg, "add finalizer") || !strings.Contains(msg, "refused by the test's policy") || got.Status.Attached {
 		t.Fatalf("attachment whose finalizer is refused: %+v", got.Status)
 	}
-	waitEvent(t, c, "default", got.Name, "AttachFailed", "refused by the test's policy")
+	kubetest.WaitEvent(t, c, "default", got.Name, "AttachFailed", "refused by the test's policy")
 	if n := d.CallCount("ControllerPublishVolume"); n != 0 {
 		t.Fatalf("%d ControllerPublishVolume calls, want none", n)
 	}
@@ -773,10 +775,10 @@ func TestAttachRefusalsAreReported(t *testing.T) {
 func TestDetachUndoesAPublishWhateverTheCapabilities(t *testing.T) {
 	s := newAttachSetup(t, "nopub.csi.test", sampledriver.Config{DisablePublish: true})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "nopub"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "nopub"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	// What an attach with a publish step left.
-	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{attacherFinalizer(drv)}, Annotations: map[string]string{annVANodeID: node}},
+	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "va"), Finalizers: []string{kube.AttacherFinalizer(drv)}, Annotations: map[string]string{kube.AnnVANodeID: node}},
 		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
 	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -799,15 +801,15 @@ func TestDetachRetriesNotFound(t *testing.T) {
 	s := newAttachSetup(t, "nf.csi.test", sampledriver.Config{Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
 		"ControllerUnpublishVolume": {First: 2, Code: codes.NotFound}}}})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "nf"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "nf"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	va := createVA(t, c, ns, drv, node, pvName)
 	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.DetachError != nil }, "detach error recorded")
-	if !containsString(got.Finalizers, attacherFinalizer(drv)) || !strings.Contains(got.Status.DetachError.Message, "NotFound") {
+	if !containsString(got.Finalizers, kube.AttacherFinalizer(drv)) || !strings.Contains(got.Status.DetachError.Message, "NotFound") {
 		t.Fatalf("after a NotFound unpublish: finalizers %v, detach error %+v; want the finalizer kept and the error shown", got.Finalizers, got.Status.DetachError)
 	}
 	waitVAGone(t, c, va.Name, 60*time.Second)
@@ -825,7 +827,7 @@ func TestVolumeErrorMessageFitsTheAPIServer(t *testing.T) {
 	c := env.Client()
 	ctx := context.Background()
 	pv := "pv"
-	va := createVA(t, c, ns, "limits.csi.test", clusterName(ns, "node"), pv)
+	va := createVA(t, c, ns, "limits.csi.test", kubetest.ClusterName(ns, "node"), pv)
 	write := func(msg string) error {
 		cur, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
 		if err != nil {
@@ -900,8 +902,8 @@ func TestAttachesAMigratedInTreeVolume(t *testing.T) {
 	// the two run one after the other, each with its own bridge).
 	const drv = "cinder.csi.openstack.org"
 	drivers, d := publishingDriver(t, env, drv, node)
-	volID := createDriverVolume(t, drivers, drv, clusterName(ns, "in-tree"))
-	pv := createStaticPV(t, c, clusterName(ns, "pv"), corev1.PersistentVolumeSource{Cinder: &corev1.CinderPersistentVolumeSource{VolumeID: volID, FSType: "ext4"}}, nil)
+	volID := createDriverVolume(t, drivers, drv, kubetest.ClusterName(ns, "in-tree"))
+	pv := createStaticPV(t, c, kubetest.ClusterName(ns, "pv"), corev1.PersistentVolumeSource{Cinder: &corev1.CinderPersistentVolumeSource{VolumeID: volID, FSType: "ext4"}}, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 
 	va := createVA(t, c, ns, drv, node, pv.Name)
@@ -929,7 +931,7 @@ func TestAttachesAMigratedInTreeVolume(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !containsString(cur.Finalizers, attacherFinalizer(drv)) {
+	if !containsString(cur.Finalizers, kube.AttacherFinalizer(drv)) {
 		t.Fatalf("the in-tree PV lacks the attacher finalizer: %v", cur.Finalizers)
 	}
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
@@ -942,7 +944,7 @@ func TestAttachesAMigratedInTreeVolume(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pv.Name, 30*time.Second)
+	kubetest.WaitPVGone(t, c, pv.Name, 30*time.Second)
 }
 
 // TestDetachMarksAnAttachmentKeptByAnotherFinalizer: when another
@@ -952,10 +954,10 @@ func TestAttachesAMigratedInTreeVolume(t *testing.T) {
 func TestDetachMarksAnAttachmentKeptByAnotherFinalizer(t *testing.T) {
 	s := newAttachSetup(t, "kept.csi.test", sampledriver.Config{})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "kept"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "kept"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	const hold = "test.csibroker.io/hold"
-	va := createHeldVA(t, c, &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{hold}},
+	va := createHeldVA(t, c, &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "va"), Finalizers: []string{hold}},
 		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}})
 	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attachment attached")
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
@@ -980,10 +982,10 @@ func TestDetachAfterNamespaceIsGone(t *testing.T) {
 	ctx, c, storageNS := context.Background(), env.Client(), env.NewNamespace(t)
 	tenant := makeTenant(t, c, storageNS)
 	node := addAttachNode(t, env, storageNS)
-	drv := clusterName(storageNS, "gone.csi.test")
+	drv := kubetest.ClusterName(storageNS, "gone.csi.test")
 	drivers, d := publishingDriver(t, env, drv, node)
-	volID := createDriverVolume(t, drivers, drv, clusterName(storageNS, "static"))
-	pv := createStaticPV(t, c, clusterName(storageNS, "pv"), corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: volID,
+	volID := createDriverVolume(t, drivers, drv, kubetest.ClusterName(storageNS, "static"))
+	pv := createStaticPV(t, c, kubetest.ClusterName(storageNS, "pv"), corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: volID,
 		ControllerPublishSecretRef: &corev1.SecretReference{Namespace: storageNS, Name: "creds"}}}, func(pv *corev1.PersistentVolume) {
 		pv.Spec.ClaimRef = &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: tenant, Name: "data"}
 	})
@@ -998,7 +1000,7 @@ func TestDetachAfterNamespaceIsGone(t *testing.T) {
 	va := createVA(t, c, storageNS, drv, node, pv.Name)
 	got := vaFor(t, c, pv.Name, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached || va.Status.AttachError != nil }, "attachment attached")
 	var noted map[string]string
-	if err := json.Unmarshal([]byte(got.Annotations[annNamespaceLabels]), &noted); !got.Status.Attached || err != nil || noted["team"] != "a" {
+	if err := json.Unmarshal([]byte(got.Annotations[kube.AnnNamespaceLabels]), &noted); !got.Status.Attached || err != nil || noted["team"] != "a" {
 		t.Fatalf("attachment: status %+v, annotations %v; want attached, with the namespace labels recorded", got.Status, got.Annotations)
 	}
 	deleteNamespace(t, c, tenant)
@@ -1065,11 +1067,11 @@ func TestAttachKeepsPublishContextKeysSpeltLikePatchDirectives(t *testing.T) {
 	env := testenv.Shared(t)
 	c, ns := env.Client(), env.NewNamespace(t)
 	node := addAttachNode(t, env, ns)
-	drv := clusterName(ns, "dollar.csi.test")
+	drv := kubetest.ClusterName(ns, "dollar.csi.test")
 	drivers, _ := publishingDriver(t, env, drv, node)
 	extra := map[string]string{"$patch": "delete", "$retainKeys": "devicePath", "$setElementOrder/x": "y"}
-	volID := createDriverVolume(t, drivers, drv, clusterName(ns, "vol"))
-	pv := createStaticPV(t, c, clusterName(ns, "pv"), corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: volID}}, nil)
+	volID := createDriverVolume(t, drivers, drv, kubetest.ClusterName(ns, "vol"))
+	pv := createStaticPV(t, c, kubetest.ClusterName(ns, "pv"), corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: volID}}, nil)
 	startBridge(t, env, ns, &hookedDrivers{testDrivers: drivers, hook: func(_ string, _, reply any, err error) error {
 		if resp, ok := reply.(*csi.ControllerPublishVolumeResponse); ok && err == nil {
 			if resp.PublishContext == nil {

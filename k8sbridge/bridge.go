@@ -30,6 +30,7 @@ import (
 	"k8s.io/client-go/tools/record"
 
 	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -307,7 +308,7 @@ func New(cfg Config) (*Bridge, error) {
 		return nil, err
 	}
 	b.metrics = m
-	b.factory = informers.NewSharedInformerFactoryWithOptions(cfg.InformerClient, cfg.ResyncPeriod, informers.WithTransform(stripBulk)) // trim.go
+	b.factory = informers.NewSharedInformerFactoryWithOptions(cfg.InformerClient, cfg.ResyncPeriod, informers.WithTransform(kube.StripBulk)) // trim.go
 	claims := b.factory.Core().V1().PersistentVolumeClaims()
 	volumes := b.factory.Core().V1().PersistentVolumes()
 	classes := b.factory.Storage().V1().StorageClasses()

@@ -58,6 +58,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/k8sbridge/topology"
 	"github.com/prometheus/client_golang/prometheus"
@@ -416,7 +417,7 @@ func (c *capacityController) run(ctx context.Context) {
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.LabelSelector = capacityLabelManagedBy + "=" + capacityManagedBy
 		}),
-		informers.WithTransform(stripBulk))
+		informers.WithTransform(kube.StripBulk))
 	inf := factory.Storage().V1().CSIStorageCapacities().Informer()
 	if err := inf.AddIndexers(cache.Indexers{capacityIndex: func(obj any) ([]string, error) {
 		if csc, ok := obj.(*storagev1.CSIStorageCapacity); ok {

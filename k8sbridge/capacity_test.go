@@ -28,6 +28,8 @@ import (
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/k8sbridge/topology"
 )
@@ -276,22 +278,22 @@ func TestCapacityZonalDriverTwoClasses(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "zonal.csi.test")
+	drv := kubetest.ClusterName(ns, "zonal.csi.test")
 	var segs []map[string]string
 	for _, z := range []string{"z1", "z2"} {
-		node := clusterName(ns, "node-"+z)
+		node := kubetest.ClusterName(ns, "node-"+z)
 		addNode(t, env, testenv.NodeSpec{Name: node, Zone: z}, drv, []string{testenv.LabelZone})
 		segs = append(segs, map[string]string{testenv.LabelZone: z})
 	}
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: segs, CapacityBytes: 10 * gib})
 	wffc, del := storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
-	classA := makeClass(t, c, clusterName(ns, "a"), drv, wffc, del, nil)
-	classB := makeClass(t, c, clusterName(ns, "b"), drv, wffc, del, map[string]string{"label": "blue", csiparams.ParamFSType: "ext4"})
+	classA := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "a"), drv, wffc, del, nil)
+	classB := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "b"), drv, wffc, del, map[string]string{"label": "blue", csiparams.ParamFSType: "ext4"})
 	// An Immediate class of the driver gets no objects (the scheduler
 	// reads capacity for WaitForFirstConsumer claims only): the exact sets
 	// waited for below, the later ones many polls on, hold none of it.
-	makeClass(t, c, clusterName(ns, "immediate"), drv, storagev1.VolumeBindingImmediate, del, nil)
+	kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "immediate"), drv, storagev1.VolumeBindingImmediate, del, nil)
 	run := startBridge(t, env, ns, drivers, bridgeOpts{})
 
 	all := func(bytes int64) map[string]int64 {
@@ -323,9 +325,9 @@ func TestCapacityZonalDriverTwoClasses(t *testing.T) {
 
 	// A volume provisioned through the broker: free space drops in both
 	// zones (one pool serves both).
-	makeClaim(t, c, ns, "claim", classA.Name, "1Gi")
-	makePod(t, c, ns, "pod", "claim")
-	waitBound(t, c, ns, "claim", 60*time.Second)
+	kubetest.MakeClaim(t, c, ns, "claim", classA.Name, "1Gi")
+	kubetest.MakePod(t, c, ns, "pod", "claim")
+	kubetest.WaitBound(t, c, ns, "claim", 60*time.Second)
 	objs = waitCapacities(t, c, ns, drv, all(9*gib))
 
 	// Nothing changes: refreshes write nothing. Two full polls (every key
@@ -478,8 +480,8 @@ func setUpZoneCapacity(t *testing.T) zoneCapacity {
 	z := zoneCapacity{env: testenv.Shared(t)}
 	z.ns = z.env.NewNamespace(t)
 	z.c = z.env.Client()
-	z.drv = clusterName(z.ns, "zonal.csi.test")
-	node := clusterName(z.ns, "node")
+	z.drv = kubetest.ClusterName(z.ns, "zonal.csi.test")
+	node := kubetest.ClusterName(z.ns, "node")
 	addNode(t, z.env, testenv.NodeSpec{Name: node, Zone: "z1"}, z.drv, []string{testenv.LabelZone})
 	// A closed port: calls fail with Unavailable.
 	dead, err := grpc.NewClient("passthrough:///127.0.0.1:1", grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -489,7 +491,7 @@ func setUpZoneCapacity(t *testing.T) zoneCapacity {
 	t.Cleanup(func() { dead.Close() })
 	z.drivers = &switchDrivers{testDrivers: &testDrivers{}, dead: dead}
 	z.d = z.drivers.addDriver(t, sampledriver.Config{Name: z.drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 8 * gib})
-	z.class = makeClass(t, z.c, clusterName(z.ns, "c"), z.drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	z.class = kubetest.MakeClass(t, z.c, kubetest.ClusterName(z.ns, "c"), z.drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	z.key = segmentKey(z.class.Name, testenv.LabelZone, "z1")
 	return z
 }
@@ -627,8 +629,8 @@ func TestCapacityNodeLocalNodeWithoutProxy(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "local.csi.test")
-	nodeA, nodeB := clusterName(ns, "node-a"), clusterName(ns, "no-proxy")
+	drv := kubetest.ClusterName(ns, "local.csi.test")
+	nodeA, nodeB := kubetest.ClusterName(ns, "node-a"), kubetest.ClusterName(ns, "no-proxy")
 	addHostnameNodes(t, env, drv, nodeA, nodeB)
 	dA, chainA := nodeProxy(t, drv, nodeA, 4*gib)
 	br, err := broker.New(broker.Options{TrustDomain: chaintest.TrustDomain, TLS: chainA.BrokerSource})
@@ -640,7 +642,7 @@ func TestCapacityNodeLocalNodeWithoutProxy(t *testing.T) {
 	if err := br.SetDriver(withA); err != nil {
 		t.Fatal(err)
 	}
-	class := makeClass(t, c, clusterName(ns, "local"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "local"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	run := startBridge(t, env, ns, br, bridgeOpts{})
 	keyA := segmentKey(class.Name, corev1.LabelHostname, nodeA)
 	before := waitCapacities(t, c, ns, drv, map[string]int64{keyA: 4 * gib})
@@ -673,7 +675,7 @@ func TestCapacityNodeLocalNodeWithoutProxy(t *testing.T) {
 	}
 	keptBefore := keptPolls()
 	if err := br.SetDriver(broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second,
-		Nodes: []broker.ProxyConfig{{Node: clusterName(ns, "elsewhere"), Address: chainA.ProxyAddr}}}); err != nil {
+		Nodes: []broker.ProxyConfig{{Node: kubetest.ClusterName(ns, "elsewhere"), Address: chainA.ProxyAddr}}}); err != nil {
 		t.Fatal(err)
 	}
 	// Polled a few times while the proxy is gone.
@@ -767,8 +769,8 @@ func TestCapacityNodeLocalWithoutTopology(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "plain.csi.test")
-	node := clusterName(ns, "node")
+	drv := kubetest.ClusterName(ns, "plain.csi.test")
+	node := kubetest.ClusterName(ns, "node")
 	addNode(t, env, testenv.NodeSpec{Name: node}, drv, nil)
 	ep, d := sampledriver.StartTest(t, sampledriver.Config{Name: drv, NodeID: node, CapacityBytes: 4 * gib, Logger: slog.New(slog.DiscardHandler)})
 	now := time.Now()
@@ -785,7 +787,7 @@ func TestCapacityNodeLocalWithoutTopology(t *testing.T) {
 	if err := br.SetDriver(broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second, Nodes: []broker.ProxyConfig{{Node: node, Address: chain.ProxyAddr}}}); err != nil {
 		t.Fatal(err)
 	}
-	class := makeClass(t, c, clusterName(ns, "plain"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "plain"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, br, bridgeOpts{})
 	waitCapacities(t, c, ns, drv, map[string]int64{segmentKey(class.Name, corev1.LabelHostname, node): 4 * gib})
 	if n := d.CallCount("GetCapacity"); n == 0 {
@@ -806,8 +808,8 @@ func TestCapacityNodeLocalTwoNodes(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "local.csi.test")
-	nodeA, nodeB := clusterName(ns, "node-a"), clusterName(ns, "node-b")
+	drv := kubetest.ClusterName(ns, "local.csi.test")
+	nodeA, nodeB := kubetest.ClusterName(ns, "node-a"), kubetest.ClusterName(ns, "node-b")
 	addHostnameNodes(t, env, drv, nodeA, nodeB)
 	dA, chainA := nodeProxy(t, drv, nodeA, 4*gib)
 	dB, chainB := nodeProxy(t, drv, nodeB, 6*gib)
@@ -827,7 +829,7 @@ func TestCapacityNodeLocalTwoNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.StorageV1().CSIDrivers().Delete(context.Background(), drv, metav1.DeleteOptions{}) })
-	class := makeClass(t, c, clusterName(ns, "local"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "local"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, br, bridgeOpts{})
 
 	keyA, keyB := segmentKey(class.Name, corev1.LabelHostname, nodeA), segmentKey(class.Name, corev1.LabelHostname, nodeB)
@@ -861,14 +863,14 @@ func TestCapacityNodeLocalTwoNodes(t *testing.T) {
 
 	// A 5 GiB claim fits only node B: the scheduler, reading the objects,
 	// selects it.
-	makeClaim(t, c, ns, "big", class.Name, "5Gi")
-	makePod(t, c, ns, "pod", "big")
+	kubetest.MakeClaim(t, c, ns, "big", class.Name, "5Gi")
+	kubetest.MakePod(t, c, ns, "pod", "big")
 	err = testenv.WaitFor(ctx, 60*time.Second, "the scheduler to select node B for the 5Gi claim", func(ctx context.Context) (bool, string, error) {
 		pvc, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "big", metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error(), nil
 		}
-		sel := pvc.Annotations[annSelectedNode]
+		sel := pvc.Annotations[kube.AnnSelectedNode]
 		if sel != "" && sel != nodeB {
 			return false, "", fmt.Errorf("selected node %s, which has 3Gi free", sel)
 		}
@@ -883,7 +885,7 @@ func TestCapacityNodeLocalTwoNodes(t *testing.T) {
 	}
 	// It is provisioned by node B's instance, through node B's proxy, and
 	// node B's object follows.
-	waitBound(t, c, ns, "big", 60*time.Second)
+	kubetest.WaitBound(t, c, ns, "big", 60*time.Second)
 	if len(dA.Volumes()) != 1 || len(dB.Volumes()) != 1 {
 		t.Fatalf("volumes: node A %d, node B %d; want the claim's on node B", len(dA.Volumes()), len(dB.Volumes()))
 	}
@@ -891,8 +893,8 @@ func TestCapacityNodeLocalTwoNodes(t *testing.T) {
 
 	// A claim larger than either node's free space is not placed at all,
 	// and the scheduler says why: it read the objects.
-	makeClaim(t, c, ns, "huge", class.Name, "4Gi")
-	makePod(t, c, ns, "pod-huge", "huge")
+	kubetest.MakeClaim(t, c, ns, "huge", class.Name, "4Gi")
+	kubetest.MakePod(t, c, ns, "pod-huge", "huge")
 	err = testenv.WaitFor(ctx, 60*time.Second, "the scheduler to refuse the 4Gi claim for lack of storage", func(ctx context.Context) (bool, string, error) {
 		pod, err := c.CoreV1().Pods(ns).Get(ctx, "pod-huge", metav1.GetOptions{})
 		if err != nil {
@@ -925,12 +927,12 @@ func TestCapacityForImmediateBinding(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "imm.csi.test")
-	node := clusterName(ns, "node-z1")
+	drv := kubetest.ClusterName(ns, "imm.csi.test")
+	node := kubetest.ClusterName(ns, "node-z1")
 	addNode(t, env, testenv.NodeSpec{Name: node, Zone: "z1"}, drv, []string{testenv.LabelZone})
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 10 * gib})
-	class := makeClass(t, c, clusterName(ns, "imm"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "imm"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.CapacityForImmediateBinding = true }})
 	waitCapacities(t, c, ns, drv, map[string]int64{segmentKey(class.Name, testenv.LabelZone, "z1"): 10 * gib})
 }
@@ -947,8 +949,8 @@ func TestCapacityDriverWithoutTopology(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "flat.csi.test")
-	addNode(t, env, testenv.NodeSpec{Name: clusterName(ns, "node")}, drv, nil)
+	drv := kubetest.ClusterName(ns, "flat.csi.test")
+	addNode(t, env, testenv.NodeSpec{Name: kubetest.ClusterName(ns, "node")}, drv, nil)
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv, CapacityBytes: 4 * gib})
 	csiDriver := &storagev1.CSIDriver{ObjectMeta: metav1.ObjectMeta{Name: drv}, Spec: storagev1.CSIDriverSpec{AttachRequired: new(false), StorageCapacity: new(true)}}
@@ -956,7 +958,7 @@ func TestCapacityDriverWithoutTopology(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.StorageV1().CSIDrivers().Delete(context.Background(), drv, metav1.DeleteOptions{}) })
-	class := makeClass(t, c, clusterName(ns, "flat"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "flat"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 
 	objs := waitCapacities(t, c, ns, drv, map[string]int64{class.Name + " {}": 4 * gib})
@@ -965,9 +967,9 @@ func TestCapacityDriverWithoutTopology(t *testing.T) {
 			t.Errorf("%s: node topology %+v, want the empty selector (every node)", k, o.NodeTopology)
 		}
 	}
-	makeClaim(t, c, ns, "claim", class.Name, "1Gi")
-	makePod(t, c, ns, "pod", "claim")
-	waitBound(t, c, ns, "claim", 60*time.Second)
+	kubetest.MakeClaim(t, c, ns, "claim", class.Name, "1Gi")
+	kubetest.MakePod(t, c, ns, "pod", "claim")
+	kubetest.WaitBound(t, c, ns, "claim", 60*time.Second)
 }
 
 // TestCapacityFollowsVolumes: a volume made or deleted through the broker
@@ -982,18 +984,18 @@ func TestCapacityFollowsVolumes(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "follow.csi.test")
-	addNode(t, env, testenv.NodeSpec{Name: clusterName(ns, "node"), Zone: "z1"}, drv, []string{testenv.LabelZone})
+	drv := kubetest.ClusterName(ns, "follow.csi.test")
+	addNode(t, env, testenv.NodeSpec{Name: kubetest.ClusterName(ns, "node"), Zone: "z1"}, drv, []string{testenv.LabelZone})
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 4 * gib})
-	class := makeClass(t, c, clusterName(ns, "follow"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "follow"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 	key := segmentKey(class.Name, testenv.LabelZone, "z1")
 	waitCapacities(t, c, ns, drv, map[string]int64{key: 4 * gib})
 
-	makeClaim(t, c, ns, "claim", class.Name, "1Gi")
-	makePod(t, c, ns, "pod", "claim")
-	pvName := waitBound(t, c, ns, "claim", 60*time.Second).Spec.VolumeName
+	kubetest.MakeClaim(t, c, ns, "claim", class.Name, "1Gi")
+	kubetest.MakePod(t, c, ns, "pod", "claim")
+	pvName := kubetest.WaitBound(t, c, ns, "claim", 60*time.Second).Spec.VolumeName
 	waitCapacities(t, c, ns, drv, map[string]int64{key: 3 * gib})
 
 	if err := c.CoreV1().Pods(ns).Delete(ctx, "pod", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
@@ -1002,7 +1004,7 @@ func TestCapacityFollowsVolumes(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "claim", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	waitCapacities(t, c, ns, drv, map[string]int64{key: 4 * gib})
 }
 
@@ -1046,8 +1048,8 @@ func TestNodeLocalDriverWithItsFirstNodeDown(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "local.csi.test")
-	nodeA, nodeB := clusterName(ns, "node-a"), clusterName(ns, "node-b")
+	drv := kubetest.ClusterName(ns, "local.csi.test")
+	nodeA, nodeB := kubetest.ClusterName(ns, "node-a"), kubetest.ClusterName(ns, "node-b")
 	addHostnameNodes(t, env, drv, nodeA, nodeB)
 	dB, chainB := nodeProxy(t, drv, nodeB, 6*gib)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
@@ -1066,13 +1068,13 @@ func TestNodeLocalDriverWithItsFirstNodeDown(t *testing.T) {
 	}}); err != nil {
 		t.Fatal(err)
 	}
-	class := makeClass(t, c, clusterName(ns, "local"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "local"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, br, bridgeOpts{})
 	waitCapacities(t, c, ns, drv, map[string]int64{segmentKey(class.Name, corev1.LabelHostname, nodeB): 6 * gib})
 
-	makeClaim(t, c, ns, "claim", class.Name, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "claim", class.Name, "1Gi")
 	setSelectedNode(t, c, ns, "claim", nodeB)
-	waitBound(t, c, ns, "claim", 60*time.Second)
+	kubetest.WaitBound(t, c, ns, "claim", 60*time.Second)
 	if n := len(dB.Volumes()); n != 1 {
 		t.Fatalf("node B has %d volumes, want the claim's", n)
 	}

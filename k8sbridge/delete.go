@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/policy"
 )
@@ -75,7 +76,7 @@ func (d *deleter) ours(pv *corev1.PersistentVolume) bool {
 // it migrated to the driver, as external-provisioner decides. "" for none.
 func deletionDriver(pv *corev1.PersistentVolume) string {
 	if pv.Spec.CSI != nil {
-		if pv.Annotations[annProvisionedBy] == pv.Spec.CSI.Driver {
+		if pv.Annotations[kube.AnnProvisionedBy] == pv.Spec.CSI.Driver {
 			return pv.Spec.CSI.Driver
 		}
 		return ""
@@ -84,10 +85,10 @@ func deletionDriver(pv *corev1.PersistentVolume) string {
 	if driver == "" {
 		return ""
 	}
-	if plugin, err := migration.GetInTreePluginNameFromSpec(pv, nil); err == nil && pv.Annotations[annProvisionedBy] == plugin {
+	if plugin, err := migration.GetInTreePluginNameFromSpec(pv, nil); err == nil && pv.Annotations[kube.AnnProvisionedBy] == plugin {
 		return driver
 	}
-	if pv.Annotations[annMigratedTo] == driver {
+	if pv.Annotations[kube.AnnMigratedTo] == driver {
 		return driver
 	}
 	return ""
@@ -106,7 +107,7 @@ func (d *deleter) enqueue(obj any) {
 // changed it to keep the data), so no deletion will ever come to remove
 // it; as external-provisioner does, it is removed.
 func protectionStale(pv *corev1.PersistentVolume) bool {
-	return pv.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete && hasFinalizer(pv, finalizerVolume)
+	return pv.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete && hasFinalizer(pv, kube.FinalizerVolume)
 }
 
 // protectionMissing: a Bound PV reclaimed by Delete lacks the finalizer
@@ -115,7 +116,7 @@ func protectionStale(pv *corev1.PersistentVolume) bool {
 // external-provisioner does, it is added.
 func protectionMissing(pv *corev1.PersistentVolume) bool {
 	return pv.Spec.PersistentVolumeReclaimPolicy == corev1.PersistentVolumeReclaimDelete && pv.Status.Phase == corev1.VolumeBound &&
-		pv.DeletionTimestamp == nil && !hasFinalizer(pv, finalizerVolume)
+		pv.DeletionTimestamp == nil && !hasFinalizer(pv, kube.FinalizerVolume)
 }
 
 // needsDelete: a Released PV reclaimed by Delete (its claim is gone). One
@@ -127,7 +128,7 @@ func protectionMissing(pv *corev1.PersistentVolume) bool {
 // something wrong with it, which an administrator looks at before its
 // volume goes.
 func needsDelete(pv *corev1.PersistentVolume) bool {
-	if pv.DeletionTimestamp != nil && !hasFinalizer(pv, finalizerVolume) {
+	if pv.DeletionTimestamp != nil && !hasFinalizer(pv, kube.FinalizerVolume) {
 		return false
 	}
 	return pv.Spec.PersistentVolumeReclaimPolicy == corev1.PersistentVolumeReclaimDelete && pv.Status.Phase == corev1.VolumeReleased
@@ -165,7 +166,7 @@ func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 	}
 	if protectionStale(pv) {
 		if err := d.patchFinalizer(ctx, name, false); err != nil {
-			err = fmt.Errorf("remove finalizer %s from pv %s (reclaim policy %s): %w", finalizerVolume, name, pv.Spec.PersistentVolumeReclaimPolicy, err)
+			err = fmt.Errorf("remove finalizer %s from pv %s (reclaim policy %s): %w", kube.FinalizerVolume, name, pv.Spec.PersistentVolumeReclaimPolicy, err)
 			d.finalizerFailed(ctx, pv, err)
 			return 0, err
 		}
@@ -175,7 +176,7 @@ func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 	if protectionMissing(pv) {
 		if err := d.patchFinalizer(ctx, name, true); err != nil {
 			// Without it, deleting the PV object first leaks its volume.
-			err = fmt.Errorf("add finalizer %s to pv %s, which keeps its volume from leaking if the PV is deleted first: %w", finalizerVolume, name, err)
+			err = fmt.Errorf("add finalizer %s to pv %s, which keeps its volume from leaking if the PV is deleted first: %w", kube.FinalizerVolume, name, err)
 			d.finalizerFailed(ctx, pv, err)
 			return 0, err
 		}
@@ -239,8 +240,8 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 	// it: both annotations set name it, both present and empty say there
 	// is none; a PV without them (an older provisioner's) has its class's.
 	var secretRef *corev1.SecretReference
-	n, hasName := pv.Annotations[annDeletionSecretName]
-	ns, hasNS := pv.Annotations[annDeletionSecretNS]
+	n, hasName := pv.Annotations[kube.AnnDeletionSecretName]
+	ns, hasNS := pv.Annotations[kube.AnnDeletionSecretNS]
 	switch {
 	case hasName && hasNS && n != "" && ns != "":
 		secretRef = &corev1.SecretReference{Name: n, Namespace: ns}
@@ -248,7 +249,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 		if n != "" || ns != "" {
 			d.b.log.Warn("the PV names half a deletion secret; deleting its volume without one", "pv", name, "name", n, "namespace", ns)
 			d.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "DeletionSecretIncomplete", "half "+n+"/"+ns,
-				"annotations %s=%q and %s=%q name half a deletion secret; deleting volume %s without one", annDeletionSecretName, n, annDeletionSecretNS, ns, handle)
+				"annotations %s=%q and %s=%q name half a deletion secret; deleting volume %s without one", kube.AnnDeletionSecretName, n, kube.AnnDeletionSecretNS, ns, handle)
 		}
 	default:
 		if secretRef, err = d.classDeletionSecret(pv); err != nil {
@@ -292,7 +293,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 	d.b.noteVolumeChange(volumeChange{driver: driver, node: node, topo: affinitySegments(pv)})
 	// Two writes at most, as external-provisioner: drop our finalizer,
 	// then delete the object (or only the former if a user deleted it).
-	if hasFinalizer(pv, finalizerVolume) {
+	if hasFinalizer(pv, kube.FinalizerVolume) {
 		if err := d.patchFinalizer(ctx, name, false); err != nil {
 			d.b.log.Warn("volume deleted; removing the PV's finalizer failed (will retry)", "pv", name, "err", err)
 			return 0, fmt.Errorf("remove finalizer from pv %s: %w", name, err)
@@ -324,7 +325,7 @@ func (d *deleter) patchFinalizer(ctx context.Context, name string, add bool) err
 	if add {
 		key = "finalizers"
 	}
-	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{key: []string{finalizerVolume}}})
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{key: []string{kube.FinalizerVolume}}})
 	if err != nil {
 		return err
 	}
@@ -376,7 +377,7 @@ func errNodeUnknown(pv *corev1.PersistentVolume, driver string) error {
 		handle = pv.Spec.CSI.VolumeHandle
 	}
 	return fmt.Errorf("volume %s of node-local driver %s names no node (no %s annotation, no single hostname in its node affinity); cannot tell which node's proxy holds it",
-		handle, driver, annVolumeNode)
+		handle, driver, kube.AnnVolumeNode)
 }
 
 // nodeOfPV is the name of the node of a node-local PV: recorded at
@@ -385,7 +386,7 @@ func errNodeUnknown(pv *corev1.PersistentVolume, driver string) error {
 // differ), else that hostname; "" when the PV says nothing of its node.
 func (b *Bridge) nodeOfPV(pv *corev1.PersistentVolume) string {
 	n := pvNode(pv)
-	if n == "" || pv.Annotations[annVolumeNode] != "" {
+	if n == "" || pv.Annotations[kube.AnnVolumeNode] != "" {
 		return n
 	}
 	if _, err := b.nodes.Get(n); err == nil {
@@ -401,7 +402,7 @@ func (b *Bridge) nodeOfPV(pv *corev1.PersistentVolume) string {
 // pvNode is the node of a node-local PV: recorded at provisioning, else the
 // single hostname its affinity names, else "".
 func pvNode(pv *corev1.PersistentVolume) string {
-	if n := pv.Annotations[annVolumeNode]; n != "" {
+	if n := pv.Annotations[kube.AnnVolumeNode]; n != "" {
 		return n
 	}
 	if pv.Spec.NodeAffinity == nil || pv.Spec.NodeAffinity.Required == nil {

@@ -22,6 +22,8 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -32,15 +34,15 @@ func TestDeletionBlockedByAttachment(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "att.csi.test")
+	drv := kubetest.ClusterName(ns, "att.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "att"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "att"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	claim := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
 	pvName := claim.Spec.VolumeName
 
-	vaName := clusterName(ns, "va")
+	vaName := kubetest.ClusterName(ns, "va")
 	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: vaName},
 		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: "some-node", Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
 	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
@@ -50,14 +52,14 @@ func TestDeletionBlockedByAttachment(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitEvent(t, c, "default", pvName, "VolumeFailedDelete", "still attached to node some-node")
+	kubetest.WaitEvent(t, c, "default", pvName, "VolumeFailedDelete", "still attached to node some-node")
 	if len(d.Volumes()) != 1 || d.CallCount("DeleteVolume") != 0 {
 		t.Fatalf("volume deleted while attached: %+v", d.Calls())
 	}
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, vaName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left", n)
 	}
@@ -71,7 +73,7 @@ func TestCloneFromClaim(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "clone.csi.test")
+	drv := kubetest.ClusterName(ns, "clone.csi.test")
 	drivers := newCountingDrivers()
 	drivers.rewriteReply("CreateVolume", func(n int, reply any) {
 		if n == 1 { // the source: rounded up to twice its request
@@ -79,9 +81,9 @@ func TestCloneFromClaim(t *testing.T) {
 		}
 	})
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "clone"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "clone"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	src := waitBound(t, c, ns, makeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
+	src := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
 	srcPV, err := c.CoreV1().PersistentVolumes().Get(context.Background(), src.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -97,7 +99,7 @@ func TestCloneFromClaim(t *testing.T) {
 	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), clone, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	bound := waitBound(t, c, ns, "copy", 60*time.Second)
+	bound := kubetest.WaitBound(t, c, ns, "copy", 60*time.Second)
 	for _, r := range d.CreateVolumeRequests() {
 		if r.GetName() == bound.Spec.VolumeName {
 			if got := r.GetVolumeContentSource().GetVolume().GetVolumeId(); got != srcPV.Spec.CSI.VolumeHandle {
@@ -118,16 +120,16 @@ func TestCloneSourceKeptUntilItsCloneIsMade(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "cp.csi.test")
+	drv := kubetest.ClusterName(ns, "cp.csi.test")
 	drivers := newCountingDrivers()
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "cp"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "cp"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
-	src := waitBound(t, c, ns, makeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
+	src := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
 
 	letGo := drivers.hold("CreateVolume")
 	defer letGo()
-	makeClaimWith(t, c, ns, "copy", class.Name, func(p *corev1.PersistentVolumeClaim) {
+	kubetest.MakeClaimWith(t, c, ns, "copy", class.Name, func(p *corev1.PersistentVolumeClaim) {
 		p.Spec.DataSource = &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: src.Name}
 	})
 	err := testenv.WaitFor(ctx, 60*time.Second, "the clone's CreateVolume held", func(context.Context) (bool, string, error) {
@@ -164,7 +166,7 @@ func TestCloneSourceKeptUntilItsCloneIsMade(t *testing.T) {
 
 	// The copy done: the clone binds, the source goes, then its volume.
 	letGo()
-	waitBound(t, c, ns, "copy", 60*time.Second)
+	kubetest.WaitBound(t, c, ns, "copy", 60*time.Second)
 	err = testenv.WaitFor(ctx, 60*time.Second, "source claim gone", func(ctx context.Context) (bool, string, error) {
 		_, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, src.Name, metav1.GetOptions{})
 		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
@@ -172,7 +174,7 @@ func TestCloneSourceKeptUntilItsCloneIsMade(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, src.Spec.VolumeName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, src.Spec.VolumeName, 60*time.Second)
 }
 
 // TestDeleteAfterNamespaceIsGone: a grant admits claims of namespaces
@@ -185,7 +187,7 @@ func TestDeleteAfterNamespaceIsGone(t *testing.T) {
 	c := env.Client()
 	ctx := context.Background()
 	tenant := makeTenant(t, c, storageNS)
-	drv := clusterName(storageNS, "ns.csi.test")
+	drv := kubetest.ClusterName(storageNS, "ns.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	rs, errs := policy.Compile([]policy.Grant{{Namespace: storageNS, Name: "team-a", Spec: policy.GrantSpec{Drivers: []string{drv}, SecretNames: []string{"creds"},
@@ -194,16 +196,16 @@ func TestDeleteAfterNamespaceIsGone(t *testing.T) {
 	if len(errs) > 0 {
 		t.Fatal(errs)
 	}
-	class := makeClass(t, c, clusterName(storageNS, "ns"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(storageNS, "ns"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
 		"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": storageNS})
 	authz := &policy.Authorizer{Rules: policy.NewStore(rs)}
 	first := startBridge(t, env, storageNS, drivers, bridgeOpts{policy: authz})
-	bound := waitBound(t, c, tenant, makeClaim(t, c, tenant, "data", class.Name, "1Gi").Name, 60*time.Second)
+	bound := kubetest.WaitBound(t, c, tenant, kubetest.MakeClaim(t, c, tenant, "data", class.Name, "1Gi").Name, 60*time.Second)
 	// A PV that does not record its claim's namespace labels (made by
 	// another provisioner, say).
-	unrecorded := waitBound(t, c, tenant, makeClaim(t, c, tenant, "unrecorded", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	unrecorded := kubetest.WaitBound(t, c, tenant, kubetest.MakeClaim(t, c, tenant, "unrecorded", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, unrecorded, types.MergePatchType,
-		[]byte(`{"metadata":{"annotations":{"`+annNamespaceLabels+`":null}}}`), metav1.PatchOptions{}); err != nil {
+		[]byte(`{"metadata":{"annotations":{"`+kube.AnnNamespaceLabels+`":null}}}`), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
 
@@ -214,19 +216,19 @@ func TestDeleteAfterNamespaceIsGone(t *testing.T) {
 	startBridge(t, env, storageNS, drivers, bridgeOpts{policy: authz, identity: "broker-1"})
 	err := testenv.WaitFor(ctx, 60*time.Second, "volume of the deleted namespace deleted", func(ctx context.Context) (bool, string, error) {
 		_, err := c.CoreV1().PersistentVolumes().Get(ctx, bound.Spec.VolumeName, metav1.GetOptions{})
-		return apierrors.IsNotFound(err) && len(d.Volumes()) == 1, eventsOf(c, "default", bound.Spec.VolumeName), nil
+		return apierrors.IsNotFound(err) && len(d.Volumes()) == 1, kubetest.EventsOf(c, "default", bound.Spec.VolumeName), nil
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	// The PV without recorded labels is not decided for with labels nobody
 	// knows; its Event says how to give them, and giving them unblocks it.
-	waitEvent(t, c, "default", unrecorded, "VolumeFailedDelete", annNamespaceLabels+" annotation")
+	kubetest.WaitEvent(t, c, "default", unrecorded, "VolumeFailedDelete", kube.AnnNamespaceLabels+" annotation")
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, unrecorded, types.MergePatchType,
-		[]byte(`{"metadata":{"annotations":{"`+annNamespaceLabels+`":"{\"team\":\"a\"}"}}}`), metav1.PatchOptions{}); err != nil {
+		[]byte(`{"metadata":{"annotations":{"`+kube.AnnNamespaceLabels+`":"{\"team\":\"a\"}"}}}`), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, unrecorded, 60*time.Second)
+	kubetest.WaitPVGone(t, c, unrecorded, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left", n)
 	}
@@ -242,19 +244,19 @@ func TestRetainedPVLosesTheDeletionFinalizer(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "keep.csi.test")
+	drv := kubetest.ClusterName(ns, "keep.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "keep"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "keep"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	claim := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
 	pvName := claim.Spec.VolumeName
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !hasFinalizer(pv, finalizerVolume) {
-		t.Fatalf("provisioned PV without %s: %v", finalizerVolume, pv.Finalizers)
+	if !hasFinalizer(pv, kube.FinalizerVolume) {
+		t.Fatalf("provisioned PV without %s: %v", kube.FinalizerVolume, pv.Finalizers)
 	}
 	patch := []byte(`{"spec":{"persistentVolumeReclaimPolicy":"Retain"}}`)
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
@@ -266,7 +268,7 @@ func TestRetainedPVLosesTheDeletionFinalizer(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pvName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 30*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 30*time.Second)
 	if n := len(d.Volumes()); n != 1 || d.CallCount("DeleteVolume") != 0 {
 		t.Fatalf("retained volume: %d volumes, %d DeleteVolume calls; want it kept", n, d.CallCount("DeleteVolume"))
 	}
@@ -281,14 +283,14 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "fin.csi.test")
+	drv := kubetest.ClusterName(ns, "fin.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "fin"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "fin"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	claim := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
 	pvName := claim.Spec.VolumeName
-	waitPV(t, c, pvName, "Bound", 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+	kubetest.WaitPV(t, c, pvName, "Bound", 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
 		if pv == nil {
 			return false, "gone"
 		}
@@ -300,7 +302,7 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 		if err != nil {
 			return false, err.Error(), nil
 		}
-		pv.Finalizers = removeString(pv.Finalizers, finalizerVolume)
+		pv.Finalizers = removeString(pv.Finalizers, kube.FinalizerVolume)
 		if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
 			return false, err.Error(), nil
 		}
@@ -309,8 +311,8 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitPV(t, c, pvName, "finalizer added back", 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
-		return pv != nil && hasFinalizer(pv, finalizerVolume), "no finalizer " + finalizerVolume
+	kubetest.WaitPV(t, c, pvName, "finalizer added back", 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+		return pv != nil && hasFinalizer(pv, kube.FinalizerVolume), "no finalizer " + kube.FinalizerVolume
 	})
 	// The PV object first, then its claim: the volume is still deleted.
 	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pvName, metav1.DeleteOptions{}); err != nil {
@@ -319,7 +321,7 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 || d.CallCount("DeleteVolume") != 1 {
 		t.Fatalf("%d volumes left, %d DeleteVolume calls; want the volume deleted once", n, d.CallCount("DeleteVolume"))
 	}
@@ -334,7 +336,7 @@ func TestDeleteFallsBackToTheClassSecret(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "old.csi.test")
+	drv := kubetest.ClusterName(ns, "old.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: ns}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
@@ -352,24 +354,24 @@ func TestDeleteFallsBackToTheClassSecret(t *testing.T) {
 	if len(errs) != 0 {
 		t.Fatal(errs)
 	}
-	class := makeClass(t, c, clusterName(ns, "old"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "old"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
 		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
 	r := startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}})
-	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	claim := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
 	pvName := claim.Spec.VolumeName
 	// As an old provisioner left it: no deletion-secret annotations.
-	patch := fmt.Sprintf(`{"metadata":{"labels":{"frozen":"true"},"annotations":{%q:null,%q:null}}}`, annDeletionSecretName, annDeletionSecretNS)
+	patch := fmt.Sprintf(`{"metadata":{"labels":{"frozen":"true"},"annotations":{%q:null,%q:null}}}`, kube.AnnDeletionSecretName, kube.AnnDeletionSecretNS)
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitEvent(t, c, "default", pvName, "VolumeFailedDelete", "deny grant "+ns+"/frozen")
+	kubetest.WaitEvent(t, c, "default", pvName, "VolumeFailedDelete", "deny grant "+ns+"/frozen")
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, []byte(`{"metadata":{"labels":{"frozen":null}}}`), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left", n)
 	}
@@ -391,7 +393,7 @@ func TestNodeOfPV(t *testing.T) {
 	pv := func(ann, hostname string) *corev1.PersistentVolume {
 		p := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: "pv"}}
 		if ann != "" {
-			p.Annotations = map[string]string{annVolumeNode: ann}
+			p.Annotations = map[string]string{kube.AnnVolumeNode: ann}
 		}
 		if hostname != "" {
 			p.Spec.NodeAffinity = &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
@@ -425,7 +427,7 @@ func TestDeleteWhenTheDeletionSecretIsGone(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "gone.csi.test")
+	drv := kubetest.ClusterName(ns, "gone.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: ns}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
@@ -437,21 +439,21 @@ func TestDeleteWhenTheDeletionSecretIsGone(t *testing.T) {
 	if len(errs) != 0 {
 		t.Fatal(errs)
 	}
-	class := makeClass(t, c, clusterName(ns, "gone"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "gone"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
 		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
 	startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	if err := c.CoreV1().Secrets(ns).Delete(ctx, "creds", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 || d.CallCount("DeleteVolume") != 1 {
 		t.Fatalf("%d volumes left, %d DeleteVolume calls; want the volume deleted once", n, d.CallCount("DeleteVolume"))
 	}
-	waitEvent(t, c, "default", pvName, "DeletionSecretNotFound", "secret "+ns+"/creds")
+	kubetest.WaitEvent(t, c, "default", pvName, "DeletionSecretNotFound", "secret "+ns+"/creds")
 }
 
 // TestDeleteByTheSecretThePVRecords: a PV made without a deletion secret
@@ -463,32 +465,32 @@ func TestDeleteByTheSecretThePVRecords(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "rec.csi.test")
+	drv := kubetest.ClusterName(ns, "rec.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	name := clusterName(ns, "rec")
-	class := makeClass(t, c, name, drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	name := kubetest.ClusterName(ns, "rec")
+	class := kubetest.MakeClass(t, c, name, drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	// Enforced, with no grant: any secret named is refused.
 	r := startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(nil)}})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	n, hasName := pv.Annotations[annDeletionSecretName]
-	nsAnn, hasNS := pv.Annotations[annDeletionSecretNS]
+	n, hasName := pv.Annotations[kube.AnnDeletionSecretName]
+	nsAnn, hasNS := pv.Annotations[kube.AnnDeletionSecretNS]
 	if !hasName || !hasNS || n != "" || nsAnn != "" {
-		t.Fatalf("PV annotations %v: want %s and %s present and empty", pv.Annotations, annDeletionSecretName, annDeletionSecretNS)
+		t.Fatalf("PV annotations %v: want %s and %s present and empty", pv.Annotations, kube.AnnDeletionSecretName, kube.AnnDeletionSecretNS)
 	}
 	if err := c.StorageV1().StorageClasses().Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	makeClass(t, c, name, drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+	kubetest.MakeClass(t, c, name, drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
 		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": ns})
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left", n)
 	}
@@ -506,13 +508,13 @@ func TestFinalizerRefusalIsReported(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "finref.csi.test")
+	drv := kubetest.ClusterName(ns, "finref.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "finref"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "finref"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	// The cluster refuses adding the finalizer to this class's PVs.
 	fail := admissionregistrationv1.Fail
-	vap := &admissionregistrationv1.ValidatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "no-volume-finalizer")},
+	vap := &admissionregistrationv1.ValidatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "no-volume-finalizer")},
 		Spec: admissionregistrationv1.ValidatingAdmissionPolicySpec{
 			FailurePolicy: &fail,
 			MatchConstraints: &admissionregistrationv1.MatchResources{ResourceRules: []admissionregistrationv1.NamedRuleWithOperations{{
@@ -521,7 +523,7 @@ func TestFinalizerRefusalIsReported(t *testing.T) {
 					Rule:       admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"persistentvolumes"}}}}}},
 			MatchConditions: []admissionregistrationv1.MatchCondition{{Name: "this-class", Expression: fmt.Sprintf("object.spec.storageClassName == %q", class.Name)}},
 			Validations: []admissionregistrationv1.Validation{{
-				Expression: fmt.Sprintf("!has(object.metadata.finalizers) || !(%[1]q in object.metadata.finalizers) || (has(oldObject.metadata.finalizers) && %[1]q in oldObject.metadata.finalizers)", finalizerVolume),
+				Expression: fmt.Sprintf("!has(object.metadata.finalizers) || !(%[1]q in object.metadata.finalizers) || (has(oldObject.metadata.finalizers) && %[1]q in oldObject.metadata.finalizers)", kube.FinalizerVolume),
 				Message:    "the volume finalizer is refused by the test's policy"}},
 		}}
 	if _, err := c.AdmissionregistrationV1().ValidatingAdmissionPolicies().Create(ctx, vap, metav1.CreateOptions{}); err != nil {
@@ -544,7 +546,7 @@ func TestFinalizerRefusalIsReported(t *testing.T) {
 	t.Cleanup(unbind)
 
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	// The PV is created with the finalizer (the policy refuses updates
 	// only); it is taken off as an older provisioner would have left it,
 	// once the policy is seen in force on this PV.
@@ -553,24 +555,24 @@ func TestFinalizerRefusalIsReported(t *testing.T) {
 		if err != nil {
 			return false, err.Error(), nil
 		}
-		if hasFinalizer(pv, finalizerVolume) {
-			pv.Finalizers = removeString(pv.Finalizers, finalizerVolume)
+		if hasFinalizer(pv, kube.FinalizerVolume) {
+			pv.Finalizers = removeString(pv.Finalizers, kube.FinalizerVolume)
 			if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
 				return false, err.Error(), nil
 			}
 			return false, "finalizer removed; probing the policy", nil
 		}
-		pv.Finalizers = append(pv.Finalizers, finalizerVolume)
+		pv.Finalizers = append(pv.Finalizers, kube.FinalizerVolume)
 		_, err = c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
 		return err != nil && strings.Contains(err.Error(), "refused by the test's policy"), fmt.Sprint(err), nil
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitEvent(t, c, "default", pvName, "FinalizerUpdateFailed", "refused by the test's policy")
+	kubetest.WaitEvent(t, c, "default", pvName, "FinalizerUpdateFailed", "refused by the test's policy")
 	unbind()
-	waitPV(t, c, pvName, "finalizer added once allowed", 60*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
-		return pv != nil && hasFinalizer(pv, finalizerVolume), "no finalizer " + finalizerVolume
+	kubetest.WaitPV(t, c, pvName, "finalizer added once allowed", 60*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+		return pv != nil && hasFinalizer(pv, kube.FinalizerVolume), "no finalizer " + kube.FinalizerVolume
 	})
 }
 
@@ -583,7 +585,7 @@ func TestCloneWithoutContent(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "nc.csi.test")
+	drv := kubetest.ClusterName(ns, "nc.csi.test")
 	drivers := newCountingDrivers()
 	drivers.rewriteReply("CreateVolume", func(n int, reply any) {
 		if n == 2 { // the first answer for the clone
@@ -591,23 +593,23 @@ func TestCloneWithoutContent(t *testing.T) {
 		}
 	})
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "nocontent"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "nocontent"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	waitBound(t, c, ns, makeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
+	kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
 	cloneOf := func(src string) func(*corev1.PersistentVolumeClaim) {
 		return func(p *corev1.PersistentVolumeClaim) {
 			p.Spec.DataSource = &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: src}
 		}
 	}
-	makeClaimWith(t, c, ns, "copy", class.Name, cloneOf("src"))
-	waitEvent(t, c, ns, "copy", "ProvisioningFailed", "volume content source missing in the driver's answer; the volume was deleted")
-	waitBound(t, c, ns, "copy", 60*time.Second)
+	kubetest.MakeClaimWith(t, c, ns, "copy", class.Name, cloneOf("src"))
+	kubetest.WaitEvent(t, c, ns, "copy", "ProvisioningFailed", "volume content source missing in the driver's answer; the volume was deleted")
+	kubetest.WaitBound(t, c, ns, "copy", 60*time.Second)
 	if n := len(d.Volumes()); n != 2 || d.CallCount("DeleteVolume") != 1 {
 		t.Fatalf("%d volumes, %d DeleteVolume calls; want the source and one clone, the first clone deleted", n, d.CallCount("DeleteVolume"))
 	}
 
 	// A source held in deletion (a finalizer of the test's) is refused.
-	gone := waitBound(t, c, ns, makeClaimWith(t, c, ns, "going", class.Name, func(p *corev1.PersistentVolumeClaim) {
+	gone := kubetest.WaitBound(t, c, ns, kubetest.MakeClaimWith(t, c, ns, "going", class.Name, func(p *corev1.PersistentVolumeClaim) {
 		p.Finalizers = []string{"csibroker.test/hold"}
 	}).Name, 60*time.Second)
 	t.Cleanup(func() {
@@ -616,8 +618,8 @@ func TestCloneWithoutContent(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, gone.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	makeClaimWith(t, c, ns, "late", class.Name, cloneOf(gone.Name))
-	waitEvent(t, c, ns, "late", "ProvisioningFailed", "is being deleted")
+	kubetest.MakeClaimWith(t, c, ns, "late", class.Name, cloneOf(gone.Name))
+	kubetest.WaitEvent(t, c, ns, "late", "ProvisioningFailed", "is being deleted")
 }
 
 // TestNamespaceLabelsRecordedWhenTheCacheLags: a claim whose namespace the
@@ -631,7 +633,7 @@ func TestNamespaceLabelsRecordedWhenTheCacheLags(t *testing.T) {
 	c := env.Client()
 	ctx := context.Background()
 	tenant := makeTenant(t, c, storageNS)
-	drv := clusterName(storageNS, "lag.csi.test")
+	drv := kubetest.ClusterName(storageNS, "lag.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
 	rs, errs := policy.Compile([]policy.Grant{{Namespace: storageNS, Name: "team-a", Spec: policy.GrantSpec{Drivers: []string{drv}, SecretNames: []string{"creds"},
@@ -640,18 +642,18 @@ func TestNamespaceLabelsRecordedWhenTheCacheLags(t *testing.T) {
 	if len(errs) > 0 {
 		t.Fatal(errs)
 	}
-	class := makeClass(t, c, clusterName(storageNS, "lag"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(storageNS, "lag"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
 		"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": storageNS})
 	startBridge(t, env, storageNS, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}, configure: func(b *Bridge) {
 		// A namespace cache that never has the namespace.
 		b.namespaces = corelisters.NewNamespaceLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{}))
 	}})
-	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, waitBound(t, c, tenant, makeClaim(t, c, tenant, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName, metav1.GetOptions{})
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, kubetest.WaitBound(t, c, tenant, kubetest.MakeClaim(t, c, tenant, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got := recordedNamespaceLabels(pv); got["team"] != "a" || got[corev1.LabelMetadataName] != tenant {
-		t.Fatalf("recorded namespace labels %v (annotation %q), want the namespace's", got, pv.Annotations[annNamespaceLabels])
+		t.Fatalf("recorded namespace labels %v (annotation %q), want the namespace's", got, pv.Annotations[kube.AnnNamespaceLabels])
 	}
 }
 
@@ -674,11 +676,11 @@ func TestNeedsDelete(t *testing.T) {
 		pv   *corev1.PersistentVolume
 		want bool
 	}{
-		{"released", pv(corev1.VolumeReleased, del, false, finalizerVolume), true},
-		{"failed", pv(corev1.VolumeFailed, del, false, finalizerVolume), false},
-		{"bound", pv(corev1.VolumeBound, del, false, finalizerVolume), false},
+		{"released", pv(corev1.VolumeReleased, del, false, kube.FinalizerVolume), true},
+		{"failed", pv(corev1.VolumeFailed, del, false, kube.FinalizerVolume), false},
+		{"bound", pv(corev1.VolumeBound, del, false, kube.FinalizerVolume), false},
 		{"retained", pv(corev1.VolumeReleased, ret, false), false},
-		{"released, deleted first, finalizer on", pv(corev1.VolumeReleased, del, true, finalizerVolume, "kubernetes.io/pv-protection"), true},
+		{"released, deleted first, finalizer on", pv(corev1.VolumeReleased, del, true, kube.FinalizerVolume, "kubernetes.io/pv-protection"), true},
 		{"released, being deleted, finalizer gone", pv(corev1.VolumeReleased, del, true, "kubernetes.io/pv-protection"), false},
 		{"released, no finalizer, not being deleted", pv(corev1.VolumeReleased, del, false), true},
 	} {
@@ -696,24 +698,24 @@ func TestDeleteWithHalfADeletionSecret(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "half.csi.test")
+	drv := kubetest.ClusterName(ns, "half.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "half"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "half"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:"creds",%q:""}}}`, annDeletionSecretName, annDeletionSecretNS)
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:"creds",%q:""}}}`, kube.AnnDeletionSecretName, kube.AnnDeletionSecretNS)
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left", n)
 	}
-	waitEvent(t, c, "default", pvName, "DeletionSecretIncomplete", "half a deletion secret")
+	kubetest.WaitEvent(t, c, "default", pvName, "DeletionSecretIncomplete", "half a deletion secret")
 }
 
 // makeTenant makes namespace <storageNS>-tenant labelled team=a (deleted
@@ -742,18 +744,18 @@ func TestDeleteVolumeNotFoundIsNotDeleted(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "nf.csi.test")
+	drv := kubetest.ClusterName(ns, "nf.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
 		"DeleteVolume": {First: 2, Code: codes.NotFound}}}})
-	class := makeClass(t, c, clusterName(ns, "nf"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "nf"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitEvent(t, c, "default", pvName, "VolumeFailedDelete", "NotFound")
-	waitPVGone(t, c, pvName, 60*time.Second)
+	kubetest.WaitEvent(t, c, "default", pvName, "VolumeFailedDelete", "NotFound")
+	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 || d.CallCount("DeleteVolume") != 3 {
 		t.Fatalf("%d volumes left, %d DeleteVolume calls; want the volume deleted at the third", n, d.CallCount("DeleteVolume"))
 	}

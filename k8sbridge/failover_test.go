@@ -22,6 +22,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 // TestLeaderFailover: two replicas, one Lease for everything. The leader dies
@@ -33,10 +34,10 @@ func TestLeaderFailover(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "ha.csi.test")
+	drv := kubetest.ClusterName(ns, "ha.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {Latency: 300 * time.Millisecond}}}})
-	class := makeClass(t, c, clusterName(ns, "ha"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "ha"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 
 	crash := func(b *Bridge) { b.keepLeaseOnStop = true }
 	first := startBridge(t, env, ns, drivers, bridgeOpts{identity: "replica-a", leader: true, configure: crash, configureCfg: func(c *Config) { c.WorkerThreads = 2 }})
@@ -50,7 +51,7 @@ func TestLeaderFailover(t *testing.T) {
 
 	const n = 12
 	for i := 0; i < n; i++ {
-		makeClaim(t, c, ns, fmt.Sprintf("claim-%02d", i), class.Name, "1Gi")
+		kubetest.MakeClaim(t, c, ns, fmt.Sprintf("claim-%02d", i), class.Name, "1Gi")
 	}
 	countPVs := func() int {
 		pvs, err := c.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
@@ -100,7 +101,7 @@ func TestLeaderFailover(t *testing.T) {
 	t.Logf("leader killed with %d of %d claims provisioned; standby leading after %v, next PV after %v (lease duration %v)",
 		before, n, tookOver.Round(10*time.Millisecond), nextPV.Round(10*time.Millisecond), second.b.cfg.LeaderElectionLease)
 	for i := 0; i < n; i++ {
-		waitBound(t, c, ns, fmt.Sprintf("claim-%02d", i), 60*time.Second)
+		kubetest.WaitBound(t, c, ns, fmt.Sprintf("claim-%02d", i), 60*time.Second)
 	}
 	noLeaks(t, env, ns, d, drv)
 	if got := len(d.Volumes()); got != n {
@@ -116,12 +117,12 @@ func TestLeadsAgainAfterLosingTheLease(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "again.csi.test")
+	drv := kubetest.ClusterName(ns, "again.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "again"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "again"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{identity: "only-replica", leader: true})
-	waitBound(t, c, ns, makeClaim(t, c, ns, "before", class.Name, "1Gi").Name, 60*time.Second)
+	kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "before", class.Name, "1Gi").Name, 60*time.Second)
 
 	// Take the Lease: a holder that renewed just now, for 3s.
 	takeLease(t, c, ns, "intruder", 3)
@@ -137,7 +138,7 @@ func TestLeadsAgainAfterLosingTheLease(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	waitBound(t, c, ns, makeClaim(t, c, ns, "after", class.Name, "1Gi").Name, 60*time.Second)
+	kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "after", class.Name, "1Gi").Name, 60*time.Second)
 }
 
 // takeLease makes holder the broker's leader Lease holder, renewed now, for
@@ -272,10 +273,10 @@ func TestLeaseNotReleasedWhenARenewalFails(t *testing.T) {
 func leaderWithHeldCreate(t *testing.T, env *testenv.Env, ns, name string, cfg func(*Config)) (r *bridgeRun, ended <-chan struct{}, release func()) {
 	t.Helper()
 	c := env.Client()
-	drv := clusterName(ns, name+".csi.test")
+	drv := kubetest.ClusterName(ns, name+".csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, name), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, name), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	entered, endedC, finish := make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{})
 	var once sync.Once
 	release = func() { once.Do(func() { close(finish) }) }
@@ -292,7 +293,7 @@ func leaderWithHeldCreate(t *testing.T, env *testenv.Env, ns, name string, cfg f
 		}
 	}})
 	t.Cleanup(release) // before the bridge's stop, which waits for the worker
-	makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi")
 	select {
 	case <-entered:
 	case <-time.After(30 * time.Second):

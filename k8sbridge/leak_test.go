@@ -13,6 +13,7 @@ import (
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -82,13 +83,13 @@ func TestClaimDeletedWhileCreateVolumeIsSlow(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "slow.csi.test")
+	drv := kubetest.ClusterName(ns, "slow.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {Latency: 2 * time.Second}}}})
-	class := makeClass(t, c, clusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 
-	makeClaim(t, c, ns, "doomed", class.Name, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "doomed", class.Name, "1Gi")
 	err := testenv.WaitFor(ctx, 30*time.Second, "CreateVolume in flight", func(context.Context) (bool, string, error) {
 		return d.CallCount("CreateVolume") > 0, "", nil
 	})
@@ -127,14 +128,14 @@ func TestBrokerKilledAfterCreateVolume(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "crash.csi.test")
+	drv := kubetest.ClusterName(ns, "crash.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "crash"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "crash"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 
 	crashAfterCreate(t, env, ns, drivers, bridgeOpts{}, 2, func() {
-		makeClaim(t, c, ns, "keep", class.Name, "1Gi")
-		makeClaim(t, c, ns, "gone", class.Name, "1Gi")
+		kubetest.MakeClaim(t, c, ns, "keep", class.Name, "1Gi")
+		kubetest.MakeClaim(t, c, ns, "gone", class.Name, "1Gi")
 	})
 	if n := len(d.Volumes()); n != 2 {
 		t.Fatalf("driver has %d volumes, want 2 made before the crash", n)
@@ -148,7 +149,7 @@ func TestBrokerKilledAfterCreateVolume(t *testing.T) {
 	}
 
 	startBridge(t, env, ns, drivers, bridgeOpts{identity: "new-leader", leader: true})
-	bound := waitBound(t, c, ns, "keep", 60*time.Second)
+	bound := kubetest.WaitBound(t, c, ns, "keep", 60*time.Second)
 	noLeaks(t, env, ns, d, drv)
 	vols := d.Volumes()
 	if len(vols) != 1 || vols[0].Name != bound.Spec.VolumeName {
@@ -166,7 +167,7 @@ func TestRecoveryDecidesAsTheAttemptDid(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "labels.csi.test")
+	drv := kubetest.ClusterName(ns, "labels.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: ns}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
@@ -183,11 +184,11 @@ func TestRecoveryDecidesAsTheAttemptDid(t *testing.T) {
 		t.Fatal(errs)
 	}
 	authz := &policy.Authorizer{Rules: policy.NewStore(rs)}
-	class := makeClass(t, c, clusterName(ns, "labels"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "labels"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
 		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
 
 	crashAfterCreate(t, env, ns, drivers, bridgeOpts{policy: authz}, 1, func() {
-		makeClaim(t, c, ns, "gone", class.Name, "1Gi") // labelled app=test
+		kubetest.MakeClaim(t, c, ns, "gone", class.Name, "1Gi") // labelled app=test
 	})
 	if n := len(d.Volumes()); n != 1 {
 		t.Fatalf("driver has %d volumes, want 1 made before the crash", n)
@@ -215,13 +216,13 @@ func TestRecoveryAfterTheSecretIsGone(t *testing.T) {
 	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	drv := clusterName(ns, "nosec.csi.test")
+	drv := kubetest.ClusterName(ns, "nosec.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "nosec"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "nosec"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
 		"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
 	crashAfterCreate(t, env, ns, drivers, bridgeOpts{}, 1, func() {
-		makeClaim(t, c, ns, "gone", class.Name, "1Gi")
+		kubetest.MakeClaim(t, c, ns, "gone", class.Name, "1Gi")
 	})
 	if n := len(d.Volumes()); n != 1 {
 		t.Fatalf("driver has %d volumes, want the one made before the crash", n)

@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -388,7 +389,7 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 	}
 	secrets, err := m.b.fetchSecret(ctx, secretUse{
 		driver: driver, op: policy.OpControllerModifyVolume, ref: ref,
-		source: policy.Source{Kind: policy.SourcePVField, Key: "metadata.annotations[" + annModifySecretName + "]"},
+		source: policy.Source{Kind: policy.SourcePVField, Key: "metadata.annotations[" + kube.AnnModifySecretName + "]"},
 		requester: policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name,
 			Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName, Node: node},
 		recordedNSLabels: recordedNamespaceLabels(pv),
@@ -510,12 +511,12 @@ func modifyMayHaveStarted(claim *corev1.PersistentVolumeClaim) bool {
 // modifySecretRef is the controller-modify secret the PV records (nil for
 // none); a PV that names half of one is an error.
 func modifySecretRef(pv *corev1.PersistentVolume) (*corev1.SecretReference, error) {
-	name, ns := pv.Annotations[annModifySecretName], pv.Annotations[annModifySecretNS]
+	name, ns := pv.Annotations[kube.AnnModifySecretName], pv.Annotations[kube.AnnModifySecretNS]
 	switch {
 	case name == "" && ns == "":
 		return nil, nil
 	case name == "" || ns == "":
-		return nil, fmt.Errorf("annotations %s=%q and %s=%q name half a controller-modify secret", annModifySecretName, name, annModifySecretNS, ns)
+		return nil, fmt.Errorf("annotations %s=%q and %s=%q name half a controller-modify secret", kube.AnnModifySecretName, name, kube.AnnModifySecretNS, ns)
 	}
 	return &corev1.SecretReference{Name: name, Namespace: ns}, nil
 }

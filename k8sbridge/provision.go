@@ -34,31 +34,10 @@ import (
 
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/k8sbridge/topology"
 	"github.com/csibroker/csibroker/policy"
-)
-
-// Annotations and finalizers shared with external-provisioner, so that claims
-// and volumes move between the sidecar and the broker without changes.
-const (
-	annStorageProvisioner     = "volume.kubernetes.io/storage-provisioner"
-	annBetaStorageProvisioner = "volume.beta.kubernetes.io/storage-provisioner"
-	annSelectedNode           = "volume.kubernetes.io/selected-node"
-	annProvisionedBy          = "pv.kubernetes.io/provisioned-by"
-	// annMigratedTo: the PV controller's mark on objects of in-tree
-	// plugins that CSI migration moved to the CSI driver it names.
-	annMigratedTo         = "pv.kubernetes.io/migrated-to"
-	annDeletionSecretName = "volume.kubernetes.io/provisioner-deletion-secret-name"
-	annDeletionSecretNS   = "volume.kubernetes.io/provisioner-deletion-secret-namespace"
-	annModifySecretName   = "volume.kubernetes.io/controller-modify-secret-name"
-	annModifySecretNS     = "volume.kubernetes.io/controller-modify-secret-namespace"
-	// annBetaStorageClass is the claim's class before spec.storageClassName,
-	// still read first by Kubernetes and the sidecars.
-	annBetaStorageClass = "volume.beta.kubernetes.io/storage-class"
-	finalizerVolume     = "external-provisioner.volume.kubernetes.io/finalizer"
-	// annVolumeNode records the node of a node-local driver's volume.
-	annVolumeNode = "csibroker.io/node"
 )
 
 // provisioner turns pending claims of registered drivers into volumes and PVs.
@@ -157,9 +136,9 @@ func (p *provisioner) nudgeRecovery() {
 // claimDriver is the registered driver the PV controller asked to provision
 // the claim, or "".
 func (p *provisioner) claimDriver(claim *corev1.PersistentVolumeClaim) string {
-	d := claim.Annotations[annStorageProvisioner]
+	d := claim.Annotations[kube.AnnStorageProvisioner]
 	if d == "" {
-		d = claim.Annotations[annBetaStorageProvisioner]
+		d = claim.Annotations[kube.AnnBetaStorageProvisioner]
 	}
 	if d == "" || !p.b.registered(d) {
 		return ""
@@ -302,7 +281,7 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		p.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeNormal, "Provisioning", "populator", "Assuming an external populator will provision the volume")
 		return 0, nil
 	}
-	selectedNode := claim.Annotations[annSelectedNode]
+	selectedNode := claim.Annotations[kube.AnnSelectedNode]
 	if class.VolumeBindingMode != nil && *class.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer && selectedNode == "" {
 		return 0, nil // the scheduler has not picked a node yet
 	}
@@ -511,7 +490,7 @@ func vacName(claim *corev1.PersistentVolumeClaim) *string {
 // claimClass is the claim's StorageClass name: the beta annotation when set
 // (as Kubernetes reads it), else spec.storageClassName.
 func claimClass(claim *corev1.PersistentVolumeClaim) string {
-	if c, ok := claim.Annotations[annBetaStorageClass]; ok {
+	if c, ok := claim.Annotations[kube.AnnBetaStorageClass]; ok {
 		return c
 	}
 	if claim.Spec.StorageClassName != nil {
@@ -872,11 +851,11 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	}
 	if node != "" {
 		// Deletion goes to this node's proxy, whatever topology the driver reports.
-		pv.Annotations[annVolumeNode] = node
+		pv.Annotations[kube.AnnVolumeNode] = node
 	}
 	if labels := requester.NamespaceLabels; labels != nil {
 		if b, err := json.Marshal(labels); err == nil {
-			pv.Annotations[annNamespaceLabels] = string(b)
+			pv.Annotations[kube.AnnNamespaceLabels] = string(b)
 		}
 	}
 	if !caps.accessibility {
@@ -1233,7 +1212,7 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 		provisionedBy = inTree // as upstream records a migrated class's PV
 	}
 	pv := &corev1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: pvName, Annotations: map[string]string{annProvisionedBy: provisionedBy}},
+		ObjectMeta: metav1.ObjectMeta{Name: pvName, Annotations: map[string]string{kube.AnnProvisionedBy: provisionedBy}},
 		Spec: corev1.PersistentVolumeSpec{
 			AccessModes:                   claim.Spec.AccessModes,
 			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: *resource.NewQuantity(size, resource.BinarySI)},
@@ -1248,21 +1227,21 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 		},
 	}
 	if reclaim == corev1.PersistentVolumeReclaimDelete {
-		pv.Finalizers = []string{finalizerVolume}
+		pv.Finalizers = []string{kube.FinalizerVolume}
 	}
 	// As external-provisioner: the secret for ControllerModifyVolume, for
 	// whoever calls it.
 	if ref, err := secrets.Ref(secrets.ControllerModify, class.Parameters, pvName, claim); err != nil {
 		return nil, err
 	} else if ref != nil {
-		pv.Annotations[annModifySecretName], pv.Annotations[annModifySecretNS] = ref.Name, ref.Namespace
+		pv.Annotations[kube.AnnModifySecretName], pv.Annotations[kube.AnnModifySecretNS] = ref.Name, ref.Namespace
 	}
 	// As external-provisioner: the deletion secret, or that there is none
 	// (both empty), so the PV's deletion does not depend on its class.
-	pv.Annotations[annDeletionSecretName], pv.Annotations[annDeletionSecretNS] = "", ""
+	pv.Annotations[kube.AnnDeletionSecretName], pv.Annotations[kube.AnnDeletionSecretNS] = "", ""
 	if provSecret != nil {
-		pv.Annotations[annDeletionSecretName] = provSecret.Name
-		pv.Annotations[annDeletionSecretNS] = provSecret.Namespace
+		pv.Annotations[kube.AnnDeletionSecretName] = provSecret.Name
+		pv.Annotations[kube.AnnDeletionSecretNS] = provSecret.Namespace
 	}
 	if inTree != "" {
 		// A migrated in-tree class: the PV is the in-tree plugin's, as the
@@ -1281,13 +1260,13 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 func (p *provisioner) reschedule(ctx context.Context, claim *corev1.PersistentVolumeClaim) error {
 	// The UID makes it a precondition: a claim made again under the name
 	// keeps its node.
-	patch := []byte(`{"metadata":{"uid":"` + string(claim.UID) + `","annotations":{"` + annSelectedNode + `":null}}}`)
+	patch := []byte(`{"metadata":{"uid":"` + string(claim.UID) + `","annotations":{"` + kube.AnnSelectedNode + `":null}}}`)
 	_, err := p.b.cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Patch(ctx, claim.Name, types.MergePatchType, patch, metav1.PatchOptions{})
 	// A patch whose metadata.uid is not the claim's is refused as Invalid
 	// (a UID cannot change): the claim was made again, and its own sync
 	// decides for it.
 	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsInvalid(err) && !apierrors.IsConflict(err) {
-		return fmt.Errorf("remove %s from claim %s/%s: %w", annSelectedNode, claim.Namespace, claim.Name, err)
+		return fmt.Errorf("remove %s from claim %s/%s: %w", kube.AnnSelectedNode, claim.Namespace, claim.Name, err)
 	}
 	return nil
 }

@@ -21,6 +21,8 @@ import (
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 // TestProvisionTwoDriversImmediateAndWFFC: one broker provisions Immediate
@@ -32,13 +34,13 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	nodeName := clusterName(ns, "node")
+	nodeName := kubetest.ClusterName(ns, "node")
 	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: nodeName, Zone: "z1"}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), nodeName, metav1.DeleteOptions{}) })
 
-	drvA, drvB := clusterName(ns, "a.csi.test"), clusterName(ns, "b.csi.test")
+	drvA, drvB := kubetest.ClusterName(ns, "a.csi.test"), kubetest.ClusterName(ns, "b.csi.test")
 	drivers := &testDrivers{}
 	a := drivers.addDriver(t, sampledriver.Config{Name: drvA, NodeID: nodeName})
 	b := drivers.addDriver(t, sampledriver.Config{Name: drvB, NodeID: nodeName})
@@ -47,18 +49,18 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	classA := makeClass(t, c, clusterName(ns, "a"), drvA, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{"label": "blue"})
-	classB := makeClass(t, c, clusterName(ns, "b"), drvB, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimRetain, nil)
+	classA := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "a"), drvA, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{"label": "blue"})
+	classB := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "b"), drvB, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimRetain, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
 
-	claimA := makeClaim(t, c, ns, "claim-a", classA.Name, "1Gi")
-	claimB := makeClaim(t, c, ns, "claim-b", classB.Name, "2Gi")
-	makePod(t, c, ns, "pod-b", "claim-b")
+	claimA := kubetest.MakeClaim(t, c, ns, "claim-a", classA.Name, "1Gi")
+	claimB := kubetest.MakeClaim(t, c, ns, "claim-b", classB.Name, "2Gi")
+	kubetest.MakePod(t, c, ns, "pod-b", "claim-b")
 
-	boundA := waitBound(t, c, ns, "claim-a", 60*time.Second)
-	boundB := waitBound(t, c, ns, "claim-b", 60*time.Second)
-	if boundB.Annotations[annSelectedNode] != nodeName {
-		t.Fatalf("claim-b selected node = %q", boundB.Annotations[annSelectedNode])
+	boundA := kubetest.WaitBound(t, c, ns, "claim-a", 60*time.Second)
+	boundB := kubetest.WaitBound(t, c, ns, "claim-b", 60*time.Second)
+	if boundB.Annotations[kube.AnnSelectedNode] != nodeName {
+		t.Fatalf("claim-b selected node = %q", boundB.Annotations[kube.AnnSelectedNode])
 	}
 
 	pvA, err := c.CoreV1().PersistentVolumes().Get(ctx, boundA.Spec.VolumeName, metav1.GetOptions{})
@@ -72,9 +74,9 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	switch {
 	case src == nil || src.Driver != drvA || src.VolumeHandle == "":
 		t.Errorf("PV CSI source %+v", src)
-	case pvA.Annotations[annProvisionedBy] != drvA:
-		t.Errorf("provisioned-by = %q", pvA.Annotations[annProvisionedBy])
-	case pvA.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete || !hasFinalizer(pvA, finalizerVolume):
+	case pvA.Annotations[kube.AnnProvisionedBy] != drvA:
+		t.Errorf("provisioned-by = %q", pvA.Annotations[kube.AnnProvisionedBy])
+	case pvA.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete || !hasFinalizer(pvA, kube.FinalizerVolume):
 		t.Errorf("reclaim %s finalizers %v", pvA.Spec.PersistentVolumeReclaimPolicy, pvA.Finalizers)
 	case pvA.Spec.ClaimRef == nil || pvA.Spec.ClaimRef.UID != claimA.UID:
 		t.Errorf("claimRef %+v", pvA.Spec.ClaimRef)
@@ -107,9 +109,9 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	if len(b.Volumes()) != 1 {
 		t.Fatalf("driver B volumes %+v", b.Volumes())
 	}
-	waitEvent(t, c, ns, "claim-a", "ProvisioningSucceeded", "Successfully provisioned volume "+pvA.Name)
+	kubetest.WaitEvent(t, c, ns, "claim-a", "ProvisioningSucceeded", "Successfully provisioned volume "+pvA.Name)
 	// The Event names the trace of the claim's provisioning.
-	ev := waitEvent(t, c, ns, "claim-a", "Provisioning", "(trace ")
+	ev := kubetest.WaitEvent(t, c, ns, "claim-a", "Provisioning", "(trace ")
 	id := ev.Message[strings.LastIndex(ev.Message, "(trace ")+len("(trace "):]
 	id = strings.TrimSuffix(id, ")")
 	var traced []string
@@ -126,7 +128,7 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "claim-a", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvA.Name, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvA.Name, 60*time.Second)
 	if n := len(a.Volumes()); n != 0 {
 		t.Fatalf("driver A still has %d volumes", n)
 	}
@@ -138,7 +140,7 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "claim-b", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPV(t, c, boundB.Spec.VolumeName, "Released", 60*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+	kubetest.WaitPV(t, c, boundB.Spec.VolumeName, "Released", 60*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
 		if pv == nil {
 			return false, "gone"
 		}
@@ -158,15 +160,15 @@ func TestSelectedNodeGoneReschedules(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "wffc.csi.test")
+	drv := kubetest.ClusterName(ns, "wffc.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "wffc"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "wffc"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	makeClaim(t, c, ns, "orphaned", class.Name, "1Gi")
-	gone := clusterName(ns, "gone-node")
+	kubetest.MakeClaim(t, c, ns, "orphaned", class.Name, "1Gi")
+	gone := kubetest.ClusterName(ns, "gone-node")
 	setSelectedNode(t, c, ns, "orphaned", gone)
-	waitEvent(t, c, ns, "orphaned", "ProvisioningFailed", "selected node \""+gone+"\" no longer exists")
+	kubetest.WaitEvent(t, c, ns, "orphaned", "ProvisioningFailed", "selected node \""+gone+"\" no longer exists")
 	waitSelectedNodeRemoved(t, c, ns, "orphaned")
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes made for a node that does not exist", n)
@@ -182,15 +184,15 @@ func TestPerMethodTimeoutLongerThanTheDefault(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "slow.csi.test")
+	drv := kubetest.ClusterName(ns, "slow.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {Latency: 2 * time.Second}}}},
 		func(o *chaintest.Options) {
 			o.Timeout, o.MethodTimeouts = time.Second, map[string]time.Duration{"CreateVolume": 20 * time.Second}
 		})
-	class := makeClass(t, c, clusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{timeout: time.Second})
-	waitBound(t, c, ns, makeClaim(t, c, ns, "slow", class.Name, "1Gi").Name, 60*time.Second)
+	kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "slow", class.Name, "1Gi").Name, 60*time.Second)
 	if n := d.CallCount("CreateVolume"); n != 1 {
 		t.Fatalf("%d CreateVolume calls, want 1 (the call cut short and re-issued)", n)
 	}
@@ -205,16 +207,16 @@ func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "inline.csi.test")
+	drv := kubetest.ClusterName(ns, "inline.csi.test")
 	drivers := newCountingDrivers()
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
 	letGo := drivers.hold("CreateVolume")
 	defer letGo()
-	class := makeClass(t, c, clusterName(ns, "inline"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "inline"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
 	var want []string
 	for i := range 5 {
-		claim := makeClaim(t, c, ns, fmt.Sprintf("c%d", i), class.Name, "1Gi")
+		claim := kubetest.MakeClaim(t, c, ns, fmt.Sprintf("c%d", i), class.Name, "1Gi")
 		want = append(want, csiparams.VolumeName(r.b.cfg.VolumeNamePrefix, claim.UID, r.b.cfg.VolumeNameUUIDLength))
 		// Each claim in line before the next is made: the first in the
 		// driver, then one more waiting each time.
@@ -228,7 +230,7 @@ func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
 	}
 	letGo()
 	for i := range 5 {
-		waitBound(t, c, ns, fmt.Sprintf("c%d", i), 60*time.Second)
+		kubetest.WaitBound(t, c, ns, fmt.Sprintf("c%d", i), 60*time.Second)
 	}
 	if got := drivers.names("CreateVolume"); !slices.Equal(got, want) {
 		t.Errorf("CreateVolume calls for %v, want them in the claims' order %v", got, want)
@@ -247,14 +249,14 @@ func TestIntentRecordFullIsReported(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "full.csi.test")
+	drv := kubetest.ClusterName(ns, "full.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "full"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "full"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.intents.LimitEntries(0) }})
-	makeClaim(t, c, ns, "data", class.Name, "1Gi")
-	waitEvent(t, c, ns, "data", "ProvisioningFailed", "record the intent to create volume")
-	waitEvent(t, c, ns, "data", "ProvisioningFailed", intent.ErrFull.Error())
+	kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi")
+	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", "record the intent to create volume")
+	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", intent.ErrFull.Error())
 	if n := d.CallCount("CreateVolume"); n != 0 {
 		t.Errorf("%d CreateVolume calls without a recorded intent, want 0", n)
 	}
@@ -300,7 +302,7 @@ func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "lost.csi.test")
+	drv := kubetest.ClusterName(ns, "lost.csi.test")
 	drivers := newCountingDrivers()
 	drivers.script("CreateVolume", func(n int, call func() error) error {
 		switch n {
@@ -315,11 +317,11 @@ func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
 		return call() // recovery's re-issue learns the volume's ID
 	})
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "lost"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "lost"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
-	claim := makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	claim := kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi")
 	pvName := csiparams.VolumeName(r.b.cfg.VolumeNamePrefix, claim.UID, r.b.cfg.VolumeNameUUIDLength)
-	waitEvent(t, c, ns, "data", "ProvisioningFailed", "refused (test)")
+	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", "refused (test)")
 	if n := len(d.Volumes()); n != 1 {
 		t.Fatalf("%d volumes on the driver after the lost answer, want 1", n)
 	}
@@ -345,7 +347,7 @@ func TestUndersizedVolumeIsDeletedAndRetried(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "small.csi.test")
+	drv := kubetest.ClusterName(ns, "small.csi.test")
 	drivers := newCountingDrivers()
 	drivers.rewriteReply("CreateVolume", func(n int, reply any) {
 		if n == 1 {
@@ -354,11 +356,11 @@ func TestUndersizedVolumeIsDeletedAndRetried(t *testing.T) {
 		}
 	})
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "small"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "small"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	makeClaim(t, c, ns, "data", class.Name, "1Gi")
-	waitEvent(t, c, ns, "data", "ProvisioningFailed", "less than requested capacity 1073741824; the volume was deleted")
-	bound := waitBound(t, c, ns, "data", 60*time.Second)
+	kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi")
+	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", "less than requested capacity 1073741824; the volume was deleted")
+	bound := kubetest.WaitBound(t, c, ns, "data", 60*time.Second)
 	if vols := d.Volumes(); len(vols) != 1 || d.CallCount("DeleteVolume") != 1 {
 		t.Fatalf("driver volumes %d, DeleteVolume calls %d; want the small one deleted and one left for %s", len(vols), d.CallCount("DeleteVolume"), bound.Spec.VolumeName)
 	}
@@ -375,32 +377,32 @@ func TestClaimsTheProvisionerLeavesOrRefuses(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "which.csi.test")
+	drv := kubetest.ClusterName(ns, "which.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "which"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "which"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
 		map[string]string{"csi.storage.k8s.io/controller-modify-secret-name": "mod-${pvc.name}", "csi.storage.k8s.io/controller-modify-secret-namespace": "${pvc.namespace}"})
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 
-	selected := makeClaimWith(t, c, ns, "selected", class.Name, func(p *corev1.PersistentVolumeClaim) {
+	selected := kubetest.MakeClaimWith(t, c, ns, "selected", class.Name, func(p *corev1.PersistentVolumeClaim) {
 		p.Spec.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{"tier": "gold"}}
 	})
-	populated := makeClaimWith(t, c, ns, "populated", class.Name, func(p *corev1.PersistentVolumeClaim) {
+	populated := kubetest.MakeClaimWith(t, c, ns, "populated", class.Name, func(p *corev1.PersistentVolumeClaim) {
 		group := "populators.example.com"
 		p.Spec.DataSourceRef = &corev1.TypedObjectReference{APIGroup: &group, Kind: "Blob", Name: "b"}
 	})
-	beta := makeClaimWith(t, c, ns, "beta", "", func(p *corev1.PersistentVolumeClaim) {
+	beta := kubetest.MakeClaimWith(t, c, ns, "beta", "", func(p *corev1.PersistentVolumeClaim) {
 		p.Spec.StorageClassName = nil
-		p.Annotations = map[string]string{annBetaStorageClass: class.Name}
+		p.Annotations = map[string]string{kube.AnnBetaStorageClass: class.Name}
 	})
-	waitEvent(t, c, ns, selected.Name, "ProvisioningFailed", "claim Selector is not supported")
-	waitEvent(t, c, ns, populated.Name, "Provisioning", "Assuming an external populator will provision the volume")
-	pvName := waitBound(t, c, ns, beta.Name, 60*time.Second).Spec.VolumeName
+	kubetest.WaitEvent(t, c, ns, selected.Name, "ProvisioningFailed", "claim Selector is not supported")
+	kubetest.WaitEvent(t, c, ns, populated.Name, "Provisioning", "Assuming an external populator will provision the volume")
+	pvName := kubetest.WaitBound(t, c, ns, beta.Name, 60*time.Second).Spec.VolumeName
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n, s := pv.Annotations[annModifySecretName], pv.Annotations[annModifySecretNS]; n != "mod-beta" || s != ns {
+	if n, s := pv.Annotations[kube.AnnModifySecretName], pv.Annotations[kube.AnnModifySecretNS]; n != "mod-beta" || s != ns {
 		t.Fatalf("PV modify-secret annotations %q/%q, want %s/mod-beta", s, n, ns)
 	}
 	// Only the beta claim's volume: the others were left or refused.
@@ -422,15 +424,15 @@ func TestDefaultFSType(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "fs.csi.test")
+	drv := kubetest.ClusterName(ns, "fs.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	plain := makeClass(t, c, clusterName(ns, "plain"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	xfs := makeClass(t, c, clusterName(ns, "xfs"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+	plain := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "plain"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	xfs := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "xfs"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
 		map[string]string{csiparams.ParamFSType: "xfs"})
 	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.DefaultFSType = "ext4" }})
 	for _, tc := range []struct{ claim, class, want string }{{"plain", plain.Name, "ext4"}, {"xfs", xfs.Name, "xfs"}} {
-		pvName := waitBound(t, c, ns, makeClaim(t, c, ns, tc.claim, tc.class, "1Gi").Name, 60*time.Second).Spec.VolumeName
+		pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, tc.claim, tc.class, "1Gi").Name, 60*time.Second).Spec.VolumeName
 		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -452,18 +454,18 @@ func TestControllerPublishReadOnly(t *testing.T) {
 	rox, rwo := corev1.ReadOnlyMany, corev1.ReadWriteOnce
 	for _, on := range []bool{true, false} {
 		ns := env.NewNamespace(t)
-		drv := clusterName(ns, "ro.csi.test")
+		drv := kubetest.ClusterName(ns, "ro.csi.test")
 		drivers := &testDrivers{}
 		drivers.addDriver(t, sampledriver.Config{Name: drv})
-		class := makeClass(t, c, clusterName(ns, "ro"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+		class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "ro"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 		startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.ControllerPublishReadOnly = on }})
 		for _, tc := range []struct {
 			claim string
 			modes []corev1.PersistentVolumeAccessMode
 			want  bool
 		}{{"rox", []corev1.PersistentVolumeAccessMode{rox}, on}, {"rwo", []corev1.PersistentVolumeAccessMode{rwo}, false}, {"both", []corev1.PersistentVolumeAccessMode{rwo, rox}, false}} {
-			claim := makeClaimWith(t, c, ns, tc.claim, class.Name, func(p *corev1.PersistentVolumeClaim) { p.Spec.AccessModes = tc.modes })
-			pv, err := c.CoreV1().PersistentVolumes().Get(ctx, waitBound(t, c, ns, claim.Name, 60*time.Second).Spec.VolumeName, metav1.GetOptions{})
+			claim := kubetest.MakeClaimWith(t, c, ns, tc.claim, class.Name, func(p *corev1.PersistentVolumeClaim) { p.Spec.AccessModes = tc.modes })
+			pv, err := c.CoreV1().PersistentVolumes().Get(ctx, kubetest.WaitBound(t, c, ns, claim.Name, 60*time.Second).Spec.VolumeName, metav1.GetOptions{})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -483,12 +485,12 @@ func TestVolumeAttributesClass(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "vac.csi.test")
+	drv := kubetest.ClusterName(ns, "vac.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "vac"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "vac"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	mkVAC := func(name, driver string) string {
-		vac := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, name)}, DriverName: driver,
+		vac := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, name)}, DriverName: driver,
 			Parameters: map[string]string{sampledriver.MutableIOPS: "3000"}}
 		if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, vac, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
@@ -503,7 +505,7 @@ func TestVolumeAttributesClass(t *testing.T) {
 	withVAC := func(vac string) func(*corev1.PersistentVolumeClaim) {
 		return func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeAttributesClassName = &vac }
 	}
-	pvName := waitBound(t, c, ns, makeClaimWith(t, c, ns, "fast", class.Name, withVAC(fast)).Name, 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaimWith(t, c, ns, "fast", class.Name, withVAC(fast)).Name, 60*time.Second).Spec.VolumeName
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -523,8 +525,8 @@ func TestVolumeAttributesClass(t *testing.T) {
 	if !found {
 		t.Fatal("the driver saw no CreateVolume for the claim")
 	}
-	makeClaimWith(t, c, ns, "other", class.Name, withVAC(other))
-	waitEvent(t, c, ns, "other", "ProvisioningFailed", "is for driver other.csi.test")
+	kubetest.MakeClaimWith(t, c, ns, "other", class.Name, withVAC(other))
+	kubetest.WaitEvent(t, c, ns, "other", "ProvisioningFailed", "is for driver other.csi.test")
 }
 
 // TestEmptyVolumeAttributesClassName: a claim naming the empty class (no
@@ -534,13 +536,13 @@ func TestEmptyVolumeAttributesClassName(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "novac.csi.test")
+	drv := kubetest.ClusterName(ns, "novac.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "novac"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "novac"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 	empty := ""
-	waitBound(t, c, ns, makeClaimWith(t, c, ns, "data", class.Name, func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeAttributesClassName = &empty }).Name, 60*time.Second)
+	kubetest.WaitBound(t, c, ns, kubetest.MakeClaimWith(t, c, ns, "data", class.Name, func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeAttributesClassName = &empty }).Name, 60*time.Second)
 }
 
 // TestSelectedNodeWithoutCSINodeReschedules: a claim of a topology-aware
@@ -551,16 +553,16 @@ func TestSelectedNodeWithoutCSINodeReschedules(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "topo.csi.test")
+	drv := kubetest.ClusterName(ns, "topo.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Topology: map[string]string{testenv.LabelZone: "z1"}})
-	node := clusterName(ns, "bare")
+	node := kubetest.ClusterName(ns, "bare")
 	addNode(t, env, testenv.NodeSpec{Name: node}, "", nil) // no CSINode
-	class := makeClass(t, c, clusterName(ns, "topo"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "topo"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi")
 	setSelectedNode(t, c, ns, "data", node)
-	waitEvent(t, c, ns, "data", "ProvisioningFailed", "selected node \""+node+"\" has no CSINode object")
+	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", "selected node \""+node+"\" has no CSINode object")
 	waitSelectedNodeRemoved(t, c, ns, "data")
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes made for a node without the driver", n)

@@ -19,6 +19,7 @@ import (
 
 	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -178,7 +179,7 @@ func holdsNodeVolume(pvNode, node string) bool {
 // ("": none recorded). Only a recorded node says that a volume on another
 // node is not the PV's: a hostname from the affinity need not be the
 // node's name (nodeOfPV maps it, for routing only).
-func recordedNode(pv *corev1.PersistentVolume) string { return pv.Annotations[annVolumeNode] }
+func recordedNode(pv *corev1.PersistentVolume) string { return pv.Annotations[kube.AnnVolumeNode] }
 
 // pvHolds asks the API server (not the cache, which may lag) whether PV
 // name exists and accounts for the volume an attempt made on node ("": not

@@ -21,6 +21,7 @@ import (
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 func TestRecoveryBackoff(t *testing.T) {
@@ -147,12 +148,12 @@ func TestRecoverBoundClaimWithoutItsPV(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "bound.csi.test")
+	drv := kubetest.ClusterName(ns, "bound.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 
 	// a. A static PV of a pre-existing volume, and a claim pre-bound to it.
-	staticName := clusterName(ns, "static")
+	staticName := kubetest.ClusterName(ns, "static")
 	staticID := createDriverVolume(t, drivers, drv, staticName)
 	static := &corev1.PersistentVolume{
 		ObjectMeta: metav1.ObjectMeta{Name: staticName},
@@ -170,7 +171,7 @@ func TestRecoverBoundClaimWithoutItsPV(t *testing.T) {
 		c.CoreV1().PersistentVolumes().Delete(context.Background(), staticName, metav1.DeleteOptions{})
 	})
 	prebound := makeStaticClaim(t, c, ns, "prebound", staticName)
-	waitBound(t, c, ns, "prebound", 60*time.Second)
+	kubetest.WaitBound(t, c, ns, "prebound", 60*time.Second)
 	orphan := csiparams.VolumeName("pvc", prebound.UID, 0)
 	createDriverVolume(t, drivers, drv, orphan)
 	recordIntent(t, c, ns, intentFor(t, drv, orphan, prebound))
@@ -274,7 +275,7 @@ func testRecoverBacksOff(t *testing.T, method string) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "refuse.csi.test")
+	drv := kubetest.ClusterName(ns, "refuse.csi.test")
 	const failures = 4
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
@@ -344,7 +345,7 @@ func TestRecoverBacksOffAnUnreachableDriver(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "absent.csi.test")
+	drv := kubetest.ClusterName(ns, "absent.csi.test")
 	claim := goneClaim(t, c, ns, "gone")
 	recordIntent(t, c, ns, intentFor(t, drv, csiparams.VolumeName("pvc", claim.UID, 0), claim))
 

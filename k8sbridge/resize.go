@@ -28,6 +28,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -77,13 +78,6 @@ import (
 // (k8s.io/csi-translation-lib, as external-resizer and attach do).
 
 const (
-	// annStorageResizer is set by kube-controller-manager on claims of
-	// in-tree volumes migrated to CSI: the CSI driver that must expand them.
-	annStorageResizer = "volume.kubernetes.io/storage-resizer"
-	// annNodeExpansionNotRequired tells the kubelet that the controller
-	// finished the expansion (it skips the node step of RWX volumes).
-	annNodeExpansionNotRequired = "volume.kubernetes.io/node-expansion-not-required"
-
 	fsResizePendingMessage = "Waiting for user to (re-)start a pod to finish file system resize of volume on node."
 )
 
@@ -198,7 +192,7 @@ func resizeTriggered(old, cur *corev1.PersistentVolumeClaim) bool {
 	return old.ResourceVersion == cur.ResourceVersion ||
 		oldReq.Cmp(curReq) != 0 ||
 		oldCap.Cmp(curCap) != 0 ||
-		old.Annotations[annStorageResizer] != cur.Annotations[annStorageResizer] ||
+		old.Annotations[kube.AnnStorageResizer] != cur.Annotations[kube.AnnStorageResizer] ||
 		old.Status.Phase != cur.Status.Phase ||
 		old.Spec.VolumeName != cur.Spec.VolumeName
 }
@@ -290,7 +284,7 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	}
 	var driver string
 	spec := &pv.Spec // with the CSI source the driver is asked about
-	switch resizer := claim.Annotations[annStorageResizer]; {
+	switch resizer := claim.Annotations[kube.AnnStorageResizer]; {
 	case pv.Spec.CSI != nil:
 		if !r.b.registered(pv.Spec.CSI.Driver) {
 			return 0, nil
@@ -298,12 +292,12 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 		driver = pv.Spec.CSI.Driver
 	case r.b.registered(resizer):
 		// An in-tree volume CSI migration moved to a registered driver
-		// (kube-controller-manager names it in annStorageResizer): it is
+		// (kube-controller-manager names it in kube.AnnStorageResizer): it is
 		// expanded through its CSI translation, as external-resizer does,
 		// and only by the driver the translation names.
 		if to := pvDriver(pv); to != resizer {
 			r.warn(ctx, claim, "", "claim's %s annotation names driver %s, but volume %s is not an in-tree volume CSI migration moves to it (it moves to %q); not expanded",
-				annStorageResizer, resizer, pv.Name, to)
+				kube.AnnStorageResizer, resizer, pv.Name, to)
 			return 0, nil
 		}
 		t, err := csiSpec(pv)
@@ -825,7 +819,7 @@ func resizeInProgress(claim *corev1.PersistentVolumeClaim, size resource.Quantit
 		}
 		c.Status.AllocatedResources[corev1.ResourceStorage] = size
 	}
-	delete(c.Annotations, annNodeExpansionNotRequired)
+	delete(c.Annotations, kube.AnnNodeExpansionNotRequired)
 	return c
 }
 
@@ -839,7 +833,7 @@ func resizeNodePending(claim *corev1.PersistentVolumeClaim) *corev1.PersistentVo
 			return t != corev1.PersistentVolumeClaimControllerResizeError
 		})
 	setResizeStatus(c, corev1.PersistentVolumeClaimNodeResizePending)
-	delete(c.Annotations, annNodeExpansionNotRequired)
+	delete(c.Annotations, kube.AnnNodeExpansionNotRequired)
 	return c
 }
 
@@ -858,7 +852,7 @@ func resizeFinished(claim *corev1.PersistentVolumeClaim, size resource.Quantity)
 	if c.Annotations == nil {
 		c.Annotations = map[string]string{}
 	}
-	c.Annotations[annNodeExpansionNotRequired] = "true"
+	c.Annotations[kube.AnnNodeExpansionNotRequired] = "true"
 	return c
 }
 

@@ -23,6 +23,8 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -44,15 +46,15 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drvNode, drvCtrl := clusterName(ns, "node.csi.test"), clusterName(ns, "ctrl.csi.test")
-	drvNodeOnly := clusterName(ns, "nodeonly.csi.test")
+	drvNode, drvCtrl := kubetest.ClusterName(ns, "node.csi.test"), kubetest.ClusterName(ns, "ctrl.csi.test")
+	drvNodeOnly := kubetest.ClusterName(ns, "nodeonly.csi.test")
 	spy := &resizeSpy{testDrivers: &testDrivers{}, noNodeStep: map[string]bool{drvCtrl: true}, nodeOnly: map[string]bool{drvNodeOnly: true}}
 	dNode := spy.addDriver(t, sampledriver.Config{Name: drvNode}, verboseChain)
 	dCtrl := spy.addDriver(t, sampledriver.Config{Name: drvCtrl}, verboseChain)
 	dNodeOnly := spy.addDriver(t, sampledriver.Config{Name: drvNodeOnly}, verboseChain)
 
-	createPasswordSecrets(t, c, ns, resizeCanary, "expand-ok", "expand-forbidden")
-	authz := grantsAuthorizer(t, policy.Grant{Namespace: ns, Name: "expand", Spec: policy.GrantSpec{
+	kubetest.CreatePasswordSecrets(t, c, ns, resizeCanary, "expand-ok", "expand-forbidden")
+	authz := kubetest.GrantsAuthorizer(t, policy.Grant{Namespace: ns, Name: "expand", Spec: policy.GrantSpec{
 		Drivers: []string{drvNode, drvCtrl}, SecretNames: []string{"expand-ok"}, Operations: []policy.Operation{policy.OpControllerExpandVolume},
 		Requesters: policy.Requesters{Namespaces: []string{ns}}}})
 	writes := &resizeWrites{}
@@ -61,18 +63,18 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 		cfg.EventClient = c
 	}})
 
-	classNode := makeResizeClass(t, c, clusterName(ns, "node"), drvNode, ns, "expand-ok")
-	classCtrl := makeResizeClass(t, c, clusterName(ns, "ctrl"), drvCtrl, ns, "expand-ok")
-	classDenied := makeResizeClass(t, c, clusterName(ns, "denied"), drvNode, ns, "expand-forbidden")
-	classNodeOnly := makeResizeClass(t, c, clusterName(ns, "nodeonly"), drvNodeOnly, "", "")
-	makeClaim(t, c, ns, "node", classNode, "1Gi")
-	makeClaim(t, c, ns, "ctrl", classCtrl, "1Gi")
-	makeClaim(t, c, ns, "denied", classDenied, "1Gi")
-	makeClaim(t, c, ns, "nodeonly", classNodeOnly, "1Gi")
+	classNode := makeResizeClass(t, c, kubetest.ClusterName(ns, "node"), drvNode, ns, "expand-ok")
+	classCtrl := makeResizeClass(t, c, kubetest.ClusterName(ns, "ctrl"), drvCtrl, ns, "expand-ok")
+	classDenied := makeResizeClass(t, c, kubetest.ClusterName(ns, "denied"), drvNode, ns, "expand-forbidden")
+	classNodeOnly := makeResizeClass(t, c, kubetest.ClusterName(ns, "nodeonly"), drvNodeOnly, "", "")
+	kubetest.MakeClaim(t, c, ns, "node", classNode, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "ctrl", classCtrl, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "denied", classDenied, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "nodeonly", classNodeOnly, "1Gi")
 	claims := []string{"node", "ctrl", "denied", "nodeonly"}
 	pvOf := map[string]string{}
 	for _, name := range claims {
-		pvOf[name] = waitBound(t, c, ns, name, 60*time.Second).Spec.VolumeName
+		pvOf[name] = kubetest.WaitBound(t, c, ns, name, 60*time.Second).Spec.VolumeName
 	}
 	pvNode, err := c.CoreV1().PersistentVolumes().Get(ctx, pvOf["node"], metav1.GetOptions{})
 	if err != nil {
@@ -110,13 +112,13 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 			t.Errorf("ControllerExpandVolume request %v (secret passed: %v): want 2Gi, a mount capability, SINGLE_NODE_MULTI_WRITER (RWO on a driver with that capability, as at provisioning) and the controller-expand secret", s, s.secret == resizeCanary)
 		}
 	}
-	ev := waitEvent(t, c, ns, "node", "Resizing", "External resizer is resizing volume "+pvOf["node"])
+	ev := kubetest.WaitEvent(t, c, ns, "node", "Resizing", "External resizer is resizing volume "+pvOf["node"])
 	if !strings.Contains(ev.Message, "(trace ") {
 		t.Errorf("event without trace ID: %s", ev.Message)
 	}
-	waitEvent(t, c, ns, "node", "FileSystemResizeRequired", "Require file system resize of volume on node")
+	kubetest.WaitEvent(t, c, ns, "node", "FileSystemResizeRequired", "Require file system resize of volume on node")
 	// kube-controller-manager's expand controller leaves CSI volumes to us.
-	waitEvent(t, c, ns, "node", "ExternalExpanding", "waiting for an external controller")
+	kubetest.WaitEvent(t, c, ns, "node", "ExternalExpanding", "waiting for an external controller")
 
 	// No node step: the controller finishes the expansion.
 	claim = waitClaim(t, c, ns, "ctrl", "status capacity 2Gi", func(pvc *corev1.PersistentVolumeClaim) bool {
@@ -131,11 +133,11 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 	if s, ok := claim.Status.AllocatedResourceStatuses[corev1.ResourceStorage]; ok {
 		t.Errorf("allocatedResourceStatuses[storage] = %s after a finished expansion", s)
 	}
-	if claim.Annotations[annNodeExpansionNotRequired] != "true" {
-		t.Errorf("annotations %v: want %s", claim.Annotations, annNodeExpansionNotRequired)
+	if claim.Annotations[kube.AnnNodeExpansionNotRequired] != "true" {
+		t.Errorf("annotations %v: want %s", claim.Annotations, kube.AnnNodeExpansionNotRequired)
 	}
 	checkResizedVolume(t, c, pvOf["ctrl"], dCtrl, 2<<30)
-	waitEvent(t, c, ns, "ctrl", "VolumeResizeSuccessful", "Resize volume succeeded")
+	kubetest.WaitEvent(t, c, ns, "ctrl", "VolumeResizeSuccessful", "Resize volume succeeded")
 
 	// A driver that expands on the node only: no controller call, the PV
 	// grows, the kubelet does the rest (external-resizer's trivial resizer).
@@ -152,7 +154,7 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 	}
 
 	// Denied secret: an Event says which rule denied what, nothing else.
-	ev = waitEvent(t, c, ns, "denied", "VolumeResizeFailed", "denied by policy")
+	ev = kubetest.WaitEvent(t, c, ns, "denied", "VolumeResizeFailed", "denied by policy")
 	for _, w := range []string{ns + "/expand-forbidden", drvNode, "ControllerExpandVolume", pvOf["denied"]} {
 		if !strings.Contains(ev.Message, w) {
 			t.Errorf("event %q does not say %q", ev.Message, w)
@@ -211,7 +213,7 @@ func TestResizeDriverErrorOnClaim(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drvBad, drvSmall := clusterName(ns, "bad.csi.test"), clusterName(ns, "small.csi.test")
+	drvBad, drvSmall := kubetest.ClusterName(ns, "bad.csi.test"), kubetest.ClusterName(ns, "small.csi.test")
 	spy := &resizeSpy{testDrivers: &testDrivers{}}
 	dBad := spy.addDriver(t, sampledriver.Config{Name: drvBad, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
 		"ControllerExpandVolume": {Rate: 1, Code: codes.InvalidArgument}}}})
@@ -222,16 +224,16 @@ func TestResizeDriverErrorOnClaim(t *testing.T) {
 		cfg.EventClient = c
 	}})
 
-	makeClaim(t, c, ns, "bad", makeResizeClass(t, c, clusterName(ns, "bad"), drvBad, "", ""), "1Gi")
-	makeClaim(t, c, ns, "small", makeResizeClass(t, c, clusterName(ns, "small"), drvSmall, "", ""), "1Gi")
-	pvBad := waitBound(t, c, ns, "bad", 60*time.Second).Spec.VolumeName
-	pvSmall := waitBound(t, c, ns, "small", 60*time.Second).Spec.VolumeName
+	kubetest.MakeClaim(t, c, ns, "bad", makeResizeClass(t, c, kubetest.ClusterName(ns, "bad"), drvBad, "", ""), "1Gi")
+	kubetest.MakeClaim(t, c, ns, "small", makeResizeClass(t, c, kubetest.ClusterName(ns, "small"), drvSmall, "", ""), "1Gi")
+	pvBad := kubetest.WaitBound(t, c, ns, "bad", 60*time.Second).Spec.VolumeName
+	pvSmall := kubetest.WaitBound(t, c, ns, "small", 60*time.Second).Spec.VolumeName
 	before := writes.snapshot()
 	raiseRequest(t, c, ns, "bad", "2Gi")
 	raiseRequest(t, c, ns, "small", "4Gi")
 
 	// Infeasible: Event with the driver's message, status says so.
-	ev := waitEvent(t, c, ns, "bad", "VolumeResizeFailed", "InvalidArgument")
+	ev := kubetest.WaitEvent(t, c, ns, "bad", "VolumeResizeFailed", "InvalidArgument")
 	for _, w := range []string{"sample driver: injected fault in ControllerExpandVolume", pvBad, drvBad} {
 		if !strings.Contains(ev.Message, w) {
 			t.Errorf("event %q does not say %q", ev.Message, w)
@@ -277,7 +279,7 @@ func TestResizeDriverErrorOnClaim(t *testing.T) {
 	}
 
 	// May still be in progress: Event, status stays in progress at 4Gi.
-	ev = waitEvent(t, c, ns, "small", "VolumeResizeFailed", "ResourceExhausted")
+	ev = kubetest.WaitEvent(t, c, ns, "small", "VolumeResizeFailed", "ResourceExhausted")
 	if !strings.Contains(ev.Message, "insufficient capacity") {
 		t.Errorf("event %q does not carry the driver's message", ev.Message)
 	}
@@ -444,7 +446,7 @@ func TestResizeStatusSteps(t *testing.T) {
 	q := resource.MustParse
 	old := metav1.NewTime(time.Now().Add(-time.Hour).Truncate(time.Second))
 	claim := &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: "c", Namespace: "ns", ResourceVersion: "7", Annotations: map[string]string{annNodeExpansionNotRequired: "true"}},
+		ObjectMeta: metav1.ObjectMeta{Name: "c", Namespace: "ns", ResourceVersion: "7", Annotations: map[string]string{kube.AnnNodeExpansionNotRequired: "true"}},
 		Spec:       corev1.PersistentVolumeClaimSpec{VolumeName: "pv", Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: q("2Gi")}}},
 		Status: corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound, Capacity: corev1.ResourceList{corev1.ResourceStorage: q("1Gi")},
 			Conditions: []corev1.PersistentVolumeClaimCondition{{Type: corev1.PersistentVolumeClaimVolumeModifyingVolume, Status: corev1.ConditionTrue, LastTransitionTime: old}}},
@@ -467,7 +469,7 @@ func TestResizeStatusSteps(t *testing.T) {
 	}
 
 	s1 := resizeInProgress(claim, q("2Gi"))
-	if statusOf(s1) != corev1.PersistentVolumeClaimControllerResizeInProgress || condTypes(s1) != "ModifyingVolume,Resizing" || s1.Annotations[annNodeExpansionNotRequired] != "" {
+	if statusOf(s1) != corev1.PersistentVolumeClaimControllerResizeInProgress || condTypes(s1) != "ModifyingVolume,Resizing" || s1.Annotations[kube.AnnNodeExpansionNotRequired] != "" {
 		t.Fatalf("in progress: %s %s %v", statusOf(s1), condTypes(s1), s1.Annotations)
 	}
 	if a := s1.Status.AllocatedResources[corev1.ResourceStorage]; a.Cmp(q("2Gi")) != 0 {
@@ -511,7 +513,7 @@ func TestResizeStatusSteps(t *testing.T) {
 	noop("node pending", s4, resizeNodePending(s4))
 
 	s5 := resizeFinished(s3, q("1536Mi"))
-	if statusOf(s5) != "" || s5.Status.AllocatedResourceStatuses != nil || condTypes(s5) != "ModifyingVolume" || s5.Annotations[annNodeExpansionNotRequired] != "true" {
+	if statusOf(s5) != "" || s5.Status.AllocatedResourceStatuses != nil || condTypes(s5) != "ModifyingVolume" || s5.Annotations[kube.AnnNodeExpansionNotRequired] != "true" {
 		t.Fatalf("finished: %v %s %v", s5.Status.AllocatedResourceStatuses, condTypes(s5), s5.Annotations)
 	}
 	if c := s5.Status.Capacity[corev1.ResourceStorage]; c.Cmp(q("1536Mi")) != 0 {
@@ -688,13 +690,13 @@ func TestResizeWaitsForDetachAfterAnInUseRefusal(t *testing.T) {
 	s := newAttachSetup(t, "off.csi.test", sampledriver.Config{Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
 		"ControllerExpandVolume": {First: 1, Code: codes.FailedPrecondition}}}})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeResizeClass(t, c, clusterName(ns, "off"), drv, "", "")
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	class := makeResizeClass(t, c, kubetest.ClusterName(ns, "off"), drv, "", "")
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	va := createVA(t, c, ns, drv, node, pvName)
 	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
 
 	raiseRequest(t, c, ns, "data", "2Gi")
-	waitEvent(t, c, ns, "data", "VolumeResizeFailed", "once the volume is detached")
+	kubetest.WaitEvent(t, c, ns, "data", "VolumeResizeFailed", "once the volume is detached")
 	// A bounded window, no event to wait for: with the test's backoff
 	// (100 ms doubling to 2 s) a retry would have come several times.
 	time.Sleep(1500 * time.Millisecond)
@@ -738,7 +740,7 @@ func waitClaim(t *testing.T, c kubernetes.Interface, ns, name, what string, cond
 		return cond(pvc), fmt.Sprintf("status %+v", pvc.Status), nil
 	})
 	if err != nil {
-		t.Fatalf("%v\nevents: %s", err, eventsOf(c, ns, name))
+		t.Fatalf("%v\nevents: %s", err, kubetest.EventsOf(c, ns, name))
 	}
 	return pvc
 }
@@ -842,17 +844,17 @@ func TestResizeKeepsToPerDriverWorkers(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "slowexpand.csi.test")
+	drv := kubetest.ClusterName(ns, "slowexpand.csi.test")
 	drivers := newCountingDrivers()
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeResizeClass(t, c, clusterName(ns, "slow"), drv, "", "")
+	class := makeResizeClass(t, c, kubetest.ClusterName(ns, "slow"), drv, "", "")
 	r := startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
 	names := []string{"a", "b", "c"}
 	for _, name := range names {
-		makeClaim(t, c, ns, name, class, "1Gi")
+		kubetest.MakeClaim(t, c, ns, name, class, "1Gi")
 	}
 	for _, name := range names {
-		waitBound(t, c, ns, name, 60*time.Second)
+		kubetest.WaitBound(t, c, ns, name, 60*time.Second)
 	}
 	// The first expansion is held at the driver until the other two wait
 	// for its slot: they contend for it.
@@ -892,13 +894,13 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "offline.csi.test")
+	drv := kubetest.ClusterName(ns, "offline.csi.test")
 	spy := &resizeSpy{testDrivers: &testDrivers{}}
 	spy.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
 		"ControllerExpandVolume": {Rate: 1, Code: codes.FailedPrecondition}}}})
 	r := startBridge(t, env, ns, spy, bridgeOpts{leader: true})
-	makeClaim(t, c, ns, "busy", makeResizeClass(t, c, clusterName(ns, "offline"), drv, "", ""), "1Gi")
-	claim := waitBound(t, c, ns, "busy", 60*time.Second)
+	kubetest.MakeClaim(t, c, ns, "busy", makeResizeClass(t, c, kubetest.ClusterName(ns, "offline"), drv, "", ""), "1Gi")
+	claim := kubetest.WaitBound(t, c, ns, "busy", 60*time.Second)
 	vol := volumeHandle(t, c, claim.Spec.VolumeName)
 
 	// refused counts the driver's FailedPrecondition answers for size.
@@ -939,7 +941,7 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 		// A Warning: the claim's Normal Events (provisioning, Resizing)
 		// must not use up the recorder's per-object budget for markers.
 		r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "TestFlush", "%s", marker)
-		waitEvent(t, c, ns, "busy", "TestFlush", marker)
+		kubetest.WaitEvent(t, c, ns, "busy", "TestFlush", marker)
 		return n
 	}
 	// events counts the Events with reason recorded on the claim (an Event
@@ -982,10 +984,10 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 	waitRefused(2<<30, 3)
 	answered := settle()
 	if n := warnings(); n != 1 {
-		t.Errorf("%d VolumeResizeFailed Events after %d refusals of the same request, want 1:%s", n, refused(2<<30), eventsOf(c, ns, "busy"))
+		t.Errorf("%d VolumeResizeFailed Events after %d refusals of the same request, want 1:%s", n, refused(2<<30), kubetest.EventsOf(c, ns, "busy"))
 	}
 	if n := announced(); n != 1 {
-		t.Errorf("%d Resizing Events after %d attempts at the same request, want 1:%s", n, refused(2<<30), eventsOf(c, ns, "busy"))
+		t.Errorf("%d Resizing Events after %d attempts at the same request, want 1:%s", n, refused(2<<30), kubetest.EventsOf(c, ns, "busy"))
 	}
 	if n := logged(); n < answered {
 		t.Errorf("%d log lines of refused expansions after %d refusals, want one per refusal", n, answered)
@@ -996,10 +998,10 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 	waitRefused(3<<30, 3)
 	settle()
 	if n := warnings(); n != 2 {
-		t.Errorf("%d VolumeResizeFailed Events after %d refusals of 2Gi and %d of 3Gi, want 2 (one per request):%s", n, refused(2<<30), refused(3<<30), eventsOf(c, ns, "busy"))
+		t.Errorf("%d VolumeResizeFailed Events after %d refusals of 2Gi and %d of 3Gi, want 2 (one per request):%s", n, refused(2<<30), refused(3<<30), kubetest.EventsOf(c, ns, "busy"))
 	}
 	if n := announced(); n != 2 {
-		t.Errorf("%d Resizing Events after attempts at 2Gi and 3Gi, want 2 (one per request):%s", n, eventsOf(c, ns, "busy"))
+		t.Errorf("%d Resizing Events after attempts at 2Gi and 3Gi, want 2 (one per request):%s", n, kubetest.EventsOf(c, ns, "busy"))
 	}
 
 	// Another holder takes the Lease for a moment: the first refusal of
@@ -1015,7 +1017,7 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 	}
 	before := refused(0)
 	err := testenv.WaitFor(ctx, 30*time.Second, "a VolumeResizeFailed Event in the new term", func(context.Context) (bool, string, error) {
-		return warnings() >= 3, eventsOf(c, ns, "busy"), nil
+		return warnings() >= 3, kubetest.EventsOf(c, ns, "busy"), nil
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -1023,7 +1025,7 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 	waitRefused(0, before+3)
 	settle()
 	if n := warnings(); n != 3 {
-		t.Errorf("%d VolumeResizeFailed Events after %d refusals in the new term, want 3 (one more):%s", n, refused(0)-before, eventsOf(c, ns, "busy"))
+		t.Errorf("%d VolumeResizeFailed Events after %d refusals in the new term, want 3 (one more):%s", n, refused(0)-before, kubetest.EventsOf(c, ns, "busy"))
 	}
 }
 
@@ -1092,15 +1094,15 @@ func TestResizeClaimWaitingForTheKubeletAsksNoDriver(t *testing.T) {
 	env := testenv.Shared(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "gone.csi.test")
+	drv := kubetest.ClusterName(ns, "gone.csi.test")
 	live := &testDrivers{}
 	live.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeResizeClass(t, c, clusterName(ns, "gone"), drv, "", "")
+	class := makeResizeClass(t, c, kubetest.ClusterName(ns, "gone"), drv, "", "")
 	first := startBridge(t, env, ns, live, bridgeOpts{})
-	makeClaim(t, c, ns, "waiting", class, "1Gi")
-	makeClaim(t, c, ns, "other", class, "1Gi")
-	waitBound(t, c, ns, "other", 60*time.Second)
-	waitBound(t, c, ns, "waiting", 60*time.Second)
+	kubetest.MakeClaim(t, c, ns, "waiting", class, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "other", class, "1Gi")
+	kubetest.WaitBound(t, c, ns, "other", 60*time.Second)
+	kubetest.WaitBound(t, c, ns, "waiting", 60*time.Second)
 	raiseRequest(t, c, ns, "waiting", "2Gi")
 	waitClaim(t, c, ns, "waiting", "NodeResizePending", func(pvc *corev1.PersistentVolumeClaim) bool {
 		return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending
@@ -1112,7 +1114,7 @@ func TestResizeClaimWaitingForTheKubeletAsksNoDriver(t *testing.T) {
 	dead := &testDrivers{}
 	dead.addDeadDriver(t, drv)
 	second := startBridge(t, env, ns, dead, bridgeOpts{})
-	waitEvent(t, c, ns, "other", "VolumeResizeFailed", "not reachable")
+	kubetest.WaitEvent(t, c, ns, "other", "VolumeResizeFailed", "not reachable")
 	// Handled, and found to have nothing for the driver.
 	handled := "nothing for the driver now"
 	err := testenv.WaitFor(context.Background(), 30*time.Second, "the waiting claim handled", func(context.Context) (bool, string, error) {
@@ -1126,7 +1128,7 @@ func TestResizeClaimWaitingForTheKubeletAsksNoDriver(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if evs := eventsOf(c, ns, "waiting"); strings.Contains(evs, "VolumeResizeFailed") {
+	if evs := kubetest.EventsOf(c, ns, "waiting"); strings.Contains(evs, "VolumeResizeFailed") {
 		t.Fatalf("a claim waiting for the kubelet was reported as failed:%s", evs)
 	}
 }
@@ -1166,22 +1168,22 @@ func TestResizeExpandsAMigratedInTreeVolume(t *testing.T) {
 	const drv = "cinder.csi.openstack.org"
 	spy := &resizeSpy{testDrivers: &testDrivers{}}
 	d := spy.addDriver(t, sampledriver.Config{Name: drv})
-	volID := createDriverVolume(t, spy.testDrivers, drv, clusterName(ns, "in-tree"))
-	class := makeResizeClass(t, c, clusterName(ns, "cinder"), "kubernetes.io/cinder", "", "")
-	pv := createStaticPV(t, c, clusterName(ns, "pv"), corev1.PersistentVolumeSource{Cinder: &corev1.CinderPersistentVolumeSource{VolumeID: volID, FSType: "ext4"}},
+	volID := createDriverVolume(t, spy.testDrivers, drv, kubetest.ClusterName(ns, "in-tree"))
+	class := makeResizeClass(t, c, kubetest.ClusterName(ns, "cinder"), "kubernetes.io/cinder", "", "")
+	pv := createStaticPV(t, c, kubetest.ClusterName(ns, "pv"), corev1.PersistentVolumeSource{Cinder: &corev1.CinderPersistentVolumeSource{VolumeID: volID, FSType: "ext4"}},
 		func(pv *corev1.PersistentVolume) {
 			pv.Spec.StorageClassName, pv.Spec.ClaimRef = class, &corev1.ObjectReference{Namespace: ns, Name: "data"}
 		})
-	makeClaimWith(t, c, ns, "data", class, func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeName = pv.Name })
-	waitBound(t, c, ns, "data", 60*time.Second)
+	kubetest.MakeClaimWith(t, c, ns, "data", class, func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeName = pv.Name })
+	kubetest.WaitBound(t, c, ns, "data", 60*time.Second)
 	startBridge(t, env, ns, spy, bridgeOpts{})
 
 	raiseRequest(t, c, ns, "data", "2Gi")
 	claim := waitClaim(t, c, ns, "data", "NodeResizePending", func(pvc *corev1.PersistentVolumeClaim) bool {
 		return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending
 	})
-	if got := claim.Annotations[annStorageResizer]; got != drv {
-		t.Errorf("claim annotation %s = %q, want kube-controller-manager's %q", annStorageResizer, got, drv)
+	if got := claim.Annotations[kube.AnnStorageResizer]; got != drv {
+		t.Errorf("claim annotation %s = %q, want kube-controller-manager's %q", kube.AnnStorageResizer, got, drv)
 	}
 	seen := spy.requests(volID)
 	if len(seen) == 0 {
@@ -1204,5 +1206,5 @@ func TestResizeExpandsAMigratedInTreeVolume(t *testing.T) {
 			t.Errorf("driver volume %s has %d bytes, want %d", v.ID, v.CapacityBytes, int64(2<<30))
 		}
 	}
-	waitEvent(t, c, ns, "data", "FileSystemResizeRequired", "Require file system resize of volume on node")
+	kubetest.WaitEvent(t, c, ns, "data", "FileSystemResizeRequired", "Require file system resize of volume on node")
 }

@@ -10,6 +10,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -29,11 +30,6 @@ type secretUse struct {
 	recordedNSLabels map[string]string
 }
 
-// annNamespaceLabels records, on a PV, the labels of its claim's namespace
-// at provisioning, and on a VolumeAttachment of a PV that records none, at
-// publishing, for policy decisions after the namespace is deleted.
-const annNamespaceLabels = "csibroker.io/claim-namespace-labels"
-
 // recordedNamespaceLabels are the labels pv records of its claim's
 // namespace (nil when it records none): decisions made after the
 // namespace is gone use them.
@@ -42,7 +38,7 @@ func recordedNamespaceLabels(pv *corev1.PersistentVolume) map[string]string {
 	if pv == nil {
 		return nil
 	}
-	if a := pv.Annotations[annNamespaceLabels]; a != "" {
+	if a := pv.Annotations[kube.AnnNamespaceLabels]; a != "" {
 		_ = json.Unmarshal([]byte(a), &recorded)
 	}
 	return recorded
@@ -142,7 +138,7 @@ func (b *Bridge) decideSecret(ctx context.Context, u secretUse) error {
 			// namespaceSelector fails closed on them, an Allow grant's
 			// selects nothing): say how to make them known.
 			hint = fmt.Sprintf(" (namespace %s could not be read; for a PersistentVolume (or its VolumeAttachment) whose claim's namespace is gone, its %s annotation, a JSON object, gives the labels to decide with)",
-				req.Requester.Namespace, annNamespaceLabels)
+				req.Requester.Namespace, kube.AnnNamespaceLabels)
 		}
 		return fmt.Errorf("%w: %s%s", errSecretDenied, d.Reason, hint)
 	}

@@ -65,7 +65,7 @@ func readySnapshot(t *testing.T, sc snapshotclient.Interface, ns, name, driver, 
 	ctx := context.Background()
 	retain := snapshotv1.VolumeSnapshotContentRetain
 	mode := corev1.PersistentVolumeFilesystem
-	content := &snapshotv1.VolumeSnapshotContent{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, name)},
+	content := &snapshotv1.VolumeSnapshotContent{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, name)},
 		Spec: snapshotv1.VolumeSnapshotContentSpec{DeletionPolicy: retain, Driver: driver, SourceVolumeMode: &mode,
 			Source:            snapshotv1.VolumeSnapshotContentSource{SnapshotHandle: &handle},
 			VolumeSnapshotRef: corev1.ObjectReference{Namespace: ns, Name: name}}}
@@ -113,18 +113,18 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	c := env.Client()
 	ctx := context.Background()
 	sc := snapshotclient.NewForConfigOrDie(env.RESTConfig())
-	drv := clusterName(ns, "snap.csi.test")
+	drv := kubetest.ClusterName(ns, "snap.csi.test")
 	drivers := newCountingDrivers()
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "snap"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "snap"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 
 	// A snapshot the driver really has.
 	conn, err := drivers.ControllerConn(drv)
 	if err != nil {
 		t.Fatal(err)
 	}
-	srcVol := createDriverVolume(t, drivers.testDrivers, drv, clusterName(ns, "src"))
-	resp, err := csi.NewControllerClient(conn).CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: srcVol, Name: clusterName(ns, "snap")})
+	srcVol := createDriverVolume(t, drivers.testDrivers, drv, kubetest.ClusterName(ns, "src"))
+	resp, err := csi.NewControllerClient(conn).CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: srcVol, Name: kubetest.ClusterName(ns, "snap")})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -137,7 +137,7 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	readySnapshot(t, sc, ns, "other-driver", "other.csi.test", handle, size, nil)
 	// A VolumeSnapshot that says it is bound to "snap"'s content.
 	readySnapshot(t, sc, ns, "thief", drv, handle, size, func(s *snapshotv1.VolumeSnapshot, _ *snapshotv1.VolumeSnapshotContent) {
-		stolen := clusterName(ns, "snap")
+		stolen := kubetest.ClusterName(ns, "snap")
 		s.Status.BoundVolumeSnapshotContentName = &stolen
 	})
 	// A snapshot left marked in use with no claim restoring it (its claim
@@ -183,7 +183,7 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	}
 	letGo := drivers.hold("CreateVolume")
 	defer letGo()
-	makeClaimWith(t, c, ns, "restored", class.Name, fromSnapshot("snap", "1Gi"))
+	kubetest.MakeClaimWith(t, c, ns, "restored", class.Name, fromSnapshot("snap", "1Gi"))
 	err = testenv.WaitFor(ctx, 60*time.Second, "the restore's CreateVolume held", func(context.Context) (bool, string, error) {
 		n := len(drivers.names("CreateVolume"))
 		return n == 1, fmt.Sprintf("%d CreateVolume calls", n), nil
@@ -195,7 +195,7 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 		t.Fatalf("VolumeSnapshot while it is restored: %v, err %v; want finalizer %s", s.Finalizers, err, snapshotFinalizer)
 	}
 	letGo()
-	pvName := waitBound(t, c, ns, "restored", 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, "restored", 60*time.Second).Spec.VolumeName
 	id := volumeHandle(t, c, pvName)
 	for _, v := range d.Volumes() {
 		if v.ID == id && v.SourceSnapshotID != handle {
@@ -211,8 +211,8 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 		{"small", "snap", "512Mi", "less than the restore size 1Gi"},
 		{"missing", "missing", "1Gi", "VolumeSnapshot " + ns + "/missing not found"},
 	} {
-		makeClaimWith(t, c, ns, tc.claim, class.Name, fromSnapshot(tc.snap, tc.size))
-		waitEvent(t, c, ns, tc.claim, "ProvisioningFailed", tc.want)
+		kubetest.MakeClaimWith(t, c, ns, tc.claim, class.Name, fromSnapshot(tc.snap, tc.size))
+		kubetest.WaitEvent(t, c, ns, tc.claim, "ProvisioningFailed", tc.want)
 	}
 	if n := len(drivers.names("CreateVolume")); n != 1 {
 		t.Errorf("%d CreateVolume calls; want only the good restore's", n)

@@ -21,7 +21,7 @@ import (
 	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/telemetry"
-	"github.com/csibroker/csibroker/k8sbridge"
+	"github.com/csibroker/csibroker/k8sbridge/discovery"
 	"github.com/csibroker/csibroker/policy"
 	brokerstatusv1 "github.com/csibroker/csibroker/proto/brokerstatus/v1"
 )
@@ -197,7 +197,7 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 				static = append(static, d.Name)
 			}
 			template := broker.DriverConfig{Timeout: cfg.Timeout, Retry: cfg.fillRetry(broker.RetryConfig{})}
-			disc, err := k8sbridge.NewDiscovery(bridge.InformerClient(), cfg.Kube.DiscoverProxies, cfg.Kube.discoverNamespaces(), b, template, static, log)
+			disc, err := discovery.New(bridge.InformerClient(), cfg.Kube.DiscoverProxies, cfg.Kube.discoverNamespaces(), b, template, static, log)
 			if err != nil {
 				return err
 			}

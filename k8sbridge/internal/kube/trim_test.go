@@ -1,4 +1,4 @@
-package k8sbridge
+package kube
 
 import (
 	"context"
@@ -29,6 +29,7 @@ import (
 	"sigs.k8s.io/randfill"
 
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 const (
@@ -60,7 +61,7 @@ func trimPair(i int, created time.Time) (*corev1.PersistentVolume, *corev1.Persi
 	pv := &corev1.PersistentVolume{
 		TypeMeta: metav1.TypeMeta{Kind: "PersistentVolume", APIVersion: "v1"},
 		ObjectMeta: metav1.ObjectMeta{Name: name, UID: pvUID, ResourceVersion: fmt.Sprint(100000 + 3*i), CreationTimestamp: ts,
-			Annotations:   map[string]string{annProvisionedBy: trimDriver},
+			Annotations:   map[string]string{AnnProvisionedBy: trimDriver},
 			Finalizers:    []string{"kubernetes.io/pv-protection"},
 			ManagedFields: trimManagedFields},
 		Spec: corev1.PersistentVolumeSpec{
@@ -203,11 +204,11 @@ func sameObject(t *testing.T, want, got any) {
 func fullVolume() *corev1.PersistentVolume {
 	pv, _ := trimPair(7, time.Unix(1700000000, 0))
 	pv.Labels = map[string]string{"app": "db", "tier": "a\x00b"}
-	pv.Annotations[annDeletionSecretName] = "s"
-	pv.Annotations[annDeletionSecretNS] = "ns"
-	pv.Annotations[annVolumeNode] = "node-1"
+	pv.Annotations[AnnDeletionSecretName] = "s"
+	pv.Annotations[AnnDeletionSecretNS] = "ns"
+	pv.Annotations[AnnVolumeNode] = "node-1"
 	pv.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "ConfigMap", Name: "o", UID: "u"}}
-	pv.Finalizers = append(pv.Finalizers, finalizerVolume, attacherFinalizer(trimDriver))
+	pv.Finalizers = append(pv.Finalizers, FinalizerVolume, "external-attacher/bench-csibroker-io") // external-attacher's for trimDriver
 	pv.Spec.MountOptions = []string{"noatime", "discard"}
 	vac := "gold"
 	pv.Spec.VolumeAttributesClassName = &vac
@@ -229,10 +230,10 @@ func fullVolume() *corev1.PersistentVolume {
 func fullClaim() *corev1.PersistentVolumeClaim {
 	_, pvc := trimPair(7, time.Unix(1700000000, 0))
 	pvc.Labels = map[string]string{"app": "db"}
-	pvc.Annotations[annStorageProvisioner] = trimDriver
-	pvc.Annotations[annBetaStorageProvisioner] = trimDriver
-	pvc.Annotations[annSelectedNode] = "node-1"
-	pvc.Annotations[annStorageResizer] = trimDriver
+	pvc.Annotations[AnnStorageProvisioner] = trimDriver
+	pvc.Annotations[AnnBetaStorageProvisioner] = trimDriver
+	pvc.Annotations[AnnSelectedNode] = "node-1"
+	pvc.Annotations[AnnStorageResizer] = trimDriver
 	pvc.Spec.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{"disk": "fast"}}
 	pvc.Spec.Resources.Limits = corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("2Gi")}
 	pvc.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("1536Mi")
@@ -266,7 +267,7 @@ func TestStripBulk(t *testing.T) {
 		return out
 	}
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n", Labels: map[string]string{"zone": "a"},
-		Annotations: map[string]string{annNodeIDs: `{"d":"n"}`}, ManagedFields: trimManagedFields}}
+		Annotations: map[string]string{AnnNodeIDs: `{"d":"n"}`}, ManagedFields: trimManagedFields}}
 	cases := []struct {
 		name string
 		// in makes the object; the sharer has seen the objects of seen first.
@@ -326,10 +327,10 @@ func TestStripBulk(t *testing.T) {
 	}, {
 		name: "volume attachment: untouched",
 		in: func(*sharer) any {
-			return &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: "va", Annotations: map[string]string{annVANodeID: "n"}}}
+			return &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: "va", Annotations: map[string]string{AnnVANodeID: "n"}}}
 		},
 		want: func() any {
-			return &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: "va", Annotations: map[string]string{annVANodeID: "n"}}}
+			return &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: "va", Annotations: map[string]string{AnnVANodeID: "n"}}}
 		},
 		untouched: true,
 	}, {
@@ -376,11 +377,11 @@ func TestStripBulkServerObjects(t *testing.T) {
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	class := makeClass(t, c, clusterName(ns, "trim"), trimDriver, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
-	pvName, name := clusterName(ns, "pre-000007"), "pre-000007"
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "trim"), trimDriver, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
+	pvName, name := kubetest.ClusterName(ns, "pre-000007"), "pre-000007"
 	// As createPrebound in test/benchk8s/objects.go.
 	pv := &corev1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: pvName, Annotations: map[string]string{annProvisionedBy: trimDriver}},
+		ObjectMeta: metav1.ObjectMeta{Name: pvName, Annotations: map[string]string{AnnProvisionedBy: trimDriver}},
 		Spec: corev1.PersistentVolumeSpec{
 			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
 			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
@@ -410,7 +411,7 @@ func TestStripBulkServerObjects(t *testing.T) {
 	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	gotClaim := waitBound(t, c, ns, name, 60*time.Second)
+	gotClaim := kubetest.WaitBound(t, c, ns, name, 60*time.Second)
 	gotPV, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -564,7 +565,7 @@ func TestStripBulkConcurrent(t *testing.T) {
 				pv, pvc := trimPair(g*1000+i, time.Unix(1700000000, 0))
 				s.transform(pv)
 				s.transform(pvc)
-				if pv.Annotations[annProvisionedBy] != trimDriver || pvc.Status.Capacity.Storage().String() != "1Gi" {
+				if pv.Annotations[AnnProvisionedBy] != trimDriver || pvc.Status.Capacity.Storage().String() != "1Gi" {
 					t.Error("wrong shared value")
 					return
 				}
@@ -581,7 +582,7 @@ func TestStripBulkConcurrent(t *testing.T) {
 // heap in use and live heap (runtime.ReadMemStats after runtime.GC) per
 // pair, and the transform's time per object. "managedfields" is the
 // transform before sharing (managedFields dropped only), "shared" is
-// stripBulk. Run: go test -run='^$' -bench=CachePerPair ./k8sbridge/
+// StripBulk. Run: go test -run='^$' -bench=CachePerPair ./k8sbridge/
 func BenchmarkCachePerPair(b *testing.B) {
 	const pairs = 10000
 	created := time.Now()

@@ -1,4 +1,4 @@
-package k8sbridge
+package discovery
 
 import (
 	"bytes"
@@ -30,6 +30,7 @@ import (
 	"github.com/csibroker/csibroker/internal/chaintest"
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 func proxyPod(name, driver, ip, node string, nodeProxy, ready bool, port string) *corev1.Pod {
@@ -207,7 +208,7 @@ func runDiscovery(t *testing.T, d *Discovery) {
 // away; the registry follows. The static driver is never touched, even when
 // a Ready proxy pod names it.
 func TestDiscoveryOnRealAPIServer(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -215,13 +216,13 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	const static = "static.csi.test"
 	staticCfg := broker.DriverConfig{Name: static, Controller: &broker.ProxyConfig{Address: "192.0.2.1:7443"}, Timeout: time.Minute}
 	reg := &fakeRegistry{drivers: map[string]broker.DriverConfig{static: staticCfg}}
-	drv := clusterName(ns, "disc.csi.test")
+	drv := kubetest.ClusterName(ns, "disc.csi.test")
 	selector := "csibroker-test=" + ns
 	logs := &chaintest.SyncBuffer{}
 	// Two proxy namespaces (one watch of all namespaces, filtered); a
 	// tenant's namespace is not one of them.
 	tenant := env.NewNamespace(t)
-	d, err := NewDiscovery(c, selector, []string{ns, env.NewNamespace(t)}, reg, broker.DriverConfig{}, []string{static}, slog.New(slog.NewTextHandler(logs, nil)))
+	d, err := New(c, selector, []string{ns, env.NewNamespace(t)}, reg, broker.DriverConfig{}, []string{static}, slog.New(slog.NewTextHandler(logs, nil)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -242,7 +243,7 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	// A Ready pod in the tenant's namespace, offering a proxy of its own
 	// driver, and a Ready pod in a proxy namespace naming the static
 	// driver: created first, and never registered.
-	impostor := clusterName(tenant, "impostor.csi.test")
+	impostor := kubetest.ClusterName(tenant, "impostor.csi.test")
 	mk(tenant, impostor, "impostor", "10.9.9.9", false)
 	mk(ns, static, "static-proxy", "10.8.8.8", false)
 	makeReadyProxyPod(t, ctx, c, ns, ns, drv, "bad-port", "10.1.0.9", "http", false)
@@ -265,9 +266,9 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 	// This replica becomes the leader: each pod it cannot use gets its
 	// Warning Event, with no pod changing.
 	leading.Store(true)
-	waitEvent(t, c, tenant, "impostor", ReasonProxyOutsideNamespaces, "namespace "+tenant+", where proxies are not discovered")
-	waitEvent(t, c, ns, "static-proxy", ReasonProxyShadowed, "names driver "+static)
-	waitEvent(t, c, ns, "bad-port", ReasonProxyAnnotationInvalid, `csibroker.io/proxy-port "http" is not a port`)
+	kubetest.WaitEvent(t, c, tenant, "impostor", ReasonProxyOutsideNamespaces, "namespace "+tenant+", where proxies are not discovered")
+	kubetest.WaitEvent(t, c, ns, "static-proxy", ReasonProxyShadowed, "names driver "+static)
+	kubetest.WaitEvent(t, c, ns, "bad-port", ReasonProxyAnnotationInvalid, `csibroker.io/proxy-port "http" is not a port`)
 	if cfg, ok := reg.get(static); !ok || !reflect.DeepEqual(cfg, staticCfg) {
 		t.Fatalf("static entry %s (present %v), want %s untouched", describeDriverConfig(cfg), ok, describeDriverConfig(staticCfg))
 	}
@@ -287,14 +288,14 @@ func TestDiscoveryOnRealAPIServer(t *testing.T) {
 // the driver's objects); once its pod is gone for longer, it is removed,
 // not before the grace has passed.
 func TestDiscoveryKeepsADriverThroughABriefUnreadiness(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	reg := &fakeRegistry{drivers: map[string]broker.DriverConfig{}}
-	drv := clusterName(ns, "blip.csi.test")
-	d, err := NewDiscovery(c, "csibroker-test="+ns, []string{ns}, reg, broker.DriverConfig{}, nil, slog.New(slog.DiscardHandler))
+	drv := kubetest.ClusterName(ns, "blip.csi.test")
+	d, err := New(c, "csibroker-test="+ns, []string{ns}, reg, broker.DriverConfig{}, nil, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -359,12 +360,12 @@ func describeDriverConfig(c broker.DriverConfig) string {
 // mTLS; a pod naming the broker's static driver changes nothing; the
 // driver is unregistered when its pod goes away.
 func TestDiscoveryFeedsBroker(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	found, static := clusterName(ns, "found.csi.test"), clusterName(ns, "static.csi.test")
+	found, static := kubetest.ClusterName(ns, "found.csi.test"), kubetest.ClusterName(ns, "static.csi.test")
 	quiet := slog.New(slog.DiscardHandler)
 	// The discovered driver's proxy (its certificate names found); the
 	// broker of its chain is not used.
@@ -376,7 +377,7 @@ func TestDiscoveryFeedsBroker(t *testing.T) {
 	br := brokerChain.Broker
 	staticStatus := driverStatus(t, br, static)
 
-	d, err := NewDiscovery(c, "csibroker-test="+ns, []string{ns}, br, broker.DriverConfig{Timeout: 30 * time.Second}, []string{static}, quiet)
+	d, err := New(c, "csibroker-test="+ns, []string{ns}, br, broker.DriverConfig{Timeout: 30 * time.Second}, []string{static}, quiet)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -461,7 +462,7 @@ func TestDiscoveryWarnsOncePerProblem(t *testing.T) {
 	bad := proxyPod("bad-port", "d3", "10.0.2.1", "n1", false, true, "http")
 	idx.Add(bad)
 	var logs bytes.Buffer
-	d, err := NewDiscovery(nil, "app=proxy", nil, &fakeRegistry{drivers: map[string]broker.DriverConfig{}}, broker.DriverConfig{}, nil, slog.New(slog.NewTextHandler(&logs, nil)))
+	d, err := New(nil, "app=proxy", nil, &fakeRegistry{drivers: map[string]broker.DriverConfig{}}, broker.DriverConfig{}, nil, slog.New(slog.NewTextHandler(&logs, nil)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -493,7 +494,7 @@ func TestDiscoveryEventsFromTheLeader(t *testing.T) {
 	static.UID = "uid-static"
 	idx.Add(bad)
 	idx.Add(static)
-	d, err := NewDiscovery(nil, "app=proxy", nil, &fakeRegistry{drivers: map[string]broker.DriverConfig{}}, broker.DriverConfig{}, []string{"static.csi.test"}, slog.New(slog.DiscardHandler))
+	d, err := New(nil, "app=proxy", nil, &fakeRegistry{drivers: map[string]broker.DriverConfig{}}, broker.DriverConfig{}, []string{"static.csi.test"}, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -542,7 +543,7 @@ func TestDiscoveryEventsFromTheLeader(t *testing.T) {
 // of the problems that stand (TestDiscoveryEventsFromTheLeader: a sync as
 // the leader records them).
 func TestDiscoveryNudgedWhenItBecomesTheLeader(t *testing.T) {
-	d, err := NewDiscovery(nil, "app=proxy", nil, &fakeRegistry{drivers: map[string]broker.DriverConfig{}}, broker.DriverConfig{}, nil, slog.New(slog.DiscardHandler))
+	d, err := New(nil, "app=proxy", nil, &fakeRegistry{drivers: map[string]broker.DriverConfig{}}, broker.DriverConfig{}, nil, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package k8sbridge
+package discovery
 
 import (
 	"context"
@@ -22,6 +22,7 @@ import (
 
 	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/csiname"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 )
 
 // Pod annotations that make a pod a proxy of a driver. The pods are found by
@@ -126,12 +127,12 @@ type Discovery struct {
 	goneTimer *time.Timer
 }
 
-// NewDiscovery watches pods matching selector in namespaces (all namespaces
+// New watches pods matching selector in namespaces (all namespaces
 // when none is given). Restricting it to the namespaces where drivers'
 // proxies run keeps tenants who can create pods elsewhere from offering
 // proxies: mTLS would refuse an impostor, but it could hold the driver's
 // route (the first Ready pod by name is a driver's controller proxy).
-func NewDiscovery(client kubernetes.Interface, selector string, namespaces []string, registry Registry, template broker.DriverConfig, static []string, log *slog.Logger) (*Discovery, error) {
+func New(client kubernetes.Interface, selector string, namespaces []string, registry Registry, template broker.DriverConfig, static []string, log *slog.Logger) (*Discovery, error) {
 	if _, err := labels.Parse(selector); err != nil {
 		return nil, fmt.Errorf("proxy discovery selector %q: %w", selector, err)
 	}
@@ -144,7 +145,7 @@ func NewDiscovery(client kubernetes.Interface, selector string, namespaces []str
 	for _, s := range static {
 		d.static[s] = true
 	}
-	opts := []informers.SharedInformerOption{informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }), informers.WithTransform(stripBulk)}
+	opts := []informers.SharedInformerOption{informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }), informers.WithTransform(kube.StripBulk)}
 	switch len(namespaces) {
 	case 0:
 		d.log.Warn("proxy pods are discovered in every namespace: anyone who can create a pod can offer one and take a driver's route (set --discover-proxies-namespace)", "selector", selector)
@@ -458,5 +459,18 @@ func (d *Discovery) sync() {
 		} else {
 			d.goneTimer.Reset(next)
 		}
+	}
+}
+
+// sleepCtx waits d, or less if ctx ends first; it reports whether ctx is
+// still live.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
 	}
 }

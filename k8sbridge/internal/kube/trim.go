@@ -1,4 +1,4 @@
-package k8sbridge
+package kube
 
 // The informer transform: what the caches keep of each object.
 //
@@ -47,12 +47,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
-// stripBulk is the transform of every informer of the broker: it drops
+// StripBulk is the transform of every informer of the broker: it drops
 // managedFields from every object and makes equal values of PVs and claims
 // share memory. It is idempotent, and on an object it has transformed
 // already it normally writes nothing. Tombstones pass unchanged (their
 // object went through the transform before).
-func stripBulk(obj any) (any, error) { return cacheSharer.transform(obj) }
+func StripBulk(obj any) (any, error) { return cacheSharer.transform(obj) }
 
 func (t *sharer) transform(obj any) (any, error) {
 	switch o := obj.(type) {
