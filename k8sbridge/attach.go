@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/policy"
 )
@@ -57,19 +58,17 @@ func hasAttacherFinalizer(finalizers []string, driver string) bool {
 // withoutAttacherFinalizers is finalizers without any of driver's.
 func withoutAttacherFinalizers(finalizers []string, driver string) []string {
 	for _, f := range attacherFinalizers(driver) {
-		finalizers = removeString(finalizers, f)
+		finalizers = kube.RemoveString(finalizers, f)
 	}
 	return finalizers
 }
 
-func init() { extraControllers = append(extraControllers, newAttacher) }
-
 // attacher is external-attacher for every registered driver: it publishes
 // volumes to nodes for VolumeAttachments and unpublishes them on deletion.
 type attacher struct {
-	b     *Bridge
-	queue *termQueue
-	slots *driverSlots // attachments and detachments in progress per driver (PerDriverWorkers)
+	b     *kube.Env
+	queue *kube.TermQueue
+	slots *kube.DriverSlots // attachments and detachments in progress per driver (PerDriverWorkers)
 
 	// force holds the attachments the reconcile found not published:
 	// their next sync publishes again although their status says attached.
@@ -140,11 +139,11 @@ func (a *attacher) takeForce(name string) bool {
 	return f
 }
 
-func newAttacher(b *Bridge) (controller, error) {
-	a := &attacher{b: b, queue: newTermQueue("attach", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax)}
-	a.slots = a.queue.withSlots(b.cfg.PerDriverWorkers)
-	b.metrics.queueDepth("attach", a.queue.Len)
-	b.on(b.factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
+func newAttacher(b *kube.Env) (controller, error) {
+	a := &attacher{b: b, queue: kube.NewTermQueue("attach", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax)}
+	a.slots = a.queue.WithSlots(b.Cfg.PerDriverWorkers)
+	b.Metrics.QueueDepth("attach", a.queue.Len)
+	b.On(b.Factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) { a.enqueueVA(obj) },
 		UpdateFunc: func(old, obj any) {
 			// Our own error status writes change nothing to act on; acting
@@ -158,17 +157,17 @@ func newAttacher(b *Bridge) (controller, error) {
 		},
 		DeleteFunc: func(obj any) {
 			// A detached attachment may free its PV's finalizer.
-			va, ok := deleted[*storagev1.VolumeAttachment](obj)
+			va, ok := kube.Deleted[*storagev1.VolumeAttachment](obj)
 			if !ok {
 				return
 			}
-			b.forgetEvents(va.UID)
+			b.ForgetEvents(va.UID)
 			if va.Spec.Source.PersistentVolumeName != nil {
 				a.queue.Add("pv/" + *va.Spec.Source.PersistentVolumeName)
 			}
 		},
 	})
-	b.on(b.factory.Core().V1().PersistentVolumes().Informer(), cache.ResourceEventHandlerFuncs{
+	b.On(b.Factory.Core().V1().PersistentVolumes().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { a.enqueuePV(obj) },
 		UpdateFunc: func(_, obj any) { a.enqueuePV(obj) },
 	})
@@ -176,7 +175,7 @@ func newAttacher(b *Bridge) (controller, error) {
 }
 
 func (a *attacher) enqueueVA(obj any) {
-	if va, ok := obj.(*storagev1.VolumeAttachment); ok && a.b.registered(va.Spec.Attacher) {
+	if va, ok := obj.(*storagev1.VolumeAttachment); ok && a.b.Registered(va.Spec.Attacher) {
 		a.queue.Add("va/" + va.Name)
 	}
 }
@@ -189,27 +188,27 @@ func (a *attacher) run(ctx context.Context) {
 	clear(a.force)
 	clear(a.marked)
 	a.mu.Unlock()
-	a.queue.work(ctx, a.b.cfg.WorkerThreads, a.enqueueAll, a.sync, a.reconcileLoop)
+	a.queue.Work(ctx, a.b.Cfg.WorkerThreads, a.enqueueAll, a.sync, a.reconcileLoop)
 }
 
 // enqueuePV queues a PV being deleted that still holds an attacher
 // finalizer, to drop it once no attachment uses the PV.
 func (a *attacher) enqueuePV(obj any) {
 	if pv, ok := obj.(*corev1.PersistentVolume); ok && pv.DeletionTimestamp != nil {
-		if drv := pvDriver(pv); drv != "" && hasAttacherFinalizer(pv.Finalizers, drv) {
+		if drv := kube.PVDriver(pv); drv != "" && hasAttacherFinalizer(pv.Finalizers, drv) {
 			a.queue.Add("pv/" + pv.Name)
 		}
 	}
 }
 
 func (a *attacher) enqueueAll() {
-	if vas, err := a.b.attachments.List(labels.Everything()); err == nil {
+	if vas, err := a.b.Attachments.List(labels.Everything()); err == nil {
 		for _, va := range vas {
 			a.enqueueVA(va)
 		}
 	}
 	// PVs whose last attachment went while no broker led.
-	if pvs, err := a.b.volumes.List(labels.Everything()); err == nil {
+	if pvs, err := a.b.Volumes.List(labels.Everything()); err == nil {
 		for _, pv := range pvs {
 			a.enqueuePV(pv)
 		}
@@ -253,25 +252,14 @@ func vaRef(va *storagev1.VolumeAttachment) corev1.ObjectReference {
 func (a *attacher) patchVA(ctx context.Context, old, cur *storagev1.VolumeAttachment, subresources ...string) (*storagev1.VolumeAttachment, error) {
 	// A JSON merge patch: the status's attachmentMetadata is the driver's
 	// publish context, whose keys are the driver's to choose.
-	patch, err := mergePatch(old, cur, old.ResourceVersion)
+	patch, err := kube.MergePatch(old, cur, old.ResourceVersion)
 	if err != nil {
 		return nil, fmt.Errorf("volumeattachment %s: making the patch: %w", old.Name, err)
 	}
 	if patch == nil {
 		return old, nil
 	}
-	return a.b.cfg.Client.StorageV1().VolumeAttachments().Patch(ctx, old.Name, types.MergePatchType, patch, metav1.PatchOptions{}, subresources...)
-}
-
-// patchPV is patchVA for a PersistentVolume, as a strategic merge patch
-// (its maps hold no keys from outside).
-func (b *Bridge) patchPV(ctx context.Context, old, cur *corev1.PersistentVolume) error {
-	patch, err := twoWayPatch(old, cur, &corev1.PersistentVolume{}, old.ResourceVersion)
-	if err != nil || patch == nil {
-		return err
-	}
-	_, err = b.cfg.Client.CoreV1().PersistentVolumes().Patch(ctx, old.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
-	return err
+	return a.b.Cfg.Client.StorageV1().VolumeAttachments().Patch(ctx, old.Name, types.MergePatchType, patch, metav1.PatchOptions{}, subresources...)
 }
 
 // attachSource is what a VolumeAttachment attaches.
@@ -288,11 +276,11 @@ type attachSource struct {
 
 func (a *attacher) source(va *storagev1.VolumeAttachment) (*attachSource, error) {
 	if n := va.Spec.Source.PersistentVolumeName; n != nil {
-		pv, err := a.b.volumes.Get(*n)
+		pv, err := a.b.Volumes.Get(*n)
 		if err != nil {
 			return nil, fmt.Errorf("persistentvolume %s: %w", *n, err)
 		}
-		spec, err := csiSpec(pv)
+		spec, err := kube.CSISpec(pv)
 		if err != nil {
 			return nil, err
 		}
@@ -307,14 +295,14 @@ func (a *attacher) source(va *storagev1.VolumeAttachment) (*attachSource, error)
 // nodeID is the driver's ID of a node: from the CSINode, else from the
 // node annotation node-driver-registrar also writes.
 func (a *attacher) nodeID(driver, node string) (string, error) {
-	if cn, err := a.b.csiNodes.Get(node); err == nil {
+	if cn, err := a.b.CSINodes.Get(node); err == nil {
 		for _, d := range cn.Spec.Drivers {
 			if d.Name == driver {
 				return d.NodeID, nil
 			}
 		}
 	}
-	if n, err := a.b.nodes.Get(node); err == nil {
+	if n, err := a.b.Nodes.Get(node); err == nil {
 		if id := jsonField(n.Annotations[kube.AnnNodeIDs], driver); id != "" {
 			return id, nil
 		}
@@ -359,7 +347,7 @@ func capability(src *attachSource, singleNodeMultiWriter bool) (*csi.VolumeCapab
 // returns waitForSlot while its driver is busy.
 func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, error) {
 	force := a.takeForce(name) // consumed whatever happens: no entry outlives its VA
-	va, err := a.b.attachments.Get(name)
+	va, err := a.b.Attachments.Get(name)
 	if apierrors.IsNotFound(err) {
 		a.mu.Lock()
 		delete(a.marked, name)
@@ -370,7 +358,7 @@ func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, erro
 		return 0, err
 	}
 	driver := va.Spec.Attacher
-	if !a.b.registered(driver) {
+	if !a.b.Registered(driver) {
 		return 0, nil
 	}
 	if a.staleUnattached(va) && !force {
@@ -383,14 +371,14 @@ func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, erro
 		return 0, nil // nothing of ours to undo: no slot needed
 	}
 	// --per-driver-workers: one slow driver cannot take every worker.
-	if !a.slots.acquire(driver, "va/"+name) {
+	if !a.slots.Acquire(driver, "va/"+name) {
 		if force {
 			a.setForce(name) // still to publish again
 		}
-		return waitForSlot, nil
+		return kube.WaitForSlot, nil
 	}
-	defer a.slots.release(driver)
-	ctx, span := a.b.tracer.Start(ctx, "attach "+name, trace.WithAttributes(attribute.String("csi.driver", driver),
+	defer a.slots.Release(driver)
+	ctx, span := a.b.Tracer.Start(ctx, "attach "+name, trace.WithAttributes(attribute.String("csi.driver", driver),
 		attribute.String("k8s.node", va.Spec.NodeName), attribute.Bool("detach", va.DeletionTimestamp != nil)))
 	defer span.End()
 	if va.DeletionTimestamp != nil {
@@ -412,7 +400,7 @@ func (a *attacher) attachFailed(ctx context.Context, va *storagev1.VolumeAttachm
 		// the next leader takes the attachment up.
 		return err
 	}
-	a.b.metrics.attach.WithLabelValues(va.Spec.Attacher, map[bool]string{false: "attach", true: "detach"}[detach], "failed").Inc()
+	a.b.Metrics.Attach.WithLabelValues(va.Spec.Attacher, map[bool]string{false: "attach", true: "detach"}[detach], "failed").Inc()
 	ve := &storagev1.VolumeError{Time: metav1.Now(), Message: volumeErrorMessage(err.Error())}
 	if st, ok := status.FromError(unwrapStatus(err)); ok && st.Code() != codes.OK {
 		c := int32(st.Code())
@@ -427,11 +415,11 @@ func (a *attacher) attachFailed(ctx context.Context, va *storagev1.VolumeAttachm
 		cp.Status.AttachError = ve
 	}
 	if _, uerr := a.patchVA(ctx, va, cp, "status"); uerr != nil && !apierrors.IsNotFound(uerr) && !apierrors.IsConflict(uerr) {
-		a.b.log.Error("record attachment error", "volumeattachment", va.Name, "err", uerr)
+		a.b.Log.Error("record attachment error", "volumeattachment", va.Name, "err", uerr)
 	}
 	op := map[bool]string{false: "ControllerPublishVolume", true: "ControllerUnpublishVolume"}[detach]
-	a.b.log.Warn("attachment failed", "volumeattachment", va.Name, "driver", va.Spec.Attacher, "node", va.Spec.NodeName, "detach", detach, "err", err)
-	a.b.eventOnce(ctx, vaRef(va), corev1.EventTypeWarning, reason, failureOf(op, err), "%v", err)
+	a.b.Log.Warn("attachment failed", "volumeattachment", va.Name, "driver", va.Spec.Attacher, "node", va.Spec.NodeName, "detach", detach, "err", err)
+	a.b.EventOnce(ctx, vaRef(va), corev1.EventTypeWarning, reason, kube.FailureOf(op, err), "%v", err)
 	return err
 }
 
@@ -472,12 +460,12 @@ func unwrapStatus(err error) error {
 
 func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) error {
 	driver, node := va.Spec.Attacher, va.Spec.NodeName
-	caps, err := a.b.caps.get(ctx, driver)
+	caps, err := a.b.Caps.Get(ctx, driver)
 	if err != nil {
-		a.b.caps.forget(driver)
-		return a.attachFailed(ctx, va, false, unreachable{fmt.Errorf("driver %s is not reachable: %w", driver, err)})
+		a.b.Caps.Forget(driver)
+		return a.attachFailed(ctx, va, false, drivers.NewUnreachable(fmt.Errorf("driver %s is not reachable: %w", driver, err)))
 	}
-	if !caps.publishUnpublish {
+	if !caps.PublishUnpublish {
 		// Trivial attach: the driver has no controller publish step.
 		cp := va.DeepCopy()
 		cp.Status.Attached, cp.Status.AttachError = true, nil
@@ -485,7 +473,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 			return a.writeFailed(ctx, va, false, "mark the attachment attached", err)
 		}
 		a.noteMarked(va.Name, va.ResourceVersion, va.ResourceVersion)
-		a.b.metrics.attach.WithLabelValues(driver, "attach", "success").Inc()
+		a.b.Metrics.Attach.WithLabelValues(driver, "attach", "success").Inc()
 		return nil
 	}
 	src, err := a.source(va)
@@ -511,34 +499,34 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		return a.attachFailed(ctx, va, false, err)
 	}
 	fin := kube.AttacherFinalizer(driver)
-	if src.pv != nil && !hasFinalizer(src.pv, fin) {
+	if src.pv != nil && !kube.HasFinalizer(src.pv, fin) {
 		cp := src.pv.DeepCopy()
 		cp.Finalizers = append(cp.Finalizers, fin)
-		if err := a.b.patchPV(ctx, src.pv, cp); err != nil {
+		if err := a.b.PatchPV(ctx, src.pv, cp); err != nil {
 			return a.writeFailed(ctx, va, false, fmt.Sprintf("add finalizer %s to PersistentVolume %s", fin, src.pv.Name), err)
 		}
 	}
 	requester := a.requester(va, src)
-	recorded := recordedNamespaceLabels(src.pv)
+	recorded := kube.RecordedNamespaceLabels(src.pv)
 	// The namespace labels the publish is decided with are recorded on the
 	// attachment (in the write below) when the PV records none (a static
 	// PV, or one another provisioner made): the unpublish is decided with
 	// them if the namespace is gone by then.
 	nsLabelsNote := ""
 	if src.csi.ControllerPublishSecretRef != nil && recorded == nil && requester.Namespace != "" {
-		if l := a.b.readNamespaceLabels(ctx, requester.Namespace); l != nil {
+		if l := a.b.ReadNamespaceLabels(ctx, requester.Namespace); l != nil {
 			requester.NamespaceLabels = l
 			if b, err := json.Marshal(l); err == nil {
 				nsLabelsNote = string(b)
 			}
 		}
 	}
-	secrets, err := a.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpControllerPublishVolume, ref: src.csi.ControllerPublishSecretRef,
-		source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: requester, recordedNSLabels: recorded})
+	secrets, err := a.b.FetchSecret(ctx, kube.SecretUse{Driver: driver, Op: policy.OpControllerPublishVolume, Ref: src.csi.ControllerPublishSecretRef,
+		Source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, Requester: requester, RecordedNSLabels: recorded})
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
 	}
-	volCap, err := capability(src, caps.singleNodeMultiWriter)
+	volCap, err := capability(src, caps.SingleNodeMultiWriter)
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
 	}
@@ -569,11 +557,11 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
 	}
-	callCtx, cancel := a.b.callContext(ctx, driver, "ControllerPublishVolume")
+	callCtx, cancel := a.b.CallContext(ctx, driver, "ControllerPublishVolume")
 	resp, err := csi.NewControllerClient(conn).ControllerPublishVolume(callCtx, &csi.ControllerPublishVolumeRequest{
 		VolumeId: src.csi.VolumeHandle, NodeId: nodeID, VolumeCapability: volCap,
 		// Read-only only for a driver that may be asked (CSI: PUBLISH_READONLY), as external-attacher.
-		Readonly: src.csi.ReadOnly && caps.publishReadonly, VolumeContext: src.csi.VolumeAttributes, Secrets: secrets,
+		Readonly: src.csi.ReadOnly && caps.PublishReadonly, VolumeContext: src.csi.VolumeAttributes, Secrets: secrets,
 	})
 	cancel()
 	if err != nil {
@@ -587,9 +575,9 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		return a.writeFailed(ctx, va, false, "volume published, but marking the attachment attached failed", err)
 	}
 	a.noteMarked(va.Name, before, va.ResourceVersion)
-	a.b.metrics.attach.WithLabelValues(driver, "attach", "success").Inc()
-	a.b.log.Info("volume attached", "volumeattachment", va.Name, "driver", driver, "node", node, "volume", src.csi.VolumeHandle)
-	a.b.forgetEvents(va.UID) // a failure after this one is news
+	a.b.Metrics.Attach.WithLabelValues(driver, "attach", "success").Inc()
+	a.b.Log.Info("volume attached", "volumeattachment", va.Name, "driver", driver, "node", node, "volume", src.csi.VolumeHandle)
+	a.b.ForgetEvents(va.UID) // a failure after this one is news
 	return nil
 }
 
@@ -609,10 +597,10 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if !hasAttacherFinalizer(va.Finalizers, driver) {
 		return nil
 	}
-	caps, err := a.b.caps.get(ctx, driver)
+	caps, err := a.b.Caps.Get(ctx, driver)
 	if err != nil {
-		a.b.caps.forget(driver)
-		return a.attachFailed(ctx, va, true, unreachable{fmt.Errorf("driver %s is not reachable: %w", driver, err)})
+		a.b.Caps.Forget(driver)
+		return a.attachFailed(ctx, va, true, drivers.NewUnreachable(fmt.Errorf("driver %s is not reachable: %w", driver, err)))
 	}
 	// Our finalizer is there, so a publish was made or attempted: it is
 	// undone even if the driver's capabilities say today that it has no
@@ -627,7 +615,7 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 			return a.attachFailed(ctx, va, true, err)
 		}
 	}
-	recorded := recordedNamespaceLabels(src.pv)
+	recorded := kube.RecordedNamespaceLabels(src.pv)
 	if recorded == nil {
 		// Those the publish was decided with (attach records them when
 		// the PV does not).
@@ -635,8 +623,8 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 			_ = json.Unmarshal([]byte(v), &recorded)
 		}
 	}
-	secrets, err := a.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpControllerUnpublishVolume, ref: src.csi.ControllerPublishSecretRef,
-		source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, requester: a.requester(va, src), recordedNSLabels: recorded})
+	secrets, err := a.b.FetchSecret(ctx, kube.SecretUse{Driver: driver, Op: policy.OpControllerUnpublishVolume, Ref: src.csi.ControllerPublishSecretRef,
+		Source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerPublishSecretRef"}, Requester: a.requester(va, src), RecordedNSLabels: recorded})
 	if err != nil {
 		return a.attachFailed(ctx, va, true, err)
 	}
@@ -644,7 +632,7 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if err != nil {
 		return a.attachFailed(ctx, va, true, err)
 	}
-	callCtx, cancel := a.b.callContext(ctx, driver, "ControllerUnpublishVolume")
+	callCtx, cancel := a.b.CallContext(ctx, driver, "ControllerUnpublishVolume")
 	_, err = csi.NewControllerClient(conn).ControllerUnpublishVolume(callCtx, &csi.ControllerUnpublishVolumeRequest{VolumeId: src.csi.VolumeHandle, NodeId: nodeID, Secrets: secrets})
 	cancel()
 	// NotFound is not "detached": the spec's answer for a volume or node
@@ -654,7 +642,7 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	// node while still attached to the first.
 	switch code := status.Code(err); {
 	case err == nil:
-	case code == codes.Unimplemented && !caps.publishUnpublish:
+	case code == codes.Unimplemented && !caps.PublishUnpublish:
 		// No publish step after all.
 	default:
 		return a.attachFailed(ctx, va, true, fmt.Errorf("ControllerUnpublishVolume %s from node %s (ID %s): %w", src.csi.VolumeHandle, node, nodeID, err))
@@ -679,8 +667,8 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	if _, err := a.patchVA(ctx, base, cp); err != nil && !apierrors.IsNotFound(err) {
 		return a.writeFailed(ctx, va, true, "volume unpublished, but removing the attacher finalizer failed", err)
 	}
-	a.b.metrics.attach.WithLabelValues(driver, "detach", "success").Inc()
-	a.b.log.Info("volume detached", "volumeattachment", va.Name, "driver", driver, "node", node)
+	a.b.Metrics.Attach.WithLabelValues(driver, "detach", "success").Inc()
+	a.b.Log.Info("volume detached", "volumeattachment", va.Name, "driver", driver, "node", node)
 	if pv := va.Spec.Source.PersistentVolumeName; pv != nil {
 		a.queue.Add("pv/" + *pv)
 	}
@@ -690,26 +678,26 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 // syncPV drops the attacher finalizer from a PV being deleted once no
 // attachment uses it.
 func (a *attacher) syncPV(ctx context.Context, name string) error {
-	pv, err := a.b.volumes.Get(name)
+	pv, err := a.b.Volumes.Get(name)
 	if apierrors.IsNotFound(err) {
 		return nil
 	}
 	if err != nil || pv.DeletionTimestamp == nil {
 		return err
 	}
-	driver := pvDriver(pv)
+	driver := kube.PVDriver(pv)
 	if driver == "" || !hasAttacherFinalizer(pv.Finalizers, driver) {
 		return nil
 	}
-	if va, err := a.b.attachmentOf(name); err != nil || va != nil {
+	if va, err := a.b.AttachmentOf(name); err != nil || va != nil {
 		return err // still used; the attachment's deletion requeues us
 	}
 	cp := pv.DeepCopy()
 	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
-	if err := a.b.patchPV(ctx, pv, cp); err != nil && !apierrors.IsNotFound(err) {
+	if err := a.b.PatchPV(ctx, pv, cp); err != nil && !apierrors.IsNotFound(err) {
 		if !apierrors.IsConflict(err) {
-			a.b.log.Warn("remove the attacher finalizer of a PersistentVolume being deleted", "pv", name, "driver", driver, "err", err)
-			a.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "DetachFailed", "remove finalizer "+string(apierrors.ReasonForError(err)),
+			a.b.Log.Warn("remove the attacher finalizer of a PersistentVolume being deleted", "pv", name, "driver", driver, "err", err)
+			a.b.EventOnce(ctx, kube.PVRef(pv), corev1.EventTypeWarning, "DetachFailed", "remove finalizer "+string(apierrors.ReasonForError(err)),
 				"no attachment uses the volume any more, but removing finalizer %s failed: %v", kube.AttacherFinalizer(driver), err)
 		}
 		return err
@@ -734,7 +722,7 @@ func (a *attacher) reconcileLoop(ctx context.Context) {
 }
 
 func (a *attacher) reconcile(ctx context.Context) {
-	vas, err := a.b.attachments.List(labels.Everything())
+	vas, err := a.b.Attachments.List(labels.Everything())
 	if err != nil {
 		return
 	}
@@ -743,9 +731,9 @@ func (a *attacher) reconcile(ctx context.Context) {
 	type proxyKey struct{ driver, node string }
 	byProxy := map[proxyKey][]*storagev1.VolumeAttachment{}
 	for _, va := range vas {
-		if va.Status.Attached && va.DeletionTimestamp == nil && a.b.registered(va.Spec.Attacher) {
+		if va.Status.Attached && va.DeletionTimestamp == nil && a.b.Registered(va.Spec.Attacher) {
 			k := proxyKey{driver: va.Spec.Attacher}
-			if a.b.cfg.Drivers.NodeLocal(k.driver) {
+			if a.b.Cfg.Drivers.NodeLocal(k.driver) {
 				k.node = va.Spec.NodeName
 			}
 			byProxy[k] = append(byProxy[k], va)
@@ -753,24 +741,24 @@ func (a *attacher) reconcile(ctx context.Context) {
 	}
 	for k, list := range byProxy {
 		driver := k.driver
-		caps, err := a.b.caps.get(ctx, driver)
+		caps, err := a.b.Caps.Get(ctx, driver)
 		if err != nil {
-			a.b.caps.forget(driver)
-			a.b.log.Warn("attach reconcile: driver not reachable; its attachments are checked next time", "driver", driver, "node", k.node, "err", err)
+			a.b.Caps.Forget(driver)
+			a.b.Log.Warn("attach reconcile: driver not reachable; its attachments are checked next time", "driver", driver, "node", k.node, "err", err)
 			continue
 		}
-		if !caps.listPublishedNodes || !caps.publishUnpublish {
+		if !caps.ListPublishedNodes || !caps.PublishUnpublish {
 			continue
 		}
 		published, err := a.listPublished(ctx, driver, k.node)
 		if err != nil {
-			a.b.log.Warn("attach reconcile: ListVolumes failed", "driver", driver, "node", k.node, "err", err)
+			a.b.Log.Warn("attach reconcile: ListVolumes failed", "driver", driver, "node", k.node, "err", err)
 			continue
 		}
 		for _, va := range list {
 			src, err := a.source(va)
 			if err != nil {
-				a.b.log.Debug("attach reconcile: attachment skipped", "volumeattachment", va.Name, "err", err)
+				a.b.Log.Debug("attach reconcile: attachment skipped", "volumeattachment", va.Name, "err", err)
 				continue
 			}
 			handle := src.csi.VolumeHandle
@@ -778,7 +766,7 @@ func (a *attacher) reconcile(ctx context.Context) {
 				// A translated handle may lack what the driver's own IDs
 				// hold (GCE PD's project): completed from the node's ID,
 				// as external-attacher compares them.
-				if h, err := migration.RepairVolumeHandle(driver, handle, va.Annotations[kube.AnnVANodeID]); err == nil {
+				if h, err := kube.Migration.RepairVolumeHandle(driver, handle, va.Annotations[kube.AnnVANodeID]); err == nil {
 					handle = h
 				}
 			}
@@ -789,36 +777,21 @@ func (a *attacher) reconcile(ctx context.Context) {
 			// the status stays attached (false would make the
 			// attach-detach controller count the volume as detached from a
 			// node that may be using it).
-			a.b.log.Warn("attach reconcile: driver does not report the volume as published; publishing it again", "volumeattachment", va.Name, "volume", src.csi.VolumeHandle, "node", va.Spec.NodeName)
+			a.b.Log.Warn("attach reconcile: driver does not report the volume as published; publishing it again", "volumeattachment", va.Name, "volume", src.csi.VolumeHandle, "node", va.Spec.NodeName)
 			a.setForce(va.Name)
 			a.queue.Add("va/" + va.Name)
 		}
 	}
 }
 
-// attachmentOf is a VolumeAttachment naming PV pv (the first found), nil if
-// none does: while one does, the volume may be in use on its node.
-func (b *Bridge) attachmentOf(pv string) (*storagev1.VolumeAttachment, error) {
-	vas, err := b.attachments.List(labels.Everything())
-	if err != nil {
-		return nil, err
-	}
-	for _, va := range vas {
-		if src := va.Spec.Source.PersistentVolumeName; src != nil && *src == pv {
-			return va, nil
-		}
-	}
-	return nil, nil
-}
-
 // conn is the proxy that takes a driver's controller calls for an
 // attachment to node: the driver's controller proxy, or for a node-local
 // driver (whose volumes live on the node that uses them) the node's own.
 func (a *attacher) conn(driver, node string) (grpc.ClientConnInterface, error) {
-	if a.b.cfg.Drivers.NodeLocal(driver) {
-		return a.b.cfg.Drivers.NodeConn(driver, node)
+	if a.b.Cfg.Drivers.NodeLocal(driver) {
+		return a.b.Cfg.Drivers.NodeConn(driver, node)
 	}
-	return a.b.cfg.Drivers.ControllerConn(driver)
+	return a.b.Cfg.Drivers.ControllerConn(driver)
 }
 
 func (a *attacher) listPublished(ctx context.Context, driver, node string) (map[string]map[string]bool, error) {
@@ -830,7 +803,7 @@ func (a *attacher) listPublished(ctx context.Context, driver, node string) (map[
 	token := ""
 	seen := map[string]bool{}
 	for {
-		callCtx, cancel := a.b.callContext(ctx, driver, "ListVolumes")
+		callCtx, cancel := a.b.CallContext(ctx, driver, "ListVolumes")
 		resp, err := csi.NewControllerClient(conn).ListVolumes(callCtx, &csi.ListVolumesRequest{StartingToken: token, MaxEntries: 500})
 		cancel()
 		if err != nil {

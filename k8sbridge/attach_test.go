@@ -117,7 +117,7 @@ func vaFor(t *testing.T, c kubernetes.Interface, pv string, cond func(*storagev1
 // PUBLISH_UNPUBLISH is attached without a CSI call; a failing publish shows
 // in the attachment's status.
 func TestAttachDetach(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -162,7 +162,7 @@ func TestAttachDetach(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !containsString(va.Finalizers, fin) || !hasFinalizer(pv, fin) || va.Annotations[kube.AnnVANodeID] != node {
+	if !containsString(va.Finalizers, fin) || !kube.HasFinalizer(pv, fin) || va.Annotations[kube.AnnVANodeID] != node {
 		t.Fatalf("finalizers VA %v PV %v, node ID %q", va.Finalizers, pv.Finalizers, va.Annotations[kube.AnnVANodeID])
 	}
 	if n := dPub.CallCount("ControllerPublishVolume"); n != 1 {
@@ -331,7 +331,7 @@ func TestNoAttachOfAPVBeingDeleted(t *testing.T) {
 	}
 	t.Cleanup(func() {
 		if cur, err := c.CoreV1().PersistentVolumes().Get(context.Background(), pvName, metav1.GetOptions{}); err == nil {
-			cur.Finalizers = removeString(cur.Finalizers, hold)
+			cur.Finalizers = kube.RemoveString(cur.Finalizers, hold)
 			c.CoreV1().PersistentVolumes().Update(context.Background(), cur, metav1.UpdateOptions{})
 		}
 	})
@@ -353,7 +353,7 @@ func TestNoAttachOfAPVBeingDeleted(t *testing.T) {
 // one went while no broker was running). The broker that starts drops the
 // finalizer, and the PV goes.
 func TestAttacherFinalizerOfAPVLeftTerminating(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
 	drivers := &testDrivers{}
 	drv := kubetest.ClusterName(ns, "left.csi.test")
@@ -440,7 +440,7 @@ func newAttachSetup(t *testing.T, name string, cfg sampledriver.Config) *attachS
 // bridge through wrap if wrap is not nil.
 func newAttachSetupWith(t *testing.T, name string, cfg sampledriver.Config, td *testDrivers, wrap Drivers, o bridgeOpts) *attachSetup {
 	t.Helper()
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	s := &attachSetup{ctx: context.Background(), c: env.Client(), ns: env.NewNamespace(t), drivers: td}
 	s.node = addAttachNode(t, env, s.ns)
 	s.drv = kubetest.ClusterName(s.ns, name)
@@ -822,7 +822,7 @@ func TestDetachRetriesNotFound(t *testing.T) {
 // VolumeAttachment status whose error message is over 1024 bytes; a long
 // driver error is cut (on a UTF-8 boundary) to a message it accepts.
 func TestVolumeErrorMessageFitsTheAPIServer(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -855,12 +855,13 @@ func TestVolumeErrorMessageFitsTheAPIServer(t *testing.T) {
 
 // loopingLister answers every ListVolumes with the same next page token.
 type loopingLister struct {
-	Drivers // nil: only ControllerConn is used
+	Drivers // nil: only ControllerConn, NodeLocal and CallTimeout are used
 	calls   int
 }
 
 func (d *loopingLister) ControllerConn(string) (grpc.ClientConnInterface, error) { return d, nil }
 func (d *loopingLister) NodeLocal(string) bool                                   { return false }
+func (d *loopingLister) CallTimeout(string, string) time.Duration                { return 0 }
 
 func (d *loopingLister) Invoke(_ context.Context, method string, _, reply any, _ ...grpc.CallOption) error {
 	d.calls++
@@ -880,7 +881,7 @@ func (d *loopingLister) NewStream(context.Context, *grpc.StreamDesc, string, ...
 // loop of calls for the rest of the term.
 func TestListPublishedStopsOnARepeatedToken(t *testing.T) {
 	d := &loopingLister{}
-	a := &attacher{b: &Bridge{cfg: Config{Drivers: d, Timeout: time.Second}}}
+	a := &attacher{b: &kube.Env{Cfg: Config{Drivers: d, Timeout: time.Second}}}
 	_, err := a.listPublished(context.Background(), "loop.csi.test", "")
 	if err == nil || !strings.Contains(err.Error(), "twice") || d.calls != 2 {
 		t.Fatalf("after %d ListVolumes calls: %v; want an error about the repeated token after 2", d.calls, err)
@@ -894,7 +895,7 @@ func TestListPublishedStopsOnARepeatedToken(t *testing.T) {
 // own volume ID, detach unpublishes it, and the PV's attacher finalizer
 // goes when the PV is deleted.
 func TestAttachesAMigratedInTreeVolume(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
 	node := addAttachNode(t, env, ns)
 	// The driver CSI migration moves in-tree Cinder volumes to (a name the
@@ -978,7 +979,7 @@ func TestDetachMarksAnAttachmentKeptByAnotherFinalizer(t *testing.T) {
 // the detach. The attachment recorded the labels its publish was decided
 // with, so the unpublish is decided with them and the detach completes.
 func TestDetachAfterNamespaceIsGone(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ctx, c, storageNS := context.Background(), env.Client(), env.NewNamespace(t)
 	tenant := makeTenant(t, c, storageNS)
 	node := addAttachNode(t, env, storageNS)
@@ -1064,7 +1065,7 @@ func deleteNamespace(t *testing.T, c kubernetes.Interface, ns string) {
 // all. Keys a strategic merge patch reads as directives ("$patch":
 // "delete" dropped the whole map) reach the API server as data.
 func TestAttachKeepsPublishContextKeysSpeltLikePatchDirectives(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	c, ns := env.Client(), env.NewNamespace(t)
 	node := addAttachNode(t, env, ns)
 	drv := kubetest.ClusterName(ns, "dollar.csi.test")

@@ -11,7 +11,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
-	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 	"github.com/csibroker/csibroker/policy"
 )
@@ -25,7 +24,7 @@ const canarySecret = "CANARY-secret-value-9d1e"
 // object, log line (bridge, brokers and proxies logging at every level),
 // span or metric.
 func TestBadInputGetsClearEvents(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()

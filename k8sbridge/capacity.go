@@ -58,6 +58,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/k8sbridge/topology"
@@ -117,8 +118,6 @@ const (
 	// controller would not have written; such objects are never wanted.
 	capacityBadSegment = "!unrecognised"
 )
-
-func init() { extraControllers = append(extraControllers, newCapacityController) }
 
 // capacityKey names one CSIStorageCapacity object.
 type capacityKey struct {
@@ -265,7 +264,7 @@ func (a capacityItem) sameRequest(b capacityItem) bool {
 // capacityController keeps the CSIStorageCapacity objects. Its informer,
 // queue and bookkeeping exist only while this replica leads.
 type capacityController struct {
-	b   *Bridge
+	b   *kube.Env
 	log *slog.Logger
 	// changed is nudged by informer handlers (while standing by too).
 	changed chan struct{}
@@ -293,10 +292,10 @@ type capacityController struct {
 	goneSince map[string]time.Time
 }
 
-func newCapacityController(b *Bridge) (controller, error) {
+func newCapacityController(b *kube.Env) (controller, error) {
 	c := &capacityController{
 		b:       b,
-		log:     b.log.With("controller", "capacity"),
+		log:     b.Log.With("controller", "capacity"),
 		changed: make(chan struct{}, 1),
 		refreshes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "capacity_refreshes_total",
@@ -307,18 +306,18 @@ func newCapacityController(b *Bridge) (controller, error) {
 			Help: "API writes made for CSIStorageCapacity objects, by operation (create, update, delete).",
 		}, []string{"operation"}),
 	}
-	if reg := b.cfg.Registerer; reg != nil {
+	if reg := b.Cfg.Registerer; reg != nil {
 		for _, col := range []prometheus.Collector{c.refreshes, c.writes} {
 			if err := reg.Register(col); err != nil {
 				return nil, fmt.Errorf("capacity metrics: %w", err)
 			}
 		}
 	}
-	b.metrics.queueDepth("capacity", c.queueLen)
-	b.volumeChanged = append(b.volumeChanged, c.onVolumeChange)
+	b.Metrics.QueueDepth("capacity", c.queueLen)
+	b.VolumeChanged = append(b.VolumeChanged, c.onVolumeChange)
 
 	nudge := func(any) { c.nudge() }
-	b.on(b.factory.Storage().V1().StorageClasses().Informer(), cache.ResourceEventHandlerFuncs{
+	b.On(b.Factory.Storage().V1().StorageClasses().Informer(), cache.ResourceEventHandlerFuncs{
 		// Provisioner and parameters are immutable: only adds and deletes
 		// matter, and an update that is a class made again (a relist after
 		// a watch gap shows a delete and re-create as one).
@@ -331,7 +330,7 @@ func newCapacityController(b *Bridge) (controller, error) {
 			}
 		},
 	})
-	b.on(b.factory.Storage().V1().CSINodes().Informer(), cache.ResourceEventHandlerFuncs{
+	b.On(b.Factory.Storage().V1().CSINodes().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: nudge, DeleteFunc: nudge,
 		UpdateFunc: func(oldObj, newObj any) {
 			o, ok1 := oldObj.(*storagev1.CSINode)
@@ -341,7 +340,7 @@ func newCapacityController(b *Bridge) (controller, error) {
 			}
 		},
 	})
-	b.on(b.factory.Core().V1().Nodes().Informer(), cache.ResourceEventHandlerFuncs{
+	b.On(b.Factory.Core().V1().Nodes().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: nudge, DeleteFunc: nudge,
 		// Nodes change all the time (heartbeats, conditions); only their
 		// labels make segments.
@@ -361,14 +360,14 @@ func newCapacityController(b *Bridge) (controller, error) {
 // each CreateVolume and DeleteVolume): the driver's objects of the
 // volume's node (node-local) or of the segments its topology falls in
 // (every segment when that is not known), of v.class or of every class.
-func (c *capacityController) onVolumeChange(v volumeChange) {
+func (c *capacityController) onVolumeChange(v kube.VolumeChange) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.queue == nil {
 		return
 	}
 	for k, item := range c.desired {
-		if k.driver == v.driver && (v.class == "" || k.class == v.class) && !item.kept && item.segment.holds(item.nodeLoc, v) {
+		if k.driver == v.Driver && (v.Class == "" || k.class == v.Class) && !item.kept && item.segment.holds(item.nodeLoc, v) {
 			c.queue.Add(k)
 		}
 	}
@@ -376,14 +375,14 @@ func (c *capacityController) onVolumeChange(v volumeChange) {
 
 // holds reports whether a volume of v may have taken (or freed) storage
 // counted in segment s.
-func (s capacitySegment) holds(nodeLocal bool, v volumeChange) bool {
+func (s capacitySegment) holds(nodeLocal bool, v kube.VolumeChange) bool {
 	if nodeLocal {
-		return v.node == "" || v.node == s.node
+		return v.Node == "" || v.Node == s.node
 	}
-	if len(v.topo) == 0 {
+	if len(v.Topo) == 0 {
 		return true
 	}
-	return slices.ContainsFunc(v.topo, func(seg map[string]string) bool {
+	return slices.ContainsFunc(v.Topo, func(seg map[string]string) bool {
 		for _, e := range s.term {
 			if v, ok := seg[e.Key]; ok && v != e.Value {
 				return false
@@ -412,8 +411,8 @@ func (c *capacityController) queueLen() int {
 // run keeps the objects while ctx lasts (this replica leads).
 func (c *capacityController) run(ctx context.Context) {
 	// Only the broker's own objects are watched: its namespace, its label.
-	factory := informers.NewSharedInformerFactoryWithOptions(c.b.cfg.InformerClient, c.b.cfg.ResyncPeriod,
-		informers.WithNamespace(c.b.cfg.Namespace),
+	factory := informers.NewSharedInformerFactoryWithOptions(c.b.Cfg.InformerClient, c.b.Cfg.ResyncPeriod,
+		informers.WithNamespace(c.b.Cfg.Namespace),
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.LabelSelector = capacityLabelManagedBy + "=" + capacityManagedBy
 		}),
@@ -438,7 +437,7 @@ func (c *capacityController) run(ctx context.Context) {
 	}
 	queue := workqueue.NewTypedRateLimitingQueueWithConfig(
 		workqueue.NewTypedMaxOfRateLimiter(
-			workqueue.NewTypedItemExponentialFailureRateLimiter[capacityKey](c.b.cfg.RetryIntervalStart, c.b.cfg.RetryIntervalMax),
+			workqueue.NewTypedItemExponentialFailureRateLimiter[capacityKey](c.b.Cfg.RetryIntervalStart, c.b.Cfg.RetryIntervalMax),
 			&workqueue.TypedBucketRateLimiter[capacityKey]{Limiter: rate.NewLimiter(rate.Limit(10), 100)}),
 		workqueue.TypedRateLimitingQueueConfig[capacityKey]{Name: "capacity"})
 	c.mu.Lock()
@@ -486,7 +485,7 @@ func (c *capacityController) run(ctx context.Context) {
 		case <-regCheck.C:
 			if s := c.registryState(); s != registry {
 				registry = s
-				c.log.Info("registered drivers or node proxies changed", "drivers", c.b.cfg.Drivers.DriverNames())
+				c.log.Info("registered drivers or node proxies changed", "drivers", c.b.Cfg.Drivers.DriverNames())
 				c.log.Debug("registry", "state", s)
 				c.reconcile()
 			}
@@ -505,9 +504,9 @@ func (c *capacityController) run(ctx context.Context) {
 // for node-local ones, the nodes with a proxy.
 func (c *capacityController) registryState() string {
 	var b strings.Builder
-	for _, d := range c.b.cfg.Drivers.DriverNames() {
-		if c.b.cfg.Drivers.NodeLocal(d) {
-			nodes := slices.Clone(c.b.cfg.Drivers.DriverNodes(d))
+	for _, d := range c.b.Cfg.Drivers.DriverNames() {
+		if c.b.Cfg.Drivers.NodeLocal(d) {
+			nodes := slices.Clone(c.b.Cfg.Drivers.DriverNodes(d))
 			slices.Sort(nodes)
 			fmt.Fprintf(&b, "%s(node-local, nodes %s) ", d, strings.Join(nodes, ","))
 			continue
@@ -520,11 +519,11 @@ func (c *capacityController) registryState() string {
 // desiredItems computes from the caches which objects should exist.
 func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
 	out := map[capacityKey]capacityItem{}
-	classes, err := c.b.classes.List(labels.Everything())
+	classes, err := c.b.Classes.List(labels.Everything())
 	if err != nil {
 		return out
 	}
-	csiNodes, err := c.b.csiNodes.List(labels.Everything())
+	csiNodes, err := c.b.CSINodes.List(labels.Everything())
 	if err != nil {
 		return out
 	}
@@ -533,7 +532,7 @@ func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
 		c.lastItems, c.goneSince = map[string]map[capacityKey]capacityItem{}, map[string]time.Time{}
 	}
 	registered := map[string]bool{}
-	for _, driver := range c.b.cfg.Drivers.DriverNames() {
+	for _, driver := range c.b.Cfg.Drivers.DriverNames() {
 		registered[driver] = true
 		var driverClasses []*storagev1.StorageClass
 		for _, sc := range classes {
@@ -541,7 +540,7 @@ func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
 			// the scheduler reads capacity for WaitForFirstConsumer
 			// claims only, so Immediate classes get no objects unless asked.
 			immediate := sc.VolumeBindingMode == nil || *sc.VolumeBindingMode == storagev1.VolumeBindingImmediate
-			if sc.Provisioner == driver && (!immediate || c.b.cfg.CapacityForImmediateBinding) {
+			if sc.Provisioner == driver && (!immediate || c.b.Cfg.CapacityForImmediateBinding) {
 				driverClasses = append(driverClasses, sc)
 			}
 		}
@@ -554,17 +553,17 @@ func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
 		}
 		var nodes []topology.Node
 		for _, cn := range csiNodes {
-			node, err := c.b.nodes.Get(cn.Name)
+			node, err := c.b.Nodes.Get(cn.Name)
 			if err != nil {
 				continue // no Node (yet): no labels to make a segment of
 			}
 			nodes = append(nodes, topology.NewNode(node, cn, driver))
 		}
-		nodeLocal := c.b.cfg.Drivers.NodeLocal(driver)
+		nodeLocal := c.b.Cfg.Drivers.NodeLocal(driver)
 		var proxies map[string]bool
 		if nodeLocal {
 			proxies = map[string]bool{}
-			for _, n := range c.b.cfg.Drivers.DriverNodes(driver) {
+			for _, n := range c.b.Cfg.Drivers.DriverNodes(driver) {
 				proxies[n] = true
 			}
 		}
@@ -633,7 +632,7 @@ func (c *capacityController) adoptUnregistered(objs []any) {
 		c.lastItems, c.goneSince = map[string]map[capacityKey]capacityItem{}, map[string]time.Time{}
 	}
 	registered := map[string]bool{}
-	for _, d := range c.b.cfg.Drivers.DriverNames() {
+	for _, d := range c.b.Cfg.Drivers.DriverNames() {
 		registered[d] = true
 	}
 	now := time.Now()
@@ -652,7 +651,7 @@ func (c *capacityController) adoptUnregistered(objs []any) {
 			continue
 		}
 		item := capacityItem{segment: capacitySegment{term: term, request: term}, selector: term.Labels()}
-		if class, err := c.b.classes.Get(key.class); err == nil {
+		if class, err := c.b.Classes.Get(key.class); err == nil {
 			item.classUID = class.UID
 		}
 		if c.lastItems[key.driver] == nil {
@@ -714,7 +713,7 @@ func (c *capacityController) onObjectSeen(obj any) {
 }
 
 func (c *capacityController) onObjectDeleted(obj any) {
-	csc, ok := deleted[*storagev1.CSIStorageCapacity](obj)
+	csc, ok := kube.Deleted[*storagev1.CSIStorageCapacity](obj)
 	if !ok {
 		return
 	}
@@ -772,14 +771,14 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 		// registered: its object stays as it is, unless its class went
 		// (or, for an unregistered driver, was made again). Seen at this
 		// key's next refresh (the poll).
-		if class, err := c.b.classes.Get(key.class); apierrors.IsNotFound(err) ||
+		if class, err := c.b.Classes.Get(key.class); apierrors.IsNotFound(err) ||
 			(err == nil && (class.Provisioner != key.driver || item.classUID != "" && class.UID != item.classUID)) {
 			return c.remove(ctx, key)
 		}
 		c.refreshes.WithLabelValues(key.driver, "kept").Inc()
 		return nil
 	}
-	class, err := c.b.classes.Get(key.class)
+	class, err := c.b.Classes.Get(key.class)
 	if apierrors.IsNotFound(err) {
 		return c.remove(ctx, key) // the class event will drop the key too
 	}
@@ -797,7 +796,7 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 		c.refreshes.WithLabelValues(key.driver, "failed").Inc()
 		return err
 	}
-	if !caps.getCapacity {
+	if !caps.GetCapacity {
 		c.refreshes.WithLabelValues(key.driver, "unsupported").Inc()
 		c.log.Debug("driver has no GET_CAPACITY capability: no capacity objects", "driver", key.driver)
 		return c.remove(ctx, key)
@@ -806,7 +805,7 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 	// VOLUME_ACCESSIBILITY_CONSTRAINTS; a node-local driver without it is
 	// asked on its node's proxy, which says where.
 	var segment map[string]string
-	if caps.accessibility {
+	if caps.Accessibility {
 		segment = item.segment.request.Labels()
 	}
 	req := CapacityRequest(class, segment)
@@ -841,13 +840,13 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 		maxSize = resource.NewQuantity(resp.GetMaximumVolumeSize().GetValue(), resource.BinarySI)
 	}
 	wantLabels := map[string]string{capacityLabelDriver: key.driver, capacityLabelManagedBy: capacityManagedBy}
-	client := c.b.cfg.Client.StorageV1().CSIStorageCapacities(c.b.cfg.Namespace)
+	client := c.b.Cfg.Client.StorageV1().CSIStorageCapacities(c.b.Cfg.Namespace)
 
 	if current == nil {
 		obj := &storagev1.CSIStorageCapacity{
 			ObjectMeta: metav1.ObjectMeta{
 				GenerateName:    capacityGenerateName,
-				Namespace:       c.b.cfg.Namespace,
+				Namespace:       c.b.Cfg.Namespace,
 				Labels:          wantLabels,
 				OwnerReferences: []metav1.OwnerReference{owner},
 			},
@@ -970,7 +969,7 @@ func (c *capacityController) delete(ctx context.Context, key capacityKey, obj *s
 	}
 	c.mu.Unlock()
 	uid := obj.UID
-	err := c.b.cfg.Client.StorageV1().CSIStorageCapacities(obj.Namespace).Delete(ctx, obj.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
+	err := c.b.Cfg.Client.StorageV1().CSIStorageCapacities(obj.Namespace).Delete(ctx, obj.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
 	c.writes.WithLabelValues("delete").Inc()
 	switch {
 	case err == nil:
@@ -996,7 +995,7 @@ func (c *capacityController) ownerRef(ctx context.Context) (metav1.OwnerReferenc
 		return *o, nil
 	}
 	c.mu.Unlock()
-	cm, err := c.b.intents.Record(ctx)
+	cm, err := c.b.Intents.Record(ctx)
 	if err != nil {
 		return metav1.OwnerReference{}, fmt.Errorf("owner of capacity objects: %w", err)
 	}
@@ -1009,8 +1008,8 @@ func (c *capacityController) ownerRef(ctx context.Context) (metav1.OwnerReferenc
 
 // capabilities are the driver's (for a node-local driver without a
 // controller proxy, any of its node proxies answers: capsCache).
-func (c *capacityController) capabilities(ctx context.Context, driver string) (driverCaps, error) {
-	return c.b.caps.get(ctx, driver)
+func (c *capacityController) capabilities(ctx context.Context, driver string) (drivers.Caps, error) {
+	return c.b.Caps.Get(ctx, driver)
 }
 
 func (c *capacityController) getCapacity(ctx context.Context, driver string, item capacityItem, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
@@ -1019,16 +1018,16 @@ func (c *capacityController) getCapacity(ctx context.Context, driver string, ite
 		err  error
 	)
 	if item.nodeLoc {
-		conn, err = c.b.cfg.Drivers.NodeConn(driver, item.segment.node)
+		conn, err = c.b.Cfg.Drivers.NodeConn(driver, item.segment.node)
 	} else {
-		conn, err = c.b.cfg.Drivers.ControllerConn(driver)
+		conn, err = c.b.Cfg.Drivers.ControllerConn(driver)
 	}
 	if err != nil {
 		return nil, err
 	}
-	ctx, cancel := c.b.callContext(ctx, driver, "GetCapacity")
+	ctx, cancel := c.b.CallContext(ctx, driver, "GetCapacity")
 	defer cancel()
-	ctx, span := c.b.tracer.Start(ctx, "capacity refresh", trace.WithAttributes(
+	ctx, span := c.b.Tracer.Start(ctx, "capacity refresh", trace.WithAttributes(
 		attribute.String("csi.driver", driver), attribute.String("csi.topology", item.segment.request.String())))
 	defer span.End()
 	resp, err := csi.NewControllerClient(conn).GetCapacity(ctx, req)

@@ -274,7 +274,7 @@ func segmentKey(class, key, value string) string { return class + " {" + key + "
 // them again under the new owner.
 func TestCapacityZonalDriverTwoClasses(t *testing.T) {
 	fastCapacityPolls(t)
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -431,6 +431,13 @@ func (s *switchDrivers) DriverNames() []string {
 	return s.testDrivers.DriverNames()
 }
 
+func (s *switchDrivers) HasDriver(d string) bool {
+	if s.gone.Load() {
+		return false
+	}
+	return s.testDrivers.HasDriver(d)
+}
+
 // calledFrom reports whether a function whose name ends in fn is on the
 // caller's stack.
 func calledFrom(fn string) bool {
@@ -477,7 +484,7 @@ type zoneCapacity struct {
 func setUpZoneCapacity(t *testing.T) zoneCapacity {
 	t.Helper()
 	fastCapacityPolls(t)
-	z := zoneCapacity{env: testenv.Shared(t)}
+	z := zoneCapacity{env: kubetest.ControlPlane(t)}
 	z.ns = z.env.NewNamespace(t)
 	z.c = z.env.Client()
 	z.drv = kubetest.ClusterName(z.ns, "zonal.csi.test")
@@ -625,7 +632,7 @@ func TestCapacityNewLeaderKeepsObjectsOfDriversNotRegisteredYet(t *testing.T) {
 // proxy is back.
 func TestCapacityNodeLocalNodeWithoutProxy(t *testing.T) {
 	fastCapacityPolls(t)
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -766,7 +773,7 @@ func nodeProxy(t *testing.T, driver, node string, capacity int64) (*sampledriver
 // spec forbids it (the sample driver refuses one).
 func TestCapacityNodeLocalWithoutTopology(t *testing.T) {
 	fastCapacityPolls(t)
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "plain.csi.test")
@@ -804,7 +811,7 @@ func TestCapacityNodeLocalWithoutTopology(t *testing.T) {
 // not placed).
 func TestCapacityNodeLocalTwoNodes(t *testing.T) {
 	fastCapacityPolls(t)
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -915,16 +922,14 @@ func TestCapacityNodeLocalTwoNodes(t *testing.T) {
 	}
 }
 
-var (
-	_ Drivers      = (*broker.Broker)(nil)
-	_ driverLookup = (*broker.Broker)(nil) // so Bridge.registered takes the map lookup
-)
+// The broker is the bridge's drivers (lookups and timeouts included).
+var _ Drivers = (*broker.Broker)(nil)
 
 // TestCapacityForImmediateBinding: with --capacity-for-immediate-binding,
 // an Immediate class of the driver gets its objects too.
 func TestCapacityForImmediateBinding(t *testing.T) {
 	fastCapacityPolls(t)
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "imm.csi.test")
@@ -933,7 +938,7 @@ func TestCapacityForImmediateBinding(t *testing.T) {
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 10 * gib})
 	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "imm"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.CapacityForImmediateBinding = true }})
+	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.Cfg.CapacityForImmediateBinding = true }})
 	waitCapacities(t, c, ns, drv, map[string]int64{segmentKey(class.Name, testenv.LabelZone, "z1"): 10 * gib})
 }
 
@@ -945,7 +950,7 @@ func TestCapacityForImmediateBinding(t *testing.T) {
 // scheduled and its volume provisioned.
 func TestCapacityDriverWithoutTopology(t *testing.T) {
 	fastCapacityPolls(t)
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -980,7 +985,7 @@ func TestCapacityFollowsVolumes(t *testing.T) {
 	poll, reg := capacityPollInterval, capacityRegistryInterval
 	capacityPollInterval, capacityRegistryInterval = 10*time.Minute, 200*time.Millisecond
 	t.Cleanup(func() { capacityPollInterval, capacityRegistryInterval = poll, reg })
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -1018,19 +1023,19 @@ func TestCapacitySegmentHolds(t *testing.T) {
 		name      string
 		seg       capacitySegment
 		nodeLocal bool
-		v         volumeChange
+		v         kube.VolumeChange
 		want      bool
 	}{
-		{"topology not known", z1, false, volumeChange{}, true},
-		{"in the zone", z1, false, volumeChange{topo: []map[string]string{{zone: "z1", rack: "r9"}}}, true},
-		{"another zone", z1, false, volumeChange{topo: []map[string]string{{zone: "z2"}}}, false},
-		{"one of its segments", z1, false, volumeChange{topo: []map[string]string{{zone: "z2"}, {zone: "z1"}}}, true},
-		{"another rack", z1r1, false, volumeChange{topo: []map[string]string{{zone: "z1", rack: "r2"}}}, false},
-		{"a key the volume does not say", z1r1, false, volumeChange{topo: []map[string]string{{zone: "z1"}}}, true},
-		{"the empty segment", capacitySegment{term: topology.Term{}}, false, volumeChange{topo: []map[string]string{{zone: "z1"}}}, true},
-		{"node-local, its node", n1, true, volumeChange{node: "n1"}, true},
-		{"node-local, another node", n1, true, volumeChange{node: "n2"}, false},
-		{"node-local, node not known", n1, true, volumeChange{}, true},
+		{"topology not known", z1, false, kube.VolumeChange{}, true},
+		{"in the zone", z1, false, kube.VolumeChange{Topo: []map[string]string{{zone: "z1", rack: "r9"}}}, true},
+		{"another zone", z1, false, kube.VolumeChange{Topo: []map[string]string{{zone: "z2"}}}, false},
+		{"one of its segments", z1, false, kube.VolumeChange{Topo: []map[string]string{{zone: "z2"}, {zone: "z1"}}}, true},
+		{"another rack", z1r1, false, kube.VolumeChange{Topo: []map[string]string{{zone: "z1", rack: "r2"}}}, false},
+		{"a key the volume does not say", z1r1, false, kube.VolumeChange{Topo: []map[string]string{{zone: "z1"}}}, true},
+		{"the empty segment", capacitySegment{term: topology.Term{}}, false, kube.VolumeChange{Topo: []map[string]string{{zone: "z1"}}}, true},
+		{"node-local, its node", n1, true, kube.VolumeChange{Node: "n1"}, true},
+		{"node-local, another node", n1, true, kube.VolumeChange{Node: "n2"}, false},
+		{"node-local, node not known", n1, true, kube.VolumeChange{}, true},
 	} {
 		if got := c.seg.holds(c.nodeLocal, c.v); got != c.want {
 			t.Errorf("%s: holds %v, want %v", c.name, got, c.want)
@@ -1045,7 +1050,7 @@ func TestCapacitySegmentHolds(t *testing.T) {
 // provisioned (the first node down stopped both for every node).
 func TestNodeLocalDriverWithItsFirstNodeDown(t *testing.T) {
 	fastCapacityPolls(t)
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "local.csi.test")

@@ -48,7 +48,7 @@ func TestDashboardMetricsAreExported(t *testing.T) {
 		t.Fatalf("only %d metrics found in the dashboard: the check would prove little", len(wanted))
 	}
 
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()

@@ -25,9 +25,10 @@ import (
 // deleter deletes the volumes of Released PVs whose reclaim policy is Delete,
 // then the PVs.
 type deleter struct {
-	b     *Bridge
-	queue *termQueue
-	slots *driverSlots // deletions in progress per driver (PerDriverWorkers)
+	b     *kube.Env
+	prov  *provisioner // deletes the volumes (as recovery does)
+	queue *kube.TermQueue
+	slots *kube.DriverSlots // deletions in progress per driver (PerDriverWorkers)
 	// done holds the UIDs of the PVs whose volume was deleted and whose
 	// object was let go, until the informer sees them gone: an event that
 	// arrives before the cache catches up does not delete the volume again.
@@ -35,10 +36,10 @@ type deleter struct {
 	done   map[types.UID]struct{}
 }
 
-func newDeleter(b *Bridge) *deleter {
-	d := &deleter{b: b, queue: newTermQueue("delete", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), done: map[types.UID]struct{}{}}
-	d.slots = d.queue.withSlots(b.cfg.PerDriverWorkers)
-	b.metrics.queueDepth("delete", d.queue.Len)
+func newDeleter(b *kube.Env, prov *provisioner) *deleter {
+	d := &deleter{b: b, prov: prov, queue: kube.NewTermQueue("delete", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax), done: map[types.UID]struct{}{}}
+	d.slots = d.queue.WithSlots(b.Cfg.PerDriverWorkers)
+	b.Metrics.QueueDepth("delete", d.queue.Len)
 	return d
 }
 
@@ -47,11 +48,11 @@ func (d *deleter) volumeHandler() cache.ResourceEventHandler {
 		AddFunc:    func(obj any) { d.enqueue(obj) },
 		UpdateFunc: func(_, obj any) { d.enqueue(obj) },
 		DeleteFunc: func(obj any) {
-			if pv, ok := deleted[*corev1.PersistentVolume](obj); ok {
+			if pv, ok := kube.Deleted[*corev1.PersistentVolume](obj); ok {
 				d.doneMu.Lock()
 				delete(d.done, pv.UID)
 				d.doneMu.Unlock()
-				d.b.forgetEvents(pv.UID)
+				d.b.ForgetEvents(pv.UID)
 			}
 		},
 	}
@@ -66,7 +67,7 @@ func (d *deleter) isDone(uid types.UID) bool {
 
 func (d *deleter) ours(pv *corev1.PersistentVolume) bool {
 	driver := deletionDriver(pv)
-	return driver != "" && d.b.registered(driver)
+	return driver != "" && d.b.Registered(driver)
 }
 
 // deletionDriver is the driver that deletes pv's volume: a CSI PV's own
@@ -81,11 +82,11 @@ func deletionDriver(pv *corev1.PersistentVolume) string {
 		}
 		return ""
 	}
-	driver := pvDriver(pv)
+	driver := kube.PVDriver(pv)
 	if driver == "" {
 		return ""
 	}
-	if plugin, err := migration.GetInTreePluginNameFromSpec(pv, nil); err == nil && pv.Annotations[kube.AnnProvisionedBy] == plugin {
+	if plugin, err := kube.Migration.GetInTreePluginNameFromSpec(pv, nil); err == nil && pv.Annotations[kube.AnnProvisionedBy] == plugin {
 		return driver
 	}
 	if pv.Annotations[kube.AnnMigratedTo] == driver {
@@ -107,7 +108,7 @@ func (d *deleter) enqueue(obj any) {
 // changed it to keep the data), so no deletion will ever come to remove
 // it; as external-provisioner does, it is removed.
 func protectionStale(pv *corev1.PersistentVolume) bool {
-	return pv.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete && hasFinalizer(pv, kube.FinalizerVolume)
+	return pv.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete && kube.HasFinalizer(pv, kube.FinalizerVolume)
 }
 
 // protectionMissing: a Bound PV reclaimed by Delete lacks the finalizer
@@ -116,7 +117,7 @@ func protectionStale(pv *corev1.PersistentVolume) bool {
 // external-provisioner does, it is added.
 func protectionMissing(pv *corev1.PersistentVolume) bool {
 	return pv.Spec.PersistentVolumeReclaimPolicy == corev1.PersistentVolumeReclaimDelete && pv.Status.Phase == corev1.VolumeBound &&
-		pv.DeletionTimestamp == nil && !hasFinalizer(pv, kube.FinalizerVolume)
+		pv.DeletionTimestamp == nil && !kube.HasFinalizer(pv, kube.FinalizerVolume)
 }
 
 // needsDelete: a Released PV reclaimed by Delete (its claim is gone). One
@@ -128,33 +129,29 @@ func protectionMissing(pv *corev1.PersistentVolume) bool {
 // something wrong with it, which an administrator looks at before its
 // volume goes.
 func needsDelete(pv *corev1.PersistentVolume) bool {
-	if pv.DeletionTimestamp != nil && !hasFinalizer(pv, kube.FinalizerVolume) {
+	if pv.DeletionTimestamp != nil && !kube.HasFinalizer(pv, kube.FinalizerVolume) {
 		return false
 	}
 	return pv.Spec.PersistentVolumeReclaimPolicy == corev1.PersistentVolumeReclaimDelete && pv.Status.Phase == corev1.VolumeReleased
 }
 
 func (d *deleter) run(ctx context.Context) {
-	d.queue.work(ctx, d.b.cfg.WorkerThreads, d.enqueueAll, d.sync)
+	d.queue.Work(ctx, d.b.Cfg.WorkerThreads, d.enqueueAll, d.sync)
 }
 
 func (d *deleter) enqueueAll() {
-	if pvs, err := d.b.volumes.List(labels.Everything()); err == nil {
+	if pvs, err := d.b.Volumes.List(labels.Everything()); err == nil {
 		for _, pv := range pvs {
 			d.enqueue(pv)
 		}
 	}
 }
 
-func pvRef(pv *corev1.PersistentVolume) corev1.ObjectReference {
-	return corev1.ObjectReference{Kind: "PersistentVolume", APIVersion: "v1", Name: pv.Name, UID: pv.UID, ResourceVersion: pv.ResourceVersion}
-}
-
 // sync reclaims PV name if it is due: its volume deleted, then the object.
 // It returns waitForSlot while the driver is busy, and a positive duration
 // to look at the PV again then (its node-local volume's node is gone).
 func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) {
-	pv, err := d.b.volumes.Get(name)
+	pv, err := d.b.Volumes.Get(name)
 	if apierrors.IsNotFound(err) {
 		return 0, nil
 	}
@@ -170,7 +167,7 @@ func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 			d.finalizerFailed(ctx, pv, err)
 			return 0, err
 		}
-		d.b.log.Info("removed the volume-deletion finalizer of a PV no longer reclaimed by Delete", "pv", name, "reclaim_policy", string(pv.Spec.PersistentVolumeReclaimPolicy))
+		d.b.Log.Info("removed the volume-deletion finalizer of a PV no longer reclaimed by Delete", "pv", name, "reclaim_policy", string(pv.Spec.PersistentVolumeReclaimPolicy))
 		return 0, nil
 	}
 	if protectionMissing(pv) {
@@ -180,23 +177,23 @@ func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 			d.finalizerFailed(ctx, pv, err)
 			return 0, err
 		}
-		d.b.log.Info("added the volume-deletion finalizer to a bound PV that lacked it", "pv", name)
+		d.b.Log.Info("added the volume-deletion finalizer to a bound PV that lacked it", "pv", name)
 		return 0, nil
 	}
 	if !needsDelete(pv) || d.isDone(pv.UID) {
 		return 0, nil
 	}
 	driver := deletionDriver(pv)
-	spec, err := csiSpec(pv) // a migrated in-tree PV's translation
+	spec, err := kube.CSISpec(pv) // a migrated in-tree PV's translation
 	if err != nil {
 		d.warn(ctx, pv, err.Error(), "%v", err)
 		return 0, err
 	}
 	// --per-driver-workers: one slow driver cannot take every worker.
-	if !d.slots.acquire(driver, name) {
-		return waitForSlot, nil
+	if !d.slots.Acquire(driver, name) {
+		return kube.WaitForSlot, nil
 	}
-	defer d.slots.release(driver)
+	defer d.slots.Release(driver)
 	return d.reclaim(ctx, pv, driver, spec.CSI.VolumeHandle)
 }
 
@@ -204,8 +201,8 @@ func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 // webhook or policy): a log line on every attempt, an Event on pv once per
 // failure.
 func (d *deleter) finalizerFailed(ctx context.Context, pv *corev1.PersistentVolume, err error) {
-	d.b.log.Warn("updating the volume-deletion finalizer failed (will retry)", "pv", pv.Name, "err", err)
-	d.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "FinalizerUpdateFailed", failureOf("", err), "%v", err)
+	d.b.Log.Warn("updating the volume-deletion finalizer failed (will retry)", "pv", pv.Name, "err", err)
+	d.b.EventOnce(ctx, kube.PVRef(pv), corev1.EventTypeWarning, "FinalizerUpdateFailed", kube.FailureOf("", err), "%v", err)
 }
 
 // warn logs a failed deletion attempt and records it as a
@@ -213,8 +210,8 @@ func (d *deleter) finalizerFailed(ctx context.Context, pv *corev1.PersistentVolu
 // the failure).
 func (d *deleter) warn(ctx context.Context, pv *corev1.PersistentVolume, what, format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
-	d.b.log.Warn("volume deletion failed", "pv", pv.Name, "err", msg)
-	d.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", what, "%s", msg)
+	d.b.Log.Warn("volume deletion failed", "pv", pv.Name, "err", msg)
+	d.b.EventOnce(ctx, kube.PVRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", what, "%s", msg)
 }
 
 // reclaim deletes the volume of pv, a PV due for deletion, then the PV;
@@ -222,17 +219,17 @@ func (d *deleter) warn(ctx context.Context, pv *corev1.PersistentVolume, what, f
 // handle is the volume's ID (for a migrated in-tree PV, translated).
 func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driver, handle string) (time.Duration, error) {
 	name := pv.Name
-	ctx, span := d.b.tracer.Start(ctx, "delete "+name, trace.WithAttributes(attribute.String("csi.driver", driver), attribute.String("k8s.pv.name", name)))
+	ctx, span := d.b.Tracer.Start(ctx, "delete "+name, trace.WithAttributes(attribute.String("csi.driver", driver), attribute.String("k8s.pv.name", name)))
 	defer span.End()
 
 	// Never delete a volume that is still attached somewhere.
-	va, err := d.b.attachmentOf(name)
+	va, err := d.b.AttachmentOf(name)
 	if err != nil {
 		return 0, err
 	}
 	if va != nil {
 		d.warn(ctx, pv, "attached "+va.Name, "persistentvolume %s is still attached to node %s (VolumeAttachment %s); waiting for detach", name, va.Spec.NodeName, va.Name)
-		d.b.metrics.deletions.WithLabelValues(driver, "blocked").Inc()
+		d.b.Metrics.Deletions.WithLabelValues(driver, "blocked").Inc()
 		return 0, fmt.Errorf("pv %s still attached by %s", name, va.Name)
 	}
 
@@ -247,14 +244,14 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 		secretRef = &corev1.SecretReference{Name: n, Namespace: ns}
 	case hasName && hasNS:
 		if n != "" || ns != "" {
-			d.b.log.Warn("the PV names half a deletion secret; deleting its volume without one", "pv", name, "name", n, "namespace", ns)
-			d.b.eventOnce(ctx, pvRef(pv), corev1.EventTypeWarning, "DeletionSecretIncomplete", "half "+n+"/"+ns,
+			d.b.Log.Warn("the PV names half a deletion secret; deleting its volume without one", "pv", name, "name", n, "namespace", ns)
+			d.b.EventOnce(ctx, kube.PVRef(pv), corev1.EventTypeWarning, "DeletionSecretIncomplete", "half "+n+"/"+ns,
 				"annotations %s=%q and %s=%q name half a deletion secret; deleting volume %s without one", kube.AnnDeletionSecretName, n, kube.AnnDeletionSecretNS, ns, handle)
 		}
 	default:
 		if secretRef, err = d.classDeletionSecret(pv); err != nil {
 			d.warn(ctx, pv, err.Error(), "%v", err)
-			d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
+			d.b.Metrics.Deletions.WithLabelValues(driver, "failed").Inc()
 			return 0, err
 		}
 	}
@@ -263,55 +260,55 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 		requester.Namespace = cr.Namespace
 	}
 	node := ""
-	if d.b.cfg.Drivers.NodeLocal(driver) {
-		node = d.b.nodeOfPV(pv)
+	if d.b.Cfg.Drivers.NodeLocal(driver) {
+		node = d.b.NodeOfPV(pv)
 		requester.Node = node // the node whose proxy receives the secret
 		if node == "" {
-			err := errNodeUnknown(pv, driver)
+			err := kube.ErrNodeUnknown(pv, driver)
 			d.warn(ctx, pv, err.Error(), "%v", err)
-			d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
+			d.b.Metrics.Deletions.WithLabelValues(driver, "failed").Inc()
 			return 0, fmt.Errorf("pv %s: %w", name, err)
 		}
-		if _, err := d.b.nodes.Get(node); apierrors.IsNotFound(err) {
+		if _, err := d.b.Nodes.Get(node); apierrors.IsNotFound(err) {
 			// Nobody can reach the volume: leave the PV to an administrator
 			// instead of retrying forever.
 			d.warn(ctx, pv, "node gone "+node,
 				"node %s of node-local volume %s no longer exists; the PersistentVolume is left for an administrator (delete it once the volume is dealt with)", node, handle)
-			d.b.metrics.deletions.WithLabelValues(driver, "node_gone").Inc()
+			d.b.Metrics.Deletions.WithLabelValues(driver, "node_gone").Inc()
 			// Looked at again now and then: the Event is recorded again
 			// while the PV stays, and a node back under its name gets
 			// the deletion.
-			return eventRepeat, nil
+			return kube.EventRepeat, nil
 		}
 	}
-	ref := pvRef(pv)
-	if err := d.b.prov.deleteVolumeWith(ctx, driver, node, handle, secretRef, requester, recordedNamespaceLabels(pv), &ref); err != nil {
-		d.warn(ctx, pv, failureOf("DeleteVolume", err), "%v", err)
-		d.b.metrics.deletions.WithLabelValues(driver, "failed").Inc()
+	ref := kube.PVRef(pv)
+	if err := d.prov.deleteVolumeWith(ctx, driver, node, handle, secretRef, requester, kube.RecordedNamespaceLabels(pv), &ref); err != nil {
+		d.warn(ctx, pv, kube.FailureOf("DeleteVolume", err), "%v", err)
+		d.b.Metrics.Deletions.WithLabelValues(driver, "failed").Inc()
 		return 0, err
 	}
-	d.b.noteVolumeChange(volumeChange{driver: driver, node: node, topo: affinitySegments(pv)})
+	d.b.NoteVolumeChange(kube.VolumeChange{Driver: driver, Node: node, Topo: affinitySegments(pv)})
 	// Two writes at most, as external-provisioner: drop our finalizer,
 	// then delete the object (or only the former if a user deleted it).
-	if hasFinalizer(pv, kube.FinalizerVolume) {
+	if kube.HasFinalizer(pv, kube.FinalizerVolume) {
 		if err := d.patchFinalizer(ctx, name, false); err != nil {
-			d.b.log.Warn("volume deleted; removing the PV's finalizer failed (will retry)", "pv", name, "err", err)
+			d.b.Log.Warn("volume deleted; removing the PV's finalizer failed (will retry)", "pv", name, "err", err)
 			return 0, fmt.Errorf("remove finalizer from pv %s: %w", name, err)
 		}
 	}
 	if pv.DeletionTimestamp == nil {
 		uid := pv.UID
-		err := d.b.cfg.Client.CoreV1().PersistentVolumes().Delete(ctx, name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
+		err := d.b.Cfg.Client.CoreV1().PersistentVolumes().Delete(ctx, name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
 		if err != nil && !apierrors.IsNotFound(err) {
-			d.b.log.Warn("volume deleted; deleting the PV failed (will retry)", "pv", name, "err", err)
+			d.b.Log.Warn("volume deleted; deleting the PV failed (will retry)", "pv", name, "err", err)
 			return 0, fmt.Errorf("delete pv %s: %w", name, err)
 		}
 	}
 	d.doneMu.Lock()
 	d.done[pv.UID] = struct{}{}
 	d.doneMu.Unlock()
-	d.b.metrics.deletions.WithLabelValues(driver, "success").Inc()
-	d.b.log.Info("volume deleted", "pv", name, "driver", driver, "volume_id", handle)
+	d.b.Metrics.Deletions.WithLabelValues(driver, "success").Inc()
+	d.b.Log.Info("volume deleted", "pv", name, "driver", driver, "volume_id", handle)
 	return 0, nil
 }
 
@@ -329,7 +326,7 @@ func (d *deleter) patchFinalizer(ctx context.Context, name string, add bool) err
 	if err != nil {
 		return err
 	}
-	_, err = d.b.cfg.Client.CoreV1().PersistentVolumes().Patch(ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
+	_, err = d.b.Cfg.Client.CoreV1().PersistentVolumes().Patch(ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
 	if apierrors.IsNotFound(err) {
 		return nil
 	}
@@ -345,14 +342,14 @@ func (d *deleter) classDeletionSecret(pv *corev1.PersistentVolume) (*corev1.Secr
 	if pv.Spec.StorageClassName == "" {
 		return nil, nil
 	}
-	class, err := d.b.classes.Get(pv.Spec.StorageClassName)
+	class, err := d.b.Classes.Get(pv.Spec.StorageClassName)
 	if err != nil {
 		return nil, nil
 	}
-	if pv.Spec.CSI == nil && migratedDriver(class.Provisioner) != "" {
+	if pv.Spec.CSI == nil && kube.MigratedDriver(class.Provisioner) != "" {
 		// A migrated in-tree class: its secrets are those of its CSI
 		// translation, as external-provisioner reads them.
-		t, err := migration.TranslateInTreeStorageClassToCSI(klog.Background(), class.Provisioner, class)
+		t, err := kube.Migration.TranslateInTreeStorageClassToCSI(klog.Background(), class.Provisioner, class)
 		if err != nil {
 			return nil, fmt.Errorf("persistentvolume %s records no deletion secret, and its in-tree StorageClass %q does not translate to CSI: %w", pv.Name, class.Name, err)
 		}
@@ -367,74 +364,6 @@ func (d *deleter) classDeletionSecret(pv *corev1.PersistentVolume) (*corev1.Secr
 		return nil, fmt.Errorf("persistentvolume %s records no deletion secret, and its StorageClass %q's provisioner secret cannot be resolved for it: %w", pv.Name, class.Name, err)
 	}
 	return ref, nil
-}
-
-// errNodeUnknown: a node-local driver's volume whose PV says nothing of
-// its node cannot be routed to a node's proxy.
-func errNodeUnknown(pv *corev1.PersistentVolume, driver string) error {
-	handle := pv.Name
-	if pv.Spec.CSI != nil {
-		handle = pv.Spec.CSI.VolumeHandle
-	}
-	return fmt.Errorf("volume %s of node-local driver %s names no node (no %s annotation, no single hostname in its node affinity); cannot tell which node's proxy holds it",
-		handle, driver, kube.AnnVolumeNode)
-}
-
-// nodeOfPV is the name of the node of a node-local PV: recorded at
-// provisioning, else the node whose kubernetes.io/hostname label is the
-// single hostname its affinity names (a node's name and hostname label may
-// differ), else that hostname; "" when the PV says nothing of its node.
-func (b *Bridge) nodeOfPV(pv *corev1.PersistentVolume) string {
-	n := pvNode(pv)
-	if n == "" || pv.Annotations[kube.AnnVolumeNode] != "" {
-		return n
-	}
-	if _, err := b.nodes.Get(n); err == nil {
-		return n
-	}
-	nodes, err := b.nodes.List(labels.SelectorFromSet(labels.Set{corev1.LabelHostname: n}))
-	if err == nil && len(nodes) == 1 {
-		return nodes[0].Name
-	}
-	return n
-}
-
-// pvNode is the node of a node-local PV: recorded at provisioning, else the
-// single hostname its affinity names, else "".
-func pvNode(pv *corev1.PersistentVolume) string {
-	if n := pv.Annotations[kube.AnnVolumeNode]; n != "" {
-		return n
-	}
-	if pv.Spec.NodeAffinity == nil || pv.Spec.NodeAffinity.Required == nil {
-		return ""
-	}
-	for _, t := range pv.Spec.NodeAffinity.Required.NodeSelectorTerms {
-		for _, e := range t.MatchExpressions {
-			if e.Key == "kubernetes.io/hostname" && len(e.Values) == 1 {
-				return e.Values[0]
-			}
-		}
-	}
-	return ""
-}
-
-func hasFinalizer(pv *corev1.PersistentVolume, f string) bool {
-	for _, x := range pv.Finalizers {
-		if x == f {
-			return true
-		}
-	}
-	return false
-}
-
-func removeString(in []string, s string) []string {
-	out := in[:0:0]
-	for _, x := range in {
-		if x != s {
-			out = append(out, x)
-		}
-	}
-	return out
 }
 
 // affinitySegments are the segments a PV's node affinity pins it to: per

@@ -30,7 +30,7 @@ import (
 // TestDeletionBlockedByAttachment: a Released PV whose volume is still
 // attached is not deleted (an Event says why); once detached it is.
 func TestDeletionBlockedByAttachment(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -70,7 +70,7 @@ func TestDeletionBlockedByAttachment(t *testing.T) {
 // much as the source claim did, though the source volume is larger (its
 // driver rounded the size up).
 func TestCloneFromClaim(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "clone.csi.test")
@@ -116,7 +116,7 @@ func TestCloneFromClaim(t *testing.T) {
 // asked to copy it; deleted while the copy is in progress, it stays (with
 // its volume) until the clone is bound, and then goes.
 func TestCloneSourceKeptUntilItsCloneIsMade(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -182,7 +182,7 @@ func TestCloneSourceKeptUntilItsCloneIsMade(t *testing.T) {
 // volumes are still deleted: the decision uses the labels the namespace had
 // when the volume was made.
 func TestDeleteAfterNamespaceIsGone(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	storageNS := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -240,7 +240,7 @@ func TestDeleteAfterNamespaceIsGone(t *testing.T) {
 // that will now never come, as external-provisioner does) and the volume
 // stays.
 func TestRetainedPVLosesTheDeletionFinalizer(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -255,7 +255,7 @@ func TestRetainedPVLosesTheDeletionFinalizer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !hasFinalizer(pv, kube.FinalizerVolume) {
+	if !kube.HasFinalizer(pv, kube.FinalizerVolume) {
 		t.Fatalf("provisioned PV without %s: %v", kube.FinalizerVolume, pv.Finalizers)
 	}
 	patch := []byte(`{"spec":{"persistentVolumeReclaimPolicy":"Retain"}}`)
@@ -279,7 +279,7 @@ func TestRetainedPVLosesTheDeletionFinalizer(t *testing.T) {
 // it) gets it, as external-provisioner adds it; so deleting the PV object
 // first and its claim after still deletes the volume instead of leaking it.
 func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -302,7 +302,7 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 		if err != nil {
 			return false, err.Error(), nil
 		}
-		pv.Finalizers = removeString(pv.Finalizers, kube.FinalizerVolume)
+		pv.Finalizers = kube.RemoveString(pv.Finalizers, kube.FinalizerVolume)
 		if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
 			return false, err.Error(), nil
 		}
@@ -312,7 +312,7 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 		t.Fatal(err)
 	}
 	kubetest.WaitPV(t, c, pvName, "finalizer added back", 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
-		return pv != nil && hasFinalizer(pv, kube.FinalizerVolume), "no finalizer " + kube.FinalizerVolume
+		return pv != nil && kube.HasFinalizer(pv, kube.FinalizerVolume), "no finalizer " + kube.FinalizerVolume
 	})
 	// The PV object first, then its claim: the volume is still deleted.
 	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pvName, metav1.DeleteOptions{}); err != nil {
@@ -332,7 +332,7 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 // deleted with its StorageClass's provisioner secret, as
 // external-provisioner does, through the policy.
 func TestDeleteFallsBackToTheClassSecret(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -389,7 +389,7 @@ func TestNodeOfPV(t *testing.T) {
 	for _, n := range []struct{ name, hostname string }{{"ip-10-0-0-1.ec2.internal", "ip-10-0-0-1"}, {"plain", "plain"}} {
 		idx.Add(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.name, Labels: map[string]string{corev1.LabelHostname: n.hostname}}})
 	}
-	b := &Bridge{nodes: corelisters.NewNodeLister(idx)}
+	b := &kube.Env{Nodes: corelisters.NewNodeLister(idx)}
 	pv := func(ann, hostname string) *corev1.PersistentVolume {
 		p := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: "pv"}}
 		if ann != "" {
@@ -412,7 +412,7 @@ func TestNodeOfPV(t *testing.T) {
 		{"hostname of no node", pv("", "gone"), "gone"},
 		{"nothing said", pv("", ""), ""},
 	} {
-		if got := b.nodeOfPV(tc.pv); got != tc.want {
+		if got := b.NodeOfPV(tc.pv); got != tc.want {
 			t.Errorf("%s: node %q, want %q", tc.name, got, tc.want)
 		}
 	}
@@ -423,7 +423,7 @@ func TestNodeOfPV(t *testing.T) {
 // credentials, as external-provisioner does, and the PV says so in a
 // Warning Event, instead of waiting forever for the secret.
 func TestDeleteWhenTheDeletionSecretIsGone(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -461,7 +461,7 @@ func TestDeleteWhenTheDeletionSecretIsGone(t *testing.T) {
 // them), and is deleted without one even when its StorageClass, replaced
 // since, names a secret (here one the policy refuses).
 func TestDeleteByTheSecretThePVRecords(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -504,7 +504,7 @@ func TestDeleteByTheSecretThePVRecords(t *testing.T) {
 // policy, missing RBAC), the PV gets a Warning Event saying so; once the
 // refusal is lifted, the finalizer is added.
 func TestFinalizerRefusalIsReported(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -555,8 +555,8 @@ func TestFinalizerRefusalIsReported(t *testing.T) {
 		if err != nil {
 			return false, err.Error(), nil
 		}
-		if hasFinalizer(pv, kube.FinalizerVolume) {
-			pv.Finalizers = removeString(pv.Finalizers, kube.FinalizerVolume)
+		if kube.HasFinalizer(pv, kube.FinalizerVolume) {
+			pv.Finalizers = kube.RemoveString(pv.Finalizers, kube.FinalizerVolume)
 			if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
 				return false, err.Error(), nil
 			}
@@ -572,7 +572,7 @@ func TestFinalizerRefusalIsReported(t *testing.T) {
 	kubetest.WaitEvent(t, c, "default", pvName, "FinalizerUpdateFailed", "refused by the test's policy")
 	unbind()
 	kubetest.WaitPV(t, c, pvName, "finalizer added once allowed", 60*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
-		return pv != nil && hasFinalizer(pv, kube.FinalizerVolume), "no finalizer " + kube.FinalizerVolume
+		return pv != nil && kube.HasFinalizer(pv, kube.FinalizerVolume), "no finalizer " + kube.FinalizerVolume
 	})
 }
 
@@ -581,7 +581,7 @@ func TestFinalizerRefusalIsReported(t *testing.T) {
 // gets that volume deleted, the claim an Event saying so, and a retry, as
 // external-provisioner does; a source claim being deleted is refused.
 func TestCloneWithoutContent(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -628,7 +628,7 @@ func TestCloneWithoutContent(t *testing.T) {
 // decisions after the namespace is gone (recorded from the cache alone,
 // they were missing, and the volume's deletion was refused).
 func TestNamespaceLabelsRecordedWhenTheCacheLags(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	storageNS := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -646,13 +646,13 @@ func TestNamespaceLabelsRecordedWhenTheCacheLags(t *testing.T) {
 		"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": storageNS})
 	startBridge(t, env, storageNS, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}, configure: func(b *Bridge) {
 		// A namespace cache that never has the namespace.
-		b.namespaces = corelisters.NewNamespaceLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{}))
+		b.Namespaces = corelisters.NewNamespaceLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{}))
 	}})
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, kubetest.WaitBound(t, c, tenant, kubetest.MakeClaim(t, c, tenant, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := recordedNamespaceLabels(pv); got["team"] != "a" || got[corev1.LabelMetadataName] != tenant {
+	if got := kube.RecordedNamespaceLabels(pv); got["team"] != "a" || got[corev1.LabelMetadataName] != tenant {
 		t.Fatalf("recorded namespace labels %v (annotation %q), want the namespace's", got, pv.Annotations[kube.AnnNamespaceLabels])
 	}
 }
@@ -694,7 +694,7 @@ func TestNeedsDelete(t *testing.T) {
 // annotations name half a secret (a hand edit) has its volume deleted
 // without one, and says so in an Event, not only in the log.
 func TestDeleteWithHalfADeletionSecret(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -740,7 +740,7 @@ func makeTenant(t *testing.T, c kubernetes.Interface, storageNS string) string {
 // Event naming the answer, as external-provisioner does; the deletion goes
 // on once the driver answers OK, and the volume is gone.
 func TestDeleteVolumeNotFoundIsNotDeleted(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()

@@ -15,6 +15,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
@@ -25,7 +26,7 @@ import (
 // as one Warning Event on its object, carrying the driver's code and
 // message; the claim is told once that provisioning started.
 func TestFailuresReportedOncePerFailure(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -95,16 +96,16 @@ func TestFailuresReportedOncePerFailure(t *testing.T) {
 		logLine  string
 		logField string
 	}{
-		{claimRef(claimP), ns, map[string]string{"ProvisioningFailed": "code = Internal", "Provisioning": "is provisioning volume"},
+		{kube.ClaimRef(claimP), ns, map[string]string{"ProvisioningFailed": "code = Internal", "Provisioning": "is provisioning volume"},
 			dc.CallCount("CreateVolume"), `msg="provisioning failed"`, "claim=" + ns + "/p "},
 		{vaRef(vaObj), "default", map[string]string{"AttachFailed": "code = Internal"},
 			ds.CallCount("ControllerPublishVolume"), `msg="attachment failed"`, "volumeattachment=" + va.Name + " "},
-		{pvRef(pv), "default", map[string]string{"VolumeFailedDelete": "code = Internal"},
+		{kube.PVRef(pv), "default", map[string]string{"VolumeFailedDelete": "code = Internal"},
 			ds.CallCount("DeleteVolume"), `msg="volume deletion failed"`, "pv=" + pvD + " "},
 	} {
 		// Events are written in the order recorded: once a marker recorded
 		// now is there, so is every Event recorded before it.
-		r.b.event(ctx, o.ref, corev1.EventTypeWarning, "TestFlush", "flush")
+		r.b.Event(ctx, o.ref, corev1.EventTypeWarning, "TestFlush", "flush")
 		kubetest.WaitEvent(t, c, o.ns, o.ref.Name, "TestFlush", "flush")
 		evs, err := c.CoreV1().Events(o.ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + o.ref.Name})
 		if err != nil {

@@ -30,7 +30,7 @@ import (
 // the standby, whose caches are warm, takes over after the Lease expires and
 // finishes every claim, leaking nothing. The take-over time is reported.
 func TestLeaderFailover(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -99,7 +99,7 @@ func TestLeaderFailover(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("leader killed with %d of %d claims provisioned; standby leading after %v, next PV after %v (lease duration %v)",
-		before, n, tookOver.Round(10*time.Millisecond), nextPV.Round(10*time.Millisecond), second.b.cfg.LeaderElectionLease)
+		before, n, tookOver.Round(10*time.Millisecond), nextPV.Round(10*time.Millisecond), second.b.Cfg.LeaderElectionLease)
 	for i := 0; i < n; i++ {
 		kubetest.WaitBound(t, c, ns, fmt.Sprintf("claim-%02d", i), 60*time.Second)
 	}
@@ -113,7 +113,7 @@ func TestLeaderFailover(t *testing.T) {
 // moment; the broker stops leading, leads again once it can, and then
 // provisions as before (each term gets fresh work queues).
 func TestLeadsAgainAfterLosingTheLease(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -166,7 +166,7 @@ func takeLease(t *testing.T, c kubernetes.Interface, ns, holder string, secs int
 // releases its Lease only once its controllers have stopped, so a standby
 // cannot start its own while a worker of this term is still finishing.
 func TestLeaseHeldUntilTheTermHasStopped(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -217,7 +217,7 @@ func TestLeaseHeldUntilTheTermHasStopped(t *testing.T) {
 // client-go's ReleaseOnCancel does: a standby would lead at once beside
 // them. The lease is left to expire.
 func TestLeaseNotReleasedWhenARenewalFails(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()

@@ -127,6 +127,14 @@ func (t *testDrivers) DriverNames() []string {
 	return out
 }
 
+// HasDriver says whether d was added (as the broker's registry does).
+func (t *testDrivers) HasDriver(d string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	_, ok := t.chains[d]
+	return ok
+}
+
 // CallTimeout is the driver's broker's (as the real broker gives it).
 func (t *testDrivers) CallTimeout(d, method string) time.Duration {
 	t.mu.Lock()

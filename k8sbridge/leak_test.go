@@ -79,7 +79,7 @@ func crashAfterCreate(t *testing.T, env *testenv.Env, ns string, drivers *testDr
 // TestClaimDeletedWhileCreateVolumeIsSlow: the driver takes 2s to create;
 // the claim is deleted meanwhile; the volume it then makes is deleted.
 func TestClaimDeletedWhileCreateVolumeIsSlow(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -124,7 +124,7 @@ func TestClaimDeletedWhileCreateVolumeIsSlow(t *testing.T) {
 // intent: for a claim that still exists it finishes the job (same volume,
 // no duplicate); for a claim deleted meanwhile it deletes the volume.
 func TestBrokerKilledAfterCreateVolume(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -163,7 +163,7 @@ func TestBrokerKilledAfterCreateVolume(t *testing.T) {
 // requester (its labels, recorded in the intent) and deletes the volume;
 // deciding on less, it was refused and the volume leaked.
 func TestRecoveryDecidesAsTheAttemptDid(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -209,7 +209,7 @@ func TestRecoveryDecidesAsTheAttemptDid(t *testing.T) {
 // credentials, as the volume's deletion goes, and deletes it: asking for
 // the secret first, it failed on every pass and the volume leaked.
 func TestRecoveryAfterTheSecretIsGone(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()

@@ -10,7 +10,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
-	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
@@ -50,7 +49,7 @@ func TestProvisionsAndDeletesWithAMigratedInTreeClass(t *testing.T) {
 }
 
 func provisionWithMigratedClass(t *testing.T, drv, plugin string, volumeID func(*corev1.PersistentVolume) string) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})

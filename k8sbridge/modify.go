@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/policy"
 )
@@ -49,14 +50,12 @@ import (
 // as upstream; a failure costs one more (its condition), and a retry of
 // the same failure none.
 
-func init() { extraControllers = append(extraControllers, newModifier) }
-
 type modifier struct {
-	b     *Bridge
-	queue *termQueue
+	b     *kube.Env
+	queue *kube.TermQueue
 	// slots counts each driver's modifications in progress, against
 	// PerDriverWorkers: one slow driver cannot take every worker.
-	slots *driverSlots
+	slots *kube.DriverSlots
 	ops   *prometheus.CounterVec
 
 	mu sync.Mutex
@@ -70,17 +69,17 @@ type infeasibleTarget struct {
 	at    time.Time
 }
 
-func newModifier(b *Bridge) (controller, error) {
-	m := &modifier{b: b, queue: newTermQueue("modify", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), infeasible: map[types.UID]infeasibleTarget{}}
-	m.slots = m.queue.withSlots(b.cfg.PerDriverWorkers)
-	ops, err := operationsCounter(b.cfg.Registerer, "modify_operations_total",
+func newModifier(b *kube.Env) (controller, error) {
+	m := &modifier{b: b, queue: kube.NewTermQueue("modify", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax), infeasible: map[types.UID]infeasibleTarget{}}
+	m.slots = m.queue.WithSlots(b.Cfg.PerDriverWorkers)
+	ops, err := kube.OperationsCounter(b.Cfg.Registerer, "modify_operations_total",
 		"Volume modification attempts (ControllerModifyVolume) by driver and result (success, infeasible, failed, pending, not_called).")
 	if err != nil {
 		return nil, err
 	}
 	m.ops = ops
-	b.metrics.queueDepth("modify", m.queue.Len)
-	b.on(b.factory.Core().V1().PersistentVolumeClaims().Informer(), cache.ResourceEventHandlerFuncs{
+	b.Metrics.QueueDepth("modify", m.queue.Len)
+	b.On(b.Factory.Core().V1().PersistentVolumeClaims().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) {
 			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok && claimNeedsModify(c) {
 				m.enqueue(c)
@@ -94,7 +93,7 @@ func newModifier(b *Bridge) (controller, error) {
 			}
 		},
 		DeleteFunc: func(obj any) {
-			if c, ok := deleted[*corev1.PersistentVolumeClaim](obj); ok {
+			if c, ok := kube.Deleted[*corev1.PersistentVolumeClaim](obj); ok {
 				m.mu.Lock()
 				delete(m.infeasible, c.UID)
 				m.mu.Unlock()
@@ -154,7 +153,7 @@ func equalStringPtr(a, b *string) bool {
 // enqueueAll adds every claim that needs a modification (start of a term,
 // a driver registered: its claims were dropped while it was unknown).
 func (m *modifier) enqueueAll() {
-	if claims, err := m.b.claims.List(labels.Everything()); err == nil {
+	if claims, err := m.b.Claims.List(labels.Everything()); err == nil {
 		for _, c := range claims {
 			if claimNeedsModify(c) {
 				m.enqueue(c)
@@ -171,10 +170,10 @@ func (m *modifier) run(ctx context.Context) {
 	m.mu.Lock()
 	clear(m.infeasible)
 	m.mu.Unlock()
-	m.queue.work(ctx, m.b.cfg.WorkerThreads, m.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
+	m.queue.Work(ctx, m.b.Cfg.WorkerThreads, m.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
 		requeue, err := m.sync(ctx, key)
 		if err != nil {
-			m.b.log.Debug("volume modification will be retried", "claim", key, "err", err)
+			m.b.Log.Debug("volume modification will be retried", "claim", key, "err", err)
 		}
 		return requeue, err
 	})
@@ -183,7 +182,7 @@ func (m *modifier) run(ctx context.Context) {
 // sync modifies one claim's volume if it needs it. An error retries with
 // backoff; a positive duration looks at the claim again then.
 func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) {
-	claim, err := m.b.cachedClaim(key)
+	claim, err := m.b.CachedClaim(key)
 	if claim == nil || err != nil {
 		return 0, err
 	}
@@ -191,7 +190,7 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 	if !claimNeedsModify(claim) {
 		return 0, nil
 	}
-	pv, err := m.b.volumes.Get(claim.Spec.VolumeName)
+	pv, err := m.b.Volumes.Get(claim.Spec.VolumeName)
 	if err != nil {
 		return 0, fmt.Errorf("claim %s: volume %s: %w", key, claim.Spec.VolumeName, err)
 	}
@@ -199,19 +198,19 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 		return 0, nil
 	}
 	driver := pv.Spec.CSI.Driver
-	if !m.b.registered(driver) {
+	if !m.b.Registered(driver) {
 		return 0, nil
 	}
 	// --per-driver-workers: one slow driver cannot take every worker.
-	if !m.slots.acquire(driver, key) {
-		return waitForSlot, nil
+	if !m.slots.Acquire(driver, key) {
+		return kube.WaitForSlot, nil
 	}
-	defer m.slots.release(driver)
+	defer m.slots.Release(driver)
 	// The cache may not have this controller's own last writes yet (the
 	// claim can come back while its modification runs): the claim is read
 	// from the API server, so a modification just done is not done again.
 	// One read per attempt of a claim of a registered driver.
-	claim, err = m.b.cfg.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
+	claim, err = m.b.Cfg.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
 		return 0, nil
 	}
@@ -228,7 +227,7 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 		// would not be looked at again while its PV names the class).
 		fresh := pv
 		if modifyMayHaveStarted(claim) {
-			if fresh, err = m.b.cfg.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{}); apierrors.IsNotFound(err) {
+			if fresh, err = m.b.Cfg.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{}); apierrors.IsNotFound(err) {
 				return 0, nil
 			} else if err != nil {
 				return 0, err
@@ -243,10 +242,10 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 			done.Status.CurrentVolumeAttributesClassName = applied
 			done.Status.ModifyVolumeStatus = nil
 			done.Status.Conditions = clearModifyConditions(done.Status.Conditions)
-			if _, err := m.b.patchClaimStatus(ctx, claim, done, true); err != nil {
+			if _, err := m.b.PatchClaimStatus(ctx, claim, done, true); err != nil {
 				if !retriedQuietly(ctx, err) {
 					msg := m.warn(ctx, claim, *applied, "", "record VolumeAttributesClass %s, which volume %s has, as the claim's current class: %v", *applied, pv.Name, err)
-					m.b.log.Warn("volume modification: recording the applied class failed", "claim", key, "pv", pv.Name, "class", *applied, "err", msg)
+					m.b.Log.Warn("volume modification: recording the applied class failed", "claim", key, "pv", pv.Name, "class", *applied, "err", msg)
 				}
 				return 0, err
 			}
@@ -271,7 +270,7 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 	inf, wasInfeasible := m.infeasible[claim.UID]
 	m.mu.Unlock()
 	if wasInfeasible && inf.class == target {
-		if wait := m.b.cfg.RetryIntervalMax - time.Since(inf.at); wait > 0 {
+		if wait := m.b.Cfg.RetryIntervalMax - time.Since(inf.at); wait > 0 {
 			return wait, nil
 		}
 	}
@@ -290,14 +289,14 @@ func (m *modifier) clearModify(ctx context.Context, claim *corev1.PersistentVolu
 	c := claim.DeepCopy()
 	c.Status.ModifyVolumeStatus = nil
 	c.Status.Conditions = clearModifyConditions(c.Status.Conditions)
-	if _, err := m.b.patchClaimStatus(ctx, claim, c, true); err != nil {
+	if _, err := m.b.PatchClaimStatus(ctx, claim, c, true); err != nil {
 		if !retriedQuietly(ctx, err) {
 			class := ""
 			if s := claim.Status.ModifyVolumeStatus; s != nil {
 				class = s.TargetVolumeAttributesClassName
 			}
 			msg := m.warn(ctx, claim, class, "", "clear the cancelled modification of volume %s to VolumeAttributesClass %q: %v", claim.Spec.VolumeName, class, err)
-			m.b.log.Warn("volume modification: clearing a cancelled modification failed", "claim", claim.Namespace+"/"+claim.Name, "pv", claim.Spec.VolumeName, "class", class, "err", msg)
+			m.b.Log.Warn("volume modification: clearing a cancelled modification failed", "claim", claim.Namespace+"/"+claim.Name, "pv", claim.Spec.VolumeName, "class", class, "err", msg)
 		}
 		return err
 	}
@@ -309,7 +308,7 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 	key := claim.Namespace + "/" + claim.Name
 	warn := func(failure, format string, args ...any) {
 		msg := m.warn(ctx, claim, target, failure, format, args...)
-		m.b.log.Warn("volume modification failed", "claim", key, "pv", pv.Name, "driver", driver, "class", target, "err", msg)
+		m.b.Log.Warn("volume modification failed", "claim", key, "pv", pv.Name, "driver", driver, "class", target, "err", msg)
 	}
 	// failed reports a failed API request, as warn does, unless it is
 	// retried quietly. After a ControllerModifyVolume that succeeded the
@@ -328,7 +327,7 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 	infeasible := func(failure, msg, cond string) (string, time.Duration, error) {
 		c := modifyStatus(claim, target, corev1.PersistentVolumeClaimModifyVolumeInfeasible)
 		c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, "Infeasible", cond)
-		if _, err := m.b.patchClaimStatus(ctx, claim, c, true); err != nil {
+		if _, err := m.b.PatchClaimStatus(ctx, claim, c, true); err != nil {
 			if !retriedQuietly(ctx, err) {
 				if failure == "" {
 					failure = msg
@@ -341,27 +340,27 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 		m.mu.Lock()
 		m.infeasible[claim.UID] = infeasibleTarget{class: target, at: time.Now()}
 		m.mu.Unlock()
-		return "infeasible", m.b.cfg.RetryIntervalMax, nil
+		return "infeasible", m.b.Cfg.RetryIntervalMax, nil
 	}
 
-	caps, err := m.b.caps.get(ctx, driver)
+	caps, err := m.b.Caps.Get(ctx, driver)
 	if err != nil {
-		m.b.caps.forget(driver)
-		warn(failureOf("ControllerModifyVolume", unreachable{err}), "modify volume %s to VolumeAttributesClass %s: driver %s is not reachable: %v", pv.Name, target, driver, err)
+		m.b.Caps.Forget(driver)
+		warn(kube.FailureOf("ControllerModifyVolume", drivers.NewUnreachable(err)), "modify volume %s to VolumeAttributesClass %s: driver %s is not reachable: %v", pv.Name, target, driver, err)
 		return "not_called", 0, err
 	}
-	if !caps.modify {
+	if !caps.Modify {
 		msg := fmt.Sprintf("driver %s does not support volume modification (no MODIFY_VOLUME capability); volume %s cannot take VolumeAttributesClass %s", driver, pv.Name, target)
 		return infeasible("", msg, msg)
 	}
-	vac, err := m.b.cfg.Client.StorageV1().VolumeAttributesClasses().Get(ctx, target, metav1.GetOptions{})
+	vac, err := m.b.Cfg.Client.StorageV1().VolumeAttributesClasses().Get(ctx, target, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
 		// As upstream: Pending until the class exists. The claim is
 		// marked first, so that one Event says how things stand.
-		if _, perr := m.b.patchClaimStatus(ctx, claim, modifyStatus(claim, target, corev1.PersistentVolumeClaimModifyVolumePending), true); perr != nil {
+		if _, perr := m.b.PatchClaimStatus(ctx, claim, modifyStatus(claim, target, corev1.PersistentVolumeClaimModifyVolumePending), true); perr != nil {
 			return failed("pending", fmt.Errorf("VolumeAttributesClass %s not found, and marking claim %s Pending failed: %w", target, key, perr))
 		}
-		m.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeModifyFailed", target+" not found",
+		m.b.EventOnce(ctx, kube.ClaimRef(claim), corev1.EventTypeWarning, "VolumeModifyFailed", target+" not found",
 			"VolumeAttributesClass %s not found; the modification of volume %s waits for it", target, pv.Name)
 		return "pending", 0, fmt.Errorf("volumeattributesclass %s not found", target)
 	}
@@ -373,9 +372,9 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 		return infeasible("", msg, msg)
 	}
 	node := ""
-	if m.b.cfg.Drivers.NodeLocal(driver) {
-		if node = m.b.nodeOfPV(pv); node == "" {
-			err := errNodeUnknown(pv, driver)
+	if m.b.Cfg.Drivers.NodeLocal(driver) {
+		if node = m.b.NodeOfPV(pv); node == "" {
+			err := kube.ErrNodeUnknown(pv, driver)
 			warn("", "modify volume %s: %v", pv.Name, err)
 			return "not_called", 0, err
 		}
@@ -387,39 +386,39 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 		warn("", "modify volume %s: %v", pv.Name, err)
 		return "not_called", 0, err
 	}
-	secrets, err := m.b.fetchSecret(ctx, secretUse{
-		driver: driver, op: policy.OpControllerModifyVolume, ref: ref,
-		source: policy.Source{Kind: policy.SourcePVField, Key: "metadata.annotations[" + kube.AnnModifySecretName + "]"},
-		requester: policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name,
+	secrets, err := m.b.FetchSecret(ctx, kube.SecretUse{
+		Driver: driver, Op: policy.OpControllerModifyVolume, Ref: ref,
+		Source: policy.Source{Kind: policy.SourcePVField, Key: "metadata.annotations[" + kube.AnnModifySecretName + "]"},
+		Requester: policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name,
 			Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName, Node: node},
-		recordedNSLabels: recordedNamespaceLabels(pv),
+		RecordedNSLabels: kube.RecordedNamespaceLabels(pv),
 	})
 	if err != nil {
 		warn("", "modify volume %s to VolumeAttributesClass %s: %v", pv.Name, target, err)
 		return "not_called", 0, err
 	}
-	cc, err := m.b.driverConn(driver, node)
+	cc, err := m.b.DriverConn(driver, node)
 	if err != nil {
 		warn("", "modify volume %s: %v", pv.Name, err)
 		return "not_called", 0, err
 	}
 
-	claim, err = m.b.patchClaimStatus(ctx, claim, modifyInProgress(claim, target), true)
+	claim, err = m.b.PatchClaimStatus(ctx, claim, modifyInProgress(claim, target), true)
 	if err != nil {
 		return failed("not_called", fmt.Errorf("mark claim %s modifying: %w", key, err))
 	}
-	m.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeNormal, "VolumeModify", target,
+	m.b.EventOnce(ctx, kube.ClaimRef(claim), corev1.EventTypeNormal, "VolumeModify", target,
 		"csibroker is modifying volume %s to VolumeAttributesClass %s", pv.Name, target)
 
 	params := maps.Clone(vac.Parameters)
-	if m.b.cfg.ExtraModifyMetadata {
+	if m.b.Cfg.ExtraModifyMetadata {
 		if params == nil {
 			params = map[string]string{}
 		}
 		params[csiparams.ParamPVCName], params[csiparams.ParamPVCNamespace], params[csiparams.ParamPVName] = claim.Name, claim.Namespace, pv.Name
 	}
 	req := &csi.ControllerModifyVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, Secrets: secrets, MutableParameters: params}
-	callCtx, cancel := m.b.callContext(ctx, driver, "ControllerModifyVolume")
+	callCtx, cancel := m.b.CallContext(ctx, driver, "ControllerModifyVolume")
 	_, err = csi.NewControllerClient(cc).ControllerModifyVolume(callCtx, req)
 	cancel()
 	req.Secrets = nil
@@ -427,19 +426,19 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 		if ctx.Err() != nil {
 			return "failed", 0, err // the term ended; the next leader looks again
 		}
-		failure := failureOf("ControllerModifyVolume", err)
-		msg := fmt.Sprintf("modify volume %s to VolumeAttributesClass %s failed: %s", pv.Name, target, statusText(err))
+		failure := kube.FailureOf("ControllerModifyVolume", err)
+		msg := fmt.Sprintf("modify volume %s to VolumeAttributesClass %s failed: %s", pv.Name, target, kube.StatusText(err))
 		if status.Code(err) == codes.InvalidArgument {
-			return infeasible(failure, msg, "ControllerModifyVolume failed: "+statusText(err))
+			return infeasible(failure, msg, "ControllerModifyVolume failed: "+kube.StatusText(err))
 		}
 		warn(failure, "%s", msg)
 		c := claim.DeepCopy()
 		c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, status.Code(err).String(),
-			"ControllerModifyVolume failed: "+statusText(err)+"; will retry")
+			"ControllerModifyVolume failed: "+kube.StatusText(err)+"; will retry")
 		// Without a resourceVersion, as upstream: the condition merges by
 		// type, and a concurrent write (the resizer's) does not lose it.
-		if _, perr := m.b.patchClaimStatus(ctx, claim, c, false); perr != nil {
-			m.b.log.Warn("volume modification: recording the failure on the claim failed", "claim", key, "err", perr)
+		if _, perr := m.b.PatchClaimStatus(ctx, claim, c, false); perr != nil {
+			m.b.Log.Warn("volume modification: recording the failure on the claim failed", "claim", key, "err", perr)
 		}
 		return "failed", 0, err
 	}
@@ -452,7 +451,7 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 	if pv.Spec.VolumeAttributesClassName == nil || *pv.Spec.VolumeAttributesClassName != target {
 		cur := pv.DeepCopy()
 		cur.Spec.VolumeAttributesClassName = &target
-		if err := m.b.patchPV(ctx, pv, cur); err != nil {
+		if err := m.b.PatchPV(ctx, pv, cur); err != nil {
 			return failed("failed", fmt.Errorf("set VolumeAttributesClass %s on pv %s: %w", target, pv.Name, err))
 		}
 	}
@@ -463,12 +462,12 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 	// Without a resourceVersion: the driver did apply the class, which is
 	// true whatever was written since (a newer class asked for is seen,
 	// since the spec is not touched).
-	if _, err := m.b.patchClaimStatus(ctx, claim, done, false); err != nil {
+	if _, err := m.b.PatchClaimStatus(ctx, claim, done, false); err != nil {
 		return failed("failed", fmt.Errorf("mark claim %s modified: %w", key, err))
 	}
-	m.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "VolumeModifySuccessful", "Modified volume %s to VolumeAttributesClass %s", pv.Name, target)
-	m.b.forgetEvents(claim.UID)
-	m.b.log.Info("volume modified", "claim", key, "pv", pv.Name, "driver", driver, "class", target)
+	m.b.Event(ctx, kube.ClaimRef(claim), corev1.EventTypeNormal, "VolumeModifySuccessful", "Modified volume %s to VolumeAttributesClass %s", pv.Name, target)
+	m.b.ForgetEvents(claim.UID)
+	m.b.Log.Info("volume modified", "claim", key, "pv", pv.Name, "driver", driver, "class", target)
 	return "success", 0, nil
 }
 
@@ -481,7 +480,7 @@ func (m *modifier) warn(ctx context.Context, claim *corev1.PersistentVolumeClaim
 	if failure == "" {
 		failure = msg
 	}
-	m.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeModifyFailed", class+" "+failure, "%s", msg)
+	m.b.EventOnce(ctx, kube.ClaimRef(claim), corev1.EventTypeWarning, "VolumeModifyFailed", class+" "+failure, "%s", msg)
 	return msg
 }
 
@@ -542,13 +541,13 @@ func modifyInProgress(claim *corev1.PersistentVolumeClaim, target string) *corev
 // same failure writes nothing.
 func setModifyCondition(conds []corev1.PersistentVolumeClaimCondition, t corev1.PersistentVolumeClaimConditionType, reason, msg string) []corev1.PersistentVolumeClaimCondition {
 	want := corev1.PersistentVolumeClaimCondition{Type: t, Status: corev1.ConditionTrue, Reason: reason, Message: msg, LastTransitionTime: metav1.Now()}
-	return mergeConditions(conds, []corev1.PersistentVolumeClaimCondition{want}, isModifyCondition, keepAll)
+	return kube.MergeConditions(conds, []corev1.PersistentVolumeClaimCondition{want}, isModifyCondition, kube.KeepAll)
 }
 
 // clearModifyConditions drops the ModifyingVolume and ModifyVolumeError
 // conditions.
 func clearModifyConditions(conds []corev1.PersistentVolumeClaimCondition) []corev1.PersistentVolumeClaimCondition {
-	return mergeConditions(conds, nil, isModifyCondition, nil)
+	return kube.MergeConditions(conds, nil, isModifyCondition, nil)
 }
 
 func isModifyCondition(t corev1.PersistentVolumeClaimConditionType) bool {

@@ -45,7 +45,7 @@ const flakyIOPS = "777"
 // and calls nothing. The secret's value appears in no Event, object, log
 // line, span or metric.
 func TestModifyVolumeAttributesClass(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -254,7 +254,7 @@ func hasModifyCondition(p *corev1.PersistentVolumeClaim) bool {
 // carry the claim's name and namespace and the PV's name besides the
 // class's, as external-resizer's flag adds them.
 func TestModifyPassesExtraMetadata(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "meta.csi.test")
@@ -293,7 +293,7 @@ func TestModifyPassesExtraMetadata(t *testing.T) {
 // ever. Both a class that does not exist (Pending) and one the driver
 // failed (InProgress, with both modify conditions).
 func TestModifyCancelledBackToNoClass(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -350,7 +350,7 @@ func TestModifyCancelledBackToNoClass(t *testing.T) {
 // VolumeModifyFailed Warning Event on the claim, once however often the
 // modification is retried; with the refusals lifted, it completes.
 func TestModifyReportsRefusedWrites(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -491,7 +491,7 @@ func countEvents(t *testing.T, c kubernetes.Interface, ns, name, reason, want st
 // current one, with a Warning Event, not dropped (the PV would keep the
 // class in use with nothing saying so).
 func TestModifyAppliedBeforeTheClaimWasSetBackToNone(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()

@@ -33,7 +33,7 @@ import (
 // with room for it; a PV whose node is gone is left for the admin with an
 // Event.
 func TestNodeLocalDriver(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -102,7 +102,7 @@ func TestNodeLocalDriver(t *testing.T) {
 // on the old node has the volume deleted on the old node before it is made
 // on the new one; while the old node is unreachable it waits, saying why.
 func TestNodeLocalEarlierAttemptsVolumeIsNeverLeft(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -189,7 +189,7 @@ func setSelectedNode(t *testing.T, c kubernetes.Interface, ns, claim, node strin
 // selected node's proxy, so a grant's requesters.nodes decides which nodes'
 // proxies may receive the provisioner secret.
 func TestNodeLocalGrantByNode(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -237,7 +237,7 @@ func addLocalNodes(t *testing.T, env *testenv.Env, drivers *testDrivers, drv str
 // step is asked to publish and unpublish by the plugin of the node the
 // volume lives on (and is attached to), not by another node's.
 func TestNodeLocalAttachOnTheVolumesNode(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -274,7 +274,7 @@ func TestNodeLocalAttachOnTheVolumesNode(t *testing.T) {
 // affinity) is not sent to some node's proxy for expansion: the claim gets
 // an Event saying why, and no driver is called.
 func TestNodeLocalResizeOfVolumeWithoutNode(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -344,7 +344,7 @@ func TestNodeLocalResizeOfVolumeWithoutNode(t *testing.T) {
 // expanding (no allocatedResources raised, no ControllerResizeInProgress),
 // only told why; once the proxy is back the expansion goes through.
 func TestNodeLocalResizeWhileItsNodeIsDown(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -390,7 +390,7 @@ func TestNodeLocalResizeWhileItsNodeIsDown(t *testing.T) {
 // exists is provisioned anew, with an Event saying what was left where,
 // instead of failing for ever on the missing node.
 func TestNodeLocalAttemptsOfAnEarlierLeader(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "local.csi.test")
@@ -449,7 +449,7 @@ func TestNodeLocalAttemptsOfAnEarlierLeader(t *testing.T) {
 // called the driver, unseen by the cache); recovery deletes the volume of
 // an intent entry whose PV names another node.
 func TestNodeLocalSecondVolumeOfAnExistingPV(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -547,7 +547,7 @@ func TestNodeLocalSecondVolumeOfAnExistingPV(t *testing.T) {
 // again under its name (its storage kept), recovery deletes the volume
 // left there.
 func TestNodeLocalVolumeOfANodeThatComesBack(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -629,7 +629,7 @@ func TestNodeLocalVolumeOfANodeThatComesBack(t *testing.T) {
 // gone waits for the node to come back, and is given up, with a log line,
 // once its attempt is older than supersededKeep.
 func TestSupersededEntryGivenUp(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -674,7 +674,7 @@ func TestSupersededEntryGivenUp(t *testing.T) {
 // volume of that name: the claim is provisioned on a (it waited for b for
 // ever).
 func TestNodeLocalMovedOffAFullNode(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "full.csi.test")
@@ -704,7 +704,7 @@ func TestNodeLocalMovedOffAFullNode(t *testing.T) {
 // advertise VOLUME_ACCESSIBILITY_CONSTRAINTS is not made into an affinity
 // (its keys are no node labels it promised), as external-provisioner.
 func TestNodeLocalAffinityByHostnameLabel(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "host.csi.test")
@@ -738,7 +738,7 @@ func TestNodeLocalAffinityByHostnameLabel(t *testing.T) {
 // answers ResourceExhausted (its GetCapacity said there was room) is not
 // asked again and again: the next attempt goes to another node.
 func TestNodeLocalPlacementKeepsToAllowedTopologiesAndMovesOn(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -50,13 +51,11 @@ const (
 	snapshotKeyPrefix = "snapshot:"
 )
 
-func init() { extraControllers = append(extraControllers, newSourceProtector) }
-
 // sourceProtector releases the sources of clones and restores once no
 // claim copying them is Pending.
 type sourceProtector struct {
-	b     *Bridge
-	queue *termQueue
+	b     *kube.Env
+	queue *kube.TermQueue
 	// claims indexes the Pending claims by the source they copy
 	// (pendingSourceIndex), so a source's look finds its copies without
 	// listing its namespace.
@@ -82,18 +81,18 @@ func pendingSourceKeys(obj any) ([]string, error) {
 	return nil, nil
 }
 
-func newSourceProtector(b *Bridge) (controller, error) {
-	inf := b.factory.Core().V1().PersistentVolumeClaims().Informer()
+func newSourceProtector(b *kube.Env) (controller, error) {
+	inf := b.Factory.Core().V1().PersistentVolumeClaims().Informer()
 	if err := inf.AddIndexers(cache.Indexers{pendingSourceIndex: pendingSourceKeys}); err != nil {
 		return nil, fmt.Errorf("source protection: %w", err)
 	}
-	p := &sourceProtector{b: b, queue: newTermQueue("source-protection", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax), claims: inf.GetIndexer()}
-	b.metrics.queueDepth("source-protection", p.queue.Len)
-	b.on(inf, cache.ResourceEventHandlerFuncs{
+	p := &sourceProtector{b: b, queue: kube.NewTermQueue("source-protection", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax), claims: inf.GetIndexer()}
+	b.Metrics.QueueDepth("source-protection", p.queue.Len)
+	b.On(inf, cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { p.claimChanged(nil, obj) },
 		UpdateFunc: func(old, obj any) { p.claimChanged(old, obj) },
 		DeleteFunc: func(obj any) {
-			if c, ok := deleted[*corev1.PersistentVolumeClaim](obj); ok {
+			if c, ok := kube.Deleted[*corev1.PersistentVolumeClaim](obj); ok {
 				p.claimDone(c)
 			}
 		},
@@ -145,10 +144,10 @@ func snapshotSourceOf(c *corev1.PersistentVolumeClaim) string {
 }
 
 func (p *sourceProtector) run(ctx context.Context) {
-	p.queue.work(ctx, 1, p.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
+	p.queue.Work(ctx, 1, p.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
 		requeue, err := p.sync(ctx, key)
 		if err != nil {
-			p.b.log.Warn("source protection: releasing a clone or restore source failed; will retry", "source", key, "err", err)
+			p.b.Log.Warn("source protection: releasing a clone or restore source failed; will retry", "source", key, "err", err)
 		}
 		return requeue, err
 	}, p.sweepSnapshots)
@@ -157,7 +156,7 @@ func (p *sourceProtector) run(ctx context.Context) {
 // sweepSnapshots queues the VolumeSnapshots holding snapshotFinalizer at
 // the start of the term and every snapshotSweep.
 func (p *sourceProtector) sweepSnapshots(ctx context.Context) {
-	if p.b.cfg.SnapshotClient == nil {
+	if p.b.Cfg.SnapshotClient == nil {
 		return
 	}
 	t := time.NewTicker(snapshotSweep)
@@ -175,14 +174,14 @@ func (p *sourceProtector) sweepSnapshots(ctx context.Context) {
 func (p *sourceProtector) sweepSnapshotsOnce(ctx context.Context) {
 	opts := metav1.ListOptions{Limit: 500}
 	for {
-		l, err := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots("").List(ctx, opts)
+		l, err := p.b.Cfg.SnapshotClient.SnapshotV1().VolumeSnapshots("").List(ctx, opts)
 		switch {
 		case apierrors.IsNotFound(err):
-			p.b.log.Debug("source protection: the VolumeSnapshot API is not served; no snapshot to look at")
+			p.b.Log.Debug("source protection: the VolumeSnapshot API is not served; no snapshot to look at")
 			return
 		case err != nil:
 			if ctx.Err() == nil {
-				p.b.log.Warn("source protection: listing VolumeSnapshots failed; looked at again at the next sweep", "err", err)
+				p.b.Log.Warn("source protection: listing VolumeSnapshots failed; looked at again at the next sweep", "err", err)
 			}
 			return
 		}
@@ -202,7 +201,7 @@ func (p *sourceProtector) sweepSnapshotsOnce(ctx context.Context) {
 // of a term: deletions while another replica led are in the cache).
 // Snapshots are looked at when a claim restoring one leaves Pending.
 func (p *sourceProtector) enqueueAll() {
-	claims, err := p.b.claims.List(labels.Everything())
+	claims, err := p.b.Claims.List(labels.Everything())
 	if err != nil {
 		return
 	}
@@ -226,7 +225,7 @@ func (p *sourceProtector) sync(ctx context.Context, key string) (time.Duration, 
 // syncClaim takes cloneFinalizer off a deleted source once no claim
 // cloning it is Pending; until then it looks again after sourceRecheck.
 func (p *sourceProtector) syncClaim(ctx context.Context, key string) (time.Duration, error) {
-	src, err := p.b.cachedClaim(key)
+	src, err := p.b.CachedClaim(key)
 	if src == nil || err != nil {
 		return 0, err
 	}
@@ -235,23 +234,23 @@ func (p *sourceProtector) syncClaim(ctx context.Context, key string) (time.Durat
 		return 0, nil
 	}
 	if pending := p.pending(claimKeyPrefix + key); len(pending) > 0 {
-		p.b.log.Debug("source protection: deleted claim kept while claims cloning it are pending", "claim", key, "pending", pending)
+		p.b.Log.Debug("source protection: deleted claim kept while claims cloning it are pending", "claim", key, "pending", pending)
 		return sourceRecheck, nil
 	}
 	cur := src.DeepCopy()
 	cur.Finalizers = slices.DeleteFunc(cur.Finalizers, func(f string) bool { return f == cloneFinalizer })
-	patch, err := twoWayPatch(src, cur, &corev1.PersistentVolumeClaim{}, src.ResourceVersion)
+	patch, err := kube.TwoWayPatch(src, cur, &corev1.PersistentVolumeClaim{}, src.ResourceVersion)
 	if err != nil || patch == nil {
 		return 0, err
 	}
-	_, err = p.b.cfg.Client.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
+	_, err = p.b.Cfg.Client.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
 		return 0, nil
 	case err != nil:
 		return 0, fmt.Errorf("remove finalizer %s: %w", cloneFinalizer, err)
 	}
-	p.b.log.Info("source protection: deleted claim released, no clone of it is pending", "claim", key)
+	p.b.Log.Info("source protection: deleted claim released, no clone of it is pending", "claim", key)
 	return 0, nil
 }
 
@@ -259,14 +258,14 @@ func (p *sourceProtector) syncClaim(ctx context.Context, key string) (time.Durat
 // restoring it is Pending.
 func (p *sourceProtector) syncSnapshot(ctx context.Context, key string) error {
 	ns, name, err := cache.SplitMetaNamespaceKey(key)
-	if err != nil || p.b.cfg.SnapshotClient == nil {
+	if err != nil || p.b.Cfg.SnapshotClient == nil {
 		return nil
 	}
 	if pending := p.pending(snapshotKeyPrefix + key); len(pending) > 0 {
-		p.b.log.Debug("source protection: VolumeSnapshot kept while claims restoring it are pending", "snapshot", key, "pending", pending)
+		p.b.Log.Debug("source protection: VolumeSnapshot kept while claims restoring it are pending", "snapshot", key, "pending", pending)
 		return nil // their own updates bring it back
 	}
-	snap, err := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(ns).Get(ctx, name, metav1.GetOptions{})
+	snap, err := p.b.Cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(ns).Get(ctx, name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
 		return nil
 	}
@@ -281,10 +280,10 @@ func (p *sourceProtector) syncSnapshot(ctx context.Context, key string) error {
 	if len(p.pending(snapshotKeyPrefix+key)) > 0 {
 		return nil
 	}
-	if err := p.b.patchSnapshotFinalizer(ctx, snap, false); err != nil {
+	if err := patchSnapshotFinalizer(p.b, ctx, snap, false); err != nil {
 		return err
 	}
-	p.b.log.Info("source protection: VolumeSnapshot released, no restore of it is pending", "snapshot", key)
+	p.b.Log.Info("source protection: VolumeSnapshot released, no restore of it is pending", "snapshot", key)
 	return nil
 }
 
@@ -310,16 +309,16 @@ func (p *sourceProtector) pending(key string) []string {
 // this attempt; the next finds the source deleted and says so.
 func (p *provisioner) protectSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, snap *snapshotv1.VolumeSnapshot) error {
 	if name := cloneSourceOf(claim); name != "" {
-		if src, err := p.b.claims.PersistentVolumeClaims(claim.Namespace).Get(name); err == nil && slices.Contains(src.Finalizers, cloneFinalizer) {
+		if src, err := p.b.Claims.PersistentVolumeClaims(claim.Namespace).Get(name); err == nil && slices.Contains(src.Finalizers, cloneFinalizer) {
 			return nil
 		}
 		patch := []byte(`{"metadata":{"finalizers":["` + cloneFinalizer + `"]}}`)
-		if _, err := p.b.cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Patch(ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		if _, err := p.b.Cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Patch(ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
 			return fmt.Errorf("protect clone source claim %s/%s with finalizer %s: %w", claim.Namespace, name, cloneFinalizer, err)
 		}
 	}
 	if snap != nil && !slices.Contains(snap.Finalizers, snapshotFinalizer) {
-		return p.b.protectSnapshot(ctx, snap)
+		return protectSnapshot(p.b, ctx, snap)
 	}
 	return nil
 }
@@ -328,13 +327,13 @@ func (p *provisioner) protectSource(ctx context.Context, claim *corev1.Persisten
 // restoring the same snapshot at once each add it from what they read) is
 // no failure: the snapshot is read again, and the finalizer added to that
 // unless another worker's patch already did.
-func (b *Bridge) protectSnapshot(ctx context.Context, snap *snapshotv1.VolumeSnapshot) error {
+func protectSnapshot(b *kube.Env, ctx context.Context, snap *snapshotv1.VolumeSnapshot) error {
 	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		err := b.patchSnapshotFinalizer(ctx, snap, true)
+		err := patchSnapshotFinalizer(b, ctx, snap, true)
 		if !apierrors.IsConflict(err) {
 			return err
 		}
-		fresh, gerr := b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(snap.Namespace).Get(ctx, snap.Name, metav1.GetOptions{})
+		fresh, gerr := b.Cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(snap.Namespace).Get(ctx, snap.Name, metav1.GetOptions{})
 		switch {
 		case gerr != nil:
 			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: read it again after a conflict: %w", snap.Namespace, snap.Name, snapshotFinalizer, gerr)
@@ -356,18 +355,18 @@ func (b *Bridge) protectSnapshot(ctx context.Context, snap *snapshotv1.VolumeSna
 // JSON merge patch (a CRD takes no strategic merge patch) carrying snap's
 // resourceVersion, so a list changed since is not overwritten. A snapshot
 // gone is no error when removing.
-func (b *Bridge) patchSnapshotFinalizer(ctx context.Context, snap *snapshotv1.VolumeSnapshot, add bool) error {
+func patchSnapshotFinalizer(b *kube.Env, ctx context.Context, snap *snapshotv1.VolumeSnapshot, add bool) error {
 	cur := snap.DeepCopy()
 	if add {
 		cur.Finalizers = append(cur.Finalizers, snapshotFinalizer)
 	} else {
 		cur.Finalizers = slices.DeleteFunc(cur.Finalizers, func(f string) bool { return f == snapshotFinalizer })
 	}
-	patch, err := mergePatch(snap, cur, snap.ResourceVersion)
+	patch, err := kube.MergePatch(snap, cur, snap.ResourceVersion)
 	if err != nil || patch == nil {
 		return err
 	}
-	_, err = b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(snap.Namespace).Patch(ctx, snap.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+	_, err = b.Cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(snap.Namespace).Patch(ctx, snap.Name, types.MergePatchType, patch, metav1.PatchOptions{})
 	switch {
 	case err == nil, !add && apierrors.IsNotFound(err):
 		return nil

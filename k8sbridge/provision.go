@@ -34,6 +34,7 @@ import (
 
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/k8sbridge/topology"
@@ -42,10 +43,10 @@ import (
 
 // provisioner turns pending claims of registered drivers into volumes and PVs.
 type provisioner struct {
-	b     *Bridge
-	queue *termQueue
+	b     *kube.Env
+	queue *kube.TermQueue
 
-	slots *driverSlots // operations in flight per driver (PerDriverWorkers)
+	slots *kube.DriverSlots // operations in flight per driver (PerDriverWorkers)
 
 	mu       sync.Mutex
 	inflight map[string]bool          // volume names being provisioned here
@@ -74,18 +75,18 @@ type provisioner struct {
 	recoveryPasses atomic.Int64
 }
 
-func newProvisioner(b *Bridge) *provisioner {
+func newProvisioner(b *kube.Env) *provisioner {
 	p := &provisioner{
 		b:        b,
-		queue:    newTermQueue("provision", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
+		queue:    kube.NewTermQueue("provision", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax),
 		inflight: map[string]bool{},
 		started:  map[string]time.Time{},
 		asked:    map[types.UID]*csi.TopologyRequirement{},
 		noRoom:   map[types.UID][]string{},
 		recover:  make(chan struct{}, 1),
 	}
-	p.slots = p.queue.withSlots(b.cfg.PerDriverWorkers)
-	b.metrics.queueDepth("provision", p.queue.Len)
+	p.slots = p.queue.WithSlots(b.Cfg.PerDriverWorkers)
+	b.Metrics.QueueDepth("provision", p.queue.Len)
 	return p
 }
 
@@ -97,13 +98,13 @@ func (p *provisioner) claimHandler() cache.ResourceEventHandler {
 			// A claim deleted while its volume is being made: recovery
 			// deletes the volume if it exists. Other deletions (bound
 			// claims, a namespace teardown) cost no recovery pass.
-			c, ok := deleted[*corev1.PersistentVolumeClaim](obj)
+			c, ok := kube.Deleted[*corev1.PersistentVolumeClaim](obj)
 			if ok {
-				p.b.forgetEvents(c.UID)
+				p.b.ForgetEvents(c.UID)
 				p.setAsked(c.UID, nil)
 				p.forgetNoRoom(c.UID)
 			}
-			if ok && p.b.intents.Has(csiparams.VolumeName(p.b.cfg.VolumeNamePrefix, c.UID, p.b.cfg.VolumeNameUUIDLength)) {
+			if ok && p.b.Intents.Has(csiparams.VolumeName(p.b.Cfg.VolumeNamePrefix, c.UID, p.b.Cfg.VolumeNameUUIDLength)) {
 				p.nudgeRecovery()
 			}
 			if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
@@ -140,7 +141,7 @@ func (p *provisioner) claimDriver(claim *corev1.PersistentVolumeClaim) string {
 	if d == "" {
 		d = claim.Annotations[kube.AnnBetaStorageProvisioner]
 	}
-	if d == "" || !p.b.registered(d) {
+	if d == "" || !p.b.Registered(d) {
 		return ""
 	}
 	return d
@@ -148,13 +149,13 @@ func (p *provisioner) claimDriver(claim *corev1.PersistentVolumeClaim) string {
 
 func (p *provisioner) run(ctx context.Context) {
 	// Claims that arrived while another replica led are in the cache already.
-	p.queue.work(ctx, p.b.cfg.WorkerThreads, p.enqueueAll, p.sync)
+	p.queue.Work(ctx, p.b.Cfg.WorkerThreads, p.enqueueAll, p.sync)
 }
 
 // enqueueAll adds every claim that may need provisioning (start of a term,
 // a driver newly registered).
 func (p *provisioner) enqueueAll() {
-	if claims, err := p.b.claims.List(labels.Everything()); err == nil {
+	if claims, err := p.b.Claims.List(labels.Everything()); err == nil {
 		for _, c := range claims {
 			p.enqueueClaim(c)
 		}
@@ -175,8 +176,8 @@ func (p *provisioner) acquire(driver, volume, key string) time.Duration {
 	if p.inflight[volume] {
 		return volumeBusyRetry
 	}
-	if !p.slots.acquire(driver, key) {
-		return waitForSlot
+	if !p.slots.Acquire(driver, key) {
+		return kube.WaitForSlot
 	}
 	p.inflight[volume] = true
 	return 0
@@ -184,7 +185,7 @@ func (p *provisioner) acquire(driver, volume, key string) time.Duration {
 
 func (p *provisioner) release(driver, volume string) {
 	p.dropVolume(volume)
-	p.slots.release(driver)
+	p.slots.Release(driver)
 }
 
 // takeVolume takes the volume alone (recovery); false means a worker or
@@ -211,28 +212,10 @@ func (p *provisioner) isInflight(volume string) bool {
 	return p.inflight[volume]
 }
 
-func claimRef(c *corev1.PersistentVolumeClaim) corev1.ObjectReference {
-	return corev1.ObjectReference{Kind: "PersistentVolumeClaim", APIVersion: "v1", Namespace: c.Namespace, Name: c.Name, UID: c.UID, ResourceVersion: c.ResourceVersion}
-}
-
-// cachedClaim is the claim of queue key namespace/name from the cache; nil
-// (and no error) when the key is not one or the claim is gone.
-func (b *Bridge) cachedClaim(key string) (*corev1.PersistentVolumeClaim, error) {
-	ns, name, err := cache.SplitMetaNamespaceKey(key)
-	if err != nil {
-		return nil, nil
-	}
-	claim, err := b.claims.PersistentVolumeClaims(ns).Get(name)
-	if apierrors.IsNotFound(err) {
-		return nil, nil
-	}
-	return claim, err
-}
-
 // sync provisions one claim. A returned duration asks for a plain requeue
 // (waiting, not failing); an error requeues with the claim's backoff.
 func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, error) {
-	claim, err := p.b.cachedClaim(key)
+	claim, err := p.b.CachedClaim(key)
 	if claim == nil || err != nil {
 		return 0, err
 	}
@@ -245,15 +228,15 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		return 0, nil
 	}
 	className := claimClass(claim)
-	pvName := csiparams.VolumeName(p.b.cfg.VolumeNamePrefix, claim.UID, p.b.cfg.VolumeNameUUIDLength)
-	if _, err := p.b.volumes.Get(pvName); err == nil {
+	pvName := csiparams.VolumeName(p.b.Cfg.VolumeNamePrefix, claim.UID, p.b.Cfg.VolumeNameUUIDLength)
+	if _, err := p.b.Volumes.Get(pvName); err == nil {
 		return 0, nil // provisioned; the PV controller binds it
 	}
-	class, err := p.b.classes.Get(className)
+	class, err := p.b.Classes.Get(className)
 	if err != nil {
 		msg := fmt.Sprintf("storageclass %q not found", className)
-		p.b.log.Warn("provisioning failed", "claim", key, "driver", driver, "err", msg)
-		p.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "ProvisioningFailed", msg, "%s", msg)
+		p.b.Log.Warn("provisioning failed", "claim", key, "driver", driver, "err", msg)
+		p.b.EventOnce(ctx, kube.ClaimRef(claim), corev1.EventTypeWarning, "ProvisioningFailed", msg, "%s", msg)
 		return 0, fmt.Errorf("claim %s: storageclass %q: %w", key, className, err)
 	}
 	inTree := "" // the in-tree plugin of a migrated class
@@ -262,15 +245,15 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		// PV controller named driver in the claim's annotation): made
 		// through the class's CSI translation, the PV in-tree again
 		// (buildPV), as external-provisioner does.
-		if migratedDriver(class.Provisioner) != driver {
+		if kube.MigratedDriver(class.Provisioner) != driver {
 			return 0, nil
 		}
 		inTree = class.Provisioner
-		t, err := migration.TranslateInTreeStorageClassToCSI(klog.Background(), class.Provisioner, class)
+		t, err := kube.Migration.TranslateInTreeStorageClassToCSI(klog.Background(), class.Provisioner, class)
 		if err != nil {
 			msg := fmt.Sprintf("storageclass %q of in-tree plugin %s: translating it for CSI driver %s (CSI migration): %v", class.Name, class.Provisioner, driver, err)
-			p.b.log.Warn("provisioning failed", "claim", key, "driver", driver, "err", msg)
-			p.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "ProvisioningFailed", msg, "%s", msg)
+			p.b.Log.Warn("provisioning failed", "claim", key, "driver", driver, "err", msg)
+			p.b.EventOnce(ctx, kube.ClaimRef(claim), corev1.EventTypeWarning, "ProvisioningFailed", msg, "%s", msg)
 			return 0, errors.New(msg)
 		}
 		class = t
@@ -278,7 +261,7 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 	if populated(claim) {
 		// As external-provisioner: a data source of another kind is a
 		// volume populator's to fill; it provisions the volume itself.
-		p.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeNormal, "Provisioning", "populator", "Assuming an external populator will provision the volume")
+		p.b.EventOnce(ctx, kube.ClaimRef(claim), corev1.EventTypeNormal, "Provisioning", "populator", "Assuming an external populator will provision the volume")
 		return 0, nil
 	}
 	selectedNode := claim.Annotations[kube.AnnSelectedNode]
@@ -295,12 +278,12 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 	}
 	p.mu.Unlock()
 
-	ctx, span := p.b.tracer.Start(ctx, "provision "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
+	ctx, span := p.b.Tracer.Start(ctx, "provision "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
 		attribute.String("csi.driver", driver), attribute.String("k8s.pvc.namespace", ns), attribute.String("k8s.pvc.name", name),
 		attribute.String("k8s.storageclass", className), attribute.String("k8s.pv.name", pvName), attribute.String("k8s.node", selectedNode)))
 	defer span.End()
 	result, err := p.provision(ctx, claim, class, inTree, driver, pvName, selectedNode)
-	p.b.metrics.provisions.WithLabelValues(driver, className, result).Inc()
+	p.b.Metrics.Provisions.WithLabelValues(driver, className, result).Inc()
 	if err != nil {
 		span.SetStatus(otelcodes.Error, result)
 		return 0, err
@@ -312,7 +295,7 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 	if result == "success" {
 		p.mu.Lock()
 		if t, ok := p.started[key]; ok {
-			p.b.metrics.provisionTime.WithLabelValues(driver, className).Observe(time.Since(t).Seconds())
+			p.b.Metrics.ProvisionTime.WithLabelValues(driver, className).Observe(time.Since(t).Seconds())
 			delete(p.started, key)
 		}
 		p.mu.Unlock()
@@ -324,8 +307,8 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 // claim asked for a volume that may exist (see provisioner.asked), nil if
 // none: a node-local driver's attempts are settled by node instead, and a
 // driver without topology is asked none.
-func (p *provisioner) askedBefore(uid types.UID, driver string, caps driverCaps) *csi.TopologyRequirement {
-	if !caps.accessibility || p.b.cfg.Drivers.NodeLocal(driver) {
+func (p *provisioner) askedBefore(uid types.UID, driver string, caps drivers.Caps) *csi.TopologyRequirement {
+	if !caps.Accessibility || p.b.Cfg.Drivers.NodeLocal(driver) {
 		return nil
 	}
 	p.mu.Lock()
@@ -354,23 +337,23 @@ func (p *provisioner) setAsked(uid types.UID, tr *csi.TopologyRequirement) {
 // node-local is reported and left alone: the driver answered one name
 // with two IDs, and deleting either could delete the PV's data.
 func (p *provisioner) settleExistingPV(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver, node, pvName, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester) error {
-	pv, err := p.b.cfg.Client.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
+	pv, err := p.b.Cfg.Client.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 	if err != nil {
 		// Gone again (or unreadable): the next attempt saves it anew.
 		return fmt.Errorf("read it: %w", err)
 	}
-	log := p.b.log.With("claim", claim.Namespace+"/"+claim.Name, "driver", driver, "pv", pvName, "volume_id", volumeID)
+	log := p.b.Log.With("claim", claim.Namespace+"/"+claim.Name, "driver", driver, "pv", pvName, "volume_id", volumeID)
 	if other := recordedNode(pv); !holdsNodeVolume(other, node) {
 		if err := p.deleteVolume(ctx, driver, node, volumeID, secretRef, requester); err != nil {
-			p.b.metrics.leaked.WithLabelValues(driver, "failed").Inc()
+			p.b.Metrics.Leaked.WithLabelValues(driver, "failed").Inc()
 			return fmt.Errorf("it holds the volume of node %s, and deleting the second volume this attempt made on node %s failed: %w", other, node, err)
 		}
-		p.b.metrics.leaked.WithLabelValues(driver, "deleted").Inc()
+		p.b.Metrics.Leaked.WithLabelValues(driver, "deleted").Inc()
 		log.Info("an earlier attempt saved this PersistentVolume with its volume on another node; deleted the second volume this attempt made", "pv_node", other, "node", node)
 		return nil
 	}
 	var src *corev1.CSIPersistentVolumeSource
-	if spec, err := csiSpec(pv); err == nil { // a migrated in-tree PV's translation
+	if spec, err := kube.CSISpec(pv); err == nil { // a migrated in-tree PV's translation
 		src = spec.CSI
 	}
 	if src == nil || src.Driver != driver || src.VolumeHandle != volumeID {
@@ -379,7 +362,7 @@ func (p *provisioner) settleExistingPV(ctx context.Context, claim *corev1.Persis
 			handle = src.Driver + " " + src.VolumeHandle
 		}
 		log.Error("PersistentVolume exists with another volume; the volume the driver returned is left for an administrator", "pv_volume", handle)
-		p.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "ProvisioningOrphan",
+		p.b.Event(ctx, kube.ClaimRef(claim), corev1.EventTypeWarning, "ProvisioningOrphan",
 			"PersistentVolume %s exists already and holds volume %q, but driver %s answered CreateVolume %s with volume %s; that volume is left to an administrator", pvName, handle, driver, pvName, volumeID)
 	}
 	return nil
@@ -423,7 +406,7 @@ func (p *provisioner) discardVolume(ctx context.Context, driver, node, pvName, v
 			return false, nil, deleteErr
 		}
 	}
-	p.b.intents.Remove(pvName)
+	p.b.Intents.Remove(pvName)
 	return held, nil, nil
 }
 
@@ -436,18 +419,18 @@ func absent(cached error, get func() error) bool {
 
 // nodeGone reports whether node no longer exists.
 func (p *provisioner) nodeGone(ctx context.Context, node string) bool {
-	_, err := p.b.nodes.Get(node)
+	_, err := p.b.Nodes.Get(node)
 	return absent(err, func() error {
-		_, err := p.b.cfg.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+		_, err := p.b.Cfg.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
 		return err
 	})
 }
 
 // csiNodeGone reports whether node has no CSINode object.
 func (p *provisioner) csiNodeGone(ctx context.Context, node string) bool {
-	_, err := p.b.csiNodes.Get(node)
+	_, err := p.b.CSINodes.Get(node)
 	return absent(err, func() error {
-		_, err := p.b.cfg.Client.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
+		_, err := p.b.Cfg.Client.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
 		return err
 	})
 }
@@ -501,15 +484,15 @@ func claimClass(claim *corev1.PersistentVolumeClaim) string {
 
 // provision runs one attempt and returns its result label.
 func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, inTree, driver, pvName, selectedNode string) (string, error) {
-	ref := claimRef(claim)
+	ref := kube.ClaimRef(claim)
 	// Failures are logged on every attempt and recorded as an Event once
 	// per failure (eventOnce): a driver's answer is named by its method
 	// and code (drivers put counters and request IDs in their messages),
 	// anything else by its message.
 	warn := func(what, format string, args ...any) {
 		msg := fmt.Sprintf(format, args...)
-		p.b.log.Warn("provisioning failed", "claim", claim.Namespace+"/"+claim.Name, "driver", driver, "err", msg)
-		p.b.eventOnce(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", what, "%s", msg)
+		p.b.Log.Warn("provisioning failed", "claim", claim.Namespace+"/"+claim.Name, "driver", driver, "err", msg)
+		p.b.EventOnce(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", what, "%s", msg)
 	}
 	// failAs fails the attempt with a failure named by what ("": by the
 	// message).
@@ -532,12 +515,12 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		// provisioned as it stands, the volume would be empty.
 		return fail("data source %s %s/%s in another namespace is not supported", ref.Kind, *ref.Namespace, ref.Name)
 	}
-	caps, err := p.b.caps.get(ctx, driver)
+	caps, err := p.b.Caps.Get(ctx, driver)
 	if err != nil {
-		p.b.caps.forget(driver)
-		return failAs(failureOf("CreateVolume", unreachable{err}), "driver %s is not reachable: %v", driver, err)
+		p.b.Caps.Forget(driver)
+		return failAs(kube.FailureOf("CreateVolume", drivers.NewUnreachable(err)), "driver %s is not reachable: %v", driver, err)
 	}
-	if !caps.createDelete {
+	if !caps.CreateDelete {
 		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
 	}
 	scheduled := selectedNode != "" // the scheduler chose the node, so it can choose again
@@ -546,7 +529,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	// one's) that may have made the volume (on prev.Node, for a node-local
 	// driver): whatever this attempt's answer, the entry stays until that
 	// volume is accounted for.
-	prev, earlier, err := p.b.intents.Lookup(ctx, pvName)
+	prev, earlier, err := p.b.Intents.Lookup(ctx, pvName)
 	if err != nil {
 		return fail("read the intent record: %v", err)
 	}
@@ -569,7 +552,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		switch {
 		case p.nodeGone(ctx, selectedNode):
 			what, why = "node gone "+selectedNode, "no longer exists"
-		case caps.accessibility && p.csiNodeGone(ctx, selectedNode):
+		case caps.Accessibility && p.csiNodeGone(ctx, selectedNode):
 			what, why = "no CSINode "+selectedNode, "has no CSINode object (no CSI driver registered there)"
 		}
 		if why != "" {
@@ -581,7 +564,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		}
 	}
 	var gone *intent.Intent // an earlier attempt's entry on a node deleted since
-	if p.b.cfg.Drivers.NodeLocal(driver) {
+	if p.b.Cfg.Drivers.NodeLocal(driver) {
 		if earlier && prev.Node != "" && prev.ClaimUID == string(claim.UID) {
 			// An earlier attempt asked prev.Node's proxy for this volume
 			// and may have made it there (its answer was "may still be in
@@ -593,15 +576,15 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 				// is recorded, so that recovery deletes the volume if
 				// the node comes back under its name.
 				gone = &prev
-				p.b.event(ctx, ref, corev1.EventTypeWarning, "ProvisioningOrphan",
+				p.b.Event(ctx, ref, corev1.EventTypeWarning, "ProvisioningOrphan",
 					"an earlier attempt may have made volume %s on node %s, which no longer exists; the claim is provisioned anew, and that volume is deleted if the node comes back", pvName, prev.Node)
-				p.b.log.Warn("an earlier attempt's node is gone; provisioning anew", "claim", claim.Namespace+"/"+claim.Name, "volume", pvName, "node", prev.Node)
+				p.b.Log.Warn("an earlier attempt's node is gone; provisioning anew", "claim", claim.Namespace+"/"+claim.Name, "volume", pvName, "node", prev.Node)
 			case selectedNode == "" && slices.Contains(p.noRoomNodes(claim.UID), prev.Node):
 				// Placed by the broker on a node that has since answered
 				// it has no room: the volume the earlier attempt may have
 				// made there is deleted first, and the claim placed anew.
 				if err := p.undoOnNode(ctx, prev); err != nil {
-					return failAs(failureOf("undo on "+prev.Node, err), "an earlier attempt may have made volume %s on node %s, which has no room now; it must be deleted there before the claim is placed on another node: %v", pvName, prev.Node, err)
+					return failAs(kube.FailureOf("undo on "+prev.Node, err), "an earlier attempt may have made volume %s on node %s, which has no room now; it must be deleted there before the claim is placed on another node: %v", pvName, prev.Node, err)
 				}
 			case selectedNode == "":
 				// Placed by the broker: finish on the same node.
@@ -610,13 +593,13 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 				// The scheduler moved the claim: the volume the earlier
 				// attempt may have made is deleted there first.
 				if err := p.undoOnNode(ctx, prev); err != nil {
-					return failAs(failureOf("undo on "+prev.Node, err), "an earlier attempt may have made volume %s on node %s; it must be deleted there before the volume is made on node %s: %v", pvName, prev.Node, selectedNode, err)
+					return failAs(kube.FailureOf("undo on "+prev.Node, err), "an earlier attempt may have made volume %s on node %s; it must be deleted there before the volume is made on node %s: %v", pvName, prev.Node, selectedNode, err)
 				}
-				p.b.log.Info("the volume an earlier attempt may have made on another node is deleted there, or was never made", "volume", pvName, "node", prev.Node, "selected_node", selectedNode)
+				p.b.Log.Info("the volume an earlier attempt may have made on another node is deleted there, or was never made", "volume", pvName, "node", prev.Node, "selected_node", selectedNode)
 			}
 		}
 	}
-	if p.b.cfg.Drivers.NodeLocal(driver) && selectedNode == "" {
+	if p.b.Cfg.Drivers.NodeLocal(driver) && selectedNode == "" {
 		// Immediate claim of a node-local driver: the broker places it.
 		node, err := p.placeOnNode(ctx, claim, class, driver, caps)
 		if err != nil {
@@ -633,14 +616,14 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	// once, from the API server if the cache has not got the namespace
 	// yet.
 	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name, Labels: claim.Labels, StorageClass: class.Name,
-		NamespaceLabels: p.b.readNamespaceLabels(ctx, claim.Namespace)}
-	if p.b.cfg.Drivers.NodeLocal(driver) {
+		NamespaceLabels: p.b.ReadNamespaceLabels(ctx, claim.Namespace)}
+	if p.b.Cfg.Drivers.NodeLocal(driver) {
 		// The call goes to this node's proxy: a grant's requesters.nodes
 		// can say which nodes' proxies may receive the secret.
 		requester.Node = selectedNode
 	}
 	provSource := secrets.PolicySource(secrets.Provisioner, class.Parameters)
-	creds, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpCreateVolume, ref: provSecretRef, source: provSource, requester: requester})
+	creds, err := p.b.FetchSecret(ctx, kube.SecretUse{Driver: driver, Op: policy.OpCreateVolume, Ref: provSecretRef, Source: provSource, Requester: requester})
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -658,7 +641,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		if ref == nil {
 			continue
 		}
-		if err := p.b.decideSecret(ctx, secretUse{driver: driver, op: k.op, ref: ref, source: secrets.PolicySource(k.kind, class.Parameters), requester: requester}); err != nil {
+		if err := p.b.DecideSecret(ctx, kube.SecretUse{Driver: driver, Op: k.op, Ref: ref, Source: secrets.PolicySource(k.kind, class.Parameters), Requester: requester}); err != nil {
 			return fail("%v (the secret would go into the PV for the kubelet)", err)
 		}
 	}
@@ -682,23 +665,23 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return fail("encode request: %v", err)
 	}
 	node := ""
-	if p.b.cfg.Drivers.NodeLocal(driver) {
+	if p.b.Cfg.Drivers.NodeLocal(driver) {
 		node = selectedNode
 	}
 	// forget drops the entry after a refusal, unless an earlier attempt
 	// may have made the volume.
 	forget := func() {
 		if earlier {
-			p.b.log.Info("CreateVolume refused; the intent entry stays, since an earlier attempt may have made the volume (recovery deletes it if the claim goes)",
+			p.b.Log.Info("CreateVolume refused; the intent entry stays, since an earlier attempt may have made the volume (recovery deletes it if the claim goes)",
 				"claim", claim.Namespace+"/"+claim.Name, "volume", pvName)
 			return
 		}
-		p.b.intents.Remove(pvName)
+		p.b.Intents.Remove(pvName)
 	}
 	if gone != nil && gone.Node != node {
 		kept := *gone
 		kept.Superseded = true
-		if err := p.b.intents.Add(ctx, kept); err != nil {
+		if err := p.b.Intents.Add(ctx, kept); err != nil {
 			if ctx.Err() != nil {
 				return "failed", err
 			}
@@ -719,11 +702,11 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	if node != "" {
 		// Back on a node an attempt was superseded on (it was gone, and
 		// registered again): that attempt's requests join this entry's.
-		if kept, ok := p.b.intents.Get(intent.Intent{VolumeName: pvName, Node: node, Superseded: true}.Key()); ok && kept.ClaimUID == string(claim.UID) {
+		if kept, ok := p.b.Intents.Get(intent.Intent{VolumeName: pvName, Node: node, Superseded: true}.Key()); ok && kept.ClaimUID == string(claim.UID) {
 			entry, folded = intent.WithEarlier(entry, kept), kept.Key()
 		}
 	}
-	if err := p.b.intents.Add(ctx, entry); err != nil {
+	if err := p.b.Intents.Add(ctx, entry); err != nil {
 		// Nothing was called yet: back off and try again.
 		if ctx.Err() != nil {
 			return "failed", err // the term is over, not the claim's fault
@@ -731,15 +714,15 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		return fail("record the intent to create volume %s before calling the driver: %v", pvName, err)
 	}
 	if folded != "" {
-		p.b.intents.Remove(folded)
+		p.b.Intents.Remove(folded)
 	}
-	p.b.eventOnce(ctx, ref, corev1.EventTypeNormal, "Provisioning", selectedNode, "External provisioner is provisioning volume for claim %q", claim.Namespace+"/"+claim.Name)
+	p.b.EventOnce(ctx, ref, corev1.EventTypeNormal, "Provisioning", selectedNode, "External provisioner is provisioning volume for claim %q", claim.Namespace+"/"+claim.Name)
 
 	conn, err := p.conn(driver, node)
 	if err != nil {
 		return fail("%v", err)
 	}
-	callCtx, cancel := p.b.callContext(ctx, driver, "CreateVolume")
+	callCtx, cancel := p.b.CallContext(ctx, driver, "CreateVolume")
 	req.Secrets = creds
 	resp, err := csi.NewControllerClient(conn).CreateVolume(callCtx, req)
 	cancel()
@@ -748,13 +731,13 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		if status.Code(err) == codes.ResourceExhausted {
 			// The objects said there was room: refreshed now, not at
 			// the next poll.
-			p.b.noteVolumeChange(volumeChange{driver: driver, class: class.Name, node: node})
+			p.b.NoteVolumeChange(kube.VolumeChange{Driver: driver, Class: class.Name, Node: node})
 			if node != "" && !scheduled {
 				p.noteNoRoom(claim.UID, node) // placed by the broker: another node next
 			}
 		}
-		failure := failureOf("CreateVolume", err)
-		outcome := csiparams.ClassifyCreateError(err, caps.accessibility && scheduled)
+		failure := kube.FailureOf("CreateVolume", err)
+		outcome := csiparams.ClassifyCreateError(err, caps.Accessibility && scheduled)
 		if outcome == csiparams.CreateInProgress {
 			p.setAsked(claim.UID, req.AccessibilityRequirements)
 		} else {
@@ -764,29 +747,29 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		case csiparams.CreateInProgress:
 			// The volume may still appear: keep the intent and re-issue
 			// the same request later.
-			warn(failure, "failed to provision volume with StorageClass %q: %s (may still be in progress; retrying with the same name)", class.Name, statusText(err))
+			warn(failure, "failed to provision volume with StorageClass %q: %s (may still be in progress; retrying with the same name)", class.Name, kube.StatusText(err))
 			return "in_progress", err
 		case csiparams.CreateReschedule:
 			forget()
-			warn(failure+" reschedule from "+selectedNode, "failed to provision volume with StorageClass %q: %s; asking the scheduler for another node", class.Name, statusText(err))
+			warn(failure+" reschedule from "+selectedNode, "failed to provision volume with StorageClass %q: %s; asking the scheduler for another node", class.Name, kube.StatusText(err))
 			if rerr := p.reschedule(ctx, claim); rerr != nil {
 				return "rescheduled", rerr
 			}
 			return "rescheduled", nil
 		default:
 			forget()
-			warn(failure, "failed to provision volume with StorageClass %q: %s", class.Name, statusText(err))
+			warn(failure, "failed to provision volume with StorageClass %q: %s", class.Name, kube.StatusText(err))
 			return "failed", err
 		}
 	}
 
 	// The volume exists: until its PV is saved, a retry asks the same.
 	p.setAsked(claim.UID, req.AccessibilityRequirements)
-	made := volumeChange{driver: driver, node: node}
+	made := kube.VolumeChange{Driver: driver, Node: node}
 	for _, t := range resp.GetVolume().GetAccessibleTopology() {
-		made.topo = append(made.topo, t.GetSegments())
+		made.Topo = append(made.Topo, t.GetSegments())
 	}
-	p.b.noteVolumeChange(made)
+	p.b.NoteVolumeChange(made)
 	if p.afterCreate != nil {
 		p.afterCreate(ctx, pvName)
 		if ctx.Err() != nil {
@@ -799,25 +782,25 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 	// not the API server (a read costs a token of the client's QPS budget);
 	// a deletion it has not seen yet leaves a PV whose claim is gone, which
 	// the PV controller releases and the deleter then deletes.
-	if cur, gerr := p.b.claims.PersistentVolumeClaims(claim.Namespace).Get(claim.Name); apierrors.IsNotFound(gerr) || (gerr == nil && (cur.UID != claim.UID || cur.DeletionTimestamp != nil)) {
+	if cur, gerr := p.b.Claims.PersistentVolumeClaims(claim.Namespace).Get(claim.Name); apierrors.IsNotFound(gerr) || (gerr == nil && (cur.UID != claim.UID || cur.DeletionTimestamp != nil)) {
 		// An earlier attempt (the previous leader's, whose PV the cache
 		// has not shown yet) may have made the PV: its reclaim policy
 		// decides then, not this attempt.
 		held, rerr, derr := p.discardVolume(ctx, driver, node, pvName, resp.GetVolume().GetVolumeId(), provSecretRef, requester)
 		switch {
 		case rerr != nil:
-			p.b.log.Warn("claim deleted during provisioning; could not tell whether its PersistentVolume holds the volume (the intent record keeps it; retried)", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName, "err", rerr)
+			p.b.Log.Warn("claim deleted during provisioning; could not tell whether its PersistentVolume holds the volume (the intent record keeps it; retried)", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName, "err", rerr)
 			return "failed", rerr
 		case held:
-			p.b.log.Info("claim deleted during provisioning, but its PersistentVolume exists; the volume is left to the PV's reclaim policy", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName)
+			p.b.Log.Info("claim deleted during provisioning, but its PersistentVolume exists; the volume is left to the PV's reclaim policy", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName)
 			return "claim_deleted", nil
 		case derr != nil:
-			p.b.log.Error("claim deleted during provisioning; deleting its volume failed (the intent record keeps it; recovery retries)", "claim", claim.Namespace+"/"+claim.Name, "driver", driver, "volume", resp.GetVolume().GetVolumeId(), "err", derr)
-			p.b.metrics.leaked.WithLabelValues(driver, "failed").Inc()
+			p.b.Log.Error("claim deleted during provisioning; deleting its volume failed (the intent record keeps it; recovery retries)", "claim", claim.Namespace+"/"+claim.Name, "driver", driver, "volume", resp.GetVolume().GetVolumeId(), "err", derr)
+			p.b.Metrics.Leaked.WithLabelValues(driver, "failed").Inc()
 			return "failed", derr
 		}
-		p.b.log.Info("claim deleted during provisioning; its volume was deleted", "claim", claim.Namespace+"/"+claim.Name, "volume", resp.GetVolume().GetVolumeId())
-		p.b.metrics.leaked.WithLabelValues(driver, "deleted").Inc()
+		p.b.Log.Info("claim deleted during provisioning; its volume was deleted", "claim", claim.Namespace+"/"+claim.Name, "volume", resp.GetVolume().GetVolumeId())
+		p.b.Metrics.Leaked.WithLabelValues(driver, "deleted").Inc()
 		return "claim_deleted", nil
 	}
 
@@ -858,7 +841,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 			pv.Annotations[kube.AnnNamespaceLabels] = string(b)
 		}
 	}
-	if !caps.accessibility {
+	if !caps.Accessibility {
 		// As external-provisioner: the topology a driver without
 		// VOLUME_ACCESSIBILITY_CONSTRAINTS reports names no node labels
 		// it promised, and an affinity on it could match no node.
@@ -868,13 +851,13 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		// A node-local volume is reachable from its node only: the
 		// node's hostname label, which need not be its name.
 		host := node
-		if n, err := p.b.nodes.Get(node); err == nil && n.Labels[corev1.LabelHostname] != "" {
+		if n, err := p.b.Nodes.Get(node); err == nil && n.Labels[corev1.LabelHostname] != "" {
 			host = n.Labels[corev1.LabelHostname]
 		}
 		pv.Spec.NodeAffinity = &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
 			MatchExpressions: []corev1.NodeSelectorRequirement{{Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpIn, Values: []string{host}}}}}}}
 	}
-	_, err = p.b.cfg.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
+	_, err = p.b.Cfg.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
 	if apierrors.IsAlreadyExists(err) {
 		// An earlier attempt (the previous leader's, or this leader's
 		// whose PV the cache has not shown yet) saved the PV: it must
@@ -882,7 +865,7 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		// one nothing accounts for.
 		err = p.settleExistingPV(ctx, claim, driver, node, pvName, resp.GetVolume().GetVolumeId(), provSecretRef, requester)
 		if err != nil {
-			warn(failureOf("save PV", err), "volume %s was created but PersistentVolume %s exists already: %v", resp.GetVolume().GetVolumeId(), pvName, err)
+			warn(kube.FailureOf("save PV", err), "volume %s was created but PersistentVolume %s exists already: %v", resp.GetVolume().GetVolumeId(), pvName, err)
 			return "failed", err // intent kept: recovery deletes the second volume
 		}
 	}
@@ -892,43 +875,29 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		warn("save PV "+string(apierrors.ReasonForError(err)), "volume %s was created but saving PersistentVolume %s failed: %v (retrying)", resp.GetVolume().GetVolumeId(), pvName, err)
 		return "failed", err
 	}
-	p.b.intents.Remove(pvName)
-	p.b.event(ctx, ref, corev1.EventTypeNormal, "ProvisioningSucceeded", "Successfully provisioned volume %s", pvName)
-	p.b.forgetEvents(claim.UID)
+	p.b.Intents.Remove(pvName)
+	p.b.Event(ctx, ref, corev1.EventTypeNormal, "ProvisioningSucceeded", "Successfully provisioned volume %s", pvName)
+	p.b.ForgetEvents(claim.UID)
 	return "success", nil
-}
-
-func statusText(err error) string {
-	st := status.Convert(err)
-	return fmt.Sprintf("rpc error: code = %s desc = %s", st.Code(), st.Message())
 }
 
 // conn picks the driver's controller proxy, or for a node-local driver the
 // proxy on the volume's node.
 func (p *provisioner) conn(driver, node string) (grpc.ClientConnInterface, error) {
-	return p.b.driverConn(driver, node)
-}
-
-// driverConn is the driver's controller proxy, or with node set (a
-// node-local driver's volume) the proxy on that node.
-func (b *Bridge) driverConn(driver, node string) (grpc.ClientConnInterface, error) {
-	if node != "" {
-		return b.cfg.Drivers.NodeConn(driver, node)
-	}
-	return b.cfg.Drivers.ControllerConn(driver)
+	return p.b.DriverConn(driver, node)
 }
 
 // placeOnNode picks the node with the most free capacity among the
 // driver's node proxies for a node-local volume.
-func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver string, caps driverCaps) (string, error) {
-	nodes := p.b.cfg.Drivers.DriverNodes(driver)
+func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver string, caps drivers.Caps) (string, error) {
+	nodes := p.b.Cfg.Drivers.DriverNodes(driver)
 	if len(nodes) == 0 {
 		return "", fmt.Errorf("node-local driver %s has no node proxy registered", driver)
 	}
 	if len(class.AllowedTopologies) > 0 {
 		var allowed []string
 		for _, n := range nodes {
-			if node, err := p.b.nodes.Get(n); err == nil && topology.InAllowed(class.AllowedTopologies, node.Labels) {
+			if node, err := p.b.Nodes.Get(n); err == nil && topology.InAllowed(class.AllowedTopologies, node.Labels) {
 				allowed = append(allowed, n)
 			}
 		}
@@ -951,14 +920,14 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 	if err != nil {
 		return "", err
 	}
-	if !caps.getCapacity {
+	if !caps.GetCapacity {
 		return slices.Concat(fresh, last)[0], nil
 	}
-	params, fsType, err := csiparams.CreateParameters(class.Parameters, false, "", claim, p.b.cfg.DefaultFSType)
+	params, fsType, err := csiparams.CreateParameters(class.Parameters, false, "", claim, p.b.Cfg.DefaultFSType)
 	if err != nil {
 		return "", fmt.Errorf("storageclass %q: %w", class.Name, err)
 	}
-	volCaps, err := csiparams.VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
+	volCaps, err := csiparams.VolumeCapabilities(claim, fsType, class.MountOptions, caps.SingleNodeMultiWriter)
 	if err != nil {
 		return "", err
 	}
@@ -966,16 +935,16 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 	for _, group := range [][]string{fresh, last} {
 		best, bestFree := "", int64(-1)
 		for _, n := range group {
-			conn, err := p.b.cfg.Drivers.NodeConn(driver, n)
+			conn, err := p.b.Cfg.Drivers.NodeConn(driver, n)
 			if err != nil {
 				seen = append(seen, fmt.Sprintf("%s: %v", n, err))
 				continue
 			}
-			callCtx, cancel := p.b.callContext(ctx, driver, "GetCapacity")
+			callCtx, cancel := p.b.CallContext(ctx, driver, "GetCapacity")
 			resp, err := csi.NewControllerClient(conn).GetCapacity(callCtx, &csi.GetCapacityRequest{Parameters: params, VolumeCapabilities: volCaps})
 			cancel()
 			if err != nil {
-				seen = append(seen, fmt.Sprintf("%s: %s", n, statusText(err)))
+				seen = append(seen, fmt.Sprintf("%s: %s", n, kube.StatusText(err)))
 				continue
 			}
 			free := resp.GetAvailableCapacity()
@@ -1017,12 +986,12 @@ func (p *provisioner) forgetNoRoom(uid types.UID) {
 // buildRequest makes the CreateVolumeRequest (without secrets) and resolves
 // the provisioner secret reference. Its errors are the claim's or class's
 // fault and say which field is wrong.
-func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps driverCaps, asked *csi.TopologyRequirement) (*csi.CreateVolumeRequest, *corev1.SecretReference, *snapshotv1.VolumeSnapshot, error) {
-	params, fsType, err := csiparams.CreateParameters(class.Parameters, p.b.cfg.ExtraCreateMetadata, pvName, claim, p.b.cfg.DefaultFSType)
+func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps drivers.Caps, asked *csi.TopologyRequirement) (*csi.CreateVolumeRequest, *corev1.SecretReference, *snapshotv1.VolumeSnapshot, error) {
+	params, fsType, err := csiparams.CreateParameters(class.Parameters, p.b.Cfg.ExtraCreateMetadata, pvName, claim, p.b.Cfg.DefaultFSType)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
 	}
-	volCaps, err := csiparams.VolumeCapabilities(claim, fsType, class.MountOptions, caps.singleNodeMultiWriter)
+	volCaps, err := csiparams.VolumeCapabilities(claim, fsType, class.MountOptions, caps.SingleNodeMultiWriter)
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -1049,10 +1018,10 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 		// As external-provisioner: the class's parameters are the
 		// volume's mutable parameters; the PV names the class (buildPV),
 		// which the PV controller requires to bind it.
-		if !caps.modify {
+		if !caps.Modify {
 			return nil, nil, nil, fmt.Errorf("volumeattributesclass %q: driver %s does not support volume attributes classes (no MODIFY_VOLUME capability)", *name, driver)
 		}
-		vac, err := p.b.cfg.Client.StorageV1().VolumeAttributesClasses().Get(ctx, *name, metav1.GetOptions{})
+		vac, err := p.b.Cfg.Client.StorageV1().VolumeAttributesClasses().Get(ctx, *name, metav1.GetOptions{})
 		if err != nil {
 			return nil, nil, nil, fmt.Errorf("volumeattributesclass %q: %w", *name, err)
 		}
@@ -1061,12 +1030,12 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 		}
 		req.MutableParameters = maps.Clone(vac.Parameters)
 	}
-	if caps.accessibility && asked != nil {
+	if caps.Accessibility && asked != nil {
 		// An earlier attempt's, whose volume may exist (askedBefore).
 		req.AccessibilityRequirements = proto.Clone(asked).(*csi.TopologyRequirement)
-	} else if caps.accessibility {
+	} else if caps.Accessibility {
 		in := topology.Input{Driver: driver, ClaimName: claim.Name, AllowedTopologies: class.AllowedTopologies,
-			StrictTopology: p.b.cfg.StrictTopology, ImmediateTopology: p.b.cfg.ImmediateTopology}
+			StrictTopology: p.b.Cfg.StrictTopology, ImmediateTopology: p.b.Cfg.ImmediateTopology}
 		nodes, err := p.topologyNodes(driver)
 		if err != nil {
 			return nil, nil, nil, err
@@ -1104,14 +1073,14 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 
 // topologyNodes lists every node with the driver's topology keys from its CSINode.
 func (p *provisioner) topologyNodes(driver string) ([]topology.Node, error) {
-	nodes, err := p.b.nodes.List(labels.Everything())
+	nodes, err := p.b.Nodes.List(labels.Everything())
 	if err != nil {
 		return nil, err
 	}
 	out := make([]topology.Node, 0, len(nodes))
 	for _, n := range nodes {
 		tn := topology.Node{Name: n.Name, Labels: n.Labels}
-		if cn, err := p.b.csiNodes.Get(n.Name); err == nil {
+		if cn, err := p.b.CSINodes.Get(n.Name); err == nil {
 			for _, d := range cn.Spec.Drivers {
 				if d.Name == driver {
 					tn.DriverKeys = append([]string{}, d.TopologyKeys...)
@@ -1127,7 +1096,7 @@ func (p *provisioner) topologyNodes(driver string) ([]topology.Node, error) {
 // contentSource supports cloning from a bound claim of the same driver in
 // the same namespace, and restoring a VolumeSnapshot of the driver
 // (snapshotSource, whose snapshot as read it returns too).
-func (p *provisioner) contentSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver string, capRange *csi.CapacityRange, caps driverCaps) (*csi.VolumeContentSource, *snapshotv1.VolumeSnapshot, error) {
+func (p *provisioner) contentSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver string, capRange *csi.CapacityRange, caps drivers.Caps) (*csi.VolumeContentSource, *snapshotv1.VolumeSnapshot, error) {
 	ds := claim.Spec.DataSource
 	if ds.Kind == snapshotKind && ds.APIGroup != nil && *ds.APIGroup == snapshotGroup {
 		return p.snapshotSource(ctx, claim, driver, caps)
@@ -1136,10 +1105,10 @@ func (p *provisioner) contentSource(ctx context.Context, claim *corev1.Persisten
 		// Populators are skipped before this.
 		return nil, nil, fmt.Errorf("data source %s %q is not supported (only PersistentVolumeClaim clones and %s VolumeSnapshots)", ds.Kind, ds.Name, snapshotGroup)
 	}
-	if !caps.clone {
+	if !caps.Clone {
 		return nil, nil, fmt.Errorf("driver %s does not support cloning (no CLONE_VOLUME capability)", driver)
 	}
-	src, err := p.b.claims.PersistentVolumeClaims(claim.Namespace).Get(ds.Name)
+	src, err := p.b.Claims.PersistentVolumeClaims(claim.Namespace).Get(ds.Name)
 	if err != nil {
 		return nil, nil, fmt.Errorf("clone source claim %s/%s: %w", claim.Namespace, ds.Name, err)
 	}
@@ -1151,7 +1120,7 @@ func (p *provisioner) contentSource(ctx context.Context, claim *corev1.Persisten
 	if src.DeletionTimestamp != nil && !slices.Contains(src.Finalizers, cloneFinalizer) {
 		return nil, nil, fmt.Errorf("clone source claim %s/%s is being deleted", claim.Namespace, ds.Name)
 	}
-	pv, err := p.b.volumes.Get(src.Spec.VolumeName)
+	pv, err := p.b.Volumes.Get(src.Spec.VolumeName)
 	if err != nil {
 		return nil, nil, fmt.Errorf("clone source volume %s: %w", src.Spec.VolumeName, err)
 	}
@@ -1188,7 +1157,7 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 		}
 	}
 	src := &corev1.CSIPersistentVolumeSource{Driver: driver, VolumeHandle: vol.GetVolumeId(), FSType: fsType, VolumeAttributes: vol.GetVolumeContext()}
-	if p.b.cfg.ControllerPublishReadOnly && len(claim.Spec.AccessModes) == 1 && claim.Spec.AccessModes[0] == corev1.ReadOnlyMany {
+	if p.b.Cfg.ControllerPublishReadOnly && len(claim.Spec.AccessModes) == 1 && claim.Spec.AccessModes[0] == corev1.ReadOnlyMany {
 		src.ReadOnly = true
 	}
 	for _, k := range []struct {
@@ -1246,7 +1215,7 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 	if inTree != "" {
 		// A migrated in-tree class: the PV is the in-tree plugin's, as the
 		// PV controller and the kubelet expect of such a class.
-		t, err := migration.TranslateCSIPVToInTree(pv)
+		t, err := kube.Migration.TranslateCSIPVToInTree(pv)
 		if err != nil {
 			return nil, fmt.Errorf("volume %s of in-tree class %q: translating its PV back to in-tree plugin %s (CSI migration): %w", vol.GetVolumeId(), class.Name, inTree, err)
 		}
@@ -1261,7 +1230,7 @@ func (p *provisioner) reschedule(ctx context.Context, claim *corev1.PersistentVo
 	// The UID makes it a precondition: a claim made again under the name
 	// keeps its node.
 	patch := []byte(`{"metadata":{"uid":"` + string(claim.UID) + `","annotations":{"` + kube.AnnSelectedNode + `":null}}}`)
-	_, err := p.b.cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Patch(ctx, claim.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+	_, err := p.b.Cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Patch(ctx, claim.Name, types.MergePatchType, patch, metav1.PatchOptions{})
 	// A patch whose metadata.uid is not the claim's is refused as Invalid
 	// (a UID cannot change): the claim was made again, and its own sync
 	// decides for it.
@@ -1284,13 +1253,13 @@ func (p *provisioner) deleteVolume(ctx context.Context, driver, node, volumeID s
 // may have gone with its namespace, with the claims), which is logged and,
 // with on, recorded as an Event on that object.
 func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester, recordedNSLabels map[string]string, on *corev1.ObjectReference) error {
-	creds, err := p.b.fetchSecret(ctx, secretUse{driver: driver, op: policy.OpDeleteVolume, ref: secretRef, source: policy.Source{Kind: policy.SourcePVField, Key: "provisioner secret"}, requester: requester, recordedNSLabels: recordedNSLabels})
-	var gone secretNotFound
+	creds, err := p.b.FetchSecret(ctx, kube.SecretUse{Driver: driver, Op: policy.OpDeleteVolume, Ref: secretRef, Source: policy.Source{Kind: policy.SourcePVField, Key: "provisioner secret"}, Requester: requester, RecordedNSLabels: recordedNSLabels})
+	var gone kube.SecretNotFound
 	switch {
 	case errors.As(err, &gone):
-		p.b.log.Warn("the deletion secret is gone; deleting the volume without credentials", "driver", driver, "volume", volumeID, "err", err)
+		p.b.Log.Warn("the deletion secret is gone; deleting the volume without credentials", "driver", driver, "volume", volumeID, "err", err)
 		if on != nil {
-			p.b.eventOnce(ctx, *on, corev1.EventTypeWarning, "DeletionSecretNotFound", secretRef.Namespace+"/"+secretRef.Name,
+			p.b.EventOnce(ctx, *on, corev1.EventTypeWarning, "DeletionSecretNotFound", secretRef.Namespace+"/"+secretRef.Name,
 				"%v; deleting volume %s without credentials", err, volumeID)
 		}
 		creds = nil
@@ -1301,7 +1270,7 @@ func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volume
 	if err != nil {
 		return err
 	}
-	ctx, cancel := p.b.callContext(ctx, driver, "DeleteVolume")
+	ctx, cancel := p.b.CallContext(ctx, driver, "DeleteVolume")
 	defer cancel()
 	_, err = csi.NewControllerClient(conn).DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: volumeID, Secrets: creds})
 	if err != nil {

@@ -30,7 +30,7 @@ import (
 // external-provisioner would write; deleting the claims deletes the volumes
 // (reclaim Delete) or keeps them (Retain).
 func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -76,7 +76,7 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 		t.Errorf("PV CSI source %+v", src)
 	case pvA.Annotations[kube.AnnProvisionedBy] != drvA:
 		t.Errorf("provisioned-by = %q", pvA.Annotations[kube.AnnProvisionedBy])
-	case pvA.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete || !hasFinalizer(pvA, kube.FinalizerVolume):
+	case pvA.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete || !kube.HasFinalizer(pvA, kube.FinalizerVolume):
 		t.Errorf("reclaim %s finalizers %v", pvA.Spec.PersistentVolumeReclaimPolicy, pvA.Finalizers)
 	case pvA.Spec.ClaimRef == nil || pvA.Spec.ClaimRef.UID != claimA.UID:
 		t.Errorf("claimRef %+v", pvA.Spec.ClaimRef)
@@ -157,7 +157,7 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 // selected-node annotation removed, with an Event saying why), as
 // external-provisioner does, instead of failing forever; no volume is made.
 func TestSelectedNodeGoneReschedules(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "wffc.csi.test")
@@ -181,7 +181,7 @@ func TestSelectedNodeGoneReschedules(t *testing.T) {
 // cut at 1 s and re-issued as "in progress"), and the claim is bound after
 // one call.
 func TestPerMethodTimeoutLongerThanTheDefault(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "slow.csi.test")
@@ -204,7 +204,7 @@ func TestPerMethodTimeoutLongerThanTheDefault(t *testing.T) {
 // before is done (no claim can overtake another by polling at the right
 // moment), and the claims waiting count in the queue's depth.
 func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "inline.csi.test")
@@ -217,7 +217,7 @@ func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
 	var want []string
 	for i := range 5 {
 		claim := kubetest.MakeClaim(t, c, ns, fmt.Sprintf("c%d", i), class.Name, "1Gi")
-		want = append(want, csiparams.VolumeName(r.b.cfg.VolumeNamePrefix, claim.UID, r.b.cfg.VolumeNameUUIDLength))
+		want = append(want, csiparams.VolumeName(r.b.Cfg.VolumeNamePrefix, claim.UID, r.b.Cfg.VolumeNameUUIDLength))
 		// Each claim in line before the next is made: the first in the
 		// driver, then one more waiting each time.
 		err := testenv.WaitFor(context.Background(), 30*time.Second, fmt.Sprintf("claim c%d handled", i), func(context.Context) (bool, string, error) {
@@ -246,14 +246,14 @@ func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
 // TestIntentRecordFullIsReported: a claim whose intent cannot be recorded
 // (the record is full) gets an Event saying so, and no driver is called.
 func TestIntentRecordFullIsReported(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "full.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "full"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.intents.LimitEntries(0) }})
+	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.Intents().LimitEntries(0) }})
 	kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi")
 	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", "record the intent to create volume")
 	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", intent.ErrFull.Error())
@@ -298,7 +298,7 @@ func TestRecordedTopology(t *testing.T) {
 // (Removing the entry on the final refusal left the volume on the driver
 // with nothing accounting for it.)
 func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -320,19 +320,19 @@ func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
 	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "lost"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
 	claim := kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi")
-	pvName := csiparams.VolumeName(r.b.cfg.VolumeNamePrefix, claim.UID, r.b.cfg.VolumeNameUUIDLength)
+	pvName := csiparams.VolumeName(r.b.Cfg.VolumeNamePrefix, claim.UID, r.b.Cfg.VolumeNameUUIDLength)
 	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", "refused (test)")
 	if n := len(d.Volumes()); n != 1 {
 		t.Fatalf("%d volumes on the driver after the lost answer, want 1", n)
 	}
-	if !r.b.intents.Has(pvName) {
+	if !r.b.Intents().Has(pvName) {
 		t.Fatalf("intent entry of %s removed after the final refusal, while the first attempt's volume exists", pvName)
 	}
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	err := testenv.WaitFor(ctx, 60*time.Second, "the first attempt's volume deleted and its entry gone", func(context.Context) (bool, string, error) {
-		return len(d.Volumes()) == 0 && !r.b.intents.Has(pvName), fmt.Sprintf("%d volumes, entry %v", len(d.Volumes()), r.b.intents.Has(pvName)), nil
+		return len(d.Volumes()) == 0 && !r.b.Intents().Has(pvName), fmt.Sprintf("%d volumes, entry %v", len(d.Volumes()), r.b.Intents().Has(pvName)), nil
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -344,7 +344,7 @@ func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
 // never bind) gets it deleted, the claim a ProvisioningFailed Event saying
 // so, and a retry that provisions it, as external-provisioner does.
 func TestUndersizedVolumeIsDeletedAndRetried(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "small.csi.test")
@@ -373,7 +373,7 @@ func TestUndersizedVolumeIsDeletedAndRetried(t *testing.T) {
 // with controller-modify secret parameters is accepted, its PV recording
 // the secret.
 func TestClaimsTheProvisionerLeavesOrRefuses(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -420,7 +420,7 @@ func TestClaimsTheProvisionerLeavesOrRefuses(t *testing.T) {
 // volume whose class names none gets it, in CreateVolume and on the PV; a
 // class's own fstype wins.
 func TestDefaultFSType(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -430,7 +430,7 @@ func TestDefaultFSType(t *testing.T) {
 	plain := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "plain"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	xfs := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "xfs"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
 		map[string]string{csiparams.ParamFSType: "xfs"})
-	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.DefaultFSType = "ext4" }})
+	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.Cfg.DefaultFSType = "ext4" }})
 	for _, tc := range []struct{ claim, class, want string }{{"plain", plain.Name, "ext4"}, {"xfs", xfs.Name, "xfs"}} {
 		pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, tc.claim, tc.class, "1Gi").Name, 60*time.Second).Spec.VolumeName
 		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
@@ -448,7 +448,7 @@ func TestDefaultFSType(t *testing.T) {
 // attacher asks for a read-only publish); any other claim's is not, and
 // without the flag none is.
 func TestControllerPublishReadOnly(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	c := env.Client()
 	ctx := context.Background()
 	rox, rwo := corev1.ReadOnlyMany, corev1.ReadWriteOnce
@@ -458,7 +458,7 @@ func TestControllerPublishReadOnly(t *testing.T) {
 		drivers := &testDrivers{}
 		drivers.addDriver(t, sampledriver.Config{Name: drv})
 		class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "ro"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-		startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.ControllerPublishReadOnly = on }})
+		startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.Cfg.ControllerPublishReadOnly = on }})
 		for _, tc := range []struct {
 			claim string
 			modes []corev1.PersistentVolumeAccessMode
@@ -481,7 +481,7 @@ func TestControllerPublishReadOnly(t *testing.T) {
 // parameters and a PV naming the class, which the PV controller binds; a
 // class of another driver is refused with an Event.
 func TestVolumeAttributesClass(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -533,7 +533,7 @@ func TestVolumeAttributesClass(t *testing.T) {
 // class) gets a PV without one, which the API server accepts and the PV
 // controller binds.
 func TestEmptyVolumeAttributesClassName(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "novac.csi.test")
@@ -550,7 +550,7 @@ func TestEmptyVolumeAttributesClassName(t *testing.T) {
 // handed back to the scheduler with an Event, as external-provisioner does;
 // no volume is made.
 func TestSelectedNodeWithoutCSINodeReschedules(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "topo.csi.test")

@@ -75,7 +75,7 @@ func deployedRBAC(t *testing.T) (cluster, namespaced []rbacv1.PolicyRule) {
 // The hand-written lists of test/deploy say what the manifests grant; this
 // says the broker needs no more.
 func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
 	clusterRules, nsRules := deployedRBAC(t)
 	sa := rbacv1.Subject{Kind: rbacv1.ServiceAccountKind, Name: "csibroker", Namespace: ns}

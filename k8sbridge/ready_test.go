@@ -19,7 +19,7 @@ import (
 // TestReadyFollowsCacheSync: /readyz's answer is not ready before the
 // informers run and ready once their caches synced, on a real apiserver.
 func TestReadyFollowsCacheSync(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	var before error
 	r := startBridge(t, env, ns, &testDrivers{}, bridgeOpts{configure: func(b *Bridge) { before = b.Ready() }})
@@ -41,7 +41,7 @@ func TestReadyFollowsCacheSync(t *testing.T) {
 // SecretGrants in a broker), no claim is provisioned and /readyz says what
 // it waits for until it is there; then the claim is provisioned.
 func TestControllersWaitForThePolicy(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "wait.csi.test")

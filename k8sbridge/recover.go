@@ -31,7 +31,7 @@ import (
 // another node (its volume is a second one). It runs when leadership
 // starts, when a claim is deleted, and every RecoveryInterval.
 func (p *provisioner) recoveryLoop(ctx context.Context) {
-	t := time.NewTicker(p.b.cfg.RecoveryInterval)
+	t := time.NewTicker(p.b.Cfg.RecoveryInterval)
 	defer t.Stop()
 	for {
 		p.recoverOnce(ctx)
@@ -41,7 +41,7 @@ func (p *provisioner) recoveryLoop(ctx context.Context) {
 		case <-t.C:
 		case <-p.recover:
 			// Let a burst of deletions arrive before reading the record.
-			if !sleepCtx(ctx, 200*time.Millisecond) {
+			if !kube.SleepCtx(ctx, 200*time.Millisecond) {
 				return
 			}
 		}
@@ -49,9 +49,9 @@ func (p *provisioner) recoveryLoop(ctx context.Context) {
 }
 
 func (p *provisioner) recoverOnce(ctx context.Context) {
-	intents, err := p.b.intents.List(ctx)
+	intents, err := p.b.Intents.List(ctx)
 	if err != nil {
-		p.b.log.Error("recovery: cannot read the intent record", "err", err)
+		p.b.Log.Error("recovery: cannot read the intent record", "err", err)
 		return
 	}
 	defer p.recoveryPasses.Add(1)
@@ -69,7 +69,7 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 			p.recoverSuperseded(ctx, in, now)
 			continue
 		}
-		if pv, err := p.b.volumes.Get(in.VolumeName); err == nil {
+		if pv, err := p.b.Volumes.Get(in.VolumeName); err == nil {
 			if other := recordedNode(pv); !holdsNodeVolume(other, in.Node) {
 				// An attempt whose PV create found the PV saved with
 				// the volume of another node made a second volume
@@ -79,10 +79,10 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 				}
 				continue
 			}
-			p.b.intents.Remove(in.Key())
+			p.b.Intents.Remove(in.Key())
 			continue
 		}
-		claim, err := p.b.claims.PersistentVolumeClaims(in.ClaimNamespace).Get(in.ClaimName)
+		claim, err := p.b.Claims.PersistentVolumeClaims(in.ClaimNamespace).Get(in.ClaimName)
 		if err == nil && string(claim.UID) == in.ClaimUID && claim.DeletionTimestamp == nil {
 			// A claim's spec.volumeName never changes once set, so the
 			// cache is trusted for it; only the PV's absence is confirmed.
@@ -107,7 +107,7 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 			continue
 		}
 		// The cache says the claim is gone; make sure before deleting.
-		cur, gerr := p.b.cfg.Client.CoreV1().PersistentVolumeClaims(in.ClaimNamespace).Get(ctx, in.ClaimName, metav1.GetOptions{})
+		cur, gerr := p.b.Cfg.Client.CoreV1().PersistentVolumeClaims(in.ClaimNamespace).Get(ctx, in.ClaimName, metav1.GetOptions{})
 		if gerr == nil && string(cur.UID) == in.ClaimUID && cur.DeletionTimestamp == nil {
 			continue
 		}
@@ -125,14 +125,14 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 func (p *provisioner) settleBoundToGonePV(ctx context.Context, in intent.Intent) {
 	found, err := p.pvHolds(ctx, in.VolumeName, "") // "": whatever node it names
 	if err != nil {
-		p.b.log.Warn("recovery: cannot read PersistentVolume; will retry", "volume", in.VolumeName, "err", err)
+		p.b.Log.Warn("recovery: cannot read PersistentVolume; will retry", "volume", in.VolumeName, "err", err)
 		return
 	}
 	if !found {
-		p.b.log.Info("recovery: claim is bound to this volume's PersistentVolume, which no longer exists; its reclaim policy or an administrator decided the volume's fate, so the intent entry is dropped and the volume left alone",
+		p.b.Log.Info("recovery: claim is bound to this volume's PersistentVolume, which no longer exists; its reclaim policy or an administrator decided the volume's fate, so the intent entry is dropped and the volume left alone",
 			"volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName)
 	}
-	p.b.intents.Remove(in.Key())
+	p.b.Intents.Remove(in.Key())
 }
 
 // supersededKeep is how long a superseded entry waits for its node to come
@@ -146,7 +146,7 @@ const supersededKeep = 7 * 24 * time.Hour
 // less often, nothing is logged (the claim's ProvisioningOrphan Event said
 // so), and after supersededKeep the entry is given up, saying so.
 func (p *provisioner) recoverSuperseded(ctx context.Context, in intent.Intent, now time.Time) {
-	if cur, ok := p.b.intents.Get(in.VolumeName); ok && cur.Node == in.Node {
+	if cur, ok := p.b.Intents.Get(in.VolumeName); ok && cur.Node == in.Node {
 		// A later attempt is on the same node again, under the same name:
 		// provisioning folds this entry's requests into its own.
 		return
@@ -156,10 +156,10 @@ func (p *provisioner) recoverSuperseded(ctx context.Context, in intent.Intent, n
 	}
 	if p.nodeGone(ctx, in.Node) {
 		if now.Sub(in.Created.Time) > supersededKeep {
-			p.b.log.Warn("recovery: the node of an earlier attempt has not come back; its entry is given up, and the volume it may have made there is left to an administrator",
+			p.b.Log.Warn("recovery: the node of an earlier attempt has not come back; its entry is given up, and the volume it may have made there is left to an administrator",
 				"volume", in.VolumeName, "driver", in.Driver, "node", in.Node, "claim", in.ClaimNamespace+"/"+in.ClaimName, "since", in.Created.Time)
-			p.b.metrics.leaked.WithLabelValues(in.Driver, "abandoned").Inc()
-			p.b.intents.Remove(in.Key())
+			p.b.Metrics.Leaked.WithLabelValues(in.Driver, "abandoned").Inc()
+			p.b.Intents.Remove(in.Key())
 			return
 		}
 		p.recoveryFailed(in.Key(), now) // looked at again later, backing off
@@ -187,7 +187,7 @@ func recordedNode(pv *corev1.PersistentVolume) string { return pv.Annotations[ku
 // node and ID together (drivers may derive the ID from the name), so a PV
 // that names another node does not hold it, whatever its handle.
 func (p *provisioner) pvHolds(ctx context.Context, name, node string) (bool, error) {
-	pv, err := p.b.cfg.Client.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
+	pv, err := p.b.Cfg.Client.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
 	switch {
 	case err == nil:
 		return holdsNodeVolume(recordedNode(pv), node), nil
@@ -232,8 +232,8 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in intent.Intent) (id s
 	if in.SecretSource != nil {
 		source = *in.SecretSource
 	}
-	creds, err := p.b.fetchSecret(ctx, secretUse{driver: in.Driver, op: policy.OpCreateVolume, ref: in.ProvisionerSecret, source: source, requester: requester, recordedNSLabels: in.NamespaceLabels})
-	var gone secretNotFound
+	creds, err := p.b.FetchSecret(ctx, kube.SecretUse{Driver: in.Driver, Op: policy.OpCreateVolume, Ref: in.ProvisionerSecret, Source: source, Requester: requester, RecordedNSLabels: in.NamespaceLabels})
+	var gone kube.SecretNotFound
 	switch {
 	case errors.As(err, &gone):
 		// Gone with its namespace, typically, when the claim was deleted
@@ -241,7 +241,7 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in intent.Intent) (id s
 		// deletion is (and as external-provisioner deletes): a driver
 		// that needs none to find the volume by name lets recovery delete
 		// it; one that refuses leaves the entry failing, as before.
-		p.b.log.Warn("recovery: the provisioner secret is gone; re-issuing CreateVolume without credentials to learn the volume's ID",
+		p.b.Log.Warn("recovery: the provisioner secret is gone; re-issuing CreateVolume without credentials to learn the volume's ID",
 			"driver", in.Driver, "volume", in.VolumeName, "err", err)
 		creds = nil
 	case err != nil:
@@ -257,7 +257,7 @@ func (p *provisioner) learnVolumeID(ctx context.Context, in intent.Intent) (id s
 	// refused for want of room, by the driver itself, is there no volume.
 	absent := len(reqs) > 0
 	for _, req := range reqs {
-		callCtx, cancel := p.b.callContext(ctx, in.Driver, "CreateVolume")
+		callCtx, cancel := p.b.CallContext(ctx, in.Driver, "CreateVolume")
 		req.Secrets = creds
 		var resp *csi.CreateVolumeResponse
 		resp, err = csi.NewControllerClient(conn).CreateVolume(callCtx, req)
@@ -305,7 +305,7 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in intent.Intent, now ti
 		return
 	}
 	defer p.dropVolume(in.VolumeName)
-	log := p.b.log.With("volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName, "reason", why)
+	log := p.b.Log.With("volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName, "reason", why)
 	// Every failure below backs off as a failed call does: an entry whose
 	// driver is down must not cost API reads (this PV's, the claim's) on
 	// every pass.
@@ -321,18 +321,18 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in intent.Intent, now ti
 		p.orphanFailed(log, in, now, "read the PersistentVolume of an orphaned volume", err.Error())
 		return
 	case held:
-		p.b.intents.Remove(in.Key())
+		p.b.Intents.Remove(in.Key())
 		return
 	}
-	ctx, span := p.b.tracer.Start(ctx, "recover "+in.VolumeName)
+	ctx, span := p.b.Tracer.Start(ctx, "recover "+in.VolumeName)
 	defer span.End()
 	id, requester, stage, err := p.learnVolumeID(ctx, in)
 	if stage == stageAbsent {
-		log.Info("recovery: the driver holds no volume of that name (it cannot make one now, which it may not say of a volume it has); the entry is dropped", "answer", statusText(err))
+		log.Info("recovery: the driver holds no volume of that name (it cannot make one now, which it may not say of a volume it has); the entry is dropped", "answer", kube.StatusText(err))
 		p.mu.Lock()
 		delete(p.recFails, in.Key())
 		p.mu.Unlock()
-		p.b.intents.Remove(in.Key())
+		p.b.Intents.Remove(in.Key())
 		return
 	}
 	if err != nil {
@@ -345,9 +345,9 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in intent.Intent, now ti
 		case stageSecret:
 			// A secret denied or gone (its namespace deleted, say):
 			// retried with the same backoff as a failed call.
-			p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
+			p.b.Metrics.Leaked.WithLabelValues(in.Driver, "failed").Inc()
 		case stageCreate:
-			detail = statusText(err)
+			detail = kube.StatusText(err)
 		}
 		// Even a final error does not prove that no volume of that name
 		// exists (a clone source deleted since, rotated credentials): the
@@ -358,7 +358,7 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in intent.Intent, now ti
 	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, id, in.ProvisionerSecret, requester, in.NamespaceLabels, nil); err != nil {
 		// Retried and reported like a failed re-issue (a DeleteVolume
 		// secret denied, say).
-		p.b.metrics.leaked.WithLabelValues(in.Driver, "failed").Inc()
+		p.b.Metrics.Leaked.WithLabelValues(in.Driver, "failed").Inc()
 		p.orphanFailed(log.With("volume_id", id), in, now, "delete an orphaned volume", err.Error())
 		return
 	}
@@ -366,8 +366,8 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in intent.Intent, now ti
 	delete(p.recFails, in.Key())
 	p.mu.Unlock()
 	log.Info("recovery: deleted an orphaned volume", "volume_id", id)
-	p.b.metrics.leaked.WithLabelValues(in.Driver, "deleted").Inc()
-	p.b.intents.Remove(in.Key())
+	p.b.Metrics.Leaked.WithLabelValues(in.Driver, "deleted").Inc()
+	p.b.Intents.Remove(in.Key())
 }
 
 // orphanFailed counts a failed attempt at in's orphaned volume in the pass
@@ -378,9 +378,9 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in intent.Intent, now ti
 func (p *provisioner) orphanFailed(log *slog.Logger, in intent.Intent, now time.Time, what, detail string) {
 	n, wait := p.recoveryFailed(in.Key(), now)
 	if n == recoveryStuckAfter {
-		p.b.metrics.leaked.WithLabelValues(in.Driver, "stuck").Inc()
+		p.b.Metrics.Leaked.WithLabelValues(in.Driver, "stuck").Inc()
 		log.Error("recovery: cannot "+what+"; the intent record keeps it (delete the entry once the volume is dealt with)",
-			"configmap", p.b.cfg.Namespace+"/csibroker-intents", "attempts", n, "retry_in", wait, "err", detail)
+			"configmap", p.b.Cfg.Namespace+"/csibroker-intents", "attempts", n, "retry_in", wait, "err", detail)
 		return
 	}
 	log.Warn("recovery: cannot "+what+"; will retry", "attempt", n, "retry_in", wait, "err", detail)
@@ -392,7 +392,7 @@ func (p *provisioner) undoOnNode(ctx context.Context, in intent.Intent) error {
 	id, requester, stage, err := p.learnVolumeID(ctx, in)
 	if stage == stageAbsent {
 		// Full, say: nothing to delete there.
-		p.b.log.Info("an earlier attempt's node holds no volume of that name", "volume", in.VolumeName, "node", in.Node, "answer", statusText(err))
+		p.b.Log.Info("an earlier attempt's node holds no volume of that name", "volume", in.VolumeName, "node", in.Node, "answer", kube.StatusText(err))
 		return nil
 	}
 	if err != nil {
@@ -405,7 +405,7 @@ func (p *provisioner) undoOnNode(ctx context.Context, in intent.Intent) error {
 	if err := p.deleteVolumeWith(ctx, in.Driver, in.Node, id, in.ProvisionerSecret, requester, in.NamespaceLabels, nil); err != nil {
 		return err
 	}
-	p.b.metrics.leaked.WithLabelValues(in.Driver, "deleted").Inc()
+	p.b.Metrics.Leaked.WithLabelValues(in.Driver, "deleted").Inc()
 	return nil
 }
 
@@ -445,7 +445,7 @@ func recoveryBackoff(n int, interval time.Duration) time.Duration {
 // recoveryFailed counts a failed attempt of volume's entry in the pass
 // that started at now and returns the count and the wait before the next.
 func (p *provisioner) recoveryFailed(volume string, now time.Time) (int, time.Duration) {
-	interval := p.b.cfg.RecoveryInterval
+	interval := p.b.Cfg.RecoveryInterval
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.recFails == nil {
@@ -482,7 +482,7 @@ func (p *provisioner) forgetSettledClaims() {
 	if n == 0 {
 		return
 	}
-	claims, err := p.b.claims.List(labels.Everything())
+	claims, err := p.b.Claims.List(labels.Everything())
 	if err != nil {
 		return
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
@@ -144,7 +145,7 @@ func hasVolume(d *sampledriver.Driver, name string) bool {
 //     policy kept the volume, then an admin deleted the PV): the entry is
 //     dropped and the volume left alone.
 func TestRecoverBoundClaimWithoutItsPV(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -271,7 +272,7 @@ func goneClaim(t *testing.T, c kubernetes.Interface, ns, name string) *corev1.Pe
 }
 
 func testRecoverBacksOff(t *testing.T, method string) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -341,7 +342,7 @@ func testRecoverBacksOff(t *testing.T, method string) {
 // a failed call, not on every pass (each attempt costs API reads of its
 // claim and PV), and is reported as stuck at the third failure.
 func TestRecoverBacksOffAnUnreachableDriver(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -390,7 +391,7 @@ func TestLearnVolumeIDFromAnEarlierRequest(t *testing.T) {
 	madeID := createDriverVolumeWith(t, drivers, drv, made)
 	later := createRequest("pvc-strict")
 	later.CapacityRange.RequiredBytes *= 2
-	p := &provisioner{b: &Bridge{cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
+	p := &provisioner{b: &kube.Env{Cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
 	in := intent.Intent{VolumeName: "pvc-strict", Driver: drv, Request: marshalRequest(t, later)}
 	if _, _, _, err := p.learnVolumeID(context.Background(), in); status.Code(err) != codes.AlreadyExists {
 		t.Fatalf("the later request alone: %v, want AlreadyExists (the driver checks the request)", err)
@@ -431,7 +432,7 @@ func TestLearnVolumeIDPastANoRoomAnswer(t *testing.T) {
 	elsewhere.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"zone": "z9"}}}}
 	tooBig := createRequest("pvc-zoned")
 	tooBig.CapacityRange.RequiredBytes = 8 << 30
-	p := &provisioner{b: &Bridge{cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
+	p := &provisioner{b: &kube.Env{Cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
 	in := intent.Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, elsewhere), EarlierRequests: [][]byte{marshalRequest(t, made)}}
 	id, _, stage, err := p.learnVolumeID(context.Background(), in)
 	if err != nil || id != madeID {

@@ -28,6 +28,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/policy"
 )
@@ -81,18 +82,16 @@ const (
 	fsResizePendingMessage = "Waiting for user to (re-)start a pod to finish file system resize of volume on node."
 )
 
-func init() { extraControllers = append(extraControllers, newResizer) }
-
 // resizer expands the volumes of claims whose request grew.
 type resizer struct {
-	b   *Bridge
+	b   *kube.Env
 	ops *prometheus.CounterVec
 	// queue exists while this replica leads; claims seen before are found
 	// again by run's initial listing.
-	queue *termQueue
+	queue *kube.TermQueue
 	// slots counts each driver's expansions in progress, against
 	// PerDriverWorkers: one slow driver cannot take every worker.
-	slots *driverSlots
+	slots *kube.DriverSlots
 
 	mu sync.Mutex
 	// finalErr holds claims whose last ControllerExpandVolume ended with a
@@ -116,27 +115,27 @@ type resizeNodeCaps struct {
 	fetched time.Time
 }
 
-func newResizer(b *Bridge) (controller, error) {
-	r := &resizer{b: b, queue: newTermQueue("resize", b.cfg.RetryIntervalStart, b.cfg.RetryIntervalMax),
+func newResizer(b *kube.Env) (controller, error) {
+	r := &resizer{b: b, queue: kube.NewTermQueue("resize", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax),
 		finalErr: map[types.UID]bool{}, inUse: map[types.UID]inUseClaim{}, nodeCaps: map[string]resizeNodeCaps{}}
-	r.slots = r.queue.withSlots(b.cfg.PerDriverWorkers)
-	ops, err := operationsCounter(b.cfg.Registerer, "resize_operations_total",
+	r.slots = r.queue.WithSlots(b.Cfg.PerDriverWorkers)
+	ops, err := kube.OperationsCounter(b.Cfg.Registerer, "resize_operations_total",
 		"Volume expansion attempts by driver and result (success, node_pending, infeasible, failed, in_progress, in_use, not_called).")
 	if err != nil {
 		return nil, err
 	}
 	r.ops = ops
-	b.metrics.queueDepth("resize", r.queue.Len)
+	b.Metrics.QueueDepth("resize", r.queue.Len)
 	// An attachment gone: a claim waiting for its volume's detach is
 	// looked at again.
-	b.on(b.factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
+	b.On(b.Factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
 		DeleteFunc: func(obj any) {
-			if va, ok := deleted[*storagev1.VolumeAttachment](obj); ok {
+			if va, ok := kube.Deleted[*storagev1.VolumeAttachment](obj); ok {
 				r.volumeDetached(va)
 			}
 		},
 	})
-	b.on(b.factory.Core().V1().PersistentVolumeClaims().Informer(), cache.ResourceEventHandlerFuncs{
+	b.On(b.Factory.Core().V1().PersistentVolumeClaims().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) {
 			if c, ok := obj.(*corev1.PersistentVolumeClaim); ok && claimNeedsResize(c) {
 				r.enqueue(c)
@@ -150,7 +149,7 @@ func newResizer(b *Bridge) (controller, error) {
 			}
 		},
 		DeleteFunc: func(obj any) {
-			c, ok := deleted[*corev1.PersistentVolumeClaim](obj)
+			c, ok := kube.Deleted[*corev1.PersistentVolumeClaim](obj)
 			if !ok {
 				return
 			}
@@ -158,7 +157,7 @@ func newResizer(b *Bridge) (controller, error) {
 			delete(r.finalErr, c.UID)
 			delete(r.inUse, c.UID)
 			r.mu.Unlock()
-			b.forgetEvents(c.UID)
+			b.ForgetEvents(c.UID)
 			if key, err := cache.MetaNamespaceKeyFunc(c); err == nil {
 				r.queue.Forget(key)
 			}
@@ -220,7 +219,7 @@ func (r *resizer) volumeDetached(va *storagev1.VolumeAttachment) {
 // attachedTo names the node of a VolumeAttachment of pv, "" when there is
 // none (the rule deletion keeps to: attachmentOf).
 func (r *resizer) attachedTo(pv string) string {
-	if va, err := r.b.attachmentOf(pv); err == nil && va != nil {
+	if va, err := r.b.AttachmentOf(pv); err == nil && va != nil {
 		return va.Spec.NodeName
 	}
 	return ""
@@ -235,7 +234,7 @@ func (r *resizer) enqueue(c *corev1.PersistentVolumeClaim) {
 // enqueueAll adds every claim asking for more than it has (start of a
 // term, a driver registered: its claims were dropped while it was unknown).
 func (r *resizer) enqueueAll() {
-	if claims, err := r.b.claims.List(labels.Everything()); err == nil {
+	if claims, err := r.b.Claims.List(labels.Everything()); err == nil {
 		for _, c := range claims {
 			if claimNeedsResize(c) {
 				r.enqueue(c)
@@ -254,10 +253,10 @@ func (r *resizer) run(ctx context.Context) {
 	clear(r.inUse)
 	r.mu.Unlock()
 	// Requests raised while another replica led are in the cache already.
-	r.queue.work(ctx, r.b.cfg.WorkerThreads, r.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
+	r.queue.Work(ctx, r.b.Cfg.WorkerThreads, r.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
 		requeue, err := r.sync(ctx, key)
 		if err != nil {
-			r.b.log.Debug("resize will be retried", "claim", key, "err", err)
+			r.b.Log.Debug("resize will be retried", "claim", key, "err", err)
 		}
 		return requeue, err
 	})
@@ -266,7 +265,7 @@ func (r *resizer) run(ctx context.Context) {
 // sync expands one claim if it needs it. An error retries with backoff; a
 // positive duration looks at the claim again then (its driver is busy).
 func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
-	claim, err := r.b.cachedClaim(key)
+	claim, err := r.b.CachedClaim(key)
 	if claim == nil || err != nil {
 		return 0, err
 	}
@@ -274,7 +273,7 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	if !claimNeedsResize(claim) || claim.DeletionTimestamp != nil {
 		return 0, nil
 	}
-	pv, err := r.b.volumes.Get(claim.Spec.VolumeName)
+	pv, err := r.b.Volumes.Get(claim.Spec.VolumeName)
 	if err != nil {
 		// Bound to a PV the cache has not seen (yet): look again later.
 		return 0, fmt.Errorf("claim %s: volume %s: %w", key, claim.Spec.VolumeName, err)
@@ -286,21 +285,21 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	spec := &pv.Spec // with the CSI source the driver is asked about
 	switch resizer := claim.Annotations[kube.AnnStorageResizer]; {
 	case pv.Spec.CSI != nil:
-		if !r.b.registered(pv.Spec.CSI.Driver) {
+		if !r.b.Registered(pv.Spec.CSI.Driver) {
 			return 0, nil
 		}
 		driver = pv.Spec.CSI.Driver
-	case r.b.registered(resizer):
+	case r.b.Registered(resizer):
 		// An in-tree volume CSI migration moved to a registered driver
 		// (kube-controller-manager names it in kube.AnnStorageResizer): it is
 		// expanded through its CSI translation, as external-resizer does,
 		// and only by the driver the translation names.
-		if to := pvDriver(pv); to != resizer {
+		if to := kube.PVDriver(pv); to != resizer {
 			r.warn(ctx, claim, "", "claim's %s annotation names driver %s, but volume %s is not an in-tree volume CSI migration moves to it (it moves to %q); not expanded",
 				kube.AnnStorageResizer, resizer, pv.Name, to)
 			return 0, nil
 		}
-		t, err := csiSpec(pv)
+		t, err := kube.CSISpec(pv)
 		if err != nil {
 			r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: %v", pv.Name, resizer, err)
 			return 0, nil
@@ -319,7 +318,7 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	r.mu.Unlock()
 	if waiting {
 		if node := r.attachedTo(w.pv); node != "" && w.pv == pv.Name {
-			r.b.log.Debug("volume expansion waits for the volume to be detached", "claim", key, "pv", pv.Name, "node", node)
+			r.b.Log.Debug("volume expansion waits for the volume to be detached", "claim", key, "pv", pv.Name, "node", node)
 			return 0, nil
 		}
 		r.mu.Lock()
@@ -327,29 +326,29 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 		r.mu.Unlock()
 	}
 	if _, ok := expansionTarget(expansionInputOf(claim, pv, lastFinal, true)); !ok {
-		r.b.log.Debug("volume expansion: nothing for the driver now; the kubelet has the next step", "claim", key, "driver", driver)
+		r.b.Log.Debug("volume expansion: nothing for the driver now; the kubelet has the next step", "claim", key, "driver", driver)
 		return 0, nil
 	}
 	// --per-driver-workers: one slow or unreachable driver cannot take
 	// every worker, its capability lookups included.
-	if !r.slots.acquire(driver, key) {
-		return waitForSlot, nil
+	if !r.slots.Acquire(driver, key) {
+		return kube.WaitForSlot, nil
 	}
-	defer r.slots.release(driver)
+	defer r.slots.Release(driver)
 
-	caps, err := r.b.caps.get(ctx, driver)
+	caps, err := r.b.Caps.Get(ctx, driver)
 	if err != nil {
-		r.b.caps.forget(driver)
-		r.warn(ctx, claim, failureOf("ControllerExpandVolume", unreachable{err}), "resize volume %q by resizer %q failed: driver is not reachable: %v", pv.Name, driver, err)
-		r.b.log.Warn("volume expansion: driver not reachable; will retry", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
+		r.b.Caps.Forget(driver)
+		r.warn(ctx, claim, kube.FailureOf("ControllerExpandVolume", drivers.NewUnreachable(err)), "resize volume %q by resizer %q failed: driver is not reachable: %v", pv.Name, driver, err)
+		r.b.Log.Warn("volume expansion: driver not reachable; will retry", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
 		return 0, err
 	}
-	controllerExpand := caps.expand
+	controllerExpand := caps.Expand
 	if !controllerExpand {
 		nodeOnly, err := r.nodeExpansion(ctx, driver)
 		if err != nil {
 			r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: %v", pv.Name, driver, err)
-			r.b.log.Warn("volume expansion: cannot learn whether the driver expands on the node; will retry", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
+			r.b.Log.Warn("volume expansion: cannot learn whether the driver expands on the node; will retry", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
 			return 0, err
 		}
 		if !nodeOnly {
@@ -364,7 +363,7 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 		return 0, nil
 	}
 
-	ctx, span := r.b.tracer.Start(ctx, "resize "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
+	ctx, span := r.b.Tracer.Start(ctx, "resize "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
 		attribute.String("csi.driver", driver), attribute.String("k8s.pvc.namespace", ns), attribute.String("k8s.pvc.name", name),
 		attribute.String("k8s.pv.name", pv.Name), attribute.String("k8s.pvc.expand_to", target.String())))
 	defer span.End()
@@ -376,14 +375,14 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	}
 	// Done (or over to the kubelet): a failure or a new attempt after
 	// this one is news.
-	r.b.forgetEvents(claim.UID)
+	r.b.ForgetEvents(claim.UID)
 	return 0, nil
 }
 
 // expand runs one expansion attempt and returns its result label. spec is
 // pv's spec with its CSI source (for a migrated in-tree volume, the
 // translation's); the PV itself is what gets the new capacity.
-func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, spec *corev1.PersistentVolumeSpec, driver string, caps driverCaps, controllerExpand bool, target resource.Quantity) (string, error) {
+func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, spec *corev1.PersistentVolumeSpec, driver string, caps drivers.Caps, controllerExpand bool, target resource.Quantity) (string, error) {
 	key := claim.Namespace + "/" + claim.Name
 	failed := func(result string, err error) (string, error) {
 		if ctx.Err() != nil {
@@ -397,7 +396,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 			return result, err
 		}
 		r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: %v", pv.Name, driver, err)
-		r.b.log.Warn("volume expansion failed", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
+		r.b.Log.Warn("volume expansion failed", "claim", key, "pv", pv.Name, "driver", driver, "err", err)
 		return result, err
 	}
 
@@ -410,28 +409,28 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 	var conn grpc.ClientConnInterface
 	node := r.expandNode(driver, pv) // the node-local volume's node; "" otherwise
 	if controllerExpand {
-		if r.b.cfg.Drivers.NodeLocal(driver) && node == "" {
-			return failed("not_called", errNodeUnknown(pv, driver))
+		if r.b.Cfg.Drivers.NodeLocal(driver) && node == "" {
+			return failed("not_called", kube.ErrNodeUnknown(pv, driver))
 		}
 		// A proxy that is not known (a node's gone) fails here, before
 		// the claim says an expansion is in progress.
 		var err error
 		if node != "" {
-			conn, err = r.b.cfg.Drivers.NodeConn(driver, node)
+			conn, err = r.b.Cfg.Drivers.NodeConn(driver, node)
 		} else {
-			conn, err = r.b.cfg.Drivers.ControllerConn(driver)
+			conn, err = r.b.Cfg.Drivers.ControllerConn(driver)
 		}
 		if err != nil {
 			return failed("not_called", err)
 		}
-		volCap, err := resizeVolumeCapability(*spec, caps.singleNodeMultiWriter)
+		volCap, err := resizeVolumeCapability(*spec, caps.SingleNodeMultiWriter)
 		if err != nil {
 			return failed("not_called", err)
 		}
-		secrets, err := r.b.fetchSecret(ctx, secretUse{
-			driver: driver, op: policy.OpControllerExpandVolume, ref: spec.CSI.ControllerExpandSecretRef,
-			source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerExpandSecretRef"},
-			requester: policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name,
+		secrets, err := r.b.FetchSecret(ctx, kube.SecretUse{
+			Driver: driver, Op: policy.OpControllerExpandVolume, Ref: spec.CSI.ControllerExpandSecretRef,
+			Source: policy.Source{Kind: policy.SourcePVField, Key: "spec.csi.controllerExpandSecretRef"},
+			Requester: policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name,
 				Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName, Node: node},
 		})
 		if err != nil {
@@ -441,16 +440,16 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 			Secrets: secrets, VolumeCapability: volCap}
 	}
 
-	claim, err := r.b.patchClaimStatus(ctx, claim, resizeInProgress(claim, target), true)
+	claim, err := r.b.PatchClaimStatus(ctx, claim, resizeInProgress(claim, target), true)
 	if err != nil {
 		return failed("not_called", fmt.Errorf("mark claim %s resizing: %w", key, err)) // RBAC, a webhook: said on the claim
 	}
 	// Once per request, as its failure: a retried attempt is no news.
-	r.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeNormal, "Resizing", requestOf(claim), "External resizer is resizing volume %s", pv.Name)
+	r.b.EventOnce(ctx, kube.ClaimRef(claim), corev1.EventTypeNormal, "Resizing", requestOf(claim), "External resizer is resizing volume %s", pv.Name)
 
 	newSize, nodeRequired := target, true
 	if req != nil {
-		callCtx, cancel := r.b.callContext(ctx, driver, "ControllerExpandVolume")
+		callCtx, cancel := r.b.CallContext(ctx, driver, "ControllerExpandVolume")
 		resp, err := csi.NewControllerClient(conn).ControllerExpandVolume(callCtx, req)
 		cancel()
 		if err != nil {
@@ -470,23 +469,23 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 		if err != nil {
 			return failed("failed", err)
 		}
-		if _, err := r.b.cfg.Client.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		if _, err := r.b.Cfg.Client.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
 			return failed("failed", fmt.Errorf("update capacity of pv %s to %s: %w", pv.Name, newSize.String(), err))
 		}
 	}
 	if nodeRequired {
-		if _, err := r.b.patchClaimStatus(ctx, claim, resizeNodePending(claim), true); err != nil {
+		if _, err := r.b.PatchClaimStatus(ctx, claim, resizeNodePending(claim), true); err != nil {
 			return failed("failed", fmt.Errorf("mark claim %s as waiting for node expansion: %w", key, err))
 		}
-		r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "FileSystemResizeRequired", "Require file system resize of volume on node")
-		r.b.log.Info("volume expanded; node expansion pending", "claim", key, "pv", pv.Name, "driver", driver, "size", newSize.String())
+		r.b.Event(ctx, kube.ClaimRef(claim), corev1.EventTypeNormal, "FileSystemResizeRequired", "Require file system resize of volume on node")
+		r.b.Log.Info("volume expanded; node expansion pending", "claim", key, "pv", pv.Name, "driver", driver, "size", newSize.String())
 		return "node_pending", nil
 	}
-	if _, err := r.b.patchClaimStatus(ctx, claim, resizeFinished(claim, newSize), true); err != nil {
+	if _, err := r.b.PatchClaimStatus(ctx, claim, resizeFinished(claim, newSize), true); err != nil {
 		return failed("failed", fmt.Errorf("mark claim %s resized: %w", key, err))
 	}
-	r.b.event(ctx, claimRef(claim), corev1.EventTypeNormal, "VolumeResizeSuccessful", "Resize volume succeeded")
-	r.b.log.Info("volume expanded", "claim", key, "pv", pv.Name, "driver", driver, "size", newSize.String())
+	r.b.Event(ctx, kube.ClaimRef(claim), corev1.EventTypeNormal, "VolumeResizeSuccessful", "Resize volume succeeded")
+	r.b.Log.Info("volume expanded", "claim", key, "pv", pv.Name, "driver", driver, "size", newSize.String())
 	return "success", nil
 }
 
@@ -499,7 +498,7 @@ func (r *resizer) warn(ctx context.Context, claim *corev1.PersistentVolumeClaim,
 	if failure == "" {
 		failure = msg
 	}
-	r.b.eventOnce(ctx, claimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed", requestOf(claim)+" "+failure, "%s", msg)
+	r.b.EventOnce(ctx, kube.ClaimRef(claim), corev1.EventTypeWarning, "VolumeResizeFailed", requestOf(claim)+" "+failure, "%s", msg)
 }
 
 // requestOf is the claim's storage request in bytes, the same however it
@@ -526,7 +525,7 @@ func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolu
 		delete(r.finalErr, claim.UID)
 	}
 	r.mu.Unlock()
-	msg := statusText(err)
+	msg := kube.StatusText(err)
 	if code == codes.FailedPrecondition && isStatus {
 		if node := r.attachedTo(pv.Name); node != "" {
 			// external-resizer's --handle-volume-inuse-error: a driver that
@@ -540,12 +539,12 @@ func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolu
 				// deletion found no claim waiting.
 				r.queue.Add(claim.Namespace + "/" + claim.Name)
 			}
-			if _, perr := r.b.patchClaimStatus(ctx, claim, resizeControllerFailed(claim, code, "failed to expand pvc with "+msg, false), false); perr != nil {
-				r.b.log.Warn("recording an expansion failure on the claim failed", "claim", claim.Namespace+"/"+claim.Name, "err", perr)
+			if _, perr := r.b.PatchClaimStatus(ctx, claim, resizeControllerFailed(claim, code, "failed to expand pvc with "+msg, false), false); perr != nil {
+				r.b.Log.Warn("recording an expansion failure on the claim failed", "claim", claim.Namespace+"/"+claim.Name, "err", perr)
 			}
 			r.warn(ctx, claim, "ControllerExpandVolume in use",
 				"Unable to expand volume %s: CSI driver %s refused while the volume is attached to node %s (%s); it will be expanded once the volume is detached", pv.Name, driver, node, msg)
-			r.b.log.Warn("ControllerExpandVolume refused while the volume is in use; waiting for it to be detached", "claim", claim.Namespace+"/"+claim.Name, "pv", pv.Name, "driver", driver, "node", node, "err", msg)
+			r.b.Log.Warn("ControllerExpandVolume refused while the volume is in use; waiting for it to be detached", "claim", claim.Namespace+"/"+claim.Name, "pv", pv.Name, "driver", driver, "node", node, "err", msg)
 			return "in_use", nil
 		}
 	}
@@ -558,8 +557,8 @@ func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolu
 		}
 		// No resourceVersion precondition: the failure must be recorded
 		// even if our copy of the claim is a little old.
-		if _, perr := r.b.patchClaimStatus(ctx, claim, resizeControllerFailed(claim, code, "failed to expand pvc with "+msg, infeasible), false); perr != nil {
-			r.b.log.Warn("recording an expansion failure on the claim failed", "claim", claim.Namespace+"/"+claim.Name, "err", perr)
+		if _, perr := r.b.PatchClaimStatus(ctx, claim, resizeControllerFailed(claim, code, "failed to expand pvc with "+msg, infeasible), false); perr != nil {
+			r.b.Log.Warn("recording an expansion failure on the claim failed", "claim", claim.Namespace+"/"+claim.Name, "err", perr)
 		}
 	}
 	failure := "" // not the driver's answer: the message names it
@@ -568,7 +567,7 @@ func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolu
 	}
 	r.warn(ctx, claim, failure, "resize volume %q by resizer %q failed: %s", pv.Name, driver, msg)
 	// The Event may not be recorded again: the log has every answer.
-	r.b.log.Warn("ControllerExpandVolume failed", "claim", claim.Namespace+"/"+claim.Name, "pv", pv.Name, "driver", driver, "code", code.String(), "final", final, "err", msg)
+	r.b.Log.Warn("ControllerExpandVolume failed", "claim", claim.Namespace+"/"+claim.Name, "pv", pv.Name, "driver", driver, "code", code.String(), "final", final, "err", msg)
 	return result, fmt.Errorf("resize volume %s: %w", pv.Name, err)
 }
 
@@ -599,17 +598,17 @@ func (r *resizer) nodeExpansion(ctx context.Context, driver string) (bool, error
 	if ok && time.Since(c.fetched) < time.Minute {
 		return c.expand, nil
 	}
-	conn, err := r.b.cfg.Drivers.ControllerConn(driver)
+	conn, err := r.b.Cfg.Drivers.ControllerConn(driver)
 	if err != nil {
 		return false, err
 	}
-	ctx, cancel := r.b.callContext(ctx, driver, "NodeGetCapabilities")
+	ctx, cancel := r.b.CallContext(ctx, driver, "NodeGetCapabilities")
 	defer cancel()
 	resp, err := csi.NewNodeClient(conn).NodeGetCapabilities(ctx, &csi.NodeGetCapabilitiesRequest{})
 	switch {
 	case status.Code(err) == codes.Unimplemented:
 	case err != nil:
-		return false, fmt.Errorf("driver %s: NodeGetCapabilities: %s", driver, statusText(err))
+		return false, fmt.Errorf("driver %s: NodeGetCapabilities: %s", driver, kube.StatusText(err))
 	}
 	c = resizeNodeCaps{fetched: time.Now()}
 	for _, cp := range resp.GetCapabilities() {
@@ -750,47 +749,12 @@ func isResizeCondition(t corev1.PersistentVolumeClaimConditionType) bool {
 // takes the new message and reason and keeps its transition time, so the
 // claim says what failed last.
 func mergeResizeConditions(conds []corev1.PersistentVolumeClaimCondition, want []corev1.PersistentVolumeClaimCondition, keep func(corev1.PersistentVolumeClaimConditionType) bool) []corev1.PersistentVolumeClaimCondition {
-	return mergeConditions(conds, want, isResizeCondition, keep)
-}
-
-// mergeConditions is mergeResizeConditions for the conditions a
-// controller owns (owned): the resizer's, or the modifier's.
-func mergeConditions(conds, want []corev1.PersistentVolumeClaimCondition, owned, keep func(corev1.PersistentVolumeClaimConditionType) bool) []corev1.PersistentVolumeClaimCondition {
-	wanted := map[corev1.PersistentVolumeClaimConditionType]corev1.PersistentVolumeClaimCondition{}
-	for _, c := range want {
-		wanted[c.Type] = c
-	}
-	var out []corev1.PersistentVolumeClaimCondition
-	for _, c := range conds {
-		if w, ok := wanted[c.Type]; ok {
-			if w.Status == c.Status {
-				if w.Reason != c.Reason {
-					c.Message, c.Reason = w.Message, w.Reason
-				}
-				out = append(out, c)
-			} else {
-				out = append(out, w)
-			}
-			delete(wanted, c.Type)
-			continue
-		}
-		if !owned(c.Type) || (keep != nil && keep(c.Type)) {
-			out = append(out, c)
-		}
-	}
-	for _, w := range want {
-		if _, ok := wanted[w.Type]; ok {
-			out = append(out, w)
-		}
-	}
-	return out
+	return kube.MergeConditions(conds, want, isResizeCondition, keep)
 }
 
 func resizeCondition(t corev1.PersistentVolumeClaimConditionType, msg string) corev1.PersistentVolumeClaimCondition {
 	return corev1.PersistentVolumeClaimCondition{Type: t, Status: corev1.ConditionTrue, LastTransitionTime: metav1.Now(), Message: msg}
 }
-
-func keepAll(corev1.PersistentVolumeClaimConditionType) bool { return true }
 
 func setResizeStatus(c *corev1.PersistentVolumeClaim, s corev1.ClaimResourceStatus) {
 	if c.Status.AllocatedResourceStatuses == nil {
@@ -810,7 +774,7 @@ func resizeInProgress(claim *corev1.PersistentVolumeClaim, size resource.Quantit
 	}
 	want := []corev1.PersistentVolumeClaimCondition{resizeCondition(corev1.PersistentVolumeClaimResizing, "")}
 	if same {
-		c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, want, keepAll)
+		c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, want, kube.KeepAll)
 	} else {
 		c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, want, nil)
 		setResizeStatus(c, corev1.PersistentVolumeClaimControllerResizeInProgress)
@@ -861,47 +825,18 @@ func resizeControllerFailed(claim *corev1.PersistentVolumeClaim, code codes.Code
 	c := claim.DeepCopy()
 	cond := resizeCondition(corev1.PersistentVolumeClaimControllerResizeError, msg)
 	cond.Reason = code.String()
-	c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, []corev1.PersistentVolumeClaimCondition{cond}, keepAll)
+	c.Status.Conditions = mergeResizeConditions(c.Status.Conditions, []corev1.PersistentVolumeClaimCondition{cond}, kube.KeepAll)
 	if infeasible {
 		setResizeStatus(c, corev1.PersistentVolumeClaimControllerResizeInfeasible)
 	}
 	return c
 }
 
-// claimStatusPatch is the strategic merge patch from old to cur, with
-// old's resourceVersion as a precondition when checkRV is set; nil when
-// cur changes nothing.
-func claimStatusPatch(old, cur *corev1.PersistentVolumeClaim, checkRV bool) ([]byte, error) {
-	rv := ""
-	if checkRV {
-		rv = old.ResourceVersion
-	}
-	return twoWayPatch(old, cur, &corev1.PersistentVolumeClaim{}, rv)
-}
-
-// patchClaimStatus writes cur's changes to old through the status
-// subresource and returns the claim as stored; no write when nothing
-// changes.
-func (b *Bridge) patchClaimStatus(ctx context.Context, old, cur *corev1.PersistentVolumeClaim, checkRV bool) (*corev1.PersistentVolumeClaim, error) {
-	patch, err := claimStatusPatch(old, cur, checkRV)
-	if err != nil {
-		return old, fmt.Errorf("claim %s/%s status patch: %w", old.Namespace, old.Name, err)
-	}
-	if patch == nil {
-		return old, nil
-	}
-	updated, err := b.cfg.Client.CoreV1().PersistentVolumeClaims(old.Namespace).Patch(ctx, old.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, "status")
-	if err != nil {
-		return old, fmt.Errorf("patch status of claim %s/%s: %w", old.Namespace, old.Name, err)
-	}
-	return updated, nil
-}
-
 // expandNode is the node whose proxy receives a volume's expansion: its
 // own for a node-local driver's volume, none (the controller's) otherwise.
 func (r *resizer) expandNode(driver string, pv *corev1.PersistentVolume) string {
-	if !r.b.cfg.Drivers.NodeLocal(driver) {
+	if !r.b.Cfg.Drivers.NodeLocal(driver) {
 		return ""
 	}
-	return r.b.nodeOfPV(pv)
+	return r.b.NodeOfPV(pv)
 }

@@ -42,7 +42,7 @@ const resizeCanary = "CANARY-expand-secret-51c7"
 // logging at every level), span or metric. Each expansion costs three API
 // writes, the claim's through the status subresource.
 func TestResizeBoundClaimEndToEnd(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -210,7 +210,7 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 // size. Both are retried with backoff, the retries cost no API write, and
 // the broker keeps running.
 func TestResizeDriverErrorOnClaim(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drvBad, drvSmall := kubetest.ClusterName(ns, "bad.csi.test"), kubetest.ClusterName(ns, "small.csi.test")
@@ -463,7 +463,7 @@ func TestResizeStatusSteps(t *testing.T) {
 	}
 	noop := func(step string, from, to *corev1.PersistentVolumeClaim) {
 		t.Helper()
-		if p, err := claimStatusPatch(from, to, true); err != nil || p != nil {
+		if p, err := kube.ClaimStatusPatch(from, to, true); err != nil || p != nil {
 			t.Errorf("%s again: patch %s (%v), want none", step, p, err)
 		}
 	}
@@ -478,7 +478,7 @@ func TestResizeStatusSteps(t *testing.T) {
 	if len(claim.Status.Conditions) != 1 || claim.Status.AllocatedResources != nil {
 		t.Fatal("a step modified its input")
 	}
-	p, err := claimStatusPatch(claim, s1, true)
+	p, err := kube.ClaimStatusPatch(claim, s1, true)
 	if err != nil || !strings.Contains(string(p), `"resourceVersion":"7"`) || !strings.Contains(string(p), `"allocatedResources"`) || strings.Contains(string(p), `"spec"`) {
 		t.Fatalf("patch %s (%v): want status changes with a resourceVersion precondition", p, err)
 	}
@@ -488,7 +488,7 @@ func TestResizeStatusSteps(t *testing.T) {
 	if statusOf(s2) != corev1.PersistentVolumeClaimControllerResizeInfeasible || condTypes(s2) != "ModifyingVolume,Resizing,ControllerResizeError" {
 		t.Fatalf("infeasible: %s %s", statusOf(s2), condTypes(s2))
 	}
-	if p, err := claimStatusPatch(s1, s2, false); err != nil || strings.Contains(string(p), "resourceVersion") {
+	if p, err := kube.ClaimStatusPatch(s1, s2, false); err != nil || strings.Contains(string(p), "resourceVersion") {
 		t.Errorf("failure patch %s (%v): must not need the latest resourceVersion", p, err)
 	}
 	noop("infeasible", s2, resizeControllerFailed(s2, codes.InvalidArgument, "failed to expand pvc with rpc error: code = InvalidArgument desc = other", true))
@@ -841,7 +841,7 @@ func TestResizeTriggered(t *testing.T) {
 // PerDriverWorkers at a time, so a slow driver cannot take every worker;
 // the others wait their turn and are all done.
 func TestResizeKeepsToPerDriverWorkers(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "slowexpand.csi.test")
@@ -890,7 +890,7 @@ func TestResizeKeepsToPerDriverWorkers(t *testing.T) {
 // them in it): a raised request is reported again, and so is the first
 // failure of a new term of leadership.
 func TestResizeFailureReportedOncePerRequest(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -940,7 +940,7 @@ func TestResizeFailureReportedOncePerRequest(t *testing.T) {
 		marker := fmt.Sprintf("flush %d", flushes)
 		// A Warning: the claim's Normal Events (provisioning, Resizing)
 		// must not use up the recorder's per-object budget for markers.
-		r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "TestFlush", "%s", marker)
+		r.b.Event(ctx, kube.ClaimRef(claim), corev1.EventTypeWarning, "TestFlush", "%s", marker)
 		kubetest.WaitEvent(t, c, ns, "busy", "TestFlush", marker)
 		return n
 	}
@@ -1045,7 +1045,7 @@ func TestResizeWarnings(t *testing.T) {
 	b2 := failed("2Gi", "ControllerExpandVolume Internal")
 	a3 := failed("3Gi", "ControllerExpandVolume FailedPrecondition")
 	other := warning{"Other", a2.what}
-	var ws eventMemory
+	var ws kube.EventMemory
 	t0 := time.Now()
 	steps := []struct {
 		name  string
@@ -1064,25 +1064,25 @@ func TestResizeWarnings(t *testing.T) {
 		{name: "another reason", claim: "c1", w: other, want: true},
 		{name: "a new request", claim: "c1", w: a3, want: true},
 		{name: "the new request again", claim: "c1", w: a3, want: false},
-		{name: "after a success", claim: "c1", w: a3, do: func() { ws.forget("c1") }, want: true},
+		{name: "after a success", claim: "c1", w: a3, do: func() { ws.Forget("c1") }, want: true},
 		{name: "other claims keep theirs", claim: "c2", w: a2, want: false},
-		{name: "a new term", claim: "c2", w: a2, do: ws.reset, want: true},
-		{name: "the same, a little before eventRepeat", claim: "c2", w: a2, after: eventRepeat - time.Second, want: false},
-		{name: "the same, eventRepeat after it was recorded", claim: "c2", w: a2, after: eventRepeat, want: true},
-		{name: "and not again right after", claim: "c2", w: a2, after: eventRepeat + time.Second, want: false},
+		{name: "a new term", claim: "c2", w: a2, do: ws.Reset, want: true},
+		{name: "the same, a little before eventRepeat", claim: "c2", w: a2, after: kube.EventRepeat - time.Second, want: false},
+		{name: "the same, eventRepeat after it was recorded", claim: "c2", w: a2, after: kube.EventRepeat, want: true},
+		{name: "and not again right after", claim: "c2", w: a2, after: kube.EventRepeat + time.Second, want: false},
 	}
 	for _, s := range steps {
 		if s.do != nil {
 			s.do()
 		}
-		if got := ws.first(s.claim, s.w.reason, s.w.what, t0.Add(s.after)); got != s.want {
+		if got := ws.First(s.claim, s.w.reason, s.w.what, t0.Add(s.after)); got != s.want {
 			t.Errorf("%s: record %v, want %v", s.name, got, s.want)
 		}
 	}
-	ws.forget("c1")
-	ws.forget("c2")
-	if len(ws.last) != 0 {
-		t.Errorf("%d claims remembered after every claim was forgotten", len(ws.last))
+	ws.Forget("c1")
+	ws.Forget("c2")
+	if ws.Len() != 0 {
+		t.Errorf("%d claims remembered after every claim was forgotten", ws.Len())
 	}
 }
 
@@ -1091,7 +1091,7 @@ func TestResizeWarnings(t *testing.T) {
 // a new term does not ask its driver anything for it: with the driver
 // unreachable, only a claim that does need the driver is told so.
 func TestResizeClaimWaitingForTheKubeletAsksNoDriver(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "gone.csi.test")
@@ -1161,7 +1161,7 @@ func TestMergeResizeConditionsTakesTheLatestMessage(t *testing.T) {
 // grows (asked with the translated handle and filesystem), and so does the
 // PV, which keeps its in-tree source.
 func TestResizeExpandsAMigratedInTreeVolume(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
 	// The driver CSI migration moves in-tree Cinder volumes to (a name the
 	// translation fixes, shared with TestAttachesAMigratedInTreeVolume).

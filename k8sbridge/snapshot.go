@@ -8,6 +8,7 @@ import (
 	"strconv"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -30,15 +31,15 @@ const (
 
 // snapshotSource is the content source for a claim that restores a
 // VolumeSnapshot of its namespace, and the snapshot as read.
-func (p *provisioner) snapshotSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver string, caps driverCaps) (*csi.VolumeContentSource, *snapshotv1.VolumeSnapshot, error) {
+func (p *provisioner) snapshotSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver string, caps drivers.Caps) (*csi.VolumeContentSource, *snapshotv1.VolumeSnapshot, error) {
 	name := claim.Spec.DataSource.Name
-	if p.b.cfg.SnapshotClient == nil {
+	if p.b.Cfg.SnapshotClient == nil {
 		return nil, nil, fmt.Errorf("data source VolumeSnapshot %q: this broker was started without the %s API client, so it restores no snapshots", name, snapshotGroup)
 	}
-	if !caps.snapshot {
+	if !caps.Snapshot {
 		return nil, nil, fmt.Errorf("driver %s does not support snapshot restore (no CREATE_DELETE_SNAPSHOT capability)", driver)
 	}
-	snap, err := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(claim.Namespace).Get(ctx, name, metav1.GetOptions{})
+	snap, err := p.b.Cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(claim.Namespace).Get(ctx, name, metav1.GetOptions{})
 	if err != nil {
 		return nil, nil, snapshotGetError(err, claim.Namespace, name)
 	}
@@ -51,7 +52,7 @@ func (p *provisioner) snapshotSource(ctx context.Context, claim *corev1.Persiste
 		return nil, nil, fmt.Errorf("VolumeSnapshot %s/%s is not bound to a VolumeSnapshotContent yet", claim.Namespace, name)
 	}
 	contentName := *snap.Status.BoundVolumeSnapshotContentName
-	content, err := p.b.cfg.SnapshotClient.SnapshotV1().VolumeSnapshotContents().Get(ctx, contentName, metav1.GetOptions{})
+	content, err := p.b.Cfg.SnapshotClient.SnapshotV1().VolumeSnapshotContents().Get(ctx, contentName, metav1.GetOptions{})
 	if err != nil {
 		return nil, nil, fmt.Errorf("VolumeSnapshotContent %s of VolumeSnapshot %s/%s: %w", contentName, claim.Namespace, name, err)
 	}

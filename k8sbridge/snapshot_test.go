@@ -107,7 +107,7 @@ func readySnapshot(t *testing.T, sc snapshotclient.Interface, ns, name, driver, 
 // driver, one larger than the claim and one that does not exist are each
 // refused with an Event saying so, and the driver is not asked.
 func TestRestoreFromVolumeSnapshot(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	installSnapshotCRDs(t, env)
 	ns := env.NewNamespace(t)
 	c := env.Client()
@@ -165,12 +165,12 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	if _, err := sc.SnapshotV1().VolumeSnapshots(ns).Update(ctx, changed, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := run.b.protectSnapshot(ctx, stale); err != nil {
+	if err := protectSnapshot(run.b.Env, ctx, stale); err != nil {
 		t.Fatalf("protecting a snapshot changed since it was read: %v", err)
 	}
 	if s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "leftover", metav1.GetOptions{}); err != nil || !slices.Contains(s.Finalizers, snapshotFinalizer) || s.Labels["changed"] != "meanwhile" {
 		t.Fatalf("snapshot protected after a conflict: finalizers %v labels %v, err %v; want the finalizer added and the change kept", s.Finalizers, s.Labels, err)
-	} else if err := run.b.patchSnapshotFinalizer(ctx, s, false); err != nil {
+	} else if err := patchSnapshotFinalizer(run.b.Env, ctx, s, false); err != nil {
 		t.Fatal(err)
 	}
 
@@ -241,7 +241,7 @@ func waitSnapshotReleased(t *testing.T, sc snapshotclient.Interface, ns, name st
 // VolumeSnapshot CRDs answers) says the API is not served, not that the
 // snapshot is missing.
 func TestSnapshotGetErrorTellsAMissingAPIFromAMissingObject(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	installSnapshotCRDs(t, env)
 	ns := env.NewNamespace(t)
 	sc := snapshotclient.NewForConfigOrDie(env.RESTConfig())

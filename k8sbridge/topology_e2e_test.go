@@ -51,7 +51,7 @@ func zoneNodes(t *testing.T, env *testenv.Env, ns, drv string, zones ...string) 
 // Immediate, WaitForFirstConsumer and allowedTopologies claims in a
 // three-zone cluster, and the PVs' node affinity.
 func TestTopologyThreeZones(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -131,7 +131,7 @@ func TestTopologyThreeZones(t *testing.T) {
 // second volume): the claim binds to the first attempt's volume, its
 // selected node kept.
 func TestRetryAfterALostAnswerAsksTheSameTopology(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	drv := kubetest.ClusterName(ns, "lost.csi.test")
@@ -152,7 +152,7 @@ func TestRetryAfterALostAnswerAsksTheSameTopology(t *testing.T) {
 			return fmt.Errorf("delete node (test): %w", err)
 		}
 		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-			if _, err := run.Load().b.nodes.Get(nodes["z1"]); apierrors.IsNotFound(err) {
+			if _, err := run.Load().b.Nodes.Get(nodes["z1"]); apierrors.IsNotFound(err) {
 				break
 			}
 		}
@@ -190,7 +190,7 @@ func TestRetryAfterALostAnswerAsksTheSameTopology(t *testing.T) {
 // API server's refusal of the mismatched UID is taken as that, not as a
 // failure.
 func TestRescheduleLeavesAClaimMadeAgain(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	r := startBridge(t, env, ns, &testDrivers{}, bridgeOpts{})

@@ -216,7 +216,7 @@ func (d *Discovery) Run(ctx context.Context) error {
 			return nil
 		case <-d.kick:
 			// Coalesce a burst of pod changes (a rollout) into one update.
-			if !sleepCtx(ctx, 100*time.Millisecond) {
+			if !kube.SleepCtx(ctx, 100*time.Millisecond) {
 				return nil
 			}
 		}
@@ -459,18 +459,5 @@ func (d *Discovery) sync() {
 		} else {
 			d.goneTimer.Reset(next)
 		}
-	}
-}
-
-// sleepCtx waits d, or less if ctx ends first; it reports whether ctx is
-// still live.
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
 	}
 }

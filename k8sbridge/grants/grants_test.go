@@ -323,7 +323,7 @@ func (f *grantFixture) waitStatus(t *testing.T, ns, name string, valid, ready me
 }
 
 func TestGrantControllerFollowsCreateUpdateDelete(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	gvr := installGrantCRD(t, env, policy.APIGroup)
 	ns := env.NewNamespace(t)
 	f := startGrantController(t, env, gvr, nil)
@@ -367,7 +367,7 @@ func TestGrantControllerFollowsCreateUpdateDelete(t *testing.T) {
 }
 
 func TestGrantControllerReportsInvalidGrant(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	gvr := installGrantCRD(t, env, policy.APIGroup)
 	ns := env.NewNamespace(t)
 	f := startGrantController(t, env, gvr, nil)
@@ -404,7 +404,7 @@ func TestGrantControllerReportsInvalidGrant(t *testing.T) {
 }
 
 func TestGrantControllerInvalidDenyGrantFailsClosed(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	gvr := installGrantCRD(t, env, policy.APIGroup)
 	ns := env.NewNamespace(t)
 	f := startGrantController(t, env, gvr, nil)
@@ -425,7 +425,7 @@ func TestGrantControllerInvalidDenyGrantFailsClosed(t *testing.T) {
 }
 
 func TestGrantControllerStandbyWritesNoStatus(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	gvr := installGrantCRD(t, env, policy.APIGroup)
 	ns := env.NewNamespace(t)
 	var leader atomic.Bool
@@ -479,7 +479,7 @@ func TestGrantControllerStandbyWritesNoStatus(t *testing.T) {
 }
 
 func TestGrantControllerWithoutCRDRetriesAndDeniesByDefault(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	// A group no CRD serves (yet), so the shared SecretGrant CRD the other
 	// tests install does not interfere.

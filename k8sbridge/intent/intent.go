@@ -92,7 +92,7 @@ func WithEarlier(next, prev Intent) Intent {
 	return next
 }
 
-// requests are the requests recovery may re-issue for the entry's volume:
+// Requests are the requests recovery may re-issue for the entry's volume:
 // the latest first, then the earlier ones.
 func (in Intent) Requests() [][]byte {
 	return append([][]byte{in.Request}, in.EarlierRequests...)

@@ -22,6 +22,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 func TestIntentStoreBatchesWrites(t *testing.T) {
@@ -74,7 +75,7 @@ func TestIntentStoreBatchesWrites(t *testing.T) {
 }
 
 func TestIntentStoreFull(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -96,7 +97,7 @@ func TestIntentStoreFull(t *testing.T) {
 }
 
 func TestIntentStoreByteBudget(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -202,7 +203,7 @@ func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { retu
 // hangs, Add fails or blocks; it never reports an intent durable that the
 // API server does not hold.
 func TestIntentAddNeedsASuccessfulWrite(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -296,7 +297,7 @@ func TestIntentAddNeedsASuccessfulWrite(t *testing.T) {
 // TestIntentRemovesRideAlong: Removes cost no write of their own while Adds
 // flow, and the store's readers never see an entry it was asked to remove.
 func TestIntentRemovesRideAlong(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -514,7 +515,7 @@ func TestIntentWritesPerClaim(t *testing.T) {
 	if testing.Short() {
 		t.Skip("a 1,000-claim load (~15 s)")
 	}
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	loads := []*provisioningLoad{
 		{name: "before: fixed 5 ms linger", batch: batchPolicy{linger: 5 * time.Millisecond, maxLinger: 5 * time.Millisecond, target: 1, gaps: 4}, removeDelay: time.Second},
 		{name: "now: adaptive (default)", batch: defaultBatch, removeDelay: 2 * time.Second},
@@ -536,7 +537,7 @@ func TestIntentWritesPerClaim(t *testing.T) {
 // holds, so the claims that arrive while it waits go in that one write; and
 // every request of the record takes a token.
 func TestIntentBatchCutWhenTokenGranted(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -616,7 +617,7 @@ func TestIntentBatchCutWhenTokenGranted(t *testing.T) {
 // TestIntentReaderCreatesMissingRecordOnBudget: a List through the reader
 // that finds no record creates it as a write does, on the objects' budget.
 func TestIntentReaderCreatesMissingRecordOnBudget(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -642,7 +643,7 @@ func TestIntentReaderCreatesMissingRecordOnBudget(t *testing.T) {
 // added the entry again (a create in flight), and the next term must see
 // it and keep it. An Add after the end is refused.
 func TestIntentTermEndForgetsItsRemoves(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -701,7 +702,7 @@ func TestIntentTermEndForgetsItsRemoves(t *testing.T) {
 // record from the API server once however many ask at once, and a new term
 // reads it again: an entry another leader wrote in between is seen.
 func TestIntentLookupReadsEachTermOnce(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -793,7 +794,7 @@ func TestIntentRecordDeletedKeepsItsEntries(t *testing.T) {
 // csibroker-intents for the test's length (a minute at most).
 func runIntentStore(t *testing.T) (*testenv.Env, string, context.Context, *Store) {
 	t.Helper()
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	t.Cleanup(cancel)
@@ -909,7 +910,7 @@ func TestIntentRecordDeletedFoundByARead(t *testing.T) {
 // the returned flag is set; add adds the intent of a volume of that name.
 func intentStoreRefusingOnce(t *testing.T, matches func(*http.Request) bool) (env *testenv.Env, ns string, ctx context.Context, add func(string) error, refuse *atomic.Bool) {
 	t.Helper()
-	env = testenv.Shared(t)
+	env = kubetest.ControlPlane(t)
 	ns = env.NewNamespace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	t.Cleanup(cancel)

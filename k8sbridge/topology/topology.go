@@ -280,7 +280,7 @@ func (t Term) Sort() {
 	})
 }
 
-// compare orders terms by length, then segment by segment.
+// Compare orders terms by length, then segment by segment.
 func (t Term) Compare(o Term) int {
 	if c := cmp.Compare(len(t), len(o)); c != 0 {
 		return c
@@ -293,7 +293,7 @@ func (t Term) Compare(o Term) int {
 	return 0
 }
 
-// subsetOf reports whether every segment of t is in o (both sorted): a node
+// SubsetOf reports whether every segment of t is in o (both sorted): a node
 // whose segment is o satisfies t.
 func (t Term) SubsetOf(o Term) bool {
 	j := 0

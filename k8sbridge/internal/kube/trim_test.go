@@ -28,7 +28,6 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"sigs.k8s.io/randfill"
 
-	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
@@ -373,7 +372,7 @@ func TestStripBulk(t *testing.T) {
 // benchmark's fixture) says, field for field, and the transform keeps every
 // field of it but managedFields.
 func TestStripBulkServerObjects(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()

@@ -1,4 +1,4 @@
-package k8sbridge
+package kube
 
 import (
 	"context"
@@ -8,26 +8,26 @@ import (
 	"k8s.io/client-go/util/workqueue"
 )
 
-// termQueue is a rate-limited workqueue that exists only while this replica
+// TermQueue is a rate-limited workqueue that exists only while this replica
 // leads: every leadership term gets a fresh one (a shut-down workqueue drops
 // every Add), and informer handlers that fire between terms add nothing,
 // since each term starts by listing everything from the caches.
-type termQueue struct {
+type TermQueue struct {
 	name       string
 	start, max time.Duration
 
-	slots *driverSlots // set by withSlots, if the keys take per-driver slots
+	slots *DriverSlots // set by withSlots, if the keys take per-driver slots
 
 	mu sync.Mutex
 	q  workqueue.TypedRateLimitingInterface[string]
 }
 
-func newTermQueue(name string, start, max time.Duration) *termQueue {
-	return &termQueue{name: name, start: start, max: max}
+func NewTermQueue(name string, start, max time.Duration) *TermQueue {
+	return &TermQueue{name: name, start: start, max: max}
 }
 
 // begin makes the queue of a new term.
-func (t *termQueue) begin() workqueue.TypedRateLimitingInterface[string] {
+func (t *TermQueue) begin() workqueue.TypedRateLimitingInterface[string] {
 	q := workqueue.NewTypedRateLimitingQueueWithConfig(
 		workqueue.NewTypedItemExponentialFailureRateLimiter[string](t.start, t.max),
 		workqueue.TypedRateLimitingQueueConfig[string]{Name: t.name})
@@ -38,7 +38,7 @@ func (t *termQueue) begin() workqueue.TypedRateLimitingInterface[string] {
 }
 
 // end shuts the term's queue down.
-func (t *termQueue) end() {
+func (t *TermQueue) end() {
 	t.mu.Lock()
 	q := t.q
 	t.q = nil
@@ -48,21 +48,21 @@ func (t *termQueue) end() {
 	}
 }
 
-func (t *termQueue) current() workqueue.TypedRateLimitingInterface[string] {
+func (t *TermQueue) current() workqueue.TypedRateLimitingInterface[string] {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.q
 }
 
 // Add enqueues key if a term is running.
-func (t *termQueue) Add(key string) {
+func (t *TermQueue) Add(key string) {
 	if q := t.current(); q != nil {
 		q.Add(key)
 	}
 }
 
 // Forget drops key's backoff if a term is running.
-func (t *termQueue) Forget(key string) {
+func (t *TermQueue) Forget(key string) {
 	if q := t.current(); q != nil {
 		q.Forget(key)
 	}
@@ -71,7 +71,7 @@ func (t *termQueue) Forget(key string) {
 // Len is the number of waiting keys, those in a driver's line included
 // (0 between terms). A key in line that an update queued again counts
 // twice until it runs.
-func (t *termQueue) Len() int {
+func (t *TermQueue) Len() int {
 	q := t.current()
 	if q == nil {
 		return 0
@@ -83,12 +83,12 @@ func (t *termQueue) Len() int {
 	return n
 }
 
-// work runs one term of a controller: a fresh queue filled by fill, n
+// Work runs one term of a controller: a fresh queue filled by fill, n
 // workers calling handle for each key until ctx ends. handle's error requeues
 // the key with its backoff; a positive duration requeues it plainly (waiting,
 // not failing); waitForSlot leaves it to its driver's line (its backoff
 // kept); otherwise the key's backoff is forgotten.
-func (t *termQueue) work(ctx context.Context, n int, fill func(), handle func(context.Context, string) (time.Duration, error), extra ...func(context.Context)) {
+func (t *TermQueue) Work(ctx context.Context, n int, fill func(), handle func(context.Context, string) (time.Duration, error), extra ...func(context.Context)) {
 	if t.slots != nil {
 		t.slots.reset()
 	}
@@ -112,7 +112,7 @@ func (t *termQueue) work(ctx context.Context, n int, fill func(), handle func(co
 					continue
 				}
 				requeue, err := handle(ctx, key)
-				if t.slots != nil && requeue != waitForSlot {
+				if t.slots != nil && requeue != WaitForSlot {
 					// After waitForSlot, a slot handed to key was handed
 					// after its acquire (which takes one handed before):
 					// the key is queued again and takes it then.
@@ -123,7 +123,7 @@ func (t *termQueue) work(ctx context.Context, n int, fill func(), handle func(co
 					q.AddRateLimited(key)
 				case requeue > 0:
 					q.AddAfter(key, requeue)
-				case requeue == waitForSlot:
+				case requeue == WaitForSlot:
 				default:
 					q.Forget(key)
 				}
@@ -140,12 +140,12 @@ func (t *termQueue) work(ctx context.Context, n int, fill func(), handle func(co
 	wg.Wait()
 }
 
-// waitForSlot is what a handler returns when its key waits in its
+// WaitForSlot is what a handler returns when its key waits in its
 // driver's line (driverSlots.acquire said so): neither a failure nor a
 // timed requeue, since the slot's release queues the key again.
-const waitForSlot time.Duration = -1
+const WaitForSlot time.Duration = -1
 
-// driverSlots counts each driver's operations in progress against
+// DriverSlots counts each driver's operations in progress against
 // Config.PerDriverWorkers, so that one slow driver cannot take every worker
 // of a controller. Each controller that honours the limit has its own:
 // --worker-threads and --per-driver-workers (whose default is
@@ -158,7 +158,7 @@ const waitForSlot time.Duration = -1
 // holding it, so a key that arrives meanwhile cannot take it first. A key
 // handed a slot that it does not take (its object changed or went) gives
 // it on when its handler returns (settle).
-type driverSlots struct {
+type DriverSlots struct {
 	limit int              // Validate makes it at least 1
 	wake  func(key string) // queues a key again
 
@@ -169,24 +169,24 @@ type driverSlots struct {
 	handed  map[string]string   // key → the driver whose slot it was handed
 }
 
-func newDriverSlots(limit int, wake func(string)) *driverSlots {
-	return &driverSlots{limit: limit, wake: wake, busy: map[string]int{}, line: map[string][]string{},
+func NewDriverSlots(limit int, wake func(string)) *DriverSlots {
+	return &DriverSlots{limit: limit, wake: wake, busy: map[string]int{}, line: map[string][]string{},
 		waiting: map[string]string{}, handed: map[string]string{}}
 }
 
-// withSlots gives the queue's keys per-driver slots: a key waiting in a
+// WithSlots gives the queue's keys per-driver slots: a key waiting in a
 // driver's line counts in Len, the slot's release queues it again, and
 // work settles each key's handed slot after its handler.
-func (t *termQueue) withSlots(limit int) *driverSlots {
-	t.slots = newDriverSlots(limit, t.Add)
+func (t *TermQueue) WithSlots(limit int) *DriverSlots {
+	t.slots = NewDriverSlots(limit, t.Add)
 	return t.slots
 }
 
-// acquire takes one of driver's slots for key. false means the driver is
+// Acquire takes one of driver's slots for key. false means the driver is
 // at its limit: key is in the driver's line (keeping its place if it was
 // already) and the caller returns waitForSlot. An empty key (work that
 // is not a queue's) never waits in line.
-func (s *driverSlots) acquire(driver, key string) bool {
+func (s *DriverSlots) Acquire(driver, key string) bool {
 	s.mu.Lock()
 	var next string
 	defer func() {
@@ -213,8 +213,8 @@ func (s *driverSlots) acquire(driver, key string) bool {
 	return false
 }
 
-// release gives back a slot taken by acquire.
-func (s *driverSlots) release(driver string) {
+// Release gives back a slot taken by acquire.
+func (s *DriverSlots) Release(driver string) {
 	s.mu.Lock()
 	next := s.giveBackLocked(driver)
 	s.mu.Unlock()
@@ -224,7 +224,7 @@ func (s *driverSlots) release(driver string) {
 }
 
 // settle gives on a slot handed to key that key's handler did not take.
-func (s *driverSlots) settle(key string) {
+func (s *DriverSlots) settle(key string) {
 	s.mu.Lock()
 	d, ok := s.handed[key]
 	if !ok {
@@ -241,7 +241,7 @@ func (s *driverSlots) settle(key string) {
 
 // giveBackLocked hands driver's freed slot to the first key in its line,
 // which the caller wakes, or frees it if none waits.
-func (s *driverSlots) giveBackLocked(driver string) (next string) {
+func (s *DriverSlots) giveBackLocked(driver string) (next string) {
 	if l := s.line[driver]; len(l) > 0 {
 		next = l[0]
 		if len(l) == 1 {
@@ -261,7 +261,7 @@ func (s *driverSlots) giveBackLocked(driver string) (next string) {
 
 // reset starts a term: the lines and the slots handed but not taken are
 // of the last term's queue, whose keys the new term lists again.
-func (s *driverSlots) reset() {
+func (s *DriverSlots) reset() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, d := range s.handed {
@@ -275,7 +275,7 @@ func (s *driverSlots) reset() {
 }
 
 // waitingLen is the number of keys waiting in a line.
-func (s *driverSlots) waitingLen() int {
+func (s *DriverSlots) waitingLen() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return len(s.waiting)

@@ -1,4 +1,4 @@
-package k8sbridge
+package kube
 
 import (
 	"fmt"
@@ -13,23 +13,23 @@ import (
 // PVs and VolumeAttachments keep the in-tree forms; the broker translates
 // them with k8s.io/csi-translation-lib, as the sidecars do.
 
-// migration translates the in-tree volumes that CSI migration moved to a
+// Migration translates the in-tree volumes that CSI migration moved to a
 // CSI driver: the attach/detach controller makes their VolumeAttachments
 // naming the driver, their PVs keep the in-tree source, and the PV
 // controller names the driver in the claims of their classes.
-var migration = csitrans.New()
+var Migration = csitrans.New()
 
-// csiSpec is pv's spec with a CSI source: pv's own, or for an in-tree
+// CSISpec is pv's spec with a CSI source: pv's own, or for an in-tree
 // volume that CSI migration moved to a driver, its translation (as
 // external-attacher translates it).
-func csiSpec(pv *corev1.PersistentVolume) (*corev1.PersistentVolumeSpec, error) {
+func CSISpec(pv *corev1.PersistentVolume) (*corev1.PersistentVolumeSpec, error) {
 	if pv.Spec.CSI != nil {
 		return &pv.Spec, nil
 	}
-	if !migration.IsPVMigratable(pv) {
+	if !Migration.IsPVMigratable(pv) {
 		return nil, fmt.Errorf("persistentvolume %s is not a CSI volume, nor an in-tree volume that CSI migration moves to a CSI driver", pv.Name)
 	}
-	t, err := migration.TranslateInTreePVToCSI(klog.Background(), pv)
+	t, err := Migration.TranslateInTreePVToCSI(klog.Background(), pv)
 	if err != nil {
 		return nil, fmt.Errorf("persistentvolume %s: translating its in-tree source to CSI (CSI migration): %w", pv.Name, err)
 	}
@@ -39,15 +39,15 @@ func csiSpec(pv *corev1.PersistentVolume) (*corev1.PersistentVolumeSpec, error) 
 	return &t.Spec, nil
 }
 
-// pvDriver is the CSI driver of pv, for an in-tree volume the one CSI
+// PVDriver is the CSI driver of pv, for an in-tree volume the one CSI
 // migration moved it to; "" for neither.
-func pvDriver(pv *corev1.PersistentVolume) string {
+func PVDriver(pv *corev1.PersistentVolume) string {
 	if pv.Spec.CSI != nil {
 		return pv.Spec.CSI.Driver
 	}
-	if migration.IsPVMigratable(pv) {
-		if plugin, err := migration.GetInTreePluginNameFromSpec(pv, nil); err == nil {
-			if drv, err := migration.GetCSINameFromInTreeName(plugin); err == nil {
+	if Migration.IsPVMigratable(pv) {
+		if plugin, err := Migration.GetInTreePluginNameFromSpec(pv, nil); err == nil {
+			if drv, err := Migration.GetCSINameFromInTreeName(plugin); err == nil {
 				return drv
 			}
 		}
@@ -55,13 +55,13 @@ func pvDriver(pv *corev1.PersistentVolume) string {
 	return ""
 }
 
-// migratedDriver is the CSI driver CSI migration moves in-tree plugin (a
+// MigratedDriver is the CSI driver CSI migration moves in-tree plugin (a
 // StorageClass's provisioner) to; "" for none.
-func migratedDriver(plugin string) string {
-	if !migration.IsMigratableIntreePluginByName(plugin) {
+func MigratedDriver(plugin string) string {
+	if !Migration.IsMigratableIntreePluginByName(plugin) {
 		return ""
 	}
-	d, err := migration.GetCSINameFromInTreeName(plugin)
+	d, err := Migration.GetCSINameFromInTreeName(plugin)
 	if err != nil {
 		return ""
 	}

@@ -1,4 +1,4 @@
-package k8sbridge
+package drivers
 
 import (
 	"context"
@@ -22,54 +22,60 @@ type Drivers interface {
 	// DriverNodes lists the nodes with a proxy of the driver.
 	DriverNodes(driver string) []string
 	DriverNames() []string
-}
-
-// callTimeouts is what the broker adds to Drivers: each call's own timeout
-// (a driver's per-method override included).
-type callTimeouts interface {
+	// HasDriver reports whether one driver is registered, without listing
+	// them all (asked on every informer event).
+	HasDriver(driver string) bool
+	// CallTimeout is one call's own timeout at the broker (a driver's
+	// per-method override included); 0: none of its own.
 	CallTimeout(driver, method string) time.Duration
 }
 
-// callContext bounds one CSI call of method to driver: by the longer of
-// --timeout and the driver's timeout for the method, so a per-method
-// override (a CreateVolume of minutes) is not cut short here; the broker's
-// chain applies the driver's own.
-func (b *Bridge) callContext(ctx context.Context, driver, method string) (context.Context, context.CancelFunc) {
-	t := b.cfg.Timeout
-	if ct, ok := b.cfg.Drivers.(callTimeouts); ok {
-		t = max(t, ct.CallTimeout(driver, method))
-	}
-	return context.WithTimeout(ctx, t)
+// CallContext bounds one CSI call of method to driver: by the longer of
+// timeout (--timeout) and the driver's timeout for the method, so a
+// per-method override (a CreateVolume of minutes) is not cut short here;
+// the broker's chain applies the driver's own.
+func CallContext(ctx context.Context, d Drivers, timeout time.Duration, driver, method string) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, max(timeout, d.CallTimeout(driver, method)))
 }
 
-// driverCaps are the capabilities provisioning needs, learned from the driver.
-type driverCaps struct {
-	createDelete          bool
-	clone                 bool
-	snapshot              bool // CREATE_DELETE_SNAPSHOT: it restores its snapshots
-	singleNodeMultiWriter bool
-	publishUnpublish      bool
-	publishReadonly       bool // PUBLISH_READONLY: ControllerPublish may be asked for read-only
-	expand                bool
-	getCapacity           bool
-	listPublishedNodes    bool // LIST_VOLUMES with LIST_VOLUMES_PUBLISHED_NODES
-	accessibility         bool // VOLUME_ACCESSIBILITY_CONSTRAINTS
-	modify                bool // MODIFY_VOLUME: volume attributes classes
+// Unreachable marks the failure of a driver's capabilities lookup, so that
+// an Event tells it apart from the answers of the method it came before.
+type Unreachable struct{ error }
+
+func (u Unreachable) Unwrap() error { return u.error }
+
+// NewUnreachable marks err as a failed capabilities lookup.
+func NewUnreachable(err error) Unreachable { return Unreachable{err} }
+
+// Caps are the capabilities provisioning needs, learned from the driver.
+type Caps struct {
+	CreateDelete          bool
+	Clone                 bool
+	Snapshot              bool // CREATE_DELETE_SNAPSHOT: it restores its snapshots
+	SingleNodeMultiWriter bool
+	PublishUnpublish      bool
+	PublishReadonly       bool // PUBLISH_READONLY: ControllerPublish may be asked for read-only
+	Expand                bool
+	GetCapacity           bool
+	ListPublishedNodes    bool // LIST_VOLUMES with LIST_VOLUMES_PUBLISHED_NODES
+	Accessibility         bool // VOLUME_ACCESSIBILITY_CONSTRAINTS
+	Modify                bool // MODIFY_VOLUME: volume attributes classes
 	fetched               time.Time
 }
 
-// capsCache asks each driver once a minute for its capabilities.
-type capsCache struct {
+// Cache asks each driver once a minute for its capabilities.
+type Cache struct {
 	drivers Drivers
 	mu      sync.Mutex
-	m       map[string]driverCaps
+	m       map[string]Caps
 }
 
 // capsNodeTries bounds how many more node proxies of a node-local driver
 // are asked for its capabilities when the first one does not answer.
 const capsNodeTries = 3
 
-func (c *capsCache) get(ctx context.Context, driver string) (driverCaps, error) {
+// Get is driver's capabilities, asked of it at most once a minute.
+func (c *Cache) Get(ctx context.Context, driver string) (Caps, error) {
 	c.mu.Lock()
 	caps, ok := c.m[driver]
 	c.mu.Unlock()
@@ -106,11 +112,11 @@ func (c *capsCache) get(ctx context.Context, driver string) (driverCaps, error) 
 		}
 	}
 	if err != nil {
-		return driverCaps{}, err
+		return Caps{}, err
 	}
 	c.mu.Lock()
 	if c.m == nil {
-		c.m = map[string]driverCaps{}
+		c.m = map[string]Caps{}
 	}
 	c.m[driver] = caps
 	c.mu.Unlock()
@@ -118,19 +124,19 @@ func (c *capsCache) get(ctx context.Context, driver string) (driverCaps, error) 
 }
 
 // fetch asks the driver behind conn for its capabilities.
-func (c *capsCache) fetch(ctx context.Context, driver string, conn grpc.ClientConnInterface) (driverCaps, error) {
+func (c *Cache) fetch(ctx context.Context, driver string, conn grpc.ClientConnInterface) (Caps, error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	pc, err := csi.NewIdentityClient(conn).GetPluginCapabilities(ctx, &csi.GetPluginCapabilitiesRequest{})
 	if err != nil {
-		return driverCaps{}, fmt.Errorf("driver %s: GetPluginCapabilities: %w", driver, err)
+		return Caps{}, fmt.Errorf("driver %s: GetPluginCapabilities: %w", driver, err)
 	}
-	caps := driverCaps{fetched: time.Now()}
+	caps := Caps{fetched: time.Now()}
 	hasController := false
 	for _, cp := range pc.GetCapabilities() {
 		switch cp.GetService().GetType() {
 		case csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS:
-			caps.accessibility = true
+			caps.Accessibility = true
 		case csi.PluginCapability_Service_CONTROLLER_SERVICE:
 			hasController = true
 		}
@@ -138,38 +144,42 @@ func (c *capsCache) fetch(ctx context.Context, driver string, conn grpc.ClientCo
 	if hasController {
 		cc, err := csi.NewControllerClient(conn).ControllerGetCapabilities(ctx, &csi.ControllerGetCapabilitiesRequest{})
 		if err != nil {
-			return driverCaps{}, fmt.Errorf("driver %s: ControllerGetCapabilities: %w", driver, err)
+			return Caps{}, fmt.Errorf("driver %s: ControllerGetCapabilities: %w", driver, err)
 		}
 		for _, cp := range cc.GetCapabilities() {
 			switch cp.GetRpc().GetType() {
 			case csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME:
-				caps.createDelete = true
+				caps.CreateDelete = true
 			case csi.ControllerServiceCapability_RPC_CLONE_VOLUME:
-				caps.clone = true
+				caps.Clone = true
 			case csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER:
-				caps.singleNodeMultiWriter = true
+				caps.SingleNodeMultiWriter = true
 			case csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME:
-				caps.publishUnpublish = true
+				caps.PublishUnpublish = true
 			case csi.ControllerServiceCapability_RPC_PUBLISH_READONLY:
-				caps.publishReadonly = true
+				caps.PublishReadonly = true
 			case csi.ControllerServiceCapability_RPC_EXPAND_VOLUME:
-				caps.expand = true
+				caps.Expand = true
 			case csi.ControllerServiceCapability_RPC_GET_CAPACITY:
-				caps.getCapacity = true
+				caps.GetCapacity = true
 			case csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES:
-				caps.listPublishedNodes = true
+				caps.ListPublishedNodes = true
 			case csi.ControllerServiceCapability_RPC_MODIFY_VOLUME:
-				caps.modify = true
+				caps.Modify = true
 			case csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT:
-				caps.snapshot = true
+				caps.Snapshot = true
 			}
 		}
 	}
 	return caps, nil
 }
 
-func (c *capsCache) forget(driver string) {
+// Forget drops what is known of driver: the next Get asks it.
+func (c *Cache) Forget(driver string) {
 	c.mu.Lock()
 	delete(c.m, driver)
 	c.mu.Unlock()
 }
+
+// NewCache is a capabilities cache over d.
+func NewCache(d Drivers) *Cache { return &Cache{drivers: d} }

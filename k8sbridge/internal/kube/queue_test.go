@@ -1,4 +1,4 @@
-package k8sbridge
+package kube
 
 import (
 	"slices"
@@ -7,19 +7,19 @@ import (
 
 // slotsUnderTest is a driverSlots whose woken keys are recorded in order.
 type slotsUnderTest struct {
-	*driverSlots
+	*DriverSlots
 	woken []string
 }
 
 func newSlotsUnderTest(limit int) *slotsUnderTest {
 	s := &slotsUnderTest{}
-	s.driverSlots = newDriverSlots(limit, func(key string) { s.woken = append(s.woken, key) })
+	s.DriverSlots = NewDriverSlots(limit, func(key string) { s.woken = append(s.woken, key) })
 	return s
 }
 
 func (s *slotsUnderTest) mustAcquire(t *testing.T, driver, key string, want bool) {
 	t.Helper()
-	if got := s.acquire(driver, key); got != want {
+	if got := s.Acquire(driver, key); got != want {
 		t.Fatalf("acquire(%s, %s) = %v, want %v", driver, key, got, want)
 	}
 }
@@ -41,14 +41,14 @@ func TestDriverSlots(t *testing.T) {
 	s.mustAcquire(t, "a", "k2", true)
 	s.mustAcquire(t, "b", "k3", true) // b has its own
 	s.mustAcquire(t, "a", "", false)  // recovery: no key, so no place in line
-	s.release("a")
+	s.Release("a")
 	s.mustAcquire(t, "a", "k4", true)
 	if len(s.woken) != 0 {
 		t.Errorf("woke %v with nobody in line", s.woken)
 	}
-	s.release("a")
-	s.release("a")
-	s.release("b")
+	s.Release("a")
+	s.Release("a")
+	s.Release("b")
 	s.empty(t)
 }
 
@@ -66,19 +66,19 @@ func TestDriverSlotsServeTheLineInOrder(t *testing.T) {
 	if got := s.waitingLen(); got != 3 {
 		t.Errorf("waitingLen %d, want 3", got)
 	}
-	s.release("a")
+	s.Release("a")
 	if !slices.Equal(s.woken, []string{"w1"}) {
 		t.Fatalf("woken %v, want [w1]", s.woken)
 	}
 	s.mustAcquire(t, "a", "newcomer", false) // the slot is w1's
 	s.mustAcquire(t, "a", "w1", true)
-	s.release("a")
+	s.Release("a")
 	s.mustAcquire(t, "a", "w2", true)
-	s.release("a")
+	s.Release("a")
 	s.mustAcquire(t, "a", "w3", true)
-	s.release("a")
+	s.Release("a")
 	s.mustAcquire(t, "a", "newcomer", true)
-	s.release("a")
+	s.Release("a")
 	if want := []string{"w1", "w2", "w3", "newcomer"}; !slices.Equal(s.woken, want) {
 		t.Errorf("woken in the order %v, want %v", s.woken, want)
 	}
@@ -94,7 +94,7 @@ func TestDriverSlotsSettleAnUntakenSlot(t *testing.T) {
 	s.mustAcquire(t, "a", "first", true)
 	s.mustAcquire(t, "a", "gone", false)
 	s.mustAcquire(t, "a", "next", false)
-	s.release("a")   // handed to "gone"
+	s.Release("a")   // handed to "gone"
 	s.settle("gone") // its handler found nothing to do
 	if want := []string{"gone", "next"}; !slices.Equal(s.woken, want) {
 		t.Fatalf("woken %v, want %v", s.woken, want)
@@ -105,9 +105,9 @@ func TestDriverSlotsSettleAnUntakenSlot(t *testing.T) {
 	// A key handed a slot of a driver it no longer asks for passes it on.
 	s.mustAcquire(t, "a", "first", true)
 	s.mustAcquire(t, "a", "moved", false)
-	s.release("a")
+	s.Release("a")
 	s.mustAcquire(t, "b", "moved", true)
-	s.release("b")
+	s.Release("b")
 	s.empty(t)
 
 	// A term ends with a slot taken, one handed and keys in line.
@@ -115,13 +115,13 @@ func TestDriverSlotsSettleAnUntakenSlot(t *testing.T) {
 	s.mustAcquire(t, "a", "k2", false)
 	s.mustAcquire(t, "a", "k3", false)
 	s.mustAcquire(t, "b", "k4", true)
-	s.release("a") // handed to k2, whose queue shut down
+	s.Release("a") // handed to k2, whose queue shut down
 	s.reset()
 	if got := s.waitingLen(); got != 0 {
 		t.Errorf("waitingLen %d after reset, want 0", got)
 	}
 	s.mustAcquire(t, "a", "k3", true) // a's only slot was handed, not taken
-	s.release("a")
-	s.release("b") // k4's handler, still running at the reset
+	s.Release("a")
+	s.Release("b") // k4's handler, still running at the reset
 	s.empty(t)
 }

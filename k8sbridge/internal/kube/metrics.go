@@ -1,4 +1,4 @@
-package k8sbridge
+package kube
 
 import (
 	"errors"
@@ -7,52 +7,52 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-type metrics struct {
-	provisions     *prometheus.CounterVec
-	provisionTime  *prometheus.HistogramVec
-	deletions      *prometheus.CounterVec
-	secretDecision *prometheus.CounterVec
-	leaked         *prometheus.CounterVec
-	attach         *prometheus.CounterVec
-	leader         prometheus.Gauge
+type Metrics struct {
+	Provisions     *prometheus.CounterVec
+	ProvisionTime  *prometheus.HistogramVec
+	Deletions      *prometheus.CounterVec
+	SecretDecision *prometheus.CounterVec
+	Leaked         *prometheus.CounterVec
+	Attach         *prometheus.CounterVec
+	Leader         prometheus.Gauge
 	reg            prometheus.Registerer
 }
 
-func newMetrics(reg prometheus.Registerer) (*metrics, error) {
-	m := &metrics{
-		provisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+func newMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	m := &Metrics{
+		Provisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "provision_operations_total",
 			Help: "Provisioning attempts by driver, StorageClass and result (success, failed, in_progress, rescheduled).",
 		}, []string{"driver", "storage_class", "result"}),
-		provisionTime: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		ProvisionTime: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "csibroker", Name: "provision_duration_seconds",
 			Help:    "Time from picking up a claim to its PV being created, by driver and StorageClass.",
 			Buckets: prometheus.ExponentialBucketsRange(1e-3, 600, 20),
 		}, []string{"driver", "storage_class"}),
-		deletions: prometheus.NewCounterVec(prometheus.CounterOpts{
+		Deletions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "delete_operations_total",
 			Help: "Volume deletions by driver and result (success, failed, blocked).",
 		}, []string{"driver", "result"}),
-		secretDecision: prometheus.NewCounterVec(prometheus.CounterOpts{
+		SecretDecision: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "secret_policy_decisions_total",
 			Help: "Secret access decisions by driver, CSI operation and decision (allow, deny, would-deny).",
 		}, []string{"driver", "operation", "decision"}),
-		leaked: prometheus.NewCounterVec(prometheus.CounterOpts{
+		Leaked: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "recovered_volumes_total",
 			Help: "Volumes created for claims that vanished (or by a broker that died) and deleted by recovery, by driver and result (deleted; failed; stuck: reported for an administrator; abandoned: an attempt's node gone for a week).",
 		}, []string{"driver", "result"}),
-		attach: prometheus.NewCounterVec(prometheus.CounterOpts{
+		Attach: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "attach_operations_total",
 			Help: "Attach and detach operations by driver, operation (attach, detach) and result (success, failed).",
 		}, []string{"driver", "operation", "result"}),
-		leader: prometheus.NewGauge(prometheus.GaugeOpts{
+		Leader: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: "csibroker", Name: "leader",
 			Help: "1 while this replica holds the leader lease.",
 		}),
 		reg: reg,
 	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.provisions, m.provisionTime, m.deletions, m.secretDecision, m.leaked, m.attach, m.leader} {
+		for _, c := range []prometheus.Collector{m.Provisions, m.ProvisionTime, m.Deletions, m.SecretDecision, m.Leaked, m.Attach, m.Leader} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
@@ -61,8 +61,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	return m, nil
 }
 
-// queueDepth exports a workqueue's length.
-func (m *metrics) queueDepth(name string, length func() int) {
+// QueueDepth exports a workqueue's length.
+func (m *Metrics) QueueDepth(name string, length func() int) {
 	if m.reg == nil {
 		return
 	}
@@ -72,10 +72,10 @@ func (m *metrics) queueDepth(name string, length func() int) {
 	}, func() float64 { return float64(length()) }))
 }
 
-// operationsCounter is the csibroker_<name>{driver,result} counter of a
+// OperationsCounter is the csibroker_<name>{driver,result} counter of a
 // controller, registered on reg (nil: none); a bridge made again on the
 // same registry (a test's, say) shares the one registered first.
-func operationsCounter(reg prometheus.Registerer, name, help string) (*prometheus.CounterVec, error) {
+func OperationsCounter(reg prometheus.Registerer, name, help string) (*prometheus.CounterVec, error) {
 	c := prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "csibroker", Name: name, Help: help}, []string{"driver", "result"})
 	if reg == nil {
 		return c, nil

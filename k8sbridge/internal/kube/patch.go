@@ -1,4 +1,4 @@
-package k8sbridge
+package kube
 
 import (
 	"encoding/json"
@@ -8,14 +8,14 @@ import (
 	"k8s.io/apimachinery/pkg/util/strategicpatch"
 )
 
-// twoWayPatch is the strategic merge patch that turns old into cur (schema
+// TwoWayPatch is the strategic merge patch that turns old into cur (schema
 // is an empty value of their type), nil when cur changes nothing. With rv
 // set it carries that resourceVersion, so the write fails with a conflict
 // if the object changed since, as an Update of the whole object would; but
 // unlike such an Update it leaves alone the fields it does not change,
 // including those of a newer API server that this build's types do not
 // know (an Update would drop them).
-func twoWayPatch(old, cur, schema any, rv string) ([]byte, error) {
+func TwoWayPatch(old, cur, schema any, rv string) ([]byte, error) {
 	oldJSON, curJSON, err := marshalPair(old, cur)
 	if err != nil {
 		return nil, err
@@ -27,14 +27,14 @@ func twoWayPatch(old, cur, schema any, rv string) ([]byte, error) {
 	return withResourceVersion(patch, rv)
 }
 
-// mergePatch is twoWayPatch as a JSON merge patch (RFC 7386), for objects
+// MergePatch is twoWayPatch as a JSON merge patch (RFC 7386), for objects
 // whose maps hold keys from outside the cluster (a driver's publish context
 // becomes a VolumeAttachment's attachmentMetadata, and a strategic merge
 // patch would read a key spelt like a directive as one: "$patch": "delete"
 // drops the whole map) and for custom resources (VolumeSnapshots), which
 // take no strategic merge patch. A merge patch replaces lists whole, so it always
 // carries rv: the write fails if the object changed since it was read.
-func mergePatch(old, cur any, rv string) ([]byte, error) {
+func MergePatch(old, cur any, rv string) ([]byte, error) {
 	if rv == "" {
 		return nil, errors.New("a merge patch needs the resourceVersion it was made from")
 	}
