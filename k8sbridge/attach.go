@@ -180,7 +180,7 @@ func (a *attacher) enqueueVA(obj any) {
 	}
 }
 
-func (a *attacher) run(ctx context.Context) {
+func (a *attacher) Run(ctx context.Context) {
 	// Forced re-publishes are of a term: the term's reconcile finds the
 	// attachments not published again (an entry whose VA went while
 	// another replica led would otherwise stay).
@@ -188,7 +188,7 @@ func (a *attacher) run(ctx context.Context) {
 	clear(a.force)
 	clear(a.marked)
 	a.mu.Unlock()
-	a.queue.Work(ctx, a.b.Cfg.WorkerThreads, a.enqueueAll, a.sync, a.reconcileLoop)
+	a.queue.Work(ctx, a.b.Cfg.WorkerThreads, a.EnqueueAll, a.sync, a.reconcileLoop)
 }
 
 // enqueuePV queues a PV being deleted that still holds an attacher
@@ -201,7 +201,7 @@ func (a *attacher) enqueuePV(obj any) {
 	}
 }
 
-func (a *attacher) enqueueAll() {
+func (a *attacher) EnqueueAll() {
 	if vas, err := a.b.Attachments.List(labels.Everything()); err == nil {
 		for _, va := range vas {
 			a.enqueueVA(va)

@@ -18,11 +18,31 @@ import (
 
 	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/modify"
 )
 
 // controller is one loop that runs while this replica leads.
 type controller interface {
-	run(ctx context.Context)
+	// Run works until ctx ends (the term is over).
+	Run(ctx context.Context)
+	// EnqueueAll looks at every object of the controller again: a driver
+	// was registered, whose objects were skipped when last seen.
+	EnqueueAll()
+}
+
+// ctl makes a controller package's constructor one of New's list; a
+// constructor that returns nil (the controller is not wanted) adds none.
+func ctl[C any, P interface {
+	*C
+	controller
+}](mk func(*kube.Env) (P, error)) func(*kube.Env) (controller, error) {
+	return func(e *kube.Env) (controller, error) {
+		c, err := mk(e)
+		if err != nil || c == nil {
+			return nil, err
+		}
+		return c, nil
+	}
 }
 
 // Bridge runs the Kubernetes side of csibroker: one set of informers for all
@@ -69,7 +89,7 @@ func New(cfg Config) (*Bridge, error) {
 	for _, mk := range []func(*kube.Env) (controller, error){
 		newAttacher,
 		newCapacityController,
-		newModifier,
+		ctl(modify.New),
 		newSourceProtector,
 		newResizer,
 	} {
@@ -339,7 +359,7 @@ func (b *Bridge) lead(ctx context.Context) {
 	run(b.del.run)
 	run(b.prov.recoveryLoop)
 	for _, c := range b.extra {
-		run(c.run)
+		run(c.Run)
 	}
 	run(func(ctx context.Context) { b.watchRegistrations(ctx, known) })
 	<-ctx.Done()
@@ -375,9 +395,7 @@ func (b *Bridge) watchRegistrations(ctx context.Context, known map[string]bool) 
 		b.prov.enqueueAll()
 		b.del.enqueueAll()
 		for _, c := range b.extra {
-			if r, ok := c.(interface{ enqueueAll() }); ok {
-				r.enqueueAll()
-			}
+			c.EnqueueAll()
 		}
 	}
 }

@@ -409,7 +409,7 @@ func (c *capacityController) queueLen() int {
 }
 
 // run keeps the objects while ctx lasts (this replica leads).
-func (c *capacityController) run(ctx context.Context) {
+func (c *capacityController) Run(ctx context.Context) {
 	// Only the broker's own objects are watched: its namespace, its label.
 	factory := informers.NewSharedInformerFactoryWithOptions(c.b.Cfg.InformerClient, c.b.Cfg.ResyncPeriod,
 		informers.WithNamespace(c.b.Cfg.Namespace),
@@ -1059,3 +1059,7 @@ func hasLabels(have, want map[string]string) bool {
 	}
 	return true
 }
+
+// EnqueueAll does nothing: the controller follows the drivers' registry by
+// itself (capacityRegistryInterval).
+func (c *capacityController) EnqueueAll() {}

@@ -143,8 +143,8 @@ func snapshotSourceOf(c *corev1.PersistentVolumeClaim) string {
 	return ""
 }
 
-func (p *sourceProtector) run(ctx context.Context) {
-	p.queue.Work(ctx, 1, p.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
+func (p *sourceProtector) Run(ctx context.Context) {
+	p.queue.Work(ctx, 1, p.EnqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
 		requeue, err := p.sync(ctx, key)
 		if err != nil {
 			p.b.Log.Warn("source protection: releasing a clone or restore source failed; will retry", "source", key, "err", err)
@@ -197,10 +197,10 @@ func (p *sourceProtector) sweepSnapshotsOnce(ctx context.Context) {
 	}
 }
 
-// enqueueAll queues every deleted claim that holds cloneFinalizer (start
+// EnqueueAll queues every deleted claim that holds cloneFinalizer (start
 // of a term: deletions while another replica led are in the cache).
 // Snapshots are looked at when a claim restoring one leaves Pending.
-func (p *sourceProtector) enqueueAll() {
+func (p *sourceProtector) EnqueueAll() {
 	claims, err := p.b.Claims.List(labels.Everything())
 	if err != nil {
 		return

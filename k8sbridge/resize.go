@@ -231,9 +231,9 @@ func (r *resizer) enqueue(c *corev1.PersistentVolumeClaim) {
 	}
 }
 
-// enqueueAll adds every claim asking for more than it has (start of a
+// EnqueueAll adds every claim asking for more than it has (start of a
 // term, a driver registered: its claims were dropped while it was unknown).
-func (r *resizer) enqueueAll() {
+func (r *resizer) EnqueueAll() {
 	if claims, err := r.b.Claims.List(labels.Everything()); err == nil {
 		for _, c := range claims {
 			if claimNeedsResize(c) {
@@ -245,7 +245,7 @@ func (r *resizer) enqueueAll() {
 
 // run expands claims while this replica leads. Each term of leadership has
 // its own queue, so a replica that leads again starts afresh.
-func (r *resizer) run(ctx context.Context) {
+func (r *resizer) Run(ctx context.Context) {
 	r.mu.Lock()
 	// Final errors are of this term: under another leader the driver may
 	// have been asked again, and may still be working, since.
@@ -253,7 +253,7 @@ func (r *resizer) run(ctx context.Context) {
 	clear(r.inUse)
 	r.mu.Unlock()
 	// Requests raised while another replica led are in the cache already.
-	r.queue.Work(ctx, r.b.Cfg.WorkerThreads, r.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
+	r.queue.Work(ctx, r.b.Cfg.WorkerThreads, r.EnqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
 		requeue, err := r.sync(ctx, key)
 		if err != nil {
 			r.b.Log.Debug("resize will be retried", "claim", key, "err", err)

@@ -1,4 +1,4 @@
-package k8sbridge
+package modify
 
 import (
 	"context"
@@ -50,7 +50,7 @@ import (
 // as upstream; a failure costs one more (its condition), and a retry of
 // the same failure none.
 
-type modifier struct {
+type Controller struct {
 	b     *kube.Env
 	queue *kube.TermQueue
 	// slots counts each driver's modifications in progress, against
@@ -69,8 +69,8 @@ type infeasibleTarget struct {
 	at    time.Time
 }
 
-func newModifier(b *kube.Env) (controller, error) {
-	m := &modifier{b: b, queue: kube.NewTermQueue("modify", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax), infeasible: map[types.UID]infeasibleTarget{}}
+func New(b *kube.Env) (*Controller, error) {
+	m := &Controller{b: b, queue: kube.NewTermQueue("modify", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax), infeasible: map[types.UID]infeasibleTarget{}}
 	m.slots = m.queue.WithSlots(b.Cfg.PerDriverWorkers)
 	ops, err := kube.OperationsCounter(b.Cfg.Registerer, "modify_operations_total",
 		"Volume modification attempts (ControllerModifyVolume) by driver and result (success, infeasible, failed, pending, not_called).")
@@ -150,9 +150,9 @@ func equalStringPtr(a, b *string) bool {
 	return (a == nil) == (b == nil) && (a == nil || *a == *b)
 }
 
-// enqueueAll adds every claim that needs a modification (start of a term,
+// EnqueueAll adds every claim that needs a modification (start of a term,
 // a driver registered: its claims were dropped while it was unknown).
-func (m *modifier) enqueueAll() {
+func (m *Controller) EnqueueAll() {
 	if claims, err := m.b.Claims.List(labels.Everything()); err == nil {
 		for _, c := range claims {
 			if claimNeedsModify(c) {
@@ -162,15 +162,15 @@ func (m *modifier) enqueueAll() {
 	}
 }
 
-func (m *modifier) enqueue(c *corev1.PersistentVolumeClaim) {
+func (m *Controller) enqueue(c *corev1.PersistentVolumeClaim) {
 	m.queue.Add(c.Namespace + "/" + c.Name)
 }
 
-func (m *modifier) run(ctx context.Context) {
+func (m *Controller) Run(ctx context.Context) {
 	m.mu.Lock()
 	clear(m.infeasible)
 	m.mu.Unlock()
-	m.queue.Work(ctx, m.b.Cfg.WorkerThreads, m.enqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
+	m.queue.Work(ctx, m.b.Cfg.WorkerThreads, m.EnqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
 		requeue, err := m.sync(ctx, key)
 		if err != nil {
 			m.b.Log.Debug("volume modification will be retried", "claim", key, "err", err)
@@ -181,7 +181,7 @@ func (m *modifier) run(ctx context.Context) {
 
 // sync modifies one claim's volume if it needs it. An error retries with
 // backoff; a positive duration looks at the claim again then.
-func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) {
+func (m *Controller) sync(ctx context.Context, key string) (time.Duration, error) {
 	claim, err := m.b.CachedClaim(key)
 	if claim == nil || err != nil {
 		return 0, err
@@ -282,7 +282,7 @@ func (m *modifier) sync(ctx context.Context, key string) (time.Duration, error) 
 // clearModify drops the modification on record from claim's status (its
 // modifyVolumeStatus and modify conditions): the claim was set back to
 // the class its volume has. No driver call.
-func (m *modifier) clearModify(ctx context.Context, claim *corev1.PersistentVolumeClaim) error {
+func (m *Controller) clearModify(ctx context.Context, claim *corev1.PersistentVolumeClaim) error {
 	m.mu.Lock()
 	delete(m.infeasible, claim.UID)
 	m.mu.Unlock()
@@ -304,7 +304,7 @@ func (m *modifier) clearModify(ctx context.Context, claim *corev1.PersistentVolu
 }
 
 // modify runs one attempt and returns its result label.
-func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver, target string) (string, time.Duration, error) {
+func (m *Controller) modify(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver, target string) (string, time.Duration, error) {
 	key := claim.Namespace + "/" + claim.Name
 	warn := func(failure, format string, args ...any) {
 		msg := m.warn(ctx, claim, target, failure, format, args...)
@@ -475,7 +475,7 @@ func (m *modifier) modify(ctx context.Context, claim *corev1.PersistentVolumeCla
 // failure (eventOnce), as the resizer's warn does, and returns its
 // message. failure names the failure: for a driver's answer its method and
 // code (failureOf); "" for the message itself.
-func (m *modifier) warn(ctx context.Context, claim *corev1.PersistentVolumeClaim, class, failure, format string, args ...any) string {
+func (m *Controller) warn(ctx context.Context, claim *corev1.PersistentVolumeClaim, class, failure, format string, args ...any) string {
 	msg := fmt.Sprintf(format, args...)
 	if failure == "" {
 		failure = msg
