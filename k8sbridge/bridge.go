@@ -19,6 +19,7 @@ import (
 	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/modify"
+	"github.com/csibroker/csibroker/k8sbridge/resize"
 )
 
 // controller is one loop that runs while this replica leads.
@@ -91,7 +92,7 @@ func New(cfg Config) (*Bridge, error) {
 		newCapacityController,
 		ctl(modify.New),
 		newSourceProtector,
-		newResizer,
+		ctl(resize.New),
 	} {
 		c, err := mk(env)
 		if err != nil {

@@ -202,7 +202,7 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 	// Expansion (PV patch, claim status patch).
 	raiseRequest(t, c, ns, "data", "2Gi")
 	waitClaim(t, c, ns, "data", "expanded by the driver, the node's part pending", func(pvc *corev1.PersistentVolumeClaim) bool {
-		return claimCondition(pvc, corev1.PersistentVolumeClaimFileSystemResizePending) != nil
+		return kubetest.ClaimCondition(pvc, corev1.PersistentVolumeClaimFileSystemResizePending) != nil
 	})
 	if pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{}); err != nil || pv.Spec.Capacity.Storage().Cmp(resource.MustParse("2Gi")) != 0 {
 		t.Fatalf("PV after expansion: %v, %v", pv.Spec.Capacity, err)

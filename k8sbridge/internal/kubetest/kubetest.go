@@ -239,3 +239,19 @@ func GrantsAuthorizer(t *testing.T, grants ...policy.Grant) *policy.Authorizer {
 	}
 	return &policy.Authorizer{Rules: policy.NewStore(rs)}
 }
+
+// ClaimCondition is c's condition of type typ, nil if it has none.
+func ClaimCondition(c *corev1.PersistentVolumeClaim, typ corev1.PersistentVolumeClaimConditionType) *corev1.PersistentVolumeClaimCondition {
+	for i := range c.Status.Conditions {
+		if c.Status.Conditions[i].Type == typ {
+			return &c.Status.Conditions[i]
+		}
+	}
+	return nil
+}
+
+// HasClaimCondition reports whether c has a true condition of type typ.
+func HasClaimCondition(c *corev1.PersistentVolumeClaim, typ corev1.PersistentVolumeClaimConditionType) bool {
+	cond := ClaimCondition(c, typ)
+	return cond != nil && cond.Status == corev1.ConditionTrue
+}

@@ -1,4 +1,4 @@
-package k8sbridge
+package resize
 
 import (
 	"context"
@@ -82,8 +82,8 @@ const (
 	fsResizePendingMessage = "Waiting for user to (re-)start a pod to finish file system resize of volume on node."
 )
 
-// resizer expands the volumes of claims whose request grew.
-type resizer struct {
+// Controller expands the volumes of claims whose request grew.
+type Controller struct {
 	b   *kube.Env
 	ops *prometheus.CounterVec
 	// queue exists while this replica leads; claims seen before are found
@@ -115,8 +115,8 @@ type resizeNodeCaps struct {
 	fetched time.Time
 }
 
-func newResizer(b *kube.Env) (controller, error) {
-	r := &resizer{b: b, queue: kube.NewTermQueue("resize", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax),
+func New(b *kube.Env) (*Controller, error) {
+	r := &Controller{b: b, queue: kube.NewTermQueue("resize", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax),
 		finalErr: map[types.UID]bool{}, inUse: map[types.UID]inUseClaim{}, nodeCaps: map[string]resizeNodeCaps{}}
 	r.slots = r.queue.WithSlots(b.Cfg.PerDriverWorkers)
 	ops, err := kube.OperationsCounter(b.Cfg.Registerer, "resize_operations_total",
@@ -198,7 +198,7 @@ func resizeTriggered(old, cur *corev1.PersistentVolumeClaim) bool {
 
 // volumeDetached enqueues the claims waiting for va's volume to be
 // detached (va is gone).
-func (r *resizer) volumeDetached(va *storagev1.VolumeAttachment) {
+func (r *Controller) volumeDetached(va *storagev1.VolumeAttachment) {
 	pv := va.Spec.Source.PersistentVolumeName
 	if pv == nil {
 		return
@@ -218,14 +218,14 @@ func (r *resizer) volumeDetached(va *storagev1.VolumeAttachment) {
 
 // attachedTo names the node of a VolumeAttachment of pv, "" when there is
 // none (the rule deletion keeps to: attachmentOf).
-func (r *resizer) attachedTo(pv string) string {
+func (r *Controller) attachedTo(pv string) string {
 	if va, err := r.b.AttachmentOf(pv); err == nil && va != nil {
 		return va.Spec.NodeName
 	}
 	return ""
 }
 
-func (r *resizer) enqueue(c *corev1.PersistentVolumeClaim) {
+func (r *Controller) enqueue(c *corev1.PersistentVolumeClaim) {
 	if key, err := cache.MetaNamespaceKeyFunc(c); err == nil {
 		r.queue.Add(key)
 	}
@@ -233,7 +233,7 @@ func (r *resizer) enqueue(c *corev1.PersistentVolumeClaim) {
 
 // EnqueueAll adds every claim asking for more than it has (start of a
 // term, a driver registered: its claims were dropped while it was unknown).
-func (r *resizer) EnqueueAll() {
+func (r *Controller) EnqueueAll() {
 	if claims, err := r.b.Claims.List(labels.Everything()); err == nil {
 		for _, c := range claims {
 			if claimNeedsResize(c) {
@@ -245,7 +245,7 @@ func (r *resizer) EnqueueAll() {
 
 // run expands claims while this replica leads. Each term of leadership has
 // its own queue, so a replica that leads again starts afresh.
-func (r *resizer) Run(ctx context.Context) {
+func (r *Controller) Run(ctx context.Context) {
 	r.mu.Lock()
 	// Final errors are of this term: under another leader the driver may
 	// have been asked again, and may still be working, since.
@@ -264,7 +264,7 @@ func (r *resizer) Run(ctx context.Context) {
 
 // sync expands one claim if it needs it. An error retries with backoff; a
 // positive duration looks at the claim again then (its driver is busy).
-func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
+func (r *Controller) sync(ctx context.Context, key string) (time.Duration, error) {
 	claim, err := r.b.CachedClaim(key)
 	if claim == nil || err != nil {
 		return 0, err
@@ -283,28 +283,28 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 	}
 	var driver string
 	spec := &pv.Spec // with the CSI source the driver is asked about
-	switch resizer := claim.Annotations[kube.AnnStorageResizer]; {
+	switch Controller := claim.Annotations[kube.AnnStorageResizer]; {
 	case pv.Spec.CSI != nil:
 		if !r.b.Registered(pv.Spec.CSI.Driver) {
 			return 0, nil
 		}
 		driver = pv.Spec.CSI.Driver
-	case r.b.Registered(resizer):
+	case r.b.Registered(Controller):
 		// An in-tree volume CSI migration moved to a registered driver
 		// (kube-controller-manager names it in kube.AnnStorageResizer): it is
 		// expanded through its CSI translation, as external-resizer does,
 		// and only by the driver the translation names.
-		if to := kube.PVDriver(pv); to != resizer {
+		if to := kube.PVDriver(pv); to != Controller {
 			r.warn(ctx, claim, "", "claim's %s annotation names driver %s, but volume %s is not an in-tree volume CSI migration moves to it (it moves to %q); not expanded",
-				kube.AnnStorageResizer, resizer, pv.Name, to)
+				kube.AnnStorageResizer, Controller, pv.Name, to)
 			return 0, nil
 		}
 		t, err := kube.CSISpec(pv)
 		if err != nil {
-			r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: %v", pv.Name, resizer, err)
+			r.warn(ctx, claim, "", "resize volume %q by resizer %q failed: %v", pv.Name, Controller, err)
 			return 0, nil
 		}
-		driver, spec = resizer, t
+		driver, spec = Controller, t
 	default:
 		return 0, nil
 	}
@@ -382,7 +382,7 @@ func (r *resizer) sync(ctx context.Context, key string) (time.Duration, error) {
 // expand runs one expansion attempt and returns its result label. spec is
 // pv's spec with its CSI source (for a migrated in-tree volume, the
 // translation's); the PV itself is what gets the new capacity.
-func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, spec *corev1.PersistentVolumeSpec, driver string, caps drivers.Caps, controllerExpand bool, target resource.Quantity) (string, error) {
+func (r *Controller) expand(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, spec *corev1.PersistentVolumeSpec, driver string, caps drivers.Caps, controllerExpand bool, target resource.Quantity) (string, error) {
 	key := claim.Namespace + "/" + claim.Name
 	failed := func(result string, err error) (string, error) {
 		if ctx.Err() != nil {
@@ -493,7 +493,7 @@ func (r *resizer) expand(ctx context.Context, claim *corev1.PersistentVolumeClai
 // failure (eventOnce). failure names the failure: for a driver's answer its
 // method and code, since drivers put what changes on every call (a request
 // ID, an attempt counter) into their messages; "" for the message itself.
-func (r *resizer) warn(ctx context.Context, claim *corev1.PersistentVolumeClaim, failure, format string, args ...any) {
+func (r *Controller) warn(ctx context.Context, claim *corev1.PersistentVolumeClaim, failure, format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
 	if failure == "" {
 		failure = msg
@@ -509,7 +509,7 @@ func requestOf(claim *corev1.PersistentVolumeClaim) string {
 }
 
 // driverFailed records a ControllerExpandVolume error on the claim.
-func (r *resizer) driverFailed(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver string, err error) (string, error) {
+func (r *Controller) driverFailed(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver string, err error) (string, error) {
 	if ctx.Err() != nil {
 		// The term ended during the call: nothing is recorded here; the
 		// next leader looks at the claim again.
@@ -591,7 +591,7 @@ func resizeInfeasible(c codes.Code) bool {
 // nodeExpansion asks a driver without controller expansion whether its
 // plugin expands on the node (NodeGetCapabilities on the controller's
 // socket, as external-resizer does).
-func (r *resizer) nodeExpansion(ctx context.Context, driver string) (bool, error) {
+func (r *Controller) nodeExpansion(ctx context.Context, driver string) (bool, error) {
 	r.mu.Lock()
 	c, ok := r.nodeCaps[driver]
 	r.mu.Unlock()
@@ -731,7 +731,7 @@ func expansionTarget(in expansionInput) (size resource.Quantity, ok bool) {
 
 // The claim status steps. Each returns a modified copy; none writes.
 
-func isResizeCondition(t corev1.PersistentVolumeClaimConditionType) bool {
+func IsCondition(t corev1.PersistentVolumeClaimConditionType) bool {
 	switch t {
 	case corev1.PersistentVolumeClaimResizing, corev1.PersistentVolumeClaimFileSystemResizePending,
 		corev1.PersistentVolumeClaimControllerResizeError, corev1.PersistentVolumeClaimNodeResizeError:
@@ -749,7 +749,7 @@ func isResizeCondition(t corev1.PersistentVolumeClaimConditionType) bool {
 // takes the new message and reason and keeps its transition time, so the
 // claim says what failed last.
 func mergeResizeConditions(conds []corev1.PersistentVolumeClaimCondition, want []corev1.PersistentVolumeClaimCondition, keep func(corev1.PersistentVolumeClaimConditionType) bool) []corev1.PersistentVolumeClaimCondition {
-	return kube.MergeConditions(conds, want, isResizeCondition, keep)
+	return kube.MergeConditions(conds, want, IsCondition, keep)
 }
 
 func resizeCondition(t corev1.PersistentVolumeClaimConditionType, msg string) corev1.PersistentVolumeClaimCondition {
@@ -834,9 +834,13 @@ func resizeControllerFailed(claim *corev1.PersistentVolumeClaim, code codes.Code
 
 // expandNode is the node whose proxy receives a volume's expansion: its
 // own for a node-local driver's volume, none (the controller's) otherwise.
-func (r *resizer) expandNode(driver string, pv *corev1.PersistentVolume) string {
+func (r *Controller) expandNode(driver string, pv *corev1.PersistentVolume) string {
 	if !r.b.Cfg.Drivers.NodeLocal(driver) {
 		return ""
 	}
 	return r.b.NodeOfPV(pv)
 }
+
+// QueueLen is how many claims wait in this term's queue, a driver's line
+// included.
+func (r *Controller) QueueLen() int { return r.queue.Len() }
