@@ -27,6 +27,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/attach"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 	"github.com/csibroker/csibroker/policy"
@@ -162,7 +163,7 @@ func TestAttachDetach(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !containsString(va.Finalizers, fin) || !kube.HasFinalizer(pv, fin) || va.Annotations[kube.AnnVANodeID] != node {
+	if !slices.Contains(va.Finalizers, fin) || !kube.HasFinalizer(pv, fin) || va.Annotations[kube.AnnVANodeID] != node {
 		t.Fatalf("finalizers VA %v PV %v, node ID %q", va.Finalizers, pv.Finalizers, va.Annotations[kube.AnnVANodeID])
 	}
 	if n := dPub.CallCount("ControllerPublishVolume"); n != 1 {
@@ -214,38 +215,6 @@ func TestAttachDetach(t *testing.T) {
 	}
 }
 
-// TestAttachCapabilityFromAllAccessModes: ControllerPublishVolume's access
-// mode comes from all of the volume's access modes, as external-attacher
-// maps them (and as CreateVolume and expansion do here): RWX wins over RWO,
-// RWO is SINGLE_NODE_MULTI_WRITER for a driver that has that capability,
-// and a combination CSI cannot express is an error, not a guess.
-func TestAttachCapabilityFromAllAccessModes(t *testing.T) {
-	rwo, rox, rwx, rwop := corev1.ReadWriteOnce, corev1.ReadOnlyMany, corev1.ReadWriteMany, corev1.ReadWriteOncePod
-	for _, tc := range []struct {
-		modes []corev1.PersistentVolumeAccessMode
-		snmw  bool
-		want  csi.VolumeCapability_AccessMode_Mode
-		bad   bool
-	}{
-		{nil, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false},
-		{[]corev1.PersistentVolumeAccessMode{rwo}, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false},
-		{[]corev1.PersistentVolumeAccessMode{rwo}, true, csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER, false},
-		{[]corev1.PersistentVolumeAccessMode{rwo, rwx}, false, csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, false},
-		{[]corev1.PersistentVolumeAccessMode{rox}, false, csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY, false},
-		{[]corev1.PersistentVolumeAccessMode{rwop}, true, csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, false},
-		{[]corev1.PersistentVolumeAccessMode{rwop}, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false},
-		{[]corev1.PersistentVolumeAccessMode{rox, rwo}, false, 0, true},
-	} {
-		c, err := capability(&attachSource{csi: &corev1.CSIPersistentVolumeSource{Driver: "d", VolumeHandle: "v"}, accessModes: tc.modes}, tc.snmw)
-		switch {
-		case tc.bad && err == nil:
-			t.Errorf("%v (snmw %v): %v, want an error", tc.modes, tc.snmw, c.GetAccessMode().GetMode())
-		case !tc.bad && (err != nil || c.GetAccessMode().GetMode() != tc.want):
-			t.Errorf("%v (snmw %v): %v, %v; want %v", tc.modes, tc.snmw, c.GetAccessMode().GetMode(), err, tc.want)
-		}
-	}
-}
-
 // TestDetachesWhatExternalAttacherAttached: external-attacher's finalizer
 // name sanitizes the driver name ("a.b.csi" → external-attacher/a-b-csi);
 // an attachment the sidecar made, carrying that name, is detached by the
@@ -294,21 +263,6 @@ func TestDetachesWhatExternalAttacherAttached(t *testing.T) {
 	}
 	if n := d.CallCount("ControllerUnpublishVolume"); n == 0 {
 		t.Fatal("the volume was never unpublished")
-	}
-}
-
-// TestEarlierBrokerFinalizerStillDetaches: attachments made by earlier
-// csibroker releases carry "external-attacher/<driver>" with only '/'
-// replaced; detach still recognises and removes that name.
-func TestEarlierBrokerFinalizerStillDetaches(t *testing.T) {
-	const drv = "old.csi.example.com"
-	legacy := "external-attacher/old.csi.example.com"
-	fins := []string{"other", legacy}
-	if !hasAttacherFinalizer(fins, drv) {
-		t.Fatalf("%v: the earlier release's finalizer is not recognised", fins)
-	}
-	if got := withoutAttacherFinalizers(append(fins, kube.AttacherFinalizer(drv)), drv); len(got) != 1 || got[0] != "other" {
-		t.Fatalf("finalizers left after detach: %v, want [other]", got)
 	}
 }
 
@@ -468,7 +422,7 @@ func TestVANeverPublishedCanGo(t *testing.T) {
 	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	va := createVA(t, c, ns, drv, node, pvName)
 	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error recorded")
-	if !strings.Contains(got.Status.AttachError.Message, "missing") || containsString(got.Finalizers, kube.AttacherFinalizer(drv)) {
+	if !strings.Contains(got.Status.AttachError.Message, "missing") || slices.Contains(got.Finalizers, kube.AttacherFinalizer(drv)) {
 		t.Fatalf("attach without its secret: status %+v, finalizers %v; want the error and no finalizer", got.Status, got.Finalizers)
 	}
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
@@ -498,9 +452,9 @@ func TestVANeverPublishedCanGo(t *testing.T) {
 // attached throughout (false would make the attach-detach controller count
 // the volume as detached from a node that may be using it).
 func TestAttachReconcilePublishesAgain(t *testing.T) {
-	prev := attachReconcileInterval
-	attachReconcileInterval = 300 * time.Millisecond
-	t.Cleanup(func() { attachReconcileInterval = prev })
+	prev := attach.ReconcileInterval
+	attach.ReconcileInterval = 300 * time.Millisecond
+	t.Cleanup(func() { attach.ReconcileInterval = prev })
 	s := newAttachSetup(t, "relist.csi.test", sampledriver.Config{})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
 	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "relist"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
@@ -652,9 +606,9 @@ func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	at := extraOf[*attacher](t, s.r.b)
+	at := extraOf[*attach.Controller](t, s.r.b)
 	err := testenv.WaitFor(ctx, 60*time.Second, "two attachments and two deletions waiting for the driver's slot", func(context.Context) (bool, string, error) {
-		na, nd := at.queue.Len(), s.r.b.del.queue.Len()
+		na, nd := at.QueueLen(), s.r.b.del.queue.Len()
 		return na == 2 && nd == 2, fmt.Sprintf("%d attachments and %d deletions waiting", na, nd), nil
 	})
 	if err != nil {
@@ -712,7 +666,7 @@ func TestAttachRefusalsAreReported(t *testing.T) {
 	got := vaFor(t, c, other.Name, func(va *storagev1.VolumeAttachment) bool {
 		return va.Status.AttachError != nil && strings.Contains(va.Status.AttachError.Message, "not of the attachment's attacher")
 	}, "attach error of the mixed attachment")
-	if msg := got.Status.AttachError.Message; !strings.Contains(msg, "not of the attachment's attacher") || got.Status.Attached || containsString(got.Finalizers, kube.AttacherFinalizer(drv)) {
+	if msg := got.Status.AttachError.Message; !strings.Contains(msg, "not of the attachment's attacher") || got.Status.Attached || slices.Contains(got.Finalizers, kube.AttacherFinalizer(drv)) {
 		t.Fatalf("attachment of another driver's volume: %+v, finalizers %v", got.Status, got.Finalizers)
 	}
 	kubetest.WaitEvent(t, c, "default", mixed.Name, "AttachFailed", "not of the attachment's attacher")
@@ -809,7 +763,7 @@ func TestDetachRetriesNotFound(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.DetachError != nil }, "detach error recorded")
-	if !containsString(got.Finalizers, kube.AttacherFinalizer(drv)) || !strings.Contains(got.Status.DetachError.Message, "NotFound") {
+	if !slices.Contains(got.Finalizers, kube.AttacherFinalizer(drv)) || !strings.Contains(got.Status.DetachError.Message, "NotFound") {
 		t.Fatalf("after a NotFound unpublish: finalizers %v, detach error %+v; want the finalizer kept and the error shown", got.Finalizers, got.Status.DetachError)
 	}
 	waitVAGone(t, c, va.Name, 60*time.Second)
@@ -837,54 +791,19 @@ func TestVolumeErrorMessageFitsTheAPIServer(t *testing.T) {
 		_, err = c.StorageV1().VolumeAttachments().UpdateStatus(ctx, cur, metav1.UpdateOptions{})
 		return err
 	}
-	if err := write(strings.Repeat("x", maxVolumeErrorMessage+1)); err == nil {
-		t.Fatalf("the API server took a %d-byte message: the limit is not %d", maxVolumeErrorMessage+1, maxVolumeErrorMessage)
+	if err := write(strings.Repeat("x", attach.MaxVolumeErrorMessage+1)); err == nil {
+		t.Fatalf("the API server took a %d-byte message: the limit is not %d", attach.MaxVolumeErrorMessage+1, attach.MaxVolumeErrorMessage)
 	}
 	long := "driver says: " + strings.Repeat("é", 2000)
-	cut := volumeErrorMessage(long)
-	if len(cut) > maxVolumeErrorMessage || !utf8.ValidString(cut) || !strings.HasPrefix(cut, "driver says: é") || !strings.Contains(cut, "cut;") {
+	cut := attach.VolumeErrorMessage(long)
+	if len(cut) > attach.MaxVolumeErrorMessage || !utf8.ValidString(cut) || !strings.HasPrefix(cut, "driver says: é") || !strings.Contains(cut, "cut;") {
 		t.Fatalf("cut message (%d bytes, valid UTF-8 %v): %q", len(cut), utf8.ValidString(cut), cut)
 	}
 	if err := write(cut); err != nil {
 		t.Fatalf("the cut message was refused: %v", err)
 	}
-	if short := "ControllerPublishVolume failed"; volumeErrorMessage(short) != short {
-		t.Fatalf("a short message was changed: %q", volumeErrorMessage(short))
-	}
-}
-
-// loopingLister answers every ListVolumes with the same next page token.
-type loopingLister struct {
-	Drivers // nil: only ControllerConn, NodeLocal and CallTimeout are used
-	calls   int
-}
-
-func (d *loopingLister) ControllerConn(string) (grpc.ClientConnInterface, error) { return d, nil }
-func (d *loopingLister) NodeLocal(string) bool                                   { return false }
-func (d *loopingLister) CallTimeout(string, string) time.Duration                { return 0 }
-
-func (d *loopingLister) Invoke(_ context.Context, method string, _, reply any, _ ...grpc.CallOption) error {
-	d.calls++
-	if d.calls > 100 {
-		return errors.New("still paging after 100 pages")
-	}
-	reply.(*csi.ListVolumesResponse).NextToken = "again"
-	return nil
-}
-
-func (d *loopingLister) NewStream(context.Context, *grpc.StreamDesc, string, ...grpc.CallOption) (grpc.ClientStream, error) {
-	return nil, errors.New("no streams")
-}
-
-// TestListPublishedStopsOnARepeatedToken: a driver whose ListVolumes paging
-// never ends (the same token again) is an error after the repeat, not a
-// loop of calls for the rest of the term.
-func TestListPublishedStopsOnARepeatedToken(t *testing.T) {
-	d := &loopingLister{}
-	a := &attacher{b: &kube.Env{Cfg: Config{Drivers: d, Timeout: time.Second}}}
-	_, err := a.listPublished(context.Background(), "loop.csi.test", "")
-	if err == nil || !strings.Contains(err.Error(), "twice") || d.calls != 2 {
-		t.Fatalf("after %d ListVolumes calls: %v; want an error about the repeated token after 2", d.calls, err)
+	if short := "ControllerPublishVolume failed"; attach.VolumeErrorMessage(short) != short {
+		t.Fatalf("a short message was changed: %q", attach.VolumeErrorMessage(short))
 	}
 }
 
@@ -932,7 +851,7 @@ func TestAttachesAMigratedInTreeVolume(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !containsString(cur.Finalizers, kube.AttacherFinalizer(drv)) {
+	if !slices.Contains(cur.Finalizers, kube.AttacherFinalizer(drv)) {
 		t.Fatalf("the in-tree PV lacks the attacher finalizer: %v", cur.Finalizers)
 	}
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
@@ -964,7 +883,7 @@ func TestDetachMarksAnAttachmentKeptByAnotherFinalizer(t *testing.T) {
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return !hasAttacherFinalizer(va.Finalizers, drv) }, "the broker's finalizer removed")
+	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return !kube.HasAttacherFinalizer(va.Finalizers, drv) }, "the broker's finalizer removed")
 	if got.Status.Attached || got.Status.AttachmentMetadata != nil || got.Status.DetachError != nil || !slices.Equal(got.Finalizers, []string{hold}) {
 		t.Fatalf("attachment kept by another finalizer after detach: status %+v, finalizers %v; want detached, [%s]", got.Status, got.Finalizers, hold)
 	}

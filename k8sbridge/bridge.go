@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 	"k8s.io/client-go/tools/record"
 
+	"github.com/csibroker/csibroker/k8sbridge/attach"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/modify"
@@ -88,7 +89,7 @@ func New(cfg Config) (*Bridge, error) {
 	env.On(env.Factory.Core().V1().PersistentVolumes().Informer(), b.del.volumeHandler())
 	// The other controllers, in the order their handlers see each event.
 	for _, mk := range []func(*kube.Env) (controller, error){
-		newAttacher,
+		ctl(attach.New),
 		newCapacityController,
 		ctl(modify.New),
 		newSourceProtector,

@@ -98,7 +98,7 @@ func TestFailuresReportedOncePerFailure(t *testing.T) {
 	}{
 		{kube.ClaimRef(claimP), ns, map[string]string{"ProvisioningFailed": "code = Internal", "Provisioning": "is provisioning volume"},
 			dc.CallCount("CreateVolume"), `msg="provisioning failed"`, "claim=" + ns + "/p "},
-		{vaRef(vaObj), "default", map[string]string{"AttachFailed": "code = Internal"},
+		{kube.VARef(vaObj), "default", map[string]string{"AttachFailed": "code = Internal"},
 			ds.CallCount("ControllerPublishVolume"), `msg="attachment failed"`, "volumeattachment=" + va.Name + " "},
 		{kube.PVRef(pv), "default", map[string]string{"VolumeFailedDelete": "code = Internal"},
 			ds.CallCount("DeleteVolume"), `msg="volume deletion failed"`, "pv=" + pvD + " "},

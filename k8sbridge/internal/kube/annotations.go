@@ -1,5 +1,10 @@
 package kube
 
+import (
+	"slices"
+	"strings"
+)
+
 // Annotations and finalizers shared with external-provisioner, so that claims
 // and volumes move between the sidecar and the broker without changes.
 const (
@@ -54,4 +59,33 @@ func AttacherFinalizer(driver string) string {
 		b = append(b, 'X')
 	}
 	return AttacherFinalizerPrefix + string(b)
+}
+
+// AttacherFinalizers are the finalizer names an attachment of driver may
+// carry: external-attacher's, and the one earlier csibroker releases wrote
+// (only '/' replaced), which detach also honours and removes.
+func AttacherFinalizers(driver string) []string {
+	cur, legacy := AttacherFinalizer(driver), AttacherFinalizerPrefix+strings.ReplaceAll(driver, "/", "-")
+	if cur == legacy {
+		return []string{cur}
+	}
+	return []string{cur, legacy}
+}
+
+// HasAttacherFinalizer reports whether finalizers hold one of driver's.
+func HasAttacherFinalizer(finalizers []string, driver string) bool {
+	for _, f := range AttacherFinalizers(driver) {
+		if slices.Contains(finalizers, f) {
+			return true
+		}
+	}
+	return false
+}
+
+// WithoutAttacherFinalizers is finalizers without any of driver's.
+func WithoutAttacherFinalizers(finalizers []string, driver string) []string {
+	for _, f := range AttacherFinalizers(driver) {
+		finalizers = RemoveString(finalizers, f)
+	}
+	return finalizers
 }

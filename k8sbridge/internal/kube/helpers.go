@@ -209,3 +209,8 @@ func ClaimStatusPatch(old, cur *corev1.PersistentVolumeClaim, checkRV bool) ([]b
 	}
 	return TwoWayPatch(old, cur, &corev1.PersistentVolumeClaim{}, rv)
 }
+
+// VARef is the object reference of an attachment, for Events.
+func VARef(va *storagev1.VolumeAttachment) corev1.ObjectReference {
+	return corev1.ObjectReference{Kind: "VolumeAttachment", APIVersion: "storage.k8s.io/v1", Name: va.Name, UID: va.UID, ResourceVersion: va.ResourceVersion}
+}

@@ -1,4 +1,4 @@
-package k8sbridge
+package attach
 
 import (
 	"context"
@@ -30,42 +30,13 @@ import (
 	"github.com/csibroker/csibroker/policy"
 )
 
-// attachReconcileInterval is how often attached volumes are checked against
+// ReconcileInterval is how often attached volumes are checked against
 // the driver's ListVolumes published nodes (drivers that report them).
-var attachReconcileInterval = 5 * time.Minute
+var ReconcileInterval = 5 * time.Minute
 
-// attacherFinalizers are the finalizer names an attachment of driver may
-// carry: external-attacher's, and the one earlier csibroker releases wrote
-// (only '/' replaced), which detach also honours and removes.
-func attacherFinalizers(driver string) []string {
-	cur, legacy := kube.AttacherFinalizer(driver), kube.AttacherFinalizerPrefix+strings.ReplaceAll(driver, "/", "-")
-	if cur == legacy {
-		return []string{cur}
-	}
-	return []string{cur, legacy}
-}
-
-// hasAttacherFinalizer reports whether finalizers hold one of driver's.
-func hasAttacherFinalizer(finalizers []string, driver string) bool {
-	for _, f := range attacherFinalizers(driver) {
-		if containsString(finalizers, f) {
-			return true
-		}
-	}
-	return false
-}
-
-// withoutAttacherFinalizers is finalizers without any of driver's.
-func withoutAttacherFinalizers(finalizers []string, driver string) []string {
-	for _, f := range attacherFinalizers(driver) {
-		finalizers = kube.RemoveString(finalizers, f)
-	}
-	return finalizers
-}
-
-// attacher is external-attacher for every registered driver: it publishes
+// Controller is external-attacher for every registered driver: it publishes
 // volumes to nodes for VolumeAttachments and unpublishes them on deletion.
-type attacher struct {
+type Controller struct {
 	b     *kube.Env
 	queue *kube.TermQueue
 	slots *kube.DriverSlots // attachments and detachments in progress per driver (PerDriverWorkers)
@@ -82,7 +53,7 @@ type attacher struct {
 // noteMarked remembers that this term marked attachment name attached,
 // over versions before (as the cache had it) and written (after the
 // finalizer write, if there was one).
-func (a *attacher) noteMarked(name, before, written string) {
+func (a *Controller) noteMarked(name, before, written string) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.marked == nil {
@@ -96,7 +67,7 @@ func (a *attacher) noteMarked(name, before, written string) {
 // write has not arrived yet, and publishing again would only repeat the
 // call (the event queues the attachment again anyway). Any other version
 // drops what was remembered.
-func (a *attacher) staleUnattached(va *storagev1.VolumeAttachment) bool {
+func (a *Controller) staleUnattached(va *storagev1.VolumeAttachment) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	m, ok := a.marked[va.Name]
@@ -114,14 +85,14 @@ func (a *attacher) staleUnattached(va *storagev1.VolumeAttachment) bool {
 // or detach: a conflict or a deletion is news on its way (retried quietly);
 // anything else (an admission webhook's refusal, missing permissions) is
 // reported like a failed driver call, what naming the write.
-func (a *attacher) writeFailed(ctx context.Context, va *storagev1.VolumeAttachment, detach bool, what string, err error) error {
+func (a *Controller) writeFailed(ctx context.Context, va *storagev1.VolumeAttachment, detach bool, what string, err error) error {
 	if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
 		return err
 	}
 	return a.attachFailed(ctx, va, detach, fmt.Errorf("%s: %w", what, err))
 }
 
-func (a *attacher) setForce(name string) {
+func (a *Controller) setForce(name string) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.force == nil {
@@ -131,7 +102,7 @@ func (a *attacher) setForce(name string) {
 }
 
 // takeForce reports (once) whether name is to be published again.
-func (a *attacher) takeForce(name string) bool {
+func (a *Controller) takeForce(name string) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	f := a.force[name]
@@ -139,8 +110,8 @@ func (a *attacher) takeForce(name string) bool {
 	return f
 }
 
-func newAttacher(b *kube.Env) (controller, error) {
-	a := &attacher{b: b, queue: kube.NewTermQueue("attach", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax)}
+func New(b *kube.Env) (*Controller, error) {
+	a := &Controller{b: b, queue: kube.NewTermQueue("attach", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax)}
 	a.slots = a.queue.WithSlots(b.Cfg.PerDriverWorkers)
 	b.Metrics.QueueDepth("attach", a.queue.Len)
 	b.On(b.Factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
@@ -174,13 +145,13 @@ func newAttacher(b *kube.Env) (controller, error) {
 	return a, nil
 }
 
-func (a *attacher) enqueueVA(obj any) {
+func (a *Controller) enqueueVA(obj any) {
 	if va, ok := obj.(*storagev1.VolumeAttachment); ok && a.b.Registered(va.Spec.Attacher) {
 		a.queue.Add("va/" + va.Name)
 	}
 }
 
-func (a *attacher) Run(ctx context.Context) {
+func (a *Controller) Run(ctx context.Context) {
 	// Forced re-publishes are of a term: the term's reconcile finds the
 	// attachments not published again (an entry whose VA went while
 	// another replica led would otherwise stay).
@@ -193,15 +164,15 @@ func (a *attacher) Run(ctx context.Context) {
 
 // enqueuePV queues a PV being deleted that still holds an attacher
 // finalizer, to drop it once no attachment uses the PV.
-func (a *attacher) enqueuePV(obj any) {
+func (a *Controller) enqueuePV(obj any) {
 	if pv, ok := obj.(*corev1.PersistentVolume); ok && pv.DeletionTimestamp != nil {
-		if drv := kube.PVDriver(pv); drv != "" && hasAttacherFinalizer(pv.Finalizers, drv) {
+		if drv := kube.PVDriver(pv); drv != "" && kube.HasAttacherFinalizer(pv.Finalizers, drv) {
 			a.queue.Add("pv/" + pv.Name)
 		}
 	}
 }
 
-func (a *attacher) EnqueueAll() {
+func (a *Controller) EnqueueAll() {
 	if vas, err := a.b.Attachments.List(labels.Everything()); err == nil {
 		for _, va := range vas {
 			a.enqueueVA(va)
@@ -230,7 +201,7 @@ func vaChanged(o, n *storagev1.VolumeAttachment) bool {
 	return o.Annotations[kube.AnnVANodeID] != n.Annotations[kube.AnnVANodeID]
 }
 
-func (a *attacher) sync(ctx context.Context, key string) (time.Duration, error) {
+func (a *Controller) sync(ctx context.Context, key string) (time.Duration, error) {
 	switch {
 	case strings.HasPrefix(key, "va/"):
 		return a.syncVA(ctx, strings.TrimPrefix(key, "va/"))
@@ -240,16 +211,12 @@ func (a *attacher) sync(ctx context.Context, key string) (time.Duration, error) 
 	return 0, nil
 }
 
-func vaRef(va *storagev1.VolumeAttachment) corev1.ObjectReference {
-	return corev1.ObjectReference{Kind: "VolumeAttachment", APIVersion: "storage.k8s.io/v1", Name: va.Name, UID: va.UID, ResourceVersion: va.ResourceVersion}
-}
-
 // patchVA writes cur's changes to old (through the status subresource
 // when asked), on condition that old is still the stored version, as an
 // Update of the whole object would be; the fields it does not change stay
 // as stored (those a newer API server has and these types lack included).
 // With nothing to change it writes nothing and returns old.
-func (a *attacher) patchVA(ctx context.Context, old, cur *storagev1.VolumeAttachment, subresources ...string) (*storagev1.VolumeAttachment, error) {
+func (a *Controller) patchVA(ctx context.Context, old, cur *storagev1.VolumeAttachment, subresources ...string) (*storagev1.VolumeAttachment, error) {
 	// A JSON merge patch: the status's attachmentMetadata is the driver's
 	// publish context, whose keys are the driver's to choose.
 	patch, err := kube.MergePatch(old, cur, old.ResourceVersion)
@@ -274,7 +241,7 @@ type attachSource struct {
 	mountOptions []string
 }
 
-func (a *attacher) source(va *storagev1.VolumeAttachment) (*attachSource, error) {
+func (a *Controller) source(va *storagev1.VolumeAttachment) (*attachSource, error) {
 	if n := va.Spec.Source.PersistentVolumeName; n != nil {
 		pv, err := a.b.Volumes.Get(*n)
 		if err != nil {
@@ -294,7 +261,7 @@ func (a *attacher) source(va *storagev1.VolumeAttachment) (*attachSource, error)
 
 // nodeID is the driver's ID of a node: from the CSINode, else from the
 // node annotation node-driver-registrar also writes.
-func (a *attacher) nodeID(driver, node string) (string, error) {
+func (a *Controller) nodeID(driver, node string) (string, error) {
 	if cn, err := a.b.CSINodes.Get(node); err == nil {
 		for _, d := range cn.Spec.Drivers {
 			if d.Name == driver {
@@ -345,7 +312,7 @@ func capability(src *attachSource, singleNodeMultiWriter bool) (*csi.VolumeCapab
 
 // syncVA attaches or detaches VolumeAttachment name as it asks, or
 // returns waitForSlot while its driver is busy.
-func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, error) {
+func (a *Controller) syncVA(ctx context.Context, name string) (time.Duration, error) {
 	force := a.takeForce(name) // consumed whatever happens: no entry outlives its VA
 	va, err := a.b.Attachments.Get(name)
 	if apierrors.IsNotFound(err) {
@@ -367,7 +334,7 @@ func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, erro
 	if va.DeletionTimestamp == nil && va.Status.Attached && !force {
 		return 0, nil
 	}
-	if va.DeletionTimestamp != nil && !hasAttacherFinalizer(va.Finalizers, driver) {
+	if va.DeletionTimestamp != nil && !kube.HasAttacherFinalizer(va.Finalizers, driver) {
 		return 0, nil // nothing of ours to undo: no slot needed
 	}
 	// --per-driver-workers: one slow driver cannot take every worker.
@@ -394,14 +361,14 @@ func (a *attacher) syncVA(ctx context.Context, name string) (time.Duration, erro
 // attachFailed records the error in the attachment's status and the log on
 // every attempt, and as an Event once per failure (eventOnce: a driver's
 // answer named by its method and code).
-func (a *attacher) attachFailed(ctx context.Context, va *storagev1.VolumeAttachment, detach bool, err error) error {
+func (a *Controller) attachFailed(ctx context.Context, va *storagev1.VolumeAttachment, detach bool, err error) error {
 	if ctx.Err() != nil {
 		// The term ended during the attempt: nothing can be recorded, and
 		// the next leader takes the attachment up.
 		return err
 	}
 	a.b.Metrics.Attach.WithLabelValues(va.Spec.Attacher, map[bool]string{false: "attach", true: "detach"}[detach], "failed").Inc()
-	ve := &storagev1.VolumeError{Time: metav1.Now(), Message: volumeErrorMessage(err.Error())}
+	ve := &storagev1.VolumeError{Time: metav1.Now(), Message: VolumeErrorMessage(err.Error())}
 	if st, ok := status.FromError(unwrapStatus(err)); ok && st.Code() != codes.OK {
 		c := int32(st.Code())
 		ve.ErrorCode = &c
@@ -419,24 +386,24 @@ func (a *attacher) attachFailed(ctx context.Context, va *storagev1.VolumeAttachm
 	}
 	op := map[bool]string{false: "ControllerPublishVolume", true: "ControllerUnpublishVolume"}[detach]
 	a.b.Log.Warn("attachment failed", "volumeattachment", va.Name, "driver", va.Spec.Attacher, "node", va.Spec.NodeName, "detach", detach, "err", err)
-	a.b.EventOnce(ctx, vaRef(va), corev1.EventTypeWarning, reason, kube.FailureOf(op, err), "%v", err)
+	a.b.EventOnce(ctx, kube.VARef(va), corev1.EventTypeWarning, reason, kube.FailureOf(op, err), "%v", err)
 	return err
 }
 
-// maxVolumeErrorMessage is the longest VolumeError message the API server
+// MaxVolumeErrorMessage is the longest VolumeError message the API server
 // accepts in a VolumeAttachment's status.
-const maxVolumeErrorMessage = 1024
+const MaxVolumeErrorMessage = 1024
 
-// volumeErrorMessage cuts msg to what the API server accepts (a driver's
+// VolumeErrorMessage cuts msg to what the API server accepts (a driver's
 // long error would otherwise make the status write fail on every retry),
 // on a UTF-8 boundary, saying that it was cut; the log line keeps the
 // whole message.
-func volumeErrorMessage(msg string) string {
-	if len(msg) <= maxVolumeErrorMessage {
+func VolumeErrorMessage(msg string) string {
+	if len(msg) <= MaxVolumeErrorMessage {
 		return msg
 	}
 	const cut = " ... (cut; the broker's log line has the whole message)"
-	n := maxVolumeErrorMessage - len(cut)
+	n := MaxVolumeErrorMessage - len(cut)
 	for n > 0 && !utf8.RuneStart(msg[n]) {
 		n--
 	}
@@ -458,7 +425,7 @@ func unwrapStatus(err error) error {
 	return err
 }
 
-func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) error {
+func (a *Controller) attach(ctx context.Context, va *storagev1.VolumeAttachment) error {
 	driver, node := va.Spec.Attacher, va.Spec.NodeName
 	caps, err := a.b.Caps.Get(ctx, driver)
 	if err != nil {
@@ -581,7 +548,7 @@ func (a *attacher) attach(ctx context.Context, va *storagev1.VolumeAttachment) e
 	return nil
 }
 
-func (a *attacher) requester(va *storagev1.VolumeAttachment, src *attachSource) policy.Requester {
+func (a *Controller) requester(va *storagev1.VolumeAttachment, src *attachSource) policy.Requester {
 	r := policy.Requester{Kind: policy.KindVolumeAttachment, Name: va.Name, Labels: va.Labels, Node: va.Spec.NodeName}
 	if src != nil && src.pv != nil {
 		r.StorageClass = src.pv.Spec.StorageClassName
@@ -592,9 +559,9 @@ func (a *attacher) requester(va *storagev1.VolumeAttachment, src *attachSource) 
 	return r
 }
 
-func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) error {
+func (a *Controller) detach(ctx context.Context, va *storagev1.VolumeAttachment) error {
 	driver, node := va.Spec.Attacher, va.Spec.NodeName
-	if !hasAttacherFinalizer(va.Finalizers, driver) {
+	if !kube.HasAttacherFinalizer(va.Finalizers, driver) {
 		return nil
 	}
 	caps, err := a.b.Caps.Get(ctx, driver)
@@ -648,7 +615,7 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		return a.attachFailed(ctx, va, true, fmt.Errorf("ControllerUnpublishVolume %s from node %s (ID %s): %w", src.csi.VolumeHandle, node, nodeID, err))
 	}
 	base := va
-	if len(withoutAttacherFinalizers(va.Finalizers, driver)) > 0 && (va.Status.Attached || va.Status.DetachError != nil || len(va.Status.AttachmentMetadata) > 0) {
+	if len(kube.WithoutAttacherFinalizers(va.Finalizers, driver)) > 0 && (va.Status.Attached || va.Status.DetachError != nil || len(va.Status.AttachmentMetadata) > 0) {
 		// Another finalizer keeps the attachment after ours goes: its
 		// status says detached first (as external-attacher marks it), not
 		// attached with an old detach error.
@@ -663,7 +630,7 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 		}
 	}
 	cp := base.DeepCopy()
-	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
+	cp.Finalizers = kube.WithoutAttacherFinalizers(cp.Finalizers, driver)
 	if _, err := a.patchVA(ctx, base, cp); err != nil && !apierrors.IsNotFound(err) {
 		return a.writeFailed(ctx, va, true, "volume unpublished, but removing the attacher finalizer failed", err)
 	}
@@ -677,7 +644,7 @@ func (a *attacher) detach(ctx context.Context, va *storagev1.VolumeAttachment) e
 
 // syncPV drops the attacher finalizer from a PV being deleted once no
 // attachment uses it.
-func (a *attacher) syncPV(ctx context.Context, name string) error {
+func (a *Controller) syncPV(ctx context.Context, name string) error {
 	pv, err := a.b.Volumes.Get(name)
 	if apierrors.IsNotFound(err) {
 		return nil
@@ -686,14 +653,14 @@ func (a *attacher) syncPV(ctx context.Context, name string) error {
 		return err
 	}
 	driver := kube.PVDriver(pv)
-	if driver == "" || !hasAttacherFinalizer(pv.Finalizers, driver) {
+	if driver == "" || !kube.HasAttacherFinalizer(pv.Finalizers, driver) {
 		return nil
 	}
 	if va, err := a.b.AttachmentOf(name); err != nil || va != nil {
 		return err // still used; the attachment's deletion requeues us
 	}
 	cp := pv.DeepCopy()
-	cp.Finalizers = withoutAttacherFinalizers(cp.Finalizers, driver)
+	cp.Finalizers = kube.WithoutAttacherFinalizers(cp.Finalizers, driver)
 	if err := a.b.PatchPV(ctx, pv, cp); err != nil && !apierrors.IsNotFound(err) {
 		if !apierrors.IsConflict(err) {
 			a.b.Log.Warn("remove the attacher finalizer of a PersistentVolume being deleted", "pv", name, "driver", driver, "err", err)
@@ -708,8 +675,8 @@ func (a *attacher) syncPV(ctx context.Context, name string) error {
 // reconcileLoop checks attached volumes against what drivers report as
 // published; an attachment the driver does not know is published again
 // through the queue, its status staying attached.
-func (a *attacher) reconcileLoop(ctx context.Context) {
-	t := time.NewTicker(attachReconcileInterval)
+func (a *Controller) reconcileLoop(ctx context.Context) {
+	t := time.NewTicker(ReconcileInterval)
 	defer t.Stop()
 	for {
 		select {
@@ -721,7 +688,7 @@ func (a *attacher) reconcileLoop(ctx context.Context) {
 	}
 }
 
-func (a *attacher) reconcile(ctx context.Context) {
+func (a *Controller) reconcile(ctx context.Context) {
 	vas, err := a.b.Attachments.List(labels.Everything())
 	if err != nil {
 		return
@@ -787,14 +754,14 @@ func (a *attacher) reconcile(ctx context.Context) {
 // conn is the proxy that takes a driver's controller calls for an
 // attachment to node: the driver's controller proxy, or for a node-local
 // driver (whose volumes live on the node that uses them) the node's own.
-func (a *attacher) conn(driver, node string) (grpc.ClientConnInterface, error) {
+func (a *Controller) conn(driver, node string) (grpc.ClientConnInterface, error) {
 	if a.b.Cfg.Drivers.NodeLocal(driver) {
 		return a.b.Cfg.Drivers.NodeConn(driver, node)
 	}
 	return a.b.Cfg.Drivers.ControllerConn(driver)
 }
 
-func (a *attacher) listPublished(ctx context.Context, driver, node string) (map[string]map[string]bool, error) {
+func (a *Controller) listPublished(ctx context.Context, driver, node string) (map[string]map[string]bool, error) {
 	conn, err := a.conn(driver, node)
 	if err != nil {
 		return nil, err
@@ -834,3 +801,7 @@ func containsString(l []string, s string) bool {
 	}
 	return false
 }
+
+// QueueLen is how many attachments wait in this term's queue, a driver's
+// line included.
+func (a *Controller) QueueLen() int { return a.queue.Len() }
