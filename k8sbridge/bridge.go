@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/tools/record"
 
 	"github.com/csibroker/csibroker/k8sbridge/attach"
+	"github.com/csibroker/csibroker/k8sbridge/capacity"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/modify"
@@ -90,7 +91,7 @@ func New(cfg Config) (*Bridge, error) {
 	// The other controllers, in the order their handlers see each event.
 	for _, mk := range []func(*kube.Env) (controller, error){
 		ctl(attach.New),
-		newCapacityController,
+		ctl(capacity.New),
 		ctl(modify.New),
 		newSourceProtector,
 		ctl(resize.New),

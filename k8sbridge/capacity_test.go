@@ -4,10 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"maps"
 	"net"
 	"runtime"
-	"slices"
 	"sort"
 	"strings"
 	"sync/atomic"
@@ -27,11 +25,10 @@ import (
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/capacity"
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
-	"github.com/csibroker/csibroker/k8sbridge/secrets"
-	"github.com/csibroker/csibroker/k8sbridge/topology"
 )
 
 const gib = int64(1) << 30
@@ -40,9 +37,11 @@ const gib = int64(1) << 30
 // test poll every 500ms and notice (un)registered drivers within 200ms.
 func fastCapacityPolls(t *testing.T) {
 	t.Helper()
-	poll, reg, grace := capacityPollInterval, capacityRegistryInterval, capacityUnregisteredGrace
-	capacityPollInterval, capacityRegistryInterval, capacityUnregisteredGrace = 500*time.Millisecond, 200*time.Millisecond, 4*time.Second
-	t.Cleanup(func() { capacityPollInterval, capacityRegistryInterval, capacityUnregisteredGrace = poll, reg, grace })
+	poll, reg, grace := capacity.PollInterval, capacity.RegistryInterval, capacity.UnregisteredGrace
+	capacity.PollInterval, capacity.RegistryInterval, capacity.UnregisteredGrace = 500*time.Millisecond, 200*time.Millisecond, 4*time.Second
+	t.Cleanup(func() {
+		capacity.PollInterval, capacity.RegistryInterval, capacity.UnregisteredGrace = poll, reg, grace
+	})
 }
 
 // longCapacityGrace makes the grace period of bridges started by this test
@@ -51,9 +50,9 @@ func fastCapacityPolls(t *testing.T) {
 // fastCapacityPolls and before starting a bridge.
 func longCapacityGrace(t *testing.T) {
 	t.Helper()
-	prev := capacityUnregisteredGrace
-	capacityUnregisteredGrace = 15 * time.Second
-	t.Cleanup(func() { capacityUnregisteredGrace = prev })
+	prev := capacity.UnregisteredGrace
+	capacity.UnregisteredGrace = 15 * time.Second
+	t.Cleanup(func() { capacity.UnregisteredGrace = prev })
 }
 
 // waitLogLine waits until a line of r's log holds every one of parts.
@@ -76,126 +75,6 @@ func waitLogLine(t *testing.T, r *bridgeRun, parts ...string) {
 	}
 }
 
-func TestCapacitySegments(t *testing.T) {
-	const zone, rack, host = testenv.LabelZone, "example.com/rack", corev1.LabelHostname
-	node := func(name string, keys []string, labels ...string) topology.Node {
-		l := map[string]string{}
-		for i := 0; i+1 < len(labels); i += 2 {
-			l[labels[i]] = labels[i+1]
-		}
-		return topology.Node{Name: name, Labels: l, DriverKeys: keys}
-	}
-	type seg struct{ term, request, node string }
-	for _, tc := range []struct {
-		name      string
-		nodeLocal bool
-		nodes     []topology.Node
-		want      []seg
-	}{
-		{
-			name: "central driver: one segment per distinct zone, sorted",
-			nodes: []topology.Node{
-				node("n3", []string{zone}, zone, "z2", host, "n3"),
-				node("n1", []string{zone}, zone, "z1", host, "n1"),
-				node("n2", []string{zone}, zone, "z1", host, "n2"),
-			},
-			want: []seg{{term: "{" + zone + "=z1}", request: "{" + zone + "=z1}"}, {term: "{" + zone + "=z2}", request: "{" + zone + "=z2}"}},
-		},
-		{
-			name: "central driver: several keys make one segment",
-			nodes: []topology.Node{
-				node("n1", []string{zone, rack}, zone, "z1", rack, "r1"),
-				node("n2", []string{rack, zone}, zone, "z1", rack, "r2"),
-			},
-			want: []seg{
-				{term: "{" + rack + "=r1," + zone + "=z1}", request: "{" + rack + "=r1," + zone + "=z1}"},
-				{term: "{" + rack + "=r2," + zone + "=z1}", request: "{" + rack + "=r2," + zone + "=z1}"},
-			},
-		},
-		{
-			name: "nodes not running the driver or missing a key label give nothing",
-			nodes: []topology.Node{
-				node("n1", nil, zone, "z9"),
-				node("n2", []string{zone}, rack, "r1"),
-				node("n3", []string{zone}, zone, "z1"),
-			},
-			want: []seg{{term: "{" + zone + "=z1}", request: "{" + zone + "=z1}"}},
-		},
-		{
-			name: "central driver without topology keys: the empty segment, every node",
-			nodes: []topology.Node{
-				node("n1", []string{}, zone, "z1"),
-				node("n2", []string{}, zone, "z2"),
-			},
-			want: []seg{{term: "{}", request: "{}"}},
-		},
-		{
-			name:      "node-local driver: one segment per node, asked in its own keys",
-			nodeLocal: true,
-			nodes: []topology.Node{
-				node("n2", []string{rack}, host, "n2", rack, "r1"),
-				node("n1", []string{host}, host, "n1"),
-			},
-			want: []seg{
-				{term: "{" + host + "=n1}", request: "{" + host + "=n1}", node: "n1"},
-				{term: "{" + host + "=n2}", request: "{" + rack + "=r1}", node: "n2"},
-			},
-		},
-		{
-			name:      "node-local driver without topology keys still gets per-node segments",
-			nodeLocal: true,
-			nodes: []topology.Node{
-				node("n1", []string{}, host, "n1"),
-				node("n2", nil, host, "n2"),
-				node("n3", []string{}, zone, "z1"), // no hostname label
-			},
-			want: []seg{{term: "{" + host + "=n1}", request: "{" + host + "=n1}", node: "n1"}},
-		},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			var got []seg
-			for _, s := range capacitySegments(tc.nodes, tc.nodeLocal) {
-				got = append(got, seg{term: s.term.String(), request: s.request.String(), node: s.node})
-			}
-			if !slices.Equal(got, tc.want) {
-				t.Errorf("segments\n got %v\nwant %v", got, tc.want)
-			}
-		})
-	}
-}
-
-// TestCapacityRequest: the class's parameters without the provisioner's
-// keys, the segment, and no volume capability (as external-provisioner:
-// the field is optional, and a made-up one could have a block-only driver
-// answer 0).
-func TestCapacityRequest(t *testing.T) {
-	class := &storagev1.StorageClass{
-		Parameters: map[string]string{
-			"label":               "blue",
-			csiparams.ParamFSType: "xfs",
-			secrets.ParameterPrefix + "provisioner-secret-name": "s",
-		},
-		MountOptions: []string{"noatime"},
-	}
-	req := CapacityRequest(class, map[string]string{testenv.LabelZone: "z1"})
-	if !maps.Equal(req.GetParameters(), map[string]string{"label": "blue"}) {
-		t.Errorf("parameters %v: want the class's without csi.storage.k8s.io/ keys", req.GetParameters())
-	}
-	if caps := req.GetVolumeCapabilities(); caps != nil {
-		t.Errorf("capabilities %v, want none", caps)
-	}
-	if got := req.GetAccessibleTopology().GetSegments(); !maps.Equal(got, map[string]string{testenv.LabelZone: "z1"}) {
-		t.Errorf("accessible topology %v", got)
-	}
-	if r := CapacityRequest(&storagev1.StorageClass{}, nil); r.GetAccessibleTopology() != nil || r.GetParameters() == nil {
-		t.Errorf("no segment: %v", r)
-	}
-	// The deprecated unprefixed key is the driver's parameter, passed on.
-	if legacy := CapacityRequest(&storagev1.StorageClass{Parameters: map[string]string{"fsType": "ext4"}}, nil); legacy.GetParameters()["fsType"] != "ext4" {
-		t.Errorf("deprecated fsType key: parameters %v", legacy.GetParameters())
-	}
-}
-
 // mountCaps is a generic mount capability, for volumes the tests make
 // behind the broker's back.
 func mountCaps() []*csi.VolumeCapability {
@@ -208,13 +87,13 @@ func mountCaps() []*csi.VolumeCapability {
 // capacityObjects lists the broker's capacity objects of driver in ns, keyed
 // by "class segment-labels".
 func capacityObjects(ctx context.Context, c kubernetes.Interface, ns, driver string) (map[string]storagev1.CSIStorageCapacity, error) {
-	list, err := c.StorageV1().CSIStorageCapacities(ns).List(ctx, metav1.ListOptions{LabelSelector: capacityLabelDriver + "=" + driver})
+	list, err := c.StorageV1().CSIStorageCapacities(ns).List(ctx, metav1.ListOptions{LabelSelector: capacity.LabelDriver + "=" + driver})
 	if err != nil {
 		return nil, err
 	}
 	out := map[string]storagev1.CSIStorageCapacity{}
 	for _, o := range list.Items {
-		k := o.StorageClassName + " " + capacityKeyOf(&o).segment
+		k := o.StorageClassName + " " + capacity.SegmentOf(&o)
 		if _, dup := out[k]; dup {
 			k += " (duplicate " + o.Name + ")"
 		}
@@ -311,7 +190,7 @@ func TestCapacityZonalDriverTwoClasses(t *testing.T) {
 		switch {
 		case len(o.OwnerReferences) != 1 || o.OwnerReferences[0].Kind != "ConfigMap" || o.OwnerReferences[0].UID != cm.UID:
 			t.Errorf("%s: owners %+v, want the intent ConfigMap %s", k, o.OwnerReferences, cm.UID)
-		case o.Labels[capacityLabelManagedBy] != capacityManagedBy || !strings.HasPrefix(o.Name, capacityGenerateName):
+		case o.Labels[capacity.LabelManagedBy] != capacity.ManagedBy || !strings.HasPrefix(o.Name, capacity.GenerateName):
 			t.Errorf("%s: name %s labels %v", k, o.Name, o.Labels)
 		case o.NodeTopology == nil || len(o.NodeTopology.MatchLabels) != 1 || len(o.NodeTopology.MatchExpressions) != 0:
 			t.Errorf("%s: node topology %+v", k, o.NodeTopology)
@@ -423,7 +302,7 @@ func (s *switchDrivers) ControllerConn(d string) (grpc.ClientConnInterface, erro
 
 func (s *switchDrivers) DriverNames() []string {
 	if s.gone.Load() {
-		if calledFrom(".(*capacityController).desiredItems") {
+		if calledFrom("capacity.(*Controller).desiredItems") {
 			s.reconcilesWhileGone.Add(1)
 		}
 		return nil
@@ -577,12 +456,12 @@ func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
 		t.Fatal(err)
 	}
 	if o, ok := kept[key]; !ok || o.UID != after[key].UID || o.Capacity.Value() != 5*gib {
-		t.Fatalf("%v after the driver was unregistered (grace %v): %s, want %s kept through the grace period", time.Since(gone).Round(time.Millisecond), capacityUnregisteredGrace, describeCapacities(kept), after[key].Name)
+		t.Fatalf("%v after the driver was unregistered (grace %v): %s, want %s kept through the grace period", time.Since(gone).Round(time.Millisecond), capacity.UnregisteredGrace, describeCapacities(kept), after[key].Name)
 	}
 	t.Logf("kept through %d capacity reconciles, %v after the driver was unregistered", drivers.reconcilesWhileGone.Load(), time.Since(gone).Round(time.Millisecond))
 	waitCapacities(t, c, ns, drv, map[string]int64{})
-	if d := time.Since(gone); d < capacityUnregisteredGrace {
-		t.Fatalf("objects deleted %v after the driver was unregistered, before the %v grace period", d, capacityUnregisteredGrace)
+	if d := time.Since(gone); d < capacity.UnregisteredGrace {
+		t.Fatalf("objects deleted %v after the driver was unregistered, before the %v grace period", d, capacity.UnregisteredGrace)
 	}
 }
 
@@ -610,7 +489,7 @@ func TestCapacityNewLeaderKeepsObjectsOfDriversNotRegisteredYet(t *testing.T) {
 		t.Fatal(err)
 	}
 	if o, ok := kept[z.key]; !ok || o.UID != before[z.key].UID || o.Capacity.Value() != 8*gib {
-		t.Fatalf("new leader, driver not registered yet, %v after it started (grace %v): %s, want %s kept as it was", time.Since(started).Round(time.Millisecond), capacityUnregisteredGrace, describeCapacities(kept), before[z.key].Name)
+		t.Fatalf("new leader, driver not registered yet, %v after it started (grace %v): %s, want %s kept as it was", time.Since(started).Round(time.Millisecond), capacity.UnregisteredGrace, describeCapacities(kept), before[z.key].Name)
 	}
 	t.Logf("kept through %d capacity reconciles, %v after the new leader started", z.drivers.reconcilesWhileGone.Load(), time.Since(started).Round(time.Millisecond))
 
@@ -982,9 +861,9 @@ func TestCapacityDriverWithoutTopology(t *testing.T) {
 // does, not at the next poll (set beyond the test's waits here): a claim's
 // volume takes 1 GiB off its zone's object, and its deletion gives it back.
 func TestCapacityFollowsVolumes(t *testing.T) {
-	poll, reg := capacityPollInterval, capacityRegistryInterval
-	capacityPollInterval, capacityRegistryInterval = 10*time.Minute, 200*time.Millisecond
-	t.Cleanup(func() { capacityPollInterval, capacityRegistryInterval = poll, reg })
+	poll, reg := capacity.PollInterval, capacity.RegistryInterval
+	capacity.PollInterval, capacity.RegistryInterval = 10*time.Minute, 200*time.Millisecond
+	t.Cleanup(func() { capacity.PollInterval, capacity.RegistryInterval = poll, reg })
 	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
@@ -1011,36 +890,6 @@ func TestCapacityFollowsVolumes(t *testing.T) {
 	}
 	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	waitCapacities(t, c, ns, drv, map[string]int64{key: 4 * gib})
-}
-
-// TestCapacitySegmentHolds: which objects a volume change refreshes.
-func TestCapacitySegmentHolds(t *testing.T) {
-	const zone, rack = testenv.LabelZone, "example.com/rack"
-	z1 := capacitySegment{term: topology.Term{{Key: zone, Value: "z1"}}}
-	z1r1 := capacitySegment{term: topology.Term{{Key: rack, Value: "r1"}, {Key: zone, Value: "z1"}}}
-	n1 := capacitySegment{term: topology.Term{{Key: corev1.LabelHostname, Value: "n1"}}, node: "n1"}
-	for _, c := range []struct {
-		name      string
-		seg       capacitySegment
-		nodeLocal bool
-		v         kube.VolumeChange
-		want      bool
-	}{
-		{"topology not known", z1, false, kube.VolumeChange{}, true},
-		{"in the zone", z1, false, kube.VolumeChange{Topo: []map[string]string{{zone: "z1", rack: "r9"}}}, true},
-		{"another zone", z1, false, kube.VolumeChange{Topo: []map[string]string{{zone: "z2"}}}, false},
-		{"one of its segments", z1, false, kube.VolumeChange{Topo: []map[string]string{{zone: "z2"}, {zone: "z1"}}}, true},
-		{"another rack", z1r1, false, kube.VolumeChange{Topo: []map[string]string{{zone: "z1", rack: "r2"}}}, false},
-		{"a key the volume does not say", z1r1, false, kube.VolumeChange{Topo: []map[string]string{{zone: "z1"}}}, true},
-		{"the empty segment", capacitySegment{term: topology.Term{}}, false, kube.VolumeChange{Topo: []map[string]string{{zone: "z1"}}}, true},
-		{"node-local, its node", n1, true, kube.VolumeChange{Node: "n1"}, true},
-		{"node-local, another node", n1, true, kube.VolumeChange{Node: "n2"}, false},
-		{"node-local, node not known", n1, true, kube.VolumeChange{}, true},
-	} {
-		if got := c.seg.holds(c.nodeLocal, c.v); got != c.want {
-			t.Errorf("%s: holds %v, want %v", c.name, got, c.want)
-		}
-	}
 }
 
 // TestNodeLocalDriverWithItsFirstNodeDown: a node-local driver without a
@@ -1101,7 +950,7 @@ func TestCapacityKeptObjectOfADeletedClassGoes(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitCapacities(t, z.c, z.ns, z.drv, map[string]int64{})
-	if d := time.Since(gone); d >= capacityUnregisteredGrace {
-		t.Fatalf("the object went %v after its driver was unregistered, at the end of the %v grace period, not with its class", d, capacityUnregisteredGrace)
+	if d := time.Since(gone); d >= capacity.UnregisteredGrace {
+		t.Fatalf("the object went %v after its driver was unregistered, at the end of the %v grace period, not with its class", d, capacity.UnregisteredGrace)
 	}
 }

@@ -1,4 +1,4 @@
-package k8sbridge
+package capacity
 
 // Storage capacity (external-provisioner's --enable-capacity, done once for
 // every driver): one CSIStorageCapacity object per (driver, StorageClass,
@@ -27,7 +27,7 @@ package k8sbridge
 // (classes, CSINodes, node labels), when the set of registered drivers
 // changes, when the broker makes or deletes a volume in their segment (or
 // a CreateVolume is refused for want of room), and every
-// capacityPollInterval. An object whose key is no longer
+// PollInterval. An object whose key is no longer
 // wanted (class deleted, segment gone, driver unregistered or without
 // GET_CAPACITY) is deleted; an object is never deleted because GetCapacity
 // failed: it keeps its last value and the key is retried with backoff, as
@@ -82,25 +82,25 @@ import (
 	"k8s.io/client-go/util/workqueue"
 )
 
-// capacityPollInterval is how often every capacity object is refreshed from
+// PollInterval is how often every capacity object is refreshed from
 // its driver (external-provisioner's --capacity-poll-interval, same
 // default). Capacity changes the broker cannot see (volumes made by others,
 // a pool grown) show after at most this long. Tests lower it.
-var capacityPollInterval = time.Minute
+var PollInterval = time.Minute
 
-// capacityRegistryInterval is how often the set of registered drivers is
+// RegistryInterval is how often the set of registered drivers is
 // compared with the last one seen (an in-memory check, no API call), so a
 // driver registered or removed by proxy discovery gets or loses its objects
 // without waiting for a poll.
-var capacityRegistryInterval = 5 * time.Second
+var RegistryInterval = 5 * time.Second
 
-// capacityUnregisteredGrace is how long a driver's objects outlive its
+// UnregisteredGrace is how long a driver's objects outlive its
 // registration: proxy discovery unregisters a driver whose proxy pods are
 // all not Ready, which a restart or a drain does for a moment, and deleting
 // the objects would make the scheduler refuse every node for the driver's
 // claims until they are made again. Meanwhile they keep their last value
 // (as when GetCapacity fails); after it they are deleted.
-var capacityUnregisteredGrace = 10 * time.Minute
+var UnregisteredGrace = 10 * time.Minute
 
 // capacityWorkers is how many keys are refreshed at once (one key is never
 // refreshed twice at the same time).
@@ -109,11 +109,11 @@ const capacityWorkers = 4
 // Labels of the capacity objects; the managed-by label selects what the
 // controller watches and may delete.
 const (
-	capacityLabelDriver    = "csibroker.io/driver"
-	capacityLabelManagedBy = "app.kubernetes.io/managed-by"
-	capacityManagedBy      = "csibroker"
-	capacityGenerateName   = "csisc-"
-	capacityIndex          = "capacityKey"
+	LabelDriver    = "csibroker.io/driver"
+	LabelManagedBy = "app.kubernetes.io/managed-by"
+	ManagedBy      = "csibroker"
+	GenerateName   = "csisc-"
+	capacityIndex  = "capacityKey"
 	// capacityBadSegment is the segment of an object whose nodeTopology this
 	// controller would not have written; such objects are never wanted.
 	capacityBadSegment = "!unrecognised"
@@ -220,7 +220,7 @@ func CapacityRequest(class *storagev1.StorageClass, segment map[string]string) *
 
 // capacityKeyOf is the key an existing object stands for.
 func capacityKeyOf(csc *storagev1.CSIStorageCapacity) capacityKey {
-	k := capacityKey{driver: csc.Labels[capacityLabelDriver], class: csc.StorageClassName, segment: capacityBadSegment}
+	k := capacityKey{driver: csc.Labels[LabelDriver], class: csc.StorageClassName, segment: capacityBadSegment}
 	if t, ok := capacityTermOf(csc); ok {
 		k.segment = t.String()
 	}
@@ -261,9 +261,9 @@ func (a capacityItem) sameRequest(b capacityItem) bool {
 		a.segment.request.Compare(b.segment.request) == 0
 }
 
-// capacityController keeps the CSIStorageCapacity objects. Its informer,
+// Controller keeps the CSIStorageCapacity objects. Its informer,
 // queue and bookkeeping exist only while this replica leads.
-type capacityController struct {
+type Controller struct {
 	b   *kube.Env
 	log *slog.Logger
 	// changed is nudged by informer handlers (while standing by too).
@@ -292,8 +292,8 @@ type capacityController struct {
 	goneSince map[string]time.Time
 }
 
-func newCapacityController(b *kube.Env) (controller, error) {
-	c := &capacityController{
+func New(b *kube.Env) (*Controller, error) {
+	c := &Controller{
 		b:       b,
 		log:     b.Log.With("controller", "capacity"),
 		changed: make(chan struct{}, 1),
@@ -360,7 +360,7 @@ func newCapacityController(b *kube.Env) (controller, error) {
 // each CreateVolume and DeleteVolume): the driver's objects of the
 // volume's node (node-local) or of the segments its topology falls in
 // (every segment when that is not known), of v.class or of every class.
-func (c *capacityController) onVolumeChange(v kube.VolumeChange) {
+func (c *Controller) onVolumeChange(v kube.VolumeChange) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.queue == nil {
@@ -392,14 +392,14 @@ func (s capacitySegment) holds(nodeLocal bool, v kube.VolumeChange) bool {
 	})
 }
 
-func (c *capacityController) nudge() {
+func (c *Controller) nudge() {
 	select {
 	case c.changed <- struct{}{}:
 	default:
 	}
 }
 
-func (c *capacityController) queueLen() int {
+func (c *Controller) queueLen() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.queue == nil {
@@ -409,12 +409,12 @@ func (c *capacityController) queueLen() int {
 }
 
 // run keeps the objects while ctx lasts (this replica leads).
-func (c *capacityController) Run(ctx context.Context) {
+func (c *Controller) Run(ctx context.Context) {
 	// Only the broker's own objects are watched: its namespace, its label.
 	factory := informers.NewSharedInformerFactoryWithOptions(c.b.Cfg.InformerClient, c.b.Cfg.ResyncPeriod,
 		informers.WithNamespace(c.b.Cfg.Namespace),
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.LabelSelector = capacityLabelManagedBy + "=" + capacityManagedBy
+			o.LabelSelector = LabelManagedBy + "=" + ManagedBy
 		}),
 		informers.WithTransform(kube.StripBulk))
 	inf := factory.Storage().V1().CSIStorageCapacities().Informer()
@@ -472,9 +472,9 @@ func (c *capacityController) Run(ctx context.Context) {
 			}
 		}()
 	}
-	poll := time.NewTicker(capacityPollInterval)
+	poll := time.NewTicker(PollInterval)
 	defer poll.Stop()
-	regCheck := time.NewTicker(capacityRegistryInterval)
+	regCheck := time.NewTicker(RegistryInterval)
 	defer regCheck.Stop()
 	for {
 		select {
@@ -502,7 +502,7 @@ func (c *capacityController) Run(ctx context.Context) {
 
 // registryState is the set of registered drivers, their routing mode and,
 // for node-local ones, the nodes with a proxy.
-func (c *capacityController) registryState() string {
+func (c *Controller) registryState() string {
 	var b strings.Builder
 	for _, d := range c.b.Cfg.Drivers.DriverNames() {
 		if c.b.Cfg.Drivers.NodeLocal(d) {
@@ -517,7 +517,7 @@ func (c *capacityController) registryState() string {
 }
 
 // desiredItems computes from the caches which objects should exist.
-func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
+func (c *Controller) desiredItems() map[capacityKey]capacityItem {
 	out := map[capacityKey]capacityItem{}
 	classes, err := c.b.Classes.List(labels.Everything())
 	if err != nil {
@@ -583,7 +583,7 @@ func (c *capacityController) desiredItems() map[capacityKey]capacityItem {
 
 // keepUnregistered remembers each registered driver's items and adds those
 // of a driver unregistered less than capacityUnregisteredGrace ago.
-func (c *capacityController) keepUnregistered(out map[capacityKey]capacityItem, registered map[string]bool) {
+func (c *Controller) keepUnregistered(out map[capacityKey]capacityItem, registered map[string]bool) {
 	// Remember each registered driver's items; keep an unregistered
 	// one's for the grace period.
 	mine := map[string]map[capacityKey]capacityItem{}
@@ -607,10 +607,10 @@ func (c *capacityController) keepUnregistered(out map[capacityKey]capacityItem, 
 			since = now
 			c.goneSince[d] = now
 			if len(items) > 0 {
-				c.log.Info("driver unregistered; its capacity objects keep their last value until it is back or the grace period ends", "driver", d, "objects", len(items), "grace", capacityUnregisteredGrace)
+				c.log.Info("driver unregistered; its capacity objects keep their last value until it is back or the grace period ends", "driver", d, "objects", len(items), "grace", UnregisteredGrace)
 			}
 		}
-		if now.Sub(since) >= capacityUnregisteredGrace {
+		if now.Sub(since) >= UnregisteredGrace {
 			delete(c.lastItems, d)
 			delete(c.goneSince, d)
 			continue
@@ -627,7 +627,7 @@ func (c *capacityController) keepUnregistered(out map[capacityKey]capacityItem, 
 // restarted broker, whose discovery has not found a driver yet must not
 // take that driver's objects for unwanted ones (the scheduler would see no
 // capacity until they are made again).
-func (c *capacityController) adoptUnregistered(objs []any) {
+func (c *Controller) adoptUnregistered(objs []any) {
 	if c.lastItems == nil {
 		c.lastItems, c.goneSince = map[string]map[capacityKey]capacityItem{}, map[string]time.Time{}
 	}
@@ -664,14 +664,14 @@ func (c *capacityController) adoptUnregistered(objs []any) {
 		adopted[key.driver]++
 	}
 	for d, n := range adopted {
-		c.log.Info("capacity objects of a driver not registered yet are kept until it registers or the grace period ends", "driver", d, "objects", n, "grace", capacityUnregisteredGrace)
+		c.log.Info("capacity objects of a driver not registered yet are kept until it registers or the grace period ends", "driver", d, "objects", n, "grace", UnregisteredGrace)
 	}
 }
 
 // reconcile recomputes the wanted keys and queues every key that appeared or
 // went away, and the keys of objects nobody wants (left by a previous leader,
 // or by a driver since unregistered).
-func (c *capacityController) reconcile() {
+func (c *Controller) reconcile() {
 	desired := c.desiredItems()
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -699,7 +699,7 @@ func (c *capacityController) reconcile() {
 	}
 }
 
-func (c *capacityController) onObjectSeen(obj any) {
+func (c *Controller) onObjectSeen(obj any) {
 	csc, ok := obj.(*storagev1.CSIStorageCapacity)
 	if !ok {
 		return
@@ -712,7 +712,7 @@ func (c *capacityController) onObjectSeen(obj any) {
 	}
 }
 
-func (c *capacityController) onObjectDeleted(obj any) {
+func (c *Controller) onObjectDeleted(obj any) {
 	csc, ok := kube.Deleted[*storagev1.CSIStorageCapacity](obj)
 	if !ok {
 		return
@@ -737,7 +737,7 @@ func (c *capacityController) onObjectDeleted(obj any) {
 	}
 }
 
-func (c *capacityController) processNext(ctx context.Context, queue workqueue.TypedRateLimitingInterface[capacityKey]) bool {
+func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateLimitingInterface[capacityKey]) bool {
 	key, quit := queue.Get()
 	if quit {
 		return false
@@ -759,7 +759,7 @@ func (c *capacityController) processNext(ctx context.Context, queue workqueue.Ty
 }
 
 // sync brings the object of key in line with the driver (or removes it).
-func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
+func (c *Controller) sync(ctx context.Context, key capacityKey) error {
 	c.mu.Lock()
 	item, want := c.desired[key]
 	c.mu.Unlock()
@@ -839,13 +839,13 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 	if resp.GetMaximumVolumeSize() != nil {
 		maxSize = resource.NewQuantity(resp.GetMaximumVolumeSize().GetValue(), resource.BinarySI)
 	}
-	wantLabels := map[string]string{capacityLabelDriver: key.driver, capacityLabelManagedBy: capacityManagedBy}
+	wantLabels := map[string]string{LabelDriver: key.driver, LabelManagedBy: ManagedBy}
 	client := c.b.Cfg.Client.StorageV1().CSIStorageCapacities(c.b.Cfg.Namespace)
 
 	if current == nil {
 		obj := &storagev1.CSIStorageCapacity{
 			ObjectMeta: metav1.ObjectMeta{
-				GenerateName:    capacityGenerateName,
+				GenerateName:    GenerateName,
 				Namespace:       c.b.Cfg.Namespace,
 				Labels:          wantLabels,
 				OwnerReferences: []metav1.OwnerReference{owner},
@@ -900,7 +900,7 @@ func (c *capacityController) sync(ctx context.Context, key capacityKey) error {
 
 // objects returns the object of key (as last written, else the oldest in
 // the cache) and any other objects of the same key.
-func (c *capacityController) objects(key capacityKey) (*storagev1.CSIStorageCapacity, []*storagev1.CSIStorageCapacity) {
+func (c *Controller) objects(key capacityKey) (*storagev1.CSIStorageCapacity, []*storagev1.CSIStorageCapacity) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var cached []*storagev1.CSIStorageCapacity
@@ -928,7 +928,7 @@ func (c *capacityController) objects(key capacityKey) (*storagev1.CSIStorageCapa
 	return current, extras
 }
 
-func (c *capacityController) remember(key capacityKey, obj *storagev1.CSIStorageCapacity) {
+func (c *Controller) remember(key capacityKey, obj *storagev1.CSIStorageCapacity) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.written != nil {
@@ -936,14 +936,14 @@ func (c *capacityController) remember(key capacityKey, obj *storagev1.CSIStorage
 	}
 }
 
-func (c *capacityController) forget(key capacityKey) {
+func (c *Controller) forget(key capacityKey) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	delete(c.written, key)
 }
 
 // remove deletes every object of key.
-func (c *capacityController) remove(ctx context.Context, key capacityKey) error {
+func (c *Controller) remove(ctx context.Context, key capacityKey) error {
 	current, extras := c.objects(key)
 	if current != nil {
 		extras = append(extras, current)
@@ -959,7 +959,7 @@ func (c *capacityController) remove(ctx context.Context, key capacityKey) error 
 	return nil
 }
 
-func (c *capacityController) delete(ctx context.Context, key capacityKey, obj *storagev1.CSIStorageCapacity) error {
+func (c *Controller) delete(ctx context.Context, key capacityKey, obj *storagev1.CSIStorageCapacity) error {
 	c.mu.Lock()
 	if c.deleting != nil {
 		c.deleting[obj.UID] = true
@@ -988,7 +988,7 @@ func (c *capacityController) delete(ctx context.Context, key capacityKey, obj *s
 
 // ownerRef is the reference to the intent ConfigMap, found (or created) once
 // per term and again after an object was deleted by someone else.
-func (c *capacityController) ownerRef(ctx context.Context) (metav1.OwnerReference, error) {
+func (c *Controller) ownerRef(ctx context.Context) (metav1.OwnerReference, error) {
 	c.mu.Lock()
 	if o := c.owner; o != nil {
 		c.mu.Unlock()
@@ -1008,11 +1008,11 @@ func (c *capacityController) ownerRef(ctx context.Context) (metav1.OwnerReferenc
 
 // capabilities are the driver's (for a node-local driver without a
 // controller proxy, any of its node proxies answers: capsCache).
-func (c *capacityController) capabilities(ctx context.Context, driver string) (drivers.Caps, error) {
+func (c *Controller) capabilities(ctx context.Context, driver string) (drivers.Caps, error) {
 	return c.b.Caps.Get(ctx, driver)
 }
 
-func (c *capacityController) getCapacity(ctx context.Context, driver string, item capacityItem, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+func (c *Controller) getCapacity(ctx context.Context, driver string, item capacityItem, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
 	var (
 		conn grpc.ClientConnInterface
 		err  error
@@ -1062,4 +1062,8 @@ func hasLabels(have, want map[string]string) bool {
 
 // EnqueueAll does nothing: the controller follows the drivers' registry by
 // itself (capacityRegistryInterval).
-func (c *capacityController) EnqueueAll() {}
+func (c *Controller) EnqueueAll() {}
+
+// SegmentOf is the topology segment an object this controller wrote
+// stands for, in the form its keys use ("{k=v,...}").
+func SegmentOf(csc *storagev1.CSIStorageCapacity) string { return capacityKeyOf(csc).segment }
