@@ -608,7 +608,7 @@ func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
 	}
 	at := extraOf[*attach.Controller](t, s.r.b)
 	err := testenv.WaitFor(ctx, 60*time.Second, "two attachments and two deletions waiting for the driver's slot", func(context.Context) (bool, string, error) {
-		na, nd := at.QueueLen(), s.r.b.del.queue.Len()
+		na, nd := at.QueueLen(), s.r.b.del.QueueLen()
 		return na == 2 && nd == 2, fmt.Sprintf("%d attachments and %d deletions waiting", na, nd), nil
 	})
 	if err != nil {

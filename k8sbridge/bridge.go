@@ -21,6 +21,7 @@ import (
 	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/modify"
+	"github.com/csibroker/csibroker/k8sbridge/provision"
 	"github.com/csibroker/csibroker/k8sbridge/resize"
 )
 
@@ -60,8 +61,8 @@ type Bridge struct {
 	// what /readyz says while they are not there.
 	waitFor []readiness
 
-	prov  *provisioner
-	del   *deleter
+	prov  *provision.Provisioner
+	del   *provision.Deleter
 	extra []controller
 
 	leaderMu sync.Mutex
@@ -84,16 +85,16 @@ func New(cfg Config) (*Bridge, error) {
 		return nil, err
 	}
 	b := &Bridge{Env: env, synced: synced}
-	b.prov = newProvisioner(env)
-	b.del = newDeleter(env, b.prov)
-	env.On(env.Factory.Core().V1().PersistentVolumeClaims().Informer(), b.prov.claimHandler())
-	env.On(env.Factory.Core().V1().PersistentVolumes().Informer(), b.del.volumeHandler())
+	b.prov = provision.NewProvisioner(env)
+	b.del = provision.NewDeleter(env, b.prov)
+	env.On(env.Factory.Core().V1().PersistentVolumeClaims().Informer(), b.prov.ClaimHandler())
+	env.On(env.Factory.Core().V1().PersistentVolumes().Informer(), b.del.VolumeHandler())
 	// The other controllers, in the order their handlers see each event.
 	for _, mk := range []func(*kube.Env) (controller, error){
 		ctl(attach.New),
 		ctl(capacity.New),
 		ctl(modify.New),
-		newSourceProtector,
+		ctl(provision.NewSourceProtector),
 		ctl(resize.New),
 	} {
 		c, err := mk(env)
@@ -358,9 +359,9 @@ func (b *Bridge) lead(ctx context.Context) {
 		go func() { defer wg.Done(); f(ctx) }()
 	}
 	run(b.Env.Intents.Run)
-	run(b.prov.run)
-	run(b.del.run)
-	run(b.prov.recoveryLoop)
+	run(b.prov.Run)
+	run(b.del.Run)
+	run(b.prov.RecoveryLoop)
 	for _, c := range b.extra {
 		run(c.Run)
 	}
@@ -395,8 +396,8 @@ func (b *Bridge) watchRegistrations(ctx context.Context, known map[string]bool) 
 		if !added {
 			continue
 		}
-		b.prov.enqueueAll()
-		b.del.enqueueAll()
+		b.prov.EnqueueAll()
+		b.del.EnqueueAll()
 		for _, c := range b.extra {
 			c.EnqueueAll()
 		}

@@ -24,6 +24,7 @@ import (
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
+	"github.com/csibroker/csibroker/k8sbridge/provision"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -143,8 +144,8 @@ func TestCloneSourceKeptUntilItsCloneIsMade(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Contains(cur.Finalizers, cloneFinalizer) {
-		t.Fatalf("source claim finalizers %v while it is being copied: want %s", cur.Finalizers, cloneFinalizer)
+	if !slices.Contains(cur.Finalizers, provision.CloneFinalizer) {
+		t.Fatalf("source claim finalizers %v while it is being copied: want %s", cur.Finalizers, provision.CloneFinalizer)
 	}
 
 	// Deleted mid-copy: kept, and the broker says why in its log.
@@ -654,39 +655,6 @@ func TestNamespaceLabelsRecordedWhenTheCacheLags(t *testing.T) {
 	}
 	if got := kube.RecordedNamespaceLabels(pv); got["team"] != "a" || got[corev1.LabelMetadataName] != tenant {
 		t.Fatalf("recorded namespace labels %v (annotation %q), want the namespace's", got, pv.Annotations[kube.AnnNamespaceLabels])
-	}
-}
-
-// TestNeedsDelete: Released PVs reclaimed by Delete (not Failed ones, as
-// external-provisioner), except one
-// being deleted whose volume-deletion finalizer is gone already (its
-// volume was deleted, by this leader or an earlier one).
-func TestNeedsDelete(t *testing.T) {
-	now := metav1.Now()
-	pv := func(phase corev1.PersistentVolumePhase, reclaim corev1.PersistentVolumeReclaimPolicy, deleting bool, finalizers ...string) *corev1.PersistentVolume {
-		p := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: "pv", Finalizers: finalizers}, Spec: corev1.PersistentVolumeSpec{PersistentVolumeReclaimPolicy: reclaim}, Status: corev1.PersistentVolumeStatus{Phase: phase}}
-		if deleting {
-			p.DeletionTimestamp = &now
-		}
-		return p
-	}
-	del, ret := corev1.PersistentVolumeReclaimDelete, corev1.PersistentVolumeReclaimRetain
-	for _, c := range []struct {
-		name string
-		pv   *corev1.PersistentVolume
-		want bool
-	}{
-		{"released", pv(corev1.VolumeReleased, del, false, kube.FinalizerVolume), true},
-		{"failed", pv(corev1.VolumeFailed, del, false, kube.FinalizerVolume), false},
-		{"bound", pv(corev1.VolumeBound, del, false, kube.FinalizerVolume), false},
-		{"retained", pv(corev1.VolumeReleased, ret, false), false},
-		{"released, deleted first, finalizer on", pv(corev1.VolumeReleased, del, true, kube.FinalizerVolume, "kubernetes.io/pv-protection"), true},
-		{"released, being deleted, finalizer gone", pv(corev1.VolumeReleased, del, true, "kubernetes.io/pv-protection"), false},
-		{"released, no finalizer, not being deleted", pv(corev1.VolumeReleased, del, false), true},
-	} {
-		if got := needsDelete(c.pv); got != c.want {
-			t.Errorf("%s: needsDelete %v, want %v", c.name, got, c.want)
-		}
 	}
 }
 

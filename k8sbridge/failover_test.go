@@ -281,7 +281,7 @@ func leaderWithHeldCreate(t *testing.T, env *testenv.Env, ns, name string, cfg f
 	var once sync.Once
 	release = func() { once.Do(func() { close(finish) }) }
 	r = startBridge(t, env, ns, drivers, bridgeOpts{leader: true, configureCfg: cfg, configure: func(b *Bridge) {
-		b.prov.afterCreate = func(ctx context.Context, _ string) {
+		b.prov.AfterCreate = func(ctx context.Context, _ string) {
 			entered <- struct{}{}
 			select {
 			case <-ctx.Done():

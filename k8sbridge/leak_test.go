@@ -59,7 +59,7 @@ func crashAfterCreate(t *testing.T, env *testenv.Env, ns string, drivers *testDr
 	died := make(chan string, n)
 	opts.identity, opts.leader = "doomed-broker", true
 	opts.configure = func(b *Bridge) {
-		b.prov.afterCreate = func(ctx context.Context, vol string) {
+		b.prov.AfterCreate = func(ctx context.Context, vol string) {
 			died <- vol
 			<-ctx.Done() // the process is gone: nothing after this point runs
 		}

@@ -24,6 +24,7 @@ import (
 	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
+	"github.com/csibroker/csibroker/k8sbridge/provision"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -509,7 +510,7 @@ func TestNodeLocalSecondVolumeOfAnExistingPV(t *testing.T) {
 	meanwhilePV := csiparams.VolumeName("pvc", meanwhile.UID, 0)
 	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) {
 		var once sync.Once
-		b.prov.afterCreate = func(ctx context.Context, vol string) {
+		b.prov.AfterCreate = func(ctx context.Context, vol string) {
 			if vol != meanwhilePV {
 				return
 			}
@@ -638,7 +639,7 @@ func TestSupersededEntryGivenUp(t *testing.T) {
 	addLocalNodes(t, env, drivers, drv, map[string]int64{kubetest.ClusterName(ns, "here"): 10 << 30}, sampledriver.Faults{})
 	claim := kubetest.MakeClaim(t, c, ns, "gone", "no-such-class", "1Gi")
 	old := intentFor(t, drv, "pvc-old", claim)
-	old.Node, old.Superseded, old.Created = kubetest.ClusterName(ns, "gone-long-ago"), true, metav1.NewTime(time.Now().Add(-supersededKeep-time.Hour))
+	old.Node, old.Superseded, old.Created = kubetest.ClusterName(ns, "gone-long-ago"), true, metav1.NewTime(time.Now().Add(-provision.SupersededKeep-time.Hour))
 	recent := intentFor(t, drv, "pvc-recent", claim)
 	recent.Node, recent.Superseded = kubetest.ClusterName(ns, "gone-lately"), true
 	recordIntent(t, c, ns, old)

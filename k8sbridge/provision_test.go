@@ -11,7 +11,6 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -221,7 +220,7 @@ func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
 		// Each claim in line before the next is made: the first in the
 		// driver, then one more waiting each time.
 		err := testenv.WaitFor(context.Background(), 30*time.Second, fmt.Sprintf("claim c%d handled", i), func(context.Context) (bool, string, error) {
-			called, waiting := len(drivers.names("CreateVolume")), r.b.prov.queue.Len()
+			called, waiting := len(drivers.names("CreateVolume")), r.b.prov.QueueLen()
 			return called == 1 && waiting == i, fmt.Sprintf("%d CreateVolume calls, %d claims waiting", called, waiting), nil
 		})
 		if err != nil {
@@ -238,7 +237,7 @@ func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
 	if most := drivers.most("CreateVolume"); most != 1 {
 		t.Errorf("%d CreateVolume calls at once, want at most PerDriverWorkers = 1", most)
 	}
-	if n := r.b.prov.queue.Len(); n != 0 {
+	if n := r.b.prov.QueueLen(); n != 0 {
 		t.Errorf("%d keys still waiting after every claim was bound", n)
 	}
 }
@@ -259,34 +258,6 @@ func TestIntentRecordFullIsReported(t *testing.T) {
 	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", intent.ErrFull.Error())
 	if n := d.CallCount("CreateVolume"); n != 0 {
 		t.Errorf("%d CreateVolume calls without a recorded intent, want 0", n)
-	}
-}
-
-// TestRecordedTopology: a requirement of a few segments is recorded as
-// sent; one of many (a segment per node) is recorded as its first
-// preferred segment, so an entry does not grow with the cluster.
-func TestRecordedTopology(t *testing.T) {
-	seg := func(i int) *csi.Topology {
-		return &csi.Topology{Segments: map[string]string{corev1.LabelHostname: fmt.Sprintf("node-%d", i)}}
-	}
-	few := &csi.TopologyRequirement{Requisite: []*csi.Topology{seg(1), seg(2)}, Preferred: []*csi.Topology{seg(2), seg(1)}}
-	if got := recordedTopology(few); !proto.Equal(got, few) {
-		t.Errorf("few segments recorded as %v, want them as sent", got)
-	}
-	var many csi.TopologyRequirement
-	for i := range 1000 {
-		many.Requisite = append(many.Requisite, seg(i))
-		many.Preferred = append(many.Preferred, seg((i+7)%1000))
-	}
-	want := &csi.TopologyRequirement{Preferred: []*csi.Topology{seg(7)}}
-	if got := recordedTopology(&many); !proto.Equal(got, want) {
-		t.Errorf("1000 segments recorded as %v, want %v", got, want)
-	}
-	if got := recordedTopology(&csi.TopologyRequirement{Requisite: many.Requisite}); got != nil {
-		t.Errorf("1000 requisite segments and no preferred one recorded as %v, want none", got)
-	}
-	if got := recordedTopology(nil); got != nil {
-		t.Errorf("no requirement recorded as %v", got)
 	}
 }
 

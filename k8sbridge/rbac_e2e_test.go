@@ -27,6 +27,7 @@ import (
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
+	"github.com/csibroker/csibroker/k8sbridge/provision"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -239,8 +240,8 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 	sc := snapshotclient.NewForConfigOrDie(env.RESTConfig())
 	readySnapshot(t, sc, ns, "snap", drv, snapResp.GetSnapshot().GetSnapshotId(), resource.MustParse("2Gi"), nil)
 	kubetest.MakeClaimWith(t, c, ns, "restored", class.Name, func(p *corev1.PersistentVolumeClaim) {
-		group := snapshotGroup
-		p.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: snapshotKind, Name: "snap"}
+		group := provision.SnapshotGroup
+		p.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: provision.SnapshotKind, Name: "snap"}
 		p.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("2Gi")
 	})
 	restoredPV := kubetest.WaitBound(t, c, ns, "restored", 60*time.Second).Spec.VolumeName

@@ -26,6 +26,7 @@ import (
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
+	"github.com/csibroker/csibroker/k8sbridge/provision"
 )
 
 // snapshotModule ships the VolumeSnapshot CRDs this build's client is for.
@@ -43,7 +44,7 @@ func installSnapshotCRDs(t *testing.T, env *testenv.Env) {
 	}
 	dir := filepath.Join(strings.TrimSpace(string(out)), "config", "crd")
 	for _, res := range []string{"volumesnapshots", "volumesnapshotcontents"} {
-		data, err := os.ReadFile(filepath.Join(dir, snapshotGroup+"_"+res+".yaml"))
+		data, err := os.ReadFile(filepath.Join(dir, provision.SnapshotGroup+"_"+res+".yaml"))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -51,7 +52,7 @@ func installSnapshotCRDs(t *testing.T, env *testenv.Env) {
 		if err := yaml.Unmarshal(bytes.TrimPrefix(data, []byte("---\n")), &obj); err != nil {
 			t.Fatal(err)
 		}
-		kubetest.CreateCRD(t, env, &unstructured.Unstructured{Object: obj}, schema.GroupVersionResource{Group: snapshotGroup, Version: "v1", Resource: res})
+		kubetest.CreateCRD(t, env, &unstructured.Unstructured{Object: obj}, schema.GroupVersionResource{Group: provision.SnapshotGroup, Version: "v1", Resource: res})
 	}
 }
 
@@ -147,7 +148,7 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	left.Finalizers = append(left.Finalizers, snapshotFinalizer)
+	left.Finalizers = append(left.Finalizers, provision.SnapshotFinalizer)
 	if _, err := sc.SnapshotV1().VolumeSnapshots(ns).Update(ctx, left, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -165,19 +166,19 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	if _, err := sc.SnapshotV1().VolumeSnapshots(ns).Update(ctx, changed, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := protectSnapshot(run.b.Env, ctx, stale); err != nil {
+	if err := provision.ProtectSnapshot(run.b.Env, ctx, stale); err != nil {
 		t.Fatalf("protecting a snapshot changed since it was read: %v", err)
 	}
-	if s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "leftover", metav1.GetOptions{}); err != nil || !slices.Contains(s.Finalizers, snapshotFinalizer) || s.Labels["changed"] != "meanwhile" {
+	if s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "leftover", metav1.GetOptions{}); err != nil || !slices.Contains(s.Finalizers, provision.SnapshotFinalizer) || s.Labels["changed"] != "meanwhile" {
 		t.Fatalf("snapshot protected after a conflict: finalizers %v labels %v, err %v; want the finalizer added and the change kept", s.Finalizers, s.Labels, err)
-	} else if err := patchSnapshotFinalizer(run.b.Env, ctx, s, false); err != nil {
+	} else if err := provision.PatchSnapshotFinalizer(run.b.Env, ctx, s, false); err != nil {
 		t.Fatal(err)
 	}
 
 	fromSnapshot := func(snap, size string) func(*corev1.PersistentVolumeClaim) {
 		return func(p *corev1.PersistentVolumeClaim) {
-			group := snapshotGroup
-			p.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: snapshotKind, Name: snap}
+			group := provision.SnapshotGroup
+			p.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: provision.SnapshotKind, Name: snap}
 			p.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse(size)
 		}
 	}
@@ -191,8 +192,8 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "snap", metav1.GetOptions{}); err != nil || !slices.Contains(s.Finalizers, snapshotFinalizer) {
-		t.Fatalf("VolumeSnapshot while it is restored: %v, err %v; want finalizer %s", s.Finalizers, err, snapshotFinalizer)
+	if s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "snap", metav1.GetOptions{}); err != nil || !slices.Contains(s.Finalizers, provision.SnapshotFinalizer) {
+		t.Fatalf("VolumeSnapshot while it is restored: %v, err %v; want finalizer %s", s.Finalizers, err, provision.SnapshotFinalizer)
 	}
 	letGo()
 	pvName := kubetest.WaitBound(t, c, ns, "restored", 60*time.Second).Spec.VolumeName
@@ -228,7 +229,7 @@ func waitSnapshotReleased(t *testing.T, sc snapshotclient.Interface, ns, name st
 		if err != nil {
 			return false, err.Error(), nil
 		}
-		return !slices.Contains(s.Finalizers, snapshotFinalizer), fmt.Sprint(s.Finalizers), nil
+		return !slices.Contains(s.Finalizers, provision.SnapshotFinalizer), fmt.Sprint(s.Finalizers), nil
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -247,18 +248,18 @@ func TestSnapshotGetErrorTellsAMissingAPIFromAMissingObject(t *testing.T) {
 	sc := snapshotclient.NewForConfigOrDie(env.RESTConfig())
 	ctx := context.Background()
 	_, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "absent", metav1.GetOptions{})
-	if got := snapshotGetError(err, ns, "absent").Error(); got != "VolumeSnapshot "+ns+"/absent not found" {
+	if got := provision.SnapshotGetError(err, ns, "absent").Error(); got != "VolumeSnapshot "+ns+"/absent not found" {
 		t.Errorf("missing snapshot (%v): %q", err, got)
 	}
 	err = sc.SnapshotV1().RESTClient().Get().AbsPath("/apis/nosuch.csibroker.test/v1/namespaces", ns, "volumesnapshots", "absent").Do(ctx).Error()
-	if got := snapshotGetError(err, ns, "absent").Error(); !strings.Contains(got, "does not serve the snapshot.storage.k8s.io/v1 API") || strings.Contains(got, "not found") {
+	if got := provision.SnapshotGetError(err, ns, "absent").Error(); !strings.Contains(got, "does not serve the snapshot.storage.k8s.io/v1 API") || strings.Contains(got, "not found") {
 		t.Errorf("API not served (%v): %q", err, got)
 	}
 	err = sc.SnapshotV1().RESTClient().Get().AbsPath("/apis/snapshot.storage.k8s.io/v1/namespaces", ns, "volumesnapshots", "absent").Timeout(time.Nanosecond).Do(ctx).Error()
 	if err == nil {
 		t.Fatal("a GET with a timeout of 1ns succeeded")
 	}
-	if got := snapshotGetError(err, ns, "absent").Error(); !strings.HasPrefix(got, "VolumeSnapshot "+ns+"/absent: ") || strings.Contains(got, "not found") || strings.Contains(got, "does not serve") {
+	if got := provision.SnapshotGetError(err, ns, "absent").Error(); !strings.HasPrefix(got, "VolumeSnapshot "+ns+"/absent: ") || strings.Contains(got, "not found") || strings.Contains(got, "does not serve") {
 		t.Errorf("other failure (%v): %q", err, got)
 	}
 }

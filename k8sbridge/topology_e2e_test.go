@@ -199,7 +199,7 @@ func TestRescheduleLeavesAClaimMadeAgain(t *testing.T) {
 	})
 	old := claim.DeepCopy()
 	old.UID = "00000000-0000-0000-0000-000000000001" // the claim an attempt began with
-	if err := r.b.prov.reschedule(context.Background(), old); err != nil {
+	if err := r.b.prov.Reschedule(context.Background(), old); err != nil {
 		t.Fatalf("reschedule of a claim made again: %v, want nothing done and no error", err)
 	}
 	cur, err := c.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "data", metav1.GetOptions{})
@@ -209,7 +209,7 @@ func TestRescheduleLeavesAClaimMadeAgain(t *testing.T) {
 	if cur.Annotations[kube.AnnSelectedNode] != "n1" {
 		t.Fatalf("the claim made again lost its selected node: %v", cur.Annotations)
 	}
-	if err := r.b.prov.reschedule(context.Background(), cur); err != nil {
+	if err := r.b.prov.Reschedule(context.Background(), cur); err != nil {
 		t.Fatal(err)
 	}
 	cur, err = c.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "data", metav1.GetOptions{})

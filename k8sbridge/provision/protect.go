@@ -1,4 +1,4 @@
-package k8sbridge
+package provision
 
 import (
 	"context"
@@ -30,8 +30,8 @@ import (
 // names are external-provisioner's, so objects it protected are released
 // here too.
 const (
-	cloneFinalizer    = "provisioner.storage.kubernetes.io/cloning-protection"
-	snapshotFinalizer = "provisioner.storage.kubernetes.io/volumesnapshot-as-source-protection"
+	CloneFinalizer    = "provisioner.storage.kubernetes.io/cloning-protection"
+	SnapshotFinalizer = "provisioner.storage.kubernetes.io/volumesnapshot-as-source-protection"
 )
 
 // sourceRecheck is how long a deleted source waiting for its copies waits
@@ -40,7 +40,7 @@ const (
 const sourceRecheck = time.Minute
 
 // snapshotSweep is how often a term lists the VolumeSnapshots holding
-// snapshotFinalizer (and once at its start), to release those no claim's
+// SnapshotFinalizer (and once at its start), to release those no claim's
 // update brought back: a restoring claim deleted while no replica led, or
 // a finalizer added just after its claim was looked at.
 const snapshotSweep = 10 * time.Minute
@@ -51,9 +51,9 @@ const (
 	snapshotKeyPrefix = "snapshot:"
 )
 
-// sourceProtector releases the sources of clones and restores once no
+// SourceProtector releases the sources of clones and restores once no
 // claim copying them is Pending.
-type sourceProtector struct {
+type SourceProtector struct {
 	b     *kube.Env
 	queue *kube.TermQueue
 	// claims indexes the Pending claims by the source they copy
@@ -81,12 +81,12 @@ func pendingSourceKeys(obj any) ([]string, error) {
 	return nil, nil
 }
 
-func newSourceProtector(b *kube.Env) (controller, error) {
+func NewSourceProtector(b *kube.Env) (*SourceProtector, error) {
 	inf := b.Factory.Core().V1().PersistentVolumeClaims().Informer()
 	if err := inf.AddIndexers(cache.Indexers{pendingSourceIndex: pendingSourceKeys}); err != nil {
 		return nil, fmt.Errorf("source protection: %w", err)
 	}
-	p := &sourceProtector{b: b, queue: kube.NewTermQueue("source-protection", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax), claims: inf.GetIndexer()}
+	p := &SourceProtector{b: b, queue: kube.NewTermQueue("source-protection", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax), claims: inf.GetIndexer()}
 	b.Metrics.QueueDepth("source-protection", p.queue.Len)
 	b.On(inf, cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { p.claimChanged(nil, obj) },
@@ -103,12 +103,12 @@ func newSourceProtector(b *kube.Env) (controller, error) {
 // claimChanged queues a deleted clone source that holds cloneFinalizer,
 // and the sources of a claim whose copy is over (it left Pending just
 // now: a resync or a start does not look them up again; the sweep does).
-func (p *sourceProtector) claimChanged(oldObj, obj any) {
+func (p *SourceProtector) claimChanged(oldObj, obj any) {
 	c, ok := obj.(*corev1.PersistentVolumeClaim)
 	if !ok {
 		return
 	}
-	if c.DeletionTimestamp != nil && slices.Contains(c.Finalizers, cloneFinalizer) {
+	if c.DeletionTimestamp != nil && slices.Contains(c.Finalizers, CloneFinalizer) {
 		p.queue.Add(claimKeyPrefix + c.Namespace + "/" + c.Name)
 	}
 	if old, ok := oldObj.(*corev1.PersistentVolumeClaim); ok && old.Status.Phase == corev1.ClaimPending && c.Status.Phase != corev1.ClaimPending {
@@ -118,7 +118,7 @@ func (p *sourceProtector) claimChanged(oldObj, obj any) {
 
 // claimDone queues the sources of c, which copies them no more (it is
 // bound, lost or gone).
-func (p *sourceProtector) claimDone(c *corev1.PersistentVolumeClaim) {
+func (p *SourceProtector) claimDone(c *corev1.PersistentVolumeClaim) {
 	if src := cloneSourceOf(c); src != "" {
 		p.queue.Add(claimKeyPrefix + c.Namespace + "/" + src)
 	}
@@ -137,13 +137,13 @@ func cloneSourceOf(c *corev1.PersistentVolumeClaim) string {
 
 // snapshotSourceOf names the VolumeSnapshot c restores ("" for none).
 func snapshotSourceOf(c *corev1.PersistentVolumeClaim) string {
-	if ds := c.Spec.DataSource; ds != nil && ds.Kind == snapshotKind && ds.APIGroup != nil && *ds.APIGroup == snapshotGroup {
+	if ds := c.Spec.DataSource; ds != nil && ds.Kind == SnapshotKind && ds.APIGroup != nil && *ds.APIGroup == SnapshotGroup {
 		return ds.Name
 	}
 	return ""
 }
 
-func (p *sourceProtector) Run(ctx context.Context) {
+func (p *SourceProtector) Run(ctx context.Context) {
 	p.queue.Work(ctx, 1, p.EnqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
 		requeue, err := p.sync(ctx, key)
 		if err != nil {
@@ -155,7 +155,7 @@ func (p *sourceProtector) Run(ctx context.Context) {
 
 // sweepSnapshots queues the VolumeSnapshots holding snapshotFinalizer at
 // the start of the term and every snapshotSweep.
-func (p *sourceProtector) sweepSnapshots(ctx context.Context) {
+func (p *SourceProtector) sweepSnapshots(ctx context.Context) {
 	if p.b.Cfg.SnapshotClient == nil {
 		return
 	}
@@ -171,7 +171,7 @@ func (p *sourceProtector) sweepSnapshots(ctx context.Context) {
 	}
 }
 
-func (p *sourceProtector) sweepSnapshotsOnce(ctx context.Context) {
+func (p *SourceProtector) sweepSnapshotsOnce(ctx context.Context) {
 	opts := metav1.ListOptions{Limit: 500}
 	for {
 		l, err := p.b.Cfg.SnapshotClient.SnapshotV1().VolumeSnapshots("").List(ctx, opts)
@@ -186,7 +186,7 @@ func (p *sourceProtector) sweepSnapshotsOnce(ctx context.Context) {
 			return
 		}
 		for _, s := range l.Items {
-			if slices.Contains(s.Finalizers, snapshotFinalizer) {
+			if slices.Contains(s.Finalizers, SnapshotFinalizer) {
 				p.queue.Add(snapshotKeyPrefix + s.Namespace + "/" + s.Name)
 			}
 		}
@@ -200,19 +200,19 @@ func (p *sourceProtector) sweepSnapshotsOnce(ctx context.Context) {
 // EnqueueAll queues every deleted claim that holds cloneFinalizer (start
 // of a term: deletions while another replica led are in the cache).
 // Snapshots are looked at when a claim restoring one leaves Pending.
-func (p *sourceProtector) EnqueueAll() {
+func (p *SourceProtector) EnqueueAll() {
 	claims, err := p.b.Claims.List(labels.Everything())
 	if err != nil {
 		return
 	}
 	for _, c := range claims {
-		if c.DeletionTimestamp != nil && slices.Contains(c.Finalizers, cloneFinalizer) {
+		if c.DeletionTimestamp != nil && slices.Contains(c.Finalizers, CloneFinalizer) {
 			p.queue.Add(claimKeyPrefix + c.Namespace + "/" + c.Name)
 		}
 	}
 }
 
-func (p *sourceProtector) sync(ctx context.Context, key string) (time.Duration, error) {
+func (p *SourceProtector) sync(ctx context.Context, key string) (time.Duration, error) {
 	switch {
 	case strings.HasPrefix(key, claimKeyPrefix):
 		return p.syncClaim(ctx, strings.TrimPrefix(key, claimKeyPrefix))
@@ -224,13 +224,13 @@ func (p *sourceProtector) sync(ctx context.Context, key string) (time.Duration, 
 
 // syncClaim takes cloneFinalizer off a deleted source once no claim
 // cloning it is Pending; until then it looks again after sourceRecheck.
-func (p *sourceProtector) syncClaim(ctx context.Context, key string) (time.Duration, error) {
+func (p *SourceProtector) syncClaim(ctx context.Context, key string) (time.Duration, error) {
 	src, err := p.b.CachedClaim(key)
 	if src == nil || err != nil {
 		return 0, err
 	}
 	ns, name := src.Namespace, src.Name
-	if src.DeletionTimestamp == nil || !slices.Contains(src.Finalizers, cloneFinalizer) {
+	if src.DeletionTimestamp == nil || !slices.Contains(src.Finalizers, CloneFinalizer) {
 		return 0, nil
 	}
 	if pending := p.pending(claimKeyPrefix + key); len(pending) > 0 {
@@ -238,7 +238,7 @@ func (p *sourceProtector) syncClaim(ctx context.Context, key string) (time.Durat
 		return sourceRecheck, nil
 	}
 	cur := src.DeepCopy()
-	cur.Finalizers = slices.DeleteFunc(cur.Finalizers, func(f string) bool { return f == cloneFinalizer })
+	cur.Finalizers = slices.DeleteFunc(cur.Finalizers, func(f string) bool { return f == CloneFinalizer })
 	patch, err := kube.TwoWayPatch(src, cur, &corev1.PersistentVolumeClaim{}, src.ResourceVersion)
 	if err != nil || patch == nil {
 		return 0, err
@@ -248,7 +248,7 @@ func (p *sourceProtector) syncClaim(ctx context.Context, key string) (time.Durat
 	case apierrors.IsNotFound(err):
 		return 0, nil
 	case err != nil:
-		return 0, fmt.Errorf("remove finalizer %s: %w", cloneFinalizer, err)
+		return 0, fmt.Errorf("remove finalizer %s: %w", CloneFinalizer, err)
 	}
 	p.b.Log.Info("source protection: deleted claim released, no clone of it is pending", "claim", key)
 	return 0, nil
@@ -256,7 +256,7 @@ func (p *sourceProtector) syncClaim(ctx context.Context, key string) (time.Durat
 
 // syncSnapshot takes snapshotFinalizer off a VolumeSnapshot once no claim
 // restoring it is Pending.
-func (p *sourceProtector) syncSnapshot(ctx context.Context, key string) error {
+func (p *SourceProtector) syncSnapshot(ctx context.Context, key string) error {
 	ns, name, err := cache.SplitMetaNamespaceKey(key)
 	if err != nil || p.b.Cfg.SnapshotClient == nil {
 		return nil
@@ -272,7 +272,7 @@ func (p *sourceProtector) syncSnapshot(ctx context.Context, key string) error {
 	if err != nil {
 		return err
 	}
-	if !slices.Contains(snap.Finalizers, snapshotFinalizer) {
+	if !slices.Contains(snap.Finalizers, SnapshotFinalizer) {
 		return nil
 	}
 	// Looked at again right before the write: a restore that began since
@@ -280,7 +280,7 @@ func (p *sourceProtector) syncSnapshot(ctx context.Context, key string) error {
 	if len(p.pending(snapshotKeyPrefix+key)) > 0 {
 		return nil
 	}
-	if err := patchSnapshotFinalizer(p.b, ctx, snap, false); err != nil {
+	if err := PatchSnapshotFinalizer(p.b, ctx, snap, false); err != nil {
 		return err
 	}
 	p.b.Log.Info("source protection: VolumeSnapshot released, no restore of it is pending", "snapshot", key)
@@ -289,7 +289,7 @@ func (p *sourceProtector) syncSnapshot(ctx context.Context, key string) error {
 
 // pending names the Pending claims that copy the source of queue key key
 // (a claim being deleted still counts: its driver may still be copying).
-func (p *sourceProtector) pending(key string) []string {
+func (p *SourceProtector) pending(key string) []string {
 	objs, err := p.claims.ByIndex(pendingSourceIndex, key)
 	if err != nil {
 		return []string{"(claims not indexed: " + err.Error() + ")"}
@@ -303,64 +303,64 @@ func (p *sourceProtector) pending(key string) []string {
 }
 
 // protectSource puts cloneFinalizer on the claim that claim clones, or
-// snapshotFinalizer on the VolumeSnapshot it restores (snap, as this
+// SnapshotFinalizer on the VolumeSnapshot it restores (snap, as this
 // attempt read it), before CreateVolume is asked to copy it. The API
 // server refuses a new finalizer on an object being deleted, which fails
 // this attempt; the next finds the source deleted and says so.
-func (p *provisioner) protectSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, snap *snapshotv1.VolumeSnapshot) error {
+func (p *Provisioner) protectSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, snap *snapshotv1.VolumeSnapshot) error {
 	if name := cloneSourceOf(claim); name != "" {
-		if src, err := p.b.Claims.PersistentVolumeClaims(claim.Namespace).Get(name); err == nil && slices.Contains(src.Finalizers, cloneFinalizer) {
+		if src, err := p.b.Claims.PersistentVolumeClaims(claim.Namespace).Get(name); err == nil && slices.Contains(src.Finalizers, CloneFinalizer) {
 			return nil
 		}
-		patch := []byte(`{"metadata":{"finalizers":["` + cloneFinalizer + `"]}}`)
+		patch := []byte(`{"metadata":{"finalizers":["` + CloneFinalizer + `"]}}`)
 		if _, err := p.b.Cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Patch(ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
-			return fmt.Errorf("protect clone source claim %s/%s with finalizer %s: %w", claim.Namespace, name, cloneFinalizer, err)
+			return fmt.Errorf("protect clone source claim %s/%s with finalizer %s: %w", claim.Namespace, name, CloneFinalizer, err)
 		}
 	}
-	if snap != nil && !slices.Contains(snap.Finalizers, snapshotFinalizer) {
-		return protectSnapshot(p.b, ctx, snap)
+	if snap != nil && !slices.Contains(snap.Finalizers, SnapshotFinalizer) {
+		return ProtectSnapshot(p.b, ctx, snap)
 	}
 	return nil
 }
 
-// protectSnapshot adds snapshotFinalizer to snap. A conflict (claims
+// ProtectSnapshot adds snapshotFinalizer to snap. A conflict (claims
 // restoring the same snapshot at once each add it from what they read) is
 // no failure: the snapshot is read again, and the finalizer added to that
 // unless another worker's patch already did.
-func protectSnapshot(b *kube.Env, ctx context.Context, snap *snapshotv1.VolumeSnapshot) error {
+func ProtectSnapshot(b *kube.Env, ctx context.Context, snap *snapshotv1.VolumeSnapshot) error {
 	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		err := patchSnapshotFinalizer(b, ctx, snap, true)
+		err := PatchSnapshotFinalizer(b, ctx, snap, true)
 		if !apierrors.IsConflict(err) {
 			return err
 		}
 		fresh, gerr := b.Cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(snap.Namespace).Get(ctx, snap.Name, metav1.GetOptions{})
 		switch {
 		case gerr != nil:
-			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: read it again after a conflict: %w", snap.Namespace, snap.Name, snapshotFinalizer, gerr)
+			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: read it again after a conflict: %w", snap.Namespace, snap.Name, SnapshotFinalizer, gerr)
 		case fresh.UID != snap.UID:
 			// Not the snapshot this attempt checked any more: the next
 			// attempt reads and checks it from the start.
-			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: it was made again meanwhile", snap.Namespace, snap.Name, snapshotFinalizer)
-		case slices.Contains(fresh.Finalizers, snapshotFinalizer):
+			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: it was made again meanwhile", snap.Namespace, snap.Name, SnapshotFinalizer)
+		case slices.Contains(fresh.Finalizers, SnapshotFinalizer):
 			return nil
 		case fresh.DeletionTimestamp != nil:
-			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: it is being deleted", snap.Namespace, snap.Name, snapshotFinalizer)
+			return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: it is being deleted", snap.Namespace, snap.Name, SnapshotFinalizer)
 		}
 		snap = fresh
 		return err
 	})
 }
 
-// patchSnapshotFinalizer adds or removes snapshotFinalizer on snap, with a
+// PatchSnapshotFinalizer adds or removes snapshotFinalizer on snap, with a
 // JSON merge patch (a CRD takes no strategic merge patch) carrying snap's
 // resourceVersion, so a list changed since is not overwritten. A snapshot
 // gone is no error when removing.
-func patchSnapshotFinalizer(b *kube.Env, ctx context.Context, snap *snapshotv1.VolumeSnapshot, add bool) error {
+func PatchSnapshotFinalizer(b *kube.Env, ctx context.Context, snap *snapshotv1.VolumeSnapshot, add bool) error {
 	cur := snap.DeepCopy()
 	if add {
-		cur.Finalizers = append(cur.Finalizers, snapshotFinalizer)
+		cur.Finalizers = append(cur.Finalizers, SnapshotFinalizer)
 	} else {
-		cur.Finalizers = slices.DeleteFunc(cur.Finalizers, func(f string) bool { return f == snapshotFinalizer })
+		cur.Finalizers = slices.DeleteFunc(cur.Finalizers, func(f string) bool { return f == SnapshotFinalizer })
 	}
 	patch, err := kube.MergePatch(snap, cur, snap.ResourceVersion)
 	if err != nil || patch == nil {
@@ -371,7 +371,7 @@ func patchSnapshotFinalizer(b *kube.Env, ctx context.Context, snap *snapshotv1.V
 	case err == nil, !add && apierrors.IsNotFound(err):
 		return nil
 	case add:
-		return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: %w", snap.Namespace, snap.Name, snapshotFinalizer, err)
+		return fmt.Errorf("protect VolumeSnapshot %s/%s with finalizer %s: %w", snap.Namespace, snap.Name, SnapshotFinalizer, err)
 	}
-	return fmt.Errorf("remove finalizer %s from VolumeSnapshot %s/%s: %w", snapshotFinalizer, snap.Namespace, snap.Name, err)
+	return fmt.Errorf("remove finalizer %s from VolumeSnapshot %s/%s: %w", SnapshotFinalizer, snap.Namespace, snap.Name, err)
 }

@@ -1,4 +1,4 @@
-package k8sbridge
+package provision
 
 import (
 	"context"
@@ -30,7 +30,7 @@ import (
 // the volume's ID); so does an entry of a node-local volume whose PV names
 // another node (its volume is a second one). It runs when leadership
 // starts, when a claim is deleted, and every RecoveryInterval.
-func (p *provisioner) recoveryLoop(ctx context.Context) {
+func (p *Provisioner) RecoveryLoop(ctx context.Context) {
 	t := time.NewTicker(p.b.Cfg.RecoveryInterval)
 	defer t.Stop()
 	for {
@@ -48,7 +48,7 @@ func (p *provisioner) recoveryLoop(ctx context.Context) {
 	}
 }
 
-func (p *provisioner) recoverOnce(ctx context.Context) {
+func (p *Provisioner) recoverOnce(ctx context.Context) {
 	intents, err := p.b.Intents.List(ctx)
 	if err != nil {
 		p.b.Log.Error("recovery: cannot read the intent record", "err", err)
@@ -122,7 +122,7 @@ func (p *provisioner) recoverOnce(ctx context.Context) {
 // PV when that PV is gone: the claim could only be bound to it once it
 // existed, so the PV's own lifecycle (its reclaim policy, or an admin) has
 // decided the volume's fate, and recovery must not overrule it.
-func (p *provisioner) settleBoundToGonePV(ctx context.Context, in intent.Intent) {
+func (p *Provisioner) settleBoundToGonePV(ctx context.Context, in intent.Intent) {
 	found, err := p.pvHolds(ctx, in.VolumeName, "") // "": whatever node it names
 	if err != nil {
 		p.b.Log.Warn("recovery: cannot read PersistentVolume; will retry", "volume", in.VolumeName, "err", err)
@@ -135,9 +135,9 @@ func (p *provisioner) settleBoundToGonePV(ctx context.Context, in intent.Intent)
 	p.b.Intents.Remove(in.Key())
 }
 
-// supersededKeep is how long a superseded entry waits for its node to come
+// SupersededKeep is how long a superseded entry waits for its node to come
 // back (counted from its attempt) before it is given up.
-const supersededKeep = 7 * 24 * time.Hour
+const SupersededKeep = 7 * 24 * time.Hour
 
 // recoverSuperseded deletes the volume a superseded entry's attempt may
 // have made on its node, once that node is back (a node deleted and
@@ -145,7 +145,7 @@ const supersededKeep = 7 * 24 * time.Hour
 // gone there is nothing to reach: the node is looked at again less and
 // less often, nothing is logged (the claim's ProvisioningOrphan Event said
 // so), and after supersededKeep the entry is given up, saying so.
-func (p *provisioner) recoverSuperseded(ctx context.Context, in intent.Intent, now time.Time) {
+func (p *Provisioner) recoverSuperseded(ctx context.Context, in intent.Intent, now time.Time) {
 	if cur, ok := p.b.Intents.Get(in.VolumeName); ok && cur.Node == in.Node {
 		// A later attempt is on the same node again, under the same name:
 		// provisioning folds this entry's requests into its own.
@@ -155,7 +155,7 @@ func (p *provisioner) recoverSuperseded(ctx context.Context, in intent.Intent, n
 		return
 	}
 	if p.nodeGone(ctx, in.Node) {
-		if now.Sub(in.Created.Time) > supersededKeep {
+		if now.Sub(in.Created.Time) > SupersededKeep {
 			p.b.Log.Warn("recovery: the node of an earlier attempt has not come back; its entry is given up, and the volume it may have made there is left to an administrator",
 				"volume", in.VolumeName, "driver", in.Driver, "node", in.Node, "claim", in.ClaimNamespace+"/"+in.ClaimName, "since", in.Created.Time)
 			p.b.Metrics.Leaked.WithLabelValues(in.Driver, "abandoned").Inc()
@@ -186,7 +186,7 @@ func recordedNode(pv *corev1.PersistentVolume) string { return pv.Annotations[ku
 // node-local; see holdsNodeVolume). A node-local volume is known by its
 // node and ID together (drivers may derive the ID from the name), so a PV
 // that names another node does not hold it, whatever its handle.
-func (p *provisioner) pvHolds(ctx context.Context, name, node string) (bool, error) {
+func (p *Provisioner) pvHolds(ctx context.Context, name, node string) (bool, error) {
 	pv, err := p.b.Cfg.Client.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
 	switch {
 	case err == nil:
@@ -216,7 +216,7 @@ const (
 // learnVolumeID re-issues in's recorded CreateVolume on in.Node (CSI makes
 // it idempotent by name) to learn the volume's ID; on failure it says at
 // which stage. requester is whom the volume's secrets are used for.
-func (p *provisioner) learnVolumeID(ctx context.Context, in intent.Intent) (id string, requester policy.Requester, stage reissueStage, err error) {
+func (p *Provisioner) learnVolumeID(ctx context.Context, in intent.Intent) (id string, requester policy.Requester, stage reissueStage, err error) {
 	requester = policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: in.ClaimNamespace, Name: in.ClaimName, Labels: in.ClaimLabels, StorageClass: in.StorageClass, Node: in.Node}
 	var reqs []*csi.CreateVolumeRequest
 	for _, raw := range in.Requests() {
@@ -297,7 +297,7 @@ func driversNoRoom(err error) bool {
 // deleteOrphan re-issues the recorded CreateVolume to learn the volume's ID
 // and deletes the volume; why says why it is an orphan. now is the start of
 // the recovery pass, from which a failure's backoff is counted.
-func (p *provisioner) deleteOrphan(ctx context.Context, in intent.Intent, now time.Time, why string) {
+func (p *Provisioner) deleteOrphan(ctx context.Context, in intent.Intent, now time.Time, why string) {
 	// Outside the driver's --per-driver-workers slots: recovery cleans up
 	// one volume at a time, and must not wait behind a line of claims
 	// that never lets a slot go free.
@@ -375,7 +375,7 @@ func (p *provisioner) deleteOrphan(ctx context.Context, in intent.Intent, now ti
 // longer wait (recoveryBackoff), and at its recoveryStuckAfter-th failure
 // in a row it is reported as stuck, so an administrator can look. what
 // says what could not be done.
-func (p *provisioner) orphanFailed(log *slog.Logger, in intent.Intent, now time.Time, what, detail string) {
+func (p *Provisioner) orphanFailed(log *slog.Logger, in intent.Intent, now time.Time, what, detail string) {
 	n, wait := p.recoveryFailed(in.Key(), now)
 	if n == recoveryStuckAfter {
 		p.b.Metrics.Leaked.WithLabelValues(in.Driver, "stuck").Inc()
@@ -388,7 +388,7 @@ func (p *provisioner) orphanFailed(log *slog.Logger, in intent.Intent, now time.
 
 // undoOnNode deletes the volume of an intent on its node, if it exists
 // there. The caller holds the volume's slot.
-func (p *provisioner) undoOnNode(ctx context.Context, in intent.Intent) error {
+func (p *Provisioner) undoOnNode(ctx context.Context, in intent.Intent) error {
 	id, requester, stage, err := p.learnVolumeID(ctx, in)
 	if stage == stageAbsent {
 		// Full, say: nothing to delete there.
@@ -444,7 +444,7 @@ func recoveryBackoff(n int, interval time.Duration) time.Duration {
 
 // recoveryFailed counts a failed attempt of volume's entry in the pass
 // that started at now and returns the count and the wait before the next.
-func (p *provisioner) recoveryFailed(volume string, now time.Time) (int, time.Duration) {
+func (p *Provisioner) recoveryFailed(volume string, now time.Time) (int, time.Duration) {
 	interval := p.b.Cfg.RecoveryInterval
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -464,7 +464,7 @@ func (p *provisioner) recoveryFailed(volume string, now time.Time) (int, time.Du
 
 // recoveryDue reports whether volume's entry may be attempted in the pass
 // that started at now.
-func (p *provisioner) recoveryDue(volume string, now time.Time) bool {
+func (p *Provisioner) recoveryDue(volume string, now time.Time) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	st, ok := p.recFails[volume]
@@ -475,7 +475,7 @@ func (p *provisioner) recoveryDue(volume string, now time.Time) bool {
 // topology asked, the nodes without room) for claims that are no longer
 // waiting for a volume: bound, or gone (a deletion seen before an attempt
 // in flight remembered something).
-func (p *provisioner) forgetSettledClaims() {
+func (p *Provisioner) forgetSettledClaims() {
 	p.mu.Lock()
 	n := len(p.asked) + len(p.noRoom)
 	p.mu.Unlock()
@@ -507,7 +507,7 @@ func (p *provisioner) forgetSettledClaims() {
 }
 
 // forgetSettled drops the failure counts of entries no longer recorded.
-func (p *provisioner) forgetSettled(intents []intent.Intent) {
+func (p *Provisioner) forgetSettled(intents []intent.Intent) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if len(p.recFails) == 0 {

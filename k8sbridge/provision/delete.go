@@ -1,4 +1,4 @@
-package k8sbridge
+package provision
 
 import (
 	"context"
@@ -22,11 +22,11 @@ import (
 	"github.com/csibroker/csibroker/policy"
 )
 
-// deleter deletes the volumes of Released PVs whose reclaim policy is Delete,
+// Deleter deletes the volumes of Released PVs whose reclaim policy is Delete,
 // then the PVs.
-type deleter struct {
+type Deleter struct {
 	b     *kube.Env
-	prov  *provisioner // deletes the volumes (as recovery does)
+	prov  *Provisioner // deletes the volumes (as recovery does)
 	queue *kube.TermQueue
 	slots *kube.DriverSlots // deletions in progress per driver (PerDriverWorkers)
 	// done holds the UIDs of the PVs whose volume was deleted and whose
@@ -36,14 +36,14 @@ type deleter struct {
 	done   map[types.UID]struct{}
 }
 
-func newDeleter(b *kube.Env, prov *provisioner) *deleter {
-	d := &deleter{b: b, prov: prov, queue: kube.NewTermQueue("delete", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax), done: map[types.UID]struct{}{}}
+func NewDeleter(b *kube.Env, prov *Provisioner) *Deleter {
+	d := &Deleter{b: b, prov: prov, queue: kube.NewTermQueue("delete", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax), done: map[types.UID]struct{}{}}
 	d.slots = d.queue.WithSlots(b.Cfg.PerDriverWorkers)
 	b.Metrics.QueueDepth("delete", d.queue.Len)
 	return d
 }
 
-func (d *deleter) volumeHandler() cache.ResourceEventHandler {
+func (d *Deleter) VolumeHandler() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { d.enqueue(obj) },
 		UpdateFunc: func(_, obj any) { d.enqueue(obj) },
@@ -58,14 +58,14 @@ func (d *deleter) volumeHandler() cache.ResourceEventHandler {
 	}
 }
 
-func (d *deleter) isDone(uid types.UID) bool {
+func (d *Deleter) isDone(uid types.UID) bool {
 	d.doneMu.Lock()
 	defer d.doneMu.Unlock()
 	_, ok := d.done[uid]
 	return ok
 }
 
-func (d *deleter) ours(pv *corev1.PersistentVolume) bool {
+func (d *Deleter) ours(pv *corev1.PersistentVolume) bool {
 	driver := deletionDriver(pv)
 	return driver != "" && d.b.Registered(driver)
 }
@@ -95,7 +95,7 @@ func deletionDriver(pv *corev1.PersistentVolume) string {
 	return ""
 }
 
-func (d *deleter) enqueue(obj any) {
+func (d *Deleter) enqueue(obj any) {
 	pv, ok := obj.(*corev1.PersistentVolume)
 	if !ok || !d.ours(pv) || !(needsDelete(pv) || protectionStale(pv) || protectionMissing(pv)) {
 		return
@@ -135,11 +135,11 @@ func needsDelete(pv *corev1.PersistentVolume) bool {
 	return pv.Spec.PersistentVolumeReclaimPolicy == corev1.PersistentVolumeReclaimDelete && pv.Status.Phase == corev1.VolumeReleased
 }
 
-func (d *deleter) run(ctx context.Context) {
-	d.queue.Work(ctx, d.b.Cfg.WorkerThreads, d.enqueueAll, d.sync)
+func (d *Deleter) Run(ctx context.Context) {
+	d.queue.Work(ctx, d.b.Cfg.WorkerThreads, d.EnqueueAll, d.sync)
 }
 
-func (d *deleter) enqueueAll() {
+func (d *Deleter) EnqueueAll() {
 	if pvs, err := d.b.Volumes.List(labels.Everything()); err == nil {
 		for _, pv := range pvs {
 			d.enqueue(pv)
@@ -150,7 +150,7 @@ func (d *deleter) enqueueAll() {
 // sync reclaims PV name if it is due: its volume deleted, then the object.
 // It returns waitForSlot while the driver is busy, and a positive duration
 // to look at the PV again then (its node-local volume's node is gone).
-func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) {
+func (d *Deleter) sync(ctx context.Context, name string) (time.Duration, error) {
 	pv, err := d.b.Volumes.Get(name)
 	if apierrors.IsNotFound(err) {
 		return 0, nil
@@ -200,7 +200,7 @@ func (d *deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 // finalizerFailed reports a refused finalizer write (RBAC, an admission
 // webhook or policy): a log line on every attempt, an Event on pv once per
 // failure.
-func (d *deleter) finalizerFailed(ctx context.Context, pv *corev1.PersistentVolume, err error) {
+func (d *Deleter) finalizerFailed(ctx context.Context, pv *corev1.PersistentVolume, err error) {
 	d.b.Log.Warn("updating the volume-deletion finalizer failed (will retry)", "pv", pv.Name, "err", err)
 	d.b.EventOnce(ctx, kube.PVRef(pv), corev1.EventTypeWarning, "FinalizerUpdateFailed", kube.FailureOf("", err), "%v", err)
 }
@@ -208,7 +208,7 @@ func (d *deleter) finalizerFailed(ctx context.Context, pv *corev1.PersistentVolu
 // warn logs a failed deletion attempt and records it as a
 // VolumeFailedDelete Event on pv once per failure (eventOnce; what names
 // the failure).
-func (d *deleter) warn(ctx context.Context, pv *corev1.PersistentVolume, what, format string, args ...any) {
+func (d *Deleter) warn(ctx context.Context, pv *corev1.PersistentVolume, what, format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
 	d.b.Log.Warn("volume deletion failed", "pv", pv.Name, "err", msg)
 	d.b.EventOnce(ctx, kube.PVRef(pv), corev1.EventTypeWarning, "VolumeFailedDelete", what, "%s", msg)
@@ -217,7 +217,7 @@ func (d *deleter) warn(ctx context.Context, pv *corev1.PersistentVolume, what, f
 // reclaim deletes the volume of pv, a PV due for deletion, then the PV;
 // a positive duration looks at the PV again then.
 // handle is the volume's ID (for a migrated in-tree PV, translated).
-func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driver, handle string) (time.Duration, error) {
+func (d *Deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driver, handle string) (time.Duration, error) {
 	name := pv.Name
 	ctx, span := d.b.Tracer.Start(ctx, "delete "+name, trace.WithAttributes(attribute.String("csi.driver", driver), attribute.String("k8s.pv.name", name)))
 	defer span.End()
@@ -317,7 +317,7 @@ func (d *deleter) reclaim(ctx context.Context, pv *corev1.PersistentVolume, driv
 // changed meanwhile (its phase, a user's deletion) is no conflict, so a
 // volume just deleted is not deleted again because its PV moved on. A PV
 // already gone is no error.
-func (d *deleter) patchFinalizer(ctx context.Context, name string, add bool) error {
+func (d *Deleter) patchFinalizer(ctx context.Context, name string, add bool) error {
 	key := "$deleteFromPrimitiveList/finalizers"
 	if add {
 		key = "finalizers"
@@ -336,9 +336,9 @@ func (d *deleter) patchFinalizer(ctx context.Context, name string, add bool) err
 // classDeletionSecret is the provisioner secret of a PV that records none
 // (made by an external-provisioner older than the deletion-secret
 // annotations): as external-provisioner does, its StorageClass's
-// provisioner secret, resolved for the PV and its claim reference. None if
+// Provisioner secret, resolved for the PV and its claim reference. None if
 // the class is gone or names no secret.
-func (d *deleter) classDeletionSecret(pv *corev1.PersistentVolume) (*corev1.SecretReference, error) {
+func (d *Deleter) classDeletionSecret(pv *corev1.PersistentVolume) (*corev1.SecretReference, error) {
 	if pv.Spec.StorageClassName == "" {
 		return nil, nil
 	}
@@ -385,3 +385,7 @@ func affinitySegments(pv *corev1.PersistentVolume) []map[string]string {
 	}
 	return out
 }
+
+// QueueLen is how many volumes wait in this term's queue, a driver's line
+// included.
+func (d *Deleter) QueueLen() int { return d.queue.Len() }

@@ -1,4 +1,4 @@
-package k8sbridge
+package provision
 
 import (
 	"context"
@@ -24,28 +24,28 @@ import (
 // (external-provisioner's --prevent-volume-mode-conversion, on by
 // default). The snapshot-controller, not the broker, makes snapshots.
 const (
-	snapshotGroup            = "snapshot.storage.k8s.io"
-	snapshotKind             = "VolumeSnapshot"
+	SnapshotGroup            = "snapshot.storage.k8s.io"
+	SnapshotKind             = "VolumeSnapshot"
 	annAllowVolumeModeChange = "snapshot.storage.kubernetes.io/allow-volume-mode-change"
 )
 
 // snapshotSource is the content source for a claim that restores a
 // VolumeSnapshot of its namespace, and the snapshot as read.
-func (p *provisioner) snapshotSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver string, caps drivers.Caps) (*csi.VolumeContentSource, *snapshotv1.VolumeSnapshot, error) {
+func (p *Provisioner) snapshotSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver string, caps drivers.Caps) (*csi.VolumeContentSource, *snapshotv1.VolumeSnapshot, error) {
 	name := claim.Spec.DataSource.Name
 	if p.b.Cfg.SnapshotClient == nil {
-		return nil, nil, fmt.Errorf("data source VolumeSnapshot %q: this broker was started without the %s API client, so it restores no snapshots", name, snapshotGroup)
+		return nil, nil, fmt.Errorf("data source VolumeSnapshot %q: this broker was started without the %s API client, so it restores no snapshots", name, SnapshotGroup)
 	}
 	if !caps.Snapshot {
 		return nil, nil, fmt.Errorf("driver %s does not support snapshot restore (no CREATE_DELETE_SNAPSHOT capability)", driver)
 	}
 	snap, err := p.b.Cfg.SnapshotClient.SnapshotV1().VolumeSnapshots(claim.Namespace).Get(ctx, name, metav1.GetOptions{})
 	if err != nil {
-		return nil, nil, snapshotGetError(err, claim.Namespace, name)
+		return nil, nil, SnapshotGetError(err, claim.Namespace, name)
 	}
 	// A snapshot being deleted is refused, unless a restore from it began
 	// before (it holds snapshotFinalizer): that restore goes on.
-	if snap.DeletionTimestamp != nil && !slices.Contains(snap.Finalizers, snapshotFinalizer) {
+	if snap.DeletionTimestamp != nil && !slices.Contains(snap.Finalizers, SnapshotFinalizer) {
 		return nil, nil, fmt.Errorf("VolumeSnapshot %s/%s is being deleted", claim.Namespace, name)
 	}
 	if snap.Status == nil || snap.Status.BoundVolumeSnapshotContentName == nil || *snap.Status.BoundVolumeSnapshotContentName == "" {
@@ -85,19 +85,19 @@ func (p *provisioner) snapshotSource(ctx context.Context, claim *corev1.Persiste
 	return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: *content.Status.SnapshotHandle}}}, snap, nil
 }
 
-// snapshotGetError says what a failed GET of VolumeSnapshot ns/name means.
+// SnapshotGetError says what a failed GET of VolumeSnapshot ns/name means.
 // The API server's 404 for an object names it in its details; its 404 for
 // an API it does not serve (no VolumeSnapshot CRD installed, or none
 // serving v1) names nothing, and saying "not found" then would send a user
 // looking for an object that is not the problem.
-func snapshotGetError(err error, ns, name string) error {
+func SnapshotGetError(err error, ns, name string) error {
 	if !apierrors.IsNotFound(err) {
 		return fmt.Errorf("VolumeSnapshot %s/%s: %w", ns, name, err)
 	}
 	var st apierrors.APIStatus
 	if errors.As(err, &st) {
 		if d := st.Status().Details; d == nil || d.Name == "" {
-			return fmt.Errorf("VolumeSnapshot %s/%s: this cluster does not serve the %s/v1 API (install the VolumeSnapshot CRDs and the snapshot-controller to restore snapshots)", ns, name, snapshotGroup)
+			return fmt.Errorf("VolumeSnapshot %s/%s: this cluster does not serve the %s/v1 API (install the VolumeSnapshot CRDs and the snapshot-controller to restore snapshots)", ns, name, SnapshotGroup)
 		}
 	}
 	return fmt.Errorf("VolumeSnapshot %s/%s not found", ns, name)

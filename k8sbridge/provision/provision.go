@@ -1,4 +1,4 @@
-package k8sbridge
+package provision
 
 import (
 	"context"
@@ -41,8 +41,8 @@ import (
 	"github.com/csibroker/csibroker/policy"
 )
 
-// provisioner turns pending claims of registered drivers into volumes and PVs.
-type provisioner struct {
+// Provisioner turns pending claims of registered drivers into volumes and PVs.
+type Provisioner struct {
 	b     *kube.Env
 	queue *kube.TermQueue
 
@@ -69,14 +69,14 @@ type provisioner struct {
 
 	// afterCreate, when set (tests), runs after CreateVolume succeeded and
 	// before anything else: a broker dying there must leak nothing.
-	afterCreate func(ctx context.Context, volumeName string)
+	AfterCreate func(ctx context.Context, volumeName string)
 	// recoveryPasses counts the recovery passes that read the record
 	// (tests wait for passes instead of time).
 	recoveryPasses atomic.Int64
 }
 
-func newProvisioner(b *kube.Env) *provisioner {
-	p := &provisioner{
+func NewProvisioner(b *kube.Env) *Provisioner {
+	p := &Provisioner{
 		b:        b,
 		queue:    kube.NewTermQueue("provision", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax),
 		inflight: map[string]bool{},
@@ -90,7 +90,7 @@ func newProvisioner(b *kube.Env) *provisioner {
 	return p
 }
 
-func (p *provisioner) claimHandler() cache.ResourceEventHandler {
+func (p *Provisioner) ClaimHandler() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { p.enqueueClaim(obj) },
 		UpdateFunc: func(_, obj any) { p.enqueueClaim(obj) },
@@ -117,7 +117,7 @@ func (p *provisioner) claimHandler() cache.ResourceEventHandler {
 	}
 }
 
-func (p *provisioner) enqueueClaim(obj any) {
+func (p *Provisioner) enqueueClaim(obj any) {
 	claim, ok := obj.(*corev1.PersistentVolumeClaim)
 	if !ok || claim.Spec.VolumeName != "" || p.claimDriver(claim) == "" {
 		return
@@ -127,7 +127,7 @@ func (p *provisioner) enqueueClaim(obj any) {
 	}
 }
 
-func (p *provisioner) nudgeRecovery() {
+func (p *Provisioner) nudgeRecovery() {
 	select {
 	case p.recover <- struct{}{}:
 	default:
@@ -136,7 +136,7 @@ func (p *provisioner) nudgeRecovery() {
 
 // claimDriver is the registered driver the PV controller asked to provision
 // the claim, or "".
-func (p *provisioner) claimDriver(claim *corev1.PersistentVolumeClaim) string {
+func (p *Provisioner) claimDriver(claim *corev1.PersistentVolumeClaim) string {
 	d := claim.Annotations[kube.AnnStorageProvisioner]
 	if d == "" {
 		d = claim.Annotations[kube.AnnBetaStorageProvisioner]
@@ -147,14 +147,14 @@ func (p *provisioner) claimDriver(claim *corev1.PersistentVolumeClaim) string {
 	return d
 }
 
-func (p *provisioner) run(ctx context.Context) {
+func (p *Provisioner) Run(ctx context.Context) {
 	// Claims that arrived while another replica led are in the cache already.
-	p.queue.Work(ctx, p.b.Cfg.WorkerThreads, p.enqueueAll, p.sync)
+	p.queue.Work(ctx, p.b.Cfg.WorkerThreads, p.EnqueueAll, p.sync)
 }
 
 // enqueueAll adds every claim that may need provisioning (start of a term,
 // a driver newly registered).
-func (p *provisioner) enqueueAll() {
+func (p *Provisioner) EnqueueAll() {
 	if claims, err := p.b.Claims.List(labels.Everything()); err == nil {
 		for _, c := range claims {
 			p.enqueueClaim(c)
@@ -170,7 +170,7 @@ const volumeBusyRetry = 200 * time.Millisecond
 // are taken; otherwise the volume is being worked on already, by a worker
 // or by recovery (volumeBusyRetry), or key waits in the driver's line
 // (waitForSlot).
-func (p *provisioner) acquire(driver, volume, key string) time.Duration {
+func (p *Provisioner) acquire(driver, volume, key string) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.inflight[volume] {
@@ -183,14 +183,14 @@ func (p *provisioner) acquire(driver, volume, key string) time.Duration {
 	return 0
 }
 
-func (p *provisioner) release(driver, volume string) {
+func (p *Provisioner) release(driver, volume string) {
 	p.dropVolume(volume)
 	p.slots.Release(driver)
 }
 
 // takeVolume takes the volume alone (recovery); false means a worker or
 // recovery is working on it already.
-func (p *provisioner) takeVolume(volume string) bool {
+func (p *Provisioner) takeVolume(volume string) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.inflight[volume] {
@@ -200,13 +200,13 @@ func (p *provisioner) takeVolume(volume string) bool {
 	return true
 }
 
-func (p *provisioner) dropVolume(volume string) {
+func (p *Provisioner) dropVolume(volume string) {
 	p.mu.Lock()
 	delete(p.inflight, volume)
 	p.mu.Unlock()
 }
 
-func (p *provisioner) isInflight(volume string) bool {
+func (p *Provisioner) isInflight(volume string) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.inflight[volume]
@@ -214,7 +214,7 @@ func (p *provisioner) isInflight(volume string) bool {
 
 // sync provisions one claim. A returned duration asks for a plain requeue
 // (waiting, not failing); an error requeues with the claim's backoff.
-func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, error) {
+func (p *Provisioner) sync(ctx context.Context, key string) (time.Duration, error) {
 	claim, err := p.b.CachedClaim(key)
 	if claim == nil || err != nil {
 		return 0, err
@@ -307,7 +307,7 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 // claim asked for a volume that may exist (see provisioner.asked), nil if
 // none: a node-local driver's attempts are settled by node instead, and a
 // driver without topology is asked none.
-func (p *provisioner) askedBefore(uid types.UID, driver string, caps drivers.Caps) *csi.TopologyRequirement {
+func (p *Provisioner) askedBefore(uid types.UID, driver string, caps drivers.Caps) *csi.TopologyRequirement {
 	if !caps.Accessibility || p.b.Cfg.Drivers.NodeLocal(driver) {
 		return nil
 	}
@@ -318,7 +318,7 @@ func (p *provisioner) askedBefore(uid types.UID, driver string, caps drivers.Cap
 
 // setAsked records tr as what the claim's volume was asked with (nil:
 // forgets it).
-func (p *provisioner) setAsked(uid types.UID, tr *csi.TopologyRequirement) {
+func (p *Provisioner) setAsked(uid types.UID, tr *csi.TopologyRequirement) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if tr == nil {
@@ -336,7 +336,7 @@ func (p *provisioner) setAsked(uid types.UID, tr *csi.TopologyRequirement) {
 // deletes). A PV that holds another volume of a driver that is not
 // node-local is reported and left alone: the driver answered one name
 // with two IDs, and deleting either could delete the PV's data.
-func (p *provisioner) settleExistingPV(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver, node, pvName, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester) error {
+func (p *Provisioner) settleExistingPV(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver, node, pvName, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester) error {
 	pv, err := p.b.Cfg.Client.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 	if err != nil {
 		// Gone again (or unreadable): the next attempt saves it anew.
@@ -397,7 +397,7 @@ func recordedTopology(tr *csi.TopologyRequirement) *csi.TopologyRequirement {
 // retry or recovery: readErr, the PV could not be read; deleteErr, the
 // volume could not be deleted. The secret goes to the same requester as
 // the CreateVolume's (its node, its labels).
-func (p *provisioner) discardVolume(ctx context.Context, driver, node, pvName, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester) (held bool, readErr, deleteErr error) {
+func (p *Provisioner) discardVolume(ctx context.Context, driver, node, pvName, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester) (held bool, readErr, deleteErr error) {
 	if held, readErr = p.pvHolds(ctx, pvName, node); readErr != nil {
 		return false, readErr, nil
 	}
@@ -418,7 +418,7 @@ func absent(cached error, get func() error) bool {
 }
 
 // nodeGone reports whether node no longer exists.
-func (p *provisioner) nodeGone(ctx context.Context, node string) bool {
+func (p *Provisioner) nodeGone(ctx context.Context, node string) bool {
 	_, err := p.b.Nodes.Get(node)
 	return absent(err, func() error {
 		_, err := p.b.Cfg.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
@@ -427,7 +427,7 @@ func (p *provisioner) nodeGone(ctx context.Context, node string) bool {
 }
 
 // csiNodeGone reports whether node has no CSINode object.
-func (p *provisioner) csiNodeGone(ctx context.Context, node string) bool {
+func (p *Provisioner) csiNodeGone(ctx context.Context, node string) bool {
 	_, err := p.b.CSINodes.Get(node)
 	return absent(err, func() error {
 		_, err := p.b.Cfg.Client.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
@@ -455,7 +455,7 @@ func populated(claim *corev1.PersistentVolumeClaim) bool {
 		return false
 	}
 	switch {
-	case group == "" && kind == "PersistentVolumeClaim", group == snapshotGroup && kind == snapshotKind:
+	case group == "" && kind == "PersistentVolumeClaim", group == SnapshotGroup && kind == SnapshotKind:
 		return false
 	}
 	return true
@@ -483,7 +483,7 @@ func claimClass(claim *corev1.PersistentVolumeClaim) string {
 }
 
 // provision runs one attempt and returns its result label.
-func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, inTree, driver, pvName, selectedNode string) (string, error) {
+func (p *Provisioner) provision(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, inTree, driver, pvName, selectedNode string) (string, error) {
 	ref := kube.ClaimRef(claim)
 	// Failures are logged on every attempt and recorded as an Event once
 	// per failure (eventOnce): a driver's answer is named by its method
@@ -770,8 +770,8 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 		made.Topo = append(made.Topo, t.GetSegments())
 	}
 	p.b.NoteVolumeChange(made)
-	if p.afterCreate != nil {
-		p.afterCreate(ctx, pvName)
+	if p.AfterCreate != nil {
+		p.AfterCreate(ctx, pvName)
 		if ctx.Err() != nil {
 			return "failed", ctx.Err()
 		}
@@ -883,13 +883,13 @@ func (p *provisioner) provision(ctx context.Context, claim *corev1.PersistentVol
 
 // conn picks the driver's controller proxy, or for a node-local driver the
 // proxy on the volume's node.
-func (p *provisioner) conn(driver, node string) (grpc.ClientConnInterface, error) {
+func (p *Provisioner) conn(driver, node string) (grpc.ClientConnInterface, error) {
 	return p.b.DriverConn(driver, node)
 }
 
 // placeOnNode picks the node with the most free capacity among the
 // driver's node proxies for a node-local volume.
-func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver string, caps drivers.Caps) (string, error) {
+func (p *Provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver string, caps drivers.Caps) (string, error) {
 	nodes := p.b.Cfg.Drivers.DriverNodes(driver)
 	if len(nodes) == 0 {
 		return "", fmt.Errorf("node-local driver %s has no node proxy registered", driver)
@@ -963,7 +963,7 @@ func (p *provisioner) placeOnNode(ctx context.Context, claim *corev1.PersistentV
 // noteNoRoom records that node answered the claim's CreateVolume
 // ResourceExhausted; noRoomNodes lists those nodes; forgetNoRoom forgets
 // them.
-func (p *provisioner) noteNoRoom(uid types.UID, node string) {
+func (p *Provisioner) noteNoRoom(uid types.UID, node string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if !slices.Contains(p.noRoom[uid], node) {
@@ -971,13 +971,13 @@ func (p *provisioner) noteNoRoom(uid types.UID, node string) {
 	}
 }
 
-func (p *provisioner) noRoomNodes(uid types.UID) []string {
+func (p *Provisioner) noRoomNodes(uid types.UID) []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return slices.Clone(p.noRoom[uid])
 }
 
-func (p *provisioner) forgetNoRoom(uid types.UID) {
+func (p *Provisioner) forgetNoRoom(uid types.UID) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	delete(p.noRoom, uid)
@@ -986,7 +986,7 @@ func (p *provisioner) forgetNoRoom(uid types.UID) {
 // buildRequest makes the CreateVolumeRequest (without secrets) and resolves
 // the provisioner secret reference. Its errors are the claim's or class's
 // fault and say which field is wrong.
-func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps drivers.Caps, asked *csi.TopologyRequirement) (*csi.CreateVolumeRequest, *corev1.SecretReference, *snapshotv1.VolumeSnapshot, error) {
+func (p *Provisioner) buildRequest(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, driver, pvName, selectedNode string, caps drivers.Caps, asked *csi.TopologyRequirement) (*csi.CreateVolumeRequest, *corev1.SecretReference, *snapshotv1.VolumeSnapshot, error) {
 	params, fsType, err := csiparams.CreateParameters(class.Parameters, p.b.Cfg.ExtraCreateMetadata, pvName, claim, p.b.Cfg.DefaultFSType)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("storageclass %q: %w", class.Name, err)
@@ -1072,7 +1072,7 @@ func (p *provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 }
 
 // topologyNodes lists every node with the driver's topology keys from its CSINode.
-func (p *provisioner) topologyNodes(driver string) ([]topology.Node, error) {
+func (p *Provisioner) topologyNodes(driver string) ([]topology.Node, error) {
 	nodes, err := p.b.Nodes.List(labels.Everything())
 	if err != nil {
 		return nil, err
@@ -1096,14 +1096,14 @@ func (p *provisioner) topologyNodes(driver string) ([]topology.Node, error) {
 // contentSource supports cloning from a bound claim of the same driver in
 // the same namespace, and restoring a VolumeSnapshot of the driver
 // (snapshotSource, whose snapshot as read it returns too).
-func (p *provisioner) contentSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver string, capRange *csi.CapacityRange, caps drivers.Caps) (*csi.VolumeContentSource, *snapshotv1.VolumeSnapshot, error) {
+func (p *Provisioner) contentSource(ctx context.Context, claim *corev1.PersistentVolumeClaim, driver string, capRange *csi.CapacityRange, caps drivers.Caps) (*csi.VolumeContentSource, *snapshotv1.VolumeSnapshot, error) {
 	ds := claim.Spec.DataSource
-	if ds.Kind == snapshotKind && ds.APIGroup != nil && *ds.APIGroup == snapshotGroup {
+	if ds.Kind == SnapshotKind && ds.APIGroup != nil && *ds.APIGroup == SnapshotGroup {
 		return p.snapshotSource(ctx, claim, driver, caps)
 	}
 	if ds.Kind != "PersistentVolumeClaim" || (ds.APIGroup != nil && *ds.APIGroup != "") {
 		// Populators are skipped before this.
-		return nil, nil, fmt.Errorf("data source %s %q is not supported (only PersistentVolumeClaim clones and %s VolumeSnapshots)", ds.Kind, ds.Name, snapshotGroup)
+		return nil, nil, fmt.Errorf("data source %s %q is not supported (only PersistentVolumeClaim clones and %s VolumeSnapshots)", ds.Kind, ds.Name, SnapshotGroup)
 	}
 	if !caps.Clone {
 		return nil, nil, fmt.Errorf("driver %s does not support cloning (no CLONE_VOLUME capability)", driver)
@@ -1117,7 +1117,7 @@ func (p *provisioner) contentSource(ctx context.Context, claim *corev1.Persisten
 	}
 	// A source being deleted is refused, unless a clone of it began before
 	// (it holds cloneFinalizer): that copy is retried, as a restore is.
-	if src.DeletionTimestamp != nil && !slices.Contains(src.Finalizers, cloneFinalizer) {
+	if src.DeletionTimestamp != nil && !slices.Contains(src.Finalizers, CloneFinalizer) {
 		return nil, nil, fmt.Errorf("clone source claim %s/%s is being deleted", claim.Namespace, ds.Name)
 	}
 	pv, err := p.b.Volumes.Get(src.Spec.VolumeName)
@@ -1141,7 +1141,7 @@ func (p *provisioner) contentSource(ctx context.Context, claim *corev1.Persisten
 // buildPV makes the PersistentVolume for a created volume.
 // inTree is the in-tree plugin of a migrated class ("" for a CSI class):
 // the PV is then that plugin's, as upstream makes it.
-func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, inTree, driver, pvName string, vol *csi.Volume, req *csi.CreateVolumeRequest, provSecret *corev1.SecretReference) (*corev1.PersistentVolume, error) {
+func (p *Provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, inTree, driver, pvName string, vol *csi.Volume, req *csi.CreateVolumeRequest, provSecret *corev1.SecretReference) (*corev1.PersistentVolume, error) {
 	size := vol.GetCapacityBytes()
 	if size == 0 {
 		size = req.GetCapacityRange().GetRequiredBytes()
@@ -1226,7 +1226,7 @@ func (p *provisioner) buildPV(claim *corev1.PersistentVolumeClaim, class *storag
 
 // reschedule removes the selected-node annotation so the scheduler picks
 // another node (the driver said this one has no room).
-func (p *provisioner) reschedule(ctx context.Context, claim *corev1.PersistentVolumeClaim) error {
+func (p *Provisioner) reschedule(ctx context.Context, claim *corev1.PersistentVolumeClaim) error {
 	// The UID makes it a precondition: a claim made again under the name
 	// keeps its node.
 	patch := []byte(`{"metadata":{"uid":"` + string(claim.UID) + `","annotations":{"` + kube.AnnSelectedNode + `":null}}}`)
@@ -1241,7 +1241,7 @@ func (p *provisioner) reschedule(ctx context.Context, claim *corev1.PersistentVo
 }
 
 // deleteVolume deletes a volume with its provisioner secret (through policy).
-func (p *provisioner) deleteVolume(ctx context.Context, driver, node, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester) error {
+func (p *Provisioner) deleteVolume(ctx context.Context, driver, node, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester) error {
 	return p.deleteVolumeWith(ctx, driver, node, volumeID, secretRef, requester, nil, nil)
 }
 
@@ -1252,7 +1252,7 @@ func (p *provisioner) deleteVolume(ctx context.Context, driver, node, volumeID s
 // as external-provisioner, it is deleted without credentials (the secret
 // may have gone with its namespace, with the claims), which is logged and,
 // with on, recorded as an Event on that object.
-func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester, recordedNSLabels map[string]string, on *corev1.ObjectReference) error {
+func (p *Provisioner) deleteVolumeWith(ctx context.Context, driver, node, volumeID string, secretRef *corev1.SecretReference, requester policy.Requester, recordedNSLabels map[string]string, on *corev1.ObjectReference) error {
 	creds, err := p.b.FetchSecret(ctx, kube.SecretUse{Driver: driver, Op: policy.OpDeleteVolume, Ref: secretRef, Source: policy.Source{Kind: policy.SourcePVField, Key: "provisioner secret"}, Requester: requester, RecordedNSLabels: recordedNSLabels})
 	var gone kube.SecretNotFound
 	switch {
@@ -1281,4 +1281,18 @@ func (p *provisioner) deleteVolumeWith(ctx context.Context, driver, node, volume
 		return fmt.Errorf("DeleteVolume %s on driver %s: %w", volumeID, driver, status.Convert(err).Err())
 	}
 	return nil
+}
+
+// QueueLen is how many claims wait in this term's queue, a driver's line
+// included.
+func (p *Provisioner) QueueLen() int { return p.queue.Len() }
+
+// RecoveryPasses counts the recovery passes that read the intent record,
+// so that a test waits for passes instead of time.
+func (p *Provisioner) RecoveryPasses() int64 { return p.recoveryPasses.Load() }
+
+// Reschedule lets the scheduler pick another node for claim (it drops the
+// selected-node annotation), as a ResourceExhausted answer does.
+func (p *Provisioner) Reschedule(ctx context.Context, claim *corev1.PersistentVolumeClaim) error {
+	return p.reschedule(ctx, claim)
 }
