@@ -2,7 +2,6 @@ package provision
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
@@ -19,7 +18,6 @@ import (
 	otelcodes "go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
@@ -33,7 +31,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
-	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
@@ -482,403 +479,26 @@ func claimClass(claim *corev1.PersistentVolumeClaim) string {
 	return ""
 }
 
-// provision runs one attempt and returns its result label.
+// provision runs one attempt and returns its result label. An attempt is a
+// sequence of phases (attempt.go); each either lets the next go on or
+// ends the attempt with its outcome.
 func (p *Provisioner) provision(ctx context.Context, claim *corev1.PersistentVolumeClaim, class *storagev1.StorageClass, inTree, driver, pvName, selectedNode string) (string, error) {
-	ref := kube.ClaimRef(claim)
-	// Failures are logged on every attempt and recorded as an Event once
-	// per failure (eventOnce): a driver's answer is named by its method
-	// and code (drivers put counters and request IDs in their messages),
-	// anything else by its message.
-	warn := func(what, format string, args ...any) {
-		msg := fmt.Sprintf(format, args...)
-		p.b.Log.Warn("provisioning failed", "claim", claim.Namespace+"/"+claim.Name, "driver", driver, "err", msg)
-		p.b.EventOnce(ctx, ref, corev1.EventTypeWarning, "ProvisioningFailed", what, "%s", msg)
-	}
-	// failAs fails the attempt with a failure named by what ("": by the
-	// message).
-	failAs := func(what, format string, args ...any) (string, error) {
-		err := fmt.Errorf(format, args...)
-		msg := fmt.Sprintf("failed to provision volume with StorageClass %q: %v", class.Name, err)
-		if what == "" {
-			what = msg
-		}
-		warn(what, "%s", msg)
-		return "failed", err
-	}
-	fail := func(format string, args ...any) (string, error) { return failAs("", format, args...) }
-	if claim.Spec.Selector != nil {
-		// As external-provisioner: a provisioned PV would ignore it.
-		return fail("claim Selector is not supported")
-	}
-	if ref := claim.Spec.DataSourceRef; ref != nil && ref.Namespace != nil && *ref.Namespace != "" && *ref.Namespace != claim.Namespace {
-		// The API server leaves such a reference out of spec.dataSource:
-		// provisioned as it stands, the volume would be empty.
-		return fail("data source %s %s/%s in another namespace is not supported", ref.Kind, *ref.Namespace, ref.Name)
-	}
-	caps, err := p.b.Caps.Get(ctx, driver)
-	if err != nil {
-		p.b.Caps.Forget(driver)
-		return failAs(kube.FailureOf("CreateVolume", drivers.NewUnreachable(err)), "driver %s is not reachable: %v", driver, err)
-	}
-	if !caps.CreateDelete {
-		return fail("driver %s does not support CreateVolume (no CREATE_DELETE_VOLUME capability)", driver)
-	}
-	scheduled := selectedNode != "" // the scheduler chose the node, so it can choose again
-	// The record as the API server has it, read once per term. An entry
-	// there already is an earlier attempt's (this leader's or the previous
-	// one's) that may have made the volume (on prev.Node, for a node-local
-	// driver): whatever this attempt's answer, the entry stays until that
-	// volume is accounted for.
-	prev, earlier, err := p.b.Intents.Lookup(ctx, pvName)
-	if err != nil {
-		return fail("read the intent record: %v", err)
-	}
-	// What an earlier attempt of this claim asked, while its entry says
-	// its volume may exist (a requirement remembered from before another
-	// replica led is not: that replica's answers settled the entry).
-	var asked *csi.TopologyRequirement
-	if earlier && prev.ClaimUID == string(claim.UID) && !prev.Superseded {
-		asked = p.askedBefore(claim.UID, driver, caps)
-	} else {
-		p.setAsked(claim.UID, nil)
-	}
-	if scheduled && asked == nil {
-		// As external-provisioner, a node that is gone, or (for a driver
-		// with topology) that has no CSINode, whose topology is then
-		// unknown, is handed back to the scheduler. The intent record
-		// keeps any entry of an earlier attempt: the volume it may have
-		// made is still accounted for.
-		what, why := "", ""
-		switch {
-		case p.nodeGone(ctx, selectedNode):
-			what, why = "node gone "+selectedNode, "no longer exists"
-		case caps.Accessibility && p.csiNodeGone(ctx, selectedNode):
-			what, why = "no CSINode "+selectedNode, "has no CSINode object (no CSI driver registered there)"
-		}
-		if why != "" {
-			warn(what, "failed to provision volume with StorageClass %q: selected node %q %s; asking the scheduler for another node", class.Name, selectedNode, why)
-			if rerr := p.reschedule(ctx, claim); rerr != nil {
-				return "rescheduled", rerr
-			}
-			return "rescheduled", nil
+	a := &attempt{p: p, ctx: ctx, claim: claim, class: class, inTree: inTree, driver: driver, pvName: pvName,
+		selectedNode: selectedNode, scheduled: selectedNode != "", ref: kube.ClaimRef(claim)}
+	for _, phase := range []func() *outcome{
+		a.validate,       // the claim and the driver can be provisioned at all
+		a.earlierAttempt, // what an earlier attempt recorded and asked; a gone node goes back to the scheduler
+		a.placeNodeLocal, // a node-local driver's node: an earlier attempt's, or the broker's choice
+		a.prepareRequest, // the request, its secrets decided, a clone's or restore's source protected
+		a.recordIntent,   // the intent durable on the API server before the call
+		a.call,           // CreateVolume, its failures classified
+	} {
+		if o := phase(); o != nil {
+			return o.result, o.err
 		}
 	}
-	var gone *intent.Intent // an earlier attempt's entry on a node deleted since
-	if p.b.Cfg.Drivers.NodeLocal(driver) {
-		if earlier && prev.Node != "" && prev.ClaimUID == string(claim.UID) {
-			// An earlier attempt asked prev.Node's proxy for this volume
-			// and may have made it there (its answer was "may still be in
-			// progress", or the broker stopped before the answer).
-			switch {
-			case p.nodeGone(ctx, prev.Node):
-				// Nobody can reach that volume now; its entry is kept
-				// under a key of its own (superseded) when this attempt
-				// is recorded, so that recovery deletes the volume if
-				// the node comes back under its name.
-				gone = &prev
-				p.b.Event(ctx, ref, corev1.EventTypeWarning, "ProvisioningOrphan",
-					"an earlier attempt may have made volume %s on node %s, which no longer exists; the claim is provisioned anew, and that volume is deleted if the node comes back", pvName, prev.Node)
-				p.b.Log.Warn("an earlier attempt's node is gone; provisioning anew", "claim", claim.Namespace+"/"+claim.Name, "volume", pvName, "node", prev.Node)
-			case selectedNode == "" && slices.Contains(p.noRoomNodes(claim.UID), prev.Node):
-				// Placed by the broker on a node that has since answered
-				// it has no room: the volume the earlier attempt may have
-				// made there is deleted first, and the claim placed anew.
-				if err := p.undoOnNode(ctx, prev); err != nil {
-					return failAs(kube.FailureOf("undo on "+prev.Node, err), "an earlier attempt may have made volume %s on node %s, which has no room now; it must be deleted there before the claim is placed on another node: %v", pvName, prev.Node, err)
-				}
-			case selectedNode == "":
-				// Placed by the broker: finish on the same node.
-				selectedNode = prev.Node
-			case selectedNode != prev.Node:
-				// The scheduler moved the claim: the volume the earlier
-				// attempt may have made is deleted there first.
-				if err := p.undoOnNode(ctx, prev); err != nil {
-					return failAs(kube.FailureOf("undo on "+prev.Node, err), "an earlier attempt may have made volume %s on node %s; it must be deleted there before the volume is made on node %s: %v", pvName, prev.Node, selectedNode, err)
-				}
-				p.b.Log.Info("the volume an earlier attempt may have made on another node is deleted there, or was never made", "volume", pvName, "node", prev.Node, "selected_node", selectedNode)
-			}
-		}
-	}
-	if p.b.Cfg.Drivers.NodeLocal(driver) && selectedNode == "" {
-		// Immediate claim of a node-local driver: the broker places it.
-		node, err := p.placeOnNode(ctx, claim, class, driver, caps)
-		if err != nil {
-			return fail("%v", err)
-		}
-		selectedNode = node
-	}
-	req, provSecretRef, snap, err := p.buildRequest(ctx, claim, class, driver, pvName, selectedNode, caps, asked)
-	if err != nil {
-		return fail("%v", err)
-	}
-	// The namespace's labels decide now and are recorded (intent entry,
-	// PV) for decisions after the namespace is gone: the same labels, read
-	// once, from the API server if the cache has not got the namespace
-	// yet.
-	requester := policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name, Labels: claim.Labels, StorageClass: class.Name,
-		NamespaceLabels: p.b.ReadNamespaceLabels(ctx, claim.Namespace)}
-	if p.b.Cfg.Drivers.NodeLocal(driver) {
-		// The call goes to this node's proxy: a grant's requesters.nodes
-		// can say which nodes' proxies may receive the secret.
-		requester.Node = selectedNode
-	}
-	provSource := secrets.PolicySource(secrets.Provisioner, class.Parameters)
-	creds, err := p.b.FetchSecret(ctx, kube.SecretUse{Driver: driver, Op: policy.OpCreateVolume, Ref: provSecretRef, Source: provSource, Requester: requester})
-	if err != nil {
-		return fail("%v", err)
-	}
-	// The node secrets go into the PV, where the kubelet reads them for the
-	// node plugin: writing them there is their use, so they are decided
-	// now, before any volume exists.
-	for _, k := range []struct {
-		kind secrets.Kind
-		op   policy.Operation
-	}{{secrets.NodeStage, policy.OpNodeStageVolume}, {secrets.NodePublish, policy.OpNodePublishVolume}, {secrets.NodeExpand, policy.OpNodeExpandVolume}} {
-		ref, err := secrets.Ref(k.kind, class.Parameters, pvName, claim)
-		if err != nil {
-			return fail("storageclass %q: %v", class.Name, err)
-		}
-		if ref == nil {
-			continue
-		}
-		if err := p.b.DecideSecret(ctx, kube.SecretUse{Driver: driver, Op: k.op, Ref: ref, Source: secrets.PolicySource(k.kind, class.Parameters), Requester: requester}); err != nil {
-			return fail("%v (the secret would go into the PV for the kubelet)", err)
-		}
-	}
-
-	// A clone's or a restore's source stays until the copy is done:
-	// deleting it now waits (sourceProtector releases it once no claim
-	// copying it is pending).
-	if err := p.protectSource(ctx, claim, snap); err != nil {
-		if ctx.Err() != nil {
-			return "failed", err
-		}
-		return fail("%v", err)
-	}
-
-	// Durable intent before the call: from here on the volume is never forgotten.
-	stored := proto.Clone(req).(*csi.CreateVolumeRequest)
-	stored.Secrets = nil
-	stored.AccessibilityRequirements = recordedTopology(req.AccessibilityRequirements)
-	raw, err := proto.Marshal(stored)
-	if err != nil {
-		return fail("encode request: %v", err)
-	}
-	node := ""
-	if p.b.Cfg.Drivers.NodeLocal(driver) {
-		node = selectedNode
-	}
-	// forget drops the entry after a refusal, unless an earlier attempt
-	// may have made the volume.
-	forget := func() {
-		if earlier {
-			p.b.Log.Info("CreateVolume refused; the intent entry stays, since an earlier attempt may have made the volume (recovery deletes it if the claim goes)",
-				"claim", claim.Namespace+"/"+claim.Name, "volume", pvName)
-			return
-		}
-		p.b.Intents.Remove(pvName)
-	}
-	if gone != nil && gone.Node != node {
-		kept := *gone
-		kept.Superseded = true
-		if err := p.b.Intents.Add(ctx, kept); err != nil {
-			if ctx.Err() != nil {
-				return "failed", err
-			}
-			return fail("keep the intent of the attempt on node %s, which is gone, before provisioning anew: %v", gone.Node, err)
-		}
-	}
-	entry := intent.Intent{VolumeName: pvName, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID),
-		StorageClass: class.Name, Request: raw, ProvisionerSecret: provSecretRef, Node: node, NamespaceLabels: requester.NamespaceLabels, Created: metav1.Now()}
-	if provSecretRef != nil {
-		entry.ClaimLabels, entry.SecretSource = claim.Labels, &provSource
-	}
-	if earlier && gone == nil && prev.Node == node && prev.ClaimUID == string(claim.UID) {
-		// The same volume, asked for again: an earlier request (other
-		// topology, say) may be the one that made it.
-		entry = intent.WithEarlier(entry, prev)
-	}
-	folded := ""
-	if node != "" {
-		// Back on a node an attempt was superseded on (it was gone, and
-		// registered again): that attempt's requests join this entry's.
-		if kept, ok := p.b.Intents.Get(intent.Intent{VolumeName: pvName, Node: node, Superseded: true}.Key()); ok && kept.ClaimUID == string(claim.UID) {
-			entry, folded = intent.WithEarlier(entry, kept), kept.Key()
-		}
-	}
-	if err := p.b.Intents.Add(ctx, entry); err != nil {
-		// Nothing was called yet: back off and try again.
-		if ctx.Err() != nil {
-			return "failed", err // the term is over, not the claim's fault
-		}
-		return fail("record the intent to create volume %s before calling the driver: %v", pvName, err)
-	}
-	if folded != "" {
-		p.b.Intents.Remove(folded)
-	}
-	p.b.EventOnce(ctx, ref, corev1.EventTypeNormal, "Provisioning", selectedNode, "External provisioner is provisioning volume for claim %q", claim.Namespace+"/"+claim.Name)
-
-	conn, err := p.conn(driver, node)
-	if err != nil {
-		return fail("%v", err)
-	}
-	callCtx, cancel := p.b.CallContext(ctx, driver, "CreateVolume")
-	req.Secrets = creds
-	resp, err := csi.NewControllerClient(conn).CreateVolume(callCtx, req)
-	cancel()
-	req.Secrets = nil
-	if err != nil {
-		if status.Code(err) == codes.ResourceExhausted {
-			// The objects said there was room: refreshed now, not at
-			// the next poll.
-			p.b.NoteVolumeChange(kube.VolumeChange{Driver: driver, Class: class.Name, Node: node})
-			if node != "" && !scheduled {
-				p.noteNoRoom(claim.UID, node) // placed by the broker: another node next
-			}
-		}
-		failure := kube.FailureOf("CreateVolume", err)
-		outcome := csiparams.ClassifyCreateError(err, caps.Accessibility && scheduled)
-		if outcome == csiparams.CreateInProgress {
-			p.setAsked(claim.UID, req.AccessibilityRequirements)
-		} else {
-			p.setAsked(claim.UID, nil) // a final answer: the next attempt asks anew
-		}
-		switch outcome {
-		case csiparams.CreateInProgress:
-			// The volume may still appear: keep the intent and re-issue
-			// the same request later.
-			warn(failure, "failed to provision volume with StorageClass %q: %s (may still be in progress; retrying with the same name)", class.Name, kube.StatusText(err))
-			return "in_progress", err
-		case csiparams.CreateReschedule:
-			forget()
-			warn(failure+" reschedule from "+selectedNode, "failed to provision volume with StorageClass %q: %s; asking the scheduler for another node", class.Name, kube.StatusText(err))
-			if rerr := p.reschedule(ctx, claim); rerr != nil {
-				return "rescheduled", rerr
-			}
-			return "rescheduled", nil
-		default:
-			forget()
-			warn(failure, "failed to provision volume with StorageClass %q: %s", class.Name, kube.StatusText(err))
-			return "failed", err
-		}
-	}
-
-	// The volume exists: until its PV is saved, a retry asks the same.
-	p.setAsked(claim.UID, req.AccessibilityRequirements)
-	made := kube.VolumeChange{Driver: driver, Node: node}
-	for _, t := range resp.GetVolume().GetAccessibleTopology() {
-		made.Topo = append(made.Topo, t.GetSegments())
-	}
-	p.b.NoteVolumeChange(made)
-	if p.AfterCreate != nil {
-		p.AfterCreate(ctx, pvName)
-		if ctx.Err() != nil {
-			return "failed", ctx.Err()
-		}
-	}
-
-	// The claim may have gone while the driver worked: delete the volume
-	// now instead of leaving a PV for nobody. The informer cache is asked,
-	// not the API server (a read costs a token of the client's QPS budget);
-	// a deletion it has not seen yet leaves a PV whose claim is gone, which
-	// the PV controller releases and the deleter then deletes.
-	if cur, gerr := p.b.Claims.PersistentVolumeClaims(claim.Namespace).Get(claim.Name); apierrors.IsNotFound(gerr) || (gerr == nil && (cur.UID != claim.UID || cur.DeletionTimestamp != nil)) {
-		// An earlier attempt (the previous leader's, whose PV the cache
-		// has not shown yet) may have made the PV: its reclaim policy
-		// decides then, not this attempt.
-		held, rerr, derr := p.discardVolume(ctx, driver, node, pvName, resp.GetVolume().GetVolumeId(), provSecretRef, requester)
-		switch {
-		case rerr != nil:
-			p.b.Log.Warn("claim deleted during provisioning; could not tell whether its PersistentVolume holds the volume (the intent record keeps it; retried)", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName, "err", rerr)
-			return "failed", rerr
-		case held:
-			p.b.Log.Info("claim deleted during provisioning, but its PersistentVolume exists; the volume is left to the PV's reclaim policy", "claim", claim.Namespace+"/"+claim.Name, "pv", pvName)
-			return "claim_deleted", nil
-		case derr != nil:
-			p.b.Log.Error("claim deleted during provisioning; deleting its volume failed (the intent record keeps it; recovery retries)", "claim", claim.Namespace+"/"+claim.Name, "driver", driver, "volume", resp.GetVolume().GetVolumeId(), "err", derr)
-			p.b.Metrics.Leaked.WithLabelValues(driver, "failed").Inc()
-			return "failed", derr
-		}
-		p.b.Log.Info("claim deleted during provisioning; its volume was deleted", "claim", claim.Namespace+"/"+claim.Name, "volume", resp.GetVolume().GetVolumeId())
-		p.b.Metrics.Leaked.WithLabelValues(driver, "deleted").Inc()
-		return "claim_deleted", nil
-	}
-
-	// As external-provisioner: a volume smaller than asked for would never
-	// be bound, and a clone without its source's content would give the
-	// claim an empty volume; either is deleted and the attempt retried.
-	wrong := ""
-	if got, want := resp.GetVolume().GetCapacityBytes(), req.GetCapacityRange().GetRequiredBytes(); got != 0 && got < want {
-		wrong = fmt.Sprintf("created volume capacity %d less than requested capacity %d", got, want)
-	} else if req.GetVolumeContentSource() != nil && resp.GetVolume().GetContentSource() == nil {
-		wrong = "volume content source missing in the driver's answer"
-	}
-	if wrong != "" {
-		held, rerr, derr := p.discardVolume(ctx, driver, node, pvName, resp.GetVolume().GetVolumeId(), provSecretRef, requester)
-		switch {
-		case rerr != nil:
-			return failAs(wrong+", PV unknown", "%s; whether a PersistentVolume holds it could not be read: %v", wrong, rerr)
-		case held:
-			return "success", nil
-		case derr != nil:
-			// The retry gets the same volume back and tries again;
-			// recovery deletes it if the claim goes.
-			return failAs(wrong+", delete failed", "%s; deleting it failed: %v", wrong, derr)
-		}
-		return failAs(wrong, "%s; the volume was deleted", wrong)
-	}
-
-	pv, err := p.buildPV(claim, class, inTree, driver, pvName, resp.GetVolume(), req, provSecretRef)
-	if err != nil {
-		return fail("%v", err)
-	}
-	if node != "" {
-		// Deletion goes to this node's proxy, whatever topology the driver reports.
-		pv.Annotations[kube.AnnVolumeNode] = node
-	}
-	if labels := requester.NamespaceLabels; labels != nil {
-		if b, err := json.Marshal(labels); err == nil {
-			pv.Annotations[kube.AnnNamespaceLabels] = string(b)
-		}
-	}
-	if !caps.Accessibility {
-		// As external-provisioner: the topology a driver without
-		// VOLUME_ACCESSIBILITY_CONSTRAINTS reports names no node labels
-		// it promised, and an affinity on it could match no node.
-		pv.Spec.NodeAffinity = nil
-	}
-	if node != "" && pv.Spec.NodeAffinity == nil {
-		// A node-local volume is reachable from its node only: the
-		// node's hostname label, which need not be its name.
-		host := node
-		if n, err := p.b.Nodes.Get(node); err == nil && n.Labels[corev1.LabelHostname] != "" {
-			host = n.Labels[corev1.LabelHostname]
-		}
-		pv.Spec.NodeAffinity = &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
-			MatchExpressions: []corev1.NodeSelectorRequirement{{Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpIn, Values: []string{host}}}}}}}
-	}
-	_, err = p.b.Cfg.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
-	if apierrors.IsAlreadyExists(err) {
-		// An earlier attempt (the previous leader's, or this leader's
-		// whose PV the cache has not shown yet) saved the PV: it must
-		// hold the volume this attempt made, or that volume is a second
-		// one nothing accounts for.
-		err = p.settleExistingPV(ctx, claim, driver, node, pvName, resp.GetVolume().GetVolumeId(), provSecretRef, requester)
-		if err != nil {
-			warn(kube.FailureOf("save PV", err), "volume %s was created but PersistentVolume %s exists already: %v", resp.GetVolume().GetVolumeId(), pvName, err)
-			return "failed", err // intent kept: recovery deletes the second volume
-		}
-	}
-	if err != nil {
-		// Intent kept: the next attempt re-issues CreateVolume (same
-		// name, same volume) and tries the PV again.
-		warn("save PV "+string(apierrors.ReasonForError(err)), "volume %s was created but saving PersistentVolume %s failed: %v (retrying)", resp.GetVolume().GetVolumeId(), pvName, err)
-		return "failed", err
-	}
-	p.b.Intents.Remove(pvName)
-	p.b.Event(ctx, ref, corev1.EventTypeNormal, "ProvisioningSucceeded", "Successfully provisioned volume %s", pvName)
-	p.b.ForgetEvents(claim.UID)
-	return "success", nil
+	o := a.recordResult() // the PV saved, or the volume discarded
+	return o.result, o.err
 }
 
 // conn picks the driver's controller proxy, or for a node-local driver the
