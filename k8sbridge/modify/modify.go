@@ -22,6 +22,8 @@ import (
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/policy"
+	"google.golang.org/grpc"
+	storagev1 "k8s.io/api/storage/v1"
 )
 
 // Volume modification, as external-resizer's modify controller: a bound
@@ -303,156 +305,226 @@ func (m *Controller) clearModify(ctx context.Context, claim *corev1.PersistentVo
 	return nil
 }
 
-// modify runs one attempt and returns its result label.
+// modify runs one attempt and returns its result label: a sequence of
+// phases (attempt below), each of which lets the next go on or ends the
+// attempt.
 func (m *Controller) modify(ctx context.Context, claim *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume, driver, target string) (string, time.Duration, error) {
-	key := claim.Namespace + "/" + claim.Name
-	warn := func(failure, format string, args ...any) {
-		msg := m.warn(ctx, claim, target, failure, format, args...)
-		m.b.Log.Warn("volume modification failed", "claim", key, "pv", pv.Name, "driver", driver, "class", target, "err", msg)
-	}
-	// failed reports a failed API request, as warn does, unless it is
-	// retried quietly. After a ControllerModifyVolume that succeeded the
-	// retry asks the driver again, which the call's idempotence allows.
-	failed := func(result string, err error) (string, time.Duration, error) {
-		if !retriedQuietly(ctx, err) {
-			warn("", "modify volume %s to VolumeAttributesClass %s: %v", pv.Name, target, err)
+	a := &attempt{m: m, ctx: ctx, claim: claim, pv: pv, driver: driver, target: target, key: claim.Namespace + "/" + claim.Name}
+	for _, phase := range []func() *outcome{
+		a.checkClass, // the driver can modify volumes, the class exists and is the driver's
+		a.prepare,    // the volume's node, its secret decided and read, the connection
+		a.call,       // the claim marked in progress, ControllerModifyVolume
+	} {
+		if o := phase(); o != nil {
+			return o.result, o.requeue, o.err
 		}
-		return result, 0, err
 	}
-	// infeasible marks the claim Infeasible, with cond as its
-	// ModifyVolumeError condition's message, and reports msg as warn does
-	// (failure as warn's), or, the claim not marked, msg with the failure
-	// to mark it: one Event per attempt, so that a retry repeats none
-	// (eventOnce remembers the last of each reason).
-	infeasible := func(failure, msg, cond string) (string, time.Duration, error) {
-		c := modifyStatus(claim, target, corev1.PersistentVolumeClaimModifyVolumeInfeasible)
-		c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, "Infeasible", cond)
-		if _, err := m.b.PatchClaimStatus(ctx, claim, c, true); err != nil {
-			if !retriedQuietly(ctx, err) {
-				if failure == "" {
-					failure = msg
-				}
-				warn(failure+"; "+err.Error(), "%s; marking claim %s Infeasible failed: %v", msg, key, err)
-			}
-			return "infeasible", 0, err // retried with backoff, and written then
-		}
-		warn(failure, "%s", msg)
-		m.mu.Lock()
-		m.infeasible[claim.UID] = infeasibleTarget{class: target, at: time.Now()}
-		m.mu.Unlock()
-		return "infeasible", m.b.Cfg.RetryIntervalMax, nil
-	}
+	o := a.record() // the PV and the claim say the class is current
+	return o.result, o.requeue, o.err
+}
 
-	caps, err := m.b.Caps.Get(ctx, driver)
+// attempt is one modification of a claim's volume to class target: what
+// its phases learn and hand on.
+type attempt struct {
+	m      *Controller
+	ctx    context.Context
+	claim  *corev1.PersistentVolumeClaim
+	pv     *corev1.PersistentVolume
+	driver string
+	target string
+	key    string // the claim's namespace/name
+
+	vac   *storagev1.VolumeAttributesClass // checkClass
+	node  string                           // prepare: a node-local volume's node
+	creds map[string]string                // prepare
+	conn  grpc.ClientConnInterface         // prepare
+}
+
+// outcome ends an attempt: the result label, when to look again (0: as
+// the queue's backoff says), and the error the claim is retried for.
+type outcome struct {
+	result  string
+	requeue time.Duration
+	err     error
+}
+
+func ended(result string, err error) *outcome { return &outcome{result: result, err: err} }
+
+// warn logs a failure and records it as the controller's warn does.
+func (a *attempt) warn(failure, format string, args ...any) {
+	msg := a.m.warn(a.ctx, a.claim, a.target, failure, format, args...)
+	a.m.b.Log.Warn("volume modification failed", "claim", a.key, "pv", a.pv.Name, "driver", a.driver, "class", a.target, "err", msg)
+}
+
+// failed reports a failed API request, as warn does, unless it is retried
+// quietly. After a ControllerModifyVolume that succeeded the retry asks the
+// driver again, which the call's idempotence allows.
+func (a *attempt) failed(result string, err error) *outcome {
+	if !retriedQuietly(a.ctx, err) {
+		a.warn("", "modify volume %s to VolumeAttributesClass %s: %v", a.pv.Name, a.target, err)
+	}
+	return ended(result, err)
+}
+
+// notCalled reports a failure before the driver was asked.
+func (a *attempt) notCalled(err error, format string, args ...any) *outcome {
+	a.warn("", format, args...)
+	return ended("not_called", err)
+}
+
+// infeasible marks the claim Infeasible, with cond as its ModifyVolumeError
+// condition's message, and reports msg as warn does (failure as warn's),
+// or, the claim not marked, msg with the failure to mark it: one Event per
+// attempt, so that a retry repeats none (EventOnce remembers the last of
+// each reason).
+func (a *attempt) infeasible(failure, msg, cond string) *outcome {
+	m, claim := a.m, a.claim
+	c := modifyStatus(claim, a.target, corev1.PersistentVolumeClaimModifyVolumeInfeasible)
+	c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, "Infeasible", cond)
+	if _, err := m.b.PatchClaimStatus(a.ctx, claim, c, true); err != nil {
+		if !retriedQuietly(a.ctx, err) {
+			if failure == "" {
+				failure = msg
+			}
+			a.warn(failure+"; "+err.Error(), "%s; marking claim %s Infeasible failed: %v", msg, a.key, err)
+		}
+		return ended("infeasible", err) // retried with backoff, and written then
+	}
+	a.warn(failure, "%s", msg)
+	m.mu.Lock()
+	m.infeasible[claim.UID] = infeasibleTarget{class: a.target, at: time.Now()}
+	m.mu.Unlock()
+	return &outcome{result: "infeasible", requeue: m.b.Cfg.RetryIntervalMax}
+}
+
+// checkClass makes sure the driver can modify volumes and reads the class:
+// Pending while it does not exist (as upstream; the claim is marked first,
+// so that one Event says how things stand), Infeasible when it is another
+// driver's.
+func (a *attempt) checkClass() *outcome {
+	m, pv, driver, target := a.m, a.pv, a.driver, a.target
+	caps, err := m.b.Caps.Get(a.ctx, driver)
 	if err != nil {
 		m.b.Caps.Forget(driver)
-		warn(kube.FailureOf("ControllerModifyVolume", drivers.NewUnreachable(err)), "modify volume %s to VolumeAttributesClass %s: driver %s is not reachable: %v", pv.Name, target, driver, err)
-		return "not_called", 0, err
+		a.warn(kube.FailureOf("ControllerModifyVolume", drivers.NewUnreachable(err)), "modify volume %s to VolumeAttributesClass %s: driver %s is not reachable: %v", pv.Name, target, driver, err)
+		return ended("not_called", err)
 	}
 	if !caps.Modify {
 		msg := fmt.Sprintf("driver %s does not support volume modification (no MODIFY_VOLUME capability); volume %s cannot take VolumeAttributesClass %s", driver, pv.Name, target)
-		return infeasible("", msg, msg)
+		return a.infeasible("", msg, msg)
 	}
-	vac, err := m.b.Cfg.Client.StorageV1().VolumeAttributesClasses().Get(ctx, target, metav1.GetOptions{})
+	vac, err := m.b.Cfg.Client.StorageV1().VolumeAttributesClasses().Get(a.ctx, target, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
-		// As upstream: Pending until the class exists. The claim is
-		// marked first, so that one Event says how things stand.
-		if _, perr := m.b.PatchClaimStatus(ctx, claim, modifyStatus(claim, target, corev1.PersistentVolumeClaimModifyVolumePending), true); perr != nil {
-			return failed("pending", fmt.Errorf("VolumeAttributesClass %s not found, and marking claim %s Pending failed: %w", target, key, perr))
+		if _, perr := m.b.PatchClaimStatus(a.ctx, a.claim, modifyStatus(a.claim, target, corev1.PersistentVolumeClaimModifyVolumePending), true); perr != nil {
+			return a.failed("pending", fmt.Errorf("VolumeAttributesClass %s not found, and marking claim %s Pending failed: %w", target, a.key, perr))
 		}
-		m.b.EventOnce(ctx, kube.ClaimRef(claim), corev1.EventTypeWarning, "VolumeModifyFailed", target+" not found",
+		m.b.EventOnce(a.ctx, kube.ClaimRef(a.claim), corev1.EventTypeWarning, "VolumeModifyFailed", target+" not found",
 			"VolumeAttributesClass %s not found; the modification of volume %s waits for it", target, pv.Name)
-		return "pending", 0, fmt.Errorf("volumeattributesclass %s not found", target)
+		return ended("pending", fmt.Errorf("volumeattributesclass %s not found", target))
 	}
 	if err != nil {
-		return failed("not_called", fmt.Errorf("read VolumeAttributesClass %s: %w", target, err))
+		return a.failed("not_called", fmt.Errorf("read VolumeAttributesClass %s: %w", target, err))
 	}
 	if vac.DriverName != driver {
 		msg := fmt.Sprintf("VolumeAttributesClass %s is for driver %s, but volume %s is of driver %s", target, vac.DriverName, pv.Name, driver)
-		return infeasible("", msg, msg)
+		return a.infeasible("", msg, msg)
 	}
-	node := ""
+	a.vac = vac
+	return nil
+}
+
+// prepare finds a node-local volume's node, decides and reads the secret
+// before anything is written (a denied secret leaves the claim as it was),
+// and connects to the driver.
+func (a *attempt) prepare() *outcome {
+	m, pv, claim, driver := a.m, a.pv, a.claim, a.driver
 	if m.b.Cfg.Drivers.NodeLocal(driver) {
-		if node = m.b.NodeOfPV(pv); node == "" {
+		if a.node = m.b.NodeOfPV(pv); a.node == "" {
 			err := kube.ErrNodeUnknown(pv, driver)
-			warn("", "modify volume %s: %v", pv.Name, err)
-			return "not_called", 0, err
+			return a.notCalled(err, "modify volume %s: %v", pv.Name, err)
 		}
 	}
-	// The secret is decided and read before anything is written: a
-	// denied secret leaves the claim as it was.
 	ref, err := modifySecretRef(pv)
 	if err != nil {
-		warn("", "modify volume %s: %v", pv.Name, err)
-		return "not_called", 0, err
+		return a.notCalled(err, "modify volume %s: %v", pv.Name, err)
 	}
-	secrets, err := m.b.FetchSecret(ctx, kube.SecretUse{
+	a.creds, err = m.b.FetchSecret(a.ctx, kube.SecretUse{
 		Driver: driver, Op: policy.OpControllerModifyVolume, Ref: ref,
 		Source: policy.Source{Kind: policy.SourcePVField, Key: "metadata.annotations[" + kube.AnnModifySecretName + "]"},
 		Requester: policy.Requester{Kind: policy.KindPersistentVolumeClaim, Namespace: claim.Namespace, Name: claim.Name,
-			Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName, Node: node},
+			Labels: claim.Labels, StorageClass: pv.Spec.StorageClassName, Node: a.node},
 		RecordedNSLabels: kube.RecordedNamespaceLabels(pv),
 	})
 	if err != nil {
-		warn("", "modify volume %s to VolumeAttributesClass %s: %v", pv.Name, target, err)
-		return "not_called", 0, err
+		return a.notCalled(err, "modify volume %s to VolumeAttributesClass %s: %v", pv.Name, a.target, err)
 	}
-	cc, err := m.b.DriverConn(driver, node)
-	if err != nil {
-		warn("", "modify volume %s: %v", pv.Name, err)
-		return "not_called", 0, err
+	if a.conn, err = m.b.DriverConn(driver, a.node); err != nil {
+		return a.notCalled(err, "modify volume %s: %v", pv.Name, err)
 	}
+	return nil
+}
 
-	claim, err = m.b.PatchClaimStatus(ctx, claim, modifyInProgress(claim, target), true)
+// call marks the claim in progress and asks the driver, the class's
+// parameters as the mutable parameters (with the claim's and PV's names
+// under --extra-modify-metadata). InvalidArgument is Infeasible; any other
+// failure is recorded on the claim and retried.
+func (a *attempt) call() *outcome {
+	m, pv, target := a.m, a.pv, a.target
+	claim, err := m.b.PatchClaimStatus(a.ctx, a.claim, modifyInProgress(a.claim, target), true)
 	if err != nil {
-		return failed("not_called", fmt.Errorf("mark claim %s modifying: %w", key, err))
+		return a.failed("not_called", fmt.Errorf("mark claim %s modifying: %w", a.key, err))
 	}
-	m.b.EventOnce(ctx, kube.ClaimRef(claim), corev1.EventTypeNormal, "VolumeModify", target,
+	a.claim = claim
+	m.b.EventOnce(a.ctx, kube.ClaimRef(claim), corev1.EventTypeNormal, "VolumeModify", target,
 		"csibroker is modifying volume %s to VolumeAttributesClass %s", pv.Name, target)
 
-	params := maps.Clone(vac.Parameters)
+	params := maps.Clone(a.vac.Parameters)
 	if m.b.Cfg.ExtraModifyMetadata {
 		if params == nil {
 			params = map[string]string{}
 		}
 		params[csiparams.ParamPVCName], params[csiparams.ParamPVCNamespace], params[csiparams.ParamPVName] = claim.Name, claim.Namespace, pv.Name
 	}
-	req := &csi.ControllerModifyVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, Secrets: secrets, MutableParameters: params}
-	callCtx, cancel := m.b.CallContext(ctx, driver, "ControllerModifyVolume")
-	_, err = csi.NewControllerClient(cc).ControllerModifyVolume(callCtx, req)
+	req := &csi.ControllerModifyVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, Secrets: a.creds, MutableParameters: params}
+	callCtx, cancel := m.b.CallContext(a.ctx, a.driver, "ControllerModifyVolume")
+	_, err = csi.NewControllerClient(a.conn).ControllerModifyVolume(callCtx, req)
 	cancel()
 	req.Secrets = nil
-	if err != nil {
-		if ctx.Err() != nil {
-			return "failed", 0, err // the term ended; the next leader looks again
-		}
-		failure := kube.FailureOf("ControllerModifyVolume", err)
-		msg := fmt.Sprintf("modify volume %s to VolumeAttributesClass %s failed: %s", pv.Name, target, kube.StatusText(err))
-		if status.Code(err) == codes.InvalidArgument {
-			return infeasible(failure, msg, "ControllerModifyVolume failed: "+kube.StatusText(err))
-		}
-		warn(failure, "%s", msg)
-		c := claim.DeepCopy()
-		c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, status.Code(err).String(),
-			"ControllerModifyVolume failed: "+kube.StatusText(err)+"; will retry")
-		// Without a resourceVersion, as upstream: the condition merges by
-		// type, and a concurrent write (the resizer's) does not lose it.
-		if _, perr := m.b.PatchClaimStatus(ctx, claim, c, false); perr != nil {
-			m.b.Log.Warn("volume modification: recording the failure on the claim failed", "claim", key, "err", perr)
-		}
-		return "failed", 0, err
+	if err == nil {
+		return nil
 	}
+	if a.ctx.Err() != nil {
+		return ended("failed", err) // the term ended; the next leader looks again
+	}
+	failure := kube.FailureOf("ControllerModifyVolume", err)
+	msg := fmt.Sprintf("modify volume %s to VolumeAttributesClass %s failed: %s", pv.Name, target, kube.StatusText(err))
+	if status.Code(err) == codes.InvalidArgument {
+		return a.infeasible(failure, msg, "ControllerModifyVolume failed: "+kube.StatusText(err))
+	}
+	a.warn(failure, "%s", msg)
+	c := claim.DeepCopy()
+	c.Status.Conditions = setModifyCondition(c.Status.Conditions, corev1.PersistentVolumeClaimVolumeModifyVolumeError, status.Code(err).String(),
+		"ControllerModifyVolume failed: "+kube.StatusText(err)+"; will retry")
+	// Without a resourceVersion, as upstream: the condition merges by
+	// type, and a concurrent write (the resizer's) does not lose it.
+	if _, perr := m.b.PatchClaimStatus(a.ctx, claim, c, false); perr != nil {
+		m.b.Log.Warn("volume modification: recording the failure on the claim failed", "claim", a.key, "err", perr)
+	}
+	return ended("failed", err)
+}
+
+// record writes what the driver did: the PV first, as upstream (a claim
+// that says done has a PV that names the class), then the claim's status.
+func (a *attempt) record() *outcome {
+	m, pv, claim, target := a.m, a.pv, a.claim, a.target
 	m.mu.Lock()
 	delete(m.infeasible, claim.UID)
 	m.mu.Unlock()
-
-	// The PV first, as upstream: a claim that says done has a PV that
-	// names the class.
 	if pv.Spec.VolumeAttributesClassName == nil || *pv.Spec.VolumeAttributesClassName != target {
 		cur := pv.DeepCopy()
 		cur.Spec.VolumeAttributesClassName = &target
-		if err := m.b.PatchPV(ctx, pv, cur); err != nil {
-			return failed("failed", fmt.Errorf("set VolumeAttributesClass %s on pv %s: %w", target, pv.Name, err))
+		if err := m.b.PatchPV(a.ctx, pv, cur); err != nil {
+			return a.failed("failed", fmt.Errorf("set VolumeAttributesClass %s on pv %s: %w", target, pv.Name, err))
 		}
 	}
 	done := claim.DeepCopy()
@@ -462,13 +534,13 @@ func (m *Controller) modify(ctx context.Context, claim *corev1.PersistentVolumeC
 	// Without a resourceVersion: the driver did apply the class, which is
 	// true whatever was written since (a newer class asked for is seen,
 	// since the spec is not touched).
-	if _, err := m.b.PatchClaimStatus(ctx, claim, done, false); err != nil {
-		return failed("failed", fmt.Errorf("mark claim %s modified: %w", key, err))
+	if _, err := m.b.PatchClaimStatus(a.ctx, claim, done, false); err != nil {
+		return a.failed("failed", fmt.Errorf("mark claim %s modified: %w", a.key, err))
 	}
-	m.b.Event(ctx, kube.ClaimRef(claim), corev1.EventTypeNormal, "VolumeModifySuccessful", "Modified volume %s to VolumeAttributesClass %s", pv.Name, target)
+	m.b.Event(a.ctx, kube.ClaimRef(claim), corev1.EventTypeNormal, "VolumeModifySuccessful", "Modified volume %s to VolumeAttributesClass %s", pv.Name, target)
 	m.b.ForgetEvents(claim.UID)
-	m.b.Log.Info("volume modified", "claim", key, "pv", pv.Name, "driver", driver, "class", target)
-	return "success", 0, nil
+	m.b.Log.Info("volume modified", "claim", a.key, "pv", pv.Name, "driver", a.driver, "class", target)
+	return ended("success", nil)
 }
 
 // warn records a VolumeModifyFailed Event on claim once per class and
