@@ -58,10 +58,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
-	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
-	"github.com/csibroker/csibroker/k8sbridge/secrets"
-	"github.com/csibroker/csibroker/k8sbridge/topology"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/attribute"
 	otelcodes "go.opentelemetry.io/otel/codes"
@@ -80,6 +76,11 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
+
+	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/secrets"
+	"github.com/csibroker/csibroker/k8sbridge/topology"
 )
 
 // PollInterval is how often every capacity object is refreshed from

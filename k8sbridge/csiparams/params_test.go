@@ -10,12 +10,13 @@ import (
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/csibroker/csibroker/k8sbridge/secrets"
 )
 
 func TestCreateParameters(t *testing.T) {

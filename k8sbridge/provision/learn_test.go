@@ -3,18 +3,20 @@ package provision
 import (
 	"context"
 	"fmt"
-	"github.com/container-storage-interface/spec/lib/go/csi"
-	"github.com/csibroker/csibroker/internal/chaintest"
-	"github.com/csibroker/csibroker/internal/sampledriver"
-	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 	"log/slog"
 	"maps"
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/csibroker/csibroker/internal/chaintest"
+	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 )
 
 // chainDrivers reaches sample drivers through their own real chains

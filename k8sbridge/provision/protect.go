@@ -7,7 +7,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -16,6 +15,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
+
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 )
 
 // Source protection, as external-provisioner does it. A claim that is the

@@ -5,9 +5,10 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/csibroker/csibroker/policy"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/csibroker/csibroker/policy"
 )
 
 // Secret references from StorageClass parameters, with the rules of

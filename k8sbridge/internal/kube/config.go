@@ -3,15 +3,17 @@ package kube
 import (
 	"context"
 	"errors"
-	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
-	"github.com/csibroker/csibroker/policy"
+	"log/slog"
+	"time"
+
 	snapshotclient "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 	"k8s.io/client-go/kubernetes"
-	"log/slog"
-	"time"
+
+	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
+	"github.com/csibroker/csibroker/policy"
 )
 
 import ()

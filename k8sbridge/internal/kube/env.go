@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/csibroker/csibroker/k8sbridge/intent"
-	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
+	"log/slog"
+	"sync"
+	"time"
+
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
@@ -16,9 +18,9 @@ import (
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
-	"log/slog"
-	"sync"
-	"time"
+
+	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 )
 
 import ()

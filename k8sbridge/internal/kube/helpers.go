@@ -3,6 +3,7 @@ package kube
 import (
 	"context"
 	"fmt"
+
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"

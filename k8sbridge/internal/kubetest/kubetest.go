@@ -7,13 +7,14 @@ package kubetest
 import (
 	"context"
 	"fmt"
-	storagev1 "k8s.io/api/storage/v1"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -22,7 +23,6 @@ import (
 
 	"github.com/csibroker/csibroker/internal/testenv"
 	"github.com/csibroker/csibroker/policy"
-	"k8s.io/apimachinery/pkg/api/resource"
 )
 
 // ControlPlane is the package's shared control plane (testenv.Shared). A
