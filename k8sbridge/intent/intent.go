@@ -704,151 +704,194 @@ func (s *Store) failAll(err error) {
 
 // flush writes every queued change in one update (re-reading on conflict).
 func (s *Store) flush(ctx context.Context) {
-	// The first request's token is taken before the batch is cut, so the
-	// batch holds what arrived while it waited.
-	prepaid := s.wait != nil
-	if prepaid {
-		if err := s.wait(ctx); err != nil {
-			return // ctx is done: Run fails what is queued
-		}
-	}
-	s.mu.Lock()
-	adds, removes := s.adds, s.removes
-	s.adds, s.removes = map[string]*pendingAdd{}, map[string]bool{}
-	s.removing = removes
-	cached, loaded := s.cache, s.loaded
-	s.mu.Unlock()
-
-	finish := func(err error) {
-		for _, p := range adds {
-			p.done <- err
-		}
+	b, ok := s.cutBatch(ctx)
+	if !ok {
+		return // ctx is done: Run fails what is queued
 	}
 	var err error
 	for attempt := 0; attempt < 5; attempt++ {
-		if !loaded || cached == nil {
-			if cached, err = s.get(ctx, &prepaid); err != nil {
-				break
-			}
-			loaded = true
-			// Another object than the record last known (deleted and
-			// made again, after a failed write or between writes): its
-			// entries are to be written back (noteReplacedLocked).
-			s.mu.Lock()
-			s.noteReplacedLocked(cached)
-			s.setCacheLocked(cached)
-			s.mu.Unlock()
-		}
-		cm := cached.DeepCopy()
-		if cm.Data == nil {
-			cm.Data = map[string]string{}
-		}
-		// The entries of a replaced record go back in (merged into the
-		// replacement, or into the record written to, whose write then
-		// fails and reads it again); what is removed now is not to
-		// come back with them.
-		s.mu.Lock()
-		for k, v := range s.lost {
-			if _, ok := cm.Data[k]; !ok && !removes[k] {
-				cm.Data[k] = v
-			}
-		}
-		s.mu.Unlock()
-		for k := range removes {
-			delete(cm.Data, k)
-		}
-		size := 0
-		for k, v := range cm.Data {
-			size += len(k) + len(v)
-		}
-		var full []string
-		for k, p := range adds {
-			b, merr := json.Marshal(p.intent)
-			if merr != nil {
-				p.done <- merr
-				delete(adds, k)
-				continue
-			}
-			if n := len(k) + len(b); n > s.maxBytes {
-				// Never fits, however empty the record: said so, not
-				// "too many at once".
-				p.done <- fmt.Errorf("%w: the intent of volume %s alone is %d bytes, over the record's %d (a class's parameters too large to record)", ErrTooLarge, k, n, s.maxBytes)
-				delete(adds, k)
-				continue
-			}
-			prev, exists := cm.Data[k]
-			grow := len(k) + len(b)
-			if exists {
-				grow = len(b) - len(prev)
-			}
-			// Fail only what does not fit: a ConfigMap holds at most 1 MiB.
-			if (!exists && len(cm.Data) >= s.maxEntries) || size+grow > s.maxBytes {
-				full = append(full, k)
-				continue
-			}
-			size += grow
-			cm.Data[k] = string(b)
-		}
-		for _, k := range full {
-			adds[k].done <- ErrFull
-			delete(adds, k)
-		}
-		if len(adds) == 0 && len(removes) == 0 && maps.Equal(cm.Data, cached.Data) {
-			// Nothing to write (every Add failed): no API write spent.
-			s.mu.Lock()
-			s.removing = nil
-			s.lost = nil // nothing of it was missing
-			s.mu.Unlock()
-			return
-		}
-		var updated *corev1.ConfigMap
-		if err = s.take(ctx, &prepaid); err != nil {
+		var again bool
+		if again, err = s.tryWrite(ctx, b); err == nil || !again {
 			break
 		}
-		updated, err = s.client.CoreV1().ConfigMaps(s.namespace).Update(ctx, cm, metav1.UpdateOptions{})
-		s.mu.Lock()
-		s.writes++
-		s.mu.Unlock()
-		if err == nil {
-			s.mu.Lock()
-			s.setCacheLocked(updated)
-			s.loaded = true
-			s.removing = nil
-			s.lost = nil // written back, or never replaced
-			s.mu.Unlock()
-			finish(nil)
-			return
+	}
+	if err != nil {
+		s.batchFailed(b, err)
+	}
+}
+
+// batch is what one flush writes: the changes it took from the queue, and
+// the record as it was last read.
+type batch struct {
+	adds    map[string]*pendingAdd
+	removes map[string]bool
+	prepaid bool              // the first request's token is taken already
+	cached  *corev1.ConfigMap // nil: to be read before the write
+}
+
+// finish answers every Add of the batch still waiting.
+func (b *batch) finish(err error) {
+	for _, p := range b.adds {
+		p.done <- err
+	}
+}
+
+// cutBatch takes what is queued. The first request's token is taken before
+// the batch is cut, so the batch holds what arrived while it waited; false:
+// ctx ended while waiting.
+func (s *Store) cutBatch(ctx context.Context) (*batch, bool) {
+	b := &batch{prepaid: s.wait != nil}
+	if b.prepaid {
+		if err := s.wait(ctx); err != nil {
+			return nil, false
 		}
-		if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
-			// Read again; if it is another object, the entries of the
-			// one written to are kept (noteReplacedLocked compares
-			// with it).
-			s.mu.Lock()
-			s.setCacheLocked(cached)
-			s.mu.Unlock()
-			loaded, cached = false, nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b.adds, b.removes = s.adds, s.removes
+	s.adds, s.removes = map[string]*pendingAdd{}, map[string]bool{}
+	s.removing = b.removes
+	if s.loaded {
+		b.cached = s.cache
+	}
+	return b, true
+}
+
+// tryWrite writes the batch over the record, read first if need be. It
+// returns nil once written (or once nothing is left to write), and again
+// when the write met a newer or another record, which is read again.
+func (s *Store) tryWrite(ctx context.Context, b *batch) (again bool, err error) {
+	if b.cached == nil {
+		if b.cached, err = s.get(ctx, &b.prepaid); err != nil {
+			return false, err
+		}
+		// Another object than the record last known (deleted and made
+		// again, after a failed write or between writes): its entries are
+		// to be written back (noteReplacedLocked).
+		s.mu.Lock()
+		s.noteReplacedLocked(b.cached)
+		s.setCacheLocked(b.cached)
+		s.mu.Unlock()
+	}
+	cm := s.merge(b)
+	if len(b.adds) == 0 && len(b.removes) == 0 && maps.Equal(cm.Data, b.cached.Data) {
+		// Nothing to write (every Add failed): no API write spent.
+		s.mu.Lock()
+		s.removing = nil
+		s.lost = nil // nothing of it was missing
+		s.mu.Unlock()
+		return false, nil
+	}
+	if err := s.take(ctx, &b.prepaid); err != nil {
+		return false, err
+	}
+	updated, err := s.client.CoreV1().ConfigMaps(s.namespace).Update(ctx, cm, metav1.UpdateOptions{})
+	s.mu.Lock()
+	s.writes++
+	s.mu.Unlock()
+	if err == nil {
+		s.mu.Lock()
+		s.setCacheLocked(updated)
+		s.loaded = true
+		s.removing = nil
+		s.lost = nil // written back, or never replaced
+		s.mu.Unlock()
+		b.finish(nil)
+		return false, nil
+	}
+	if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
+		// Read again; if it is another object, the entries of the one
+		// written to are kept (noteReplacedLocked compares with it).
+		s.mu.Lock()
+		s.setCacheLocked(b.cached)
+		s.mu.Unlock()
+		b.cached = nil
+		return true, err
+	}
+	return false, err
+}
+
+// merge is the record the batch writes: the cached one with the entries of
+// a replaced record back, the batch's removes gone and its adds in. An Add
+// that does not fit fails now (and leaves the batch): only what does not
+// fit, since a ConfigMap holds at most 1 MiB.
+func (s *Store) merge(b *batch) *corev1.ConfigMap {
+	cm := b.cached.DeepCopy()
+	if cm.Data == nil {
+		cm.Data = map[string]string{}
+	}
+	// The entries of a replaced record go back in (merged into the
+	// replacement, or into the record written to, whose write then fails
+	// and reads it again); what is removed now is not to come back with
+	// them.
+	s.mu.Lock()
+	for k, v := range s.lost {
+		if _, ok := cm.Data[k]; !ok && !b.removes[k] {
+			cm.Data[k] = v
+		}
+	}
+	s.mu.Unlock()
+	for k := range b.removes {
+		delete(cm.Data, k)
+	}
+	size := 0
+	for k, v := range cm.Data {
+		size += len(k) + len(v)
+	}
+	var full []string
+	for k, p := range b.adds {
+		raw, merr := json.Marshal(p.intent)
+		if merr != nil {
+			p.done <- merr
+			delete(b.adds, k)
 			continue
 		}
-		break
+		if n := len(k) + len(raw); n > s.maxBytes {
+			// Never fits, however empty the record: said so, not "too
+			// many at once".
+			p.done <- fmt.Errorf("%w: the intent of volume %s alone is %d bytes, over the record's %d (a class's parameters too large to record)", ErrTooLarge, k, n, s.maxBytes)
+			delete(b.adds, k)
+			continue
+		}
+		prev, exists := cm.Data[k]
+		grow := len(k) + len(raw)
+		if exists {
+			grow = len(raw) - len(prev)
+		}
+		if (!exists && len(cm.Data) >= s.maxEntries) || size+grow > s.maxBytes {
+			full = append(full, k)
+			continue
+		}
+		size += grow
+		cm.Data[k] = string(raw)
 	}
+	for _, k := range full {
+		b.adds[k].done <- ErrFull
+		delete(b.adds, k)
+	}
+	return cm
+}
+
+// batchFailed ends a batch whose write failed. Removes are retried with the
+// next batch, or alone removeDelay from now (not at once: the API server
+// may be struggling); Adds fail so their callers back off (nothing was
+// called yet).
+func (s *Store) batchFailed(b *batch, err error) {
 	err = fmt.Errorf("write intent record %s/%s: %w", s.namespace, s.name, err)
 	s.log.Error("intent record write failed", "err", err)
-	// Removes are retried with the next batch, or alone removeDelay from
-	// now (not at once: the API server may be struggling); Adds fail so
-	// their callers back off (nothing was called yet).
 	s.mu.Lock()
-	for k := range removes {
+	for k := range b.removes {
 		if _, readded := s.adds[k]; !readded {
 			s.removes[k] = true
 		}
 	}
 	s.removing = nil
-	if len(removes) > 0 || s.lost != nil {
+	if len(b.removes) > 0 || s.lost != nil {
 		s.firstRem = time.Now()
 	}
 	s.loaded = false
 	s.mu.Unlock()
-	finish(err)
+	b.finish(err)
 }
 
 // Record is the record's ConfigMap as the store last read or wrote it,
