@@ -759,7 +759,8 @@ func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateL
 	return true
 }
 
-// sync brings the object of key in line with the driver (or removes it).
+// sync brings the object of key in line with the driver (or removes it):
+// the driver is asked (ask), then the object written (write).
 func (c *Controller) sync(ctx context.Context, key capacityKey) error {
 	c.mu.Lock()
 	item, want := c.desired[key]
@@ -768,16 +769,7 @@ func (c *Controller) sync(ctx context.Context, key capacityKey) error {
 		return c.remove(ctx, key)
 	}
 	if item.kept {
-		// The driver (or, node-local, the node's proxy) is not
-		// registered: its object stays as it is, unless its class went
-		// (or, for an unregistered driver, was made again). Seen at this
-		// key's next refresh (the poll).
-		if class, err := c.b.Classes.Get(key.class); apierrors.IsNotFound(err) ||
-			(err == nil && (class.Provisioner != key.driver || item.classUID != "" && class.UID != item.classUID)) {
-			return c.remove(ctx, key)
-		}
-		c.refreshes.WithLabelValues(key.driver, "kept").Inc()
-		return nil
+		return c.syncKept(ctx, key, item)
 	}
 	class, err := c.b.Classes.Get(key.class)
 	if apierrors.IsNotFound(err) {
@@ -792,15 +784,39 @@ func (c *Controller) sync(ctx context.Context, key capacityKey) error {
 		// with the other's parameters; the new class's keys are its own.
 		return c.remove(ctx, key)
 	}
+	resp, err := c.ask(ctx, key, item, class)
+	if err != nil || resp == nil {
+		return err
+	}
+	return c.write(ctx, key, item, resp)
+}
+
+// syncKept leaves as it is the object of a driver (or, node-local, a node's
+// proxy) that is not registered, unless its class went (or, for an
+// unregistered driver, was made again). Seen at this key's next refresh
+// (the poll).
+func (c *Controller) syncKept(ctx context.Context, key capacityKey, item capacityItem) error {
+	if class, err := c.b.Classes.Get(key.class); apierrors.IsNotFound(err) ||
+		(err == nil && (class.Provisioner != key.driver || item.classUID != "" && class.UID != item.classUID)) {
+		return c.remove(ctx, key)
+	}
+	c.refreshes.WithLabelValues(key.driver, "kept").Inc()
+	return nil
+}
+
+// ask is the driver's GetCapacity answer for item; nil (with remove's
+// error) when the object went instead: the driver has no GET_CAPACITY, or
+// the key went away while the driver answered.
+func (c *Controller) ask(ctx context.Context, key capacityKey, item capacityItem, class *storagev1.StorageClass) (*csi.GetCapacityResponse, error) {
 	caps, err := c.capabilities(ctx, key.driver)
 	if err != nil {
 		c.refreshes.WithLabelValues(key.driver, "failed").Inc()
-		return err
+		return nil, err
 	}
 	if !caps.GetCapacity {
 		c.refreshes.WithLabelValues(key.driver, "unsupported").Inc()
 		c.log.Debug("driver has no GET_CAPACITY capability: no capacity objects", "driver", key.driver)
-		return c.remove(ctx, key)
+		return nil, c.remove(ctx, key)
 	}
 	// The spec lets a request carry a topology only to a driver with
 	// VOLUME_ACCESSIBILITY_CONSTRAINTS; a node-local driver without it is
@@ -814,15 +830,20 @@ func (c *Controller) sync(ctx context.Context, key capacityKey) error {
 	if err != nil {
 		// Keep the object with its last value: stale beats missing.
 		c.refreshes.WithLabelValues(key.driver, "failed").Inc()
-		return err
+		return nil, err
 	}
 	c.mu.Lock()
-	_, want = c.desired[key]
+	_, want := c.desired[key]
 	c.mu.Unlock()
 	if !want {
-		return c.remove(ctx, key) // went away while the driver answered
+		return nil, c.remove(ctx, key) // went away while the driver answered
 	}
+	return resp, nil
+}
 
+// write creates or updates the object of key with the driver's answer
+// (keeping the oldest of two objects a previous leader's race made).
+func (c *Controller) write(ctx context.Context, key capacityKey, item capacityItem, resp *csi.GetCapacityResponse) error {
 	current, extras := c.objects(key)
 	for _, x := range extras {
 		// Two objects for one key (a create raced by a previous leader):
