@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"maps"
 	"slices"
-	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -691,26 +690,19 @@ func (p *Provisioner) buildRequest(ctx context.Context, claim *corev1.Persistent
 	return req, secretRef, snap, nil
 }
 
-// topologyNodes lists every node with the driver's topology keys from its CSINode.
+// topologyNodes is the cluster as topology decisions see it for driver
+// (topology.NodesOf: a CSINode whose Node is missing is no node; of two
+// entries for the driver in one CSINode, the first counts).
 func (p *Provisioner) topologyNodes(driver string) ([]topology.Node, error) {
 	nodes, err := p.b.Nodes.List(labels.Everything())
 	if err != nil {
 		return nil, err
 	}
-	out := make([]topology.Node, 0, len(nodes))
-	for _, n := range nodes {
-		tn := topology.Node{Name: n.Name, Labels: n.Labels}
-		if cn, err := p.b.CSINodes.Get(n.Name); err == nil {
-			for _, d := range cn.Spec.Drivers {
-				if d.Name == driver {
-					tn.DriverKeys = append([]string{}, d.TopologyKeys...)
-				}
-			}
-		}
-		out = append(out, tn)
+	csiNodes, err := p.b.CSINodes.List(labels.Everything())
+	if err != nil {
+		return nil, err
 	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
-	return out, nil
+	return topology.NodesOf(nodes, csiNodes, driver), nil
 }
 
 // contentSource supports cloning from a bound claim of the same driver in

@@ -79,6 +79,35 @@ func NewNode(node *corev1.Node, csiNode *storagev1.CSINode, driver string) Node 
 	return n
 }
 
+// NodesOf is the cluster as topology decisions see it for driver: one Node
+// per Node object, in name order, with the keys its CSINode (the one of
+// the same name) lists for the driver. Two rules, the same wherever the
+// broker reads topology:
+//
+//   - A CSINode whose Node object is missing is no node: its keys decide
+//     nothing. Such a CSINode is a kubelet registration whose node has been
+//     deleted (the garbage collector removes it after its owner), or one
+//     made before its Node: no pod can be scheduled there, and keys from it
+//     could steer a volume to a topology no live node has. external-
+//     provisioner may pick its keys; the broker refuses the claim instead
+//     (ErrNoAvailableTopology), and the claim's retry succeeds once a node
+//     that exists registers the driver.
+//   - Of two entries for the driver in one CSINode (the API server refuses
+//     them; a cache may still hold such an object), the first counts, as
+//     in NewNode and external-provisioner's getTopologyKeys.
+func NodesOf(nodes []*corev1.Node, csiNodes []*storagev1.CSINode, driver string) []Node {
+	byName := make(map[string]*storagev1.CSINode, len(csiNodes))
+	for _, cn := range csiNodes {
+		byName[cn.Name] = cn
+	}
+	out := make([]Node, 0, len(nodes))
+	for _, n := range nodes {
+		out = append(out, NewNode(n, byName[n.Name], driver))
+	}
+	slices.SortFunc(out, func(a, b Node) int { return cmp.Compare(a.Name, b.Name) })
+	return out
+}
+
 // Input is everything AccessibilityRequirements decides from.
 type Input struct {
 	Driver            string

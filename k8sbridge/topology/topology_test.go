@@ -621,3 +621,64 @@ func TestInAllowedTopologies(t *testing.T) {
 		}
 	}
 }
+
+// TestNodesOf: the two rules every topology decision shares. A CSINode
+// whose Node is missing is no node (its keys decide nothing, so a driver
+// registered only there has no topology, and a claim that needs one is
+// refused until a node that exists registers it); of two entries for the
+// driver in one CSINode, the first counts.
+func TestNodesOf(t *testing.T) {
+	node := func(name, zone string) *corev1.Node {
+		return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{tkZone: zone}}}
+	}
+	csiNode := func(name string, drivers ...storagev1.CSINodeDriver) *storagev1.CSINode {
+		return &storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: storagev1.CSINodeSpec{Drivers: drivers}}
+	}
+	zoned := storagev1.CSINodeDriver{Name: "d", TopologyKeys: []string{tkZone}}
+	racked := storagev1.CSINodeDriver{Name: "d", TopologyKeys: []string{tkRack}}
+	tests := []struct {
+		name     string
+		nodes    []*corev1.Node
+		csiNodes []*storagev1.CSINode
+		want     []Node
+		// wantErr: AccessibilityRequirements of an Immediate claim with
+		// immediate topology over these nodes fails with it (nil: it
+		// succeeds).
+		wantErr error
+	}{
+		{
+			name:     "a CSINode without its Node is no node",
+			nodes:    []*corev1.Node{node("n1", "z1")},
+			csiNodes: []*storagev1.CSINode{csiNode("gone", zoned), csiNode("n1")},
+			want:     []Node{{Name: "n1", Labels: map[string]string{tkZone: "z1"}}},
+			wantErr:  ErrNoAvailableTopology,
+		},
+		{
+			name:     "a Node without a CSINode runs no driver",
+			nodes:    []*corev1.Node{node("n2", "z2"), node("n1", "z1")},
+			csiNodes: []*storagev1.CSINode{csiNode("n1", zoned)},
+			want: []Node{
+				{Name: "n1", Labels: map[string]string{tkZone: "z1"}, DriverKeys: []string{tkZone}},
+				{Name: "n2", Labels: map[string]string{tkZone: "z2"}},
+			},
+		},
+		{
+			name:     "the first of two entries for the driver counts",
+			nodes:    []*corev1.Node{node("n1", "z1")},
+			csiNodes: []*storagev1.CSINode{csiNode("n1", zoned, racked)},
+			want:     []Node{{Name: "n1", Labels: map[string]string{tkZone: "z1"}, DriverKeys: []string{tkZone}}},
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got := NodesOf(tc.nodes, tc.csiNodes, "d")
+			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+				t.Fatalf("nodes %+v, want %+v", got, tc.want)
+			}
+			_, err := AccessibilityRequirements(Input{Driver: "d", ClaimName: "c", Nodes: got, ImmediateTopology: true})
+			if !errors.Is(err, tc.wantErr) {
+				t.Fatalf("AccessibilityRequirements: %v, want %v", err, tc.wantErr)
+			}
+		})
+	}
+}
