@@ -43,11 +43,10 @@ type attempt struct {
 
 	caps drivers.Caps // validate
 
-	// earlierAttempt: the record's entry of an earlier attempt (earlier),
-	// which may have made the volume, and what that attempt asked.
-	prev    intent.Intent
-	earlier bool
-	asked   *csi.TopologyRequirement
+	// earlierAttempt: the record's entry of an earlier attempt, which may
+	// have made the volume (nil: none), and what that attempt asked.
+	prev  *intent.Intent
+	asked *csi.TopologyRequirement
 	// gone is an earlier attempt's entry on a node deleted since
 	// (placeNodeLocal).
 	gone *intent.Intent
@@ -153,7 +152,9 @@ func (a *attempt) earlierAttempt() *outcome {
 	if err != nil {
 		return a.fail("read the intent record: %v", err)
 	}
-	a.prev, a.earlier = prev, earlier
+	if earlier {
+		a.prev = &prev
+	}
 	// What an earlier attempt of this claim asked, while its entry says
 	// its volume may exist (a requirement remembered from before another
 	// replica led is not: that replica's answers settled the entry).
@@ -194,7 +195,7 @@ func (a *attempt) placeNodeLocal() *outcome {
 	if !p.b.Cfg.Drivers.NodeLocal(a.driver) {
 		return nil
 	}
-	if a.earlier && prev.Node != "" && prev.ClaimUID == string(a.claim.UID) {
+	if prev != nil && prev.Node != "" && prev.ClaimUID == string(a.claim.UID) {
 		// An earlier attempt asked prev.Node's proxy for this volume and
 		// may have made it there (its answer was "may still be in
 		// progress", or the broker stopped before the answer).
@@ -204,7 +205,7 @@ func (a *attempt) placeNodeLocal() *outcome {
 			// key of its own (superseded) when this attempt is recorded,
 			// so that recovery deletes the volume if the node comes back
 			// under its name.
-			a.gone = &prev
+			a.gone = prev
 			p.b.Event(a.ctx, a.ref, corev1.EventTypeWarning, "ProvisioningOrphan",
 				"an earlier attempt may have made volume %s on node %s, which no longer exists; the claim is provisioned anew, and that volume is deleted if the node comes back", a.pvName, prev.Node)
 			p.b.Log.Warn("an earlier attempt's node is gone; provisioning anew", "claim", a.claim.Namespace+"/"+a.claim.Name, "volume", a.pvName, "node", prev.Node)
@@ -212,7 +213,7 @@ func (a *attempt) placeNodeLocal() *outcome {
 			// Placed by the broker on a node that has since answered it
 			// has no room: the volume the earlier attempt may have made
 			// there is deleted first, and the claim placed anew.
-			if err := p.undoOnNode(a.ctx, prev); err != nil {
+			if err := p.undoOnNode(a.ctx, *prev); err != nil {
 				return a.failAs(kube.FailureOf("undo on "+prev.Node, err), "an earlier attempt may have made volume %s on node %s, which has no room now; it must be deleted there before the claim is placed on another node: %v", a.pvName, prev.Node, err)
 			}
 		case a.selectedNode == "":
@@ -221,7 +222,7 @@ func (a *attempt) placeNodeLocal() *outcome {
 		case a.selectedNode != prev.Node:
 			// The scheduler moved the claim: the volume the earlier
 			// attempt may have made is deleted there first.
-			if err := p.undoOnNode(a.ctx, prev); err != nil {
+			if err := p.undoOnNode(a.ctx, *prev); err != nil {
 				return a.failAs(kube.FailureOf("undo on "+prev.Node, err), "an earlier attempt may have made volume %s on node %s; it must be deleted there before the volume is made on node %s: %v", a.pvName, prev.Node, a.selectedNode, err)
 			}
 			p.b.Log.Info("the volume an earlier attempt may have made on another node is deleted there, or was never made", "volume", a.pvName, "node", prev.Node, "selected_node", a.selectedNode)
@@ -320,10 +321,10 @@ func (a *attempt) recordIntent() *outcome {
 	if a.provSecretRef != nil {
 		entry.ClaimLabels, entry.SecretSource = claim.Labels, &a.provSource
 	}
-	if a.earlier && a.gone == nil && a.prev.Node == a.node && a.prev.ClaimUID == string(claim.UID) {
+	if a.prev != nil && a.gone == nil && a.prev.Node == a.node && a.prev.ClaimUID == string(claim.UID) {
 		// The same volume, asked for again: an earlier request (other
 		// topology, say) may be the one that made it.
-		entry = intent.WithEarlier(entry, a.prev)
+		entry = intent.WithEarlier(entry, *a.prev)
 	}
 	folded := ""
 	if a.node != "" {
@@ -347,7 +348,7 @@ func (a *attempt) recordIntent() *outcome {
 // forget drops the entry after a refusal, unless an earlier attempt may
 // have made the volume.
 func (a *attempt) forget() {
-	if a.earlier {
+	if a.prev != nil {
 		a.p.b.Log.Info("CreateVolume refused; the intent entry stays, since an earlier attempt may have made the volume (recovery deletes it if the claim goes)",
 			"claim", a.claim.Namespace+"/"+a.claim.Name, "volume", a.pvName)
 		return
