@@ -148,7 +148,8 @@ func New(client kubernetes.Interface, selector string, namespaces []string, regi
 	opts := []informers.SharedInformerOption{informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = selector }), informers.WithTransform(kube.StripBulk)}
 	switch len(namespaces) {
 	case 0:
-		d.log.Warn("proxy pods are discovered in every namespace: anyone who can create a pod can offer one and take a driver's route (set --discover-proxies-namespace)", "selector", selector)
+		d.log.Warn("proxy pods are discovered in every namespace", "selector", selector,
+			"risk", "anyone who can create a pod can offer one and take a driver's route", "fix", "set --discover-proxies-namespace")
 	case 1:
 		opts = append(opts, informers.WithNamespace(namespaces[0]))
 	}

@@ -349,8 +349,8 @@ func (a *attempt) recordIntent() *outcome {
 // have made the volume.
 func (a *attempt) forget() {
 	if a.prev != nil {
-		a.p.b.Log.Info("CreateVolume refused; the intent entry stays, since an earlier attempt may have made the volume (recovery deletes it if the claim goes)",
-			"claim", a.claim.Namespace+"/"+a.claim.Name, "volume", a.pvName)
+		a.p.b.Log.Info("CreateVolume refused; intent entry kept", "claim", a.claim.Namespace+"/"+a.claim.Name, "volume", a.pvName,
+			"why", "an earlier attempt may have made the volume (recovery deletes it if the claim goes)")
 		return
 	}
 	a.p.b.Intents.Remove(a.pvName)
@@ -450,13 +450,16 @@ func (a *attempt) claimGoneMeanwhile() *outcome {
 	held, rerr, derr := p.discardVolume(a.ctx, a.driver, a.node, a.pvName, volID, a.provSecretRef, a.requester)
 	switch {
 	case rerr != nil:
-		p.b.Log.Warn("claim deleted during provisioning; could not tell whether its PersistentVolume holds the volume (the intent record keeps it; retried)", "claim", claim.Namespace+"/"+claim.Name, "pv", a.pvName, "err", rerr)
+		p.b.Log.Warn("claim deleted during provisioning; whether its PV holds the volume is unknown", "claim", claim.Namespace+"/"+claim.Name, "pv", a.pvName, "err", rerr,
+			"then", "the intent record keeps it; retried")
 		return ended("failed", rerr)
 	case held:
-		p.b.Log.Info("claim deleted during provisioning, but its PersistentVolume exists; the volume is left to the PV's reclaim policy", "claim", claim.Namespace+"/"+claim.Name, "pv", a.pvName)
+		p.b.Log.Info("claim deleted during provisioning; its PV exists", "claim", claim.Namespace+"/"+claim.Name, "pv", a.pvName,
+			"then", "the volume is left to the PV's reclaim policy")
 		return ended("claim_deleted", nil)
 	case derr != nil:
-		p.b.Log.Error("claim deleted during provisioning; deleting its volume failed (the intent record keeps it; recovery retries)", "claim", claim.Namespace+"/"+claim.Name, "driver", a.driver, "volume", volID, "err", derr)
+		p.b.Log.Error("claim deleted during provisioning; deleting its volume failed", "claim", claim.Namespace+"/"+claim.Name, "driver", a.driver, "volume", volID, "err", derr,
+			"then", "the intent record keeps it; recovery retries")
 		p.b.Metrics.Leaked.WithLabelValues(a.driver, "failed").Inc()
 		return ended("failed", derr)
 	}

@@ -129,8 +129,9 @@ func (p *Provisioner) settleBoundToGonePV(ctx context.Context, in intent.Intent)
 		return
 	}
 	if !found {
-		p.b.Log.Info("recovery: claim is bound to this volume's PersistentVolume, which no longer exists; its reclaim policy or an administrator decided the volume's fate, so the intent entry is dropped and the volume left alone",
-			"volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName)
+		p.b.Log.Info("recovery: the claim's PersistentVolume no longer exists; entry dropped, volume left alone",
+			"volume", in.VolumeName, "driver", in.Driver, "claim", in.ClaimNamespace+"/"+in.ClaimName,
+			"why", "the PV's reclaim policy or an administrator decided the volume's fate")
 	}
 	p.b.Intents.Remove(in.Key())
 }
@@ -156,8 +157,8 @@ func (p *Provisioner) recoverSuperseded(ctx context.Context, in intent.Intent, n
 	}
 	if p.nodeGone(ctx, in.Node) {
 		if now.Sub(in.Created.Time) > SupersededKeep {
-			p.b.Log.Warn("recovery: the node of an earlier attempt has not come back; its entry is given up, and the volume it may have made there is left to an administrator",
-				"volume", in.VolumeName, "driver", in.Driver, "node", in.Node, "claim", in.ClaimNamespace+"/"+in.ClaimName, "since", in.Created.Time)
+			p.b.Log.Warn("recovery: an earlier attempt's node has not come back; its entry is given up",
+				"then", "the volume it may have made there is left to an administrator", "volume", in.VolumeName, "driver", in.Driver, "node", in.Node, "claim", in.ClaimNamespace+"/"+in.ClaimName, "since", in.Created.Time)
 			p.b.Metrics.Leaked.WithLabelValues(in.Driver, "abandoned").Inc()
 			p.b.Intents.Remove(in.Key())
 			return
@@ -328,7 +329,8 @@ func (p *Provisioner) deleteOrphan(ctx context.Context, in intent.Intent, now ti
 	defer span.End()
 	id, requester, stage, err := p.learnVolumeID(ctx, in)
 	if stage == stageAbsent {
-		log.Info("recovery: the driver holds no volume of that name (it cannot make one now, which it may not say of a volume it has); the entry is dropped", "answer", kube.StatusText(err))
+		log.Info("recovery: the driver holds no volume of that name; entry dropped", "answer", kube.StatusText(err),
+			"why", "it cannot make one now, which it may not say of a volume it has")
 		p.mu.Lock()
 		delete(p.recFails, in.Key())
 		p.mu.Unlock()
