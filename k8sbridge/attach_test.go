@@ -2,22 +2,17 @@ package k8sbridge
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"maps"
 	"regexp"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
-	"unicode/utf8"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -27,7 +22,9 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
-	"github.com/csibroker/csibroker/policy"
+	"github.com/csibroker/csibroker/k8sbridge/attach"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 func makeCSIDriver(t *testing.T, c kubernetes.Interface, name string, attach bool) {
@@ -43,7 +40,7 @@ func makeCSIDriver(t *testing.T, c kubernetes.Interface, name string, attach boo
 // attached to, deleted when the test ends.
 func addAttachNode(t *testing.T, env *testenv.Env, ns string) string {
 	t.Helper()
-	node := clusterName(ns, "node")
+	node := kubetest.ClusterName(ns, "node")
 	if _, err := env.AddNodes(context.Background(), testenv.NodeSpec{Name: node, Zone: "z1"}); err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +52,7 @@ func addAttachNode(t *testing.T, env *testenv.Env, ns string) string {
 // as the attach/detach controller does, deleted when the test ends.
 func createVA(t *testing.T, c kubernetes.Interface, ns, drv, node, pvName string) *storagev1.VolumeAttachment {
 	t.Helper()
-	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va")},
+	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "va")},
 		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
 	if _, err := c.StorageV1().VolumeAttachments().Create(context.Background(), va, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -115,13 +112,13 @@ func vaFor(t *testing.T, c kubernetes.Interface, pv string, cond func(*storagev1
 // PUBLISH_UNPUBLISH is attached without a CSI call; a failing publish shows
 // in the attachment's status.
 func TestAttachDetach(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
 	node := addAttachNode(t, env, ns)
 
-	pub, triv, bad := clusterName(ns, "pub.csi.test"), clusterName(ns, "triv.csi.test"), clusterName(ns, "bad.csi.test")
+	pub, triv, bad := kubetest.ClusterName(ns, "pub.csi.test"), kubetest.ClusterName(ns, "triv.csi.test"), kubetest.ClusterName(ns, "bad.csi.test")
 	drivers := &testDrivers{}
 	dPub := drivers.addDriver(t, sampledriver.Config{Name: pub, NodeID: node})
 	dTriv := drivers.addDriver(t, sampledriver.Config{Name: triv, NodeID: node, DisablePublish: true})
@@ -135,14 +132,14 @@ func TestAttachDetach(t *testing.T) {
 	}
 	imm, del := storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete
 	for _, d := range []string{pub, triv, bad} {
-		makeClass(t, c, d+"-class", d, imm, del, nil)
+		kubetest.MakeClass(t, c, d+"-class", d, imm, del, nil)
 	}
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 
 	pvOf := map[string]string{}
 	for _, d := range []struct{ claim, driver string }{{"pub", pub}, {"triv", triv}, {"bad", bad}} {
-		makeClaim(t, c, ns, d.claim, d.driver+"-class", "1Gi")
-		pvOf[d.claim] = waitBound(t, c, ns, d.claim, 60*time.Second).Spec.VolumeName
+		kubetest.MakeClaim(t, c, ns, d.claim, d.driver+"-class", "1Gi")
+		pvOf[d.claim] = kubetest.WaitBound(t, c, ns, d.claim, 60*time.Second).Spec.VolumeName
 		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "pod-" + d.claim, Namespace: ns}, Spec: corev1.PodSpec{NodeName: node,
 			Containers: []corev1.Container{{Name: "c", Image: "busybox"}},
 			Volumes:    []corev1.Volume{{Name: "v", VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: d.claim}}}}}}
@@ -155,13 +152,13 @@ func TestAttachDetach(t *testing.T) {
 	if va.Status.AttachmentMetadata[sampledriver.PublishContextDevicePath] == "" {
 		t.Fatalf("publish context %v", va.Status.AttachmentMetadata)
 	}
-	fin := attacherFinalizer(pub)
+	fin := kube.AttacherFinalizer(pub)
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvOf["pub"], metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !containsString(va.Finalizers, fin) || !hasFinalizer(pv, fin) || va.Annotations[annVANodeID] != node {
-		t.Fatalf("finalizers VA %v PV %v, node ID %q", va.Finalizers, pv.Finalizers, va.Annotations[annVANodeID])
+	if !slices.Contains(va.Finalizers, fin) || !kube.HasFinalizer(pv, fin) || va.Annotations[kube.AnnVANodeID] != node {
+		t.Fatalf("finalizers VA %v PV %v, node ID %q", va.Finalizers, pv.Finalizers, va.Annotations[kube.AnnVANodeID])
 	}
 	if n := dPub.CallCount("ControllerPublishVolume"); n != 1 {
 		t.Fatalf("the driver was asked to publish %d times, want once", n)
@@ -212,38 +209,6 @@ func TestAttachDetach(t *testing.T) {
 	}
 }
 
-// TestAttachCapabilityFromAllAccessModes: ControllerPublishVolume's access
-// mode comes from all of the volume's access modes, as external-attacher
-// maps them (and as CreateVolume and expansion do here): RWX wins over RWO,
-// RWO is SINGLE_NODE_MULTI_WRITER for a driver that has that capability,
-// and a combination CSI cannot express is an error, not a guess.
-func TestAttachCapabilityFromAllAccessModes(t *testing.T) {
-	rwo, rox, rwx, rwop := corev1.ReadWriteOnce, corev1.ReadOnlyMany, corev1.ReadWriteMany, corev1.ReadWriteOncePod
-	for _, tc := range []struct {
-		modes []corev1.PersistentVolumeAccessMode
-		snmw  bool
-		want  csi.VolumeCapability_AccessMode_Mode
-		bad   bool
-	}{
-		{nil, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false},
-		{[]corev1.PersistentVolumeAccessMode{rwo}, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false},
-		{[]corev1.PersistentVolumeAccessMode{rwo}, true, csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER, false},
-		{[]corev1.PersistentVolumeAccessMode{rwo, rwx}, false, csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, false},
-		{[]corev1.PersistentVolumeAccessMode{rox}, false, csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY, false},
-		{[]corev1.PersistentVolumeAccessMode{rwop}, true, csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, false},
-		{[]corev1.PersistentVolumeAccessMode{rwop}, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false},
-		{[]corev1.PersistentVolumeAccessMode{rox, rwo}, false, 0, true},
-	} {
-		c, err := capability(&attachSource{csi: &corev1.CSIPersistentVolumeSource{Driver: "d", VolumeHandle: "v"}, accessModes: tc.modes}, tc.snmw)
-		switch {
-		case tc.bad && err == nil:
-			t.Errorf("%v (snmw %v): %v, want an error", tc.modes, tc.snmw, c.GetAccessMode().GetMode())
-		case !tc.bad && (err != nil || c.GetAccessMode().GetMode() != tc.want):
-			t.Errorf("%v (snmw %v): %v, %v; want %v", tc.modes, tc.snmw, c.GetAccessMode().GetMode(), err, tc.want)
-		}
-	}
-}
-
 // TestDetachesWhatExternalAttacherAttached: external-attacher's finalizer
 // name sanitizes the driver name ("a.b.csi" → external-attacher/a-b-csi);
 // an attachment the sidecar made, carrying that name, is detached by the
@@ -251,14 +216,14 @@ func TestAttachCapabilityFromAllAccessModes(t *testing.T) {
 // removed), so a cluster moves from the sidecar to the broker unchanged.
 func TestDetachesWhatExternalAttacherAttached(t *testing.T) {
 	for driver, want := range map[string]string{"ebs.csi.aws.com": "external-attacher/ebs-csi-aws-com", "a/b_c.": "external-attacher/a-b-c-X", "plain-name": "external-attacher/plain-name"} {
-		if got := attacherFinalizer(driver); got != want {
-			t.Errorf("attacherFinalizer(%q) = %q, want %q (external-attacher's)", driver, got, want)
+		if got := kube.AttacherFinalizer(driver); got != want {
+			t.Errorf("kube.AttacherFinalizer(%q) = %q, want %q (external-attacher's)", driver, got, want)
 		}
 	}
 	s := newAttachSetup(t, "moved.csi.test", sampledriver.Config{})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "moved"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "moved"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 
 	// What external-attacher left: its finalizer on the attachment and the
 	// PV, named as it names it (computed here, not by the code under test).
@@ -271,7 +236,7 @@ func TestDetachesWhatExternalAttacherAttached(t *testing.T) {
 	if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	va := createHeldVA(t, c, &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{sidecarFin}, Annotations: map[string]string{annVANodeID: node}},
+	va := createHeldVA(t, c, &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "va"), Finalizers: []string{sidecarFin}, Annotations: map[string]string{kube.AnnVANodeID: node}},
 		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}})
 	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attachment attached")
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
@@ -295,29 +260,14 @@ func TestDetachesWhatExternalAttacherAttached(t *testing.T) {
 	}
 }
 
-// TestEarlierBrokerFinalizerStillDetaches: attachments made by earlier
-// csibroker releases carry "external-attacher/<driver>" with only '/'
-// replaced; detach still recognises and removes that name.
-func TestEarlierBrokerFinalizerStillDetaches(t *testing.T) {
-	const drv = "old.csi.example.com"
-	legacy := "external-attacher/old.csi.example.com"
-	fins := []string{"other", legacy}
-	if !hasAttacherFinalizer(fins, drv) {
-		t.Fatalf("%v: the earlier release's finalizer is not recognised", fins)
-	}
-	if got := withoutAttacherFinalizers(append(fins, attacherFinalizer(drv)), drv); len(got) != 1 || got[0] != "other" {
-		t.Fatalf("finalizers left after detach: %v, want [other]", got)
-	}
-}
-
 // TestNoAttachOfAPVBeingDeleted: an attachment of a PV marked for deletion
 // fails with an AttachError saying so, as external-attacher's does, and
 // the volume is never published.
 func TestNoAttachOfAPVBeingDeleted(t *testing.T) {
 	s := newAttachSetup(t, "del.csi.test", sampledriver.Config{})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "del"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "del"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	const hold = "test.csibroker.io/hold"
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 	if err != nil {
@@ -329,7 +279,7 @@ func TestNoAttachOfAPVBeingDeleted(t *testing.T) {
 	}
 	t.Cleanup(func() {
 		if cur, err := c.CoreV1().PersistentVolumes().Get(context.Background(), pvName, metav1.GetOptions{}); err == nil {
-			cur.Finalizers = removeString(cur.Finalizers, hold)
+			cur.Finalizers = kube.RemoveString(cur.Finalizers, hold)
 			c.CoreV1().PersistentVolumes().Update(context.Background(), cur, metav1.UpdateOptions{})
 		}
 	})
@@ -351,14 +301,14 @@ func TestNoAttachOfAPVBeingDeleted(t *testing.T) {
 // one went while no broker was running). The broker that starts drops the
 // finalizer, and the PV goes.
 func TestAttacherFinalizerOfAPVLeftTerminating(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
 	drivers := &testDrivers{}
-	drv := clusterName(ns, "left.csi.test")
+	drv := kubetest.ClusterName(ns, "left.csi.test")
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
 	makeCSIDriver(t, c, drv, true)
 	pv := &corev1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "pv"), Finalizers: []string{attacherFinalizer(drv)}},
+		ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "pv"), Finalizers: []string{kube.AttacherFinalizer(drv)}},
 		Spec: corev1.PersistentVolumeSpec{
 			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
 			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
@@ -373,7 +323,7 @@ func TestAttacherFinalizerOfAPVLeftTerminating(t *testing.T) {
 		t.Fatal(err)
 	}
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	waitPVGone(t, c, pv.Name, 30*time.Second)
+	kubetest.WaitPVGone(t, c, pv.Name, 30*time.Second)
 }
 
 // TestReadOnlyPublishOnlyWhenTheDriverMayBeAsked: a read-only PV of a
@@ -394,7 +344,7 @@ func TestReadOnlyPublishOnlyWhenTheDriverMayBeAsked(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pvName := clusterName(ns, "ro-pv")
+	pvName := kubetest.ClusterName(ns, "ro-pv")
 	pv := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: pvName}, Spec: corev1.PersistentVolumeSpec{
 		Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
 		AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadOnlyMany},
@@ -438,10 +388,10 @@ func newAttachSetup(t *testing.T, name string, cfg sampledriver.Config) *attachS
 // bridge through wrap if wrap is not nil.
 func newAttachSetupWith(t *testing.T, name string, cfg sampledriver.Config, td *testDrivers, wrap Drivers, o bridgeOpts) *attachSetup {
 	t.Helper()
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	s := &attachSetup{ctx: context.Background(), c: env.Client(), ns: env.NewNamespace(t), drivers: td}
 	s.node = addAttachNode(t, env, s.ns)
-	s.drv = clusterName(s.ns, name)
+	s.drv = kubetest.ClusterName(s.ns, name)
 	cfg.Name, cfg.NodeID = s.drv, s.node
 	s.d = s.drivers.addDriver(t, cfg)
 	makeCSIDriver(t, s.c, s.drv, true)
@@ -461,12 +411,12 @@ func newAttachSetupWith(t *testing.T, name string, cfg sampledriver.Config, td *
 func TestVANeverPublishedCanGo(t *testing.T) {
 	s := newAttachSetup(t, "nosecret.csi.test", sampledriver.Config{})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "nosecret"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "nosecret"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
 		"csi.storage.k8s.io/controller-publish-secret-name": "missing", "csi.storage.k8s.io/controller-publish-secret-namespace": ns})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	va := createVA(t, c, ns, drv, node, pvName)
 	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error recorded")
-	if !strings.Contains(got.Status.AttachError.Message, "missing") || containsString(got.Finalizers, attacherFinalizer(drv)) {
+	if !strings.Contains(got.Status.AttachError.Message, "missing") || slices.Contains(got.Finalizers, kube.AttacherFinalizer(drv)) {
 		t.Fatalf("attach without its secret: status %+v, finalizers %v; want the error and no finalizer", got.Status, got.Finalizers)
 	}
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
@@ -496,13 +446,13 @@ func TestVANeverPublishedCanGo(t *testing.T) {
 // attached throughout (false would make the attach-detach controller count
 // the volume as detached from a node that may be using it).
 func TestAttachReconcilePublishesAgain(t *testing.T) {
-	prev := attachReconcileInterval
-	attachReconcileInterval = 300 * time.Millisecond
-	t.Cleanup(func() { attachReconcileInterval = prev })
+	prev := attach.ReconcileInterval
+	attach.ReconcileInterval = 300 * time.Millisecond
+	t.Cleanup(func() { attach.ReconcileInterval = prev })
 	s := newAttachSetup(t, "relist.csi.test", sampledriver.Config{})
 	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "relist"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "relist"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	va := createVA(t, c, ns, drv, node, pvName)
 	attached := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
 	// Every version of the attachment from now on, to see whether any
@@ -587,559 +537,4 @@ func TestAttachReconcilePublishesAgain(t *testing.T) {
 	if detachedSeen {
 		t.Fatal("the VolumeAttachment was marked detached on the way")
 	}
-}
-
-// TestAttachAndDeleteKeepToPerDriverWorkers: attachments and deletions of
-// one driver run at most PerDriverWorkers at a time, as provisioning and
-// expansion do, so a slow driver cannot take every worker of the attacher
-// or the deleter; the others wait their turn and are all done.
-func TestAttachAndDeleteKeepToPerDriverWorkers(t *testing.T) {
-	drivers := newCountingDrivers()
-	s := newAttachSetupWith(t, "sa.csi.test", sampledriver.Config{}, drivers.testDrivers, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
-	ctx, c, ns, node, drv := s.ctx, s.c, s.ns, s.node, s.drv
-	class := makeClass(t, c, clusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-
-	// Three claims used by pods on the node (attached), three left alone
-	// (deleted).
-	used, spare := []string{"a", "b", "c"}, []string{"x", "y", "z"}
-	pvOf := map[string]string{}
-	for _, name := range append(slices.Clone(used), spare...) {
-		makeClaim(t, c, ns, name, class.Name, "1Gi")
-	}
-	for _, name := range append(slices.Clone(used), spare...) {
-		pvOf[name] = waitBound(t, c, ns, name, 60*time.Second).Spec.VolumeName
-	}
-	// The first publish and the first deletion are held at the driver
-	// until the other two of each wait for the driver's slot: they
-	// contend for it.
-	letPublish, letDelete := drivers.hold("ControllerPublishVolume"), drivers.hold("DeleteVolume")
-	defer letPublish()
-	defer letDelete()
-	for _, name := range used {
-		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "pod-" + name, Namespace: ns}, Spec: corev1.PodSpec{NodeName: node,
-			Containers: []corev1.Container{{Name: "c", Image: "busybox"}},
-			Volumes:    []corev1.Volume{{Name: "v", VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: name}}}}}}
-		if _, err := c.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// Detached while the bridge still runs (clean-ups run last first), so
-	// that no VolumeAttachment is left with the broker's finalizer.
-	t.Cleanup(func() {
-		for _, name := range used {
-			c.CoreV1().Pods(ns).Delete(context.Background(), "pod-"+name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
-		}
-		err := testenv.WaitFor(context.Background(), 60*time.Second, "the test's VolumeAttachments gone", func(ctx context.Context) (bool, string, error) {
-			vas, err := c.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
-			if err != nil {
-				return false, err.Error(), nil
-			}
-			for _, va := range vas.Items {
-				if va.Spec.Attacher == drv {
-					return false, va.Name + " still there", nil
-				}
-			}
-			return true, "", nil
-		})
-		if err != nil {
-			t.Error(err)
-		}
-	})
-	for _, name := range spare {
-		if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	at := extraOf[*attacher](t, s.r.b)
-	err := testenv.WaitFor(ctx, 60*time.Second, "two attachments and two deletions waiting for the driver's slot", func(context.Context) (bool, string, error) {
-		na, nd := at.queue.Len(), s.r.b.del.queue.Len()
-		return na == 2 && nd == 2, fmt.Sprintf("%d attachments and %d deletions waiting", na, nd), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	letPublish()
-	letDelete()
-	for _, name := range used {
-		vaFor(t, c, pvOf[name], func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, name+" attached")
-	}
-	for _, name := range spare {
-		waitPVGone(t, c, pvOf[name], 60*time.Second)
-	}
-	if most := drivers.most("ControllerPublishVolume"); most != 1 {
-		t.Errorf("%d ControllerPublishVolume calls of one driver at once, want at most PerDriverWorkers = 1", most)
-	}
-	if most := drivers.most("DeleteVolume"); most != 1 {
-		t.Errorf("%d DeleteVolume calls of one driver at once, want at most PerDriverWorkers = 1", most)
-	}
-}
-
-// TestAttachRefusalsAreReported: what stops an attach before the driver is
-// asked is said in the attachment's status and an Event. An admission
-// policy that refuses the attacher's finalizer (a webhook or policy engine
-// of the cluster) is reported as such, not retried in silence; an
-// attachment whose attacher is not the driver of its volume is refused
-// without asking either driver.
-func TestAttachRefusalsAreReported(t *testing.T) {
-	s := newAttachSetup(t, "refused.csi.test", sampledriver.Config{})
-	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "refused"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-
-	// A volume of another driver, attached by this one's name.
-	other := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "other-pv")}, Spec: corev1.PersistentVolumeSpec{
-		Capacity:               corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
-		AccessModes:            []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-		PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: clusterName(ns, "other.csi.test"), VolumeHandle: "other-volume"}}}}
-	if _, err := c.CoreV1().PersistentVolumes().Create(ctx, other, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.CoreV1().PersistentVolumes().Delete(context.Background(), other.Name, metav1.DeleteOptions{})
-	})
-	mixed := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "mixed")},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &other.Name}}}
-	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, mixed, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.StorageV1().VolumeAttachments().Delete(context.Background(), mixed.Name, metav1.DeleteOptions{})
-	})
-	// (Until the broker's cache has the new PV, its attempts fail on that,
-	// and are retried.)
-	got := vaFor(t, c, other.Name, func(va *storagev1.VolumeAttachment) bool {
-		return va.Status.AttachError != nil && strings.Contains(va.Status.AttachError.Message, "not of the attachment's attacher")
-	}, "attach error of the mixed attachment")
-	if msg := got.Status.AttachError.Message; !strings.Contains(msg, "not of the attachment's attacher") || got.Status.Attached || containsString(got.Finalizers, attacherFinalizer(drv)) {
-		t.Fatalf("attachment of another driver's volume: %+v, finalizers %v", got.Status, got.Finalizers)
-	}
-	waitEvent(t, c, "default", mixed.Name, "AttachFailed", "not of the attachment's attacher")
-
-	// The cluster refuses the attacher's finalizer on this driver's
-	// attachments.
-	fail := admissionregistrationv1.Fail
-	policy := &admissionregistrationv1.ValidatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "no-attacher-finalizer")},
-		Spec: admissionregistrationv1.ValidatingAdmissionPolicySpec{
-			FailurePolicy: &fail,
-			MatchConstraints: &admissionregistrationv1.MatchResources{ResourceRules: []admissionregistrationv1.NamedRuleWithOperations{{
-				RuleWithOperations: admissionregistrationv1.RuleWithOperations{
-					Operations: []admissionregistrationv1.OperationType{admissionregistrationv1.Create, admissionregistrationv1.Update},
-					Rule:       admissionregistrationv1.Rule{APIGroups: []string{"storage.k8s.io"}, APIVersions: []string{"v1"}, Resources: []string{"volumeattachments"}}}}}},
-			MatchConditions: []admissionregistrationv1.MatchCondition{{Name: "this-driver", Expression: fmt.Sprintf("object.spec.attacher == %q", drv)}},
-			Validations: []admissionregistrationv1.Validation{{
-				Expression: "!has(object.metadata.finalizers) || object.metadata.finalizers.all(f, !f.startsWith('external-attacher/'))",
-				Message:    "attacher finalizers are refused by the test's policy"}},
-		}}
-	if _, err := c.AdmissionregistrationV1().ValidatingAdmissionPolicies().Create(ctx, policy, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.AdmissionregistrationV1().ValidatingAdmissionPolicies().Delete(context.Background(), policy.Name, metav1.DeleteOptions{})
-	})
-	binding := &admissionregistrationv1.ValidatingAdmissionPolicyBinding{ObjectMeta: metav1.ObjectMeta{Name: policy.Name},
-		Spec: admissionregistrationv1.ValidatingAdmissionPolicyBindingSpec{PolicyName: policy.Name, ValidationActions: []admissionregistrationv1.ValidationAction{admissionregistrationv1.Deny}}}
-	if _, err := c.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Delete(context.Background(), binding.Name, metav1.DeleteOptions{})
-	})
-	// The policy is in force once a dry run of such an attachment is refused.
-	probe := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "probe"), Finalizers: []string{attacherFinalizer(drv)}},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
-	err := testenv.WaitFor(ctx, 30*time.Second, "the admission policy to refuse the finalizer", func(ctx context.Context) (bool, string, error) {
-		_, err := c.StorageV1().VolumeAttachments().Create(ctx, probe, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
-		return err != nil && strings.Contains(err.Error(), "refused by the test's policy"), fmt.Sprint(err), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	createVA(t, c, ns, drv, node, pvName)
-	got = vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.AttachError != nil }, "attach error of the refused write")
-	if msg := got.Status.AttachError.Message; !strings.Contains(msg, "add finalizer") || !strings.Contains(msg, "refused by the test's policy") || got.Status.Attached {
-		t.Fatalf("attachment whose finalizer is refused: %+v", got.Status)
-	}
-	waitEvent(t, c, "default", got.Name, "AttachFailed", "refused by the test's policy")
-	if n := d.CallCount("ControllerPublishVolume"); n != 0 {
-		t.Fatalf("%d ControllerPublishVolume calls, want none", n)
-	}
-}
-
-// TestDetachUndoesAPublishWhateverTheCapabilities: an attachment that
-// carries the attacher's finalizer was published (or a publish was tried),
-// so its detach asks the driver to unpublish even when the driver's
-// capabilities no longer list a publish step (here: a driver version
-// without it), and takes Unimplemented as nothing to undo.
-func TestDetachUndoesAPublishWhateverTheCapabilities(t *testing.T) {
-	s := newAttachSetup(t, "nopub.csi.test", sampledriver.Config{DisablePublish: true})
-	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "nopub"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	// What an attach with a publish step left.
-	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{attacherFinalizer(drv)}, Annotations: map[string]string{annVANodeID: node}},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
-	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
-	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitVAGone(t, c, va.Name, 30*time.Second)
-	if n := d.CallCount("ControllerUnpublishVolume"); n != 1 {
-		t.Fatalf("%d ControllerUnpublishVolume calls, want 1", n)
-	}
-}
-
-// TestDetachRetriesNotFound: a driver answering ControllerUnpublishVolume
-// with NotFound has not said the volume is unpublished (CSI: that answer
-// is OK); the attachment keeps its finalizer, shows the error, and goes
-// once the driver answers OK.
-func TestDetachRetriesNotFound(t *testing.T) {
-	s := newAttachSetup(t, "nf.csi.test", sampledriver.Config{Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
-		"ControllerUnpublishVolume": {First: 2, Code: codes.NotFound}}}})
-	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "nf"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	va := createVA(t, c, ns, drv, node, pvName)
-	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
-	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.DetachError != nil }, "detach error recorded")
-	if !containsString(got.Finalizers, attacherFinalizer(drv)) || !strings.Contains(got.Status.DetachError.Message, "NotFound") {
-		t.Fatalf("after a NotFound unpublish: finalizers %v, detach error %+v; want the finalizer kept and the error shown", got.Finalizers, got.Status.DetachError)
-	}
-	waitVAGone(t, c, va.Name, 60*time.Second)
-	if n := d.CallCount("ControllerUnpublishVolume"); n != 3 {
-		t.Fatalf("%d ControllerUnpublishVolume calls, want 3 (two NotFound, then OK)", n)
-	}
-}
-
-// TestVolumeErrorMessageFitsTheAPIServer: the API server refuses a
-// VolumeAttachment status whose error message is over 1024 bytes; a long
-// driver error is cut (on a UTF-8 boundary) to a message it accepts.
-func TestVolumeErrorMessageFitsTheAPIServer(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	pv := "pv"
-	va := createVA(t, c, ns, "limits.csi.test", clusterName(ns, "node"), pv)
-	write := func(msg string) error {
-		cur, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		cur.Status.AttachError = &storagev1.VolumeError{Time: metav1.Now(), Message: msg}
-		_, err = c.StorageV1().VolumeAttachments().UpdateStatus(ctx, cur, metav1.UpdateOptions{})
-		return err
-	}
-	if err := write(strings.Repeat("x", maxVolumeErrorMessage+1)); err == nil {
-		t.Fatalf("the API server took a %d-byte message: the limit is not %d", maxVolumeErrorMessage+1, maxVolumeErrorMessage)
-	}
-	long := "driver says: " + strings.Repeat("é", 2000)
-	cut := volumeErrorMessage(long)
-	if len(cut) > maxVolumeErrorMessage || !utf8.ValidString(cut) || !strings.HasPrefix(cut, "driver says: é") || !strings.Contains(cut, "cut;") {
-		t.Fatalf("cut message (%d bytes, valid UTF-8 %v): %q", len(cut), utf8.ValidString(cut), cut)
-	}
-	if err := write(cut); err != nil {
-		t.Fatalf("the cut message was refused: %v", err)
-	}
-	if short := "ControllerPublishVolume failed"; volumeErrorMessage(short) != short {
-		t.Fatalf("a short message was changed: %q", volumeErrorMessage(short))
-	}
-}
-
-// loopingLister answers every ListVolumes with the same next page token.
-type loopingLister struct {
-	Drivers // nil: only ControllerConn is used
-	calls   int
-}
-
-func (d *loopingLister) ControllerConn(string) (grpc.ClientConnInterface, error) { return d, nil }
-func (d *loopingLister) NodeLocal(string) bool                                   { return false }
-
-func (d *loopingLister) Invoke(_ context.Context, method string, _, reply any, _ ...grpc.CallOption) error {
-	d.calls++
-	if d.calls > 100 {
-		return errors.New("still paging after 100 pages")
-	}
-	reply.(*csi.ListVolumesResponse).NextToken = "again"
-	return nil
-}
-
-func (d *loopingLister) NewStream(context.Context, *grpc.StreamDesc, string, ...grpc.CallOption) (grpc.ClientStream, error) {
-	return nil, errors.New("no streams")
-}
-
-// TestListPublishedStopsOnARepeatedToken: a driver whose ListVolumes paging
-// never ends (the same token again) is an error after the repeat, not a
-// loop of calls for the rest of the term.
-func TestListPublishedStopsOnARepeatedToken(t *testing.T) {
-	d := &loopingLister{}
-	a := &attacher{b: &Bridge{cfg: Config{Drivers: d, Timeout: time.Second}}}
-	_, err := a.listPublished(context.Background(), "loop.csi.test", "")
-	if err == nil || !strings.Contains(err.Error(), "twice") || d.calls != 2 {
-		t.Fatalf("after %d ListVolumes calls: %v; want an error about the repeated token after 2", d.calls, err)
-	}
-}
-
-// TestAttachesAMigratedInTreeVolume: with CSI migration the attach/detach
-// controller makes VolumeAttachments for in-tree PVs naming the CSI
-// driver the plugin moved to, and the PV keeps its in-tree source. The
-// broker translates it as external-attacher does: the driver publishes its
-// own volume ID, detach unpublishes it, and the PV's attacher finalizer
-// goes when the PV is deleted.
-func TestAttachesAMigratedInTreeVolume(t *testing.T) {
-	env := testenv.Shared(t)
-	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
-	node := addAttachNode(t, env, ns)
-	// The driver CSI migration moves in-tree Cinder volumes to (a name the
-	// translation fixes, shared with TestResizeExpandsAMigratedInTreeVolume;
-	// the two run one after the other, each with its own bridge).
-	const drv = "cinder.csi.openstack.org"
-	drivers, d := publishingDriver(t, env, drv, node)
-	volID := createDriverVolume(t, drivers, drv, clusterName(ns, "in-tree"))
-	pv := createStaticPV(t, c, clusterName(ns, "pv"), corev1.PersistentVolumeSource{Cinder: &corev1.CinderPersistentVolumeSource{VolumeID: volID, FSType: "ext4"}}, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{})
-
-	va := createVA(t, c, ns, drv, node, pv.Name)
-	vaFor(t, c, pv.Name, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached || va.Status.AttachError != nil }, "migrated volume attached")
-	got, err := c.StorageV1().VolumeAttachments().Get(ctx, va.Name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !got.Status.Attached {
-		t.Fatalf("the migrated volume was not attached: %+v", got.Status)
-	}
-	published := func() []string {
-		for _, v := range d.Volumes() {
-			if v.ID == volID {
-				return v.PublishedNodes
-			}
-		}
-		t.Fatalf("volume %s gone from the driver", volID)
-		return nil
-	}
-	if nodes := published(); !slices.Equal(nodes, []string{node}) {
-		t.Fatalf("the driver has volume %s published to %v, want [%s]", volID, nodes, node)
-	}
-	cur, err := c.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !containsString(cur.Finalizers, attacherFinalizer(drv)) {
-		t.Fatalf("the in-tree PV lacks the attacher finalizer: %v", cur.Finalizers)
-	}
-	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitVAGone(t, c, va.Name, 30*time.Second)
-	if nodes := published(); len(nodes) != 0 {
-		t.Fatalf("after detach the driver still has volume %s published to %v", volID, nodes)
-	}
-	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitPVGone(t, c, pv.Name, 30*time.Second)
-}
-
-// TestDetachMarksAnAttachmentKeptByAnotherFinalizer: when another
-// controller's finalizer keeps a VolumeAttachment after the broker's goes,
-// its status says detached (attached false, no publish context, no old
-// detach error), as external-attacher leaves it.
-func TestDetachMarksAnAttachmentKeptByAnotherFinalizer(t *testing.T) {
-	s := newAttachSetup(t, "kept.csi.test", sampledriver.Config{})
-	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeClass(t, c, clusterName(ns, "kept"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimRetain, nil)
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	const hold = "test.csibroker.io/hold"
-	va := createHeldVA(t, c, &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "va"), Finalizers: []string{hold}},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}})
-	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attachment attached")
-	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	got := vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return !hasAttacherFinalizer(va.Finalizers, drv) }, "the broker's finalizer removed")
-	if got.Status.Attached || got.Status.AttachmentMetadata != nil || got.Status.DetachError != nil || !slices.Equal(got.Finalizers, []string{hold}) {
-		t.Fatalf("attachment kept by another finalizer after detach: status %+v, finalizers %v; want detached, [%s]", got.Status, got.Finalizers, hold)
-	}
-	if n := d.CallCount("ControllerUnpublishVolume"); n == 0 {
-		t.Fatal("the volume was never unpublished")
-	}
-}
-
-// TestDetachAfterNamespaceIsGone: a grant admits publish secrets for
-// claims of namespaces labelled team=a. A static PV (which records no
-// namespace labels) is attached; its claim's namespace is deleted before
-// the detach. The attachment recorded the labels its publish was decided
-// with, so the unpublish is decided with them and the detach completes.
-func TestDetachAfterNamespaceIsGone(t *testing.T) {
-	env := testenv.Shared(t)
-	ctx, c, storageNS := context.Background(), env.Client(), env.NewNamespace(t)
-	tenant := makeTenant(t, c, storageNS)
-	node := addAttachNode(t, env, storageNS)
-	drv := clusterName(storageNS, "gone.csi.test")
-	drivers, d := publishingDriver(t, env, drv, node)
-	volID := createDriverVolume(t, drivers, drv, clusterName(storageNS, "static"))
-	pv := createStaticPV(t, c, clusterName(storageNS, "pv"), corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: volID,
-		ControllerPublishSecretRef: &corev1.SecretReference{Namespace: storageNS, Name: "creds"}}}, func(pv *corev1.PersistentVolume) {
-		pv.Spec.ClaimRef = &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: tenant, Name: "data"}
-	})
-	rs, errs := policy.Compile([]policy.Grant{{Namespace: storageNS, Name: "team-a", Spec: policy.GrantSpec{Drivers: []string{drv}, SecretNames: []string{"creds"},
-		Operations: []policy.Operation{policy.OpControllerPublishVolume, policy.OpControllerUnpublishVolume},
-		Requesters: policy.Requesters{NamespaceSelector: &policy.LabelSelector{MatchLabels: map[string]string{"team": "a"}}}}}})
-	if len(errs) > 0 {
-		t.Fatal(errs)
-	}
-	startBridge(t, env, storageNS, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}})
-
-	va := createVA(t, c, storageNS, drv, node, pv.Name)
-	got := vaFor(t, c, pv.Name, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached || va.Status.AttachError != nil }, "attachment attached")
-	var noted map[string]string
-	if err := json.Unmarshal([]byte(got.Annotations[annNamespaceLabels]), &noted); !got.Status.Attached || err != nil || noted["team"] != "a" {
-		t.Fatalf("attachment: status %+v, annotations %v; want attached, with the namespace labels recorded", got.Status, got.Annotations)
-	}
-	deleteNamespace(t, c, tenant)
-	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitVAGone(t, c, va.Name, 30*time.Second)
-	if n := d.CallCount("ControllerUnpublishVolume"); n == 0 {
-		t.Fatal("the volume was never unpublished")
-	}
-}
-
-// publishingDriver starts sample driver drv (with a controller publish
-// step) for node, as registered there (CSIDriver, CSINode).
-func publishingDriver(t *testing.T, env *testenv.Env, drv, node string) (*testDrivers, *sampledriver.Driver) {
-	t.Helper()
-	drivers := &testDrivers{}
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv, NodeID: node})
-	makeCSIDriver(t, env.Client(), drv, true)
-	if err := env.AddCSINode(context.Background(), node, drv, node, nil); err != nil {
-		t.Fatal(err)
-	}
-	return drivers, d
-}
-
-// createHeldVA creates va (its finalizers as given), and at cleanup drops
-// whatever finalizers it still has so that it goes.
-func createHeldVA(t *testing.T, c kubernetes.Interface, va *storagev1.VolumeAttachment) *storagev1.VolumeAttachment {
-	t.Helper()
-	made, err := c.StorageV1().VolumeAttachments().Create(context.Background(), va, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if cur, err := c.StorageV1().VolumeAttachments().Get(context.Background(), made.Name, metav1.GetOptions{}); err == nil {
-			cur.Finalizers = nil
-			c.StorageV1().VolumeAttachments().Update(context.Background(), cur, metav1.UpdateOptions{})
-		}
-	})
-	return made
-}
-
-// deleteNamespace deletes namespace ns and waits until it is gone.
-func deleteNamespace(t *testing.T, c kubernetes.Interface, ns string) {
-	t.Helper()
-	ctx := context.Background()
-	if err := c.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	err := testenv.WaitFor(ctx, 60*time.Second, "namespace "+ns+" gone", func(ctx context.Context) (bool, string, error) {
-		_, err := c.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-}
-
-// TestAttachKeepsPublishContextKeysSpeltLikePatchDirectives: a driver's
-// publish context is the VolumeAttachment's attachmentMetadata, keys and
-// all. Keys a strategic merge patch reads as directives ("$patch":
-// "delete" dropped the whole map) reach the API server as data.
-func TestAttachKeepsPublishContextKeysSpeltLikePatchDirectives(t *testing.T) {
-	env := testenv.Shared(t)
-	c, ns := env.Client(), env.NewNamespace(t)
-	node := addAttachNode(t, env, ns)
-	drv := clusterName(ns, "dollar.csi.test")
-	drivers, _ := publishingDriver(t, env, drv, node)
-	extra := map[string]string{"$patch": "delete", "$retainKeys": "devicePath", "$setElementOrder/x": "y"}
-	volID := createDriverVolume(t, drivers, drv, clusterName(ns, "vol"))
-	pv := createStaticPV(t, c, clusterName(ns, "pv"), corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: drv, VolumeHandle: volID}}, nil)
-	startBridge(t, env, ns, &hookedDrivers{testDrivers: drivers, hook: func(_ string, _, reply any, err error) error {
-		if resp, ok := reply.(*csi.ControllerPublishVolumeResponse); ok && err == nil {
-			if resp.PublishContext == nil {
-				resp.PublishContext = map[string]string{}
-			}
-			maps.Copy(resp.PublishContext, extra)
-		}
-		return err
-	}}, bridgeOpts{})
-
-	createVA(t, c, ns, drv, node, pv.Name)
-	got := vaFor(t, c, pv.Name, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached || va.Status.AttachError != nil }, "attached")
-	if !got.Status.Attached {
-		t.Fatalf("not attached: %+v", got.Status)
-	}
-	for k, v := range extra {
-		if got.Status.AttachmentMetadata[k] != v {
-			t.Errorf("attachmentMetadata %v: want %s=%s from the driver's publish context", got.Status.AttachmentMetadata, k, v)
-		}
-	}
-	if got.Status.AttachmentMetadata[sampledriver.PublishContextDevicePath] == "" {
-		t.Errorf("attachmentMetadata %v lacks the driver's own %s", got.Status.AttachmentMetadata, sampledriver.PublishContextDevicePath)
-	}
-}
-
-// hookedDrivers passes every answer of its drivers' controller
-// connections through hook (which may change the reply, and says what
-// error the caller gets) before the caller sees it.
-type hookedDrivers struct {
-	*testDrivers
-	hook func(method string, args, reply any, err error) error
-}
-
-func (d *hookedDrivers) ControllerConn(drv string) (grpc.ClientConnInterface, error) {
-	c, err := d.testDrivers.ControllerConn(drv)
-	if err != nil {
-		return nil, err
-	}
-	return &hookedConn{ClientConnInterface: c, hook: d.hook}, nil
-}
-
-type hookedConn struct {
-	grpc.ClientConnInterface
-	hook func(method string, args, reply any, err error) error
-}
-
-func (c *hookedConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
-	return c.hook(method, args, reply, c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...))
-}
-
-// createStaticPV creates a 1Gi ReadWriteOnce PV of src reclaimed by Retain,
-// changed by mut (if set) first, and deletes it at cleanup.
-func createStaticPV(t *testing.T, c kubernetes.Interface, name string, src corev1.PersistentVolumeSource, mut func(*corev1.PersistentVolume)) *corev1.PersistentVolume {
-	t.Helper()
-	pv := &corev1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: name},
-		Spec: corev1.PersistentVolumeSpec{
-			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
-			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
-			PersistentVolumeSource:        src,
-		},
-	}
-	if mut != nil {
-		mut(pv)
-	}
-	pv, err := c.CoreV1().PersistentVolumes().Create(context.Background(), pv, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().PersistentVolumes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
-	return pv
 }

@@ -11,7 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
-	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -24,11 +24,11 @@ const canarySecret = "CANARY-secret-value-9d1e"
 // object, log line (bridge, brokers and proxies logging at every level),
 // span or metric.
 func TestBadInputGetsClearEvents(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv, down := clusterName(ns, "ok.csi.test"), clusterName(ns, "down.csi.test")
+	drv, down := kubetest.ClusterName(ns, "ok.csi.test"), kubetest.ClusterName(ns, "down.csi.test")
 	drivers := &testDrivers{}
 	tap := &driverTap{} // what reaches the driver, after broker and proxy
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv}, verboseChain, tap.insert(t))
@@ -36,8 +36,8 @@ func TestBadInputGetsClearEvents(t *testing.T) {
 	drivers.addDeadDriver(t, down, verboseChain)
 
 	// Secrets: "allowed" is granted to the driver, "forbidden" exists but is not.
-	createPasswordSecrets(t, c, ns, canarySecret, "allowed", "forbidden")
-	authz := grantsAuthorizer(t, policy.Grant{Namespace: ns, Name: "grant-ok", Spec: policy.GrantSpec{
+	kubetest.CreatePasswordSecrets(t, c, ns, canarySecret, "allowed", "forbidden")
+	authz := kubetest.GrantsAuthorizer(t, policy.Grant{Namespace: ns, Name: "grant-ok", Spec: policy.GrantSpec{
 		Drivers: []string{drv}, SecretNames: []string{"allowed", "missing"}, Operations: []policy.Operation{policy.OpCreateVolume, policy.OpDeleteVolume, policy.OpNodeStageVolume},
 		Requesters: policy.Requesters{Namespaces: []string{ns}}}})
 	r := startBridge(t, env, ns, drivers, bridgeOpts{policy: authz, allLogs: true})
@@ -63,18 +63,18 @@ func TestBadInputGetsClearEvents(t *testing.T) {
 		{"driver-down", down, nil, []string{"driver " + down + " is not reachable", "Unavailable"}},
 	}
 	for _, tc := range cases {
-		class := makeClass(t, c, clusterName(ns, tc.claim), tc.driver, imm, del, tc.params)
-		makeClaim(t, c, ns, tc.claim, class.Name, "1Gi")
+		class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, tc.claim), tc.driver, imm, del, tc.params)
+		kubetest.MakeClaim(t, c, ns, tc.claim, class.Name, "1Gi")
 	}
 	goodParams := secretParams("allowed")
 	goodParams["csi.storage.k8s.io/node-stage-secret-name"] = "allowed"
 	goodParams["csi.storage.k8s.io/node-stage-secret-namespace"] = ns
-	goodClass := makeClass(t, c, clusterName(ns, "good"), drv, imm, del, goodParams)
-	makeClaim(t, c, ns, "good", goodClass.Name, "1Gi")
+	goodClass := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "good"), drv, imm, del, goodParams)
+	kubetest.MakeClaim(t, c, ns, "good", goodClass.Name, "1Gi")
 
 	for _, tc := range cases {
 		t.Run(tc.claim, func(t *testing.T) {
-			ev := waitEvent(t, c, ns, tc.claim, "ProvisioningFailed", tc.want[0])
+			ev := kubetest.WaitEvent(t, c, ns, tc.claim, "ProvisioningFailed", tc.want[0])
 			for _, w := range tc.want[1:] {
 				if !strings.Contains(ev.Message, w) {
 					t.Errorf("event %q does not say %q", ev.Message, w)
@@ -83,7 +83,7 @@ func TestBadInputGetsClearEvents(t *testing.T) {
 			t.Logf("%s: %s", tc.claim, ev.Message)
 		})
 	}
-	bound := waitBound(t, c, ns, "good", 60*time.Second)
+	bound := kubetest.WaitBound(t, c, ns, "good", 60*time.Second)
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, bound.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)

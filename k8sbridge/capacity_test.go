@@ -3,11 +3,7 @@ package k8sbridge
 import (
 	"context"
 	"fmt"
-	"log/slog"
-	"maps"
-	"net"
 	"runtime"
-	"slices"
 	"sort"
 	"strings"
 	"sync/atomic"
@@ -22,11 +18,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/csibroker/csibroker/broker"
-	"github.com/csibroker/csibroker/internal/chaintest"
-	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/capacity"
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 const gib = int64(1) << 30
@@ -35,9 +31,11 @@ const gib = int64(1) << 30
 // test poll every 500ms and notice (un)registered drivers within 200ms.
 func fastCapacityPolls(t *testing.T) {
 	t.Helper()
-	poll, reg, grace := capacityPollInterval, capacityRegistryInterval, capacityUnregisteredGrace
-	capacityPollInterval, capacityRegistryInterval, capacityUnregisteredGrace = 500*time.Millisecond, 200*time.Millisecond, 4*time.Second
-	t.Cleanup(func() { capacityPollInterval, capacityRegistryInterval, capacityUnregisteredGrace = poll, reg, grace })
+	poll, reg, grace := capacity.PollInterval, capacity.RegistryInterval, capacity.UnregisteredGrace
+	capacity.PollInterval, capacity.RegistryInterval, capacity.UnregisteredGrace = 500*time.Millisecond, 200*time.Millisecond, 4*time.Second
+	t.Cleanup(func() {
+		capacity.PollInterval, capacity.RegistryInterval, capacity.UnregisteredGrace = poll, reg, grace
+	})
 }
 
 // longCapacityGrace makes the grace period of bridges started by this test
@@ -46,9 +44,9 @@ func fastCapacityPolls(t *testing.T) {
 // fastCapacityPolls and before starting a bridge.
 func longCapacityGrace(t *testing.T) {
 	t.Helper()
-	prev := capacityUnregisteredGrace
-	capacityUnregisteredGrace = 15 * time.Second
-	t.Cleanup(func() { capacityUnregisteredGrace = prev })
+	prev := capacity.UnregisteredGrace
+	capacity.UnregisteredGrace = 15 * time.Second
+	t.Cleanup(func() { capacity.UnregisteredGrace = prev })
 }
 
 // waitLogLine waits until a line of r's log holds every one of parts.
@@ -71,126 +69,6 @@ func waitLogLine(t *testing.T, r *bridgeRun, parts ...string) {
 	}
 }
 
-func TestCapacitySegments(t *testing.T) {
-	const zone, rack, host = testenv.LabelZone, "example.com/rack", corev1.LabelHostname
-	node := func(name string, keys []string, labels ...string) TopologyNode {
-		l := map[string]string{}
-		for i := 0; i+1 < len(labels); i += 2 {
-			l[labels[i]] = labels[i+1]
-		}
-		return TopologyNode{Name: name, Labels: l, DriverKeys: keys}
-	}
-	type seg struct{ term, request, node string }
-	for _, tc := range []struct {
-		name      string
-		nodeLocal bool
-		nodes     []TopologyNode
-		want      []seg
-	}{
-		{
-			name: "central driver: one segment per distinct zone, sorted",
-			nodes: []TopologyNode{
-				node("n3", []string{zone}, zone, "z2", host, "n3"),
-				node("n1", []string{zone}, zone, "z1", host, "n1"),
-				node("n2", []string{zone}, zone, "z1", host, "n2"),
-			},
-			want: []seg{{term: "{" + zone + "=z1}", request: "{" + zone + "=z1}"}, {term: "{" + zone + "=z2}", request: "{" + zone + "=z2}"}},
-		},
-		{
-			name: "central driver: several keys make one segment",
-			nodes: []TopologyNode{
-				node("n1", []string{zone, rack}, zone, "z1", rack, "r1"),
-				node("n2", []string{rack, zone}, zone, "z1", rack, "r2"),
-			},
-			want: []seg{
-				{term: "{" + rack + "=r1," + zone + "=z1}", request: "{" + rack + "=r1," + zone + "=z1}"},
-				{term: "{" + rack + "=r2," + zone + "=z1}", request: "{" + rack + "=r2," + zone + "=z1}"},
-			},
-		},
-		{
-			name: "nodes not running the driver or missing a key label give nothing",
-			nodes: []TopologyNode{
-				node("n1", nil, zone, "z9"),
-				node("n2", []string{zone}, rack, "r1"),
-				node("n3", []string{zone}, zone, "z1"),
-			},
-			want: []seg{{term: "{" + zone + "=z1}", request: "{" + zone + "=z1}"}},
-		},
-		{
-			name: "central driver without topology keys: the empty segment, every node",
-			nodes: []TopologyNode{
-				node("n1", []string{}, zone, "z1"),
-				node("n2", []string{}, zone, "z2"),
-			},
-			want: []seg{{term: "{}", request: "{}"}},
-		},
-		{
-			name:      "node-local driver: one segment per node, asked in its own keys",
-			nodeLocal: true,
-			nodes: []TopologyNode{
-				node("n2", []string{rack}, host, "n2", rack, "r1"),
-				node("n1", []string{host}, host, "n1"),
-			},
-			want: []seg{
-				{term: "{" + host + "=n1}", request: "{" + host + "=n1}", node: "n1"},
-				{term: "{" + host + "=n2}", request: "{" + rack + "=r1}", node: "n2"},
-			},
-		},
-		{
-			name:      "node-local driver without topology keys still gets per-node segments",
-			nodeLocal: true,
-			nodes: []TopologyNode{
-				node("n1", []string{}, host, "n1"),
-				node("n2", nil, host, "n2"),
-				node("n3", []string{}, zone, "z1"), // no hostname label
-			},
-			want: []seg{{term: "{" + host + "=n1}", request: "{" + host + "=n1}", node: "n1"}},
-		},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			var got []seg
-			for _, s := range capacitySegments(tc.nodes, tc.nodeLocal) {
-				got = append(got, seg{term: s.term.String(), request: s.request.String(), node: s.node})
-			}
-			if !slices.Equal(got, tc.want) {
-				t.Errorf("segments\n got %v\nwant %v", got, tc.want)
-			}
-		})
-	}
-}
-
-// TestCapacityRequest: the class's parameters without the provisioner's
-// keys, the segment, and no volume capability (as external-provisioner:
-// the field is optional, and a made-up one could have a block-only driver
-// answer 0).
-func TestCapacityRequest(t *testing.T) {
-	class := &storagev1.StorageClass{
-		Parameters: map[string]string{
-			"label":     "blue",
-			ParamFSType: "xfs",
-			ParameterPrefix + "provisioner-secret-name": "s",
-		},
-		MountOptions: []string{"noatime"},
-	}
-	req := CapacityRequest(class, map[string]string{testenv.LabelZone: "z1"})
-	if !maps.Equal(req.GetParameters(), map[string]string{"label": "blue"}) {
-		t.Errorf("parameters %v: want the class's without csi.storage.k8s.io/ keys", req.GetParameters())
-	}
-	if caps := req.GetVolumeCapabilities(); caps != nil {
-		t.Errorf("capabilities %v, want none", caps)
-	}
-	if got := req.GetAccessibleTopology().GetSegments(); !maps.Equal(got, map[string]string{testenv.LabelZone: "z1"}) {
-		t.Errorf("accessible topology %v", got)
-	}
-	if r := CapacityRequest(&storagev1.StorageClass{}, nil); r.GetAccessibleTopology() != nil || r.GetParameters() == nil {
-		t.Errorf("no segment: %v", r)
-	}
-	// The deprecated unprefixed key is the driver's parameter, passed on.
-	if legacy := CapacityRequest(&storagev1.StorageClass{Parameters: map[string]string{"fsType": "ext4"}}, nil); legacy.GetParameters()["fsType"] != "ext4" {
-		t.Errorf("deprecated fsType key: parameters %v", legacy.GetParameters())
-	}
-}
-
 // mountCaps is a generic mount capability, for volumes the tests make
 // behind the broker's back.
 func mountCaps() []*csi.VolumeCapability {
@@ -203,13 +81,13 @@ func mountCaps() []*csi.VolumeCapability {
 // capacityObjects lists the broker's capacity objects of driver in ns, keyed
 // by "class segment-labels".
 func capacityObjects(ctx context.Context, c kubernetes.Interface, ns, driver string) (map[string]storagev1.CSIStorageCapacity, error) {
-	list, err := c.StorageV1().CSIStorageCapacities(ns).List(ctx, metav1.ListOptions{LabelSelector: capacityLabelDriver + "=" + driver})
+	list, err := c.StorageV1().CSIStorageCapacities(ns).List(ctx, metav1.ListOptions{LabelSelector: capacity.LabelDriver + "=" + driver})
 	if err != nil {
 		return nil, err
 	}
 	out := map[string]storagev1.CSIStorageCapacity{}
 	for _, o := range list.Items {
-		k := o.StorageClassName + " " + capacityKeyOf(&o).segment
+		k := o.StorageClassName + " " + capacity.SegmentOf(&o)
 		if _, dup := out[k]; dup {
 			k += " (duplicate " + o.Name + ")"
 		}
@@ -269,26 +147,26 @@ func segmentKey(class, key, value string) string { return class + " {" + key + "
 // them again under the new owner.
 func TestCapacityZonalDriverTwoClasses(t *testing.T) {
 	fastCapacityPolls(t)
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "zonal.csi.test")
+	drv := kubetest.ClusterName(ns, "zonal.csi.test")
 	var segs []map[string]string
 	for _, z := range []string{"z1", "z2"} {
-		node := clusterName(ns, "node-"+z)
+		node := kubetest.ClusterName(ns, "node-"+z)
 		addNode(t, env, testenv.NodeSpec{Name: node, Zone: z}, drv, []string{testenv.LabelZone})
 		segs = append(segs, map[string]string{testenv.LabelZone: z})
 	}
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: segs, CapacityBytes: 10 * gib})
 	wffc, del := storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
-	classA := makeClass(t, c, clusterName(ns, "a"), drv, wffc, del, nil)
-	classB := makeClass(t, c, clusterName(ns, "b"), drv, wffc, del, map[string]string{"label": "blue", ParamFSType: "ext4"})
+	classA := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "a"), drv, wffc, del, nil)
+	classB := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "b"), drv, wffc, del, map[string]string{"label": "blue", csiparams.ParamFSType: "ext4"})
 	// An Immediate class of the driver gets no objects (the scheduler
 	// reads capacity for WaitForFirstConsumer claims only): the exact sets
 	// waited for below, the later ones many polls on, hold none of it.
-	makeClass(t, c, clusterName(ns, "immediate"), drv, storagev1.VolumeBindingImmediate, del, nil)
+	kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "immediate"), drv, storagev1.VolumeBindingImmediate, del, nil)
 	run := startBridge(t, env, ns, drivers, bridgeOpts{})
 
 	all := func(bytes int64) map[string]int64 {
@@ -306,7 +184,7 @@ func TestCapacityZonalDriverTwoClasses(t *testing.T) {
 		switch {
 		case len(o.OwnerReferences) != 1 || o.OwnerReferences[0].Kind != "ConfigMap" || o.OwnerReferences[0].UID != cm.UID:
 			t.Errorf("%s: owners %+v, want the intent ConfigMap %s", k, o.OwnerReferences, cm.UID)
-		case o.Labels[capacityLabelManagedBy] != capacityManagedBy || !strings.HasPrefix(o.Name, capacityGenerateName):
+		case o.Labels[capacity.LabelManagedBy] != capacity.ManagedBy || !strings.HasPrefix(o.Name, capacity.GenerateName):
 			t.Errorf("%s: name %s labels %v", k, o.Name, o.Labels)
 		case o.NodeTopology == nil || len(o.NodeTopology.MatchLabels) != 1 || len(o.NodeTopology.MatchExpressions) != 0:
 			t.Errorf("%s: node topology %+v", k, o.NodeTopology)
@@ -320,9 +198,9 @@ func TestCapacityZonalDriverTwoClasses(t *testing.T) {
 
 	// A volume provisioned through the broker: free space drops in both
 	// zones (one pool serves both).
-	makeClaim(t, c, ns, "claim", classA.Name, "1Gi")
-	makePod(t, c, ns, "pod", "claim")
-	waitBound(t, c, ns, "claim", 60*time.Second)
+	kubetest.MakeClaim(t, c, ns, "claim", classA.Name, "1Gi")
+	kubetest.MakePod(t, c, ns, "pod", "claim")
+	kubetest.WaitBound(t, c, ns, "claim", 60*time.Second)
 	objs = waitCapacities(t, c, ns, drv, all(9*gib))
 
 	// Nothing changes: refreshes write nothing. Two full polls (every key
@@ -418,12 +296,19 @@ func (s *switchDrivers) ControllerConn(d string) (grpc.ClientConnInterface, erro
 
 func (s *switchDrivers) DriverNames() []string {
 	if s.gone.Load() {
-		if calledFrom(".(*capacityController).desiredItems") {
+		if calledFrom("capacity.(*Controller).desiredItems") {
 			s.reconcilesWhileGone.Add(1)
 		}
 		return nil
 	}
 	return s.testDrivers.DriverNames()
+}
+
+func (s *switchDrivers) HasDriver(d string) bool {
+	if s.gone.Load() {
+		return false
+	}
+	return s.testDrivers.HasDriver(d)
 }
 
 // calledFrom reports whether a function whose name ends in fn is on the
@@ -472,11 +357,11 @@ type zoneCapacity struct {
 func setUpZoneCapacity(t *testing.T) zoneCapacity {
 	t.Helper()
 	fastCapacityPolls(t)
-	z := zoneCapacity{env: testenv.Shared(t)}
+	z := zoneCapacity{env: kubetest.ControlPlane(t)}
 	z.ns = z.env.NewNamespace(t)
 	z.c = z.env.Client()
-	z.drv = clusterName(z.ns, "zonal.csi.test")
-	node := clusterName(z.ns, "node")
+	z.drv = kubetest.ClusterName(z.ns, "zonal.csi.test")
+	node := kubetest.ClusterName(z.ns, "node")
 	addNode(t, z.env, testenv.NodeSpec{Name: node, Zone: "z1"}, z.drv, []string{testenv.LabelZone})
 	// A closed port: calls fail with Unavailable.
 	dead, err := grpc.NewClient("passthrough:///127.0.0.1:1", grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -486,7 +371,7 @@ func setUpZoneCapacity(t *testing.T) zoneCapacity {
 	t.Cleanup(func() { dead.Close() })
 	z.drivers = &switchDrivers{testDrivers: &testDrivers{}, dead: dead}
 	z.d = z.drivers.addDriver(t, sampledriver.Config{Name: z.drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 8 * gib})
-	z.class = makeClass(t, z.c, clusterName(z.ns, "c"), z.drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	z.class = kubetest.MakeClass(t, z.c, kubetest.ClusterName(z.ns, "c"), z.drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	z.key = segmentKey(z.class.Name, testenv.LabelZone, "z1")
 	return z
 }
@@ -565,12 +450,12 @@ func TestCapacityDriverDownKeepsObjectsUnregisteredRemoves(t *testing.T) {
 		t.Fatal(err)
 	}
 	if o, ok := kept[key]; !ok || o.UID != after[key].UID || o.Capacity.Value() != 5*gib {
-		t.Fatalf("%v after the driver was unregistered (grace %v): %s, want %s kept through the grace period", time.Since(gone).Round(time.Millisecond), capacityUnregisteredGrace, describeCapacities(kept), after[key].Name)
+		t.Fatalf("%v after the driver was unregistered (grace %v): %s, want %s kept through the grace period", time.Since(gone).Round(time.Millisecond), capacity.UnregisteredGrace, describeCapacities(kept), after[key].Name)
 	}
 	t.Logf("kept through %d capacity reconciles, %v after the driver was unregistered", drivers.reconcilesWhileGone.Load(), time.Since(gone).Round(time.Millisecond))
 	waitCapacities(t, c, ns, drv, map[string]int64{})
-	if d := time.Since(gone); d < capacityUnregisteredGrace {
-		t.Fatalf("objects deleted %v after the driver was unregistered, before the %v grace period", d, capacityUnregisteredGrace)
+	if d := time.Since(gone); d < capacity.UnregisteredGrace {
+		t.Fatalf("objects deleted %v after the driver was unregistered, before the %v grace period", d, capacity.UnregisteredGrace)
 	}
 }
 
@@ -598,7 +483,7 @@ func TestCapacityNewLeaderKeepsObjectsOfDriversNotRegisteredYet(t *testing.T) {
 		t.Fatal(err)
 	}
 	if o, ok := kept[z.key]; !ok || o.UID != before[z.key].UID || o.Capacity.Value() != 8*gib {
-		t.Fatalf("new leader, driver not registered yet, %v after it started (grace %v): %s, want %s kept as it was", time.Since(started).Round(time.Millisecond), capacityUnregisteredGrace, describeCapacities(kept), before[z.key].Name)
+		t.Fatalf("new leader, driver not registered yet, %v after it started (grace %v): %s, want %s kept as it was", time.Since(started).Round(time.Millisecond), capacity.UnregisteredGrace, describeCapacities(kept), before[z.key].Name)
 	}
 	t.Logf("kept through %d capacity reconciles, %v after the new leader started", z.drivers.reconcilesWhileGone.Load(), time.Since(started).Round(time.Millisecond))
 
@@ -610,488 +495,5 @@ func TestCapacityNewLeaderKeepsObjectsOfDriversNotRegisteredYet(t *testing.T) {
 	}
 	if n := next.metricValue(t, "csibroker_capacity_api_writes_total", map[string]string{"operation": "delete"}); n != 0 {
 		t.Errorf("%v capacity objects deleted by the new leader, want 0", n)
-	}
-}
-
-// TestCapacityNodeLocalNodeWithoutProxy: a node that runs a node-local
-// driver (its CSINode lists it) but has no proxy registered gets no
-// object and no failing refreshes; a node whose proxy goes away keeps its
-// object as it was, and the object follows the driver again once the
-// proxy is back.
-func TestCapacityNodeLocalNodeWithoutProxy(t *testing.T) {
-	fastCapacityPolls(t)
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	drv := clusterName(ns, "local.csi.test")
-	nodeA, nodeB := clusterName(ns, "node-a"), clusterName(ns, "no-proxy")
-	addHostnameNodes(t, env, drv, nodeA, nodeB)
-	dA, chainA := nodeProxy(t, drv, nodeA, 4*gib)
-	br, err := broker.New(broker.Options{TrustDomain: chaintest.TrustDomain, TLS: chainA.BrokerSource})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(br.Close)
-	withA := broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second, Nodes: []broker.ProxyConfig{{Node: nodeA, Address: chainA.ProxyAddr}}}
-	if err := br.SetDriver(withA); err != nil {
-		t.Fatal(err)
-	}
-	class := makeClass(t, c, clusterName(ns, "local"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
-	run := startBridge(t, env, ns, br, bridgeOpts{})
-	keyA := segmentKey(class.Name, corev1.LabelHostname, nodeA)
-	before := waitCapacities(t, c, ns, drv, map[string]int64{keyA: 4 * gib})
-	// Node A's object polled a few times more: node B's would have been
-	// asked for by now.
-	unchanged := func() float64 {
-		return run.metricValue(t, "csibroker_capacity_refreshes_total", map[string]string{"driver": drv, "result": "unchanged"})
-	}
-	polled := unchanged()
-	if err := testenv.WaitFor(ctx, 30*time.Second, "node A's capacity polled again", func(context.Context) (bool, string, error) {
-		n := unchanged()
-		return n >= polled+3, fmt.Sprintf("%v unchanged refreshes", n), nil
-	}); err != nil {
-		t.Fatal(err)
-	}
-	if objs, err := capacityObjects(ctx, c, ns, drv); err != nil || len(objs) != 1 {
-		t.Fatalf("objects %s (%v), want node A's only: node B has no proxy", describeCapacities(objs), err)
-	}
-	failed := func() float64 {
-		return run.metricValue(t, "csibroker_capacity_refreshes_total", map[string]string{"driver": drv, "result": "failed"})
-	}
-	if f := failed(); f != 0 {
-		t.Errorf("%v failed refreshes: the node without a proxy was asked", f)
-	}
-
-	// Node A's proxy goes away (a restart; the driver keeps a proxy on a
-	// node of no segment here): its object stays as it was.
-	keptPolls := func() float64 {
-		return run.metricValue(t, "csibroker_capacity_refreshes_total", map[string]string{"driver": drv, "result": "kept"})
-	}
-	keptBefore := keptPolls()
-	if err := br.SetDriver(broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second,
-		Nodes: []broker.ProxyConfig{{Node: clusterName(ns, "elsewhere"), Address: chainA.ProxyAddr}}}); err != nil {
-		t.Fatal(err)
-	}
-	// Polled a few times while the proxy is gone.
-	if err := testenv.WaitFor(ctx, 30*time.Second, "node A's object polled while its proxy is gone", func(context.Context) (bool, string, error) {
-		n := keptPolls()
-		return n >= keptBefore+3, fmt.Sprintf("%v polls keeping it", n), nil
-	}); err != nil {
-		t.Fatal(err)
-	}
-	kept, err := capacityObjects(ctx, c, ns, drv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if o, ok := kept[keyA]; !ok || o.UID != before[keyA].UID || o.Capacity.Value() != 4*gib {
-		t.Fatalf("node A's proxy gone: %s, want %s kept as it was", describeCapacities(kept), before[keyA].Name)
-	}
-	if f := failed(); f != 0 {
-		t.Errorf("%v failed refreshes while node A had no proxy", f)
-	}
-
-	// Back, with less room: the same object follows.
-	if err := br.SetDriver(withA); err != nil {
-		t.Fatal(err)
-	}
-	conn, err := br.NodeConn(drv, nodeA)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "used", CapacityRange: &csi.CapacityRange{RequiredBytes: gib},
-		VolumeCapabilities: mountCaps()}); err != nil {
-		t.Fatal(err)
-	}
-	after := waitCapacities(t, c, ns, drv, map[string]int64{keyA: 3 * gib})
-	if after[keyA].UID != before[keyA].UID {
-		t.Errorf("node A's object recreated instead of updated")
-	}
-	if len(dA.Volumes()) != 1 {
-		t.Fatalf("node A volumes %d", len(dA.Volumes()))
-	}
-}
-
-// addHostnameNodes adds nodes whose CSINode lists drv with the hostname
-// as its topology key (a node-local driver), removed at the test's end.
-// addNode adds a Node of spec, deleted when the test ends, and, for a
-// driver, its CSINode listing keys.
-func addNode(t *testing.T, env *testenv.Env, spec testenv.NodeSpec, drv string, keys []string) {
-	t.Helper()
-	ctx, c := context.Background(), env.Client()
-	if _, err := env.AddNodes(ctx, spec); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), spec.Name, metav1.DeleteOptions{}) })
-	if drv == "" {
-		return
-	}
-	if err := env.AddCSINode(ctx, spec.Name, drv, spec.Name, keys); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func addHostnameNodes(t *testing.T, env *testenv.Env, drv string, nodes ...string) {
-	t.Helper()
-	for _, n := range nodes {
-		addNode(t, env, testenv.NodeSpec{Name: n}, drv, []string{corev1.LabelHostname})
-	}
-}
-
-// nodeProxy starts a sample driver for node behind its own real proxy whose
-// certificate names the node (spiffe://.../driver/<driver>/node/<node>).
-func nodeProxy(t *testing.T, driver, node string, capacity int64) (*sampledriver.Driver, *chaintest.Chain) {
-	t.Helper()
-	ep, d := sampledriver.StartTest(t, sampledriver.Config{Name: driver, NodeID: node, Topology: map[string]string{corev1.LabelHostname: node},
-		CapacityBytes: capacity, Logger: slog.New(slog.DiscardHandler)})
-	now := time.Now()
-	mat, err := chaintest.SharedCA(t).IssueMaterial(mtls.Leaf{ID: mtls.NodeDriverID(chaintest.TrustDomain, driver, node), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The chain's own broker expects a controller proxy and is not used:
-	// the test's broker below dials this proxy as the node's.
-	return d, chaintest.Start(t, chaintest.Options{Driver: driver, DriverEndpoint: ep, ProxyMaterial: mat, NoWait: true, LogLevel: slog.LevelError})
-}
-
-// TestCapacityNodeLocalWithoutTopology: a node-local driver that has no
-// topology of its own (no VOLUME_ACCESSIBILITY_CONSTRAINTS, its CSINode
-// lists no keys) still gets a capacity object per node, by hostname, and is
-// asked on its node's proxy without a topology in the request, which the
-// spec forbids it (the sample driver refuses one).
-func TestCapacityNodeLocalWithoutTopology(t *testing.T) {
-	fastCapacityPolls(t)
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	drv := clusterName(ns, "plain.csi.test")
-	node := clusterName(ns, "node")
-	addNode(t, env, testenv.NodeSpec{Name: node}, drv, nil)
-	ep, d := sampledriver.StartTest(t, sampledriver.Config{Name: drv, NodeID: node, CapacityBytes: 4 * gib, Logger: slog.New(slog.DiscardHandler)})
-	now := time.Now()
-	mat, err := chaintest.SharedCA(t).IssueMaterial(mtls.Leaf{ID: mtls.NodeDriverID(chaintest.TrustDomain, drv, node), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	chain := chaintest.Start(t, chaintest.Options{Driver: drv, DriverEndpoint: ep, ProxyMaterial: mat, NoWait: true, LogLevel: slog.LevelError})
-	br, err := broker.New(broker.Options{TrustDomain: chaintest.TrustDomain, TLS: chain.BrokerSource})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(br.Close)
-	if err := br.SetDriver(broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second, Nodes: []broker.ProxyConfig{{Node: node, Address: chain.ProxyAddr}}}); err != nil {
-		t.Fatal(err)
-	}
-	class := makeClass(t, c, clusterName(ns, "plain"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, br, bridgeOpts{})
-	waitCapacities(t, c, ns, drv, map[string]int64{segmentKey(class.Name, corev1.LabelHostname, node): 4 * gib})
-	if n := d.CallCount("GetCapacity"); n == 0 {
-		t.Fatal("no GetCapacity call reached the node's driver")
-	}
-}
-
-// TestCapacityNodeLocalTwoNodes: a node-local driver with an instance (and
-// a node proxy) on each of two nodes, registered in a real broker with node
-// proxies only: one object per node with what that node's instance reports,
-// a change on one node follows; kube-scheduler uses the objects (a claim
-// too big for one node's free space lands on the other, is provisioned by
-// that node's instance and its object follows; a claim too big for both is
-// not placed).
-func TestCapacityNodeLocalTwoNodes(t *testing.T) {
-	fastCapacityPolls(t)
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	drv := clusterName(ns, "local.csi.test")
-	nodeA, nodeB := clusterName(ns, "node-a"), clusterName(ns, "node-b")
-	addHostnameNodes(t, env, drv, nodeA, nodeB)
-	dA, chainA := nodeProxy(t, drv, nodeA, 4*gib)
-	dB, chainB := nodeProxy(t, drv, nodeB, 6*gib)
-	br, err := broker.New(broker.Options{TrustDomain: chaintest.TrustDomain, TLS: chainA.BrokerSource})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(br.Close)
-	if err := br.SetDriver(broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second, Nodes: []broker.ProxyConfig{
-		{Node: nodeA, Address: chainA.ProxyAddr}, {Node: nodeB, Address: chainB.ProxyAddr},
-	}}); err != nil {
-		t.Fatal(err)
-	}
-	// The scheduler checks capacity for this driver's claims.
-	csiDriver := &storagev1.CSIDriver{ObjectMeta: metav1.ObjectMeta{Name: drv}, Spec: storagev1.CSIDriverSpec{AttachRequired: new(false), StorageCapacity: new(true)}}
-	if _, err := c.StorageV1().CSIDrivers().Create(ctx, csiDriver, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.StorageV1().CSIDrivers().Delete(context.Background(), drv, metav1.DeleteOptions{}) })
-	class := makeClass(t, c, clusterName(ns, "local"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, br, bridgeOpts{})
-
-	keyA, keyB := segmentKey(class.Name, corev1.LabelHostname, nodeA), segmentKey(class.Name, corev1.LabelHostname, nodeB)
-	objs := waitCapacities(t, c, ns, drv, map[string]int64{keyA: 4 * gib, keyB: 6 * gib})
-	if dA.CallCount("GetCapacity") == 0 || dB.CallCount("GetCapacity") == 0 {
-		t.Fatalf("GetCapacity calls: node A %d, node B %d", dA.CallCount("GetCapacity"), dB.CallCount("GetCapacity"))
-	}
-
-	// 1 GiB used on node A (a volume made through the broker's node
-	// route): only node A's object follows.
-	conn, err := br.NodeConn(drv, nodeA)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{
-		Name:               "on-a",
-		CapacityRange:      &csi.CapacityRange{RequiredBytes: gib},
-		VolumeCapabilities: mountCaps(),
-	}); err != nil {
-		t.Fatal(err)
-	}
-	after := waitCapacities(t, c, ns, drv, map[string]int64{keyA: 3 * gib, keyB: 6 * gib})
-	for k, o := range after {
-		if o.UID != objs[k].UID {
-			t.Errorf("%s recreated instead of updated", k)
-		}
-	}
-	if len(dA.Volumes()) != 1 || len(dB.Volumes()) != 0 {
-		t.Fatalf("volumes: node A %d, node B %d", len(dA.Volumes()), len(dB.Volumes()))
-	}
-
-	// A 5 GiB claim fits only node B: the scheduler, reading the objects,
-	// selects it.
-	makeClaim(t, c, ns, "big", class.Name, "5Gi")
-	makePod(t, c, ns, "pod", "big")
-	err = testenv.WaitFor(ctx, 60*time.Second, "the scheduler to select node B for the 5Gi claim", func(ctx context.Context) (bool, string, error) {
-		pvc, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "big", metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		sel := pvc.Annotations[annSelectedNode]
-		if sel != "" && sel != nodeB {
-			return false, "", fmt.Errorf("selected node %s, which has 3Gi free", sel)
-		}
-		pod, err := c.CoreV1().Pods(ns).Get(ctx, "pod", metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		return sel == nodeB, fmt.Sprintf("selected %q, pod conditions %+v", sel, pod.Status.Conditions), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	// It is provisioned by node B's instance, through node B's proxy, and
-	// node B's object follows.
-	waitBound(t, c, ns, "big", 60*time.Second)
-	if len(dA.Volumes()) != 1 || len(dB.Volumes()) != 1 {
-		t.Fatalf("volumes: node A %d, node B %d; want the claim's on node B", len(dA.Volumes()), len(dB.Volumes()))
-	}
-	waitCapacities(t, c, ns, drv, map[string]int64{keyA: 3 * gib, keyB: 1 * gib})
-
-	// A claim larger than either node's free space is not placed at all,
-	// and the scheduler says why: it read the objects.
-	makeClaim(t, c, ns, "huge", class.Name, "4Gi")
-	makePod(t, c, ns, "pod-huge", "huge")
-	err = testenv.WaitFor(ctx, 60*time.Second, "the scheduler to refuse the 4Gi claim for lack of storage", func(ctx context.Context) (bool, string, error) {
-		pod, err := c.CoreV1().Pods(ns).Get(ctx, "pod-huge", metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		if pod.Spec.NodeName != "" {
-			return false, "", fmt.Errorf("pod placed on %s", pod.Spec.NodeName)
-		}
-		for _, cond := range pod.Status.Conditions {
-			if cond.Type == corev1.PodScheduled && cond.Status == corev1.ConditionFalse && strings.Contains(cond.Message, "enough free storage") {
-				return true, "", nil
-			}
-		}
-		return false, fmt.Sprintf("pod conditions %+v", pod.Status.Conditions), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-}
-
-var (
-	_ Drivers      = (*broker.Broker)(nil)
-	_ driverLookup = (*broker.Broker)(nil) // so Bridge.registered takes the map lookup
-)
-
-// TestCapacityForImmediateBinding: with --capacity-for-immediate-binding,
-// an Immediate class of the driver gets its objects too.
-func TestCapacityForImmediateBinding(t *testing.T) {
-	fastCapacityPolls(t)
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	drv := clusterName(ns, "imm.csi.test")
-	node := clusterName(ns, "node-z1")
-	addNode(t, env, testenv.NodeSpec{Name: node, Zone: "z1"}, drv, []string{testenv.LabelZone})
-	drivers := &testDrivers{}
-	drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 10 * gib})
-	class := makeClass(t, c, clusterName(ns, "imm"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.CapacityForImmediateBinding = true }})
-	waitCapacities(t, c, ns, drv, map[string]int64{segmentKey(class.Name, testenv.LabelZone, "z1"): 10 * gib})
-}
-
-// TestCapacityDriverWithoutTopology: a driver whose nodes list no topology
-// keys, with storage capacity tracking on in its CSIDriver, gets one
-// object per class whose nodeTopology selects every node, as
-// external-provisioner makes it (with none, the scheduler finds no room
-// for its WaitForFirstConsumer claims anywhere), and a claim's pod is
-// scheduled and its volume provisioned.
-func TestCapacityDriverWithoutTopology(t *testing.T) {
-	fastCapacityPolls(t)
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	drv := clusterName(ns, "flat.csi.test")
-	addNode(t, env, testenv.NodeSpec{Name: clusterName(ns, "node")}, drv, nil)
-	drivers := &testDrivers{}
-	drivers.addDriver(t, sampledriver.Config{Name: drv, CapacityBytes: 4 * gib})
-	csiDriver := &storagev1.CSIDriver{ObjectMeta: metav1.ObjectMeta{Name: drv}, Spec: storagev1.CSIDriverSpec{AttachRequired: new(false), StorageCapacity: new(true)}}
-	if _, err := c.StorageV1().CSIDrivers().Create(ctx, csiDriver, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.StorageV1().CSIDrivers().Delete(context.Background(), drv, metav1.DeleteOptions{}) })
-	class := makeClass(t, c, clusterName(ns, "flat"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{})
-
-	objs := waitCapacities(t, c, ns, drv, map[string]int64{class.Name + " {}": 4 * gib})
-	for k, o := range objs {
-		if o.NodeTopology == nil || len(o.NodeTopology.MatchLabels) != 0 || len(o.NodeTopology.MatchExpressions) != 0 {
-			t.Errorf("%s: node topology %+v, want the empty selector (every node)", k, o.NodeTopology)
-		}
-	}
-	makeClaim(t, c, ns, "claim", class.Name, "1Gi")
-	makePod(t, c, ns, "pod", "claim")
-	waitBound(t, c, ns, "claim", 60*time.Second)
-}
-
-// TestCapacityFollowsVolumes: a volume made or deleted through the broker
-// refreshes the objects of its segment at once, as external-provisioner
-// does, not at the next poll (set beyond the test's waits here): a claim's
-// volume takes 1 GiB off its zone's object, and its deletion gives it back.
-func TestCapacityFollowsVolumes(t *testing.T) {
-	poll, reg := capacityPollInterval, capacityRegistryInterval
-	capacityPollInterval, capacityRegistryInterval = 10*time.Minute, 200*time.Millisecond
-	t.Cleanup(func() { capacityPollInterval, capacityRegistryInterval = poll, reg })
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	drv := clusterName(ns, "follow.csi.test")
-	addNode(t, env, testenv.NodeSpec{Name: clusterName(ns, "node"), Zone: "z1"}, drv, []string{testenv.LabelZone})
-	drivers := &testDrivers{}
-	drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{testenv.LabelZone: "z1"}}, CapacityBytes: 4 * gib})
-	class := makeClass(t, c, clusterName(ns, "follow"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{})
-	key := segmentKey(class.Name, testenv.LabelZone, "z1")
-	waitCapacities(t, c, ns, drv, map[string]int64{key: 4 * gib})
-
-	makeClaim(t, c, ns, "claim", class.Name, "1Gi")
-	makePod(t, c, ns, "pod", "claim")
-	pvName := waitBound(t, c, ns, "claim", 60*time.Second).Spec.VolumeName
-	waitCapacities(t, c, ns, drv, map[string]int64{key: 3 * gib})
-
-	if err := c.CoreV1().Pods(ns).Delete(ctx, "pod", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
-		t.Fatal(err)
-	}
-	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "claim", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitPVGone(t, c, pvName, 60*time.Second)
-	waitCapacities(t, c, ns, drv, map[string]int64{key: 4 * gib})
-}
-
-// TestCapacitySegmentHolds: which objects a volume change refreshes.
-func TestCapacitySegmentHolds(t *testing.T) {
-	const zone, rack = testenv.LabelZone, "example.com/rack"
-	z1 := capacitySegment{term: topoTerm{{zone, "z1"}}}
-	z1r1 := capacitySegment{term: topoTerm{{rack, "r1"}, {zone, "z1"}}}
-	n1 := capacitySegment{term: topoTerm{{corev1.LabelHostname, "n1"}}, node: "n1"}
-	for _, c := range []struct {
-		name      string
-		seg       capacitySegment
-		nodeLocal bool
-		v         volumeChange
-		want      bool
-	}{
-		{"topology not known", z1, false, volumeChange{}, true},
-		{"in the zone", z1, false, volumeChange{topo: []map[string]string{{zone: "z1", rack: "r9"}}}, true},
-		{"another zone", z1, false, volumeChange{topo: []map[string]string{{zone: "z2"}}}, false},
-		{"one of its segments", z1, false, volumeChange{topo: []map[string]string{{zone: "z2"}, {zone: "z1"}}}, true},
-		{"another rack", z1r1, false, volumeChange{topo: []map[string]string{{zone: "z1", rack: "r2"}}}, false},
-		{"a key the volume does not say", z1r1, false, volumeChange{topo: []map[string]string{{zone: "z1"}}}, true},
-		{"the empty segment", capacitySegment{term: topoTerm{}}, false, volumeChange{topo: []map[string]string{{zone: "z1"}}}, true},
-		{"node-local, its node", n1, true, volumeChange{node: "n1"}, true},
-		{"node-local, another node", n1, true, volumeChange{node: "n2"}, false},
-		{"node-local, node not known", n1, true, volumeChange{}, true},
-	} {
-		if got := c.seg.holds(c.nodeLocal, c.v); got != c.want {
-			t.Errorf("%s: holds %v, want %v", c.name, got, c.want)
-		}
-	}
-}
-
-// TestNodeLocalDriverWithItsFirstNodeDown: a node-local driver without a
-// controller proxy is asked for its capabilities through a node proxy;
-// when that node's proxy does not answer, another node's does, so the
-// node that is up still gets its capacity object and its claims
-// provisioned (the first node down stopped both for every node).
-func TestNodeLocalDriverWithItsFirstNodeDown(t *testing.T) {
-	fastCapacityPolls(t)
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	drv := clusterName(ns, "local.csi.test")
-	nodeA, nodeB := clusterName(ns, "node-a"), clusterName(ns, "node-b")
-	addHostnameNodes(t, env, drv, nodeA, nodeB)
-	dB, chainB := nodeProxy(t, drv, nodeB, 6*gib)
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	down := lis.Addr().String() // nothing listens there once closed
-	lis.Close()
-	br, err := broker.New(broker.Options{TrustDomain: chaintest.TrustDomain, TLS: chainB.BrokerSource})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(br.Close)
-	if err := br.SetDriver(broker.DriverConfig{Name: drv, NodeLocal: true, Timeout: 30 * time.Second, Nodes: []broker.ProxyConfig{
-		{Node: nodeA, Address: down}, {Node: nodeB, Address: chainB.ProxyAddr},
-	}}); err != nil {
-		t.Fatal(err)
-	}
-	class := makeClass(t, c, clusterName(ns, "local"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, br, bridgeOpts{})
-	waitCapacities(t, c, ns, drv, map[string]int64{segmentKey(class.Name, corev1.LabelHostname, nodeB): 6 * gib})
-
-	makeClaim(t, c, ns, "claim", class.Name, "1Gi")
-	setSelectedNode(t, c, ns, "claim", nodeB)
-	waitBound(t, c, ns, "claim", 60*time.Second)
-	if n := len(dB.Volumes()); n != 1 {
-		t.Fatalf("node B has %d volumes, want the claim's", n)
-	}
-}
-
-// TestCapacityKeptObjectOfADeletedClassGoes: an object kept because its
-// driver is not registered for a moment still goes when its StorageClass
-// is deleted (it stayed until the driver came back or the grace period
-// ended).
-func TestCapacityKeptObjectOfADeletedClassGoes(t *testing.T) {
-	z := setUpZoneCapacity(t)
-	longCapacityGrace(t)
-	run := startBridge(t, z.env, z.ns, z.drivers, bridgeOpts{})
-	waitCapacities(t, z.c, z.ns, z.drv, map[string]int64{z.key: 8 * gib})
-	gone := time.Now()
-	z.drivers.gone.Store(true)
-	waitLogLine(t, run, "driver unregistered; its capacity objects keep their last value", "driver="+z.drv)
-	if err := z.c.StorageV1().StorageClasses().Delete(context.Background(), z.class.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitCapacities(t, z.c, z.ns, z.drv, map[string]int64{})
-	if d := time.Since(gone); d >= capacityUnregisteredGrace {
-		t.Fatalf("the object went %v after its driver was unregistered, at the end of the %v grace period, not with its class", d, capacityUnregisteredGrace)
 	}
 }

@@ -24,6 +24,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -47,11 +48,11 @@ func TestDashboardMetricsAreExported(t *testing.T) {
 		t.Fatalf("only %d metrics found in the dashboard: the check would prove little", len(wanted))
 	}
 
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv, slow := clusterName(ns, "metrics.csi.test"), clusterName(ns, "slowm.csi.test")
+	drv, slow := kubetest.ClusterName(ns, "metrics.csi.test"), kubetest.ClusterName(ns, "slowm.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {First: 1, Code: 14}}}})
 	dSlow := drivers.addDriver(t, sampledriver.Config{Name: slow, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {Latency: time.Second}}}})
@@ -64,16 +65,16 @@ func TestDashboardMetricsAreExported(t *testing.T) {
 		t.Fatal(errs)
 	}
 	imm, del := storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete
-	class := makeClass(t, c, clusterName(ns, "m"), drv, imm, del, map[string]string{
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "m"), drv, imm, del, map[string]string{
 		"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": ns})
-	slowClass := makeClass(t, c, clusterName(ns, "s"), slow, imm, del, nil)
+	slowClass := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "s"), slow, imm, del, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}})
 
-	bound := waitBound(t, c, ns, makeClaim(t, c, ns, "m", class.Name, "1Gi").Name, 60*time.Second)
+	bound := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "m", class.Name, "1Gi").Name, 60*time.Second)
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "m", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	makeClaim(t, c, ns, "gone", slowClass.Name, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "gone", slowClass.Name, "1Gi")
 	if err := testenv.WaitFor(ctx, 30*time.Second, "slow CreateVolume in flight", func(context.Context) (bool, string, error) {
 		return dSlow.CallCount("CreateVolume") > 0, "", nil
 	}); err != nil {

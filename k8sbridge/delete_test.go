@@ -9,38 +9,36 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc/codes"
-	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
-	corelisters "k8s.io/client-go/listers/core/v1"
-	"k8s.io/client-go/tools/cache"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
+	"github.com/csibroker/csibroker/k8sbridge/provision"
 	"github.com/csibroker/csibroker/policy"
 )
 
 // TestDeletionBlockedByAttachment: a Released PV whose volume is still
 // attached is not deleted (an Event says why); once detached it is.
 func TestDeletionBlockedByAttachment(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "att.csi.test")
+	drv := kubetest.ClusterName(ns, "att.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "att"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "att"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	claim := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
 	pvName := claim.Spec.VolumeName
 
-	vaName := clusterName(ns, "va")
+	vaName := kubetest.ClusterName(ns, "va")
 	va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: vaName},
 		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: "some-node", Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}}}
 	if _, err := c.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{}); err != nil {
@@ -50,14 +48,14 @@ func TestDeletionBlockedByAttachment(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitEvent(t, c, "default", pvName, "VolumeFailedDelete", "still attached to node some-node")
+	kubetest.WaitEvent(t, c, "default", pvName, "VolumeFailedDelete", "still attached to node some-node")
 	if len(d.Volumes()) != 1 || d.CallCount("DeleteVolume") != 0 {
 		t.Fatalf("volume deleted while attached: %+v", d.Calls())
 	}
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, vaName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left", n)
 	}
@@ -68,10 +66,10 @@ func TestDeletionBlockedByAttachment(t *testing.T) {
 // much as the source claim did, though the source volume is larger (its
 // driver rounded the size up).
 func TestCloneFromClaim(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "clone.csi.test")
+	drv := kubetest.ClusterName(ns, "clone.csi.test")
 	drivers := newCountingDrivers()
 	drivers.rewriteReply("CreateVolume", func(n int, reply any) {
 		if n == 1 { // the source: rounded up to twice its request
@@ -79,9 +77,9 @@ func TestCloneFromClaim(t *testing.T) {
 		}
 	})
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "clone"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "clone"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	src := waitBound(t, c, ns, makeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
+	src := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
 	srcPV, err := c.CoreV1().PersistentVolumes().Get(context.Background(), src.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -97,7 +95,7 @@ func TestCloneFromClaim(t *testing.T) {
 	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), clone, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	bound := waitBound(t, c, ns, "copy", 60*time.Second)
+	bound := kubetest.WaitBound(t, c, ns, "copy", 60*time.Second)
 	for _, r := range d.CreateVolumeRequests() {
 		if r.GetName() == bound.Spec.VolumeName {
 			if got := r.GetVolumeContentSource().GetVolume().GetVolumeId(); got != srcPV.Spec.CSI.VolumeHandle {
@@ -114,20 +112,20 @@ func TestCloneFromClaim(t *testing.T) {
 // asked to copy it; deleted while the copy is in progress, it stays (with
 // its volume) until the clone is bound, and then goes.
 func TestCloneSourceKeptUntilItsCloneIsMade(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "cp.csi.test")
+	drv := kubetest.ClusterName(ns, "cp.csi.test")
 	drivers := newCountingDrivers()
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "cp"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "cp"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
-	src := waitBound(t, c, ns, makeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
+	src := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
 
 	letGo := drivers.hold("CreateVolume")
 	defer letGo()
-	makeClaimWith(t, c, ns, "copy", class.Name, func(p *corev1.PersistentVolumeClaim) {
+	kubetest.MakeClaimWith(t, c, ns, "copy", class.Name, func(p *corev1.PersistentVolumeClaim) {
 		p.Spec.DataSource = &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: src.Name}
 	})
 	err := testenv.WaitFor(ctx, 60*time.Second, "the clone's CreateVolume held", func(context.Context) (bool, string, error) {
@@ -141,8 +139,8 @@ func TestCloneSourceKeptUntilItsCloneIsMade(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Contains(cur.Finalizers, cloneFinalizer) {
-		t.Fatalf("source claim finalizers %v while it is being copied: want %s", cur.Finalizers, cloneFinalizer)
+	if !slices.Contains(cur.Finalizers, provision.CloneFinalizer) {
+		t.Fatalf("source claim finalizers %v while it is being copied: want %s", cur.Finalizers, provision.CloneFinalizer)
 	}
 
 	// Deleted mid-copy: kept, and the broker says why in its log.
@@ -164,7 +162,7 @@ func TestCloneSourceKeptUntilItsCloneIsMade(t *testing.T) {
 
 	// The copy done: the clone binds, the source goes, then its volume.
 	letGo()
-	waitBound(t, c, ns, "copy", 60*time.Second)
+	kubetest.WaitBound(t, c, ns, "copy", 60*time.Second)
 	err = testenv.WaitFor(ctx, 60*time.Second, "source claim gone", func(ctx context.Context) (bool, string, error) {
 		_, err := c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, src.Name, metav1.GetOptions{})
 		return apierrors.IsNotFound(err), fmt.Sprint(err), nil
@@ -172,7 +170,7 @@ func TestCloneSourceKeptUntilItsCloneIsMade(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, src.Spec.VolumeName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, src.Spec.VolumeName, 60*time.Second)
 }
 
 // TestDeleteAfterNamespaceIsGone: a grant admits claims of namespaces
@@ -180,12 +178,12 @@ func TestCloneSourceKeptUntilItsCloneIsMade(t *testing.T) {
 // volumes are still deleted: the decision uses the labels the namespace had
 // when the volume was made.
 func TestDeleteAfterNamespaceIsGone(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	storageNS := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
 	tenant := makeTenant(t, c, storageNS)
-	drv := clusterName(storageNS, "ns.csi.test")
+	drv := kubetest.ClusterName(storageNS, "ns.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	rs, errs := policy.Compile([]policy.Grant{{Namespace: storageNS, Name: "team-a", Spec: policy.GrantSpec{Drivers: []string{drv}, SecretNames: []string{"creds"},
@@ -194,16 +192,16 @@ func TestDeleteAfterNamespaceIsGone(t *testing.T) {
 	if len(errs) > 0 {
 		t.Fatal(errs)
 	}
-	class := makeClass(t, c, clusterName(storageNS, "ns"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(storageNS, "ns"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
 		"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": storageNS})
 	authz := &policy.Authorizer{Rules: policy.NewStore(rs)}
 	first := startBridge(t, env, storageNS, drivers, bridgeOpts{policy: authz})
-	bound := waitBound(t, c, tenant, makeClaim(t, c, tenant, "data", class.Name, "1Gi").Name, 60*time.Second)
+	bound := kubetest.WaitBound(t, c, tenant, kubetest.MakeClaim(t, c, tenant, "data", class.Name, "1Gi").Name, 60*time.Second)
 	// A PV that does not record its claim's namespace labels (made by
 	// another provisioner, say).
-	unrecorded := waitBound(t, c, tenant, makeClaim(t, c, tenant, "unrecorded", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	unrecorded := kubetest.WaitBound(t, c, tenant, kubetest.MakeClaim(t, c, tenant, "unrecorded", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, unrecorded, types.MergePatchType,
-		[]byte(`{"metadata":{"annotations":{"`+annNamespaceLabels+`":null}}}`), metav1.PatchOptions{}); err != nil {
+		[]byte(`{"metadata":{"annotations":{"`+kube.AnnNamespaceLabels+`":null}}}`), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
 
@@ -214,19 +212,19 @@ func TestDeleteAfterNamespaceIsGone(t *testing.T) {
 	startBridge(t, env, storageNS, drivers, bridgeOpts{policy: authz, identity: "broker-1"})
 	err := testenv.WaitFor(ctx, 60*time.Second, "volume of the deleted namespace deleted", func(ctx context.Context) (bool, string, error) {
 		_, err := c.CoreV1().PersistentVolumes().Get(ctx, bound.Spec.VolumeName, metav1.GetOptions{})
-		return apierrors.IsNotFound(err) && len(d.Volumes()) == 1, eventsOf(c, "default", bound.Spec.VolumeName), nil
+		return apierrors.IsNotFound(err) && len(d.Volumes()) == 1, kubetest.EventsOf(c, "default", bound.Spec.VolumeName), nil
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	// The PV without recorded labels is not decided for with labels nobody
 	// knows; its Event says how to give them, and giving them unblocks it.
-	waitEvent(t, c, "default", unrecorded, "VolumeFailedDelete", annNamespaceLabels+" annotation")
+	kubetest.WaitEvent(t, c, "default", unrecorded, "VolumeFailedDelete", kube.AnnNamespaceLabels+" annotation")
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, unrecorded, types.MergePatchType,
-		[]byte(`{"metadata":{"annotations":{"`+annNamespaceLabels+`":"{\"team\":\"a\"}"}}}`), metav1.PatchOptions{}); err != nil {
+		[]byte(`{"metadata":{"annotations":{"`+kube.AnnNamespaceLabels+`":"{\"team\":\"a\"}"}}}`), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, unrecorded, 60*time.Second)
+	kubetest.WaitPVGone(t, c, unrecorded, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left", n)
 	}
@@ -238,23 +236,23 @@ func TestDeleteAfterNamespaceIsGone(t *testing.T) {
 // that will now never come, as external-provisioner does) and the volume
 // stays.
 func TestRetainedPVLosesTheDeletionFinalizer(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "keep.csi.test")
+	drv := kubetest.ClusterName(ns, "keep.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "keep"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "keep"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	claim := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
 	pvName := claim.Spec.VolumeName
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !hasFinalizer(pv, finalizerVolume) {
-		t.Fatalf("provisioned PV without %s: %v", finalizerVolume, pv.Finalizers)
+	if !kube.HasFinalizer(pv, kube.FinalizerVolume) {
+		t.Fatalf("provisioned PV without %s: %v", kube.FinalizerVolume, pv.Finalizers)
 	}
 	patch := []byte(`{"spec":{"persistentVolumeReclaimPolicy":"Retain"}}`)
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
@@ -266,7 +264,7 @@ func TestRetainedPVLosesTheDeletionFinalizer(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pvName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 30*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 30*time.Second)
 	if n := len(d.Volumes()); n != 1 || d.CallCount("DeleteVolume") != 0 {
 		t.Fatalf("retained volume: %d volumes, %d DeleteVolume calls; want it kept", n, d.CallCount("DeleteVolume"))
 	}
@@ -277,18 +275,18 @@ func TestRetainedPVLosesTheDeletionFinalizer(t *testing.T) {
 // it) gets it, as external-provisioner adds it; so deleting the PV object
 // first and its claim after still deletes the volume instead of leaking it.
 func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "fin.csi.test")
+	drv := kubetest.ClusterName(ns, "fin.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "fin"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "fin"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	claim := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
 	pvName := claim.Spec.VolumeName
-	waitPV(t, c, pvName, "Bound", 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+	kubetest.WaitPV(t, c, pvName, "Bound", 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
 		if pv == nil {
 			return false, "gone"
 		}
@@ -300,7 +298,7 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 		if err != nil {
 			return false, err.Error(), nil
 		}
-		pv.Finalizers = removeString(pv.Finalizers, finalizerVolume)
+		pv.Finalizers = kube.RemoveString(pv.Finalizers, kube.FinalizerVolume)
 		if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
 			return false, err.Error(), nil
 		}
@@ -309,8 +307,8 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitPV(t, c, pvName, "finalizer added back", 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
-		return pv != nil && hasFinalizer(pv, finalizerVolume), "no finalizer " + finalizerVolume
+	kubetest.WaitPV(t, c, pvName, "finalizer added back", 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+		return pv != nil && kube.HasFinalizer(pv, kube.FinalizerVolume), "no finalizer " + kube.FinalizerVolume
 	})
 	// The PV object first, then its claim: the volume is still deleted.
 	if err := c.CoreV1().PersistentVolumes().Delete(ctx, pvName, metav1.DeleteOptions{}); err != nil {
@@ -319,7 +317,7 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 || d.CallCount("DeleteVolume") != 1 {
 		t.Fatalf("%d volumes left, %d DeleteVolume calls; want the volume deleted once", n, d.CallCount("DeleteVolume"))
 	}
@@ -330,11 +328,11 @@ func TestBoundPVWithoutFinalizerGetsIt(t *testing.T) {
 // deleted with its StorageClass's provisioner secret, as
 // external-provisioner does, through the policy.
 func TestDeleteFallsBackToTheClassSecret(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "old.csi.test")
+	drv := kubetest.ClusterName(ns, "old.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: ns}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
@@ -352,409 +350,28 @@ func TestDeleteFallsBackToTheClassSecret(t *testing.T) {
 	if len(errs) != 0 {
 		t.Fatal(errs)
 	}
-	class := makeClass(t, c, clusterName(ns, "old"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "old"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
 		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
 	r := startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}})
-	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	claim := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
 	pvName := claim.Spec.VolumeName
 	// As an old provisioner left it: no deletion-secret annotations.
-	patch := fmt.Sprintf(`{"metadata":{"labels":{"frozen":"true"},"annotations":{%q:null,%q:null}}}`, annDeletionSecretName, annDeletionSecretNS)
+	patch := fmt.Sprintf(`{"metadata":{"labels":{"frozen":"true"},"annotations":{%q:null,%q:null}}}`, kube.AnnDeletionSecretName, kube.AnnDeletionSecretNS)
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitEvent(t, c, "default", pvName, "VolumeFailedDelete", "deny grant "+ns+"/frozen")
+	kubetest.WaitEvent(t, c, "default", pvName, "VolumeFailedDelete", "deny grant "+ns+"/frozen")
 	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, []byte(`{"metadata":{"labels":{"frozen":null}}}`), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left", n)
 	}
 	if got := r.metricValue(t, "csibroker_secret_policy_decisions_total", map[string]string{"operation": "DeleteVolume", "decision": "allow"}); got < 1 {
 		t.Fatalf("DeleteVolume secret decisions allowed: %v, want the class's secret decided and used", got)
-	}
-}
-
-// TestNodeOfPV: the node of a node-local PV is the one recorded at
-// provisioning; for a PV without it (made by external-provisioner), the
-// node whose hostname label its affinity names, which may differ from the
-// node's name; the hostname itself when no single node carries it.
-func TestNodeOfPV(t *testing.T) {
-	idx := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
-	for _, n := range []struct{ name, hostname string }{{"ip-10-0-0-1.ec2.internal", "ip-10-0-0-1"}, {"plain", "plain"}} {
-		idx.Add(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.name, Labels: map[string]string{corev1.LabelHostname: n.hostname}}})
-	}
-	b := &Bridge{nodes: corelisters.NewNodeLister(idx)}
-	pv := func(ann, hostname string) *corev1.PersistentVolume {
-		p := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: "pv"}}
-		if ann != "" {
-			p.Annotations = map[string]string{annVolumeNode: ann}
-		}
-		if hostname != "" {
-			p.Spec.NodeAffinity = &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
-				MatchExpressions: []corev1.NodeSelectorRequirement{{Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpIn, Values: []string{hostname}}}}}}}
-		}
-		return p
-	}
-	for _, tc := range []struct {
-		name string
-		pv   *corev1.PersistentVolume
-		want string
-	}{
-		{"recorded", pv("recorded-node", "ip-10-0-0-1"), "recorded-node"},
-		{"hostname label of a node named otherwise", pv("", "ip-10-0-0-1"), "ip-10-0-0-1.ec2.internal"},
-		{"hostname that is the node's name", pv("", "plain"), "plain"},
-		{"hostname of no node", pv("", "gone"), "gone"},
-		{"nothing said", pv("", ""), ""},
-	} {
-		if got := b.nodeOfPV(tc.pv); got != tc.want {
-			t.Errorf("%s: node %q, want %q", tc.name, got, tc.want)
-		}
-	}
-}
-
-// TestDeleteWhenTheDeletionSecretIsGone: a volume whose deletion secret
-// was deleted (as it may go with its namespace) is deleted without
-// credentials, as external-provisioner does, and the PV says so in a
-// Warning Event, instead of waiting forever for the secret.
-func TestDeleteWhenTheDeletionSecretIsGone(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	drv := clusterName(ns, "gone.csi.test")
-	drivers := &testDrivers{}
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: ns}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	rs, errs := policy.Compile([]policy.Grant{{Namespace: ns, Name: "g", Spec: policy.GrantSpec{
-		Drivers: []string{drv}, SecretNames: []string{"creds"}, Operations: []policy.Operation{policy.OpCreateVolume, policy.OpDeleteVolume},
-		Requesters: policy.Requesters{Namespaces: []string{ns}}}}})
-	if len(errs) != 0 {
-		t.Fatal(errs)
-	}
-	class := makeClass(t, c, clusterName(ns, "gone"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
-		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
-	startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	if err := c.CoreV1().Secrets(ns).Delete(ctx, "creds", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitPVGone(t, c, pvName, 60*time.Second)
-	if n := len(d.Volumes()); n != 0 || d.CallCount("DeleteVolume") != 1 {
-		t.Fatalf("%d volumes left, %d DeleteVolume calls; want the volume deleted once", n, d.CallCount("DeleteVolume"))
-	}
-	waitEvent(t, c, "default", pvName, "DeletionSecretNotFound", "secret "+ns+"/creds")
-}
-
-// TestDeleteByTheSecretThePVRecords: a PV made without a deletion secret
-// records that (both annotations empty, as external-provisioner writes
-// them), and is deleted without one even when its StorageClass, replaced
-// since, names a secret (here one the policy refuses).
-func TestDeleteByTheSecretThePVRecords(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	drv := clusterName(ns, "rec.csi.test")
-	drivers := &testDrivers{}
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	name := clusterName(ns, "rec")
-	class := makeClass(t, c, name, drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	// Enforced, with no grant: any secret named is refused.
-	r := startBridge(t, env, ns, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(nil)}})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	n, hasName := pv.Annotations[annDeletionSecretName]
-	nsAnn, hasNS := pv.Annotations[annDeletionSecretNS]
-	if !hasName || !hasNS || n != "" || nsAnn != "" {
-		t.Fatalf("PV annotations %v: want %s and %s present and empty", pv.Annotations, annDeletionSecretName, annDeletionSecretNS)
-	}
-	if err := c.StorageV1().StorageClasses().Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	makeClass(t, c, name, drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
-		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": ns})
-	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitPVGone(t, c, pvName, 60*time.Second)
-	if n := len(d.Volumes()); n != 0 {
-		t.Fatalf("%d volumes left", n)
-	}
-	if got := r.metricValue(t, "csibroker_secret_policy_decisions_total", map[string]string{"operation": "DeleteVolume"}); got != 0 {
-		t.Fatalf("%v DeleteVolume secret decisions, want none: the PV records that it needs no secret", got)
-	}
-}
-
-// TestFinalizerRefusalIsReported: when the cluster refuses the
-// volume-deletion finalizer on a bound PV that lacks it (an admission
-// policy, missing RBAC), the PV gets a Warning Event saying so; once the
-// refusal is lifted, the finalizer is added.
-func TestFinalizerRefusalIsReported(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	drv := clusterName(ns, "finref.csi.test")
-	drivers := &testDrivers{}
-	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "finref"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	// The cluster refuses adding the finalizer to this class's PVs.
-	fail := admissionregistrationv1.Fail
-	vap := &admissionregistrationv1.ValidatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "no-volume-finalizer")},
-		Spec: admissionregistrationv1.ValidatingAdmissionPolicySpec{
-			FailurePolicy: &fail,
-			MatchConstraints: &admissionregistrationv1.MatchResources{ResourceRules: []admissionregistrationv1.NamedRuleWithOperations{{
-				RuleWithOperations: admissionregistrationv1.RuleWithOperations{
-					Operations: []admissionregistrationv1.OperationType{admissionregistrationv1.Update},
-					Rule:       admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"persistentvolumes"}}}}}},
-			MatchConditions: []admissionregistrationv1.MatchCondition{{Name: "this-class", Expression: fmt.Sprintf("object.spec.storageClassName == %q", class.Name)}},
-			Validations: []admissionregistrationv1.Validation{{
-				Expression: fmt.Sprintf("!has(object.metadata.finalizers) || !(%[1]q in object.metadata.finalizers) || (has(oldObject.metadata.finalizers) && %[1]q in oldObject.metadata.finalizers)", finalizerVolume),
-				Message:    "the volume finalizer is refused by the test's policy"}},
-		}}
-	if _, err := c.AdmissionregistrationV1().ValidatingAdmissionPolicies().Create(ctx, vap, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.AdmissionregistrationV1().ValidatingAdmissionPolicies().Delete(context.Background(), vap.Name, metav1.DeleteOptions{})
-	})
-	binding := &admissionregistrationv1.ValidatingAdmissionPolicyBinding{ObjectMeta: metav1.ObjectMeta{Name: vap.Name},
-		Spec: admissionregistrationv1.ValidatingAdmissionPolicyBindingSpec{PolicyName: vap.Name, ValidationActions: []admissionregistrationv1.ValidationAction{admissionregistrationv1.Deny}}}
-	if _, err := c.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	unbind := func() {
-		err := c.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Delete(context.Background(), binding.Name, metav1.DeleteOptions{})
-		if err != nil && !apierrors.IsNotFound(err) {
-			t.Error(err)
-		}
-	}
-	t.Cleanup(unbind)
-
-	startBridge(t, env, ns, drivers, bridgeOpts{})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	// The PV is created with the finalizer (the policy refuses updates
-	// only); it is taken off as an older provisioner would have left it,
-	// once the policy is seen in force on this PV.
-	err := testenv.WaitFor(ctx, 30*time.Second, "the PV without its finalizer, and the policy refusing it back", func(ctx context.Context) (bool, string, error) {
-		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		if hasFinalizer(pv, finalizerVolume) {
-			pv.Finalizers = removeString(pv.Finalizers, finalizerVolume)
-			if _, err := c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
-				return false, err.Error(), nil
-			}
-			return false, "finalizer removed; probing the policy", nil
-		}
-		pv.Finalizers = append(pv.Finalizers, finalizerVolume)
-		_, err = c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
-		return err != nil && strings.Contains(err.Error(), "refused by the test's policy"), fmt.Sprint(err), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waitEvent(t, c, "default", pvName, "FinalizerUpdateFailed", "refused by the test's policy")
-	unbind()
-	waitPV(t, c, pvName, "finalizer added once allowed", 60*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
-		return pv != nil && hasFinalizer(pv, finalizerVolume), "no finalizer " + finalizerVolume
-	})
-}
-
-// TestCloneWithoutContent: a driver whose answer to
-// a clone's CreateVolume names no content source (the volume may be empty)
-// gets that volume deleted, the claim an Event saying so, and a retry, as
-// external-provisioner does; a source claim being deleted is refused.
-func TestCloneWithoutContent(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	drv := clusterName(ns, "nc.csi.test")
-	drivers := newCountingDrivers()
-	drivers.rewriteReply("CreateVolume", func(n int, reply any) {
-		if n == 2 { // the first answer for the clone
-			reply.(*csi.CreateVolumeResponse).GetVolume().ContentSource = nil
-		}
-	})
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "nocontent"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{})
-	waitBound(t, c, ns, makeClaim(t, c, ns, "src", class.Name, "1Gi").Name, 60*time.Second)
-	cloneOf := func(src string) func(*corev1.PersistentVolumeClaim) {
-		return func(p *corev1.PersistentVolumeClaim) {
-			p.Spec.DataSource = &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: src}
-		}
-	}
-	makeClaimWith(t, c, ns, "copy", class.Name, cloneOf("src"))
-	waitEvent(t, c, ns, "copy", "ProvisioningFailed", "volume content source missing in the driver's answer; the volume was deleted")
-	waitBound(t, c, ns, "copy", 60*time.Second)
-	if n := len(d.Volumes()); n != 2 || d.CallCount("DeleteVolume") != 1 {
-		t.Fatalf("%d volumes, %d DeleteVolume calls; want the source and one clone, the first clone deleted", n, d.CallCount("DeleteVolume"))
-	}
-
-	// A source held in deletion (a finalizer of the test's) is refused.
-	gone := waitBound(t, c, ns, makeClaimWith(t, c, ns, "going", class.Name, func(p *corev1.PersistentVolumeClaim) {
-		p.Finalizers = []string{"csibroker.test/hold"}
-	}).Name, 60*time.Second)
-	t.Cleanup(func() {
-		c.CoreV1().PersistentVolumeClaims(ns).Patch(context.Background(), gone.Name, types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`), metav1.PatchOptions{})
-	})
-	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, gone.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	makeClaimWith(t, c, ns, "late", class.Name, cloneOf(gone.Name))
-	waitEvent(t, c, ns, "late", "ProvisioningFailed", "is being deleted")
-}
-
-// TestNamespaceLabelsRecordedWhenTheCacheLags: a claim whose namespace the
-// broker's cache has not got yet is decided with the labels read from the
-// API server, and those same labels are recorded on its PV, for the
-// decisions after the namespace is gone (recorded from the cache alone,
-// they were missing, and the volume's deletion was refused).
-func TestNamespaceLabelsRecordedWhenTheCacheLags(t *testing.T) {
-	env := testenv.Shared(t)
-	storageNS := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	tenant := makeTenant(t, c, storageNS)
-	drv := clusterName(storageNS, "lag.csi.test")
-	drivers := &testDrivers{}
-	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	rs, errs := policy.Compile([]policy.Grant{{Namespace: storageNS, Name: "team-a", Spec: policy.GrantSpec{Drivers: []string{drv}, SecretNames: []string{"creds"},
-		Operations: []policy.Operation{policy.OpCreateVolume, policy.OpDeleteVolume},
-		Requesters: policy.Requesters{NamespaceSelector: &policy.LabelSelector{MatchLabels: map[string]string{"team": "a"}}}}}})
-	if len(errs) > 0 {
-		t.Fatal(errs)
-	}
-	class := makeClass(t, c, clusterName(storageNS, "lag"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
-		"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": storageNS})
-	startBridge(t, env, storageNS, drivers, bridgeOpts{policy: &policy.Authorizer{Rules: policy.NewStore(rs)}, configure: func(b *Bridge) {
-		// A namespace cache that never has the namespace.
-		b.namespaces = corelisters.NewNamespaceLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{}))
-	}})
-	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, waitBound(t, c, tenant, makeClaim(t, c, tenant, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := recordedNamespaceLabels(pv); got["team"] != "a" || got[corev1.LabelMetadataName] != tenant {
-		t.Fatalf("recorded namespace labels %v (annotation %q), want the namespace's", got, pv.Annotations[annNamespaceLabels])
-	}
-}
-
-// TestNeedsDelete: Released PVs reclaimed by Delete (not Failed ones, as
-// external-provisioner), except one
-// being deleted whose volume-deletion finalizer is gone already (its
-// volume was deleted, by this leader or an earlier one).
-func TestNeedsDelete(t *testing.T) {
-	now := metav1.Now()
-	pv := func(phase corev1.PersistentVolumePhase, reclaim corev1.PersistentVolumeReclaimPolicy, deleting bool, finalizers ...string) *corev1.PersistentVolume {
-		p := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: "pv", Finalizers: finalizers}, Spec: corev1.PersistentVolumeSpec{PersistentVolumeReclaimPolicy: reclaim}, Status: corev1.PersistentVolumeStatus{Phase: phase}}
-		if deleting {
-			p.DeletionTimestamp = &now
-		}
-		return p
-	}
-	del, ret := corev1.PersistentVolumeReclaimDelete, corev1.PersistentVolumeReclaimRetain
-	for _, c := range []struct {
-		name string
-		pv   *corev1.PersistentVolume
-		want bool
-	}{
-		{"released", pv(corev1.VolumeReleased, del, false, finalizerVolume), true},
-		{"failed", pv(corev1.VolumeFailed, del, false, finalizerVolume), false},
-		{"bound", pv(corev1.VolumeBound, del, false, finalizerVolume), false},
-		{"retained", pv(corev1.VolumeReleased, ret, false), false},
-		{"released, deleted first, finalizer on", pv(corev1.VolumeReleased, del, true, finalizerVolume, "kubernetes.io/pv-protection"), true},
-		{"released, being deleted, finalizer gone", pv(corev1.VolumeReleased, del, true, "kubernetes.io/pv-protection"), false},
-		{"released, no finalizer, not being deleted", pv(corev1.VolumeReleased, del, false), true},
-	} {
-		if got := needsDelete(c.pv); got != c.want {
-			t.Errorf("%s: needsDelete %v, want %v", c.name, got, c.want)
-		}
-	}
-}
-
-// TestDeleteWithHalfADeletionSecret: a PV whose deletion-secret
-// annotations name half a secret (a hand edit) has its volume deleted
-// without one, and says so in an Event, not only in the log.
-func TestDeleteWithHalfADeletionSecret(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	drv := clusterName(ns, "half.csi.test")
-	drivers := &testDrivers{}
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "half"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:"creds",%q:""}}}`, annDeletionSecretName, annDeletionSecretNS)
-	if _, err := c.CoreV1().PersistentVolumes().Patch(ctx, pvName, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitPVGone(t, c, pvName, 60*time.Second)
-	if n := len(d.Volumes()); n != 0 {
-		t.Fatalf("%d volumes left", n)
-	}
-	waitEvent(t, c, "default", pvName, "DeletionSecretIncomplete", "half a deletion secret")
-}
-
-// makeTenant makes namespace <storageNS>-tenant labelled team=a (deleted
-// at cleanup), whose claims use secret "creds" of storageNS (made here).
-func makeTenant(t *testing.T, c kubernetes.Interface, storageNS string) string {
-	t.Helper()
-	ctx := context.Background()
-	tenant := storageNS + "-tenant"
-	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: tenant, Labels: map[string]string{"team": "a"}}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.CoreV1().Namespaces().Delete(context.Background(), tenant, metav1.DeleteOptions{}) })
-	if _, err := c.CoreV1().Secrets(storageNS).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	return tenant
-}
-
-// TestDeleteVolumeNotFoundIsNotDeleted: a driver answering DeleteVolume
-// NotFound (the CSI spec has it answer OK for a volume it does not have,
-// so NotFound may be about something else) keeps the PV, with a Warning
-// Event naming the answer, as external-provisioner does; the deletion goes
-// on once the driver answers OK, and the volume is gone.
-func TestDeleteVolumeNotFoundIsNotDeleted(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	drv := clusterName(ns, "nf.csi.test")
-	drivers := &testDrivers{}
-	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
-		"DeleteVolume": {First: 2, Code: codes.NotFound}}}})
-	class := makeClass(t, c, clusterName(ns, "nf"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitEvent(t, c, "default", pvName, "VolumeFailedDelete", "NotFound")
-	waitPVGone(t, c, pvName, 60*time.Second)
-	if n := len(d.Volumes()); n != 0 || d.CallCount("DeleteVolume") != 3 {
-		t.Fatalf("%d volumes left, %d DeleteVolume calls; want the volume deleted at the third", n, d.CallCount("DeleteVolume"))
 	}
 }

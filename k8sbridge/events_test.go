@@ -15,6 +15,8 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 // TestFailuresReportedOncePerFailure: a provisioning, an attachment and a
@@ -24,13 +26,13 @@ import (
 // as one Warning Event on its object, carrying the driver's code and
 // message; the claim is told once that provisioning started.
 func TestFailuresReportedOncePerFailure(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
 	node := addAttachNode(t, env, ns)
 	refuse := sampledriver.Fault{Rate: 1, Code: codes.Internal}
-	nocreate, stuck := clusterName(ns, "nocreate.csi.test"), clusterName(ns, "stuck.csi.test")
+	nocreate, stuck := kubetest.ClusterName(ns, "nocreate.csi.test"), kubetest.ClusterName(ns, "stuck.csi.test")
 	drivers := &testDrivers{}
 	dc := drivers.addDriver(t, sampledriver.Config{Name: nocreate, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": refuse}}})
 	ds := drivers.addDriver(t, sampledriver.Config{Name: stuck, NodeID: node, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
@@ -39,13 +41,13 @@ func TestFailuresReportedOncePerFailure(t *testing.T) {
 	if err := env.AddCSINode(ctx, node, stuck, node, nil); err != nil {
 		t.Fatal(err)
 	}
-	noClass := makeClass(t, c, clusterName(ns, "nocreate"), nocreate, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	stuckClass := makeClass(t, c, clusterName(ns, "stuck"), stuck, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	noClass := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "nocreate"), nocreate, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	stuckClass := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "stuck"), stuck, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
 
-	makeClaim(t, c, ns, "p", noClass.Name, "1Gi")
-	attached := waitBound(t, c, ns, makeClaim(t, c, ns, "a", stuckClass.Name, "1Gi").Name, 60*time.Second)
-	deleted := waitBound(t, c, ns, makeClaim(t, c, ns, "d", stuckClass.Name, "1Gi").Name, 60*time.Second)
+	kubetest.MakeClaim(t, c, ns, "p", noClass.Name, "1Gi")
+	attached := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "a", stuckClass.Name, "1Gi").Name, 60*time.Second)
+	deleted := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "d", stuckClass.Name, "1Gi").Name, 60*time.Second)
 	pvD := deleted.Spec.VolumeName
 	// The PV whose deletion never succeeds keeps the deletion finalizer:
 	// dropped once the bridge has stopped (clean-ups run last first).
@@ -94,17 +96,17 @@ func TestFailuresReportedOncePerFailure(t *testing.T) {
 		logLine  string
 		logField string
 	}{
-		{claimRef(claimP), ns, map[string]string{"ProvisioningFailed": "code = Internal", "Provisioning": "is provisioning volume"},
+		{kube.ClaimRef(claimP), ns, map[string]string{"ProvisioningFailed": "code = Internal", "Provisioning": "is provisioning volume"},
 			dc.CallCount("CreateVolume"), `msg="provisioning failed"`, "claim=" + ns + "/p "},
-		{vaRef(vaObj), "default", map[string]string{"AttachFailed": "code = Internal"},
+		{kube.VARef(vaObj), "default", map[string]string{"AttachFailed": "code = Internal"},
 			ds.CallCount("ControllerPublishVolume"), `msg="attachment failed"`, "volumeattachment=" + va.Name + " "},
-		{pvRef(pv), "default", map[string]string{"VolumeFailedDelete": "code = Internal"},
+		{kube.PVRef(pv), "default", map[string]string{"VolumeFailedDelete": "code = Internal"},
 			ds.CallCount("DeleteVolume"), `msg="volume deletion failed"`, "pv=" + pvD + " "},
 	} {
 		// Events are written in the order recorded: once a marker recorded
 		// now is there, so is every Event recorded before it.
-		r.b.event(ctx, o.ref, corev1.EventTypeWarning, "TestFlush", "flush")
-		waitEvent(t, c, o.ns, o.ref.Name, "TestFlush", "flush")
+		r.b.Event(ctx, o.ref, corev1.EventTypeWarning, "TestFlush", "flush")
+		kubetest.WaitEvent(t, c, o.ns, o.ref.Name, "TestFlush", "flush")
 		evs, err := c.CoreV1().Events(o.ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + o.ref.Name})
 		if err != nil {
 			t.Fatal(err)
@@ -121,7 +123,7 @@ func TestFailuresReportedOncePerFailure(t *testing.T) {
 				n += int(max(e.Count, 1))
 			}
 			if n != 1 {
-				t.Errorf("%d %s Events on %s %s after %d refused calls, want 1:%s", n, reason, o.ref.Kind, o.ref.Name, o.calls, eventsOf(c, o.ns, o.ref.Name))
+				t.Errorf("%d %s Events on %s %s after %d refused calls, want 1:%s", n, reason, o.ref.Kind, o.ref.Name, o.calls, kubetest.EventsOf(c, o.ns, o.ref.Name))
 			}
 		}
 		logged := 0

@@ -22,6 +22,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 // TestLeaderFailover: two replicas, one Lease for everything. The leader dies
@@ -29,14 +30,14 @@ import (
 // the standby, whose caches are warm, takes over after the Lease expires and
 // finishes every claim, leaking nothing. The take-over time is reported.
 func TestLeaderFailover(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "ha.csi.test")
+	drv := kubetest.ClusterName(ns, "ha.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {Latency: 300 * time.Millisecond}}}})
-	class := makeClass(t, c, clusterName(ns, "ha"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "ha"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 
 	crash := func(b *Bridge) { b.keepLeaseOnStop = true }
 	first := startBridge(t, env, ns, drivers, bridgeOpts{identity: "replica-a", leader: true, configure: crash, configureCfg: func(c *Config) { c.WorkerThreads = 2 }})
@@ -50,7 +51,7 @@ func TestLeaderFailover(t *testing.T) {
 
 	const n = 12
 	for i := 0; i < n; i++ {
-		makeClaim(t, c, ns, fmt.Sprintf("claim-%02d", i), class.Name, "1Gi")
+		kubetest.MakeClaim(t, c, ns, fmt.Sprintf("claim-%02d", i), class.Name, "1Gi")
 	}
 	countPVs := func() int {
 		pvs, err := c.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
@@ -98,9 +99,9 @@ func TestLeaderFailover(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("leader killed with %d of %d claims provisioned; standby leading after %v, next PV after %v (lease duration %v)",
-		before, n, tookOver.Round(10*time.Millisecond), nextPV.Round(10*time.Millisecond), second.b.cfg.LeaderElectionLease)
+		before, n, tookOver.Round(10*time.Millisecond), nextPV.Round(10*time.Millisecond), second.b.Cfg.LeaderElectionLease)
 	for i := 0; i < n; i++ {
-		waitBound(t, c, ns, fmt.Sprintf("claim-%02d", i), 60*time.Second)
+		kubetest.WaitBound(t, c, ns, fmt.Sprintf("claim-%02d", i), 60*time.Second)
 	}
 	noLeaks(t, env, ns, d, drv)
 	if got := len(d.Volumes()); got != n {
@@ -112,16 +113,16 @@ func TestLeaderFailover(t *testing.T) {
 // moment; the broker stops leading, leads again once it can, and then
 // provisions as before (each term gets fresh work queues).
 func TestLeadsAgainAfterLosingTheLease(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "again.csi.test")
+	drv := kubetest.ClusterName(ns, "again.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "again"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "again"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{identity: "only-replica", leader: true})
-	waitBound(t, c, ns, makeClaim(t, c, ns, "before", class.Name, "1Gi").Name, 60*time.Second)
+	kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "before", class.Name, "1Gi").Name, 60*time.Second)
 
 	// Take the Lease: a holder that renewed just now, for 3s.
 	takeLease(t, c, ns, "intruder", 3)
@@ -137,7 +138,7 @@ func TestLeadsAgainAfterLosingTheLease(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	waitBound(t, c, ns, makeClaim(t, c, ns, "after", class.Name, "1Gi").Name, 60*time.Second)
+	kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "after", class.Name, "1Gi").Name, 60*time.Second)
 }
 
 // takeLease makes holder the broker's leader Lease holder, renewed now, for
@@ -165,7 +166,7 @@ func takeLease(t *testing.T, c kubernetes.Interface, ns, holder string, secs int
 // releases its Lease only once its controllers have stopped, so a standby
 // cannot start its own while a worker of this term is still finishing.
 func TestLeaseHeldUntilTheTermHasStopped(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -216,7 +217,7 @@ func TestLeaseHeldUntilTheTermHasStopped(t *testing.T) {
 // client-go's ReleaseOnCancel does: a standby would lead at once beside
 // them. The lease is left to expire.
 func TestLeaseNotReleasedWhenARenewalFails(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
@@ -272,15 +273,15 @@ func TestLeaseNotReleasedWhenARenewalFails(t *testing.T) {
 func leaderWithHeldCreate(t *testing.T, env *testenv.Env, ns, name string, cfg func(*Config)) (r *bridgeRun, ended <-chan struct{}, release func()) {
 	t.Helper()
 	c := env.Client()
-	drv := clusterName(ns, name+".csi.test")
+	drv := kubetest.ClusterName(ns, name+".csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, name), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, name), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	entered, endedC, finish := make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{})
 	var once sync.Once
 	release = func() { once.Do(func() { close(finish) }) }
 	r = startBridge(t, env, ns, drivers, bridgeOpts{leader: true, configureCfg: cfg, configure: func(b *Bridge) {
-		b.prov.afterCreate = func(ctx context.Context, _ string) {
+		b.prov.AfterCreate = func(ctx context.Context, _ string) {
 			entered <- struct{}{}
 			select {
 			case <-ctx.Done():
@@ -292,7 +293,7 @@ func leaderWithHeldCreate(t *testing.T, env *testenv.Env, ns, name string, cfg f
 		}
 	}})
 	t.Cleanup(release) // before the bridge's stop, which waits for the worker
-	makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi")
 	select {
 	case <-entered:
 	case <-time.After(30 * time.Second):

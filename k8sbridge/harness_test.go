@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"slices"
 	"sort"
 	"strings"
@@ -18,12 +19,6 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"google.golang.org/grpc"
-	corev1 "k8s.io/api/core/v1"
-	storagev1 "k8s.io/api/storage/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/resource"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/csibroker/csibroker/internal/chaintest"
 	"github.com/csibroker/csibroker/internal/sampledriver"
@@ -130,6 +125,14 @@ func (t *testDrivers) DriverNames() []string {
 	}
 	sort.Strings(out)
 	return out
+}
+
+// HasDriver says whether d was added (as the broker's registry does).
+func (t *testDrivers) HasDriver(d string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	_, ok := t.chains[d]
+	return ok
 }
 
 // CallTimeout is the driver's broker's (as the real broker gives it).
@@ -306,114 +309,6 @@ func tail(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-// clusterName makes cluster-scoped names unique per test namespace.
-func clusterName(ns, s string) string { return ns + "-" + s }
-
-func makeClass(t *testing.T, c kubernetes.Interface, name, driver string, mode storagev1.VolumeBindingMode, reclaim corev1.PersistentVolumeReclaimPolicy, params map[string]string) *storagev1.StorageClass {
-	t.Helper()
-	sc := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Provisioner: driver, VolumeBindingMode: &mode, ReclaimPolicy: &reclaim, Parameters: params}
-	sc, err := c.StorageV1().StorageClasses().Create(context.Background(), sc, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.StorageV1().StorageClasses().Delete(context.Background(), name, metav1.DeleteOptions{}) })
-	return sc
-}
-
-func makeClaim(t *testing.T, c kubernetes.Interface, ns, name, class, size string) *corev1.PersistentVolumeClaim {
-	t.Helper()
-	return makeClaimWith(t, c, ns, name, class, func(p *corev1.PersistentVolumeClaim) {
-		p.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse(size)
-	})
-}
-
-// makeClaimWith creates a 1Gi claim of class, changed by mut first.
-func makeClaimWith(t *testing.T, c kubernetes.Interface, ns, name, class string, mut func(*corev1.PersistentVolumeClaim)) *corev1.PersistentVolumeClaim {
-	t.Helper()
-	size := "1Gi"
-	pvc := &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{"app": "test"}},
-		Spec: corev1.PersistentVolumeClaimSpec{
-			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-			StorageClassName: &class,
-			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(size)}},
-		},
-	}
-	mut(pvc)
-	pvc, err := c.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), pvc, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return pvc
-}
-
-func makePod(t *testing.T, c kubernetes.Interface, ns, name, claim string) {
-	t.Helper()
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-		Spec: corev1.PodSpec{
-			Containers: []corev1.Container{{Name: "c", Image: "busybox", Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("10m")}},
-				VolumeMounts: []corev1.VolumeMount{{Name: "v", MountPath: "/data"}}}},
-			Volumes: []corev1.Volume{{Name: "v", VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}},
-		},
-	}
-	if _, err := c.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func waitBound(t *testing.T, c kubernetes.Interface, ns, name string, timeout time.Duration) *corev1.PersistentVolumeClaim {
-	t.Helper()
-	var pvc *corev1.PersistentVolumeClaim
-	err := testenv.WaitFor(context.Background(), timeout, "claim "+ns+"/"+name+" Bound", func(ctx context.Context) (bool, string, error) {
-		var err error
-		pvc, err = c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		return pvc.Status.Phase == corev1.ClaimBound, string(pvc.Status.Phase) + " " + fmt.Sprint(pvc.Annotations), nil
-	})
-	if err != nil {
-		t.Fatalf("%v\nevents: %s", err, eventsOf(c, ns, name))
-	}
-	return pvc
-}
-
-func eventsOf(c kubernetes.Interface, ns, name string) string {
-	evs, err := c.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{FieldSelector: "involvedObject.name=" + name})
-	if err != nil {
-		return err.Error()
-	}
-	var b strings.Builder
-	for _, e := range evs.Items {
-		fmt.Fprintf(&b, "\n  %s %s: %s", e.Type, e.Reason, e.Message)
-	}
-	return b.String()
-}
-
-// waitEvent waits for an Event with reason on object name whose message contains want.
-func waitEvent(t *testing.T, c kubernetes.Interface, ns, name, reason, want string) corev1.Event {
-	t.Helper()
-	var found corev1.Event
-	err := testenv.WaitFor(context.Background(), 30*time.Second, fmt.Sprintf("event %s on %s containing %q", reason, name, want), func(ctx context.Context) (bool, string, error) {
-		evs, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + name})
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		for _, e := range evs.Items {
-			if e.Reason == reason && strings.Contains(e.Message, want) {
-				found = e
-				return true, "", nil
-			}
-		}
-		return false, eventsOf(c, ns, name), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return found
-}
-
 // metricValue sums the samples of a counter or gauge whose labels include want.
 func (r *bridgeRun) metricValue(t *testing.T, name string, want map[string]string) float64 {
 	t.Helper()
@@ -448,37 +343,6 @@ func (r *bridgeRun) metricValue(t *testing.T, name string, want map[string]strin
 		}
 	}
 	return sum
-}
-
-// waitPV waits until cond holds for PV name, asked of the API server; cond
-// gets nil once the PV is gone and returns what to report while waiting.
-func waitPV(t *testing.T, c kubernetes.Interface, name, what string, timeout time.Duration, cond func(*corev1.PersistentVolume) (bool, string)) {
-	t.Helper()
-	err := testenv.WaitFor(context.Background(), timeout, "PV "+name+": "+what, func(ctx context.Context) (bool, string, error) {
-		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
-		switch {
-		case apierrors.IsNotFound(err):
-			pv = nil
-		case err != nil:
-			return false, err.Error(), nil
-		}
-		ok, seen := cond(pv)
-		return ok, seen, nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-}
-
-// waitPVGone waits until PV name no longer exists.
-func waitPVGone(t *testing.T, c kubernetes.Interface, name string, timeout time.Duration) {
-	t.Helper()
-	waitPV(t, c, name, "gone", timeout, func(pv *corev1.PersistentVolume) (bool, string) {
-		if pv == nil {
-			return true, ""
-		}
-		return false, fmt.Sprintf("finalizers %v, phase %s", pv.Finalizers, pv.Status.Phase)
-	})
 }
 
 // countingDrivers counts, per CSI method, the controller calls in flight
@@ -648,25 +512,6 @@ func extraOf[T any](t *testing.T, b *Bridge) T {
 	return zero
 }
 
-// createPasswordSecrets creates Secrets names in namespace ns, each with
-// key "password" set to password (a test's canary).
-func createPasswordSecrets(t *testing.T, c kubernetes.Interface, ns, password string, names ...string) {
-	t.Helper()
-	for _, name := range names {
-		if _, err := c.CoreV1().Secrets(ns).Create(context.Background(), &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-			StringData: map[string]string{"password": password}}, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-}
+type roundTripFunc func(*http.Request) (*http.Response, error)
 
-// grantsAuthorizer is a policy of grants alone, in enforce mode; an
-// invalid grant fails the test.
-func grantsAuthorizer(t *testing.T, grants ...policy.Grant) *policy.Authorizer {
-	t.Helper()
-	rs, errs := policy.Compile(grants)
-	if len(errs) != 0 {
-		t.Fatal(errs)
-	}
-	return &policy.Authorizer{Rules: policy.NewStore(rs)}
-}
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }

@@ -12,6 +12,8 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -37,7 +39,7 @@ func noLeaks(t *testing.T, env *testenv.Env, ns string, d *sampledriver.Driver, 
 				leaked = append(leaked, v.ID+" ("+v.Name+")")
 			}
 		}
-		intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+		intents, err := intent.NewStore(c, ns, "csibroker-intents", nil).List(ctx)
 		if err != nil {
 			return false, err.Error(), nil
 		}
@@ -57,7 +59,7 @@ func crashAfterCreate(t *testing.T, env *testenv.Env, ns string, drivers *testDr
 	died := make(chan string, n)
 	opts.identity, opts.leader = "doomed-broker", true
 	opts.configure = func(b *Bridge) {
-		b.prov.afterCreate = func(ctx context.Context, vol string) {
+		b.prov.AfterCreate = func(ctx context.Context, vol string) {
 			died <- vol
 			<-ctx.Done() // the process is gone: nothing after this point runs
 		}
@@ -77,17 +79,17 @@ func crashAfterCreate(t *testing.T, env *testenv.Env, ns string, drivers *testDr
 // TestClaimDeletedWhileCreateVolumeIsSlow: the driver takes 2s to create;
 // the claim is deleted meanwhile; the volume it then makes is deleted.
 func TestClaimDeletedWhileCreateVolumeIsSlow(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "slow.csi.test")
+	drv := kubetest.ClusterName(ns, "slow.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {Latency: 2 * time.Second}}}})
-	class := makeClass(t, c, clusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 
-	makeClaim(t, c, ns, "doomed", class.Name, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "doomed", class.Name, "1Gi")
 	err := testenv.WaitFor(ctx, 30*time.Second, "CreateVolume in flight", func(context.Context) (bool, string, error) {
 		return d.CallCount("CreateVolume") > 0, "", nil
 	})
@@ -122,23 +124,23 @@ func TestClaimDeletedWhileCreateVolumeIsSlow(t *testing.T) {
 // intent: for a claim that still exists it finishes the job (same volume,
 // no duplicate); for a claim deleted meanwhile it deletes the volume.
 func TestBrokerKilledAfterCreateVolume(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "crash.csi.test")
+	drv := kubetest.ClusterName(ns, "crash.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "crash"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "crash"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 
 	crashAfterCreate(t, env, ns, drivers, bridgeOpts{}, 2, func() {
-		makeClaim(t, c, ns, "keep", class.Name, "1Gi")
-		makeClaim(t, c, ns, "gone", class.Name, "1Gi")
+		kubetest.MakeClaim(t, c, ns, "keep", class.Name, "1Gi")
+		kubetest.MakeClaim(t, c, ns, "gone", class.Name, "1Gi")
 	})
 	if n := len(d.Volumes()); n != 2 {
 		t.Fatalf("driver has %d volumes, want 2 made before the crash", n)
 	}
-	intents, err := NewIntentStore(c, ns, "csibroker-intents", nil).List(ctx)
+	intents, err := intent.NewStore(c, ns, "csibroker-intents", nil).List(ctx)
 	if err != nil || len(intents) != 2 {
 		t.Fatalf("intent record holds %d entries (%v), want 2", len(intents), err)
 	}
@@ -147,7 +149,7 @@ func TestBrokerKilledAfterCreateVolume(t *testing.T) {
 	}
 
 	startBridge(t, env, ns, drivers, bridgeOpts{identity: "new-leader", leader: true})
-	bound := waitBound(t, c, ns, "keep", 60*time.Second)
+	bound := kubetest.WaitBound(t, c, ns, "keep", 60*time.Second)
 	noLeaks(t, env, ns, d, drv)
 	vols := d.Volumes()
 	if len(vols) != 1 || vols[0].Name != bound.Spec.VolumeName {
@@ -161,11 +163,11 @@ func TestBrokerKilledAfterCreateVolume(t *testing.T) {
 // requester (its labels, recorded in the intent) and deletes the volume;
 // deciding on less, it was refused and the volume leaked.
 func TestRecoveryDecidesAsTheAttemptDid(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "labels.csi.test")
+	drv := kubetest.ClusterName(ns, "labels.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: ns}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
@@ -182,11 +184,11 @@ func TestRecoveryDecidesAsTheAttemptDid(t *testing.T) {
 		t.Fatal(errs)
 	}
 	authz := &policy.Authorizer{Rules: policy.NewStore(rs)}
-	class := makeClass(t, c, clusterName(ns, "labels"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "labels"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
 		map[string]string{"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
 
 	crashAfterCreate(t, env, ns, drivers, bridgeOpts{policy: authz}, 1, func() {
-		makeClaim(t, c, ns, "gone", class.Name, "1Gi") // labelled app=test
+		kubetest.MakeClaim(t, c, ns, "gone", class.Name, "1Gi") // labelled app=test
 	})
 	if n := len(d.Volumes()); n != 1 {
 		t.Fatalf("driver has %d volumes, want 1 made before the crash", n)
@@ -207,20 +209,20 @@ func TestRecoveryDecidesAsTheAttemptDid(t *testing.T) {
 // credentials, as the volume's deletion goes, and deletes it: asking for
 // the secret first, it failed on every pass and the volume leaked.
 func TestRecoveryAfterTheSecretIsGone(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
 	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	drv := clusterName(ns, "nosec.csi.test")
+	drv := kubetest.ClusterName(ns, "nosec.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "nosec"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "nosec"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
 		"csi.storage.k8s.io/provisioner-secret-name": "creds", "csi.storage.k8s.io/provisioner-secret-namespace": "${pvc.namespace}"})
 	crashAfterCreate(t, env, ns, drivers, bridgeOpts{}, 1, func() {
-		makeClaim(t, c, ns, "gone", class.Name, "1Gi")
+		kubetest.MakeClaim(t, c, ns, "gone", class.Name, "1Gi")
 	})
 	if n := len(d.Volumes()); n != 1 {
 		t.Fatalf("driver has %d volumes, want the one made before the crash", n)

@@ -10,7 +10,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
-	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 // TestProvisionsAndDeletesWithAMigratedInTreeClass: a claim of an in-tree
@@ -48,16 +49,16 @@ func TestProvisionsAndDeletesWithAMigratedInTreeClass(t *testing.T) {
 }
 
 func provisionWithMigratedClass(t *testing.T, drv, plugin string, volumeID func(*corev1.PersistentVolume) string) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "in-tree"), plugin, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "in-tree"), plugin, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 
-	claim := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
-	if got := claim.Annotations[annStorageProvisioner]; got != drv {
-		t.Errorf("claim annotation %s = %q, want the PV controller's %q", annStorageProvisioner, got, drv)
+	claim := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second)
+	if got := claim.Annotations[kube.AnnStorageProvisioner]; got != drv {
+		t.Errorf("claim annotation %s = %q, want the PV controller's %q", kube.AnnStorageProvisioner, got, drv)
 	}
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, claim.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
@@ -67,8 +68,8 @@ func provisionWithMigratedClass(t *testing.T, drv, plugin string, volumeID func(
 	if volID == "" || pv.Spec.CSI != nil {
 		t.Fatalf("PV source %+v: want the in-tree source of %s", pv.Spec.PersistentVolumeSource, plugin)
 	}
-	if got := pv.Annotations[annProvisionedBy]; got != plugin {
-		t.Errorf("PV annotation %s = %q, want the in-tree plugin %q", annProvisionedBy, got, plugin)
+	if got := pv.Annotations[kube.AnnProvisionedBy]; got != plugin {
+		t.Errorf("PV annotation %s = %q, want the in-tree plugin %q", kube.AnnProvisionedBy, got, plugin)
 	}
 	found := false
 	for _, v := range d.Volumes() {
@@ -81,7 +82,7 @@ func provisionWithMigratedClass(t *testing.T, drv, plugin string, volumeID func(
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pv.Name, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pv.Name, 60*time.Second)
 	for _, v := range d.Volumes() {
 		if v.ID == volID {
 			t.Fatalf("volume %s still at the driver after its PV went", volID)

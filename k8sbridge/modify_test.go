@@ -23,6 +23,8 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -43,11 +45,11 @@ const flakyIOPS = "777"
 // and calls nothing. The secret's value appears in no Event, object, log
 // line, span or metric.
 func TestModifyVolumeAttributesClass(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "mod.csi.test")
+	drv := kubetest.ClusterName(ns, "mod.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv}, verboseChain)
 	var mu sync.Mutex
@@ -66,17 +68,17 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 		}
 		return err
 	}}
-	createPasswordSecrets(t, c, ns, modifyCanary, "mod-ok", "mod-forbidden")
-	authz := grantsAuthorizer(t, policy.Grant{Namespace: ns, Name: "modify", Spec: policy.GrantSpec{
+	kubetest.CreatePasswordSecrets(t, c, ns, modifyCanary, "mod-ok", "mod-forbidden")
+	authz := kubetest.GrantsAuthorizer(t, policy.Grant{Namespace: ns, Name: "modify", Spec: policy.GrantSpec{
 		Drivers: []string{drv}, SecretNames: []string{"mod-ok"}, Operations: []policy.Operation{policy.OpControllerModifyVolume},
 		Requesters: policy.Requesters{Namespaces: []string{ns}}}})
 	modClass := func(name, secret string) string {
-		return makeClass(t, c, clusterName(ns, name), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
+		return kubetest.MakeClass(t, c, kubetest.ClusterName(ns, name), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{
 			"csi.storage.k8s.io/controller-modify-secret-name": secret, "csi.storage.k8s.io/controller-modify-secret-namespace": ns}).Name
 	}
 	classOK, classDenied := modClass("ok", "mod-ok"), modClass("denied", "mod-forbidden")
 	vac := func(name string, params map[string]string) string {
-		return makeVAC(t, c, clusterName(ns, name), drv, params)
+		return makeVAC(t, c, kubetest.ClusterName(ns, name), drv, params)
 	}
 	silver := vac("silver", map[string]string{sampledriver.MutableIOPS: "100", sampledriver.MutableTier: "standard"})
 	gold := vac("gold", map[string]string{sampledriver.MutableIOPS: "3000", sampledriver.MutableTier: "premium"})
@@ -86,8 +88,8 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 	withVAC := func(v string) func(*corev1.PersistentVolumeClaim) {
 		return func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeAttributesClassName = &v }
 	}
-	pvName := waitBound(t, c, ns, makeClaimWith(t, c, ns, "data", classOK, withVAC(silver)).Name, 60*time.Second).Spec.VolumeName
-	deniedPV := waitBound(t, c, ns, makeClaimWith(t, c, ns, "denied", classDenied, withVAC(silver)).Name, 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaimWith(t, c, ns, "data", classOK, withVAC(silver)).Name, 60*time.Second).Spec.VolumeName
+	deniedPV := kubetest.WaitBound(t, c, ns, kubetest.MakeClaimWith(t, c, ns, "denied", classDenied, withVAC(silver)).Name, 60*time.Second).Spec.VolumeName
 	volID, deniedVolID := volumeHandle(t, c, pvName), volumeHandle(t, c, deniedPV)
 	mutable := func(id string) map[string]string {
 		for _, v := range d.Volumes() {
@@ -120,7 +122,7 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 		t.Errorf("ControllerModifyVolume calls for %s: %d, controller-modify secret passed %v; want one, with the secret", volID, len(s), len(s) == 1 && s[0] == modifyCanary)
 	}
 	mu.Unlock()
-	waitEvent(t, c, ns, "data", "VolumeModifySuccessful", "to VolumeAttributesClass "+gold)
+	kubetest.WaitEvent(t, c, ns, "data", "VolumeModifySuccessful", "to VolumeAttributesClass "+gold)
 
 	// A class the driver refuses: Infeasible, with the driver's reason.
 	setVAC(t, c, ns, "data", bad)
@@ -134,7 +136,7 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 	if cond == nil || !strings.Contains(cond.Message, "InvalidArgument") || !strings.Contains(cond.Message, "iops") {
 		t.Errorf("ModifyVolumeError condition %+v: want the driver's InvalidArgument and message", cond)
 	}
-	waitEvent(t, c, ns, "data", "VolumeModifyFailed", "InvalidArgument")
+	kubetest.WaitEvent(t, c, ns, "data", "VolumeModifyFailed", "InvalidArgument")
 	if got := mutable(volID); got[sampledriver.MutableIOPS] != "3000" {
 		t.Errorf("driver volume's mutable parameters %v after a refused class, want gold's still", got)
 	}
@@ -146,12 +148,12 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 	})
 
 	// A class not made yet: Pending, then done once it exists.
-	later := clusterName(ns, "later")
+	later := kubetest.ClusterName(ns, "later")
 	setVAC(t, c, ns, "data", later)
 	waitClaim(t, c, ns, "data", "Pending", func(p *corev1.PersistentVolumeClaim) bool {
 		return p.Status.ModifyVolumeStatus != nil && p.Status.ModifyVolumeStatus.Status == corev1.PersistentVolumeClaimModifyVolumePending
 	})
-	waitEvent(t, c, ns, "data", "VolumeModifyFailed", "not found")
+	kubetest.WaitEvent(t, c, ns, "data", "VolumeModifyFailed", "not found")
 	vac("later", map[string]string{sampledriver.MutableIOPS: "500"})
 	waitClaim(t, c, ns, "data", "current class "+later, func(p *corev1.PersistentVolumeClaim) bool {
 		return p.Status.CurrentVolumeAttributesClassName != nil && *p.Status.CurrentVolumeAttributesClassName == later && p.Status.ModifyVolumeStatus == nil
@@ -175,7 +177,7 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 	}
 	// A class that does not exist in between: Pending now, but the
 	// driver may still have some of the flaky class.
-	setVAC(t, c, ns, "data", clusterName(ns, "nowhere"))
+	setVAC(t, c, ns, "data", kubetest.ClusterName(ns, "nowhere"))
 	waitClaim(t, c, ns, "data", "Pending after the failure", func(p *corev1.PersistentVolumeClaim) bool {
 		return p.Status.ModifyVolumeStatus != nil && p.Status.ModifyVolumeStatus.Status == corev1.PersistentVolumeClaimModifyVolumePending
 	})
@@ -189,7 +191,7 @@ func TestModifyVolumeAttributesClass(t *testing.T) {
 
 	// A denied secret: an Event, no status, no call.
 	setVAC(t, c, ns, "denied", gold)
-	ev := waitEvent(t, c, ns, "denied", "VolumeModifyFailed", "denied by policy")
+	ev := kubetest.WaitEvent(t, c, ns, "denied", "VolumeModifyFailed", "denied by policy")
 	for _, w := range []string{ns + "/mod-forbidden", "ControllerModifyVolume"} {
 		if !strings.Contains(ev.Message, w) {
 			t.Errorf("event %q does not say %q", ev.Message, w)
@@ -252,10 +254,10 @@ func hasModifyCondition(p *corev1.PersistentVolumeClaim) bool {
 // carry the claim's name and namespace and the PV's name besides the
 // class's, as external-resizer's flag adds them.
 func TestModifyPassesExtraMetadata(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "meta.csi.test")
+	drv := kubetest.ClusterName(ns, "meta.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
 	var mu sync.Mutex
@@ -268,17 +270,17 @@ func TestModifyPassesExtraMetadata(t *testing.T) {
 		}
 		return err
 	}}
-	class := makeClass(t, c, clusterName(ns, "meta"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	vName := makeVAC(t, c, clusterName(ns, "fast"), drv, map[string]string{sampledriver.MutableIOPS: "900"})
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "meta"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	vName := makeVAC(t, c, kubetest.ClusterName(ns, "fast"), drv, map[string]string{sampledriver.MutableIOPS: "900"})
 	startBridge(t, env, ns, hooked, bridgeOpts{configureCfg: func(cfg *Config) { cfg.ExtraModifyMetadata = true }})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	setVAC(t, c, ns, "data", vName)
 	waitClaim(t, c, ns, "data", "current class "+vName, func(p *corev1.PersistentVolumeClaim) bool {
 		return p.Status.CurrentVolumeAttributesClassName != nil && *p.Status.CurrentVolumeAttributesClassName == vName
 	})
 	mu.Lock()
 	defer mu.Unlock()
-	want := map[string]string{sampledriver.MutableIOPS: "900", ParamPVCName: "data", ParamPVCNamespace: ns, ParamPVName: pvName}
+	want := map[string]string{sampledriver.MutableIOPS: "900", csiparams.ParamPVCName: "data", csiparams.ParamPVCNamespace: ns, csiparams.ParamPVName: pvName}
 	if len(seen) != 1 || !maps.Equal(seen[0], want) {
 		t.Fatalf("ControllerModifyVolume mutable parameters %v, want one call with %v", seen, want)
 	}
@@ -291,19 +293,19 @@ func TestModifyPassesExtraMetadata(t *testing.T) {
 // ever. Both a class that does not exist (Pending) and one the driver
 // failed (InProgress, with both modify conditions).
 func TestModifyCancelledBackToNoClass(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "none.csi.test")
+	drv := kubetest.ClusterName(ns, "none.csi.test")
 	hooked, calls := modifyCountingDriver(t, drv, status.Error(codes.Internal, "backend unavailable"))
-	class := makeClass(t, c, clusterName(ns, "none"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	failingName := makeVAC(t, c, clusterName(ns, "failing"), drv, map[string]string{sampledriver.MutableIOPS: "900"})
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "none"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	failingName := makeVAC(t, c, kubetest.ClusterName(ns, "failing"), drv, map[string]string{sampledriver.MutableIOPS: "900"})
 	startBridge(t, env, ns, hooked, bridgeOpts{})
-	waitBound(t, c, ns, makeClaim(t, c, ns, "pending", class.Name, "1Gi").Name, 60*time.Second)
-	waitBound(t, c, ns, makeClaim(t, c, ns, "failed", class.Name, "1Gi").Name, 60*time.Second)
+	kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "pending", class.Name, "1Gi").Name, 60*time.Second)
+	kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "failed", class.Name, "1Gi").Name, 60*time.Second)
 
-	setVAC(t, c, ns, "pending", clusterName(ns, "nowhere"))
+	setVAC(t, c, ns, "pending", kubetest.ClusterName(ns, "nowhere"))
 	waitClaim(t, c, ns, "pending", "Pending", func(p *corev1.PersistentVolumeClaim) bool {
 		return p.Status.ModifyVolumeStatus != nil && p.Status.ModifyVolumeStatus.Status == corev1.PersistentVolumeClaimModifyVolumePending
 	})
@@ -348,19 +350,19 @@ func TestModifyCancelledBackToNoClass(t *testing.T) {
 // VolumeModifyFailed Warning Event on the claim, once however often the
 // modification is retried; with the refusals lifted, it completes.
 func TestModifyReportsRefusedWrites(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "refused.csi.test")
+	drv := kubetest.ClusterName(ns, "refused.csi.test")
 	hooked, calls := modifyCountingDriver(t, drv, nil)
-	class := makeClass(t, c, clusterName(ns, "refused"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	goldName := makeVAC(t, c, clusterName(ns, "gold"), drv, map[string]string{sampledriver.MutableIOPS: "3000"})
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "refused"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	goldName := makeVAC(t, c, kubetest.ClusterName(ns, "gold"), drv, map[string]string{sampledriver.MutableIOPS: "3000"})
 	startBridge(t, env, ns, hooked, bridgeOpts{})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 
 	const pvRefused, claimRefused = "PV classes are refused by the test's policy", "current classes are refused by the test's policy"
-	allowPV := denyUpdates(t, c, clusterName(ns, "no-pv-class"), admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"persistentvolumes"}},
+	allowPV := denyUpdates(t, c, kubetest.ClusterName(ns, "no-pv-class"), admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"persistentvolumes"}},
 		fmt.Sprintf("object.spec.storageClassName == %q", class.Name),
 		"!has(object.spec.volumeAttributesClassName) || (has(oldObject.spec.volumeAttributesClassName) && object.spec.volumeAttributesClassName == oldObject.spec.volumeAttributesClassName)",
 		pvRefused, func(ctx context.Context) error {
@@ -372,7 +374,7 @@ func TestModifyReportsRefusedWrites(t *testing.T) {
 			_, err = c.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
 			return err
 		})
-	allowClaim := denyUpdates(t, c, clusterName(ns, "no-current-class"), admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"persistentvolumeclaims/status"}},
+	allowClaim := denyUpdates(t, c, kubetest.ClusterName(ns, "no-current-class"), admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"persistentvolumeclaims/status"}},
 		fmt.Sprintf("object.metadata.namespace == %q && object.metadata.name == 'data'", ns),
 		"!has(object.status.currentVolumeAttributesClassName) || (has(oldObject.status.currentVolumeAttributesClassName) && object.status.currentVolumeAttributesClassName == oldObject.status.currentVolumeAttributesClassName)",
 		claimRefused, func(ctx context.Context) error {
@@ -387,7 +389,7 @@ func TestModifyReportsRefusedWrites(t *testing.T) {
 
 	// The driver modifies the volume; the PV may not say so.
 	setVAC(t, c, ns, "data", goldName)
-	waitEvent(t, c, ns, "data", "VolumeModifyFailed", pvRefused)
+	kubetest.WaitEvent(t, c, ns, "data", "VolumeModifyFailed", pvRefused)
 	// Retried (the driver asked again each time), reported once.
 	err := testenv.WaitFor(ctx, 30*time.Second, "retries", func(context.Context) (bool, string, error) {
 		n := calls.Load()
@@ -397,13 +399,13 @@ func TestModifyReportsRefusedWrites(t *testing.T) {
 		t.Fatal(err)
 	}
 	if n := countEvents(t, c, ns, "data", "VolumeModifyFailed", pvRefused); n != 1 {
-		t.Errorf("%d VolumeModifyFailed Events for the refused PV write over %d attempts, want 1:\n%s", n, calls.Load(), eventsOf(c, ns, "data"))
+		t.Errorf("%d VolumeModifyFailed Events for the refused PV write over %d attempts, want 1:\n%s", n, calls.Load(), kubetest.EventsOf(c, ns, "data"))
 	}
 
 	// The PV may; the claim's status may not say the class is current.
 	allowPV()
-	waitEvent(t, c, ns, "data", "VolumeModifyFailed", claimRefused)
-	waitPV(t, c, pvName, "class "+goldName, 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+	kubetest.WaitEvent(t, c, ns, "data", "VolumeModifyFailed", claimRefused)
+	kubetest.WaitPV(t, c, pvName, "class "+goldName, 30*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
 		if pv == nil {
 			return false, "no PV"
 		}
@@ -417,7 +419,7 @@ func TestModifyReportsRefusedWrites(t *testing.T) {
 			p.Status.ModifyVolumeStatus == nil && !hasModifyCondition(p)
 	})
 	if n := countEvents(t, c, ns, "data", "VolumeModifyFailed", claimRefused); n != 1 {
-		t.Errorf("%d VolumeModifyFailed Events for the refused claim status write, want 1:\n%s", n, eventsOf(c, ns, "data"))
+		t.Errorf("%d VolumeModifyFailed Events for the refused claim status write, want 1:\n%s", n, kubetest.EventsOf(c, ns, "data"))
 	}
 }
 
@@ -489,17 +491,17 @@ func countEvents(t *testing.T, c kubernetes.Interface, ns, name, reason, want st
 // current one, with a Warning Event, not dropped (the PV would keep the
 // class in use with nothing saying so).
 func TestModifyAppliedBeforeTheClaimWasSetBackToNone(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "applied.csi.test")
+	drv := kubetest.ClusterName(ns, "applied.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "applied"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	goldName := makeVAC(t, c, clusterName(ns, "gold"), drv, map[string]string{sampledriver.MutableIOPS: "3000"})
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "applied"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	goldName := makeVAC(t, c, kubetest.ClusterName(ns, "gold"), drv, map[string]string{sampledriver.MutableIOPS: "3000"})
 	run := startBridge(t, env, ns, drivers, bridgeOpts{})
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "applied", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "applied", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
 	run.stop()
 
 	pvPatch := []byte(`{"spec":{"volumeAttributesClassName":"` + goldName + `"}}`)
@@ -516,7 +518,7 @@ func TestModifyAppliedBeforeTheClaimWasSetBackToNone(t *testing.T) {
 		cur := p.Status.CurrentVolumeAttributesClassName
 		return cur != nil && *cur == goldName && p.Status.ModifyVolumeStatus == nil && !hasModifyCondition(p)
 	})
-	waitEvent(t, c, ns, "applied", "VolumeModifyFailed", "was modified to VolumeAttributesClass "+goldName+" already")
+	kubetest.WaitEvent(t, c, ns, "applied", "VolumeModifyFailed", "was modified to VolumeAttributesClass "+goldName+" already")
 }
 
 // modifyCountingDriver is a sample driver named drv that counts its

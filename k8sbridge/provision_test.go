@@ -11,7 +11,6 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -19,6 +18,10 @@ import (
 	"github.com/csibroker/csibroker/internal/chaintest"
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 // TestProvisionTwoDriversImmediateAndWFFC: one broker provisions Immediate
@@ -26,17 +29,17 @@ import (
 // external-provisioner would write; deleting the claims deletes the volumes
 // (reclaim Delete) or keeps them (Retain).
 func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	nodeName := clusterName(ns, "node")
+	nodeName := kubetest.ClusterName(ns, "node")
 	if _, err := env.AddNodes(ctx, testenv.NodeSpec{Name: nodeName, Zone: "z1"}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), nodeName, metav1.DeleteOptions{}) })
 
-	drvA, drvB := clusterName(ns, "a.csi.test"), clusterName(ns, "b.csi.test")
+	drvA, drvB := kubetest.ClusterName(ns, "a.csi.test"), kubetest.ClusterName(ns, "b.csi.test")
 	drivers := &testDrivers{}
 	a := drivers.addDriver(t, sampledriver.Config{Name: drvA, NodeID: nodeName})
 	b := drivers.addDriver(t, sampledriver.Config{Name: drvB, NodeID: nodeName})
@@ -45,18 +48,18 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	classA := makeClass(t, c, clusterName(ns, "a"), drvA, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{"label": "blue"})
-	classB := makeClass(t, c, clusterName(ns, "b"), drvB, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimRetain, nil)
+	classA := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "a"), drvA, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, map[string]string{"label": "blue"})
+	classB := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "b"), drvB, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimRetain, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
 
-	claimA := makeClaim(t, c, ns, "claim-a", classA.Name, "1Gi")
-	claimB := makeClaim(t, c, ns, "claim-b", classB.Name, "2Gi")
-	makePod(t, c, ns, "pod-b", "claim-b")
+	claimA := kubetest.MakeClaim(t, c, ns, "claim-a", classA.Name, "1Gi")
+	claimB := kubetest.MakeClaim(t, c, ns, "claim-b", classB.Name, "2Gi")
+	kubetest.MakePod(t, c, ns, "pod-b", "claim-b")
 
-	boundA := waitBound(t, c, ns, "claim-a", 60*time.Second)
-	boundB := waitBound(t, c, ns, "claim-b", 60*time.Second)
-	if boundB.Annotations[annSelectedNode] != nodeName {
-		t.Fatalf("claim-b selected node = %q", boundB.Annotations[annSelectedNode])
+	boundA := kubetest.WaitBound(t, c, ns, "claim-a", 60*time.Second)
+	boundB := kubetest.WaitBound(t, c, ns, "claim-b", 60*time.Second)
+	if boundB.Annotations[kube.AnnSelectedNode] != nodeName {
+		t.Fatalf("claim-b selected node = %q", boundB.Annotations[kube.AnnSelectedNode])
 	}
 
 	pvA, err := c.CoreV1().PersistentVolumes().Get(ctx, boundA.Spec.VolumeName, metav1.GetOptions{})
@@ -70,9 +73,9 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	switch {
 	case src == nil || src.Driver != drvA || src.VolumeHandle == "":
 		t.Errorf("PV CSI source %+v", src)
-	case pvA.Annotations[annProvisionedBy] != drvA:
-		t.Errorf("provisioned-by = %q", pvA.Annotations[annProvisionedBy])
-	case pvA.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete || !hasFinalizer(pvA, finalizerVolume):
+	case pvA.Annotations[kube.AnnProvisionedBy] != drvA:
+		t.Errorf("provisioned-by = %q", pvA.Annotations[kube.AnnProvisionedBy])
+	case pvA.Spec.PersistentVolumeReclaimPolicy != corev1.PersistentVolumeReclaimDelete || !kube.HasFinalizer(pvA, kube.FinalizerVolume):
 		t.Errorf("reclaim %s finalizers %v", pvA.Spec.PersistentVolumeReclaimPolicy, pvA.Finalizers)
 	case pvA.Spec.ClaimRef == nil || pvA.Spec.ClaimRef.UID != claimA.UID:
 		t.Errorf("claimRef %+v", pvA.Spec.ClaimRef)
@@ -105,9 +108,9 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	if len(b.Volumes()) != 1 {
 		t.Fatalf("driver B volumes %+v", b.Volumes())
 	}
-	waitEvent(t, c, ns, "claim-a", "ProvisioningSucceeded", "Successfully provisioned volume "+pvA.Name)
+	kubetest.WaitEvent(t, c, ns, "claim-a", "ProvisioningSucceeded", "Successfully provisioned volume "+pvA.Name)
 	// The Event names the trace of the claim's provisioning.
-	ev := waitEvent(t, c, ns, "claim-a", "Provisioning", "(trace ")
+	ev := kubetest.WaitEvent(t, c, ns, "claim-a", "Provisioning", "(trace ")
 	id := ev.Message[strings.LastIndex(ev.Message, "(trace ")+len("(trace "):]
 	id = strings.TrimSuffix(id, ")")
 	var traced []string
@@ -124,7 +127,7 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "claim-a", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvA.Name, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvA.Name, 60*time.Second)
 	if n := len(a.Volumes()); n != 0 {
 		t.Fatalf("driver A still has %d volumes", n)
 	}
@@ -136,7 +139,7 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "claim-b", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPV(t, c, boundB.Spec.VolumeName, "Released", 60*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
+	kubetest.WaitPV(t, c, boundB.Spec.VolumeName, "Released", 60*time.Second, func(pv *corev1.PersistentVolume) (bool, string) {
 		if pv == nil {
 			return false, "gone"
 		}
@@ -153,18 +156,18 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 // selected-node annotation removed, with an Event saying why), as
 // external-provisioner does, instead of failing forever; no volume is made.
 func TestSelectedNodeGoneReschedules(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "wffc.csi.test")
+	drv := kubetest.ClusterName(ns, "wffc.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "wffc"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "wffc"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	makeClaim(t, c, ns, "orphaned", class.Name, "1Gi")
-	gone := clusterName(ns, "gone-node")
+	kubetest.MakeClaim(t, c, ns, "orphaned", class.Name, "1Gi")
+	gone := kubetest.ClusterName(ns, "gone-node")
 	setSelectedNode(t, c, ns, "orphaned", gone)
-	waitEvent(t, c, ns, "orphaned", "ProvisioningFailed", "selected node \""+gone+"\" no longer exists")
+	kubetest.WaitEvent(t, c, ns, "orphaned", "ProvisioningFailed", "selected node \""+gone+"\" no longer exists")
 	waitSelectedNodeRemoved(t, c, ns, "orphaned")
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes made for a node that does not exist", n)
@@ -177,18 +180,18 @@ func TestSelectedNodeGoneReschedules(t *testing.T) {
 // cut at 1 s and re-issued as "in progress"), and the claim is bound after
 // one call.
 func TestPerMethodTimeoutLongerThanTheDefault(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "slow.csi.test")
+	drv := kubetest.ClusterName(ns, "slow.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {Latency: 2 * time.Second}}}},
 		func(o *chaintest.Options) {
 			o.Timeout, o.MethodTimeouts = time.Second, map[string]time.Duration{"CreateVolume": 20 * time.Second}
 		})
-	class := makeClass(t, c, clusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "slow"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{timeout: time.Second})
-	waitBound(t, c, ns, makeClaim(t, c, ns, "slow", class.Name, "1Gi").Name, 60*time.Second)
+	kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "slow", class.Name, "1Gi").Name, 60*time.Second)
 	if n := d.CallCount("CreateVolume"); n != 1 {
 		t.Fatalf("%d CreateVolume calls, want 1 (the call cut short and re-issued)", n)
 	}
@@ -200,24 +203,24 @@ func TestPerMethodTimeoutLongerThanTheDefault(t *testing.T) {
 // before is done (no claim can overtake another by polling at the right
 // moment), and the claims waiting count in the queue's depth.
 func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "inline.csi.test")
+	drv := kubetest.ClusterName(ns, "inline.csi.test")
 	drivers := newCountingDrivers()
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
 	letGo := drivers.hold("CreateVolume")
 	defer letGo()
-	class := makeClass(t, c, clusterName(ns, "inline"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "inline"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
 	var want []string
 	for i := range 5 {
-		claim := makeClaim(t, c, ns, fmt.Sprintf("c%d", i), class.Name, "1Gi")
-		want = append(want, VolumeName(r.b.cfg.VolumeNamePrefix, claim.UID, r.b.cfg.VolumeNameUUIDLength))
+		claim := kubetest.MakeClaim(t, c, ns, fmt.Sprintf("c%d", i), class.Name, "1Gi")
+		want = append(want, csiparams.VolumeName(r.b.Cfg.VolumeNamePrefix, claim.UID, r.b.Cfg.VolumeNameUUIDLength))
 		// Each claim in line before the next is made: the first in the
 		// driver, then one more waiting each time.
 		err := testenv.WaitFor(context.Background(), 30*time.Second, fmt.Sprintf("claim c%d handled", i), func(context.Context) (bool, string, error) {
-			called, waiting := len(drivers.names("CreateVolume")), r.b.prov.queue.Len()
+			called, waiting := len(drivers.names("CreateVolume")), r.b.prov.QueueLen()
 			return called == 1 && waiting == i, fmt.Sprintf("%d CreateVolume calls, %d claims waiting", called, waiting), nil
 		})
 		if err != nil {
@@ -226,7 +229,7 @@ func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
 	}
 	letGo()
 	for i := range 5 {
-		waitBound(t, c, ns, fmt.Sprintf("c%d", i), 60*time.Second)
+		kubetest.WaitBound(t, c, ns, fmt.Sprintf("c%d", i), 60*time.Second)
 	}
 	if got := drivers.names("CreateVolume"); !slices.Equal(got, want) {
 		t.Errorf("CreateVolume calls for %v, want them in the claims' order %v", got, want)
@@ -234,7 +237,7 @@ func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
 	if most := drivers.most("CreateVolume"); most != 1 {
 		t.Errorf("%d CreateVolume calls at once, want at most PerDriverWorkers = 1", most)
 	}
-	if n := r.b.prov.queue.Len(); n != 0 {
+	if n := r.b.prov.QueueLen(); n != 0 {
 		t.Errorf("%d keys still waiting after every claim was bound", n)
 	}
 }
@@ -242,47 +245,19 @@ func TestPerDriverWorkersServeClaimsInOrder(t *testing.T) {
 // TestIntentRecordFullIsReported: a claim whose intent cannot be recorded
 // (the record is full) gets an Event saying so, and no driver is called.
 func TestIntentRecordFullIsReported(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "full.csi.test")
+	drv := kubetest.ClusterName(ns, "full.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "full"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.intents.maxEntries = 0 }})
-	makeClaim(t, c, ns, "data", class.Name, "1Gi")
-	waitEvent(t, c, ns, "data", "ProvisioningFailed", "record the intent to create volume")
-	waitEvent(t, c, ns, "data", "ProvisioningFailed", ErrIntentStoreFull.Error())
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "full"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.Intents().LimitEntries(0) }})
+	kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi")
+	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", "record the intent to create volume")
+	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", intent.ErrFull.Error())
 	if n := d.CallCount("CreateVolume"); n != 0 {
 		t.Errorf("%d CreateVolume calls without a recorded intent, want 0", n)
-	}
-}
-
-// TestRecordedTopology: a requirement of a few segments is recorded as
-// sent; one of many (a segment per node) is recorded as its first
-// preferred segment, so an entry does not grow with the cluster.
-func TestRecordedTopology(t *testing.T) {
-	seg := func(i int) *csi.Topology {
-		return &csi.Topology{Segments: map[string]string{corev1.LabelHostname: fmt.Sprintf("node-%d", i)}}
-	}
-	few := &csi.TopologyRequirement{Requisite: []*csi.Topology{seg(1), seg(2)}, Preferred: []*csi.Topology{seg(2), seg(1)}}
-	if got := recordedTopology(few); !proto.Equal(got, few) {
-		t.Errorf("few segments recorded as %v, want them as sent", got)
-	}
-	var many csi.TopologyRequirement
-	for i := range 1000 {
-		many.Requisite = append(many.Requisite, seg(i))
-		many.Preferred = append(many.Preferred, seg((i+7)%1000))
-	}
-	want := &csi.TopologyRequirement{Preferred: []*csi.Topology{seg(7)}}
-	if got := recordedTopology(&many); !proto.Equal(got, want) {
-		t.Errorf("1000 segments recorded as %v, want %v", got, want)
-	}
-	if got := recordedTopology(&csi.TopologyRequirement{Requisite: many.Requisite}); got != nil {
-		t.Errorf("1000 requisite segments and no preferred one recorded as %v, want none", got)
-	}
-	if got := recordedTopology(nil); got != nil {
-		t.Errorf("no requirement recorded as %v", got)
 	}
 }
 
@@ -294,11 +269,11 @@ func TestRecordedTopology(t *testing.T) {
 // (Removing the entry on the final refusal left the volume on the driver
 // with nothing accounting for it.)
 func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "lost.csi.test")
+	drv := kubetest.ClusterName(ns, "lost.csi.test")
 	drivers := newCountingDrivers()
 	drivers.script("CreateVolume", func(n int, call func() error) error {
 		switch n {
@@ -313,22 +288,22 @@ func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
 		return call() // recovery's re-issue learns the volume's ID
 	})
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "lost"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "lost"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
-	claim := makeClaim(t, c, ns, "data", class.Name, "1Gi")
-	pvName := VolumeName(r.b.cfg.VolumeNamePrefix, claim.UID, r.b.cfg.VolumeNameUUIDLength)
-	waitEvent(t, c, ns, "data", "ProvisioningFailed", "refused (test)")
+	claim := kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi")
+	pvName := csiparams.VolumeName(r.b.Cfg.VolumeNamePrefix, claim.UID, r.b.Cfg.VolumeNameUUIDLength)
+	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", "refused (test)")
 	if n := len(d.Volumes()); n != 1 {
 		t.Fatalf("%d volumes on the driver after the lost answer, want 1", n)
 	}
-	if !r.b.intents.Has(pvName) {
+	if !r.b.Intents().Has(pvName) {
 		t.Fatalf("intent entry of %s removed after the final refusal, while the first attempt's volume exists", pvName)
 	}
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	err := testenv.WaitFor(ctx, 60*time.Second, "the first attempt's volume deleted and its entry gone", func(context.Context) (bool, string, error) {
-		return len(d.Volumes()) == 0 && !r.b.intents.Has(pvName), fmt.Sprintf("%d volumes, entry %v", len(d.Volumes()), r.b.intents.Has(pvName)), nil
+		return len(d.Volumes()) == 0 && !r.b.Intents().Has(pvName), fmt.Sprintf("%d volumes, entry %v", len(d.Volumes()), r.b.Intents().Has(pvName)), nil
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -340,10 +315,10 @@ func TestRefusalAfterAnAttemptInProgressKeepsTheIntent(t *testing.T) {
 // never bind) gets it deleted, the claim a ProvisioningFailed Event saying
 // so, and a retry that provisions it, as external-provisioner does.
 func TestUndersizedVolumeIsDeletedAndRetried(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "small.csi.test")
+	drv := kubetest.ClusterName(ns, "small.csi.test")
 	drivers := newCountingDrivers()
 	drivers.rewriteReply("CreateVolume", func(n int, reply any) {
 		if n == 1 {
@@ -352,11 +327,11 @@ func TestUndersizedVolumeIsDeletedAndRetried(t *testing.T) {
 		}
 	})
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "small"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "small"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	makeClaim(t, c, ns, "data", class.Name, "1Gi")
-	waitEvent(t, c, ns, "data", "ProvisioningFailed", "less than requested capacity 1073741824; the volume was deleted")
-	bound := waitBound(t, c, ns, "data", 60*time.Second)
+	kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi")
+	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", "less than requested capacity 1073741824; the volume was deleted")
+	bound := kubetest.WaitBound(t, c, ns, "data", 60*time.Second)
 	if vols := d.Volumes(); len(vols) != 1 || d.CallCount("DeleteVolume") != 1 {
 		t.Fatalf("driver volumes %d, DeleteVolume calls %d; want the small one deleted and one left for %s", len(vols), d.CallCount("DeleteVolume"), bound.Spec.VolumeName)
 	}
@@ -369,36 +344,36 @@ func TestUndersizedVolumeIsDeletedAndRetried(t *testing.T) {
 // with controller-modify secret parameters is accepted, its PV recording
 // the secret.
 func TestClaimsTheProvisionerLeavesOrRefuses(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "which.csi.test")
+	drv := kubetest.ClusterName(ns, "which.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "which"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "which"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
 		map[string]string{"csi.storage.k8s.io/controller-modify-secret-name": "mod-${pvc.name}", "csi.storage.k8s.io/controller-modify-secret-namespace": "${pvc.namespace}"})
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 
-	selected := makeClaimWith(t, c, ns, "selected", class.Name, func(p *corev1.PersistentVolumeClaim) {
+	selected := kubetest.MakeClaimWith(t, c, ns, "selected", class.Name, func(p *corev1.PersistentVolumeClaim) {
 		p.Spec.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{"tier": "gold"}}
 	})
-	populated := makeClaimWith(t, c, ns, "populated", class.Name, func(p *corev1.PersistentVolumeClaim) {
+	populated := kubetest.MakeClaimWith(t, c, ns, "populated", class.Name, func(p *corev1.PersistentVolumeClaim) {
 		group := "populators.example.com"
 		p.Spec.DataSourceRef = &corev1.TypedObjectReference{APIGroup: &group, Kind: "Blob", Name: "b"}
 	})
-	beta := makeClaimWith(t, c, ns, "beta", "", func(p *corev1.PersistentVolumeClaim) {
+	beta := kubetest.MakeClaimWith(t, c, ns, "beta", "", func(p *corev1.PersistentVolumeClaim) {
 		p.Spec.StorageClassName = nil
-		p.Annotations = map[string]string{annBetaStorageClass: class.Name}
+		p.Annotations = map[string]string{kube.AnnBetaStorageClass: class.Name}
 	})
-	waitEvent(t, c, ns, selected.Name, "ProvisioningFailed", "claim Selector is not supported")
-	waitEvent(t, c, ns, populated.Name, "Provisioning", "Assuming an external populator will provision the volume")
-	pvName := waitBound(t, c, ns, beta.Name, 60*time.Second).Spec.VolumeName
+	kubetest.WaitEvent(t, c, ns, selected.Name, "ProvisioningFailed", "claim Selector is not supported")
+	kubetest.WaitEvent(t, c, ns, populated.Name, "Provisioning", "Assuming an external populator will provision the volume")
+	pvName := kubetest.WaitBound(t, c, ns, beta.Name, 60*time.Second).Spec.VolumeName
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n, s := pv.Annotations[annModifySecretName], pv.Annotations[annModifySecretNS]; n != "mod-beta" || s != ns {
+	if n, s := pv.Annotations[kube.AnnModifySecretName], pv.Annotations[kube.AnnModifySecretNS]; n != "mod-beta" || s != ns {
 		t.Fatalf("PV modify-secret annotations %q/%q, want %s/mod-beta", s, n, ns)
 	}
 	// Only the beta claim's volume: the others were left or refused.
@@ -416,19 +391,19 @@ func TestClaimsTheProvisionerLeavesOrRefuses(t *testing.T) {
 // volume whose class names none gets it, in CreateVolume and on the PV; a
 // class's own fstype wins.
 func TestDefaultFSType(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "fs.csi.test")
+	drv := kubetest.ClusterName(ns, "fs.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	plain := makeClass(t, c, clusterName(ns, "plain"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-	xfs := makeClass(t, c, clusterName(ns, "xfs"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
-		map[string]string{ParamFSType: "xfs"})
-	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.DefaultFSType = "ext4" }})
+	plain := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "plain"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	xfs := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "xfs"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete,
+		map[string]string{csiparams.ParamFSType: "xfs"})
+	startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.Cfg.DefaultFSType = "ext4" }})
 	for _, tc := range []struct{ claim, class, want string }{{"plain", plain.Name, "ext4"}, {"xfs", xfs.Name, "xfs"}} {
-		pvName := waitBound(t, c, ns, makeClaim(t, c, ns, tc.claim, tc.class, "1Gi").Name, 60*time.Second).Spec.VolumeName
+		pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, tc.claim, tc.class, "1Gi").Name, 60*time.Second).Spec.VolumeName
 		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -444,24 +419,24 @@ func TestDefaultFSType(t *testing.T) {
 // attacher asks for a read-only publish); any other claim's is not, and
 // without the flag none is.
 func TestControllerPublishReadOnly(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	c := env.Client()
 	ctx := context.Background()
 	rox, rwo := corev1.ReadOnlyMany, corev1.ReadWriteOnce
 	for _, on := range []bool{true, false} {
 		ns := env.NewNamespace(t)
-		drv := clusterName(ns, "ro.csi.test")
+		drv := kubetest.ClusterName(ns, "ro.csi.test")
 		drivers := &testDrivers{}
 		drivers.addDriver(t, sampledriver.Config{Name: drv})
-		class := makeClass(t, c, clusterName(ns, "ro"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
-		startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.cfg.ControllerPublishReadOnly = on }})
+		class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "ro"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+		startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.Cfg.ControllerPublishReadOnly = on }})
 		for _, tc := range []struct {
 			claim string
 			modes []corev1.PersistentVolumeAccessMode
 			want  bool
 		}{{"rox", []corev1.PersistentVolumeAccessMode{rox}, on}, {"rwo", []corev1.PersistentVolumeAccessMode{rwo}, false}, {"both", []corev1.PersistentVolumeAccessMode{rwo, rox}, false}} {
-			claim := makeClaimWith(t, c, ns, tc.claim, class.Name, func(p *corev1.PersistentVolumeClaim) { p.Spec.AccessModes = tc.modes })
-			pv, err := c.CoreV1().PersistentVolumes().Get(ctx, waitBound(t, c, ns, claim.Name, 60*time.Second).Spec.VolumeName, metav1.GetOptions{})
+			claim := kubetest.MakeClaimWith(t, c, ns, tc.claim, class.Name, func(p *corev1.PersistentVolumeClaim) { p.Spec.AccessModes = tc.modes })
+			pv, err := c.CoreV1().PersistentVolumes().Get(ctx, kubetest.WaitBound(t, c, ns, claim.Name, 60*time.Second).Spec.VolumeName, metav1.GetOptions{})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -477,16 +452,16 @@ func TestControllerPublishReadOnly(t *testing.T) {
 // parameters and a PV naming the class, which the PV controller binds; a
 // class of another driver is refused with an Event.
 func TestVolumeAttributesClass(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "vac.csi.test")
+	drv := kubetest.ClusterName(ns, "vac.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "vac"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "vac"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	mkVAC := func(name, driver string) string {
-		vac := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, name)}, DriverName: driver,
+		vac := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, name)}, DriverName: driver,
 			Parameters: map[string]string{sampledriver.MutableIOPS: "3000"}}
 		if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, vac, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
@@ -501,7 +476,7 @@ func TestVolumeAttributesClass(t *testing.T) {
 	withVAC := func(vac string) func(*corev1.PersistentVolumeClaim) {
 		return func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeAttributesClassName = &vac }
 	}
-	pvName := waitBound(t, c, ns, makeClaimWith(t, c, ns, "fast", class.Name, withVAC(fast)).Name, 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaimWith(t, c, ns, "fast", class.Name, withVAC(fast)).Name, 60*time.Second).Spec.VolumeName
 	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -521,24 +496,24 @@ func TestVolumeAttributesClass(t *testing.T) {
 	if !found {
 		t.Fatal("the driver saw no CreateVolume for the claim")
 	}
-	makeClaimWith(t, c, ns, "other", class.Name, withVAC(other))
-	waitEvent(t, c, ns, "other", "ProvisioningFailed", "is for driver other.csi.test")
+	kubetest.MakeClaimWith(t, c, ns, "other", class.Name, withVAC(other))
+	kubetest.WaitEvent(t, c, ns, "other", "ProvisioningFailed", "is for driver other.csi.test")
 }
 
 // TestEmptyVolumeAttributesClassName: a claim naming the empty class (no
 // class) gets a PV without one, which the API server accepts and the PV
 // controller binds.
 func TestEmptyVolumeAttributesClassName(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "novac.csi.test")
+	drv := kubetest.ClusterName(ns, "novac.csi.test")
 	drivers := &testDrivers{}
 	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "novac"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "novac"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 	empty := ""
-	waitBound(t, c, ns, makeClaimWith(t, c, ns, "data", class.Name, func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeAttributesClassName = &empty }).Name, 60*time.Second)
+	kubetest.WaitBound(t, c, ns, kubetest.MakeClaimWith(t, c, ns, "data", class.Name, func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeAttributesClassName = &empty }).Name, 60*time.Second)
 }
 
 // TestSelectedNodeWithoutCSINodeReschedules: a claim of a topology-aware
@@ -546,19 +521,19 @@ func TestEmptyVolumeAttributesClassName(t *testing.T) {
 // handed back to the scheduler with an Event, as external-provisioner does;
 // no volume is made.
 func TestSelectedNodeWithoutCSINodeReschedules(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "topo.csi.test")
+	drv := kubetest.ClusterName(ns, "topo.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Topology: map[string]string{testenv.LabelZone: "z1"}})
-	node := clusterName(ns, "bare")
+	node := kubetest.ClusterName(ns, "bare")
 	addNode(t, env, testenv.NodeSpec{Name: node}, "", nil) // no CSINode
-	class := makeClass(t, c, clusterName(ns, "topo"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "topo"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	startBridge(t, env, ns, drivers, bridgeOpts{})
-	makeClaim(t, c, ns, "data", class.Name, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi")
 	setSelectedNode(t, c, ns, "data", node)
-	waitEvent(t, c, ns, "data", "ProvisioningFailed", "selected node \""+node+"\" has no CSINode object")
+	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningFailed", "selected node \""+node+"\" has no CSINode object")
 	waitSelectedNodeRemoved(t, c, ns, "data")
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes made for a node without the driver", n)

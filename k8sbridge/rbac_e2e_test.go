@@ -12,7 +12,6 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	snapshotclient "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
-
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -26,6 +25,8 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
+	"github.com/csibroker/csibroker/k8sbridge/provision"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -74,11 +75,11 @@ func deployedRBAC(t *testing.T) (cluster, namespaced []rbacv1.PolicyRule) {
 // The hand-written lists of test/deploy say what the manifests grant; this
 // says the broker needs no more.
 func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
 	clusterRules, nsRules := deployedRBAC(t)
 	sa := rbacv1.Subject{Kind: rbacv1.ServiceAccountKind, Name: "csibroker", Namespace: ns}
-	roleName := clusterName(ns, "broker")
+	roleName := kubetest.ClusterName(ns, "broker")
 	if _, err := c.RbacV1().ClusterRoles().Create(ctx, &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: roleName}, Rules: clusterRules}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -117,14 +118,14 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 		t.Fatal(err)
 	}
 	node := addAttachNode(t, env, ns)
-	drv := clusterName(ns, "rbac.csi.test")
+	drv := kubetest.ClusterName(ns, "rbac.csi.test")
 	drivers, d := publishingDriver(t, env, drv, node)
 	params := map[string]string{}
 	for _, kind := range []string{"provisioner", "controller-publish", "controller-expand", "node-stage"} {
 		params["csi.storage.k8s.io/"+kind+"-secret-name"] = "creds"
 		params["csi.storage.k8s.io/"+kind+"-secret-namespace"] = ns
 	}
-	class := makeClass(t, c, clusterName(ns, "rbac"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, params)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "rbac"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, params)
 	expand := true
 	class.AllowVolumeExpansion = &expand
 	if _, err := c.StorageV1().StorageClasses().Update(ctx, class, metav1.UpdateOptions{}); err != nil {
@@ -171,8 +172,8 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 
 	// Provisioning (secret GET, intents ConfigMap, PV create, claim patch,
 	// Events) and leadership (Lease).
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	waitEvent(t, c, ns, "data", "ProvisioningSucceeded", pvName)
+	pvName := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "data", class.Name, "1Gi").Name, 60*time.Second).Spec.VolumeName
+	kubetest.WaitEvent(t, c, ns, "data", "ProvisioningSucceeded", pvName)
 	if l, err := c.CoordinationV1().Leases(ns).Get(ctx, "csibroker-leader", metav1.GetOptions{}); err != nil || l.Spec.HolderIdentity == nil || *l.Spec.HolderIdentity != "broker-0" {
 		t.Fatalf("lease: %+v, %v", l, err)
 	}
@@ -201,14 +202,14 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 	// Expansion (PV patch, claim status patch).
 	raiseRequest(t, c, ns, "data", "2Gi")
 	waitClaim(t, c, ns, "data", "expanded by the driver, the node's part pending", func(pvc *corev1.PersistentVolumeClaim) bool {
-		return claimCondition(pvc, corev1.PersistentVolumeClaimFileSystemResizePending) != nil
+		return kubetest.ClaimCondition(pvc, corev1.PersistentVolumeClaimFileSystemResizePending) != nil
 	})
 	if pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{}); err != nil || pv.Spec.Capacity.Storage().Cmp(resource.MustParse("2Gi")) != 0 {
 		t.Fatalf("PV after expansion: %v, %v", pv.Spec.Capacity, err)
 	}
 	// Volume modification (VolumeAttributesClass get, live claim get, PV
 	// patch, claim status patches).
-	vac := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, "fast")}, DriverName: drv,
+	vac := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, "fast")}, DriverName: drv,
 		Parameters: map[string]string{sampledriver.MutableIOPS: "200"}}
 	if _, err := c.StorageV1().VolumeAttributesClasses().Create(ctx, vac, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -222,35 +223,35 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 	})
 	// A clone (the source claim's finalizer patch) and a snapshot restore
 	// (VolumeSnapshot get and finalizer patches, content get).
-	makeClaimWith(t, c, ns, "copy", class.Name, func(p *corev1.PersistentVolumeClaim) {
+	kubetest.MakeClaimWith(t, c, ns, "copy", class.Name, func(p *corev1.PersistentVolumeClaim) {
 		p.Spec.DataSource = &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: "data"}
 		p.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("2Gi")
 	})
-	copyPV := waitBound(t, c, ns, "copy", 60*time.Second).Spec.VolumeName
+	copyPV := kubetest.WaitBound(t, c, ns, "copy", 60*time.Second).Spec.VolumeName
 	conn, err := drivers.ControllerConn(drv)
 	if err != nil {
 		t.Fatal(err)
 	}
-	snapResp, err := csi.NewControllerClient(conn).CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: volumeHandle(t, c, pvName), Name: clusterName(ns, "snap")})
+	snapResp, err := csi.NewControllerClient(conn).CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: volumeHandle(t, c, pvName), Name: kubetest.ClusterName(ns, "snap")})
 	if err != nil {
 		t.Fatal(err)
 	}
 	sc := snapshotclient.NewForConfigOrDie(env.RESTConfig())
 	readySnapshot(t, sc, ns, "snap", drv, snapResp.GetSnapshot().GetSnapshotId(), resource.MustParse("2Gi"), nil)
-	makeClaimWith(t, c, ns, "restored", class.Name, func(p *corev1.PersistentVolumeClaim) {
-		group := snapshotGroup
-		p.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: snapshotKind, Name: "snap"}
+	kubetest.MakeClaimWith(t, c, ns, "restored", class.Name, func(p *corev1.PersistentVolumeClaim) {
+		group := provision.SnapshotGroup
+		p.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: provision.SnapshotKind, Name: "snap"}
 		p.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("2Gi")
 	})
-	restoredPV := waitBound(t, c, ns, "restored", 60*time.Second).Spec.VolumeName
+	restoredPV := kubetest.WaitBound(t, c, ns, "restored", 60*time.Second).Spec.VolumeName
 	waitSnapshotReleased(t, sc, ns, "snap")
 	for _, claim := range []string{"copy", "restored"} {
 		if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, claim, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	waitPVGone(t, c, copyPV, 60*time.Second)
-	waitPVGone(t, c, restoredPV, 60*time.Second)
+	kubetest.WaitPVGone(t, c, copyPV, 60*time.Second)
+	kubetest.WaitPVGone(t, c, restoredPV, 60*time.Second)
 
 	// Detach, then deletion (PV delete, finalizer patches).
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
@@ -260,7 +261,7 @@ func TestBrokerWorksWithTheDeployedRBAC(t *testing.T) {
 	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitPVGone(t, c, pvName, 60*time.Second)
+	kubetest.WaitPVGone(t, c, pvName, 60*time.Second)
 	if n := len(d.Volumes()); n != 0 {
 		t.Fatalf("%d volumes left in the driver", n)
 	}

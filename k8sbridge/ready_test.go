@@ -13,12 +13,13 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 // TestReadyFollowsCacheSync: /readyz's answer is not ready before the
 // informers run and ready once their caches synced, on a real apiserver.
 func TestReadyFollowsCacheSync(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	var before error
 	r := startBridge(t, env, ns, &testDrivers{}, bridgeOpts{configure: func(b *Bridge) { before = b.Ready() }})
@@ -40,16 +41,16 @@ func TestReadyFollowsCacheSync(t *testing.T) {
 // SecretGrants in a broker), no claim is provisioned and /readyz says what
 // it waits for until it is there; then the claim is provisioned.
 func TestControllersWaitForThePolicy(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "wait.csi.test")
+	drv := kubetest.ClusterName(ns, "wait.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "wait"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "wait"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	var loaded atomic.Bool
 	r := startBridge(t, env, ns, drivers, bridgeOpts{configure: func(b *Bridge) { b.WaitFor(loaded.Load, "grants not loaded (test)") }})
-	makeClaim(t, c, ns, "early", class.Name, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "early", class.Name, "1Gi")
 	if err := testenv.WaitFor(context.Background(), 30*time.Second, "readyz naming what it waits for", func(context.Context) (bool, string, error) {
 		err := r.b.Ready()
 		return err != nil && strings.Contains(err.Error(), "grants not loaded (test)"), fmt.Sprint(err), nil
@@ -64,7 +65,7 @@ func TestControllersWaitForThePolicy(t *testing.T) {
 	}
 	released := time.Now()
 	loaded.Store(true)
-	waitBound(t, c, ns, "early", 60*time.Second)
+	kubetest.WaitBound(t, c, ns, "early", 60*time.Second)
 	for _, at := range d.CallTimes("CreateVolume") {
 		if at.Before(released) {
 			t.Fatalf("CreateVolume called at %s, before the policy was loaded at %s", at.Format(time.StampMicro), released.Format(time.StampMicro))

@@ -1,17 +1,14 @@
 package k8sbridge
 
 import (
-	"bytes"
 	"context"
 	"fmt"
-	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -21,40 +18,18 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
+	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
-
-func TestRecoveryBackoff(t *testing.T) {
-	const s = time.Second
-	for _, tc := range []struct {
-		name     string
-		n        int
-		interval time.Duration
-		want     time.Duration
-	}{
-		{"first failure waits one interval", 1, 2 * s, 2 * s},
-		{"second failure doubles", 2, 2 * s, 4 * s},
-		{"sixth failure reaches 32 intervals", 6, 2 * s, 64 * s},
-		{"stays at 32 intervals", 7, 2 * s, 64 * s},
-		{"no overflow after many failures", 1000, 2 * s, 64 * s},
-		{"default interval doubles up to the cap", 4, time.Minute, 8 * time.Minute},
-		{"default interval capped at 10 minutes", 5, time.Minute, 10 * time.Minute},
-		{"an interval above the cap is kept", 3, 20 * time.Minute, 20 * time.Minute},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			if got := recoveryBackoff(tc.n, tc.interval); got != tc.want {
-				t.Errorf("recoveryBackoff(%d, %v) = %v, want %v", tc.n, tc.interval, got, tc.want)
-			}
-		})
-	}
-}
 
 // recordIntent writes in into the namespace's intent record, as a broker
 // that died after recording it would have left it.
-func recordIntent(t *testing.T, c kubernetes.Interface, ns string, in Intent) {
+func recordIntent(t *testing.T, c kubernetes.Interface, ns string, in intent.Intent) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	s := NewIntentStore(c, ns, "csibroker-intents", nil)
+	s := intent.NewStore(c, ns, "csibroker-intents", nil)
 	go s.Run(ctx)
 	addCtx, addCancel := context.WithTimeout(ctx, 30*time.Second)
 	defer addCancel()
@@ -73,13 +48,13 @@ func createRequest(name string) *csi.CreateVolumeRequest {
 }
 
 // intentFor is the entry a broker records before creating volume name for claim.
-func intentFor(t *testing.T, driver, name string, claim *corev1.PersistentVolumeClaim) Intent {
+func intentFor(t *testing.T, driver, name string, claim *corev1.PersistentVolumeClaim) intent.Intent {
 	t.Helper()
 	raw, err := proto.Marshal(createRequest(name))
 	if err != nil {
 		t.Fatal(err)
 	}
-	return Intent{VolumeName: name, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID), Request: raw, Created: metav1.Now()}
+	return intent.Intent{VolumeName: name, Driver: driver, ClaimNamespace: claim.Namespace, ClaimName: claim.Name, ClaimUID: string(claim.UID), Request: raw, Created: metav1.Now()}
 }
 
 // createDriverVolume makes volume name on the driver through its chain, as
@@ -143,16 +118,16 @@ func hasVolume(d *sampledriver.Driver, name string) bool {
 //     policy kept the volume, then an admin deleted the PV): the entry is
 //     dropped and the volume left alone.
 func TestRecoverBoundClaimWithoutItsPV(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "bound.csi.test")
+	drv := kubetest.ClusterName(ns, "bound.csi.test")
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
 
 	// a. A static PV of a pre-existing volume, and a claim pre-bound to it.
-	staticName := clusterName(ns, "static")
+	staticName := kubetest.ClusterName(ns, "static")
 	staticID := createDriverVolume(t, drivers, drv, staticName)
 	static := &corev1.PersistentVolume{
 		ObjectMeta: metav1.ObjectMeta{Name: staticName},
@@ -170,15 +145,15 @@ func TestRecoverBoundClaimWithoutItsPV(t *testing.T) {
 		c.CoreV1().PersistentVolumes().Delete(context.Background(), staticName, metav1.DeleteOptions{})
 	})
 	prebound := makeStaticClaim(t, c, ns, "prebound", staticName)
-	waitBound(t, c, ns, "prebound", 60*time.Second)
-	orphan := VolumeName("pvc", prebound.UID, 0)
+	kubetest.WaitBound(t, c, ns, "prebound", 60*time.Second)
+	orphan := csiparams.VolumeName("pvc", prebound.UID, 0)
 	createDriverVolume(t, drivers, drv, orphan)
 	recordIntent(t, c, ns, intentFor(t, drv, orphan, prebound))
 
 	// b. A claim bound to its own PV (as the PV controller binds it),
 	// the PV since deleted; its volume stays on the driver.
 	retained := makeStaticClaim(t, c, ns, "retained", "")
-	kept := VolumeName("pvc", retained.UID, 0)
+	kept := csiparams.VolumeName("pvc", retained.UID, 0)
 	retained.Spec.VolumeName = kept
 	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Update(ctx, retained, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
@@ -188,7 +163,7 @@ func TestRecoverBoundClaimWithoutItsPV(t *testing.T) {
 
 	creates := d.CallCount("CreateVolume")
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
-	store := NewIntentStore(c, ns, "csibroker-intents", nil)
+	store := intent.NewStore(c, ns, "csibroker-intents", nil)
 	err := testenv.WaitFor(ctx, 60*time.Second, "the intent record to empty", func(ctx context.Context) (bool, string, error) {
 		intents, err := store.List(ctx)
 		if err != nil {
@@ -270,18 +245,18 @@ func goneClaim(t *testing.T, c kubernetes.Interface, ns, name string) *corev1.Pe
 }
 
 func testRecoverBacksOff(t *testing.T, method string) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "refuse.csi.test")
+	drv := kubetest.ClusterName(ns, "refuse.csi.test")
 	const failures = 4
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
 		method: {First: failures, Code: codes.FailedPrecondition}}}})
 
 	claim := goneClaim(t, c, ns, "gone")
-	vol := VolumeName("pvc", claim.UID, 0)
+	vol := csiparams.VolumeName("pvc", claim.UID, 0)
 	recordIntent(t, c, ns, intentFor(t, drv, vol, claim))
 
 	const interval = 400 * time.Millisecond
@@ -316,9 +291,9 @@ func testRecoverBacksOff(t *testing.T, method string) {
 		t.Errorf("%d %s calls over %.1f recovery passes: not backing off", len(calls), method, passes)
 	}
 	// Settled: no further calls over three more passes.
-	from := r.b.prov.recoveryPasses.Load()
+	from := r.b.prov.RecoveryPasses()
 	err = testenv.WaitFor(context.Background(), 30*time.Second, "three more recovery passes", func(context.Context) (bool, string, error) {
-		n := r.b.prov.recoveryPasses.Load()
+		n := r.b.prov.RecoveryPasses()
 		return n >= from+3, fmt.Sprintf("%d passes", n-from), nil
 	})
 	if err != nil {
@@ -340,19 +315,19 @@ func testRecoverBacksOff(t *testing.T, method string) {
 // a failed call, not on every pass (each attempt costs API reads of its
 // claim and PV), and is reported as stuck at the third failure.
 func TestRecoverBacksOffAnUnreachableDriver(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "absent.csi.test")
+	drv := kubetest.ClusterName(ns, "absent.csi.test")
 	claim := goneClaim(t, c, ns, "gone")
-	recordIntent(t, c, ns, intentFor(t, drv, VolumeName("pvc", claim.UID, 0), claim))
+	recordIntent(t, c, ns, intentFor(t, drv, csiparams.VolumeName("pvc", claim.UID, 0), claim))
 
 	const interval = 200 * time.Millisecond
 	r := startBridge(t, env, ns, &testDrivers{}, bridgeOpts{configureCfg: func(cfg *Config) { cfg.RecoveryInterval = interval }})
 	const passes = 16
 	err := testenv.WaitFor(ctx, 60*time.Second, fmt.Sprintf("%d recovery passes", passes), func(context.Context) (bool, string, error) {
-		n := r.b.prov.recoveryPasses.Load()
+		n := r.b.prov.RecoveryPasses()
 		return n >= passes, fmt.Sprintf("%d passes", n), nil
 	})
 	if err != nil {
@@ -376,137 +351,3 @@ func gaps(ts []time.Time) []time.Duration {
 	}
 	return out
 }
-
-// TestWithEarlier: an attempt's entry keeps the differing requests of the
-// earlier attempts for the same volume, oldest first, each once, at most
-// maxEarlierRequests of them.
-func TestWithEarlier(t *testing.T) {
-	r := func(s string) []byte { return []byte(s) }
-	prev := Intent{Request: r("b"), EarlierRequests: [][]byte{r("a")}}
-	got := withEarlier(Intent{Request: r("c")}, prev)
-	if want := [][]byte{r("a"), r("b")}; !slices.EqualFunc(got.EarlierRequests, want, bytes.Equal) {
-		t.Errorf("earlier requests %q, want %q", got.EarlierRequests, want)
-	}
-	if got := withEarlier(Intent{Request: r("b")}, prev); !slices.EqualFunc(got.EarlierRequests, [][]byte{r("a")}, bytes.Equal) {
-		t.Errorf("the same request again: earlier requests %q, want only a", got.EarlierRequests)
-	}
-	long := Intent{Request: r("e"), EarlierRequests: [][]byte{r("a"), r("b"), r("c"), r("a")}}
-	if got := withEarlier(Intent{Request: r("f")}, long); !slices.EqualFunc(got.EarlierRequests, [][]byte{r("a"), r("b"), r("e")}, bytes.Equal) {
-		t.Errorf("bounded: earlier requests %q, want the oldest %d and the newest", got.EarlierRequests, maxEarlierRequests-1)
-	}
-	// Folding a second entry in keeps what the first folded.
-	got = withEarlier(withEarlier(Intent{Request: r("c")}, prev), Intent{Request: r("x")})
-	if want := [][]byte{r("a"), r("b"), r("x")}; !slices.EqualFunc(got.EarlierRequests, want, bytes.Equal) {
-		t.Errorf("two entries folded: earlier requests %q, want %q", got.EarlierRequests, want)
-	}
-}
-
-// TestSupersededKey: a superseded entry's key names its node, by hash when
-// the key would be longer than a ConfigMap key may be.
-func TestSupersededKey(t *testing.T) {
-	short := Intent{VolumeName: "pvc-1", Node: "n1", Superseded: true}
-	if k := short.Key(); k != "pvc-1_n1" {
-		t.Errorf("key %q, want pvc-1_n1", k)
-	}
-	long := Intent{VolumeName: "pvc-" + strings.Repeat("u", 36), Node: strings.Repeat("n", 240), Superseded: true}
-	other := long
-	other.Node = strings.Repeat("n", 239) + "m"
-	if k := long.Key(); len(k) > maxIntentKey || k == other.Key() || !strings.HasPrefix(k, long.VolumeName+"_") {
-		t.Errorf("long node name: key %q (%d characters), other node's %q", k, len(k), other.Key())
-	}
-	if k := (Intent{VolumeName: "pvc-1", Node: "n1"}).Key(); k != "pvc-1" {
-		t.Errorf("an entry that is not superseded has key %q, want its volume name", k)
-	}
-}
-
-// TestLearnVolumeIDFromAnEarlierRequest: recovery re-issues the entry's
-// latest request to learn the volume's ID; a driver that made the volume
-// for an earlier, different request answers AlreadyExists to it, and the
-// earlier request, re-issued next, gets the ID.
-func TestLearnVolumeIDFromAnEarlierRequest(t *testing.T) {
-	drivers := &testDrivers{}
-	drv := "strict.csi.test"
-	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	made := createRequest("pvc-strict")
-	madeID := createDriverVolumeWith(t, drivers, drv, made)
-	later := createRequest("pvc-strict")
-	later.CapacityRange.RequiredBytes *= 2
-	p := &provisioner{b: &Bridge{cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
-	in := Intent{VolumeName: "pvc-strict", Driver: drv, Request: marshalRequest(t, later)}
-	if _, _, _, err := p.learnVolumeID(context.Background(), in); status.Code(err) != codes.AlreadyExists {
-		t.Fatalf("the later request alone: %v, want AlreadyExists (the driver checks the request)", err)
-	}
-	in.EarlierRequests = [][]byte{marshalRequest(t, made)}
-	id, _, _, err := p.learnVolumeID(context.Background(), in)
-	if err != nil || id != madeID {
-		t.Fatalf("with the earlier request: ID %q, %v; want %q", id, err, madeID)
-	}
-}
-
-// TestLearnVolumeIDPastANoRoomAnswer: "no room" proves there is no volume
-// only when every recorded request gets it. A driver that checks topology
-// before the name (played here by the sample driver behind a hook that
-// turns its answer for zone z9 into ResourceExhausted; the sample driver
-// itself looks the name up first, as the spec asks) answers the latest
-// request ResourceExhausted; the earlier one, which made the volume, still
-// gets its ID. With no earlier request, or after an AlreadyExists, there
-// is no proof of absence.
-func TestLearnVolumeIDPastANoRoomAnswer(t *testing.T) {
-	plain := &testDrivers{}
-	drv := "zoned.csi.test"
-	plain.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: []map[string]string{{"zone": "z1"}}, CapacityBytes: 4 << 30})
-	drivers := &hookedDrivers{testDrivers: plain, hook: func(_ string, args, _ any, err error) error {
-		if req, ok := args.(*csi.CreateVolumeRequest); ok {
-			for _, t := range req.GetAccessibilityRequirements().GetRequisite() {
-				if t.GetSegments()["zone"] == "z9" {
-					return driverAnswer{status.New(codes.ResourceExhausted, "cannot provision in zone z9")}
-				}
-			}
-		}
-		return err
-	}}
-	made := createRequest("pvc-zoned")
-	made.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"zone": "z1"}}}}
-	madeID := createDriverVolumeWith(t, plain, drv, made)
-	elsewhere := createRequest("pvc-zoned")
-	elsewhere.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"zone": "z9"}}}}
-	tooBig := createRequest("pvc-zoned")
-	tooBig.CapacityRange.RequiredBytes = 8 << 30
-	p := &provisioner{b: &Bridge{cfg: Config{Drivers: drivers, Timeout: 10 * time.Second}}}
-	in := Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, elsewhere), EarlierRequests: [][]byte{marshalRequest(t, made)}}
-	id, _, stage, err := p.learnVolumeID(context.Background(), in)
-	if err != nil || id != madeID {
-		t.Fatalf("no room for the latest request, the earlier made the volume: ID %q, stage %v, %v; want %q", id, stage, err, madeID)
-	}
-	in = Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, elsewhere)}
-	if _, _, stage, err := p.learnVolumeID(context.Background(), in); stage != stageAbsent || status.Code(err) != codes.ResourceExhausted {
-		t.Fatalf("the no-room request alone: stage %v, %v; want absent", stage, err)
-	}
-	in = Intent{VolumeName: "pvc-zoned", Driver: drv, Request: marshalRequest(t, tooBig), EarlierRequests: [][]byte{marshalRequest(t, elsewhere)}}
-	if _, _, stage, err := p.learnVolumeID(context.Background(), in); stage == stageAbsent {
-		t.Fatalf("after AlreadyExists (%v), a no-room answer was taken as absence", err)
-	}
-	// The broker's own ResourceExhausted (an answer over its message
-	// limit), whatever its message says, proves nothing.
-	if driversNoRoom(status.Error(codes.ResourceExhausted, "received message larger than max (4 bytes)")) {
-		t.Error("the broker's own ResourceExhausted taken as the driver's")
-	}
-}
-
-// marshalRequest is r as an intent entry records it.
-func marshalRequest(t *testing.T, r *csi.CreateVolumeRequest) []byte {
-	t.Helper()
-	b, err := proto.Marshal(r)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
-// driverAnswer is a status as a driver's answer, for tests standing in for
-// a driver (broker.Answered says so).
-type driverAnswer struct{ st *status.Status }
-
-func (e driverAnswer) Error() string              { return e.st.Err().Error() }
-func (e driverAnswer) GRPCStatus() *status.Status { return e.st }
-func (e driverAnswer) Answered() bool             { return true }

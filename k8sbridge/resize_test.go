@@ -14,15 +14,15 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
-	storagev1 "k8s.io/api/storage/v1"
-	"k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
+	"github.com/csibroker/csibroker/k8sbridge/resize"
 	"github.com/csibroker/csibroker/policy"
 )
 
@@ -40,19 +40,19 @@ const resizeCanary = "CANARY-expand-secret-51c7"
 // logging at every level), span or metric. Each expansion costs three API
 // writes, the claim's through the status subresource.
 func TestResizeBoundClaimEndToEnd(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drvNode, drvCtrl := clusterName(ns, "node.csi.test"), clusterName(ns, "ctrl.csi.test")
-	drvNodeOnly := clusterName(ns, "nodeonly.csi.test")
+	drvNode, drvCtrl := kubetest.ClusterName(ns, "node.csi.test"), kubetest.ClusterName(ns, "ctrl.csi.test")
+	drvNodeOnly := kubetest.ClusterName(ns, "nodeonly.csi.test")
 	spy := &resizeSpy{testDrivers: &testDrivers{}, noNodeStep: map[string]bool{drvCtrl: true}, nodeOnly: map[string]bool{drvNodeOnly: true}}
 	dNode := spy.addDriver(t, sampledriver.Config{Name: drvNode}, verboseChain)
 	dCtrl := spy.addDriver(t, sampledriver.Config{Name: drvCtrl}, verboseChain)
 	dNodeOnly := spy.addDriver(t, sampledriver.Config{Name: drvNodeOnly}, verboseChain)
 
-	createPasswordSecrets(t, c, ns, resizeCanary, "expand-ok", "expand-forbidden")
-	authz := grantsAuthorizer(t, policy.Grant{Namespace: ns, Name: "expand", Spec: policy.GrantSpec{
+	kubetest.CreatePasswordSecrets(t, c, ns, resizeCanary, "expand-ok", "expand-forbidden")
+	authz := kubetest.GrantsAuthorizer(t, policy.Grant{Namespace: ns, Name: "expand", Spec: policy.GrantSpec{
 		Drivers: []string{drvNode, drvCtrl}, SecretNames: []string{"expand-ok"}, Operations: []policy.Operation{policy.OpControllerExpandVolume},
 		Requesters: policy.Requesters{Namespaces: []string{ns}}}})
 	writes := &resizeWrites{}
@@ -61,18 +61,18 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 		cfg.EventClient = c
 	}})
 
-	classNode := makeResizeClass(t, c, clusterName(ns, "node"), drvNode, ns, "expand-ok")
-	classCtrl := makeResizeClass(t, c, clusterName(ns, "ctrl"), drvCtrl, ns, "expand-ok")
-	classDenied := makeResizeClass(t, c, clusterName(ns, "denied"), drvNode, ns, "expand-forbidden")
-	classNodeOnly := makeResizeClass(t, c, clusterName(ns, "nodeonly"), drvNodeOnly, "", "")
-	makeClaim(t, c, ns, "node", classNode, "1Gi")
-	makeClaim(t, c, ns, "ctrl", classCtrl, "1Gi")
-	makeClaim(t, c, ns, "denied", classDenied, "1Gi")
-	makeClaim(t, c, ns, "nodeonly", classNodeOnly, "1Gi")
+	classNode := makeResizeClass(t, c, kubetest.ClusterName(ns, "node"), drvNode, ns, "expand-ok")
+	classCtrl := makeResizeClass(t, c, kubetest.ClusterName(ns, "ctrl"), drvCtrl, ns, "expand-ok")
+	classDenied := makeResizeClass(t, c, kubetest.ClusterName(ns, "denied"), drvNode, ns, "expand-forbidden")
+	classNodeOnly := makeResizeClass(t, c, kubetest.ClusterName(ns, "nodeonly"), drvNodeOnly, "", "")
+	kubetest.MakeClaim(t, c, ns, "node", classNode, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "ctrl", classCtrl, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "denied", classDenied, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "nodeonly", classNodeOnly, "1Gi")
 	claims := []string{"node", "ctrl", "denied", "nodeonly"}
 	pvOf := map[string]string{}
 	for _, name := range claims {
-		pvOf[name] = waitBound(t, c, ns, name, 60*time.Second).Spec.VolumeName
+		pvOf[name] = kubetest.WaitBound(t, c, ns, name, 60*time.Second).Spec.VolumeName
 	}
 	pvNode, err := c.CoreV1().PersistentVolumes().Get(ctx, pvOf["node"], metav1.GetOptions{})
 	if err != nil {
@@ -89,7 +89,7 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 	// Node step required: PV and volume grow, the claim waits for the kubelet.
 	claim := waitClaim(t, c, ns, "node", "NodeResizePending with FileSystemResizePending", func(pvc *corev1.PersistentVolumeClaim) bool {
 		return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending &&
-			hasClaimCondition(pvc, corev1.PersistentVolumeClaimFileSystemResizePending)
+			kubetest.HasClaimCondition(pvc, corev1.PersistentVolumeClaimFileSystemResizePending)
 	})
 	if q := claim.Status.AllocatedResources[corev1.ResourceStorage]; q.Cmp(resource.MustParse("2Gi")) != 0 {
 		t.Errorf("allocatedResources %s, want 2Gi", q.String())
@@ -97,7 +97,7 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 	if q := claim.Status.Capacity[corev1.ResourceStorage]; q.Cmp(resource.MustParse("1Gi")) != 0 {
 		t.Errorf("status capacity %s: the kubelet, not the controller, finishes a node expansion", q.String())
 	}
-	if hasClaimCondition(claim, corev1.PersistentVolumeClaimControllerResizeError) {
+	if kubetest.HasClaimCondition(claim, corev1.PersistentVolumeClaimControllerResizeError) {
 		t.Errorf("conditions %+v", claim.Status.Conditions)
 	}
 	checkResizedVolume(t, c, pvOf["node"], dNode, 2<<30)
@@ -110,13 +110,13 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 			t.Errorf("ControllerExpandVolume request %v (secret passed: %v): want 2Gi, a mount capability, SINGLE_NODE_MULTI_WRITER (RWO on a driver with that capability, as at provisioning) and the controller-expand secret", s, s.secret == resizeCanary)
 		}
 	}
-	ev := waitEvent(t, c, ns, "node", "Resizing", "External resizer is resizing volume "+pvOf["node"])
+	ev := kubetest.WaitEvent(t, c, ns, "node", "Resizing", "External resizer is resizing volume "+pvOf["node"])
 	if !strings.Contains(ev.Message, "(trace ") {
 		t.Errorf("event without trace ID: %s", ev.Message)
 	}
-	waitEvent(t, c, ns, "node", "FileSystemResizeRequired", "Require file system resize of volume on node")
+	kubetest.WaitEvent(t, c, ns, "node", "FileSystemResizeRequired", "Require file system resize of volume on node")
 	// kube-controller-manager's expand controller leaves CSI volumes to us.
-	waitEvent(t, c, ns, "node", "ExternalExpanding", "waiting for an external controller")
+	kubetest.WaitEvent(t, c, ns, "node", "ExternalExpanding", "waiting for an external controller")
 
 	// No node step: the controller finishes the expansion.
 	claim = waitClaim(t, c, ns, "ctrl", "status capacity 2Gi", func(pvc *corev1.PersistentVolumeClaim) bool {
@@ -124,18 +124,18 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 		return q.Cmp(resource.MustParse("2Gi")) == 0
 	})
 	for _, cond := range claim.Status.Conditions {
-		if isResizeCondition(cond.Type) {
+		if resize.IsCondition(cond.Type) {
 			t.Errorf("resize condition left after a finished expansion: %+v", cond)
 		}
 	}
 	if s, ok := claim.Status.AllocatedResourceStatuses[corev1.ResourceStorage]; ok {
 		t.Errorf("allocatedResourceStatuses[storage] = %s after a finished expansion", s)
 	}
-	if claim.Annotations[annNodeExpansionNotRequired] != "true" {
-		t.Errorf("annotations %v: want %s", claim.Annotations, annNodeExpansionNotRequired)
+	if claim.Annotations[kube.AnnNodeExpansionNotRequired] != "true" {
+		t.Errorf("annotations %v: want %s", claim.Annotations, kube.AnnNodeExpansionNotRequired)
 	}
 	checkResizedVolume(t, c, pvOf["ctrl"], dCtrl, 2<<30)
-	waitEvent(t, c, ns, "ctrl", "VolumeResizeSuccessful", "Resize volume succeeded")
+	kubetest.WaitEvent(t, c, ns, "ctrl", "VolumeResizeSuccessful", "Resize volume succeeded")
 
 	// A driver that expands on the node only: no controller call, the PV
 	// grows, the kubelet does the rest (external-resizer's trivial resizer).
@@ -152,7 +152,7 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 	}
 
 	// Denied secret: an Event says which rule denied what, nothing else.
-	ev = waitEvent(t, c, ns, "denied", "VolumeResizeFailed", "denied by policy")
+	ev = kubetest.WaitEvent(t, c, ns, "denied", "VolumeResizeFailed", "denied by policy")
 	for _, w := range []string{ns + "/expand-forbidden", drvNode, "ControllerExpandVolume", pvOf["denied"]} {
 		if !strings.Contains(ev.Message, w) {
 			t.Errorf("event %q does not say %q", ev.Message, w)
@@ -208,10 +208,10 @@ func TestResizeBoundClaimEndToEnd(t *testing.T) {
 // size. Both are retried with backoff, the retries cost no API write, and
 // the broker keeps running.
 func TestResizeDriverErrorOnClaim(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drvBad, drvSmall := clusterName(ns, "bad.csi.test"), clusterName(ns, "small.csi.test")
+	drvBad, drvSmall := kubetest.ClusterName(ns, "bad.csi.test"), kubetest.ClusterName(ns, "small.csi.test")
 	spy := &resizeSpy{testDrivers: &testDrivers{}}
 	dBad := spy.addDriver(t, sampledriver.Config{Name: drvBad, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
 		"ControllerExpandVolume": {Rate: 1, Code: codes.InvalidArgument}}}})
@@ -222,16 +222,16 @@ func TestResizeDriverErrorOnClaim(t *testing.T) {
 		cfg.EventClient = c
 	}})
 
-	makeClaim(t, c, ns, "bad", makeResizeClass(t, c, clusterName(ns, "bad"), drvBad, "", ""), "1Gi")
-	makeClaim(t, c, ns, "small", makeResizeClass(t, c, clusterName(ns, "small"), drvSmall, "", ""), "1Gi")
-	pvBad := waitBound(t, c, ns, "bad", 60*time.Second).Spec.VolumeName
-	pvSmall := waitBound(t, c, ns, "small", 60*time.Second).Spec.VolumeName
+	kubetest.MakeClaim(t, c, ns, "bad", makeResizeClass(t, c, kubetest.ClusterName(ns, "bad"), drvBad, "", ""), "1Gi")
+	kubetest.MakeClaim(t, c, ns, "small", makeResizeClass(t, c, kubetest.ClusterName(ns, "small"), drvSmall, "", ""), "1Gi")
+	pvBad := kubetest.WaitBound(t, c, ns, "bad", 60*time.Second).Spec.VolumeName
+	pvSmall := kubetest.WaitBound(t, c, ns, "small", 60*time.Second).Spec.VolumeName
 	before := writes.snapshot()
 	raiseRequest(t, c, ns, "bad", "2Gi")
 	raiseRequest(t, c, ns, "small", "4Gi")
 
 	// Infeasible: Event with the driver's message, status says so.
-	ev := waitEvent(t, c, ns, "bad", "VolumeResizeFailed", "InvalidArgument")
+	ev := kubetest.WaitEvent(t, c, ns, "bad", "VolumeResizeFailed", "InvalidArgument")
 	for _, w := range []string{"sample driver: injected fault in ControllerExpandVolume", pvBad, drvBad} {
 		if !strings.Contains(ev.Message, w) {
 			t.Errorf("event %q does not say %q", ev.Message, w)
@@ -240,7 +240,7 @@ func TestResizeDriverErrorOnClaim(t *testing.T) {
 	claim := waitClaim(t, c, ns, "bad", "ControllerResizeInfeasible", func(pvc *corev1.PersistentVolumeClaim) bool {
 		return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimControllerResizeInfeasible
 	})
-	cond := claimCondition(claim, corev1.PersistentVolumeClaimControllerResizeError)
+	cond := kubetest.ClaimCondition(claim, corev1.PersistentVolumeClaimControllerResizeError)
 	if cond == nil || !strings.Contains(cond.Message, "InvalidArgument") || !strings.Contains(cond.Message, "injected fault") {
 		t.Errorf("ControllerResizeError condition %+v", cond)
 	}
@@ -277,7 +277,7 @@ func TestResizeDriverErrorOnClaim(t *testing.T) {
 	}
 
 	// May still be in progress: Event, status stays in progress at 4Gi.
-	ev = waitEvent(t, c, ns, "small", "VolumeResizeFailed", "ResourceExhausted")
+	ev = kubetest.WaitEvent(t, c, ns, "small", "VolumeResizeFailed", "ResourceExhausted")
 	if !strings.Contains(ev.Message, "insufficient capacity") {
 		t.Errorf("event %q does not carry the driver's message", ev.Message)
 	}
@@ -292,7 +292,7 @@ func TestResizeDriverErrorOnClaim(t *testing.T) {
 	if q := claim.Status.AllocatedResources[corev1.ResourceStorage]; q.Cmp(resource.MustParse("4Gi")) != 0 {
 		t.Errorf("allocatedResources %s, want 4Gi", q.String())
 	}
-	if !hasClaimCondition(claim, corev1.PersistentVolumeClaimResizing) || hasClaimCondition(claim, corev1.PersistentVolumeClaimControllerResizeError) {
+	if !kubetest.HasClaimCondition(claim, corev1.PersistentVolumeClaimResizing) || kubetest.HasClaimCondition(claim, corev1.PersistentVolumeClaimControllerResizeError) {
 		t.Errorf("conditions %+v: want Resizing and no ControllerResizeError", claim.Status.Conditions)
 	}
 	if n := writes.since(before, "/namespaces/"+ns+"/persistentvolumeclaims/small/status"); n != 1 {
@@ -308,217 +308,6 @@ func TestResizeDriverErrorOnClaim(t *testing.T) {
 	}
 	if got := r.metricValue(t, "csibroker_resize_operations_total", map[string]string{"driver": drvSmall, "result": "in_progress"}); got < 2 {
 		t.Errorf("in-progress attempts counted: %v", got)
-	}
-}
-
-func TestResizeTarget(t *testing.T) {
-	q := resource.MustParse
-	ptr := func(s string) *resource.Quantity { v := q(s); return &v }
-	const (
-		ctrlInProgress = corev1.PersistentVolumeClaimControllerResizeInProgress
-		ctrlInfeasible = corev1.PersistentVolumeClaimControllerResizeInfeasible
-		nodePending    = corev1.PersistentVolumeClaimNodeResizePending
-		nodeInProgress = corev1.PersistentVolumeClaimNodeResizeInProgress
-		nodeInfeasible = corev1.PersistentVolumeClaimNodeResizeInfeasible
-	)
-	cases := []struct {
-		name string
-		in   expansionInput
-		want string // "" = nothing to do
-	}{
-		{"first expansion", expansionInput{Request: q("2Gi"), PVCapacity: q("1Gi")}, "2Gi"},
-		{"expanded before, larger again", expansionInput{Request: q("3Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi")}, "3Gi"},
-		{"uncertain controller error: finish the started size", expansionInput{Request: q("3Gi"), PVCapacity: q("1Gi"), Allocated: ptr("5Gi"), ResizeStatus: ctrlInProgress}, "5Gi"},
-		{"final controller error: take the new request", expansionInput{Request: q("3Gi"), PVCapacity: q("1Gi"), Allocated: ptr("5Gi"), ResizeStatus: ctrlInProgress, LastErrorFinal: true}, "3Gi"},
-		{"infeasible: take the lowered request", expansionInput{Request: q("3Gi"), PVCapacity: q("1Gi"), Allocated: ptr("5Gi"), ResizeStatus: ctrlInfeasible}, "3Gi"},
-		{"infeasible, same request: retry it", expansionInput{Request: q("5Gi"), PVCapacity: q("1Gi"), Allocated: ptr("5Gi"), ResizeStatus: ctrlInfeasible}, "5Gi"},
-		{"node pending, PV already there: wait for the kubelet", expansionInput{Request: q("3Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi"), ResizeStatus: nodePending}, ""},
-		{"node pending at the request: wait", expansionInput{Request: q("2Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi"), ResizeStatus: nodePending}, ""},
-		{"node in progress at the request: wait", expansionInput{Request: q("2Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi"), ResizeStatus: nodeInProgress}, ""},
-		{"node pending, PV below allocated: expand to allocated", expansionInput{Request: q("3Gi"), PVCapacity: q("1Gi"), Allocated: ptr("2Gi"), ResizeStatus: nodePending}, "2Gi"},
-		{"node infeasible, PV small: allocated", expansionInput{Request: q("3Gi"), PVCapacity: q("1Gi"), Allocated: ptr("2Gi"), ResizeStatus: nodeInfeasible}, "2Gi"},
-		{"node infeasible, PV done, controller driver: allocated", expansionInput{Request: q("2Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi"), ResizeStatus: nodeInfeasible, ControllerExpansion: true}, "2Gi"},
-		{"node infeasible, PV done, node-only driver: request", expansionInput{Request: q("2Gi"), PVCapacity: q("3Gi"), Allocated: ptr("3Gi"), ResizeStatus: nodeInfeasible}, "2Gi"},
-		{"PV expanded, claim not updated: finish recording", expansionInput{Request: q("2Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi"), ResizeStatus: ctrlInProgress}, "2Gi"},
-		{"user shrank request below done PV while in progress", expansionInput{Request: q("2Gi"), PVCapacity: q("3Gi"), Allocated: ptr("3Gi"), ResizeStatus: ctrlInfeasible}, "3Gi"},
-		{"no status but allocated: resume it", expansionInput{Request: q("2Gi"), PVCapacity: q("2Gi"), Allocated: ptr("2Gi")}, "2Gi"},
-		{"old-style claim waiting for the node", expansionInput{Request: q("2Gi"), PVCapacity: q("2Gi"), FSResizePending: true}, ""},
-		{"statically larger PV", expansionInput{Request: q("2Gi"), PVCapacity: q("5Gi")}, "2Gi"},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			got, ok := expansionTarget(tc.in)
-			switch {
-			case tc.want == "" && ok:
-				t.Fatalf("target %s, want nothing to do", got.String())
-			case tc.want != "" && !ok:
-				t.Fatalf("nothing to do, want %s", tc.want)
-			case tc.want != "" && got.Cmp(q(tc.want)) != 0:
-				t.Fatalf("target %s, want %s", got.String(), tc.want)
-			}
-		})
-	}
-}
-
-func TestResizeVolumeCapability(t *testing.T) {
-	block, fs := corev1.PersistentVolumeBlock, corev1.PersistentVolumeFilesystem
-	src := &corev1.CSIPersistentVolumeSource{Driver: "d", VolumeHandle: "v", FSType: "xfs"}
-	modes := func(m ...corev1.PersistentVolumeAccessMode) []corev1.PersistentVolumeAccessMode { return m }
-	cases := []struct {
-		name  string
-		spec  corev1.PersistentVolumeSpec
-		snmw  bool
-		mode  csi.VolumeCapability_AccessMode_Mode
-		block bool
-		err   string
-	}{
-		{"RWO mount with options", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadWriteOnce), VolumeMode: &fs, MountOptions: []string{"noatime"}}, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false, ""},
-		{"RWO, driver with SINGLE_NODE_MULTI_WRITER", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadWriteOnce)}, true, csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER, false, ""},
-		{"RWOP", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadWriteOncePod)}, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false, ""},
-		{"RWOP, driver with SINGLE_NODE_MULTI_WRITER", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadWriteOncePod)}, true, csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, false, ""},
-		{"RWX wins", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadOnlyMany, corev1.ReadWriteMany)}, false, csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, false, ""},
-		{"ROX block", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadOnlyMany), VolumeMode: &block}, false, csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY, true, ""},
-		{"ROX with RWO has no CSI mode", corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadOnlyMany, corev1.ReadWriteOnce)}, false, 0, false, "ReadOnlyMany and ReadWriteOnce"},
-		{"no access mode", corev1.PersistentVolumeSpec{}, false, 0, false, "unsupported AccessMode"},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			tc.spec.CSI = src
-			c, err := resizeVolumeCapability(tc.spec, tc.snmw)
-			if tc.err != "" {
-				if err == nil || !strings.Contains(err.Error(), tc.err) {
-					t.Fatalf("err %v, want %q", err, tc.err)
-				}
-				return
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			if c.GetAccessMode().GetMode() != tc.mode {
-				t.Errorf("mode %s, want %s", c.GetAccessMode().GetMode(), tc.mode)
-			}
-			if tc.block != (c.GetBlock() != nil) {
-				t.Errorf("access type %v", c.GetAccessType())
-			}
-			if !tc.block && (c.GetMount().GetFsType() != "xfs" || strings.Join(c.GetMount().GetMountFlags(), ",") != strings.Join(tc.spec.MountOptions, ",")) {
-				t.Errorf("mount %v", c.GetMount())
-			}
-		})
-	}
-	if _, err := resizeVolumeCapability(corev1.PersistentVolumeSpec{AccessModes: modes(corev1.ReadWriteOnce)}, false); err == nil {
-		t.Error("a PV without a CSI source must be refused")
-	}
-}
-
-func TestResizeErrorClasses(t *testing.T) {
-	cases := []struct {
-		code              codes.Code
-		final, infeasible bool
-	}{
-		{codes.InvalidArgument, true, true},
-		{codes.OutOfRange, true, true},
-		{codes.NotFound, true, true},
-		{codes.FailedPrecondition, true, false}, // in use: offline-only driver
-		{codes.Internal, true, false},
-		{codes.Unimplemented, true, false},
-		{codes.PermissionDenied, true, false},
-		{codes.Unavailable, false, false},
-		{codes.DeadlineExceeded, false, false},
-		{codes.Canceled, false, false},
-		{codes.ResourceExhausted, false, false},
-		{codes.Aborted, false, false},
-	}
-	for _, tc := range cases {
-		if got := resizeFinalError(tc.code); got != tc.final {
-			t.Errorf("%s: final %v, want %v", tc.code, got, tc.final)
-		}
-		if got := resizeInfeasible(tc.code); got != tc.infeasible {
-			t.Errorf("%s: infeasible %v, want %v", tc.code, got, tc.infeasible)
-		}
-	}
-}
-
-// TestResizeStatusSteps walks a claim through the status steps and checks
-// what each writes, and that repeating a step writes nothing.
-func TestResizeStatusSteps(t *testing.T) {
-	q := resource.MustParse
-	old := metav1.NewTime(time.Now().Add(-time.Hour).Truncate(time.Second))
-	claim := &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: "c", Namespace: "ns", ResourceVersion: "7", Annotations: map[string]string{annNodeExpansionNotRequired: "true"}},
-		Spec:       corev1.PersistentVolumeClaimSpec{VolumeName: "pv", Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: q("2Gi")}}},
-		Status: corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound, Capacity: corev1.ResourceList{corev1.ResourceStorage: q("1Gi")},
-			Conditions: []corev1.PersistentVolumeClaimCondition{{Type: corev1.PersistentVolumeClaimVolumeModifyingVolume, Status: corev1.ConditionTrue, LastTransitionTime: old}}},
-	}
-	statusOf := func(c *corev1.PersistentVolumeClaim) corev1.ClaimResourceStatus {
-		return c.Status.AllocatedResourceStatuses[corev1.ResourceStorage]
-	}
-	condTypes := func(c *corev1.PersistentVolumeClaim) string {
-		var s []string
-		for _, x := range c.Status.Conditions {
-			s = append(s, string(x.Type))
-		}
-		return strings.Join(s, ",")
-	}
-	noop := func(step string, from, to *corev1.PersistentVolumeClaim) {
-		t.Helper()
-		if p, err := claimStatusPatch(from, to, true); err != nil || p != nil {
-			t.Errorf("%s again: patch %s (%v), want none", step, p, err)
-		}
-	}
-
-	s1 := resizeInProgress(claim, q("2Gi"))
-	if statusOf(s1) != corev1.PersistentVolumeClaimControllerResizeInProgress || condTypes(s1) != "ModifyingVolume,Resizing" || s1.Annotations[annNodeExpansionNotRequired] != "" {
-		t.Fatalf("in progress: %s %s %v", statusOf(s1), condTypes(s1), s1.Annotations)
-	}
-	if a := s1.Status.AllocatedResources[corev1.ResourceStorage]; a.Cmp(q("2Gi")) != 0 {
-		t.Fatalf("allocated %s", a.String())
-	}
-	if len(claim.Status.Conditions) != 1 || claim.Status.AllocatedResources != nil {
-		t.Fatal("a step modified its input")
-	}
-	p, err := claimStatusPatch(claim, s1, true)
-	if err != nil || !strings.Contains(string(p), `"resourceVersion":"7"`) || !strings.Contains(string(p), `"allocatedResources"`) || strings.Contains(string(p), `"spec"`) {
-		t.Fatalf("patch %s (%v): want status changes with a resourceVersion precondition", p, err)
-	}
-	noop("in progress", s1, resizeInProgress(s1, q("2Gi")))
-
-	s2 := resizeControllerFailed(s1, codes.InvalidArgument, "failed to expand pvc with rpc error: code = InvalidArgument desc = no", true)
-	if statusOf(s2) != corev1.PersistentVolumeClaimControllerResizeInfeasible || condTypes(s2) != "ModifyingVolume,Resizing,ControllerResizeError" {
-		t.Fatalf("infeasible: %s %s", statusOf(s2), condTypes(s2))
-	}
-	if p, err := claimStatusPatch(s1, s2, false); err != nil || strings.Contains(string(p), "resourceVersion") {
-		t.Errorf("failure patch %s (%v): must not need the latest resourceVersion", p, err)
-	}
-	noop("infeasible", s2, resizeControllerFailed(s2, codes.InvalidArgument, "failed to expand pvc with rpc error: code = InvalidArgument desc = other", true))
-	// Retrying the same size keeps the recorded failure.
-	noop("retry of the same size", s2, resizeInProgress(s2, q("2Gi")))
-
-	s3 := resizeInProgress(s2, q("1536Mi"))
-	if statusOf(s3) != corev1.PersistentVolumeClaimControllerResizeInProgress || condTypes(s3) != "ModifyingVolume,Resizing" {
-		t.Fatalf("lowered request: %s %s", statusOf(s3), condTypes(s3))
-	}
-	if got := claimCondition(s3, corev1.PersistentVolumeClaimResizing).LastTransitionTime; !got.Equal(&claimCondition(s1, corev1.PersistentVolumeClaimResizing).LastTransitionTime) {
-		t.Errorf("Resizing condition restarted: %v", got)
-	}
-
-	s4 := resizeNodePending(resizeControllerFailed(s3, codes.Internal, "failed to expand pvc with rpc error: code = Internal desc = x", false))
-	if statusOf(s4) != corev1.PersistentVolumeClaimNodeResizePending || condTypes(s4) != "ModifyingVolume,Resizing,FileSystemResizePending" {
-		t.Fatalf("node pending: %s %s", statusOf(s4), condTypes(s4))
-	}
-	if m := claimCondition(s4, corev1.PersistentVolumeClaimFileSystemResizePending).Message; m != fsResizePendingMessage {
-		t.Errorf("message %q", m)
-	}
-	noop("node pending", s4, resizeNodePending(s4))
-
-	s5 := resizeFinished(s3, q("1536Mi"))
-	if statusOf(s5) != "" || s5.Status.AllocatedResourceStatuses != nil || condTypes(s5) != "ModifyingVolume" || s5.Annotations[annNodeExpansionNotRequired] != "true" {
-		t.Fatalf("finished: %v %s %v", s5.Status.AllocatedResourceStatuses, condTypes(s5), s5.Annotations)
-	}
-	if c := s5.Status.Capacity[corev1.ResourceStorage]; c.Cmp(q("1536Mi")) != 0 {
-		t.Fatalf("capacity %s", c.String())
-	}
-	if !claimNeedsResize(s5) { // request 2Gi > 1536Mi
-		t.Error("claim asking for more than it got must still need a resize")
 	}
 }
 
@@ -660,549 +449,3 @@ func (l resizeWriteLog) count(path string) int {
 type resizeRoundTripper func(*http.Request) (*http.Response, error)
 
 func (f resizeRoundTripper) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
-
-// makeResizeClass makes an Immediate, Delete StorageClass that allows
-// expansion, with a controller-expand secret when secretName is set.
-func makeResizeClass(t *testing.T, c kubernetes.Interface, name, driver, secretNS, secretName string) string {
-	t.Helper()
-	var params map[string]string
-	if secretName != "" {
-		params = map[string]string{"csi.storage.k8s.io/controller-expand-secret-name": secretName, "csi.storage.k8s.io/controller-expand-secret-namespace": secretNS}
-	}
-	mode, reclaim, allow := storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, true
-	sc := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Provisioner: driver, VolumeBindingMode: &mode, ReclaimPolicy: &reclaim,
-		AllowVolumeExpansion: &allow, Parameters: params}
-	if _, err := c.StorageV1().StorageClasses().Create(context.Background(), sc, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.StorageV1().StorageClasses().Delete(context.Background(), name, metav1.DeleteOptions{}) })
-	return name
-}
-
-// TestResizeWaitsForDetachAfterAnInUseRefusal: a driver that expands
-// offline only answers FailedPrecondition while the volume is attached; the
-// claim is told so and the driver is not asked again until the
-// VolumeAttachment is gone, then the expansion goes through (external-
-// resizer's --handle-volume-inuse-error).
-func TestResizeWaitsForDetachAfterAnInUseRefusal(t *testing.T) {
-	s := newAttachSetup(t, "off.csi.test", sampledriver.Config{Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
-		"ControllerExpandVolume": {First: 1, Code: codes.FailedPrecondition}}}})
-	ctx, c, ns, node, drv, d := s.ctx, s.c, s.ns, s.node, s.drv, s.d
-	class := makeResizeClass(t, c, clusterName(ns, "off"), drv, "", "")
-	pvName := waitBound(t, c, ns, makeClaim(t, c, ns, "data", class, "1Gi").Name, 60*time.Second).Spec.VolumeName
-	va := createVA(t, c, ns, drv, node, pvName)
-	vaFor(t, c, pvName, func(va *storagev1.VolumeAttachment) bool { return va.Status.Attached }, "attached")
-
-	raiseRequest(t, c, ns, "data", "2Gi")
-	waitEvent(t, c, ns, "data", "VolumeResizeFailed", "once the volume is detached")
-	// A bounded window, no event to wait for: with the test's backoff
-	// (100 ms doubling to 2 s) a retry would have come several times.
-	time.Sleep(1500 * time.Millisecond)
-	if n := d.CallCount("ControllerExpandVolume"); n != 1 {
-		t.Fatalf("%d ControllerExpandVolume calls while the volume stayed attached, want only the refused one", n)
-	}
-	if got := s.r.metricValue(t, "csibroker_resize_operations_total", map[string]string{"driver": drv, "result": "in_use"}); got != 1 {
-		t.Errorf("resize results: in_use %v, want 1", got)
-	}
-	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitClaim(t, c, ns, "data", "expanded after the detach", func(p *corev1.PersistentVolumeClaim) bool {
-		q := p.Status.Capacity[corev1.ResourceStorage]
-		st := p.Status.AllocatedResourceStatuses[corev1.ResourceStorage]
-		return q.Cmp(resource.MustParse("2Gi")) >= 0 || st == corev1.PersistentVolumeClaimNodeResizePending
-	})
-	if n := d.CallCount("ControllerExpandVolume"); n != 2 {
-		t.Fatalf("%d ControllerExpandVolume calls, want 2 (refused while attached, then done)", n)
-	}
-}
-
-// raiseRequest sets a claim's storage request, as a user does.
-func raiseRequest(t *testing.T, c kubernetes.Interface, ns, name, size string) {
-	t.Helper()
-	patch := []byte(`{"spec":{"resources":{"requests":{"storage":"` + size + `"}}}}`)
-	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Patch(context.Background(), name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
-		t.Fatalf("set request of claim %s to %s: %v", name, size, err)
-	}
-}
-
-func waitClaim(t *testing.T, c kubernetes.Interface, ns, name, what string, cond func(*corev1.PersistentVolumeClaim) bool) *corev1.PersistentVolumeClaim {
-	t.Helper()
-	var pvc *corev1.PersistentVolumeClaim
-	err := testenv.WaitFor(context.Background(), 60*time.Second, "claim "+name+": "+what, func(ctx context.Context) (bool, string, error) {
-		var err error
-		pvc, err = c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error(), nil
-		}
-		return cond(pvc), fmt.Sprintf("status %+v", pvc.Status), nil
-	})
-	if err != nil {
-		t.Fatalf("%v\nevents: %s", err, eventsOf(c, ns, name))
-	}
-	return pvc
-}
-
-func waitCalls(t *testing.T, d *sampledriver.Driver, n int64) {
-	t.Helper()
-	err := testenv.WaitFor(context.Background(), 60*time.Second, fmt.Sprintf("%d ControllerExpandVolume calls", n), func(ctx context.Context) (bool, string, error) {
-		got := d.CallCount("ControllerExpandVolume")
-		return got >= n, fmt.Sprintf("%d calls", got), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-}
-
-// checkResizedVolume checks the PV's capacity and the driver's volume size.
-func checkResizedVolume(t *testing.T, c kubernetes.Interface, pvName string, d *sampledriver.Driver, want int64) {
-	t.Helper()
-	pv, err := c.CoreV1().PersistentVolumes().Get(context.Background(), pvName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if q := pv.Spec.Capacity[corev1.ResourceStorage]; q.Value() != want {
-		t.Errorf("PV %s capacity %s, want %d bytes", pvName, q.String(), want)
-	}
-	for _, v := range d.Volumes() {
-		if v.ID == pv.Spec.CSI.VolumeHandle {
-			if v.CapacityBytes != want {
-				t.Errorf("driver volume %s has %d bytes, want %d", v.ID, v.CapacityBytes, want)
-			}
-			return
-		}
-	}
-	t.Errorf("driver has no volume %s", pv.Spec.CSI.VolumeHandle)
-}
-
-func volumeHandle(t *testing.T, c kubernetes.Interface, pvName string) string {
-	t.Helper()
-	pv, err := c.CoreV1().PersistentVolumes().Get(context.Background(), pvName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return pv.Spec.CSI.VolumeHandle
-}
-
-func claimCondition(c *corev1.PersistentVolumeClaim, typ corev1.PersistentVolumeClaimConditionType) *corev1.PersistentVolumeClaimCondition {
-	for i := range c.Status.Conditions {
-		if c.Status.Conditions[i].Type == typ {
-			return &c.Status.Conditions[i]
-		}
-	}
-	return nil
-}
-
-func hasClaimCondition(c *corev1.PersistentVolumeClaim, typ corev1.PersistentVolumeClaimConditionType) bool {
-	cond := claimCondition(c, typ)
-	return cond != nil && cond.Status == corev1.ConditionTrue
-}
-
-// TestResizeTriggered: which claim updates bring a claim to the resizer. A
-// request raised while the kubelet finished the previous expansion is seen
-// when the kubelet writes the new capacity, not at the next resync.
-func TestResizeTriggered(t *testing.T) {
-	claim := func(rv, request, capacity string, mod func(*corev1.PersistentVolumeClaim)) *corev1.PersistentVolumeClaim {
-		c := &corev1.PersistentVolumeClaim{
-			ObjectMeta: metav1.ObjectMeta{Name: "c", Namespace: "ns", ResourceVersion: rv},
-			Spec: corev1.PersistentVolumeClaimSpec{VolumeName: "pv",
-				Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(request)}}},
-			Status: corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound, Capacity: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(capacity)}},
-		}
-		if mod != nil {
-			mod(c)
-		}
-		return c
-	}
-	pending := func(c *corev1.PersistentVolumeClaim) {
-		c.Status.AllocatedResourceStatuses = map[corev1.ResourceName]corev1.ClaimResourceStatus{corev1.ResourceStorage: corev1.PersistentVolumeClaimNodeResizePending}
-	}
-	for _, tc := range []struct {
-		name     string
-		old, cur *corev1.PersistentVolumeClaim
-		want     bool
-	}{
-		{"request raised", claim("1", "10Gi", "10Gi", nil), claim("2", "15Gi", "10Gi", nil), true},
-		{"resync", claim("1", "15Gi", "10Gi", nil), claim("1", "15Gi", "10Gi", nil), true},
-		{"the kubelet finished with a larger request waiting", claim("1", "20Gi", "10Gi", pending), claim("2", "20Gi", "15Gi", nil), true},
-		{"the resizer's own status write", claim("1", "20Gi", "10Gi", nil), claim("2", "20Gi", "10Gi", pending), false},
-		{"a label changed", claim("1", "20Gi", "10Gi", nil), claim("2", "20Gi", "10Gi", func(c *corev1.PersistentVolumeClaim) { c.Labels = map[string]string{"a": "b"} }), false},
-		{"the expansion finished, nothing more asked", claim("1", "15Gi", "10Gi", pending), claim("2", "15Gi", "15Gi", nil), false},
-	} {
-		if got := resizeTriggered(tc.old, tc.cur); got != tc.want {
-			t.Errorf("%s: triggered %v, want %v", tc.name, got, tc.want)
-		}
-	}
-}
-
-// TestResizeKeepsToPerDriverWorkers: expansions of one driver run at most
-// PerDriverWorkers at a time, so a slow driver cannot take every worker;
-// the others wait their turn and are all done.
-func TestResizeKeepsToPerDriverWorkers(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	drv := clusterName(ns, "slowexpand.csi.test")
-	drivers := newCountingDrivers()
-	drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeResizeClass(t, c, clusterName(ns, "slow"), drv, "", "")
-	r := startBridge(t, env, ns, drivers, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PerDriverWorkers = 1 }})
-	names := []string{"a", "b", "c"}
-	for _, name := range names {
-		makeClaim(t, c, ns, name, class, "1Gi")
-	}
-	for _, name := range names {
-		waitBound(t, c, ns, name, 60*time.Second)
-	}
-	// The first expansion is held at the driver until the other two wait
-	// for its slot: they contend for it.
-	letGo := drivers.hold("ControllerExpandVolume")
-	defer letGo()
-	for _, name := range names {
-		raiseRequest(t, c, ns, name, "2Gi")
-	}
-	rs := extraOf[*resizer](t, r.b)
-	err := testenv.WaitFor(context.Background(), 30*time.Second, "two expansions waiting for the driver's slot", func(context.Context) (bool, string, error) {
-		n := rs.queue.Len()
-		return n == 2, fmt.Sprintf("%d claims waiting", n), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	letGo()
-	for _, name := range names {
-		waitClaim(t, c, ns, name, "expanded on the controller", func(pvc *corev1.PersistentVolumeClaim) bool {
-			return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending
-		})
-	}
-	if most := drivers.most("ControllerExpandVolume"); most != 1 {
-		t.Errorf("%d ControllerExpandVolume calls of one driver at once, want at most PerDriverWorkers = 1", most)
-	}
-}
-
-// TestResizeFailureReportedOncePerRequest: an expansion the driver refuses
-// with FailedPrecondition (an offline-only driver while a pod uses the
-// volume) is retried with backoff and logged on every attempt, but its
-// VolumeResizeFailed Event is recorded once per requested size, although
-// the driver's message differs on every call (the sample driver counts
-// them in it): a raised request is reported again, and so is the first
-// failure of a new term of leadership.
-func TestResizeFailureReportedOncePerRequest(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	ctx := context.Background()
-	drv := clusterName(ns, "offline.csi.test")
-	spy := &resizeSpy{testDrivers: &testDrivers{}}
-	spy.addDriver(t, sampledriver.Config{Name: drv, Faults: sampledriver.Faults{Methods: map[string]sampledriver.Fault{
-		"ControllerExpandVolume": {Rate: 1, Code: codes.FailedPrecondition}}}})
-	r := startBridge(t, env, ns, spy, bridgeOpts{leader: true})
-	makeClaim(t, c, ns, "busy", makeResizeClass(t, c, clusterName(ns, "offline"), drv, "", ""), "1Gi")
-	claim := waitBound(t, c, ns, "busy", 60*time.Second)
-	vol := volumeHandle(t, c, claim.Spec.VolumeName)
-
-	// refused counts the driver's FailedPrecondition answers for size.
-	refused := func(size int64) int {
-		n := 0
-		for _, s := range spy.requests(vol) {
-			if s.code == codes.FailedPrecondition && (size == 0 || s.requiredBytes == size) {
-				n++
-			}
-		}
-		return n
-	}
-	waitRefused := func(size int64, n int) {
-		t.Helper()
-		err := testenv.WaitFor(ctx, 60*time.Second, fmt.Sprintf("%d refused expansions to %d bytes", n, size), func(context.Context) (bool, string, error) {
-			return refused(size) >= n, fmt.Sprint(spy.requests(vol)), nil
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	// settle waits until the resizer has started another attempt, so every
-	// attempt before it has recorded what it records, then until the
-	// bridge's Events recorded so far are written (they are written in
-	// order); it returns how many calls the driver had answered before.
-	flushes := 0
-	settle := func() int {
-		t.Helper()
-		n := len(spy.requests(vol))
-		err := testenv.WaitFor(ctx, 60*time.Second, "another expansion attempt", func(context.Context) (bool, string, error) {
-			return len(spy.requests(vol)) > n, fmt.Sprintf("%d calls", len(spy.requests(vol))), nil
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		flushes++
-		marker := fmt.Sprintf("flush %d", flushes)
-		// A Warning: the claim's Normal Events (provisioning, Resizing)
-		// must not use up the recorder's per-object budget for markers.
-		r.b.event(ctx, claimRef(claim), corev1.EventTypeWarning, "TestFlush", "%s", marker)
-		waitEvent(t, c, ns, "busy", "TestFlush", marker)
-		return n
-	}
-	// events counts the Events with reason recorded on the claim (an Event
-	// the recorder repeated counts as often as it was recorded).
-	events := func(reason string) int {
-		t.Helper()
-		evs, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=busy"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		n := 0
-		for _, e := range evs.Items {
-			if e.Reason != reason || e.InvolvedObject.UID != claim.UID {
-				continue
-			}
-			if reason == "VolumeResizeFailed" && (!strings.Contains(e.Message, "FailedPrecondition") || !strings.Contains(e.Message, "injected fault in ControllerExpandVolume")) {
-				t.Errorf("event %q does not carry the driver's code and message", e.Message)
-			}
-			n += int(max(e.Count, 1))
-		}
-		return n
-	}
-	// warnings counts the VolumeResizeFailed Events; announced the Resizing
-	// ones: one per request too, not one per attempt.
-	warnings := func() int { return events("VolumeResizeFailed") }
-	announced := func() int { return events("Resizing") }
-	// logged counts the bridge's log lines of refused expansions of the claim.
-	logged := func() int {
-		n := 0
-		for _, l := range strings.Split(r.logs.String(), "\n") {
-			if strings.Contains(l, `msg="ControllerExpandVolume failed"`) && strings.Contains(l, "claim="+ns+"/busy ") {
-				n++
-			}
-		}
-		return n
-	}
-
-	// Several refusals of one request: one Event, a log line each.
-	raiseRequest(t, c, ns, "busy", "2Gi")
-	waitRefused(2<<30, 3)
-	answered := settle()
-	if n := warnings(); n != 1 {
-		t.Errorf("%d VolumeResizeFailed Events after %d refusals of the same request, want 1:%s", n, refused(2<<30), eventsOf(c, ns, "busy"))
-	}
-	if n := announced(); n != 1 {
-		t.Errorf("%d Resizing Events after %d attempts at the same request, want 1:%s", n, refused(2<<30), eventsOf(c, ns, "busy"))
-	}
-	if n := logged(); n < answered {
-		t.Errorf("%d log lines of refused expansions after %d refusals, want one per refusal", n, answered)
-	}
-
-	// A new request is reported again, once.
-	raiseRequest(t, c, ns, "busy", "3Gi")
-	waitRefused(3<<30, 3)
-	settle()
-	if n := warnings(); n != 2 {
-		t.Errorf("%d VolumeResizeFailed Events after %d refusals of 2Gi and %d of 3Gi, want 2 (one per request):%s", n, refused(2<<30), refused(3<<30), eventsOf(c, ns, "busy"))
-	}
-	if n := announced(); n != 2 {
-		t.Errorf("%d Resizing Events after attempts at 2Gi and 3Gi, want 2 (one per request):%s", n, eventsOf(c, ns, "busy"))
-	}
-
-	// Another holder takes the Lease for a moment: the first refusal of
-	// the broker's next term is reported again, and only the first.
-	takeLease(t, c, ns, "intruder", 3)
-	for _, want := range []bool{false, true} {
-		if err := testenv.WaitFor(ctx, 30*time.Second, fmt.Sprintf("the broker leading: %v", want), func(context.Context) (bool, string, error) {
-			ok, _ := r.b.Leader()
-			return ok == want, "", nil
-		}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	before := refused(0)
-	err := testenv.WaitFor(ctx, 30*time.Second, "a VolumeResizeFailed Event in the new term", func(context.Context) (bool, string, error) {
-		return warnings() >= 3, eventsOf(c, ns, "busy"), nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waitRefused(0, before+3)
-	settle()
-	if n := warnings(); n != 3 {
-		t.Errorf("%d VolumeResizeFailed Events after %d refusals in the new term, want 3 (one more):%s", n, refused(0)-before, eventsOf(c, ns, "busy"))
-	}
-}
-
-// TestResizeWarnings: what the bridge remembers of the Events eventOnce
-// recorded (the resizer's warnings: a request and a failure), and when it
-// records one again: about something else, or the same once eventRepeat
-// has passed since it was recorded.
-func TestResizeWarnings(t *testing.T) {
-	type warning struct{ reason, what string }
-	failed := func(request, failure string) warning {
-		claim := &corev1.PersistentVolumeClaim{Spec: corev1.PersistentVolumeClaimSpec{Resources: corev1.VolumeResourceRequirements{
-			Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(request)}}}}
-		return warning{"VolumeResizeFailed", requestOf(claim) + " " + failure}
-	}
-	a2 := failed("2Gi", "ControllerExpandVolume FailedPrecondition")
-	a2other := failed("2048Mi", "ControllerExpandVolume FailedPrecondition") // the same size, written otherwise
-	b2 := failed("2Gi", "ControllerExpandVolume Internal")
-	a3 := failed("3Gi", "ControllerExpandVolume FailedPrecondition")
-	other := warning{"Other", a2.what}
-	var ws eventMemory
-	t0 := time.Now()
-	steps := []struct {
-		name  string
-		claim types.UID
-		w     warning
-		do    func()
-		after time.Duration // since t0
-		want  bool
-	}{
-		{name: "first failure", claim: "c1", w: a2, want: true},
-		{name: "the same again", claim: "c1", w: a2, want: false},
-		{name: "the same size written otherwise", claim: "c1", w: a2other, want: false},
-		{name: "another claim", claim: "c2", w: a2, want: true},
-		{name: "another failure", claim: "c1", w: b2, want: true},
-		{name: "the first failure back", claim: "c1", w: a2, want: true},
-		{name: "another reason", claim: "c1", w: other, want: true},
-		{name: "a new request", claim: "c1", w: a3, want: true},
-		{name: "the new request again", claim: "c1", w: a3, want: false},
-		{name: "after a success", claim: "c1", w: a3, do: func() { ws.forget("c1") }, want: true},
-		{name: "other claims keep theirs", claim: "c2", w: a2, want: false},
-		{name: "a new term", claim: "c2", w: a2, do: ws.reset, want: true},
-		{name: "the same, a little before eventRepeat", claim: "c2", w: a2, after: eventRepeat - time.Second, want: false},
-		{name: "the same, eventRepeat after it was recorded", claim: "c2", w: a2, after: eventRepeat, want: true},
-		{name: "and not again right after", claim: "c2", w: a2, after: eventRepeat + time.Second, want: false},
-	}
-	for _, s := range steps {
-		if s.do != nil {
-			s.do()
-		}
-		if got := ws.first(s.claim, s.w.reason, s.w.what, t0.Add(s.after)); got != s.want {
-			t.Errorf("%s: record %v, want %v", s.name, got, s.want)
-		}
-	}
-	ws.forget("c1")
-	ws.forget("c2")
-	if len(ws.last) != 0 {
-		t.Errorf("%d claims remembered after every claim was forgotten", len(ws.last))
-	}
-}
-
-// TestResizeClaimWaitingForTheKubeletAsksNoDriver: a claim whose expansion
-// waits for the kubelet (NodeResizePending) has nothing for the driver, so
-// a new term does not ask its driver anything for it: with the driver
-// unreachable, only a claim that does need the driver is told so.
-func TestResizeClaimWaitingForTheKubeletAsksNoDriver(t *testing.T) {
-	env := testenv.Shared(t)
-	ns := env.NewNamespace(t)
-	c := env.Client()
-	drv := clusterName(ns, "gone.csi.test")
-	live := &testDrivers{}
-	live.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeResizeClass(t, c, clusterName(ns, "gone"), drv, "", "")
-	first := startBridge(t, env, ns, live, bridgeOpts{})
-	makeClaim(t, c, ns, "waiting", class, "1Gi")
-	makeClaim(t, c, ns, "other", class, "1Gi")
-	waitBound(t, c, ns, "other", 60*time.Second)
-	waitBound(t, c, ns, "waiting", 60*time.Second)
-	raiseRequest(t, c, ns, "waiting", "2Gi")
-	waitClaim(t, c, ns, "waiting", "NodeResizePending", func(pvc *corev1.PersistentVolumeClaim) bool {
-		return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending
-	})
-	first.stop()
-
-	// The driver is gone; "other" now needs it.
-	raiseRequest(t, c, ns, "other", "2Gi")
-	dead := &testDrivers{}
-	dead.addDeadDriver(t, drv)
-	second := startBridge(t, env, ns, dead, bridgeOpts{})
-	waitEvent(t, c, ns, "other", "VolumeResizeFailed", "not reachable")
-	// Handled, and found to have nothing for the driver.
-	handled := "nothing for the driver now"
-	err := testenv.WaitFor(context.Background(), 30*time.Second, "the waiting claim handled", func(context.Context) (bool, string, error) {
-		for _, line := range strings.Split(second.logs.String(), "\n") {
-			if strings.Contains(line, handled) && strings.Contains(line, "claim="+ns+"/waiting") {
-				return true, "", nil
-			}
-		}
-		return false, "no log line of it", nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if evs := eventsOf(c, ns, "waiting"); strings.Contains(evs, "VolumeResizeFailed") {
-		t.Fatalf("a claim waiting for the kubelet was reported as failed:%s", evs)
-	}
-}
-
-// TestMergeResizeConditionsTakesTheLatestMessage: a failure with another
-// code says the new cause, keeping the condition's transition time; the
-// same code again, whatever its message, changes nothing (no write).
-func TestMergeResizeConditionsTakesTheLatestMessage(t *testing.T) {
-	then := metav1.NewTime(time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC))
-	claim := &corev1.PersistentVolumeClaim{Status: corev1.PersistentVolumeClaimStatus{Conditions: []corev1.PersistentVolumeClaimCondition{
-		{Type: corev1.PersistentVolumeClaimControllerResizeError, Status: corev1.ConditionTrue, LastTransitionTime: then, Reason: "Internal", Message: "failed to expand pvc with rpc error: code = Internal desc = backend busy"},
-		{Type: "Other", Status: corev1.ConditionTrue, Message: "kept"},
-	}}}
-	got := resizeControllerFailed(claim, codes.OutOfRange, "failed to expand pvc with rpc error: code = OutOfRange desc = max size is 16Ti", true)
-	conds := got.Status.Conditions
-	if len(conds) != 2 || conds[0].Message != "failed to expand pvc with rpc error: code = OutOfRange desc = max size is 16Ti" || conds[0].Reason != "OutOfRange" ||
-		!conds[0].LastTransitionTime.Equal(&then) || conds[1].Message != "kept" {
-		t.Fatalf("conditions after a failure with another code: %+v", conds)
-	}
-	again := resizeControllerFailed(got, codes.OutOfRange, "failed to expand pvc with rpc error: code = OutOfRange desc = max size is 16Ti (request 2)", true)
-	if !equality.Semantic.DeepEqual(again.Status.Conditions, conds) {
-		t.Fatalf("the same code again changed the conditions: %+v -> %+v", conds, again.Status.Conditions)
-	}
-}
-
-// TestResizeExpandsAMigratedInTreeVolume: kube-controller-manager names, in
-// volume.kubernetes.io/storage-resizer, the CSI driver that CSI migration
-// moves an in-tree claim's volume to; the broker expands the volume through
-// its CSI translation, as external-resizer does. The driver's own volume
-// grows (asked with the translated handle and filesystem), and so does the
-// PV, which keeps its in-tree source.
-func TestResizeExpandsAMigratedInTreeVolume(t *testing.T) {
-	env := testenv.Shared(t)
-	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
-	// The driver CSI migration moves in-tree Cinder volumes to (a name the
-	// translation fixes, shared with TestAttachesAMigratedInTreeVolume).
-	const drv = "cinder.csi.openstack.org"
-	spy := &resizeSpy{testDrivers: &testDrivers{}}
-	d := spy.addDriver(t, sampledriver.Config{Name: drv})
-	volID := createDriverVolume(t, spy.testDrivers, drv, clusterName(ns, "in-tree"))
-	class := makeResizeClass(t, c, clusterName(ns, "cinder"), "kubernetes.io/cinder", "", "")
-	pv := createStaticPV(t, c, clusterName(ns, "pv"), corev1.PersistentVolumeSource{Cinder: &corev1.CinderPersistentVolumeSource{VolumeID: volID, FSType: "ext4"}},
-		func(pv *corev1.PersistentVolume) {
-			pv.Spec.StorageClassName, pv.Spec.ClaimRef = class, &corev1.ObjectReference{Namespace: ns, Name: "data"}
-		})
-	makeClaimWith(t, c, ns, "data", class, func(p *corev1.PersistentVolumeClaim) { p.Spec.VolumeName = pv.Name })
-	waitBound(t, c, ns, "data", 60*time.Second)
-	startBridge(t, env, ns, spy, bridgeOpts{})
-
-	raiseRequest(t, c, ns, "data", "2Gi")
-	claim := waitClaim(t, c, ns, "data", "NodeResizePending", func(pvc *corev1.PersistentVolumeClaim) bool {
-		return pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] == corev1.PersistentVolumeClaimNodeResizePending
-	})
-	if got := claim.Annotations[annStorageResizer]; got != drv {
-		t.Errorf("claim annotation %s = %q, want kube-controller-manager's %q", annStorageResizer, got, drv)
-	}
-	seen := spy.requests(volID)
-	if len(seen) == 0 {
-		t.Fatalf("no ControllerExpandVolume call for volume %s", volID)
-	}
-	for _, s := range seen {
-		if s.requiredBytes != 2<<30 || !s.mount || s.code != codes.OK {
-			t.Errorf("ControllerExpandVolume request %v: want 2Gi and a mount capability", s)
-		}
-	}
-	got, err := c.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if q := got.Spec.Capacity[corev1.ResourceStorage]; q.Cmp(resource.MustParse("2Gi")) != 0 || got.Spec.Cinder == nil || got.Spec.CSI != nil {
-		t.Errorf("PV after the expansion: capacity %s, source %+v; want 2Gi and the in-tree source kept", q.String(), got.Spec.PersistentVolumeSource)
-	}
-	for _, v := range d.Volumes() {
-		if v.ID == volID && v.CapacityBytes != 2<<30 {
-			t.Errorf("driver volume %s has %d bytes, want %d", v.ID, v.CapacityBytes, int64(2<<30))
-		}
-	}
-	waitEvent(t, c, ns, "data", "FileSystemResizeRequired", "Require file system resize of volume on node")
-}

@@ -25,6 +25,8 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
+	"github.com/csibroker/csibroker/k8sbridge/provision"
 )
 
 // snapshotModule ships the VolumeSnapshot CRDs this build's client is for.
@@ -42,7 +44,7 @@ func installSnapshotCRDs(t *testing.T, env *testenv.Env) {
 	}
 	dir := filepath.Join(strings.TrimSpace(string(out)), "config", "crd")
 	for _, res := range []string{"volumesnapshots", "volumesnapshotcontents"} {
-		data, err := os.ReadFile(filepath.Join(dir, snapshotGroup+"_"+res+".yaml"))
+		data, err := os.ReadFile(filepath.Join(dir, provision.SnapshotGroup+"_"+res+".yaml"))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -50,7 +52,7 @@ func installSnapshotCRDs(t *testing.T, env *testenv.Env) {
 		if err := yaml.Unmarshal(bytes.TrimPrefix(data, []byte("---\n")), &obj); err != nil {
 			t.Fatal(err)
 		}
-		createCRD(t, env, &unstructured.Unstructured{Object: obj}, schema.GroupVersionResource{Group: snapshotGroup, Version: "v1", Resource: res})
+		kubetest.CreateCRD(t, env, &unstructured.Unstructured{Object: obj}, schema.GroupVersionResource{Group: provision.SnapshotGroup, Version: "v1", Resource: res})
 	}
 }
 
@@ -64,7 +66,7 @@ func readySnapshot(t *testing.T, sc snapshotclient.Interface, ns, name, driver, 
 	ctx := context.Background()
 	retain := snapshotv1.VolumeSnapshotContentRetain
 	mode := corev1.PersistentVolumeFilesystem
-	content := &snapshotv1.VolumeSnapshotContent{ObjectMeta: metav1.ObjectMeta{Name: clusterName(ns, name)},
+	content := &snapshotv1.VolumeSnapshotContent{ObjectMeta: metav1.ObjectMeta{Name: kubetest.ClusterName(ns, name)},
 		Spec: snapshotv1.VolumeSnapshotContentSpec{DeletionPolicy: retain, Driver: driver, SourceVolumeMode: &mode,
 			Source:            snapshotv1.VolumeSnapshotContentSource{SnapshotHandle: &handle},
 			VolumeSnapshotRef: corev1.ObjectReference{Namespace: ns, Name: name}}}
@@ -106,24 +108,24 @@ func readySnapshot(t *testing.T, sc snapshotclient.Interface, ns, name, driver, 
 // driver, one larger than the claim and one that does not exist are each
 // refused with an Event saying so, and the driver is not asked.
 func TestRestoreFromVolumeSnapshot(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	installSnapshotCRDs(t, env)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
 	sc := snapshotclient.NewForConfigOrDie(env.RESTConfig())
-	drv := clusterName(ns, "snap.csi.test")
+	drv := kubetest.ClusterName(ns, "snap.csi.test")
 	drivers := newCountingDrivers()
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv})
-	class := makeClass(t, c, clusterName(ns, "snap"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "snap"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 
 	// A snapshot the driver really has.
 	conn, err := drivers.ControllerConn(drv)
 	if err != nil {
 		t.Fatal(err)
 	}
-	srcVol := createDriverVolume(t, drivers.testDrivers, drv, clusterName(ns, "src"))
-	resp, err := csi.NewControllerClient(conn).CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: srcVol, Name: clusterName(ns, "snap")})
+	srcVol := createDriverVolume(t, drivers.testDrivers, drv, kubetest.ClusterName(ns, "src"))
+	resp, err := csi.NewControllerClient(conn).CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: srcVol, Name: kubetest.ClusterName(ns, "snap")})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -136,7 +138,7 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	readySnapshot(t, sc, ns, "other-driver", "other.csi.test", handle, size, nil)
 	// A VolumeSnapshot that says it is bound to "snap"'s content.
 	readySnapshot(t, sc, ns, "thief", drv, handle, size, func(s *snapshotv1.VolumeSnapshot, _ *snapshotv1.VolumeSnapshotContent) {
-		stolen := clusterName(ns, "snap")
+		stolen := kubetest.ClusterName(ns, "snap")
 		s.Status.BoundVolumeSnapshotContentName = &stolen
 	})
 	// A snapshot left marked in use with no claim restoring it (its claim
@@ -146,7 +148,7 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	left.Finalizers = append(left.Finalizers, snapshotFinalizer)
+	left.Finalizers = append(left.Finalizers, provision.SnapshotFinalizer)
 	if _, err := sc.SnapshotV1().VolumeSnapshots(ns).Update(ctx, left, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -164,25 +166,25 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	if _, err := sc.SnapshotV1().VolumeSnapshots(ns).Update(ctx, changed, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := run.b.protectSnapshot(ctx, stale); err != nil {
+	if err := provision.ProtectSnapshot(run.b.Env, ctx, stale); err != nil {
 		t.Fatalf("protecting a snapshot changed since it was read: %v", err)
 	}
-	if s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "leftover", metav1.GetOptions{}); err != nil || !slices.Contains(s.Finalizers, snapshotFinalizer) || s.Labels["changed"] != "meanwhile" {
+	if s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "leftover", metav1.GetOptions{}); err != nil || !slices.Contains(s.Finalizers, provision.SnapshotFinalizer) || s.Labels["changed"] != "meanwhile" {
 		t.Fatalf("snapshot protected after a conflict: finalizers %v labels %v, err %v; want the finalizer added and the change kept", s.Finalizers, s.Labels, err)
-	} else if err := run.b.patchSnapshotFinalizer(ctx, s, false); err != nil {
+	} else if err := provision.PatchSnapshotFinalizer(run.b.Env, ctx, s, false); err != nil {
 		t.Fatal(err)
 	}
 
 	fromSnapshot := func(snap, size string) func(*corev1.PersistentVolumeClaim) {
 		return func(p *corev1.PersistentVolumeClaim) {
-			group := snapshotGroup
-			p.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: snapshotKind, Name: snap}
+			group := provision.SnapshotGroup
+			p.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: provision.SnapshotKind, Name: snap}
 			p.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse(size)
 		}
 	}
 	letGo := drivers.hold("CreateVolume")
 	defer letGo()
-	makeClaimWith(t, c, ns, "restored", class.Name, fromSnapshot("snap", "1Gi"))
+	kubetest.MakeClaimWith(t, c, ns, "restored", class.Name, fromSnapshot("snap", "1Gi"))
 	err = testenv.WaitFor(ctx, 60*time.Second, "the restore's CreateVolume held", func(context.Context) (bool, string, error) {
 		n := len(drivers.names("CreateVolume"))
 		return n == 1, fmt.Sprintf("%d CreateVolume calls", n), nil
@@ -190,11 +192,11 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "snap", metav1.GetOptions{}); err != nil || !slices.Contains(s.Finalizers, snapshotFinalizer) {
-		t.Fatalf("VolumeSnapshot while it is restored: %v, err %v; want finalizer %s", s.Finalizers, err, snapshotFinalizer)
+	if s, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "snap", metav1.GetOptions{}); err != nil || !slices.Contains(s.Finalizers, provision.SnapshotFinalizer) {
+		t.Fatalf("VolumeSnapshot while it is restored: %v, err %v; want finalizer %s", s.Finalizers, err, provision.SnapshotFinalizer)
 	}
 	letGo()
-	pvName := waitBound(t, c, ns, "restored", 60*time.Second).Spec.VolumeName
+	pvName := kubetest.WaitBound(t, c, ns, "restored", 60*time.Second).Spec.VolumeName
 	id := volumeHandle(t, c, pvName)
 	for _, v := range d.Volumes() {
 		if v.ID == id && v.SourceSnapshotID != handle {
@@ -210,8 +212,8 @@ func TestRestoreFromVolumeSnapshot(t *testing.T) {
 		{"small", "snap", "512Mi", "less than the restore size 1Gi"},
 		{"missing", "missing", "1Gi", "VolumeSnapshot " + ns + "/missing not found"},
 	} {
-		makeClaimWith(t, c, ns, tc.claim, class.Name, fromSnapshot(tc.snap, tc.size))
-		waitEvent(t, c, ns, tc.claim, "ProvisioningFailed", tc.want)
+		kubetest.MakeClaimWith(t, c, ns, tc.claim, class.Name, fromSnapshot(tc.snap, tc.size))
+		kubetest.WaitEvent(t, c, ns, tc.claim, "ProvisioningFailed", tc.want)
 	}
 	if n := len(drivers.names("CreateVolume")); n != 1 {
 		t.Errorf("%d CreateVolume calls; want only the good restore's", n)
@@ -227,7 +229,7 @@ func waitSnapshotReleased(t *testing.T, sc snapshotclient.Interface, ns, name st
 		if err != nil {
 			return false, err.Error(), nil
 		}
-		return !slices.Contains(s.Finalizers, snapshotFinalizer), fmt.Sprint(s.Finalizers), nil
+		return !slices.Contains(s.Finalizers, provision.SnapshotFinalizer), fmt.Sprint(s.Finalizers), nil
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -240,24 +242,24 @@ func waitSnapshotReleased(t *testing.T, sc snapshotclient.Interface, ns, name st
 // VolumeSnapshot CRDs answers) says the API is not served, not that the
 // snapshot is missing.
 func TestSnapshotGetErrorTellsAMissingAPIFromAMissingObject(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	installSnapshotCRDs(t, env)
 	ns := env.NewNamespace(t)
 	sc := snapshotclient.NewForConfigOrDie(env.RESTConfig())
 	ctx := context.Background()
 	_, err := sc.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "absent", metav1.GetOptions{})
-	if got := snapshotGetError(err, ns, "absent").Error(); got != "VolumeSnapshot "+ns+"/absent not found" {
+	if got := provision.SnapshotGetError(err, ns, "absent").Error(); got != "VolumeSnapshot "+ns+"/absent not found" {
 		t.Errorf("missing snapshot (%v): %q", err, got)
 	}
 	err = sc.SnapshotV1().RESTClient().Get().AbsPath("/apis/nosuch.csibroker.test/v1/namespaces", ns, "volumesnapshots", "absent").Do(ctx).Error()
-	if got := snapshotGetError(err, ns, "absent").Error(); !strings.Contains(got, "does not serve the snapshot.storage.k8s.io/v1 API") || strings.Contains(got, "not found") {
+	if got := provision.SnapshotGetError(err, ns, "absent").Error(); !strings.Contains(got, "does not serve the snapshot.storage.k8s.io/v1 API") || strings.Contains(got, "not found") {
 		t.Errorf("API not served (%v): %q", err, got)
 	}
 	err = sc.SnapshotV1().RESTClient().Get().AbsPath("/apis/snapshot.storage.k8s.io/v1/namespaces", ns, "volumesnapshots", "absent").Timeout(time.Nanosecond).Do(ctx).Error()
 	if err == nil {
 		t.Fatal("a GET with a timeout of 1ns succeeded")
 	}
-	if got := snapshotGetError(err, ns, "absent").Error(); !strings.HasPrefix(got, "VolumeSnapshot "+ns+"/absent: ") || strings.Contains(got, "not found") || strings.Contains(got, "does not serve") {
+	if got := provision.SnapshotGetError(err, ns, "absent").Error(); !strings.HasPrefix(got, "VolumeSnapshot "+ns+"/absent: ") || strings.Contains(got, "not found") || strings.Contains(got, "does not serve") {
 		t.Errorf("other failure (%v): %q", err, got)
 	}
 }

@@ -19,6 +19,8 @@ import (
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
 
 func zonesOf(ts []*csi.Topology) []string {
@@ -37,7 +39,7 @@ func zoneNodes(t *testing.T, env *testenv.Env, ns, drv string, zones ...string) 
 	nodes := map[string]string{}
 	var segs []map[string]string
 	for _, z := range zones {
-		node := clusterName(ns, "node-"+z)
+		node := kubetest.ClusterName(ns, "node-"+z)
 		nodes[z] = node
 		addNode(t, env, testenv.NodeSpec{Name: node, Zone: z, Region: "r1"}, drv, []string{testenv.LabelZone})
 		segs = append(segs, map[string]string{testenv.LabelZone: z})
@@ -49,19 +51,19 @@ func zoneNodes(t *testing.T, env *testenv.Env, ns, drv string, zones ...string) 
 // Immediate, WaitForFirstConsumer and allowedTopologies claims in a
 // three-zone cluster, and the PVs' node affinity.
 func TestTopologyThreeZones(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	ctx := context.Background()
-	drv := clusterName(ns, "zonal.csi.test")
+	drv := kubetest.ClusterName(ns, "zonal.csi.test")
 	zones := []string{"z1", "z2", "z3"}
 	_, segs := zoneNodes(t, env, ns, drv, zones...)
 	drivers := &testDrivers{}
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: segs})
 	imm, wffc, del := storagev1.VolumeBindingImmediate, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
-	immClass := makeClass(t, c, clusterName(ns, "imm"), drv, imm, del, nil)
-	wffcClass := makeClass(t, c, clusterName(ns, "wffc"), drv, wffc, del, nil)
-	allowed := makeClass(t, c, clusterName(ns, "allowed"), drv, imm, del, nil)
+	immClass := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "imm"), drv, imm, del, nil)
+	wffcClass := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "wffc"), drv, wffc, del, nil)
+	allowed := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "allowed"), drv, imm, del, nil)
 	allowed.AllowedTopologies = []corev1.TopologySelectorTerm{{MatchLabelExpressions: []corev1.TopologySelectorLabelRequirement{{Key: testenv.LabelZone, Values: []string{"z2"}}}}}
 	// allowedTopologies is immutable: recreate the class with it.
 	if err := c.StorageV1().StorageClasses().Delete(ctx, allowed.Name, metav1.DeleteOptions{}); err != nil {
@@ -73,13 +75,13 @@ func TestTopologyThreeZones(t *testing.T) {
 	}
 	startBridge(t, env, ns, drivers, bridgeOpts{})
 
-	makeClaim(t, c, ns, "imm", immClass.Name, "1Gi")
-	makeClaim(t, c, ns, "wffc", wffcClass.Name, "1Gi")
-	makePod(t, c, ns, "pod", "wffc")
-	makeClaim(t, c, ns, "allowed", allowed.Name, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "imm", immClass.Name, "1Gi")
+	kubetest.MakeClaim(t, c, ns, "wffc", wffcClass.Name, "1Gi")
+	kubetest.MakePod(t, c, ns, "pod", "wffc")
+	kubetest.MakeClaim(t, c, ns, "allowed", allowed.Name, "1Gi")
 	claims := map[string]*corev1.PersistentVolumeClaim{}
 	for _, n := range []string{"imm", "wffc", "allowed"} {
-		claims[n] = waitBound(t, c, ns, n, 60*time.Second)
+		claims[n] = kubetest.WaitBound(t, c, ns, n, 60*time.Second)
 	}
 	reqs := map[string]*csi.CreateVolumeRequest{}
 	for _, r := range d.CreateVolumeRequests() {
@@ -112,7 +114,7 @@ func TestTopologyThreeZones(t *testing.T) {
 		}
 	}
 	check("imm", zones, "")
-	node := claims["wffc"].Annotations[annSelectedNode]
+	node := claims["wffc"].Annotations[kube.AnnSelectedNode]
 	n, err := c.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -129,10 +131,10 @@ func TestTopologyThreeZones(t *testing.T) {
 // second volume): the claim binds to the first attempt's volume, its
 // selected node kept.
 func TestRetryAfterALostAnswerAsksTheSameTopology(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
-	drv := clusterName(ns, "lost.csi.test")
+	drv := kubetest.ClusterName(ns, "lost.csi.test")
 	nodes, segs := zoneNodes(t, env, ns, drv, "z1", "z2")
 	drivers := newCountingDrivers()
 	d := drivers.addDriver(t, sampledriver.Config{Name: drv, ControllerSegments: segs})
@@ -150,19 +152,19 @@ func TestRetryAfterALostAnswerAsksTheSameTopology(t *testing.T) {
 			return fmt.Errorf("delete node (test): %w", err)
 		}
 		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-			if _, err := run.Load().b.nodes.Get(nodes["z1"]); apierrors.IsNotFound(err) {
+			if _, err := run.Load().b.Nodes.Get(nodes["z1"]); apierrors.IsNotFound(err) {
 				break
 			}
 		}
 		return status.Error(codes.DeadlineExceeded, "answer lost (test)")
 	})
-	class := makeClass(t, c, clusterName(ns, "wffc"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
+	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "wffc"), drv, storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete, nil)
 	run.Store(startBridge(t, env, ns, drivers, bridgeOpts{}))
-	makeClaimWith(t, c, ns, "data", class.Name, func(p *corev1.PersistentVolumeClaim) {
-		p.Annotations = map[string]string{annSelectedNode: nodes["z1"]}
+	kubetest.MakeClaimWith(t, c, ns, "data", class.Name, func(p *corev1.PersistentVolumeClaim) {
+		p.Annotations = map[string]string{kube.AnnSelectedNode: nodes["z1"]}
 	})
-	bound := waitBound(t, c, ns, "data", 60*time.Second)
-	if got := bound.Annotations[annSelectedNode]; got != nodes["z1"] {
+	bound := kubetest.WaitBound(t, c, ns, "data", 60*time.Second)
+	if got := bound.Annotations[kube.AnnSelectedNode]; got != nodes["z1"] {
 		t.Errorf("selected node %q after the retry, want %q kept (not rescheduled)", got, nodes["z1"])
 	}
 	reqs := d.CreateVolumeRequests()
@@ -188,30 +190,30 @@ func TestRetryAfterALostAnswerAsksTheSameTopology(t *testing.T) {
 // API server's refusal of the mismatched UID is taken as that, not as a
 // failure.
 func TestRescheduleLeavesAClaimMadeAgain(t *testing.T) {
-	env := testenv.Shared(t)
+	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
 	c := env.Client()
 	r := startBridge(t, env, ns, &testDrivers{}, bridgeOpts{})
-	claim := makeClaimWith(t, c, ns, "data", "none", func(p *corev1.PersistentVolumeClaim) {
-		p.Annotations = map[string]string{annSelectedNode: "n1"}
+	claim := kubetest.MakeClaimWith(t, c, ns, "data", "none", func(p *corev1.PersistentVolumeClaim) {
+		p.Annotations = map[string]string{kube.AnnSelectedNode: "n1"}
 	})
 	old := claim.DeepCopy()
 	old.UID = "00000000-0000-0000-0000-000000000001" // the claim an attempt began with
-	if err := r.b.prov.reschedule(context.Background(), old); err != nil {
+	if err := r.b.prov.Reschedule(context.Background(), old); err != nil {
 		t.Fatalf("reschedule of a claim made again: %v, want nothing done and no error", err)
 	}
 	cur, err := c.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "data", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cur.Annotations[annSelectedNode] != "n1" {
+	if cur.Annotations[kube.AnnSelectedNode] != "n1" {
 		t.Fatalf("the claim made again lost its selected node: %v", cur.Annotations)
 	}
-	if err := r.b.prov.reschedule(context.Background(), cur); err != nil {
+	if err := r.b.prov.Reschedule(context.Background(), cur); err != nil {
 		t.Fatal(err)
 	}
 	cur, err = c.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "data", metav1.GetOptions{})
-	if err != nil || cur.Annotations[annSelectedNode] != "" {
+	if err != nil || cur.Annotations[kube.AnnSelectedNode] != "" {
 		t.Fatalf("the claim itself: %v, annotations %v; want its selected node removed", err, cur.Annotations)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -15,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
 
@@ -22,7 +24,7 @@ import (
 	"github.com/csibroker/csibroker/internal/grpcsrv"
 	"github.com/csibroker/csibroker/internal/mtls"
 	"github.com/csibroker/csibroker/internal/telemetry"
-	"github.com/csibroker/csibroker/k8sbridge"
+	"github.com/csibroker/csibroker/k8sbridge/discovery"
 	"github.com/csibroker/csibroker/policy"
 	brokerstatusv1 "github.com/csibroker/csibroker/proto/brokerstatus/v1"
 )
@@ -77,6 +79,47 @@ func (c *BrokerCommandConfig) fillRetry(r broker.RetryConfig) broker.RetryConfig
 }
 
 func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
+	cfg, err := parseBrokerFlags(args, stderr)
+	if err != nil {
+		return err
+	}
+	r := &brokerRun{cfg: cfg, log: cfg.Log.Logger(stderr), ready: func() error { return nil }}
+	if err := r.loadRegistry(); err != nil {
+		return err
+	}
+	if r.src, err = cfg.TLS.Source(r.log); err != nil {
+		return err
+	}
+	if id, err := mtls.ParseID(r.src.Current().ID); err != nil || id.Role != mtls.RoleBroker || id.TrustDomain != cfg.TLS.TrustDomain {
+		return fmt.Errorf("--tls-cert: identity %s is not %s (the broker's identity in --trust-domain %s): proxies would refuse it", r.src.Current().ID, mtls.BrokerID(cfg.TLS.TrustDomain), cfg.TLS.TrustDomain)
+	}
+	if r.tp, err = telemetry.NewTracerProvider(ctx, "csibroker-broker"); err != nil {
+		return fmt.Errorf("tracing: %w", err)
+	}
+	defer telemetry.ShutdownTracing(ctx, r.tp, r.log)
+	r.promReg = prometheus.NewRegistry()
+	r.promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if err := r.startBroker(); err != nil {
+		return err
+	}
+	defer r.b.Close()
+
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { r.src.Run(ctx, cfg.TLS.ReloadInterval); return nil })
+	if kubeOn, _ := cfg.Kube.enabled(); kubeOn {
+		if err := r.startKube(ctx, g); err != nil {
+			return err
+		}
+	}
+	if err := r.serveFrontEnds(ctx, g); err != nil {
+		return err
+	}
+	return g.Wait()
+}
+
+// parseBrokerFlags is the broker subcommand's configuration from its
+// flags, validated.
+func parseBrokerFlags(args []string, stderr io.Writer) (BrokerCommandConfig, error) {
 	cfg := BrokerCommandConfig{}
 	fs := flag.NewFlagSet("broker", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -94,31 +137,50 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 	cfg.Log.Register(fs)
 	cfg.Kube.register(fs)
 	if err := parseFlags(fs, args); err != nil {
-		return err
+		return cfg, err
 	}
 	cfg.Kube.noteGiven(fs)
-	if err := cfg.Validate(); err != nil {
-		return err
-	}
-	log := cfg.Log.Logger(stderr)
-	kubeOn, _ := cfg.Kube.enabled()
-	var err error
-	reg := &broker.RegistryConfig{}
+	err := cfg.Validate() // before cfg is copied out: it may set fields
+	return cfg, err
+}
+
+// brokerRun is one run of the broker subcommand: what its steps set up and
+// hand on.
+type brokerRun struct {
+	cfg        BrokerCommandConfig
+	log        *slog.Logger
+	reg        *broker.RegistryConfig
+	statusPath string // "": no status socket
+	src        *mtls.FileSource
+	tp         *sdktrace.TracerProvider
+	promReg    *prometheus.Registry
+	b          *broker.Broker
+	// leader and ready are the bridge's, with Kubernetes on.
+	leader func() (bool, string)
+	ready  func() error
+}
+
+// loadRegistry reads the driver registry and checks the front-end sockets
+// before anything is set up.
+func (r *brokerRun) loadRegistry() error {
+	cfg := r.cfg
+	r.reg = &broker.RegistryConfig{}
 	if cfg.RegistryFile != "" {
-		if reg, err = broker.LoadRegistryConfig(cfg.RegistryFile); err != nil {
+		reg, err := broker.LoadRegistryConfig(cfg.RegistryFile)
+		if err != nil {
 			return err
 		}
+		r.reg = reg
 	}
-	// The sockets, checked before anything is set up.
 	sockets := map[string]string{}
 	if cfg.SocketDir != "" {
-		for _, d := range reg.Drivers {
+		for _, d := range r.reg.Drivers {
 			sockets[d.Name] = filepath.Join(cfg.SocketDir, d.Name+".sock")
 		}
 	}
-	statusPath := cfg.StatusSocket
-	if statusPath == "" && cfg.SocketDir != "" {
-		statusPath = filepath.Join(cfg.SocketDir, "csibroker-status.sock")
+	r.statusPath = cfg.StatusSocket
+	if r.statusPath == "" && cfg.SocketDir != "" {
+		r.statusPath = filepath.Join(cfg.SocketDir, "csibroker-status.sock")
 	}
 	absPath := func(p string) string {
 		if a, err := filepath.Abs(p); err == nil {
@@ -127,94 +189,92 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		return filepath.Clean(p)
 	}
 	for name, path := range sockets {
-		if statusPath != "" && absPath(path) == absPath(statusPath) {
+		if r.statusPath != "" && absPath(path) == absPath(r.statusPath) {
 			// Each server would remove the other's socket file.
 			return fmt.Errorf("driver %s's front-end socket %s is the status socket: set --status-socket to another path", name, path)
 		}
 	}
-	src, err := cfg.TLS.Source(log)
-	if err != nil {
-		return err
-	}
-	if id, err := mtls.ParseID(src.Current().ID); err != nil || id.Role != mtls.RoleBroker || id.TrustDomain != cfg.TLS.TrustDomain {
-		return fmt.Errorf("--tls-cert: identity %s is not %s (the broker's identity in --trust-domain %s): proxies would refuse it", src.Current().ID, mtls.BrokerID(cfg.TLS.TrustDomain), cfg.TLS.TrustDomain)
-	}
-	tp, err := telemetry.NewTracerProvider(ctx, "csibroker-broker")
-	if err != nil {
-		return fmt.Errorf("tracing: %w", err)
-	}
-	defer telemetry.ShutdownTracing(ctx, tp, log)
-	promReg := prometheus.NewRegistry()
-	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return nil
+}
 
-	b, err := broker.New(broker.Options{TrustDomain: cfg.TLS.TrustDomain, TLS: src, Logger: log, TracerProvider: tp, Registerer: promReg})
+// startBroker makes the broker with the registry's drivers.
+func (r *brokerRun) startBroker() error {
+	b, err := broker.New(broker.Options{TrustDomain: r.cfg.TLS.TrustDomain, TLS: r.src, Logger: r.log, TracerProvider: r.tp, Registerer: r.promReg})
 	if err != nil {
 		return err
 	}
-	defer b.Close()
-	for _, d := range reg.Drivers {
+	for _, d := range r.reg.Drivers {
 		if d.Timeout == 0 {
-			d.Timeout = cfg.Timeout
+			d.Timeout = r.cfg.Timeout
 		}
-		d.Retry = cfg.fillRetry(d.Retry)
+		d.Retry = r.cfg.fillRetry(d.Retry)
 		if err := b.SetDriver(d); err != nil {
+			b.Close()
 			return err
 		}
 	}
+	r.b = b
+	return nil
+}
 
-	g, ctx := errgroup.WithContext(ctx)
-	g.Go(func() error { src.Run(ctx, cfg.TLS.ReloadInterval); return nil })
-	var leader func() (bool, string)
-	ready := func() error { return nil }
-	if kubeOn {
-		authz, store, err := cfg.Kube.authorizer(log)
-		if err != nil {
-			return err
-		}
-		if ca := cfg.Kube.policyCA; ca != nil {
-			g.Go(func() error { ca.Run(ctx, cfg.TLS.ReloadInterval); return nil })
-		}
-		bridge, restCfg, err := cfg.Kube.bridge(b, authz, cfg.Timeout, log, tp, promReg)
-		if err != nil {
-			return err
-		}
-		leader, ready = bridge.Leader, bridge.Ready
-		if cfg.Kube.PolicyCRDs {
-			gc, err := newGrantController(restCfg, store, bridge, log)
-			if err != nil {
-				return err
-			}
-			if cfg.Kube.PolicyMode != string(policy.ModeOff) {
-				// No claim is decided against a rule set without the
-				// cluster's grants in it.
-				bridge.WaitFor(gc.HasSynced, "SecretGrants not loaded yet (is the SecretGrant CRD installed, and may the broker list SecretGrants?)")
-			}
-			g.Go(func() error { return gc.Run(ctx) })
-		}
-		g.Go(func() error { return bridge.Run(ctx) })
-		g.Go(func() error { cfg.Kube.followDrivers(ctx, b, log); return nil })
-		if cfg.Kube.DiscoverProxies != "" {
-			var static []string
-			for _, d := range reg.Drivers {
-				static = append(static, d.Name)
-			}
-			template := broker.DriverConfig{Timeout: cfg.Timeout, Retry: cfg.fillRetry(broker.RetryConfig{})}
-			disc, err := k8sbridge.NewDiscovery(bridge.InformerClient(), cfg.Kube.DiscoverProxies, cfg.Kube.discoverNamespaces(), b, template, static, log)
-			if err != nil {
-				return err
-			}
-			disc.ReportTo(bridge.Recorder(), func() bool { leading, _ := bridge.Leader(); return leading })
-			g.Go(func() error { return disc.Run(ctx) })
-		}
-		if w := cfg.Kube.policyFile; w != nil {
-			g.Go(func() error { w.Run(ctx, store); return nil })
-		}
+// startKube runs the Kubernetes side in g: the secret policy (file, CA,
+// SecretGrants), the bridge and proxy discovery.
+func (r *brokerRun) startKube(ctx context.Context, g *errgroup.Group) error {
+	cfg, log := r.cfg, r.log
+	authz, store, err := cfg.Kube.authorizer(log)
+	if err != nil {
+		return err
 	}
+	if ca := cfg.Kube.policyCA; ca != nil {
+		g.Go(func() error { ca.Run(ctx, cfg.TLS.ReloadInterval); return nil })
+	}
+	bridge, restCfg, err := cfg.Kube.bridge(r.b, authz, cfg.Timeout, log, r.tp, r.promReg)
+	if err != nil {
+		return err
+	}
+	r.leader, r.ready = bridge.Leader, bridge.Ready
+	if cfg.Kube.PolicyCRDs {
+		gc, err := newGrantController(restCfg, store, bridge, log)
+		if err != nil {
+			return err
+		}
+		if cfg.Kube.PolicyMode != string(policy.ModeOff) {
+			// No claim is decided against a rule set without the
+			// cluster's grants in it.
+			bridge.WaitFor(gc.HasSynced, "SecretGrants not loaded yet (is the SecretGrant CRD installed, and may the broker list SecretGrants?)")
+		}
+		g.Go(func() error { return gc.Run(ctx) })
+	}
+	g.Go(func() error { return bridge.Run(ctx) })
+	g.Go(func() error { cfg.Kube.followDrivers(ctx, r.b, log); return nil })
+	if cfg.Kube.DiscoverProxies != "" {
+		var static []string
+		for _, d := range r.reg.Drivers {
+			static = append(static, d.Name)
+		}
+		template := broker.DriverConfig{Timeout: cfg.Timeout, Retry: cfg.fillRetry(broker.RetryConfig{})}
+		disc, err := discovery.New(bridge.InformerClient(), cfg.Kube.DiscoverProxies, cfg.Kube.discoverNamespaces(), r.b, template, static, log)
+		if err != nil {
+			return err
+		}
+		disc.ReportTo(bridge.Recorder(), func() bool { leading, _ := bridge.Leader(); return leading })
+		g.Go(func() error { return disc.Run(ctx) })
+	}
+	if w := cfg.Kube.policyFile; w != nil {
+		g.Go(func() error { w.Run(ctx, store); return nil })
+	}
+	return nil
+}
+
+// serveFrontEnds serves, in g, the CSI front ends (a socket per driver, the
+// shared mTLS listener), the status socket and the HTTP endpoint.
+func (r *brokerRun) serveFrontEnds(ctx context.Context, g *errgroup.Group) error {
+	cfg, b := r.cfg, r.b
 	if cfg.SocketDir != "" {
 		// Every driver's, those discovery finds included, as they come
 		// and go.
 		g.Go(func() error {
-			if err := b.ServeSocketDir(ctx, cfg.SocketDir, statusPath); err != nil {
+			if err := b.ServeSocketDir(ctx, cfg.SocketDir, r.statusPath); err != nil {
 				return fmt.Errorf("--socket-dir %s: %w", cfg.SocketDir, err)
 			}
 			return nil
@@ -228,28 +288,28 @@ func runBroker(ctx context.Context, args []string, _, stderr io.Writer) error {
 		// Front-end callers are orchestrators and tools with a client
 		// identity (or the broker's own); never a driver's proxy.
 		g.Go(func() error {
-			return b.ServeTCP(ctx, lis, mtls.ServerConfig(src, mtls.AuthorizeFrontEndCaller(cfg.TLS.TrustDomain)))
+			return b.ServeTCP(ctx, lis, mtls.ServerConfig(r.src, mtls.AuthorizeFrontEndCaller(cfg.TLS.TrustDomain)))
 		})
 	}
-	if statusPath != "" {
+	if r.statusPath != "" {
 		g.Go(func() error {
-			return serveStatus(ctx, statusPath, &broker.StatusServer{B: b, Version: version, Leader: leader})
+			return serveStatus(ctx, r.statusPath, &broker.StatusServer{B: b, Version: version, Leader: r.leader})
 		})
 	}
 	if cfg.HTTPEndpoint != "" {
 		mux := http.NewServeMux()
 		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
 		mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
-			if err := ready(); err != nil {
+			if err := r.ready(); err != nil {
 				http.Error(w, err.Error(), http.StatusServiceUnavailable)
 				return
 			}
 			fmt.Fprintln(w, "ok")
 		})
-		mux.Handle(cfg.MetricsPath, promhttp.HandlerFor(promReg, promhttp.HandlerOpts{EnableOpenMetrics: true}))
-		g.Go(func() error { return serveHTTP(ctx, cfg.HTTPEndpoint, mux, log) })
+		mux.Handle(cfg.MetricsPath, promhttp.HandlerFor(r.promReg, promhttp.HandlerOpts{EnableOpenMetrics: true}))
+		g.Go(func() error { return serveHTTP(ctx, cfg.HTTPEndpoint, mux, r.log) })
 	}
-	return g.Wait()
+	return nil
 }
 
 func serveStatus(ctx context.Context, path string, s *broker.StatusServer) error {

@@ -8,18 +8,19 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/csibroker/csibroker/k8sbridge"
+	"github.com/csibroker/csibroker/k8sbridge/grants"
 	"github.com/csibroker/csibroker/policy"
 )
 
 // newGrantController makes the controller that keeps store in step with the
 // cluster's SecretGrant objects on every replica (standbys decide with warm
 // rules); only the leader writes their status.
-func newGrantController(cfg *rest.Config, store *policy.Store, b *k8sbridge.Bridge, log *slog.Logger) (*k8sbridge.GrantController, error) {
+func newGrantController(cfg *rest.Config, store *policy.Store, b *k8sbridge.Bridge, log *slog.Logger) (*grants.Controller, error) {
 	dyn, err := dynamic.NewForConfig(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("SecretGrant controller: %w", err)
 	}
-	return k8sbridge.NewGrantController(dyn, store, log, func() bool {
+	return grants.NewController(dyn, store, log, func() bool {
 		leading, _ := b.Leader()
 		return leading
 	}), nil

@@ -1,0 +1,282 @@
+package kube
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"k8s.io/client-go/util/workqueue"
+)
+
+// TermQueue is a rate-limited workqueue that exists only while this replica
+// leads: every leadership term gets a fresh one (a shut-down workqueue drops
+// every Add), and informer handlers that fire between terms add nothing,
+// since each term starts by listing everything from the caches.
+type TermQueue struct {
+	name       string
+	start, max time.Duration
+
+	slots *DriverSlots // set by withSlots, if the keys take per-driver slots
+
+	mu sync.Mutex
+	q  workqueue.TypedRateLimitingInterface[string]
+}
+
+func NewTermQueue(name string, start, max time.Duration) *TermQueue {
+	return &TermQueue{name: name, start: start, max: max}
+}
+
+// begin makes the queue of a new term.
+func (t *TermQueue) begin() workqueue.TypedRateLimitingInterface[string] {
+	q := workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](t.start, t.max),
+		workqueue.TypedRateLimitingQueueConfig[string]{Name: t.name})
+	t.mu.Lock()
+	t.q = q
+	t.mu.Unlock()
+	return q
+}
+
+// end shuts the term's queue down.
+func (t *TermQueue) end() {
+	t.mu.Lock()
+	q := t.q
+	t.q = nil
+	t.mu.Unlock()
+	if q != nil {
+		q.ShutDown()
+	}
+}
+
+func (t *TermQueue) current() workqueue.TypedRateLimitingInterface[string] {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.q
+}
+
+// Add enqueues key if a term is running.
+func (t *TermQueue) Add(key string) {
+	if q := t.current(); q != nil {
+		q.Add(key)
+	}
+}
+
+// Forget drops key's backoff if a term is running.
+func (t *TermQueue) Forget(key string) {
+	if q := t.current(); q != nil {
+		q.Forget(key)
+	}
+}
+
+// Len is the number of waiting keys, those in a driver's line included
+// (0 between terms). A key in line that an update queued again counts
+// twice until it runs.
+func (t *TermQueue) Len() int {
+	q := t.current()
+	if q == nil {
+		return 0
+	}
+	n := q.Len()
+	if t.slots != nil {
+		n += t.slots.waitingLen()
+	}
+	return n
+}
+
+// Work runs one term of a controller: a fresh queue filled by fill, n
+// workers calling handle for each key until ctx ends. handle's error requeues
+// the key with its backoff; a positive duration requeues it plainly (waiting,
+// not failing); waitForSlot leaves it to its driver's line (its backoff
+// kept); otherwise the key's backoff is forgotten.
+func (t *TermQueue) Work(ctx context.Context, n int, fill func(), handle func(context.Context, string) (time.Duration, error), extra ...func(context.Context)) {
+	if t.slots != nil {
+		t.slots.reset()
+	}
+	q := t.begin()
+	defer t.end()
+	fill()
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				key, quit := q.Get()
+				if quit {
+					return
+				}
+				if ctx.Err() != nil {
+					// The term is over: a shut-down queue still hands out
+					// what it holds; the next term lists everything again.
+					q.Done(key)
+					continue
+				}
+				requeue, err := handle(ctx, key)
+				if t.slots != nil && requeue != WaitForSlot {
+					// After waitForSlot, a slot handed to key was handed
+					// after its acquire (which takes one handed before):
+					// the key is queued again and takes it then.
+					t.slots.settle(key)
+				}
+				switch {
+				case err != nil:
+					q.AddRateLimited(key)
+				case requeue > 0:
+					q.AddAfter(key, requeue)
+				case requeue == WaitForSlot:
+				default:
+					q.Forget(key)
+				}
+				q.Done(key)
+			}
+		}()
+	}
+	for _, f := range extra {
+		wg.Add(1)
+		go func() { defer wg.Done(); f(ctx) }()
+	}
+	<-ctx.Done()
+	q.ShutDown()
+	wg.Wait()
+}
+
+// WaitForSlot is what a handler returns when its key waits in its
+// driver's line (driverSlots.acquire said so): neither a failure nor a
+// timed requeue, since the slot's release queues the key again.
+const WaitForSlot time.Duration = -1
+
+// DriverSlots counts each driver's operations in progress against
+// Config.PerDriverWorkers, so that one slow driver cannot take every worker
+// of a controller. Each controller that honours the limit has its own:
+// --worker-threads and --per-driver-workers (whose default is
+// --worker-threads) count one controller's workers, and expansions waiting
+// for a slow driver must not hold up provisioning for it.
+//
+// A key that finds its driver at the limit waits in the driver's line,
+// first come first served, instead of looking again and again: a slot
+// given back goes to the first key in line, which is queued again (wake)
+// holding it, so a key that arrives meanwhile cannot take it first. A key
+// handed a slot that it does not take (its object changed or went) gives
+// it on when its handler returns (settle).
+type DriverSlots struct {
+	limit int              // Validate makes it at least 1
+	wake  func(key string) // queues a key again
+
+	mu      sync.Mutex
+	busy    map[string]int      // driver → slots taken or handed to a key
+	line    map[string][]string // driver → keys waiting, in arrival order
+	waiting map[string]string   // key → the driver whose line it is in
+	handed  map[string]string   // key → the driver whose slot it was handed
+}
+
+func NewDriverSlots(limit int, wake func(string)) *DriverSlots {
+	return &DriverSlots{limit: limit, wake: wake, busy: map[string]int{}, line: map[string][]string{},
+		waiting: map[string]string{}, handed: map[string]string{}}
+}
+
+// WithSlots gives the queue's keys per-driver slots: a key waiting in a
+// driver's line counts in Len, the slot's release queues it again, and
+// work settles each key's handed slot after its handler.
+func (t *TermQueue) WithSlots(limit int) *DriverSlots {
+	t.slots = NewDriverSlots(limit, t.Add)
+	return t.slots
+}
+
+// Acquire takes one of driver's slots for key. false means the driver is
+// at its limit: key is in the driver's line (keeping its place if it was
+// already) and the caller returns waitForSlot. An empty key (work that
+// is not a queue's) never waits in line.
+func (s *DriverSlots) Acquire(driver, key string) bool {
+	s.mu.Lock()
+	var next string
+	defer func() {
+		s.mu.Unlock()
+		if next != "" {
+			s.wake(next)
+		}
+	}()
+	if d, ok := s.handed[key]; ok {
+		delete(s.handed, key)
+		if d == driver {
+			return true
+		}
+		next = s.giveBackLocked(d) // its driver changed: the slot goes on
+	}
+	if s.busy[driver] < s.limit {
+		s.busy[driver]++
+		return true
+	}
+	if key != "" && s.waiting[key] == "" {
+		s.waiting[key] = driver
+		s.line[driver] = append(s.line[driver], key)
+	}
+	return false
+}
+
+// Release gives back a slot taken by acquire.
+func (s *DriverSlots) Release(driver string) {
+	s.mu.Lock()
+	next := s.giveBackLocked(driver)
+	s.mu.Unlock()
+	if next != "" {
+		s.wake(next)
+	}
+}
+
+// settle gives on a slot handed to key that key's handler did not take.
+func (s *DriverSlots) settle(key string) {
+	s.mu.Lock()
+	d, ok := s.handed[key]
+	if !ok {
+		s.mu.Unlock()
+		return
+	}
+	delete(s.handed, key)
+	next := s.giveBackLocked(d)
+	s.mu.Unlock()
+	if next != "" {
+		s.wake(next)
+	}
+}
+
+// giveBackLocked hands driver's freed slot to the first key in its line,
+// which the caller wakes, or frees it if none waits.
+func (s *DriverSlots) giveBackLocked(driver string) (next string) {
+	if l := s.line[driver]; len(l) > 0 {
+		next = l[0]
+		if len(l) == 1 {
+			delete(s.line, driver)
+		} else {
+			s.line[driver] = l[1:]
+		}
+		delete(s.waiting, next)
+		s.handed[next] = driver
+		return next
+	}
+	if s.busy[driver]--; s.busy[driver] <= 0 {
+		delete(s.busy, driver)
+	}
+	return ""
+}
+
+// reset starts a term: the lines and the slots handed but not taken are
+// of the last term's queue, whose keys the new term lists again.
+func (s *DriverSlots) reset() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, d := range s.handed {
+		if s.busy[d]--; s.busy[d] <= 0 {
+			delete(s.busy, d)
+		}
+	}
+	clear(s.handed)
+	clear(s.line)
+	clear(s.waiting)
+}
+
+// waitingLen is the number of keys waiting in a line.
+func (s *DriverSlots) waitingLen() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.waiting)
+}

@@ -1,0 +1,127 @@
+package kube
+
+import (
+	"slices"
+	"testing"
+)
+
+// slotsUnderTest is a driverSlots whose woken keys are recorded in order.
+type slotsUnderTest struct {
+	*DriverSlots
+	woken []string
+}
+
+func newSlotsUnderTest(limit int) *slotsUnderTest {
+	s := &slotsUnderTest{}
+	s.DriverSlots = NewDriverSlots(limit, func(key string) { s.woken = append(s.woken, key) })
+	return s
+}
+
+func (s *slotsUnderTest) mustAcquire(t *testing.T, driver, key string, want bool) {
+	t.Helper()
+	if got := s.Acquire(driver, key); got != want {
+		t.Fatalf("acquire(%s, %s) = %v, want %v", driver, key, got, want)
+	}
+}
+
+// empty: nothing taken, handed or waiting is left behind.
+func (s *slotsUnderTest) empty(t *testing.T) {
+	t.Helper()
+	if len(s.busy)+len(s.line)+len(s.waiting)+len(s.handed) != 0 {
+		t.Errorf("left behind: busy %v, line %v, waiting %v, handed %v", s.busy, s.line, s.waiting, s.handed)
+	}
+}
+
+// TestDriverSlots: each driver has PerDriverWorkers slots of its own; a
+// slot given back with nobody waiting can be taken again, and a driver
+// with none taken leaves nothing behind.
+func TestDriverSlots(t *testing.T) {
+	s := newSlotsUnderTest(2)
+	s.mustAcquire(t, "a", "k1", true)
+	s.mustAcquire(t, "a", "k2", true)
+	s.mustAcquire(t, "b", "k3", true) // b has its own
+	s.mustAcquire(t, "a", "", false)  // recovery: no key, so no place in line
+	s.Release("a")
+	s.mustAcquire(t, "a", "k4", true)
+	if len(s.woken) != 0 {
+		t.Errorf("woke %v with nobody in line", s.woken)
+	}
+	s.Release("a")
+	s.Release("a")
+	s.Release("b")
+	s.empty(t)
+}
+
+// TestDriverSlotsServeTheLineInOrder: keys that find their driver at the
+// limit wait in line and are handed the freed slots first come first
+// served; a newcomer cannot take a slot handed to a key in line; a key
+// that comes back while in line keeps its place.
+func TestDriverSlotsServeTheLineInOrder(t *testing.T) {
+	s := newSlotsUnderTest(1)
+	s.mustAcquire(t, "a", "first", true)
+	for _, k := range []string{"w1", "w2", "w3"} {
+		s.mustAcquire(t, "a", k, false)
+	}
+	s.mustAcquire(t, "a", "w1", false) // queued again by an update: keeps its place
+	if got := s.waitingLen(); got != 3 {
+		t.Errorf("waitingLen %d, want 3", got)
+	}
+	s.Release("a")
+	if !slices.Equal(s.woken, []string{"w1"}) {
+		t.Fatalf("woken %v, want [w1]", s.woken)
+	}
+	s.mustAcquire(t, "a", "newcomer", false) // the slot is w1's
+	s.mustAcquire(t, "a", "w1", true)
+	s.Release("a")
+	s.mustAcquire(t, "a", "w2", true)
+	s.Release("a")
+	s.mustAcquire(t, "a", "w3", true)
+	s.Release("a")
+	s.mustAcquire(t, "a", "newcomer", true)
+	s.Release("a")
+	if want := []string{"w1", "w2", "w3", "newcomer"}; !slices.Equal(s.woken, want) {
+		t.Errorf("woken in the order %v, want %v", s.woken, want)
+	}
+	s.empty(t)
+}
+
+// TestDriverSlotsSettleAnUntakenSlot: a key handed a slot whose handler
+// returns without taking it (its object went) passes the slot on to the
+// next in line, or frees it; reset drops the lines and the handed slots
+// of a term that ended.
+func TestDriverSlotsSettleAnUntakenSlot(t *testing.T) {
+	s := newSlotsUnderTest(1)
+	s.mustAcquire(t, "a", "first", true)
+	s.mustAcquire(t, "a", "gone", false)
+	s.mustAcquire(t, "a", "next", false)
+	s.Release("a")   // handed to "gone"
+	s.settle("gone") // its handler found nothing to do
+	if want := []string{"gone", "next"}; !slices.Equal(s.woken, want) {
+		t.Fatalf("woken %v, want %v", s.woken, want)
+	}
+	s.settle("next")
+	s.empty(t)
+
+	// A key handed a slot of a driver it no longer asks for passes it on.
+	s.mustAcquire(t, "a", "first", true)
+	s.mustAcquire(t, "a", "moved", false)
+	s.Release("a")
+	s.mustAcquire(t, "b", "moved", true)
+	s.Release("b")
+	s.empty(t)
+
+	// A term ends with a slot taken, one handed and keys in line.
+	s.mustAcquire(t, "a", "k1", true)
+	s.mustAcquire(t, "a", "k2", false)
+	s.mustAcquire(t, "a", "k3", false)
+	s.mustAcquire(t, "b", "k4", true)
+	s.Release("a") // handed to k2, whose queue shut down
+	s.reset()
+	if got := s.waitingLen(); got != 0 {
+		t.Errorf("waitingLen %d after reset, want 0", got)
+	}
+	s.mustAcquire(t, "a", "k3", true) // a's only slot was handed, not taken
+	s.Release("a")
+	s.Release("b") // k4's handler, still running at the reset
+	s.empty(t)
+}
