@@ -25,9 +25,44 @@
 // expired or no longer verifies is refused and closed. It makes one server
 // span per call (otelgrpc; its context is what the driver receives, as W3C
 // trace context) and go-grpc-middleware's grpc_server_* metrics, whose
-// method and code labels are bounded (rawgrpc.OtherMethod). It serves
-// /healthz and /readyz, and a small info API of its own (proto/proxyinfo)
-// on the same server.
+// method and code labels are bounded (rawgrpc.OtherMethod). It serves a
+// small info API of its own (proto/proxyinfo) on the same server.
+//
+// # Health
+//
+// On its HTTP endpoint, as livenessprobe and node-driver-registrar's
+// health port do for a driver without csibroker:
+//
+//   - /healthz/driver is the driver's liveness: the driver answers Probe
+//     within Config.ProbeTimeout (--probe-timeout). An answer of ready:
+//     false is still alive (a driver that is starting is not restarted for
+//     it; /readyz says it is not ready); an error, a socket nobody
+//     answers, or no answer in time is not. The driver container's
+//     livenessProbe points here.
+//   - /livez is the proxy's own health: with kubelet registration on, it
+//     fails while the registration socket is missing or cannot be created;
+//     otherwise it passes. The proxy container's livenessProbe points
+//     here: restarting the driver would not bring a registration back.
+//   - /healthz is both, one line per check.
+//   - /readyz: the driver answers Probe and does not say it is not ready.
+//
+// # Kubelet registration
+//
+// A node plugin's proxy (Config.Node) given Config.KubeletRegistrationPath
+// registers the driver with the kubelet as node-driver-registrar does: it
+// serves the kubelet's plugin-registration API
+// (k8s.io/kubelet/pkg/apis/pluginregistration/v1, on grpcsrv's hardened
+// options) on <Config.PluginRegistrationDir>/<driver>-reg.sock, advertising
+// type CSIPlugin, the driver's name from GetPluginInfo, its socket as the
+// kubelet sees it, and CSI version 1.0.0; it logs the kubelet's
+// NotifyRegistrationStatus. Every Config.RegistrationCheckInterval it
+// looks at the driver's socket and at the registration socket: a new
+// driver socket (the driver restarted) means GetPluginInfo again and a
+// new registration socket, under the name the driver now gives; a
+// registration socket someone removed is created again. The kubelet
+// registers a driver again whenever its socket is created anew. When the
+// proxy stops the socket is removed, and the kubelet deregisters the
+// driver.
 //
 // It must never call Kubernetes or the broker, and never log message bodies.
 package proxy

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"time"
@@ -46,8 +47,20 @@ type Config struct {
 	TLS *tls.Config
 	// Identity is our own SPIFFE ID, reported by GetInfo.
 	Identity string
-	// ProbeTimeout bounds the Probe behind /readyz and GetInfo.
+	// ProbeTimeout bounds each of the proxy's own calls to the driver: the
+	// Probe behind /healthz, /readyz and GetInfo, and GetPluginInfo.
 	ProbeTimeout time.Duration
+	// KubeletRegistrationPath is the driver's socket as the kubelet sees
+	// it (the host path). Set, with Node, the proxy registers the driver
+	// with the kubelet as node-driver-registrar does; empty, it does not.
+	KubeletRegistrationPath string
+	// PluginRegistrationDir is the kubelet's plugin registry as the proxy
+	// sees it (default DefaultPluginRegistrationDir); the registration
+	// socket is <dir>/<driver name>-reg.sock.
+	PluginRegistrationDir string
+	// RegistrationCheckInterval is how often the proxy looks at the
+	// driver's socket and the registration socket (default 1s).
+	RegistrationCheckInterval time.Duration
 	// MaxMsgSize bounds a message in either direction, forwarded or the
 	// proxy's own.
 	MaxMsgSize int
@@ -67,6 +80,9 @@ type Config struct {
 // DefaultMaxConcurrentCalls is Config.MaxConcurrentCalls' default.
 const DefaultMaxConcurrentCalls = 256
 
+// DefaultProbeTimeout is Config.ProbeTimeout's default.
+const DefaultProbeTimeout = 3 * time.Second
+
 // Validate checks the configuration and fills defaults.
 func (c *Config) Validate() error {
 	if c.DriverEndpoint == "" {
@@ -78,8 +94,22 @@ func (c *Config) Validate() error {
 	if c.TLS == nil {
 		return errors.New("TLS configuration is required: the proxy never listens in plain text")
 	}
+	if c.KubeletRegistrationPath != "" {
+		if c.Node == "" {
+			return errors.New("kubelet registration is for a node plugin's proxy: it needs the node")
+		}
+		if !filepath.IsAbs(c.KubeletRegistrationPath) {
+			return fmt.Errorf("kubelet registration path %q is not an absolute path", c.KubeletRegistrationPath)
+		}
+		if c.PluginRegistrationDir == "" {
+			c.PluginRegistrationDir = DefaultPluginRegistrationDir
+		}
+		if c.RegistrationCheckInterval <= 0 {
+			c.RegistrationCheckInterval = time.Second
+		}
+	}
 	if c.ProbeTimeout <= 0 {
-		c.ProbeTimeout = 3 * time.Second
+		c.ProbeTimeout = DefaultProbeTimeout
 	}
 	if c.MaxMsgSize <= 0 {
 		c.MaxMsgSize = 64 << 20
@@ -107,6 +137,7 @@ type Proxy struct {
 	srv    *grpc.Server
 	slots  chan struct{} // one per call the driver may have at once
 	log    *slog.Logger
+	reg    *registration // nil unless the proxy registers the driver with the kubelet
 
 	// driverDown: the last dial of the driver's socket failed (logged when
 	// it starts failing and when it answers again, not at every dial).
@@ -159,6 +190,11 @@ func New(cfg Config) (*Proxy, error) {
 		return nil, fmt.Errorf("proxy: driver endpoint %s: %w", cfg.DriverEndpoint, err)
 	}
 	p.driver = conn
+	if cfg.KubeletRegistrationPath != "" {
+		p.reg = &registration{driver: conn, target: path, dir: cfg.PluginRegistrationDir,
+			kubeletPath: cfg.KubeletRegistrationPath, interval: cfg.RegistrationCheckInterval,
+			timeout: cfg.ProbeTimeout, log: p.log.With("component", "registration")}
+	}
 
 	metrics := grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
 		grpcprom.WithHistogramBuckets(prometheus.ExponentialBucketsRange(10e-6, 120, 24))))
@@ -324,13 +360,20 @@ func (p *Proxy) Close() error {
 	return p.driver.Close()
 }
 
-// Ready probes the driver.
+// Alive probes the driver: any answer within ProbeTimeout, ready or not,
+// is alive (a driver still starting is not restarted for it); an error, a
+// driver that cannot be reached, or no answer in time is not.
+func (p *Proxy) Alive(ctx context.Context) error {
+	_, err := p.probe(ctx)
+	return err
+}
+
+// Ready probes the driver: it is ready if it answers and does not say it
+// is not ready.
 func (p *Proxy) Ready(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, p.cfg.ProbeTimeout)
-	defer cancel()
-	resp, err := csi.NewIdentityClient(p.driver).Probe(ctx, &csi.ProbeRequest{})
+	resp, err := p.probe(ctx)
 	if err != nil {
-		return fmt.Errorf("driver at %s: probe: %w", p.target, err)
+		return err
 	}
 	if r := resp.GetReady(); r != nil && !r.GetValue() {
 		return fmt.Errorf("driver at %s: probe: not ready", p.target)
@@ -338,16 +381,83 @@ func (p *Proxy) Ready(ctx context.Context) error {
 	return nil
 }
 
-// HTTPHandler serves /healthz, /readyz and /metrics.
-func (p *Proxy) HTTPHandler(metricsPath string) http.Handler {
-	mux := http.NewServeMux()
-	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
-	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
-		if err := p.Ready(r.Context()); err != nil {
-			http.Error(w, err.Error(), http.StatusServiceUnavailable)
-			return
+func (p *Proxy) probe(ctx context.Context) (*csi.ProbeResponse, error) {
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.ProbeTimeout)
+	defer cancel()
+	resp, err := csi.NewIdentityClient(p.driver).Probe(ctx, &csi.ProbeRequest{})
+	if err != nil {
+		return nil, fmt.Errorf("driver at %s: probe: %w", p.target, err)
+	}
+	return resp, nil
+}
+
+// RunRegistration registers the driver with the kubelet until ctx is
+// done, then removes the registration socket; it returns at once if the
+// proxy does not register (no Config.KubeletRegistrationPath).
+func (p *Proxy) RunRegistration(ctx context.Context) {
+	if p.reg != nil {
+		p.reg.run(ctx)
+	}
+}
+
+// Live is the proxy's own health: with kubelet registration on, it fails
+// while the registration socket is missing or could not be created;
+// otherwise it always passes.
+func (p *Proxy) Live() error {
+	if p.reg == nil {
+		return nil
+	}
+	return p.reg.check()
+}
+
+// healthCheck is one named check of /healthz.
+type healthCheck struct {
+	name  string
+	check func(*http.Request) error
+}
+
+// serveChecks runs checks in order and answers 200 if all pass, 503 if
+// any fails, with one line per check.
+func serveChecks(w http.ResponseWriter, r *http.Request, checks ...healthCheck) {
+	var body strings.Builder
+	failed := false
+	for _, c := range checks {
+		if err := c.check(r); err != nil {
+			failed = true
+			fmt.Fprintf(&body, "%s: failed: %v\n", c.name, err)
+		} else {
+			fmt.Fprintf(&body, "%s: ok\n", c.name)
 		}
-		fmt.Fprintln(w, "ok")
+	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	if failed {
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}
+	fmt.Fprint(w, body.String())
+}
+
+// HTTPHandler serves the health endpoints and /metrics:
+//
+//   - /healthz/driver: the driver answers Probe within ProbeTimeout
+//     (Alive), for the driver container's livenessProbe;
+//   - /livez: the proxy's own health (Live: the registration socket, on a
+//     node proxy that registers the driver), for the proxy container's
+//     livenessProbe;
+//   - /healthz: both;
+//   - /readyz: the driver answers Probe and is ready (Ready).
+func (p *Proxy) HTTPHandler(metricsPath string) http.Handler {
+	driver := healthCheck{"driver", func(r *http.Request) error { return p.Alive(r.Context()) }}
+	own := healthCheck{"proxy", func(*http.Request) error { return nil }}
+	if p.reg != nil {
+		own = healthCheck{"registration", func(*http.Request) error { return p.Live() }}
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { serveChecks(w, r, driver, own) })
+	mux.HandleFunc("/healthz/driver", func(w http.ResponseWriter, r *http.Request) { serveChecks(w, r, driver) })
+	mux.HandleFunc("/livez", func(w http.ResponseWriter, r *http.Request) { serveChecks(w, r, own) })
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
+		serveChecks(w, r, healthCheck{"driver", func(r *http.Request) error { return p.Ready(r.Context()) }})
 	})
 	if p.cfg.Gatherer != nil {
 		if metricsPath == "" {

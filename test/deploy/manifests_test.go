@@ -1,7 +1,6 @@
 package deploy
 
 import (
-	"crypto/tls"
 	"net"
 	"os"
 	"path"
@@ -45,6 +44,7 @@ var (
 	proxyFlags = []string{
 		"driver-endpoint", "listen", "node", "http-endpoint", "metrics-path", "tls-cert", "tls-key",
 		"tls-ca", "trust-domain", "tls-reload-interval", "v", "log-format",
+		"probe-timeout", "kubelet-registration-path", "plugin-registration-path", "max-concurrent-calls",
 	}
 	sampleDriverFlags = []string{"endpoint", "name", "node-id", "state-dir", "topology", "capacity", "max-volumes-per-node", "fault", "exit-after", "fault-seed", "disable-publish", "nodes"}
 	boolFlags         = []string{"leader-election", "extra-create-metadata", "strict-topology", "immediate-topology", "policy-crds", "disable-publish"}
@@ -303,18 +303,19 @@ func hasResources(t *testing.T, where string, c corev1.Container) {
 	}
 }
 
-// proxyProbeTimeout is how long the proxy's /readyz waits for the driver's
-// Probe: the proxy's default, which the proxy command does not change.
-func proxyProbeTimeout(t *testing.T) time.Duration {
+// proxyProbeTimeout is how long the proxy's /healthz and /readyz wait for
+// the driver's Probe: the proxy's --probe-timeout, or its default.
+func proxyProbeTimeout(t *testing.T, cmd command) time.Duration {
 	t.Helper()
-	if strings.Contains(cmdSource(t), "ProbeTimeout") {
-		t.Fatal("the proxy command sets proxy.Config.ProbeTimeout: read the value it sets")
+	v, ok := cmd.flags["probe-timeout"]
+	if !ok {
+		return proxy.DefaultProbeTimeout
 	}
-	cfg := proxy.Config{DriverEndpoint: "unix:///csi/csi.sock", TLS: &tls.Config{}}
-	if err := cfg.Validate(); err != nil {
-		t.Fatal(err)
+	d, err := time.ParseDuration(v)
+	if err != nil || d <= 0 {
+		t.Errorf("--probe-timeout=%s: want a positive duration", v)
 	}
-	return cfg.ProbeTimeout
+	return d
 }
 
 func selects(t *testing.T, selector map[string]string, podLabels map[string]string) bool {
@@ -650,7 +651,7 @@ func TestExamples(t *testing.T) {
 			// slow Probe reads as a failed one (the kubelet's default
 			// timeout is 1s).
 			if rp := p.ReadinessProbe; rp != nil {
-				if got, want := time.Duration(rp.TimeoutSeconds)*time.Second, proxyProbeTimeout(t); got <= want {
+				if got, want := time.Duration(rp.TimeoutSeconds)*time.Second, proxyProbeTimeout(t, cmd); got <= want {
 					t.Errorf("proxy readinessProbe timeoutSeconds %d: want more than /readyz's %v", rp.TimeoutSeconds, want)
 				}
 			}

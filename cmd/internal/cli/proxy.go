@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"path"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -29,8 +31,16 @@ type ProxyCommandConfig struct {
 	MetricsPath    string
 	// MaxConcurrentCalls bounds the calls the driver has at once.
 	MaxConcurrentCalls int
-	TLS                TLSFlags
-	Log                LogFlags
+	// ProbeTimeout bounds the proxy's own calls to the driver (the Probe
+	// behind /healthz and /readyz, GetPluginInfo).
+	ProbeTimeout time.Duration
+	// KubeletRegistrationPath, set on a node proxy, registers the driver
+	// with the kubelet; PluginRegistrationPath is the kubelet's plugin
+	// registry as the proxy's container sees it.
+	KubeletRegistrationPath string
+	PluginRegistrationPath  string
+	TLS                     TLSFlags
+	Log                     LogFlags
 }
 
 // Validate checks the flags.
@@ -43,6 +53,23 @@ func (c *ProxyCommandConfig) Validate() error {
 	}
 	if c.Listen == "" {
 		errs = append(errs, errors.New("--listen is required"))
+	}
+	if c.ProbeTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("--probe-timeout must be positive, got %v", c.ProbeTimeout))
+	}
+	if c.KubeletRegistrationPath != "" {
+		if c.Node == "" {
+			errs = append(errs, errors.New("--kubelet-registration-path needs --node: only a node plugin registers with the kubelet"))
+		}
+		if !path.IsAbs(c.KubeletRegistrationPath) {
+			errs = append(errs, fmt.Errorf("--kubelet-registration-path %q: want the driver socket's absolute path on the host", c.KubeletRegistrationPath))
+		}
+		if !path.IsAbs(c.PluginRegistrationPath) {
+			errs = append(errs, fmt.Errorf("--plugin-registration-path %q: want an absolute path", c.PluginRegistrationPath))
+		}
+	}
+	if c.MetricsPath == "/livez" || c.MetricsPath == "/healthz/driver" {
+		errs = append(errs, fmt.Errorf("--metrics-path %q: taken by the proxy's health endpoint", c.MetricsPath))
 	}
 	if c.MaxConcurrentCalls < 1 {
 		errs = append(errs, fmt.Errorf("--max-concurrent-calls must be at least 1, got %d", c.MaxConcurrentCalls))
@@ -61,10 +88,16 @@ func RunProxy(ctx context.Context, name, version string, args []string, stderr i
 	fs.StringVar(&cfg.DriverEndpoint, "driver-endpoint", "", "the driver's CSI socket, unix:///path")
 	fs.StringVar(&cfg.Listen, "listen", ":7443", "address of the mTLS listener the broker connects to")
 	fs.StringVar(&cfg.Node, "node", "", "node name for a node plugin's proxy (its certificate must name it); empty for a controller proxy")
-	fs.StringVar(&cfg.HTTPEndpoint, "http-endpoint", "", "address for /healthz, /readyz and metrics (empty: off)")
+	fs.StringVar(&cfg.HTTPEndpoint, "http-endpoint", "", "address for /healthz, /healthz/driver, /livez, /readyz and metrics (empty: off)")
 	fs.StringVar(&cfg.MetricsPath, "metrics-path", "/metrics", "path of the Prometheus metrics on --http-endpoint")
 	fs.IntVar(&cfg.MaxConcurrentCalls, "max-concurrent-calls", proxy.DefaultMaxConcurrentCalls,
 		"the most calls the driver is sent at once, over all broker connections (more wait for a slot within their deadline)")
+	fs.DurationVar(&cfg.ProbeTimeout, "probe-timeout", proxy.DefaultProbeTimeout,
+		"how long the driver has to answer the Probe behind /healthz and /readyz (and GetPluginInfo)")
+	fs.StringVar(&cfg.KubeletRegistrationPath, "kubelet-registration-path", "",
+		"the driver's socket path on the host, as the kubelet sees it: set on a node proxy, the proxy registers the driver with the kubelet (empty: off)")
+	fs.StringVar(&cfg.PluginRegistrationPath, "plugin-registration-path", proxy.DefaultPluginRegistrationDir,
+		"the kubelet's plugin registry directory, as the proxy sees it (with --kubelet-registration-path)")
 	cfg.TLS.Register(fs)
 	cfg.Log.Register(fs)
 	if err := ParseFlags(fs, args); err != nil {
@@ -91,12 +124,17 @@ func RunProxy(ctx context.Context, name, version string, args []string, stderr i
 		Node:               cfg.Node,
 		Version:            version,
 		MaxConcurrentCalls: cfg.MaxConcurrentCalls,
+		ProbeTimeout:       cfg.ProbeTimeout,
 		Identity:           src.Current().ID,
-		TLS:                mtls.ServerConfig(src, mtls.AuthorizeOneOf(mtls.BrokerID(cfg.TLS.TrustDomain))),
-		Logger:             log,
-		TracerProvider:     tp,
-		Registerer:         reg,
-		Gatherer:           reg,
+
+		KubeletRegistrationPath: cfg.KubeletRegistrationPath,
+		PluginRegistrationDir:   cfg.PluginRegistrationPath,
+
+		TLS:            mtls.ServerConfig(src, mtls.AuthorizeOneOf(mtls.BrokerID(cfg.TLS.TrustDomain))),
+		Logger:         log,
+		TracerProvider: tp,
+		Registerer:     reg,
+		Gatherer:       reg,
 	})
 	if err != nil {
 		return err
@@ -115,6 +153,7 @@ func RunProxy(ctx context.Context, name, version string, args []string, stderr i
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { src.Run(ctx, cfg.TLS.ReloadInterval); return nil })
 	g.Go(func() error { return p.Serve(ctx, lis) })
+	g.Go(func() error { p.RunRegistration(ctx); return nil })
 	if cfg.HTTPEndpoint != "" {
 		g.Go(func() error { return ServeHTTP(ctx, cfg.HTTPEndpoint, p.HTTPHandler(cfg.MetricsPath), log) })
 	}
