@@ -88,6 +88,13 @@ authentication: {anonymous: {enabled: true}, webhook: {enabled: false}}
 authorization: {mode: AlwaysAllow}
 containerRuntimeEndpoint: unix://%s
 `, port, healthz, ctdSock))
+	// The kubelet bind-mounts its root directory on itself: undone once it
+	// has stopped (cleanups run last first), before dir is removed.
+	t.Cleanup(func() {
+		if err := syscall.Unmount(root, syscall.MNT_DETACH); err != nil && err != syscall.EINVAL && err != syscall.ENOENT {
+			t.Errorf("unmount %s: %v", root, err)
+		}
+	})
 	start(t, dir, "kubelet", kubelet, "--config", conf, "--kubeconfig", env.Kubeconfig, "--root-dir", root,
 		"--cert-dir", filepath.Join(dir, "kubelet-pki"), "--hostname-override", nodeName, "--v=2")
 
