@@ -24,6 +24,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/csibroker/csibroker/internal/budget"
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
@@ -345,6 +346,7 @@ func (a *Controller) syncVA(ctx context.Context, name string) (time.Duration, er
 		return kube.WaitForSlot, nil
 	}
 	defer a.slots.Release(driver)
+	ctx = budget.WithDriver(ctx, driver) // its writes wait in turn with other drivers'
 	ctx, span := a.b.Tracer.Start(ctx, "attach "+name, trace.WithAttributes(attribute.String("csi.driver", driver),
 		attribute.String("k8s.node", va.Spec.NodeName), attribute.Bool("detach", va.DeletionTimestamp != nil)))
 	defer span.End()

@@ -77,6 +77,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 
+	"github.com/csibroker/csibroker/internal/budget"
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
@@ -762,6 +763,7 @@ func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateL
 // sync brings the object of key in line with the driver (or removes it):
 // the driver is asked (ask), then the object written (write).
 func (c *Controller) sync(ctx context.Context, key capacityKey) error {
+	ctx = budget.WithDriver(ctx, key.driver) // its writes wait in turn with other drivers'
 	c.mu.Lock()
 	item, want := c.desired[key]
 	c.mu.Unlock()

@@ -20,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/csibroker/csibroker/internal/budget"
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
@@ -208,6 +209,7 @@ func (m *Controller) sync(ctx context.Context, key string) (time.Duration, error
 		return kube.WaitForSlot, nil
 	}
 	defer m.slots.Release(driver)
+	ctx = budget.WithDriver(ctx, driver) // its writes wait in turn with other drivers'
 	// The cache may not have this controller's own last writes yet (the
 	// claim can come back while its modification runs): the claim is read
 	// from the API server, so a modification just done is not done again.

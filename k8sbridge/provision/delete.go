@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 
+	"github.com/csibroker/csibroker/internal/budget"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/policy"
@@ -194,6 +195,7 @@ func (d *Deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 		return kube.WaitForSlot, nil
 	}
 	defer d.slots.Release(driver)
+	ctx = budget.WithDriver(ctx, driver) // its writes wait in turn with other drivers'
 	return d.reclaim(ctx, pv, driver, spec.CSI.VolumeHandle)
 }
 

@@ -29,6 +29,8 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 
+	"github.com/csibroker/csibroker/internal/budget"
+	"github.com/csibroker/csibroker/internal/telemetry"
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
@@ -268,6 +270,7 @@ func (p *Provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		return wait, nil
 	}
 	defer p.release(driver, pvName)
+	ctx = budget.WithDriver(ctx, driver) // its writes wait in turn with other drivers'
 	p.mu.Lock()
 	if _, ok := p.started[key]; !ok {
 		p.started[key] = time.Now()
@@ -291,7 +294,8 @@ func (p *Provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 	if result == "success" {
 		p.mu.Lock()
 		if t, ok := p.started[key]; ok {
-			p.b.Metrics.ProvisionTime.WithLabelValues(driver, className).Observe(time.Since(t).Seconds())
+			// The provisioning's trace ID as an exemplar.
+			telemetry.ObserveTraced(p.b.Metrics.ProvisionTime.WithLabelValues(driver, className), time.Since(t).Seconds(), span.SpanContext())
 			delete(p.started, key)
 		}
 		p.mu.Unlock()

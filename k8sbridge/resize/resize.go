@@ -27,6 +27,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/csibroker/csibroker/internal/budget"
 	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
@@ -335,6 +336,7 @@ func (r *Controller) sync(ctx context.Context, key string) (time.Duration, error
 		return kube.WaitForSlot, nil
 	}
 	defer r.slots.Release(driver)
+	ctx = budget.WithDriver(ctx, driver) // its writes wait in turn with other drivers'
 
 	caps, err := r.b.Caps.Get(ctx, driver)
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/http"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -146,6 +147,9 @@ func TestProvisioningTraceInJaeger(t *testing.T) {
 			if len(ids) != 1 || ids[0] != okTrace {
 				t.Errorf("%s{%s} CreateVolume OK: exemplar trace IDs %v, want [%s] (the claim's provisioning)", want.series, want.label, ids, okTrace)
 			}
+		}
+		if ids := ex.provisions(goodDriver, ns+"-good"); len(ids) != 1 || ids[0] != okTrace {
+			t.Errorf("csibroker_provision_duration_seconds{driver=%q,storage_class=%q}: exemplar trace IDs %v, want [%s]", goodDriver, ns+"-good", ids, okTrace)
 		}
 		if ids := ex.traces("csibroker_csi_call_duration_seconds", `driver="`+badDriver+`"`, "CreateVolume", "Internal"); len(ids) == 0 {
 			t.Errorf("no exemplar on the failed CreateVolume calls' series")
@@ -427,6 +431,19 @@ func (ex exemplars) all() []string {
 	for _, e := range ex {
 		if !seen[e.traceID] {
 			seen[e.traceID] = true
+			out = append(out, e.traceID)
+		}
+	}
+	return out
+}
+
+// provisions returns the trace IDs of the provisioning histogram's
+// exemplars of driver and class.
+func (ex exemplars) provisions(driver, class string) []string {
+	var out []string
+	for _, e := range ex {
+		if e.series == "csibroker_provision_duration_seconds" && strings.Contains(e.labels, `driver="`+driver+`"`) &&
+			strings.Contains(e.labels, `storage_class="`+class+`"`) && !slices.Contains(out, e.traceID) {
 			out = append(out, e.traceID)
 		}
 	}
