@@ -19,11 +19,13 @@ BENCH_TIME ?= 2s
 BENCH_COUNT ?= 3
 # h2spec (HTTP/2 conformance, test/h2spec), pinned; `make h2spec` installs it
 # here, and the tests find it through the H2SPEC environment variable.
+STATICCHECK_VERSION := v0.8.2
+STATICCHECK := $(CURDIR)/bin/tools/staticcheck-$(STATICCHECK_VERSION)
 H2SPEC_VERSION := v2.2.1+incompatible
 H2SPEC := $(CURDIR)/bin/tools/h2spec-$(H2SPEC_VERSION)
 export H2SPEC
 
-.PHONY: all build test test-unit fuzz fmt-check vet lint bench bench-k8s rss-floor proto run demo control-plane sidecars jaeger h2spec clean docker
+.PHONY: all build test test-unit fuzz fmt-check vet staticcheck lint bench bench-k8s rss-floor proto run demo control-plane sidecars jaeger h2spec clean docker
 
 all: build
 
@@ -43,12 +45,21 @@ fmt-check:
 vet:
 	$(GO) vet $(PKGS)
 
-lint: fmt-check vet
+## staticcheck, pinned, installed once into bin/tools (git-ignored).
+staticcheck: $(STATICCHECK)
+	$(STATICCHECK) $(PKGS)
+
+$(STATICCHECK):
+	@mkdir -p $(@D)/.staticcheck
+	GOFLAGS= GOBIN=$(@D)/.staticcheck $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
+	mv $(@D)/.staticcheck/staticcheck $@
+
+lint: fmt-check vet staticcheck
 
 ## The sidecars (for the side-by-side harness's smoke test), Jaeger (for
 ## the tracing tests) and h2spec are built here too, before the tests and
 ## outside their time limits, cached like the control plane.
-test: fmt-check vet control-plane sidecars jaeger h2spec
+test: lint control-plane sidecars jaeger h2spec
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) $(PKGS)
 	$(MAKE) --no-print-directory fuzz
 

@@ -28,15 +28,6 @@ type callError struct {
 func (e *callError) Error() string              { return e.st.Err().Error() }
 func (e *callError) GRPCStatus() *status.Status { return e.st }
 
-// markRetried marks err as the end of a call retried after Unavailable,
-// keeping its status and whether it was answered.
-func markRetried(err error) error {
-	if ce, ok := errors.AsType[*callError](err); ok {
-		return &callError{st: ce.st, answered: ce.answered, retried: true}
-	}
-	return &callError{st: status.Convert(err), retried: true}
-}
-
 // Answered reports whether err is a status that a call's answer carried
 // (the driver's, or the proxy's when it could not reach the driver), not
 // one the broker made itself. A caller that reads a driver's answer as a

@@ -37,10 +37,7 @@ const (
 	renewWait  = 10 * time.Second
 )
 
-var (
-	errBrokerClosed  = errors.New("the broker closed the connection")
-	errDriverChanged = errors.New("the broker closed the connection (driver removed or reconfigured)")
-)
+var errBrokerClosed = errors.New("the broker closed the connection")
 
 // errClosedUpstream is a call's error on a connection the broker closed
 // because the driver was reconfigured or removed (Unavailable: a retry

@@ -107,17 +107,17 @@ func canaryInSpans(t *testing.T, what string, rec *tracetest.SpanRecorder, leak 
 		var b strings.Builder
 		fmt.Fprintf(&b, "name=%s status=%s", s.Name(), s.Status().Description)
 		for _, a := range s.Attributes() {
-			fmt.Fprintf(&b, " attr %s=%s", a.Key, a.Value.Emit())
+			fmt.Fprintf(&b, " attr %s=%s", a.Key, a.Value.String())
 		}
 		for _, e := range s.Events() {
 			fmt.Fprintf(&b, " event %s", e.Name)
 			for _, a := range e.Attributes {
-				fmt.Fprintf(&b, " %s=%s", a.Key, a.Value.Emit())
+				fmt.Fprintf(&b, " %s=%s", a.Key, a.Value.String())
 			}
 		}
 		for _, l := range s.Links() {
 			for _, a := range l.Attributes {
-				fmt.Fprintf(&b, " link %s=%s", a.Key, a.Value.Emit())
+				fmt.Fprintf(&b, " link %s=%s", a.Key, a.Value.String())
 			}
 		}
 		leak(what+" "+s.Name(), b.String())

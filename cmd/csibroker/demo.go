@@ -744,13 +744,13 @@ func (d *demo) jaegerSecretFree(ctx context.Context) (int, error) {
 	defer cancel()
 	services, err := d.jaeger.Services(ctx)
 	if err != nil {
-		return 0, fmt.Errorf("Jaeger's services: %w", err)
+		return 0, fmt.Errorf("services in Jaeger: %w", err)
 	}
 	n, seen := 0, map[string]bool{}
 	for _, svc := range services {
 		traces, err := d.jaeger.Traces(ctx, svc, url.Values{"limit": {"1000"}})
 		if err != nil {
-			return n, fmt.Errorf("Jaeger's traces of %s: %w", svc, err)
+			return n, fmt.Errorf("traces of %s in Jaeger: %w", svc, err)
 		}
 		for _, tr := range traces {
 			if seen[tr.TraceID] {

@@ -75,7 +75,7 @@ func ParseID(s string) (Identity, error) {
 		return Identity{}, fmt.Errorf("parse identity %q: %w", s, err)
 	}
 	if u.Scheme != "spiffe" || u.Host == "" {
-		return Identity{}, fmt.Errorf("identity %q: want spiffe://<trust-domain>/csibroker/...", s)
+		return Identity{}, fmt.Errorf("identity %q: want spiffe://<trust-domain>/csibroker/<role>", s)
 	}
 	parts := strings.Split(strings.TrimPrefix(u.Path, "/"), "/")
 	if len(parts) < 2 || parts[0] != "csibroker" {

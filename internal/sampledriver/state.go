@@ -114,19 +114,6 @@ func loadState(path string) (*state, error) {
 	return st, nil
 }
 
-// clone deep-copies st through JSON (state is small).
-func (st *state) clone() *state {
-	b, err := json.Marshal(st)
-	if err != nil {
-		panic(fmt.Sprintf("sampledriver: marshal state: %v", err))
-	}
-	out := newState()
-	if err := json.Unmarshal(b, out); err != nil {
-		panic(fmt.Sprintf("sampledriver: unmarshal state: %v", err))
-	}
-	return out
-}
-
 // writeFileAtomic replaces path with data: a temp file in the same directory
 // is written and fsynced, renamed over path, and the directory is fsynced so
 // the rename itself is durable.

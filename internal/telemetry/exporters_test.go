@@ -118,7 +118,7 @@ func TestServiceNameFromTheEnvironment(t *testing.T) {
 			span.End()
 			got := map[string]string{}
 			for _, kv := range rec.Ended()[0].Resource().Attributes() {
-				got[string(kv.Key)] = kv.Value.Emit()
+				got[string(kv.Key)] = kv.Value.String()
 			}
 			if got["service.name"] != "mysvc" || got["team"] != "storage" {
 				t.Fatalf("resource service.name=%q team=%q, want mysvc and storage", got["service.name"], got["team"])

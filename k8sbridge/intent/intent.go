@@ -664,20 +664,6 @@ func (s *Store) nextWriteLocked() (time.Time, bool) {
 	return time.Time{}, false
 }
 
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	if d <= 0 {
-		return ctx.Err() == nil
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
-
 func (s *Store) failAll(err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -689,7 +675,7 @@ func (s *Store) failAll(err error) {
 	// record, may be stale by the next term (another leader writes
 	// meanwhile), which starts from a fresh read.
 	clear(s.removes)
-	if s.lost != nil && len(s.lost) > 0 {
+	if len(s.lost) > 0 {
 		// Not written back within the term: the next leader starts
 		// from a record without them. Said, with the volumes' names,
 		// for an administrator to check (a volume may exist without a

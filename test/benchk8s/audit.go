@@ -196,16 +196,6 @@ func (c apiCounts) total(verbs []string, skip ...string) int {
 	return n
 }
 
-// byVerb sums over resources.
-func (c apiCounts) byVerb() map[string]int {
-	m := map[string]int{}
-	for k, v := range c.ByVerbResource {
-		verb, _, _ := strings.Cut(k, " ")
-		m[verb] += v
-	}
-	return m
-}
-
 // String renders "create persistentvolumes 300, create events 12, ...".
 func (c apiCounts) String() string {
 	keys := slices.Sorted(maps.Keys(c.ByVerbResource))
@@ -214,26 +204,4 @@ func (c apiCounts) String() string {
 		parts = append(parts, k+" "+strconv.Itoa(c.ByVerbResource[k]))
 	}
 	return strings.Join(parts, ", ")
-}
-
-func (c apiCounts) add(o apiCounts) apiCounts {
-	r := apiCounts{ByVerbResource: maps.Clone(c.ByVerbResource), ByClient: maps.Clone(c.ByClient), WatchesOpen: c.WatchesOpen + o.WatchesOpen, WatchesOpenBy: map[string]int{}}
-	for _, m := range []map[string]int{c.WatchesOpenBy, o.WatchesOpenBy} {
-		for k, v := range m {
-			r.WatchesOpenBy[k] += v
-		}
-	}
-	if r.ByVerbResource == nil {
-		r.ByVerbResource = map[string]int{}
-	}
-	if r.ByClient == nil {
-		r.ByClient = map[string]int{}
-	}
-	for k, v := range o.ByVerbResource {
-		r.ByVerbResource[k] += v
-	}
-	for k, v := range o.ByClient {
-		r.ByClient[k] += v
-	}
-	return r
 }

@@ -39,10 +39,10 @@ const (
 
 var trimManagedFields = []metav1.ManagedFieldsEntry{{
 	Manager: "benchk8s", Operation: metav1.ManagedFieldsOperationUpdate, APIVersion: "v1", FieldsType: "FieldsV1",
-	FieldsV1: &metav1.FieldsV1{Raw: []byte(`{"f:spec":{"f:accessModes":{},"f:resources":{"f:requests":{".":{},"f:storage":{}}},"f:storageClassName":{},"f:volumeName":{}}}`)},
+	FieldsV1: metav1.NewFieldsV1(`{"f:spec":{"f:accessModes":{},"f:resources":{"f:requests":{".":{},"f:storage":{}}},"f:storageClassName":{},"f:volumeName":{}}}`),
 }, {
 	Manager: "kube-controller-manager", Operation: metav1.ManagedFieldsOperationUpdate, APIVersion: "v1", FieldsType: "FieldsV1", Subresource: "status",
-	FieldsV1: &metav1.FieldsV1{Raw: []byte(`{"f:status":{"f:accessModes":{},"f:capacity":{".":{},"f:storage":{}},"f:phase":{}}}`)},
+	FieldsV1: metav1.NewFieldsV1(`{"f:status":{"f:accessModes":{},"f:capacity":{".":{},"f:storage":{}},"f:phase":{}}}`),
 }}
 
 // trimPair is pair i of test/benchk8s's memory scenario (createPrebound) as
@@ -527,7 +527,7 @@ func TestStripBulkNeverMixesValues(t *testing.T) {
 				*tm = metav1.NewTime(tm.UTC())
 			}
 		},
-		func(f *metav1.FieldsV1, c randfill.Continue) { f.Raw = []byte(`{}`) },
+		func(f *metav1.FieldsV1, c randfill.Continue) { f.SetRawBytes([]byte(`{}`)) },
 	)
 	s := newSharer()
 	type pair struct{ orig, got any }
