@@ -641,7 +641,10 @@ func TestExamples(t *testing.T) {
 			if cmd.require(t, "proxy", "trust-domain") != trustDomain {
 				t.Errorf("--trust-domain=%s, want %s", cmd.flags["trust-domain"], trustDomain)
 			}
-			for name, probe := range map[string]*corev1.Probe{"/healthz": p.LivenessProbe, "/readyz": p.ReadinessProbe} {
+			// The proxy's liveness is its own (/livez); the driver's is
+			// /healthz/driver (below): a hung driver must not restart
+			// the proxy, nor a lost registration the driver.
+			for name, probe := range map[string]*corev1.Probe{"/livez": p.LivenessProbe, "/readyz": p.ReadinessProbe} {
 				if probe == nil || probe.HTTPGet == nil || probe.HTTPGet.Path != name || probe.HTTPGet.Port.String() != "proxy-metrics" {
 					t.Errorf("proxy probe %s on proxy-metrics missing", name)
 				}
@@ -688,6 +691,57 @@ func TestExamples(t *testing.T) {
 				t.Errorf("driver --name=%s, want %s", dcmd.flags["name"], sampleDriver)
 			}
 			hasResources(t, w.name+" driver", d)
+
+			// Only the driver and the proxy: no sidecar is left.
+			var names []string
+			for _, c := range append(slices.Clone(spec.InitContainers), spec.Containers...) {
+				names = append(names, c.Name)
+				for _, gone := range []string{"node-driver-registrar", "livenessprobe", "csi-provisioner", "csi-attacher", "csi-resizer", "csi-snapshotter", "health-monitor"} {
+					if strings.Contains(c.Image, gone) || strings.Contains(c.Name, gone) {
+						t.Errorf("container %s (%s): the proxy replaces %s", c.Name, c.Image, gone)
+					}
+				}
+			}
+			if !slices.Equal(names, []string{"driver", "csibroker-proxy"}) {
+				t.Errorf("containers %v, want only driver and csibroker-proxy", names)
+			}
+
+			// The driver's liveness comes from the proxy, which probes it.
+			timeout := proxyProbeTimeout(t, cmd)
+			if lp := d.LivenessProbe; lp == nil || lp.HTTPGet == nil || lp.HTTPGet.Path != "/healthz/driver" ||
+				lp.HTTPGet.Port.String() != listenPort(t, "proxy", cmd.flags["http-endpoint"]) {
+				t.Errorf("driver livenessProbe %+v: want /healthz/driver on the proxy's http endpoint port (a number: a name is looked up in the driver's own ports)", lp)
+			} else if got := time.Duration(lp.TimeoutSeconds) * time.Second; got <= timeout {
+				t.Errorf("driver livenessProbe timeoutSeconds %d: want more than the proxy's --probe-timeout %v", lp.TimeoutSeconds, timeout)
+			}
+
+			// Node plugins register with the kubelet through the proxy:
+			// the driver's socket as the kubelet sees it, and the
+			// kubelet's registry, writable.
+			regPath, hasReg := cmd.flags["kubelet-registration-path"]
+			switch {
+			case !w.nodeSide && hasReg:
+				t.Error("a controller proxy does not register with the kubelet")
+			case w.nodeSide && !hasReg:
+				t.Error("a node proxy needs --kubelet-registration-path, or the kubelet never finds the driver")
+			case w.nodeSide:
+				if hv := volume(t, spec, dm.Name).HostPath; hv == nil || path.Join(hv.Path, strings.TrimPrefix(sock, dm.MountPath)) != regPath {
+					t.Errorf("--kubelet-registration-path=%s is not the host path of the driver's socket %s (volume %s)", regPath, sock, dm.Name)
+				}
+				dir := cmd.require(t, "proxy", "plugin-registration-path")
+				var m *corev1.VolumeMount
+				for i := range p.VolumeMounts {
+					if p.VolumeMounts[i].MountPath == dir {
+						m = &p.VolumeMounts[i]
+					}
+				}
+				if m == nil || m.ReadOnly {
+					t.Fatalf("--plugin-registration-path=%s: want a writable mount there, got %+v", dir, m)
+				}
+				if hv := volume(t, spec, m.Name).HostPath; hv == nil || hv.Path != proxy.DefaultPluginRegistrationDir {
+					t.Errorf("registration volume %s: want the hostPath %s", m.Name, proxy.DefaultPluginRegistrationDir)
+				}
+			}
 
 			v := tlsVolume(t, w.name+" proxy", spec, p, cmd)
 			if w.nodeSide {
