@@ -231,17 +231,61 @@ func start(ctx context.Context, opts Options) (_ *Env, err error) {
 	if err != nil {
 		return nil, err
 	}
-	etcdPort, peerPort, apiPort, kcmPort, schedPort := ports[0], ports[1], ports[2], ports[3], ports[4]
 	begin := time.Now()
 	var timings []string
-
-	// etcd
-	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", etcdPort)
-	peerURL := fmt.Sprintf("http://127.0.0.1:%d", peerPort)
 	t0 := time.Now()
+	etcdURL, err := e.startEtcd(ctx, ports[0], ports[1])
+	if err != nil {
+		return nil, err
+	}
+	timings = append(timings, fmt.Sprintf("etcd %s", since(t0)))
+	t0 = time.Now()
+	if err := e.startAPIServer(ctx, etcdURL, ports[2]); err != nil {
+		return nil, err
+	}
+	timings = append(timings, fmt.Sprintf("apiserver %s", since(t0)))
+	// Controller-manager and scheduler start side by side.
+	var more []*started
+	if opts.ControllerManager {
+		s, err := e.startControllerManager(ports[3])
+		if err != nil {
+			return nil, err
+		}
+		more = append(more, s)
+	}
+	if opts.Scheduler {
+		s, err := e.startScheduler(ports[4])
+		if err != nil {
+			return nil, err
+		}
+		more = append(more, s)
+	}
+	for _, s := range more {
+		if err := waitReady(ctx, s.c, s.url, nil); err != nil {
+			return nil, err
+		}
+		timings = append(timings, fmt.Sprintf("%s %s", s.timing, since(s.t0)))
+	}
+	opts.Logf("testenv: control plane ready in %s (%s)", since(begin), strings.Join(timings, ", "))
+	return e, nil
+}
+
+// started is a component started, not yet ready.
+type started struct {
+	c      *component
+	url    string // its health endpoint
+	t0     time.Time
+	timing string
+}
+
+// startEtcd starts etcd on the given ports and returns its client URL
+// once it is healthy.
+func (e *Env) startEtcd(ctx context.Context, port, peerPort int) (string, error) {
+	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", port)
+	peerURL := fmt.Sprintf("http://127.0.0.1:%d", peerPort)
 	etcd, err := e.run("etcd", append([]string{
 		"--name=default",
-		"--data-dir=" + filepath.Join(dir, "etcd-data"),
+		"--data-dir=" + filepath.Join(e.Dir, "etcd-data"),
 		"--listen-client-urls=" + etcdURL,
 		"--advertise-client-urls=" + etcdURL,
 		"--listen-peer-urls=" + peerURL,
@@ -252,94 +296,89 @@ func start(ctx context.Context, opts Options) (_ *Env, err error) {
 		"--heartbeat-interval=10",
 		"--election-timeout=100",
 		"--log-level=warn",
-	}, opts.EtcdFlags...))
+	}, e.opts.EtcdFlags...))
 	if err != nil {
-		return nil, err
+		return "", err
 	}
 	if err := waitReady(ctx, etcd, etcdURL+"/health", nil); err != nil {
-		return nil, err
+		return "", err
 	}
-	timings = append(timings, fmt.Sprintf("etcd %s", since(t0)))
+	return etcdURL, nil
+}
 
-	// kube-apiserver
-	e.Host = fmt.Sprintf("https://127.0.0.1:%d", apiPort)
-	certDir := filepath.Join(dir, "apiserver-certs")
-	t0 = time.Now()
+// startAPIServer starts kube-apiserver against etcdURL and waits until it
+// is ready; the Env's kubeconfig then reaches it.
+func (e *Env) startAPIServer(ctx context.Context, etcdURL string, port int) error {
+	e.Host = fmt.Sprintf("https://127.0.0.1:%d", port)
+	certDir := filepath.Join(e.Dir, "apiserver-certs")
 	api, err := e.run("kube-apiserver", append([]string{
 		"--etcd-servers=" + etcdURL,
 		"--bind-address=127.0.0.1",
 		"--advertise-address=127.0.0.1",
-		"--secure-port=" + strconv.Itoa(apiPort),
+		"--secure-port=" + strconv.Itoa(port),
 		"--cert-dir=" + certDir,
 		"--service-account-issuer=https://kubernetes.default.svc",
-		"--service-account-key-file=" + filepath.Join(dir, "sa.pub"),
-		"--service-account-signing-key-file=" + filepath.Join(dir, "sa.key"),
-		"--token-auth-file=" + filepath.Join(dir, "tokens.csv"),
+		"--service-account-key-file=" + filepath.Join(e.Dir, "sa.pub"),
+		"--service-account-signing-key-file=" + filepath.Join(e.Dir, "sa.key"),
+		"--token-auth-file=" + filepath.Join(e.Dir, "tokens.csv"),
 		"--authorization-mode=RBAC",
 		"--service-cluster-ip-range=10.0.0.0/24",
 		// The "kubernetes" Service cannot have a loopback endpoint.
 		"--endpoint-reconciler-type=none",
 		"--profiling=false",
-	}, opts.APIServerFlags...))
+	}, e.opts.APIServerFlags...))
 	if err != nil {
-		return nil, err
+		return err
 	}
 	if err := waitReady(ctx, api, e.Host+"/readyz", e.authorize); err != nil {
-		return nil, err
+		return err
 	}
-	timings = append(timings, fmt.Sprintf("apiserver %s", since(t0)))
 	// The apiserver wrote its self-signed certificate and CA on start.
 	caData, err := os.ReadFile(filepath.Join(certDir, "apiserver.crt"))
 	if err != nil {
-		return nil, fmt.Errorf("read the apiserver's self-signed certificate: %w", err)
+		return fmt.Errorf("read the apiserver's self-signed certificate: %w", err)
 	}
 	e.caData = caData
 	if err := e.writeKubeconfig(); err != nil {
-		return nil, err
+		return err
 	}
-	if err := e.checkTLS(ctx); err != nil {
-		return nil, err
-	}
+	return e.checkTLS(ctx)
+}
 
-	// Controller-manager and scheduler start side by side.
-	type started struct {
-		c      *component
-		url    string
-		t0     time.Time
-		timing string
+// startControllerManager starts kube-controller-manager (not waiting for it).
+func (e *Env) startControllerManager(port int) (*started, error) {
+	t0 := time.Now()
+	c, err := e.run("kube-controller-manager", append([]string{
+		"--kubeconfig=" + e.Kubeconfig,
+		"--bind-address=127.0.0.1",
+		"--secure-port=" + strconv.Itoa(port),
+		"--cert-dir=" + filepath.Join(e.Dir, "controller-manager-certs"),
+		"--leader-elect=false",
+		// No kubelet renews Leases or heartbeats: without this the
+		// controller would taint every node NotReady after 50s.
+		"--controllers=*,-node-lifecycle-controller",
+		"--kube-api-qps=" + strconv.FormatFloat(float64(e.opts.KubeAPIQPS), 'f', -1, 32),
+		"--kube-api-burst=" + strconv.Itoa(e.opts.KubeAPIBurst),
+		"--use-service-account-credentials=false",
+		"--service-account-private-key-file=" + filepath.Join(e.Dir, "sa.key"),
+		"--root-ca-file=" + filepath.Join(e.Dir, "apiserver-certs", "apiserver.crt"),
+		"--cluster-name=csibroker-testenv",
+		// Re-examine unbound claims often: a claim created before its
+		// PV otherwise waits for the default 15s resync.
+		"--pvclaimbinder-sync-period=2s",
+		"--profiling=false",
+		"--v=2",
+	}, e.opts.ControllerManagerFlags...))
+	if err != nil {
+		return nil, err
 	}
-	var more []*started
-	if opts.ControllerManager {
-		t0 := time.Now()
-		c, err := e.run("kube-controller-manager", append([]string{
-			"--kubeconfig=" + e.Kubeconfig,
-			"--bind-address=127.0.0.1",
-			"--secure-port=" + strconv.Itoa(kcmPort),
-			"--cert-dir=" + filepath.Join(dir, "controller-manager-certs"),
-			"--leader-elect=false",
-			// No kubelet renews Leases or heartbeats: without this the
-			// controller would taint every node NotReady after 50s.
-			"--controllers=*,-node-lifecycle-controller",
-			"--kube-api-qps=" + strconv.FormatFloat(float64(opts.KubeAPIQPS), 'f', -1, 32),
-			"--kube-api-burst=" + strconv.Itoa(opts.KubeAPIBurst),
-			"--use-service-account-credentials=false",
-			"--service-account-private-key-file=" + filepath.Join(dir, "sa.key"),
-			"--root-ca-file=" + filepath.Join(certDir, "apiserver.crt"),
-			"--cluster-name=csibroker-testenv",
-			// Re-examine unbound claims often: a claim created before its
-			// PV otherwise waits for the default 15s resync.
-			"--pvclaimbinder-sync-period=2s",
-			"--profiling=false",
-			"--v=2",
-		}, opts.ControllerManagerFlags...))
-		if err != nil {
-			return nil, err
-		}
-		more = append(more, &started{c: c, url: fmt.Sprintf("https://127.0.0.1:%d/healthz", kcmPort), t0: t0, timing: "controller-manager"})
-	}
-	if opts.Scheduler {
-		cfg := filepath.Join(dir, "scheduler-config.yaml")
-		if err := os.WriteFile(cfg, []byte(fmt.Sprintf(`apiVersion: kubescheduler.config.k8s.io/v1
+	return &started{c: c, url: fmt.Sprintf("https://127.0.0.1:%d/healthz", port), t0: t0, timing: "controller-manager"}, nil
+}
+
+// startScheduler starts kube-scheduler (not waiting for it).
+func (e *Env) startScheduler(port int) (*started, error) {
+	cfg := filepath.Join(e.Dir, "scheduler-config.yaml")
+	if err := os.WriteFile(cfg, []byte(fmt.Sprintf(`apiVersion: kubescheduler.config.k8s.io/v1
 kind: KubeSchedulerConfiguration
 clientConnection:
   kubeconfig: %q
@@ -347,31 +386,21 @@ clientConnection:
   burst: %d
 leaderElection:
   leaderElect: false
-`, e.Kubeconfig, opts.KubeAPIQPS, opts.KubeAPIBurst)), 0o600); err != nil {
-			return nil, err
-		}
-		t0 := time.Now()
-		c, err := e.run("kube-scheduler", append([]string{
-			"--config=" + cfg,
-			"--bind-address=127.0.0.1",
-			"--secure-port=" + strconv.Itoa(schedPort),
-			"--cert-dir=" + filepath.Join(dir, "scheduler-certs"),
-			"--v=2",
-		}, opts.SchedulerFlags...))
-		if err != nil {
-			return nil, err
-		}
-		more = append(more, &started{c: c, url: fmt.Sprintf("https://127.0.0.1:%d/readyz", schedPort), t0: t0, timing: "scheduler"})
+`, e.Kubeconfig, e.opts.KubeAPIQPS, e.opts.KubeAPIBurst)), 0o600); err != nil {
+		return nil, err
 	}
-	for _, s := range more {
-		if err := waitReady(ctx, s.c, s.url, nil); err != nil {
-			return nil, err
-		}
-		timings = append(timings, fmt.Sprintf("%s %s", s.timing, since(s.t0)))
+	t0 := time.Now()
+	c, err := e.run("kube-scheduler", append([]string{
+		"--config=" + cfg,
+		"--bind-address=127.0.0.1",
+		"--secure-port=" + strconv.Itoa(port),
+		"--cert-dir=" + filepath.Join(e.Dir, "scheduler-certs"),
+		"--v=2",
+	}, e.opts.SchedulerFlags...))
+	if err != nil {
+		return nil, err
 	}
-
-	opts.Logf("testenv: control plane ready in %s (%s)", since(begin), strings.Join(timings, ", "))
-	return e, nil
+	return &started{c: c, url: fmt.Sprintf("https://127.0.0.1:%d/readyz", port), t0: t0, timing: "scheduler"}, nil
 }
 
 func since(t time.Time) time.Duration { return time.Since(t).Round(10 * time.Millisecond) }
