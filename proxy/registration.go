@@ -58,6 +58,10 @@ type registration struct {
 	timeout     time.Duration // of each GetPluginInfo
 	log         *slog.Logger
 
+	// cur, err and driverID are written only by the goroutine that runs
+	// sync (run's), under mu; check reads them under mu. sync reads them
+	// without it, and never holds it while it calls the driver: a hung
+	// driver must not hold up /livez.
 	mu  sync.Mutex
 	cur *regSocket // nil until the driver has told its name
 	err error      // why the socket could not be created, until it is
@@ -102,8 +106,6 @@ func (r *registration) run(ctx context.Context) {
 // register when the driver first answers, register again when its socket
 // is a new one (it restarted) or ours was removed.
 func (r *registration) sync(ctx context.Context) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
 	id, err := statID(r.target)
 	switch {
 	case err != nil && r.cur == nil:
@@ -119,6 +121,8 @@ func (r *registration) sync(ctx context.Context) {
 		if r.cur != nil {
 			reason = "the driver restarted"
 		}
+		r.mu.Lock()
+		defer r.mu.Unlock()
 		if r.replace(name, reason) == nil {
 			r.driverID = id
 		}
@@ -127,7 +131,11 @@ func (r *registration) sync(ctx context.Context) {
 	// The driver is gone (its registration stays: the kubelet calls it
 	// when it returns) or unchanged: is our socket still there?
 	if got, err := statID(r.cur.path); err != nil || got != r.cur.id {
-		r.log.Warn("the registration socket was removed or replaced; re-creating it", "socket", r.cur.path)
+		if r.cur.srv != nil { // not a creation that failed, retried here
+			r.log.Warn("the registration socket was removed or replaced; re-creating it", "socket", r.cur.path)
+		}
+		r.mu.Lock()
+		defer r.mu.Unlock()
 		_ = r.replace(r.cur.name, "the registration socket was removed")
 	}
 }

@@ -29,7 +29,8 @@ type identityDriver struct {
 	csi.UnimplementedIdentityServer
 	csi.UnimplementedNodeServer
 	sock     string
-	hang     atomic.Bool
+	hang     atomic.Bool // Probe
+	hangInfo atomic.Bool // GetPluginInfo
 	notReady atomic.Bool
 	name     atomic.Value // string
 
@@ -37,7 +38,11 @@ type identityDriver struct {
 	srv *grpc.Server
 }
 
-func (d *identityDriver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
+func (d *identityDriver) GetPluginInfo(ctx context.Context, _ *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
+	if d.hangInfo.Load() {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
 	return &csi.GetPluginInfoResponse{Name: d.name.Load().(string), VendorVersion: "1"}, nil
 }
 
@@ -240,7 +245,7 @@ func TestRegistrationHealth(t *testing.T) {
 	d := startIdentityDriver(t, "x.csi.test")
 	regDir := testutil.ShortTempDir(t)
 	tp := startProxy(t, "unix://"+d.sock, Config{Node: "node-1", KubeletRegistrationPath: "/var/lib/kubelet/plugins/x/csi.sock",
-		PluginRegistrationDir: regDir})
+		PluginRegistrationDir: regDir, ProbeTimeout: time.Second})
 	r := tp.p.reg
 	ctx := context.Background()
 	h := tp.p.HTTPHandler("")
@@ -267,6 +272,30 @@ func TestRegistrationHealth(t *testing.T) {
 	r.sync(ctx) // re-created
 	if code, body := get(h, "/livez"); code != 200 {
 		t.Errorf("/livez after the socket was re-created: %d %q", code, body)
+	}
+
+	// The driver restarts and hangs in GetPluginInfo: /livez answers at
+	// once meanwhile (the registration holds no lock while it asks).
+	d.hangInfo.Store(true)
+	d.start(t)
+	for tp.p.Alive(ctx) != nil { // the proxy has reconnected
+		time.Sleep(10 * time.Millisecond)
+	}
+	synced := make(chan struct{})
+	go func() { r.sync(ctx); close(synced) }()
+	time.Sleep(100 * time.Millisecond)
+	start := time.Now()
+	if code, _ := get(h, "/livez"); code != 200 || time.Since(start) > 100*time.Millisecond {
+		t.Errorf("/livez while the driver hangs in GetPluginInfo: %d after %v", code, time.Since(start))
+	}
+	select {
+	case <-synced:
+		t.Error("sync returned before GetPluginInfo timed out: the hang was not exercised")
+	default:
+	}
+	<-synced
+	if !strings.Contains(tp.logs.String(), "cannot register the driver with the kubelet until it tells its name") {
+		t.Errorf("the hung GetPluginInfo was not logged:\n%s", tp.logs)
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -103,7 +104,7 @@ func (k *Kubelet) scan(ctx context.Context) {
 		now[p] = sockID{st.Ino, st.Ctim.Nano()}
 	}
 	k.mu.Lock()
-	seen := maps(k.seen)
+	seen := maps.Clone(k.seen)
 	k.mu.Unlock()
 	for p := range seen {
 		if _, ok := now[p]; !ok {
@@ -122,14 +123,6 @@ func (k *Kubelet) scan(ctx context.Context) {
 		k.mu.Unlock()
 		k.register(ctx, p)
 	}
-}
-
-func maps(m map[string]sockID) map[string]sockID {
-	out := make(map[string]sockID, len(m))
-	for k, v := range m {
-		out[k] = v
-	}
-	return out
 }
 
 // register does what the kubelet's reconciler and CSI handler do for a
