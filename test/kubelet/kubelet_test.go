@@ -1,7 +1,10 @@
 // Package kubelet registers the sample driver through a node proxy with a
 // real kubelet, and reads the result back from the API server: the
 // CSINode object the kubelet writes, with the driver's node ID and
-// topology keys, and the topology label on the Node.
+// topology keys, and the topology label on the Node; the new node ID after
+// the driver restarts with one (the proxy re-creates its registration
+// socket and the kubelet registers the driver again); the driver gone
+// from the CSINode once the proxy stops.
 //
 // It needs what the Go module proxy and Debian give, but no project
 // script builds yet, so it skips unless both are there:
@@ -32,6 +35,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -100,9 +104,10 @@ containerRuntimeEndpoint: unix://%s
 
 	// The sample driver and its node proxy, registering with the kubelet
 	// through the kubelet's plugin registry.
-	endpoint, _ := sampledriver.StartTest(t, sampledriver.Config{Name: driverName, NodeID: nodeName,
-		Topology: map[string]string{topoKey: nodeName}})
-	sock := strings.TrimPrefix(endpoint, "unix://")
+	sock := filepath.Join(dir, "csi.sock")
+	endpoint := "unix://" + sock
+	stateDir := filepath.Join(dir, "driver-state")
+	stopDriver := startDriver(t, endpoint, stateDir, nodeName)
 	regDir := filepath.Join(root, "plugins_registry")
 	waitFile(t, regDir) // created by the kubelet's plugin manager
 	logs := &testutil.SyncBuffer{}
@@ -121,26 +126,30 @@ containerRuntimeEndpoint: unix://%s
 	defer func() { stopReg(); <-regDone }()
 
 	client := env.Client()
-	err = testenv.WaitFor(ctx, 90*time.Second, "the CSINode with the driver", func(ctx context.Context) (bool, string, error) {
-		cn, err := client.StorageV1().CSINodes().Get(ctx, nodeName, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			return false, "no CSINode yet", nil
-		}
+	waitCSINode := func(nodeID string) {
+		t.Helper()
+		err := testenv.WaitFor(ctx, 90*time.Second, "the CSINode with the driver of node ID "+nodeID, func(ctx context.Context) (bool, string, error) {
+			cn, err := client.StorageV1().CSINodes().Get(ctx, nodeName, metav1.GetOptions{})
+			if apierrors.IsNotFound(err) {
+				return false, "no CSINode yet", nil
+			}
+			if err != nil {
+				return false, "", err
+			}
+			d := driver(cn)
+			if d == nil || d.NodeID != nodeID {
+				return false, fmt.Sprintf("CSINode drivers %+v", cn.Spec.Drivers), nil
+			}
+			if !slices.Equal(d.TopologyKeys, []string{topoKey}) {
+				return false, "", fmt.Errorf("CSINode driver %+v: want topology key %s", d, topoKey)
+			}
+			return true, "", nil
+		})
 		if err != nil {
-			return false, "", err
+			t.Fatalf("%v\nproxy log:\n%s\nkubelet log:\n%s", err, logs, tail(t, dir, "kubelet"))
 		}
-		d := driver(cn)
-		if d == nil {
-			return false, fmt.Sprintf("CSINode drivers %v", cn.Spec.Drivers), nil
-		}
-		if d.NodeID != nodeName || !slices.Equal(d.TopologyKeys, []string{topoKey}) {
-			return false, "", fmt.Errorf("CSINode driver %+v: want node ID %s and topology key %s", d, nodeName, topoKey)
-		}
-		return true, "", nil
-	})
-	if err != nil {
-		t.Fatalf("%v\nproxy log:\n%s\nkubelet log:\n%s", err, logs, tail(t, dir, "kubelet"))
 	}
+	waitCSINode(nodeName)
 	if cn, err := client.StorageV1().CSINodes().Get(ctx, nodeName, metav1.GetOptions{}); err == nil {
 		t.Logf("CSINode %s written by the kubelet: drivers %+v", cn.Name, cn.Spec.Drivers)
 	}
@@ -155,6 +164,15 @@ containerRuntimeEndpoint: unix://%s
 		t.Errorf("the proxy did not log the kubelet's registration status:\n%s", logs)
 	}
 
+	// The driver restarts (a new socket), now with another node ID: the
+	// proxy re-creates the registration socket, the kubelet registers the
+	// driver again and writes the new node ID.
+	stopDriver()
+	stopDriver = startDriver(t, endpoint, stateDir, nodeName+"-restarted")
+	defer stopDriver()
+	waitCSINode(nodeName + "-restarted")
+	t.Logf("after the driver's restart the kubelet wrote node ID %s-restarted", nodeName)
+
 	// The proxy stops: the kubelet deregisters the driver.
 	stopReg()
 	<-regDone
@@ -168,6 +186,32 @@ containerRuntimeEndpoint: unix://%s
 	if err != nil {
 		t.Fatalf("%v\nkubelet log:\n%s", err, tail(t, dir, "kubelet"))
 	}
+}
+
+// startDriver runs the sample driver on endpoint until the returned
+// function (also a cleanup) stops it.
+func startDriver(t *testing.T, endpoint, stateDir, nodeID string) (stop func()) {
+	t.Helper()
+	d, err := sampledriver.New(sampledriver.Config{Name: driverName, NodeID: nodeID, Endpoint: endpoint, StateDir: stateDir,
+		Topology: map[string]string{topoKey: nodeName}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("sample driver: %v", err)
+			}
+			d.Close()
+		})
+	}
+	t.Cleanup(stop)
+	return stop
 }
 
 func driver(cn *storagev1.CSINode) *storagev1.CSINodeDriver {
