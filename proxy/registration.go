@@ -79,7 +79,7 @@ type regSocket struct {
 	srv  *grpc.Server
 }
 
-// runRegistration registers the driver until ctx is done, then removes the
+// run registers the driver until ctx is done, then removes the
 // registration socket (so the kubelet deregisters the driver).
 func (r *registration) run(ctx context.Context) {
 	r.log.Info("registering the driver with the kubelet", "registration_dir", r.dir, "kubelet_registration_path", r.kubeletPath)
@@ -145,7 +145,9 @@ func (r *registration) sync(ctx context.Context) {
 func (r *registration) driverName(ctx context.Context) (string, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.timeout)
 	defer cancel()
-	resp, err := csi.NewIdentityClient(r.driver).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
+	// WaitForReady: a driver that has just restarted is asked once the
+	// proxy's connection to it is back, within the timeout.
+	resp, err := csi.NewIdentityClient(r.driver).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true))
 	if err == nil {
 		err = csiname.Check(resp.GetName())
 	}
