@@ -16,11 +16,13 @@ import (
 )
 
 // New starts a control plane for one test and stops it at the test's cleanup,
-// failing the test (never skipping it) when it cannot start. Progress lines go
+// failing the test when it cannot start. Under go test -short (the fast
+// tier) the test is skipped, saying so; make test runs it. Progress lines go
 // to t.Logf unless opts.Logf is set; when the test fails, the tail of every
 // component's log is logged before the stop.
 func New(t testing.TB, opts Options) *Env {
 	t.Helper()
+	skipIfShort(t)
 	if opts.Logf == nil {
 		opts.Logf = t.Logf
 	}
@@ -80,8 +82,10 @@ func runMain(m *testing.M, opts Options) int {
 // Shared returns the package's shared control plane, starting it on the first
 // call. The test fails if the package's TestMain does not call Main, or if
 // the control plane cannot start (every later call fails with the same error).
+// Under go test -short the test is skipped, as New's.
 func Shared(t testing.TB) *Env {
 	t.Helper()
+	skipIfShort(t)
 	shared.Lock()
 	defer shared.Unlock()
 	if !shared.main {
@@ -95,6 +99,14 @@ func Shared(t testing.TB) *Env {
 		t.Fatal(shared.err)
 	}
 	return shared.env
+}
+
+// skipIfShort skips a test that needs a real control plane under -short.
+func skipIfShort(t testing.TB) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("needs a real control plane: skipped under -short (the fast tier); make test runs it")
+	}
 }
 
 var notDNS = regexp.MustCompile(`[^a-z0-9]+`)

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/csibroker/csibroker/internal/testutil"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
@@ -24,6 +25,7 @@ func TestMain(m *testing.M) {
 	if mode := os.Getenv(helperEnv); mode != "" {
 		helperProcess(mode) // the child of TestInterruptCleansUp and TestAbruptDeathKillsComponents
 	}
+	testutil.SkipPackageIfShort("starts real control planes")
 	Main(m, Options{})
 }
 

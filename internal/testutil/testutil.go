@@ -5,6 +5,8 @@ package testutil
 
 import (
 	"bytes"
+	"flag"
+	"fmt"
 	"os"
 	"sync"
 	"testing"
@@ -39,4 +41,16 @@ func ShortTempDir(t testing.TB) string {
 	}
 	t.Cleanup(func() { os.RemoveAll(d) })
 	return d
+}
+
+// SkipPackageIfShort, called first in a package's TestMain, ends a
+// package of slow tests (a real control plane, processes, load) under
+// `go test -short`, saying so: -short is the fast tier, the full run is
+// `make test`.
+func SkipPackageIfShort(why string) {
+	flag.Parse()
+	if testing.Short() {
+		fmt.Printf("skipped under -short (%s); make test runs it\n", why)
+		os.Exit(0)
+	}
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/chaintest"
 	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testutil"
 )
 
 // The restart test runs the sample driver as a separate process (this test
@@ -36,6 +37,7 @@ func TestMain(m *testing.M) {
 	if os.Getenv(childEnv) == "sample-driver" {
 		os.Exit(runChildDriver())
 	}
+	testutil.SkipPackageIfShort("the chain of broker, proxies and drivers under load")
 	os.Exit(m.Run())
 }
 

@@ -620,18 +620,23 @@ func TestDashboardTraceLinks(t *testing.T) {
 	// The span attributes the broker and its controllers set.
 	attrs := map[string]bool{}
 	for _, dir := range []string{"broker", "k8sbridge", "proxy"} {
-		files, _ := filepath.Glob(filepath.Join(repoRoot(t), dir, "*.go"))
-		for _, f := range files {
-			if strings.HasSuffix(f, "_test.go") {
-				continue
+		// Each folder and its packages below (k8sbridge has one per
+		// controller).
+		err := filepath.WalkDir(filepath.Join(repoRoot(t), dir), func(f string, d os.DirEntry, err error) error {
+			if err != nil || d.IsDir() || !strings.HasSuffix(f, ".go") || strings.HasSuffix(f, "_test.go") {
+				return err
 			}
 			src, err := os.ReadFile(f)
 			if err != nil {
-				t.Fatal(err)
+				return err
 			}
 			for _, m := range spanAttrRE.FindAllStringSubmatch(string(src), -1) {
 				attrs[m[1]] = true
 			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
 		}
 	}
 	if !attrs["csi.driver"] {

@@ -25,6 +25,7 @@ import (
 
 	"github.com/csibroker/csibroker/internal/chaintest"
 	"github.com/csibroker/csibroker/internal/sampledriver"
+	"github.com/csibroker/csibroker/internal/testutil"
 )
 
 const (
@@ -44,6 +45,7 @@ func TestMain(m *testing.M) {
 			[]testing.InternalTest{{Name: "Sanity_" + mode, F: func(t *testing.T) { runSanity(t, mode) }}}, nil, nil)
 		return
 	}
+	testutil.SkipPackageIfShort("csi-sanity against the sample driver and through the chain")
 	os.Exit(m.Run())
 }
 
