@@ -581,7 +581,7 @@ func TestStripBulkConcurrent(t *testing.T) {
 // heap in use and live heap (runtime.ReadMemStats after runtime.GC) per
 // pair, and the transform's time per object. "managedfields" is the
 // transform before sharing (managedFields dropped only), "shared" is
-// StripBulk. Run: go test -run='^$' -bench=CachePerPair ./k8sbridge/
+// StripBulk. Run: go test -run='^$' -bench=CachePerPair ./k8sbridge/internal/kube/
 func BenchmarkCachePerPair(b *testing.B) {
 	const pairs = 10000
 	created := time.Now()
