@@ -36,8 +36,8 @@
 //   - /healthz/driver is the driver's liveness: the driver answers Probe
 //     within Config.ProbeTimeout (--probe-timeout). An answer of ready:
 //     false is still alive (a driver that is starting is not restarted for
-//     it; /readyz says it is not ready); an error, a socket nobody
-//     answers, or no answer in time is not. The driver container's
+//     it; /readyz says it is not ready; livenessprobe differs here); an
+//     error, a socket nobody answers, or no answer in time is not. The driver container's
 //     livenessProbe points here.
 //   - /livez is the proxy's own health: with kubelet registration on, it
 //     fails while the registration socket is missing or cannot be created;
