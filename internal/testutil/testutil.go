@@ -10,6 +10,9 @@ import (
 	"os"
 	"sync"
 	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 )
 
 // SyncBuffer is a goroutine-safe log sink.
@@ -53,4 +56,13 @@ func SkipPackageIfShort(why string) {
 		fmt.Printf("skipped under -short (%s); make test runs it\n", why)
 		os.Exit(0)
 	}
+}
+
+// CounterValue is a Prometheus counter's current value.
+func CounterValue(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		return -1
+	}
+	return m.GetCounter().GetValue()
 }

@@ -112,7 +112,7 @@ func (a *Controller) takeForce(name string) bool {
 }
 
 func New(b *kube.Env) (*Controller, error) {
-	a := &Controller{b: b, queue: kube.NewTermQueue("attach", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax)}
+	a := &Controller{b: b, queue: b.NewTermQueue("attach")}
 	a.slots = a.queue.WithSlots(b.Cfg.PerDriverWorkers)
 	b.Metrics.QueueDepth("attach", a.queue.Len)
 	b.On(b.Factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{

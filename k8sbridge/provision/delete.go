@@ -38,7 +38,7 @@ type Deleter struct {
 }
 
 func NewDeleter(b *kube.Env, prov *Provisioner) *Deleter {
-	d := &Deleter{b: b, prov: prov, queue: kube.NewTermQueue("delete", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax), done: map[types.UID]struct{}{}}
+	d := &Deleter{b: b, prov: prov, queue: b.NewTermQueue("delete"), done: map[types.UID]struct{}{}}
 	d.slots = d.queue.WithSlots(b.Cfg.PerDriverWorkers)
 	b.Metrics.QueueDepth("delete", d.queue.Len)
 	return d

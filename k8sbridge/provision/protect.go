@@ -87,7 +87,7 @@ func NewSourceProtector(b *kube.Env) (*SourceProtector, error) {
 	if err := inf.AddIndexers(cache.Indexers{pendingSourceIndex: pendingSourceKeys}); err != nil {
 		return nil, fmt.Errorf("source protection: %w", err)
 	}
-	p := &SourceProtector{b: b, queue: kube.NewTermQueue("source-protection", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax), claims: inf.GetIndexer()}
+	p := &SourceProtector{b: b, queue: b.NewTermQueue("source-protection"), claims: inf.GetIndexer()}
 	b.Metrics.QueueDepth("source-protection", p.queue.Len)
 	b.On(inf, cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { p.claimChanged(nil, obj) },

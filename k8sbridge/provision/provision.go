@@ -76,7 +76,7 @@ type Provisioner struct {
 func NewProvisioner(b *kube.Env) *Provisioner {
 	p := &Provisioner{
 		b:        b,
-		queue:    kube.NewTermQueue("provision", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax),
+		queue:    b.NewTermQueue("provision"),
 		inflight: map[string]bool{},
 		started:  map[string]time.Time{},
 		asked:    map[types.UID]*csi.TopologyRequirement{},

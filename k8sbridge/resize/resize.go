@@ -117,7 +117,7 @@ type resizeNodeCaps struct {
 }
 
 func New(b *kube.Env) (*Controller, error) {
-	r := &Controller{b: b, queue: kube.NewTermQueue("resize", b.Cfg.RetryIntervalStart, b.Cfg.RetryIntervalMax),
+	r := &Controller{b: b, queue: b.NewTermQueue("resize"),
 		finalErr: map[types.UID]bool{}, inUse: map[types.UID]inUseClaim{}, nodeCaps: map[string]resizeNodeCaps{}}
 	r.slots = r.queue.WithSlots(b.Cfg.PerDriverWorkers)
 	ops, err := kube.OperationsCounter(b.Cfg.Registerer, "resize_operations_total",

@@ -15,6 +15,7 @@ type Metrics struct {
 	Leaked         *prometheus.CounterVec
 	Attach         *prometheus.CounterVec
 	Leader         prometheus.Gauge
+	Panics         *prometheus.CounterVec
 	reg            prometheus.Registerer
 }
 
@@ -49,10 +50,14 @@ func newMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Namespace: "csibroker", Name: "leader",
 			Help: "1 while this replica holds the leader lease.",
 		}),
+		Panics: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "csibroker", Name: "work_item_panics_total",
+			Help: "Controller work items that panicked (each failed and was retried; the process went on), by controller.",
+		}, []string{"controller"}),
 		reg: reg,
 	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.Provisions, m.ProvisionTime, m.Deletions, m.SecretDecision, m.Leaked, m.Attach, m.Leader} {
+		for _, c := range []prometheus.Collector{m.Provisions, m.ProvisionTime, m.Deletions, m.SecretDecision, m.Leaked, m.Attach, m.Leader, m.Panics} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}

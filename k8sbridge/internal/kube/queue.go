@@ -2,9 +2,13 @@ package kube
 
 import (
 	"context"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/client-go/util/workqueue"
 )
 
@@ -15,6 +19,10 @@ import (
 type TermQueue struct {
 	name       string
 	start, max time.Duration
+	// log and panics, if set (Env.NewTermQueue), hear of a work item
+	// that panicked.
+	log    *slog.Logger
+	panics *prometheus.CounterVec
 
 	slots *DriverSlots // set by withSlots, if the keys take per-driver slots
 
@@ -24,6 +32,36 @@ type TermQueue struct {
 
 func NewTermQueue(name string, start, max time.Duration) *TermQueue {
 	return &TermQueue{name: name, start: start, max: max}
+}
+
+// NewTermQueue is a controller's queue with the configured backoff, whose
+// work items that panic are logged with their stack and counted
+// (csibroker_work_item_panics_total).
+func (e *Env) NewTermQueue(name string) *TermQueue {
+	t := NewTermQueue(name, e.Cfg.RetryIntervalStart, e.Cfg.RetryIntervalMax)
+	t.log, t.panics = e.Log, e.Metrics.Panics
+	return t
+}
+
+// run calls handle for key. A panic fails the item, which is retried with
+// its backoff, never the process: one driver's bad answer, or a bug it
+// hits, must not stop the other drivers' work.
+func (t *TermQueue) run(ctx context.Context, key string, handle func(context.Context, string) (time.Duration, error)) (requeue time.Duration, err error) {
+	defer func() {
+		v := recover()
+		if v == nil {
+			return
+		}
+		err = fmt.Errorf("%s %s: panic: %v", t.name, key, v)
+		if t.log != nil {
+			t.log.Error("work item panicked; it fails and is retried with backoff", "controller", t.name, "key", key,
+				"panic", fmt.Sprint(v), "stack", string(debug.Stack()))
+		}
+		if t.panics != nil {
+			t.panics.WithLabelValues(t.name).Inc()
+		}
+	}()
+	return handle(ctx, key)
 }
 
 // begin makes the queue of a new term.
@@ -111,7 +149,7 @@ func (t *TermQueue) Work(ctx context.Context, n int, fill func(), handle func(co
 					q.Done(key)
 					continue
 				}
-				requeue, err := handle(ctx, key)
+				requeue, err := t.run(ctx, key, handle)
 				if t.slots != nil && requeue != WaitForSlot {
 					// After waitForSlot, a slot handed to key was handed
 					// after its acquire (which takes one handed before):

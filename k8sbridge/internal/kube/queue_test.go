@@ -1,8 +1,16 @@
 package kube
 
 import (
+	"context"
+	"log/slog"
 	"slices"
+	"strings"
+	"sync"
 	"testing"
+	"time"
+
+	"github.com/csibroker/csibroker/internal/testutil"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // slotsUnderTest is a driverSlots whose woken keys are recorded in order.
@@ -124,4 +132,52 @@ func TestDriverSlotsSettleAnUntakenSlot(t *testing.T) {
 	s.Release("a")
 	s.Release("b") // k4's handler, still running at the reset
 	s.empty(t)
+}
+
+// TestWorkItemPanicFailsOnlyThatItem: a handler that panics fails its item,
+// which is retried with its backoff and logged with its stack, and counted;
+// the workers go on with the other items and the process lives on.
+func TestWorkItemPanicFailsOnlyThatItem(t *testing.T) {
+	var logs testutil.SyncBuffer
+	q := NewTermQueue("test", time.Millisecond, 10*time.Millisecond)
+	q.log = slog.New(slog.NewTextHandler(&logs, nil))
+	q.panics = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "panics"}, []string{"controller"})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var mu sync.Mutex
+	calls := map[string]int{}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		q.Work(ctx, 2, func() { q.Add("bad"); q.Add("good") }, func(_ context.Context, key string) (time.Duration, error) {
+			mu.Lock()
+			calls[key]++
+			n := calls[key]
+			if calls["bad"] >= 2 && calls["good"] >= 1 {
+				cancel()
+			}
+			mu.Unlock()
+			if key == "bad" && n == 1 {
+				var m map[string]int
+				m["nil map"]++ // a bug: assignment to a nil map panics
+			}
+			return 0, nil
+		})
+	}()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("the queue's workers did not go on after a panic: calls %v", calls)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if calls["bad"] < 2 || calls["good"] != 1 {
+		t.Fatalf("calls %v: want the panicking item retried and the other handled once", calls)
+	}
+	if n := testutil.CounterValue(q.panics.WithLabelValues("test")); n != 1 {
+		t.Fatalf("panics counted %v, want 1", n)
+	}
+	if out := logs.String(); !strings.Contains(out, "work item panicked") || !strings.Contains(out, "key=bad") || !strings.Contains(out, "goroutine") {
+		t.Fatalf("log of the panic (want its key and stack):\n%s", out)
+	}
 }
