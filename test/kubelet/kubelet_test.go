@@ -9,7 +9,8 @@
 // It needs what the Go module proxy and Debian give, but no project
 // script builds yet, so it skips unless both are there:
 //
-//   - $CSIBROKER_KUBELET: a kubelet v1.36.3, built like the control plane
+//   - $CSIBROKER_KUBELET (or kubelet next to the control plane's binaries,
+//     testenv.DefaultBinDir()): a kubelet v1.36.3, built like the control plane
 //     (hack/control-plane.sh's throwaway module, then
 //     `go get k8s.io/kubernetes/cmd/kubelet@v1.36.3` and
 //     `go build k8s.io/kubernetes/cmd/kubelet`; about 10 minutes cold on
@@ -58,6 +59,12 @@ const (
 
 func TestRealKubeletRegistersTheDriver(t *testing.T) {
 	kubelet := os.Getenv("CSIBROKER_KUBELET")
+	if kubelet == "" {
+		// Where hack/control-plane.sh would put it, were it built there.
+		if p := filepath.Join(testenv.DefaultBinDir(), "kubelet"); fileExists(p) {
+			kubelet = p
+		}
+	}
 	containerd, err := exec.LookPath("containerd")
 	if kubelet == "" || err != nil {
 		t.Skipf("needs $CSIBROKER_KUBELET (a built kubelet) and containerd on $PATH (see the package doc); kubelet=%q, containerd: %v", kubelet, err)
@@ -275,6 +282,11 @@ func waitFile(t *testing.T, path string) {
 			t.Fatalf("%s did not appear", path)
 		}
 	}
+}
+
+func fileExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
 }
 
 func freePort(t *testing.T) int {
