@@ -67,7 +67,8 @@ test: lint control-plane sidecars jaeger h2spec
 ## FUZZ_TIME each (plain `go test` runs only their seed corpora).
 FUZZ_TIME ?= 10s
 FUZZ_TARGETS := ./broker/:FuzzParseRegistryConfig ./policy/:FuzzCompileGrant ./policy/:FuzzDecide \
-	./k8sbridge/secrets/:FuzzRef ./k8sbridge/csiparams/:FuzzCreateParameters ./k8sbridge/intent/:FuzzDecodeIntents
+	./k8sbridge/secrets/:FuzzRef ./k8sbridge/csiparams/:FuzzCreateParameters ./k8sbridge/csiparams/:FuzzCheckCreatedVolume \
+	./k8sbridge/intent/:FuzzDecodeIntents
 fuzz:
 	@set -e; for t in $(FUZZ_TARGETS); do \
 		pkg=$${t%%:*}; name=$${t##*:}; \

@@ -3,6 +3,7 @@ package provision
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 
@@ -372,6 +373,15 @@ func (a *attempt) call() *outcome {
 	a.req.Secrets = nil
 	if err == nil {
 		a.vol = resp.GetVolume()
+		if cerr := csiparams.CheckCreatedVolume(a.vol); errors.Is(cerr, csiparams.ErrNoVolumeID) {
+			// Answered, but naming no volume: one may exist under this
+			// name, so the entry stays and the same request is asked
+			// again (an answer with an ID but unusable otherwise is
+			// deleted by wrongVolume).
+			p.setAsked(a.claim.UID, a.req.AccessibilityRequirements)
+			a.warn("CreateVolume answer without a volume ID", "failed to provision volume with StorageClass %q: %v; retrying with the same name", a.class.Name, cerr)
+			return ended("in_progress", cerr)
+		}
 		return nil
 	}
 	if status.Code(err) == codes.ResourceExhausted {
@@ -477,6 +487,8 @@ func (a *attempt) wrongVolume() *outcome {
 		wrong = fmt.Sprintf("created volume capacity %d less than requested capacity %d", got, want)
 	} else if a.req.GetVolumeContentSource() != nil && a.vol.GetContentSource() == nil {
 		wrong = "volume content source missing in the driver's answer"
+	} else if err := csiparams.CheckCreatedVolume(a.vol); err != nil {
+		wrong = err.Error()
 	}
 	if wrong == "" {
 		return nil
