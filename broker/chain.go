@@ -57,6 +57,7 @@ type callState struct {
 	retried  bool        // an attempt was retried after Unavailable
 	giveUp   bool        // no further attempt: the last one's error is the call's
 	lastErr  error       // the last attempt's error
+	desc     *callDesc   // the method's, for the retry's metric and log
 }
 
 type callStateKey struct{}
@@ -106,25 +107,18 @@ func (p *proxyConn) buildChain() {
 			retry.WithOnRetryCallback(func(ctx context.Context, attempt uint, err error) {
 				if st := stateOf(ctx); !st.giveUp {
 					st.retried = true
-					p.b.onRetry(ctx, p, p.b.desc(p, p.methodOf(ctx)), attempt, err)
+					p.b.onRetry(ctx, p, st.desc, attempt, err)
 				}
 			}),
 		),
 	)
 }
 
-type methodKey struct{}
-
-func (p *proxyConn) methodOf(ctx context.Context) string {
-	m, _ := ctx.Value(methodKey{}).(string)
-	return m
-}
-
 // observeUnary is the chain's outermost interceptor.
 func (p *proxyConn) observeUnary(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-	st := &callState{}
-	ctx = context.WithValue(context.WithValue(ctx, callStateKey{}, st), methodKey{}, method)
-	return p.b.observe(ctx, p, p.b.desc(p, method), method, req, reply, func(ctx context.Context) error {
+	st := &callState{desc: p.b.desc(p, method)}
+	ctx = context.WithValue(ctx, callStateKey{}, st)
+	return p.b.observe(ctx, p, st.desc, method, req, reply, func(ctx context.Context) error {
 		err := invoker(ctx, method, req, reply, cc, opts...)
 		if err == nil {
 			return nil

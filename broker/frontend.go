@@ -48,21 +48,25 @@ type frontEnd struct {
 	b      *Broker
 	driver string // fixed driver for a per-driver socket; empty: from metadata
 	tcp    bool   // the shared mTLS TCP listener: callers are checked per call
-	// unary holds, per method path the protobuf registry knows (the CSI
-	// spec registers its services), whether it is unary; other paths,
-	// which a caller may make up, are streamed.
-	unary sync.Map
+	// kinds holds a methodKind per method path the protobuf registry
+	// knows (the CSI spec registers its services); other paths, which a
+	// caller may make up, are looked up on each call and streamed.
+	kinds sync.Map
 }
 
-func (fe *frontEnd) isUnary(path string) bool {
-	if v, ok := fe.unary.Load(path); ok {
-		return v.(bool)
+// methodKind is how a method streams.
+type methodKind struct{ known, clientStreams, unary bool }
+
+func (fe *frontEnd) kind(path string) methodKind {
+	if v, ok := fe.kinds.Load(path); ok {
+		return v.(methodKind)
 	}
 	known, cs, ss := rawgrpc.MethodKind(path)
+	k := methodKind{known: known, clientStreams: cs, unary: known && !cs && !ss}
 	if known {
-		fe.unary.Store(path, !cs && !ss)
+		fe.kinds.Store(path, k)
 	}
-	return known && !cs && !ss
+	return k
 }
 
 // serve runs the front end's grpc-go server on lis until ctx is done, then
@@ -98,21 +102,11 @@ const FrontEndShare = 128
 // frontEndSlot takes one of driver's front-end call slots, waiting within
 // ctx.
 func (b *Broker) frontEndSlot(ctx context.Context, driver string) (release func(), err error) {
-	v, _ := b.feSlots.LoadOrStore(driver, make(chan struct{}, FrontEndShare))
-	slots := v.(chan struct{})
-	release = func() { <-slots }
-	select {
-	case slots <- struct{}{}:
-		return release, nil
-	default:
+	v, ok := b.feSlots.Load(driver)
+	if !ok {
+		v, _ = b.feSlots.LoadOrStore(driver, grpcsrv.NewSlots(FrontEndShare, "csibroker: front ends of driver "+driver))
 	}
-	select {
-	case slots <- struct{}{}:
-		return release, nil
-	case <-ctx.Done():
-		return nil, status.Errorf(status.FromContextError(ctx.Err()).Code(),
-			"csibroker: the call waited for one of the %d front-end call slots of driver %s until it ended: %v", FrontEndShare, driver, ctx.Err())
-	}
+	return v.(*grpcsrv.Slots).Take(ctx)
 }
 
 // frontEndDrain bounds how long a stopping front end waits for its calls.
@@ -160,7 +154,8 @@ func (fe *frontEnd) handle(_ any, ss grpc.ServerStream) error {
 	// The request first (every CSI method's client sends one message): a
 	// call whose request never comes holds no slot and no stream to the
 	// proxy.
-	if known, clientStreams, _ := rawgrpc.MethodKind(method); known && !clientStreams {
+	kind := fe.kind(method)
+	if kind.known && !kind.clientStreams {
 		if ss, err = rawgrpc.Prefetch(ss); err != nil {
 			return err
 		}
@@ -171,7 +166,7 @@ func (fe *frontEnd) handle(_ any, ss grpc.ServerStream) error {
 	}
 	defer release()
 	out := metadata.NewOutgoingContext(ctx, rawgrpc.ForwardedMetadata(md))
-	if fe.isUnary(method) {
+	if kind.unary {
 		return forwardUnary(out, chainConn{pc}, method, ss)
 	}
 	cs, err := chainConn{pc}.NewStream(out, rawgrpc.StreamDesc, method)

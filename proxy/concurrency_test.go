@@ -73,7 +73,7 @@ func TestManyConcurrentCallers(t *testing.T) {
 					case <-finished:
 						return
 					case <-time.After(time.Millisecond):
-						if n := int64(len(tp.p.slots)); n > peak.Load() {
+						if n := int64(tp.p.slots.Taken()); n > peak.Load() {
 							peak.Store(n)
 						}
 					}

@@ -135,7 +135,7 @@ type Proxy struct {
 	target string           // the driver socket's path
 	driver *grpc.ClientConn // every call to the driver, forwarded or the proxy's own
 	srv    *grpc.Server
-	slots  chan struct{} // one per call the driver may have at once
+	slots  *grpcsrv.Slots // one per call the driver may have at once
 	log    *slog.Logger
 	reg    *registration // nil unless the proxy registers the driver with the kubelet
 
@@ -167,7 +167,7 @@ func New(cfg Config) (*Proxy, error) {
 		return nil, fmt.Errorf("proxy config: %w", err)
 	}
 	path, _, _ := telemetry.UnixTarget(cfg.DriverEndpoint)
-	p := &Proxy{cfg: cfg, target: path, slots: make(chan struct{}, cfg.MaxConcurrentCalls),
+	p := &Proxy{cfg: cfg, target: path, slots: grpcsrv.NewSlots(cfg.MaxConcurrentCalls, "csibroker proxy: driver "+path+" (--max-concurrent-calls)"),
 		log: cfg.Logger.With("component", "proxy", "driver_endpoint", path)}
 
 	conn, err := grpc.NewClient("passthrough:///"+path, append(rawgrpc.ClientTransportOptions(),
@@ -295,21 +295,10 @@ func (p *Proxy) forward(_ any, in grpc.ServerStream) error {
 	return rawgrpc.Forward(in, out)
 }
 
-// acquire takes one of the driver's call slots, waiting within ctx.
+// acquire takes one of the driver's call slots (MaxConcurrentCalls),
+// waiting within ctx.
 func (p *Proxy) acquire(ctx context.Context) (release func(), err error) {
-	release = func() { <-p.slots }
-	select {
-	case p.slots <- struct{}{}:
-		return release, nil
-	default:
-	}
-	select {
-	case p.slots <- struct{}{}:
-		return release, nil
-	case <-ctx.Done():
-		return nil, status.Errorf(status.FromContextError(ctx.Err()).Code(),
-			"csibroker proxy: the call waited for one of the driver's %d call slots (MaxConcurrentCalls) until it ended: %v", cap(p.slots), ctx.Err())
-	}
+	return p.slots.Take(ctx)
 }
 
 // boundOwnCall makes the proxy's own calls to the driver (Probe,
