@@ -20,6 +20,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
@@ -301,7 +302,10 @@ func TestModifyCancelledBackToNoClass(t *testing.T) {
 	hooked, calls := modifyCountingDriver(t, drv, status.Error(codes.Internal, "backend unavailable"))
 	class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "none"), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
 	failingName := makeVAC(t, c, kubetest.ClusterName(ns, "failing"), drv, map[string]string{sampledriver.MutableIOPS: "900"})
-	startBridge(t, env, ns, hooked, bridgeOpts{})
+	// The queue's retries wait on a fake clock, stepped below: the
+	// failed class's retry stays queued until then.
+	fake := testingclock.NewFakeClock(time.Now())
+	r := startBridge(t, env, ns, hooked, bridgeOpts{configureCfg: func(cfg *Config) { cfg.Clock = fake }})
 	kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "pending", class.Name, "1Gi").Name, 60*time.Second)
 	kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "failed", class.Name, "1Gi").Name, 60*time.Second)
 
@@ -335,10 +339,17 @@ func TestModifyCancelledBackToNoClass(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	// Past the longest backoff: a retry of the failed class, had one been
-	// left queued, would have been made.
-	n := calls.Load()
-	time.Sleep(2500 * time.Millisecond)
+	// The failed class's retry, queued with its backoff, comes due: it
+	// is handled and asks the driver nothing.
+	n, handled := calls.Load(), r.metricValue(t, "csibroker_work_items_total", map[string]string{"controller": "modify"})
+	fake.Step(3 * time.Second) // past the longest backoff (2 s)
+	err := testenv.WaitFor(ctx, 30*time.Second, "the queued retry handled", func(context.Context) (bool, string, error) {
+		now := r.metricValue(t, "csibroker_work_items_total", map[string]string{"controller": "modify"})
+		return now > handled, fmt.Sprintf("%v work items handled since the step", now-handled), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	if got := calls.Load(); got != n {
 		t.Errorf("%d ControllerModifyVolume calls after the modification was cancelled, want none", got-n)
 	}

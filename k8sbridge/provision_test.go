@@ -145,9 +145,18 @@ func TestProvisionTwoDriversImmediateAndWFFC(t *testing.T) {
 		}
 		return pv.Status.Phase == corev1.VolumeReleased, string(pv.Status.Phase)
 	})
-	time.Sleep(time.Second) // give a wrong deletion the chance to happen
-	if n := len(b.Volumes()); n != 1 {
-		t.Fatalf("Retain: driver B has %d volumes, want 1", n)
+	// A sentinel: a claim of driver B with reclaim Delete, made and
+	// deleted after claim-b's PV was Released. Its deletion is enqueued
+	// after that PV's update was seen, so once its PV is gone a wrong
+	// deletion of the Retain volume would have been asked of the driver.
+	classDel := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "b-delete"), drvB, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	sentinel := kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, "sentinel", classDel.Name, "1Gi").Name, 60*time.Second)
+	if err := c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "sentinel", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	kubetest.WaitPVGone(t, c, sentinel.Spec.VolumeName, 60*time.Second)
+	if n, calls := len(b.Volumes()), b.CallCount("DeleteVolume"); n != 1 || calls != 1 {
+		t.Fatalf("Retain: driver B has %d volumes after %d DeleteVolume calls, want 1 after 1 (the sentinel's)", n, calls)
 	}
 }
 

@@ -56,13 +56,30 @@ func TestResizeWaitsForDetachAfterAnInUseRefusal(t *testing.T) {
 
 	raiseRequest(t, c, ns, "data", "2Gi")
 	kubetest.WaitEvent(t, c, ns, "data", "VolumeResizeFailed", "once the volume is detached")
-	// A bounded window, no event to wait for: with the test's backoff
-	// (100 ms doubling to 2 s) a retry would have come several times.
-	time.Sleep(1500 * time.Millisecond)
+	inUse := map[string]string{"driver": drv, "result": "in_use"}
+	err := testenv.WaitFor(ctx, 30*time.Second, "the refusal counted", func(context.Context) (bool, string, error) {
+		return s.r.metricValue(t, "csibroker_resize_operations_total", inUse) == 1, "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Asked for more while still attached, the claim is handled again
+	// and the driver is still not asked (nor by a retry with backoff,
+	// which would come before it: 100 ms here).
+	items := map[string]string{"controller": "resize"}
+	handled := s.r.metricValue(t, "csibroker_work_items_total", items)
+	raiseRequest(t, c, ns, "data", "3Gi")
+	err = testenv.WaitFor(ctx, 30*time.Second, "the larger request handled", func(context.Context) (bool, string, error) {
+		now := s.r.metricValue(t, "csibroker_work_items_total", items)
+		return now > handled, fmt.Sprintf("%v work items handled", now-handled), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	if n := d.CallCount("ControllerExpandVolume"); n != 1 {
 		t.Fatalf("%d ControllerExpandVolume calls while the volume stayed attached, want only the refused one", n)
 	}
-	if got := s.r.metricValue(t, "csibroker_resize_operations_total", map[string]string{"driver": drv, "result": "in_use"}); got != 1 {
+	if got := s.r.metricValue(t, "csibroker_resize_operations_total", inUse); got != 1 {
 		t.Errorf("resize results: in_use %v, want 1", got)
 	}
 	if err := c.StorageV1().VolumeAttachments().Delete(ctx, va.Name, metav1.DeleteOptions{}); err != nil {
@@ -71,7 +88,7 @@ func TestResizeWaitsForDetachAfterAnInUseRefusal(t *testing.T) {
 	waitClaim(t, c, ns, "data", "expanded after the detach", func(p *corev1.PersistentVolumeClaim) bool {
 		q := p.Status.Capacity[corev1.ResourceStorage]
 		st := p.Status.AllocatedResourceStatuses[corev1.ResourceStorage]
-		return q.Cmp(resource.MustParse("2Gi")) >= 0 || st == corev1.PersistentVolumeClaimNodeResizePending
+		return q.Cmp(resource.MustParse("3Gi")) >= 0 || st == corev1.PersistentVolumeClaimNodeResizePending
 	})
 	if n := d.CallCount("ControllerExpandVolume"); n != 2 {
 		t.Fatalf("%d ControllerExpandVolume calls, want 2 (refused while attached, then done)", n)

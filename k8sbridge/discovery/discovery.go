@@ -19,6 +19,7 @@ import (
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
+	"k8s.io/utils/clock"
 
 	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/csiname"
@@ -124,7 +125,9 @@ type Discovery struct {
 	// the timer that syncs again when the first grace ends.
 	goneSince map[string]time.Time
 	goneGrace time.Duration
-	goneTimer *time.Timer
+	goneTimer clock.Timer
+	// clock measures the grace (a test steps a fake one).
+	clock clock.WithDelayedExecution
 }
 
 // New watches pods matching selector in namespaces (all namespaces
@@ -141,7 +144,7 @@ func New(client kubernetes.Interface, selector string, namespaces []string, regi
 	}
 	d := &Discovery{client: client, selector: selector, registry: registry, template: template, static: map[string]bool{}, log: log.With("component", "discovery"),
 		kick: make(chan struct{}, 1), current: map[string]broker.DriverConfig{}, leaderPoll: discoveryLeaderPoll,
-		goneSince: map[string]time.Time{}, goneGrace: discoveryGoneGrace}
+		goneSince: map[string]time.Time{}, goneGrace: discoveryGoneGrace, clock: clock.RealClock{}}
 	for _, s := range static {
 		d.static[s] = true
 	}
@@ -439,11 +442,11 @@ func (d *Discovery) sync() {
 		}
 		since, ok := d.goneSince[name]
 		if !ok {
-			since = time.Now()
+			since = d.clock.Now()
 			d.goneSince[name] = since
 			d.log.Warn("driver has no ready proxy pod; kept registered while one may come back", "driver", name, "grace", d.goneGrace)
 		}
-		if wait := d.goneGrace - time.Since(since); wait > 0 {
+		if wait := d.goneGrace - d.clock.Since(since); wait > 0 {
 			if next == 0 || wait < next {
 				next = wait
 			}
@@ -455,10 +458,11 @@ func (d *Discovery) sync() {
 		d.log.Info("driver gone: no ready proxy pod left", "driver", name, "for", d.goneGrace)
 	}
 	if next > 0 {
-		if d.goneTimer == nil {
-			d.goneTimer = time.AfterFunc(next, d.nudge)
-		} else {
-			d.goneTimer.Reset(next)
+		// A new timer each time, not Reset: a fired fake clock timer
+		// cannot be reset (its channel is full).
+		if d.goneTimer != nil {
+			d.goneTimer.Stop()
 		}
+		d.goneTimer = d.clock.AfterFunc(next, d.nudge)
 	}
 }

@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/retry"
+	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/chaintest"
@@ -299,8 +300,11 @@ func TestDiscoveryKeepsADriverThroughABriefUnreadiness(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const grace = 3 * time.Second
-	d.goneGrace = grace
+	// A fake clock measures the grace: the test steps it, so nothing
+	// here waits for time to pass or for something not to happen.
+	const grace = 30 * time.Second
+	fake := testingclock.NewFakeClock(time.Now())
+	d.goneGrace, d.clock = grace, fake
 	runDiscovery(t, d)
 	makeReadyProxyPod(t, ctx, c, ns, ns, drv, "proxy", "10.1.0.1", "", false)
 	err = testenv.WaitFor(ctx, 30*time.Second, "driver discovered", func(context.Context) (bool, string, error) {
@@ -325,26 +329,60 @@ func TestDiscoveryKeepsADriverThroughABriefUnreadiness(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// waitGone waits until discovery's last sync saw drv without a Ready
+	// proxy pod (gone) or with one again (!gone).
+	waitGone := func(gone bool, what string) {
+		t.Helper()
+		err := testenv.WaitFor(ctx, 30*time.Second, what, func(context.Context) (bool, string, error) {
+			d.mu.Lock()
+			_, ok := d.goneSince[drv]
+			d.mu.Unlock()
+			return ok == gone, "", nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	removals := func() int {
+		reg.mu.Lock()
+		defer reg.mu.Unlock()
+		return reg.removed
+	}
+
 	setReady(corev1.ConditionFalse)
-	time.Sleep(grace / 3) // discovery has seen it (it syncs 100 ms after a pod event)
+	waitGone(true, "discovery to see the proxy pod not Ready")
 	if _, ok := reg.get(drv); !ok {
 		t.Fatal("the driver was removed as soon as its proxy pod went not Ready")
 	}
 	setReady(corev1.ConditionTrue)
-	time.Sleep(grace) // past the grace of the blip
-	reg.mu.Lock()
-	removed := reg.removed
-	reg.mu.Unlock()
-	if _, ok := reg.get(drv); !ok || removed != 0 {
-		t.Fatalf("after a blip shorter than the grace: registered %v, %d removals; want kept throughout", ok, removed)
-	}
+	waitGone(false, "discovery to see the proxy pod Ready again")
+	// Past the grace of the blip: the timer it set fires and discovery
+	// syncs. Had it removed the driver then, the next pass (the pod's
+	// deletion, below) would find no registered driver to keep.
+	fake.Step(grace)
 
-	gone := time.Now()
 	deletePods(t, ctx, c, ns, "proxy")
-	reg.waitRemoved(t, ctx, drv)
-	if took := time.Since(gone); took < grace {
-		t.Errorf("driver removed %v after its pod went, before the grace of %v", took.Round(time.Millisecond), grace)
+	waitGone(true, "discovery to see the proxy pod gone")
+	if _, ok := reg.get(drv); !ok || removals() != 0 {
+		t.Fatalf("after a blip shorter than the grace: registered %v, %d removals; want kept throughout", ok, removals())
 	}
+	// Just short of the grace, a pass (another driver's pod appearing)
+	// keeps the driver; at the grace, it is removed.
+	fake.Step(grace - time.Millisecond)
+	other := kubetest.ClusterName(ns, "other.csi.test")
+	makeReadyProxyPod(t, ctx, c, ns, ns, other, "other-proxy", "10.1.0.2", "", false)
+	err = testenv.WaitFor(ctx, 30*time.Second, "the other driver discovered", func(context.Context) (bool, string, error) {
+		_, ok := reg.get(other)
+		return ok, "", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := reg.get(drv); !ok || removals() != 0 {
+		t.Fatalf("driver removed %v before the grace of %v (registered %v, %d removals)", grace-time.Millisecond, grace, ok, removals())
+	}
+	fake.Step(time.Millisecond)
+	reg.waitRemoved(t, ctx, drv)
 }
 
 func describeDriverConfig(c broker.DriverConfig) string {

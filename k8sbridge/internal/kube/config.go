@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/clock"
 
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/policy"
@@ -94,6 +95,9 @@ type Config struct {
 	PerDriverWorkers   int
 	RetryIntervalStart time.Duration
 	RetryIntervalMax   time.Duration
+	// Clock times the work queues' retries and delays (nil: the real
+	// clock; a test steps a fake one).
+	Clock clock.WithTicker
 	// Timeout bounds one CreateVolume/DeleteVolume call (the broker's client
 	// chain retries inside it).
 	Timeout time.Duration

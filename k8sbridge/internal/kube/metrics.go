@@ -16,6 +16,7 @@ type Metrics struct {
 	Attach         *prometheus.CounterVec
 	Leader         prometheus.Gauge
 	Panics         *prometheus.CounterVec
+	WorkItems      *prometheus.CounterVec
 	reg            prometheus.Registerer
 }
 
@@ -54,10 +55,14 @@ func newMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Namespace: "csibroker", Name: "work_item_panics_total",
 			Help: "Controller work items that panicked (each failed and was retried; the process went on), by controller.",
 		}, []string{"controller"}),
+		WorkItems: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "csibroker", Name: "work_items_total",
+			Help: "Controller work items handled, by controller and outcome (done; retry: failed, queued again with backoff; requeue: queued again after a wait; waiting: in its driver's line).",
+		}, []string{"controller", "outcome"}),
 		reg: reg,
 	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.Provisions, m.ProvisionTime, m.Deletions, m.SecretDecision, m.Leaked, m.Attach, m.Leader, m.Panics} {
+		for _, c := range []prometheus.Collector{m.Provisions, m.ProvisionTime, m.Deletions, m.SecretDecision, m.Leaked, m.Attach, m.Leader, m.Panics, m.WorkItems} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}

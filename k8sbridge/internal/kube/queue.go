@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/client-go/util/workqueue"
+	"k8s.io/utils/clock"
 )
 
 // TermQueue is a rate-limited workqueue that exists only while this replica
@@ -23,6 +24,8 @@ type TermQueue struct {
 	// that panicked.
 	log    *slog.Logger
 	panics *prometheus.CounterVec
+	items  *prometheus.CounterVec // handled work items by outcome
+	clock  clock.WithTicker       // nil: the real clock
 
 	slots *DriverSlots // set by withSlots, if the keys take per-driver slots
 
@@ -39,7 +42,7 @@ func NewTermQueue(name string, start, max time.Duration) *TermQueue {
 // (csibroker_work_item_panics_total).
 func (e *Env) NewTermQueue(name string) *TermQueue {
 	t := NewTermQueue(name, e.Cfg.RetryIntervalStart, e.Cfg.RetryIntervalMax)
-	t.log, t.panics = e.Log, e.Metrics.Panics
+	t.log, t.panics, t.items, t.clock = e.Log, e.Metrics.Panics, e.Metrics.WorkItems, e.Cfg.Clock
 	return t
 }
 
@@ -68,7 +71,7 @@ func (t *TermQueue) run(ctx context.Context, key string, handle func(context.Con
 func (t *TermQueue) begin() workqueue.TypedRateLimitingInterface[string] {
 	q := workqueue.NewTypedRateLimitingQueueWithConfig(
 		workqueue.NewTypedItemExponentialFailureRateLimiter[string](t.start, t.max),
-		workqueue.TypedRateLimitingQueueConfig[string]{Name: t.name})
+		workqueue.TypedRateLimitingQueueConfig[string]{Name: t.name, Clock: t.clock})
 	t.mu.Lock()
 	t.q = q
 	t.mu.Unlock()
@@ -156,16 +159,23 @@ func (t *TermQueue) Work(ctx context.Context, n int, fill func(), handle func(co
 					// the key is queued again and takes it then.
 					t.slots.settle(key)
 				}
+				outcome := "done"
 				switch {
 				case err != nil:
+					outcome = "retry"
 					q.AddRateLimited(key)
 				case requeue > 0:
+					outcome = "requeue"
 					q.AddAfter(key, requeue)
 				case requeue == WaitForSlot:
+					outcome = "waiting"
 				default:
 					q.Forget(key)
 				}
 				q.Done(key)
+				if t.items != nil {
+					t.items.WithLabelValues(t.name, outcome).Inc()
+				}
 			}
 		}()
 	}
