@@ -125,10 +125,10 @@ type Condition struct {
 // built on an older spec still send both, and Go's protobuf keeps the field
 // among the status's unknown fields.
 const (
-	legacyConditionField  = 2
-	legacyAbnormalField   = 1
-	legacyMessageField    = 2
-	VolumeConditionCap    = csi.ControllerServiceCapability_RPC_Type(11)
+	legacyConditionField = 2
+	legacyAbnormalField  = 1
+	legacyMessageField   = 2
+	VolumeConditionCap   = csi.ControllerServiceCapability_RPC_Type(11)
 )
 
 // LegacyCondition reads the legacy volume condition from a volume status
