@@ -66,7 +66,7 @@ func New(b *kube.Env) (*Controller, error) {
 		}, []string{"driver"}),
 		sweeps: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "volume_health_sweeps_total",
-			Help: "Volume health sweeps by driver, mode (health-list, health-get, condition-list, condition-get) and result (success, partial, failed, unreachable).",
+			Help: "Volume health sweeps by driver, mode (health-list, health-get, condition-list, condition-get) and result (success; partial: some volumes not observed; failed: nothing concluded; unreachable; skipped: the driver reports no volume health, mode none).",
 		}, []string{"driver", "mode", "result"}),
 		calls: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "volume_health_calls_total",
@@ -210,6 +210,7 @@ func (c *Controller) sweepDriver(ctx context.Context, driver string) {
 	}
 	m := modeOf(caps)
 	if m == modeNone {
+		c.sweeps.WithLabelValues(driver, m.String(), "skipped").Inc()
 		return
 	}
 	for _, u := range units {

@@ -352,6 +352,9 @@ func TestDriverWithoutHealthIsNeverAsked(t *testing.T) {
 	if got := callsOf(d); len(got) != 0 {
 		t.Fatalf("a driver without volume health was asked: %v", got)
 	}
+	if n := value(t, h.c.sweeps.WithLabelValues(drv, "none", "skipped")); n != 3 {
+		t.Fatalf("%v skipped sweeps counted, want 3", n)
+	}
 	h.wantEvents("no health")
 }
 
