@@ -102,12 +102,17 @@ func (c *Controller) Run(ctx context.Context) {
 	c.mu.Unlock()
 	c.abnormal.Reset()
 	c.notFound.Reset()
+	// A standby exports nothing: what it knew is the last term's.
+	defer c.notFound.Reset()
+	defer c.abnormal.Reset()
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	t := time.NewTicker(c.interval)
 	defer t.Stop()
 	for {
-		for _, d := range c.b.Cfg.Drivers.DriverNames() {
+		names := c.b.Cfg.Drivers.DriverNames()
+		c.forgetUnregistered(names)
+		for _, d := range names {
 			if !c.begin(d) {
 				continue
 			}
@@ -123,6 +128,24 @@ func (c *Controller) Run(ctx context.Context) {
 			return
 		case <-t.C:
 		case <-c.nudge:
+		}
+	}
+}
+
+// forgetUnregistered drops what is known of drivers not in names (and
+// not being swept), and their gauges.
+func (c *Controller) forgetUnregistered(names []string) {
+	registered := make(map[string]bool, len(names))
+	for _, n := range names {
+		registered[n] = true
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for d := range c.states {
+		if !registered[d] && !c.busy[d] {
+			delete(c.states, d)
+			c.abnormal.DeleteLabelValues(d)
+			c.notFound.DeleteLabelValues(d)
 		}
 	}
 }
@@ -191,12 +214,7 @@ func watched(pv *corev1.PersistentVolume, driver string) bool {
 // what changed. A panic (a bug a driver's answer hits) fails this sweep
 // only.
 func (c *Controller) sweepDriver(ctx context.Context, driver string) {
-	defer func() {
-		if v := recover(); v != nil {
-			c.log.Error("volume health sweep panicked", "driver", driver, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
-			c.b.Metrics.Panics.WithLabelValues("health").Inc()
-		}
-	}()
+	defer c.recover(driver)
 	all, units := c.volumesOf(driver)
 	defer c.settle(driver, all)
 	if len(all) == 0 {
@@ -213,13 +231,37 @@ func (c *Controller) sweepDriver(ctx context.Context, driver string) {
 		c.sweeps.WithLabelValues(driver, m.String(), "skipped").Inc()
 		return
 	}
+	// A node-local driver's nodes are asked side by side: one node whose
+	// proxy does not answer holds up only its own volumes.
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, unitWorkers)
 	for _, u := range units {
-		if ctx.Err() != nil {
-			return
+		select {
+		case <-ctx.Done():
+		case sem <- struct{}{}:
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer func() { <-sem }()
+				defer c.recover(driver)
+				c.sweepUnit(ctx, driver, m, caps, u)
+			}()
 		}
-		c.sweepUnit(ctx, driver, m, caps, u)
+	}
+	wg.Wait()
+}
+
+// recover ends a sweep that panicked (a bug a driver's answer hits): it
+// is logged with its stack and counted, and the process goes on.
+func (c *Controller) recover(driver string) {
+	if v := recover(); v != nil {
+		c.log.Error("volume health sweep panicked", "driver", driver, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
+		c.b.Metrics.Panics.WithLabelValues("health").Inc()
 	}
 }
+
+// unitWorkers bounds the proxies of one driver asked at once.
+const unitWorkers = 8
 
 // sweepUnit asks one proxy about its volumes and reports.
 func (c *Controller) sweepUnit(ctx context.Context, driver string, m mode, caps drivers.Caps, u unit) {
@@ -294,6 +336,9 @@ func (c *Controller) settle(driver string, watchedPVs []*corev1.PersistentVolume
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if c.states[driver] == nil {
+		c.states[driver] = map[types.UID]*volState{} // kept: forgetUnregistered finds the driver's gauges by it
+	}
 	abnormal, gone := 0, 0
 	for uid, st := range c.states[driver] {
 		if !live[uid] {
@@ -306,9 +351,6 @@ func (c *Controller) settle(driver string, watchedPVs []*corev1.PersistentVolume
 		case stateGone:
 			gone++
 		}
-	}
-	if len(c.states[driver]) == 0 {
-		delete(c.states, driver)
 	}
 	c.abnormal.WithLabelValues(driver).Set(float64(abnormal))
 	c.notFound.WithLabelValues(driver).Set(float64(gone))

@@ -604,3 +604,54 @@ func TestModeOf(t *testing.T) {
 		}
 	}
 }
+
+// TestUnregisteredDriverForgotten: a driver no longer registered loses
+// its states and its gauges; Run's end clears every gauge (a standby
+// exports nothing of the last term).
+func TestUnregisteredDriverForgotten(t *testing.T) {
+	const drv = "sample.csibroker.io"
+	conn, d := dialDriver(t, sampledriver.Config{})
+	h := newHarness(t, &fakeDrivers{conns: map[string]grpc.ClientConnInterface{drv: conn}})
+	id := createVolume(t, conn, "a")
+	h.addPV("pv-a", drv, id, "")
+	if err := d.SetVolumeCondition(id, true, "bad"); err != nil {
+		t.Fatal(err)
+	}
+	h.sweep(drv)
+	series := func() int { return promCount(h.c.abnormal) }
+	if n := series(); n != 1 {
+		t.Fatalf("%d abnormal series, want 1", n)
+	}
+	h.c.forgetUnregistered([]string{drv})
+	if n := series(); n != 1 || len(h.c.states) != 1 {
+		t.Fatalf("a registered driver was forgotten (%d series, %d states)", n, len(h.c.states))
+	}
+	h.c.forgetUnregistered(nil)
+	if n := series(); n != 0 || len(h.c.states) != 0 {
+		t.Fatalf("an unregistered driver kept %d series, %d states", n, len(h.c.states))
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); h.c.Run(ctx) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for len(h.events()) == 0 { // the first sweep of the term reports the volume again
+		if time.Now().After(deadline) {
+			t.Fatal("the term's first sweep recorded no Event in 10s")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	cancel()
+	<-done
+	if n := series(); n != 0 {
+		t.Fatalf("%d abnormal series left after the term", n)
+	}
+}
+
+// promCount is how many series a collector holds.
+func promCount(c prometheus.Collector) int {
+	ch := make(chan prometheus.Metric, 100)
+	c.Collect(ch)
+	close(ch)
+	return len(ch)
+}
