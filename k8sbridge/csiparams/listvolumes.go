@@ -128,7 +128,6 @@ const (
 	legacyConditionField = 2
 	legacyAbnormalField  = 1
 	legacyMessageField   = 2
-	VolumeConditionCap   = csi.ControllerServiceCapability_RPC_Type(11)
 )
 
 // LegacyCondition reads the legacy volume condition from a volume status
