@@ -18,6 +18,7 @@ import (
 
 	"github.com/csibroker/csibroker/k8sbridge/attach"
 	"github.com/csibroker/csibroker/k8sbridge/capacity"
+	"github.com/csibroker/csibroker/k8sbridge/health"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/modify"
@@ -93,6 +94,7 @@ func New(cfg Config) (*Bridge, error) {
 	for _, mk := range []func(*kube.Env) (controller, error){
 		ctl(attach.New),
 		ctl(capacity.New),
+		ctl(health.New),
 		ctl(modify.New),
 		ctl(provision.NewSourceProtector),
 		ctl(resize.New),

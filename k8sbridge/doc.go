@@ -6,7 +6,7 @@
 // The house, from the top down:
 //
 //   - k8sbridge: leader election, readiness, the list of controllers.
-//   - provision, attach, resize, modify, capacity: one controller package
+//   - provision, attach, resize, modify, capacity, health: one controller package
 //     each (provision holds provisioning, recovery of leaked volumes,
 //     protection of clone and snapshot sources, and deletion). A
 //     controller package imports the plumbing below it and never another

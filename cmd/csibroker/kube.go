@@ -65,6 +65,7 @@ type kubeFlags struct {
 	PerDriverWorkers     int
 	RetryIntervalStart   time.Duration
 	RetryIntervalMax     time.Duration
+	MonitorInterval      time.Duration
 
 	DiscoverProxies   string
 	DiscoverNamespace string
@@ -128,6 +129,7 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&f.PerDriverWorkers, "per-driver-workers", 0, "concurrent operations per driver in each controller (0: --worker-threads), so one slow driver cannot take every worker; the others wait in line in arrival order")
 	fs.DurationVar(&f.RetryIntervalStart, "retry-interval-start", time.Second, "first backoff of a failed claim or volume (doubles per failure)")
 	fs.DurationVar(&f.RetryIntervalMax, "retry-interval-max", 5*time.Minute, "largest backoff of a failed claim or volume")
+	fs.DurationVar(&f.MonitorInterval, "monitor-interval", time.Minute, "how often the volumes of drivers that report volume health are swept, as external-health-monitor-controller's flag (0 or less: volume health is not monitored)")
 	fs.StringVar(&f.DiscoverProxies, "discover-proxies", "", "label selector of proxy pods to register as drivers' proxies (annotations csibroker.io/driver, csibroker.io/proxy-port, csibroker.io/node-proxy, csibroker.io/node-local); empty: off")
 	fs.StringVar(&f.DiscoverNamespace, "discover-proxies-namespace", "", "comma-separated namespaces whose pods may be proxies (empty: every namespace, which lets anyone who can create a pod take a driver's route)")
 	fs.StringVar(&f.PolicyMode, "policy-mode", "enforce", "secret policy mode: enforce (deny by default), audit (log and count would-be denials, allow), off")
@@ -465,7 +467,7 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 		LeaderElectionNamespace: f.LeaderNamespace,
 		VolumeNamePrefix:        f.VolumeNamePrefix, VolumeNameUUIDLength: f.VolumeNameUUIDLength, ExtraCreateMetadata: f.ExtraCreateMetadata, ExtraModifyMetadata: f.ExtraModifyMetadata, DefaultFSType: f.DefaultFSType, ControllerPublishReadOnly: f.PublishReadOnly, CapacityForImmediateBinding: f.CapacityImmediate,
 		StrictTopology: f.StrictTopology, ImmediateTopology: f.ImmediateTopology,
-		Timeout:       timeout,
+		Timeout: timeout, MonitorInterval: monitorInterval(f.MonitorInterval),
 		WorkerThreads: f.WorkerThreads, PerDriverWorkers: f.PerDriverWorkers, RetryIntervalStart: f.RetryIntervalStart, RetryIntervalMax: f.RetryIntervalMax,
 		Logger: log, TracerProvider: tp, Registerer: reg,
 	})
@@ -473,6 +475,15 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 		return nil, nil, err
 	}
 	return b, objCfg, nil
+}
+
+// monitorInterval is --monitor-interval as k8sbridge.Config has it: 0 or
+// less turns monitoring off (negative there; 0 means the default).
+func monitorInterval(d time.Duration) time.Duration {
+	if d <= 0 {
+		return -1
+	}
+	return d
 }
 
 // The objects' client budget (--kube-api-budget).

@@ -104,6 +104,8 @@ func sampleDriverConfig(args []string, stderr io.Writer) (sampledriver.Config, e
 	fs.Int64Var(&cfg.Faults.ExitAfter, "exit-after", 0, fmt.Sprintf("exit with status %d once N calls (of any method) have been handled, before the Nth reply (0: never)", sampledriver.FaultExitCode))
 	fs.Uint64Var(&cfg.Faults.Seed, "fault-seed", 0, "seed for fault rates (0: random)")
 	fs.BoolVar(&cfg.DisablePublish, "disable-publish", false, "do not advertise PUBLISH_UNPUBLISH_VOLUME (no attach step)")
+	fs.BoolVar(&cfg.Health.NoVolumeCondition, "no-volume-condition", false, "do not advertise the legacy VOLUME_CONDITION (CSI <= 1.12) nor send volume conditions in ListVolumes and ControllerGetVolume; a volume is abnormal while <state-dir>/health/<volume-id> exists (its content is the message)")
+	fs.BoolVar(&cfg.Health.NoVolumeHealth, "no-volume-health", false, "do not advertise GET_VOLUME_HEALTH and LIST_VOLUME_HEALTH (CSI v1.13)")
 	verbosity := fs.Int("v", 0, "log verbosity: 0 lifecycle and failed calls, 1 also requests, 2 also responses")
 	if err := parseFlags(fs, args); err != nil {
 		return cfg, err

@@ -69,6 +69,10 @@ type Config struct {
 	// read-only ControllerPublishVolume is then InvalidArgument, as a
 	// strict driver answers it.
 	NoPublishReadonly bool
+
+	// Volume health (health.go): which health APIs the driver offers.
+	Health HealthConfig
+
 	// Logger receives lifecycle messages at Info and sanitized requests at
 	// Debug (responses at Debug-4). Nil discards.
 	Logger *slog.Logger

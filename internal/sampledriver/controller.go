@@ -81,6 +81,7 @@ func (s *server) ControllerGetCapabilities(context.Context, *csi.ControllerGetCa
 			types = append(types, csi.ControllerServiceCapability_RPC_PUBLISH_READONLY)
 		}
 	}
+	types = s.healthCapabilities(types) // health.go
 	caps := make([]*csi.ControllerServiceCapability, len(types))
 	for i, t := range types {
 		caps[i] = &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
@@ -466,6 +467,9 @@ func (s *server) sortedVolumeIDs() []string {
 }
 
 func (s *server) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
+	if err := s.listVolumesOff(); err != nil {
+		return nil, err
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ids, next, err := page(s.sortedVolumeIDs(), req.GetStartingToken(), req.GetMaxEntries())
@@ -478,6 +482,12 @@ func (s *server) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 		e := &csi.ListVolumesResponse_Entry{Volume: s.csiVolume(v)}
 		if !s.cfg.DisablePublish {
 			e.Status = &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: sortedKeys(v.Attachments)}
+		}
+		if !s.cfg.Health.NoVolumeCondition && e.Status == nil {
+			e.Status = &csi.ListVolumesResponse_VolumeStatus{}
+		}
+		if e.Status != nil {
+			s.setLegacyCondition(e.Status, id) // health.go
 		}
 		resp.Entries = append(resp.Entries, e)
 	}
@@ -495,10 +505,9 @@ func (s *server) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 	if !ok {
 		return nil, status.Errorf(codes.NotFound, "volume %s not found", id)
 	}
-	return &csi.ControllerGetVolumeResponse{
-		Volume: s.csiVolume(v),
-		Status: &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: sortedKeys(v.Attachments)},
-	}, nil
+	st := &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: sortedKeys(v.Attachments)}
+	s.setLegacyCondition(st, id) // health.go
+	return &csi.ControllerGetVolumeResponse{Volume: s.csiVolume(v), Status: st}, nil
 }
 
 // segments are the topology segments volumes are made in: the controller
@@ -623,10 +632,14 @@ func (s *server) volumeHealth(id string) *csi.VolumeHealth {
 			Message: fmt.Sprintf("volume directory %s is missing", s.volumeDir(id)),
 		})
 	}
+	h.HealthStatuses = append(h.HealthStatuses, s.markedHealth(id)...) // health.go
 	return h
 }
 
 func (s *server) ControllerGetVolumeHealth(ctx context.Context, req *csi.ControllerGetVolumeHealthRequest) (*csi.ControllerGetVolumeHealthResponse, error) {
+	if err := s.healthOff(false); err != nil {
+		return nil, err
+	}
 	id := req.GetVolumeId()
 	if id == "" {
 		return nil, invalid("volume ID is required")
@@ -640,6 +653,9 @@ func (s *server) ControllerGetVolumeHealth(ctx context.Context, req *csi.Control
 }
 
 func (s *server) ControllerListVolumeHealth(ctx context.Context, req *csi.ControllerListVolumeHealthRequest) (*csi.ControllerListVolumeHealthResponse, error) {
+	if err := s.healthOff(true); err != nil {
+		return nil, err
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var abnormal []string

@@ -16,7 +16,10 @@
 //     rules), list with paging and published nodes, get volume, capacity,
 //     clone, snapshots (create/delete/list/get), expansion (grow only, node
 //     expansion required), modify (mutable parameters "iops" and "tier")
-//     and volume health; DisablePublish drops the publish step. Node:
+//     and volume health (CSI v1.13's health RPCs and the legacy
+//     VOLUME_CONDITION of v1.12 and before, with a marker file per abnormal
+//     volume under <StateDir>/health; Config.Health switches them off, see
+//     health.go); DisablePublish drops the publish step. Node:
 //     stage/unstage, publish/unpublish, stats, expansion, health,
 //     SINGLE_NODE_MULTI_WRITER. Not implemented: group snapshots.
 //   - State (volumes, attachments, snapshots, this node's stage and publish

@@ -60,8 +60,20 @@ type Caps struct {
 	ListPublishedNodes    bool // LIST_VOLUMES with LIST_VOLUMES_PUBLISHED_NODES
 	Accessibility         bool // VOLUME_ACCESSIBILITY_CONSTRAINTS
 	Modify                bool // MODIFY_VOLUME: volume attributes classes
-	fetched               time.Time
+	// Volume health (k8sbridge/health): the legacy VOLUME_CONDITION (CSI
+	// <= 1.12, value 11, removed from v1.13) with LIST_VOLUMES or
+	// GET_VOLUME, or v1.13's GET_VOLUME_HEALTH / LIST_VOLUME_HEALTH.
+	ListVolumes      bool // LIST_VOLUMES
+	GetVolume        bool // GET_VOLUME
+	VolumeCondition  bool // VOLUME_CONDITION (legacy)
+	GetVolumeHealth  bool // GET_VOLUME_HEALTH
+	ListVolumeHealth bool // LIST_VOLUME_HEALTH
+	fetched          time.Time
 }
+
+// volumeConditionCap is VOLUME_CONDITION, which CSI v1.13 removed (the
+// value is reserved there) and drivers built on an older spec still send.
+const volumeConditionCap = csi.ControllerServiceCapability_RPC_Type(11)
 
 // Cache asks each driver once a minute for its capabilities.
 type Cache struct {
@@ -168,6 +180,16 @@ func (c *Cache) fetch(ctx context.Context, driver string, conn grpc.ClientConnIn
 				caps.Modify = true
 			case csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT:
 				caps.Snapshot = true
+			case csi.ControllerServiceCapability_RPC_LIST_VOLUMES:
+				caps.ListVolumes = true
+			case csi.ControllerServiceCapability_RPC_GET_VOLUME:
+				caps.GetVolume = true
+			case volumeConditionCap:
+				caps.VolumeCondition = true
+			case csi.ControllerServiceCapability_RPC_GET_VOLUME_HEALTH:
+				caps.GetVolumeHealth = true
+			case csi.ControllerServiceCapability_RPC_LIST_VOLUME_HEALTH:
+				caps.ListVolumeHealth = true
 			}
 		}
 	}

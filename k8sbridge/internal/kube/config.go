@@ -105,6 +105,9 @@ type Config struct {
 	// runs when a claim being provisioned is deleted).
 	RecoveryInterval time.Duration
 	ResyncPeriod     time.Duration
+	// MonitorInterval is how often volume health is swept (the health
+	// monitor's --monitor-interval); 0: a minute; negative: not at all.
+	MonitorInterval time.Duration
 
 	Logger         *slog.Logger
 	TracerProvider trace.TracerProvider
@@ -179,6 +182,9 @@ func (c *Config) Validate() error {
 	}
 	if c.RecoveryInterval <= 0 {
 		c.RecoveryInterval = time.Minute
+	}
+	if c.MonitorInterval == 0 {
+		c.MonitorInterval = time.Minute
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
