@@ -1034,7 +1034,7 @@ func TestIntentSharedByDriver(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.Remove("a0")
-	b.Remove("a2") // its leader now: written
+	b.Remove("a2")                                                 // its leader now: written
 	if err := b.Add(ctx, entry("b9", "d2", "flush")); err != nil { // a write that carries b's Remove
 		t.Fatal(err)
 	}
