@@ -2,16 +2,21 @@ package k8sbridge
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"net/http"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
@@ -249,4 +254,142 @@ func minTime(m map[string]time.Time) time.Time {
 		}
 	}
 	return out
+}
+
+// TestShardedHandoverDrainsCalls: a replica that leads two drivers, each
+// with a CreateVolume in flight, gives one up when a second replica joins:
+// it takes no new work for it, lets the call end (the drain), then writes
+// the Lease free. The claim binds once, with one volume: nothing leaks,
+// nothing is made twice.
+func TestShardedHandoverDrainsCalls(t *testing.T) {
+	env := kubetest.ControlPlane(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drivers := &testDrivers{}
+	slow := sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {Latency: 1500 * time.Millisecond}}}
+	var names []string
+	var ds []*sampledriver.Driver
+	for i := range 2 {
+		drv := kubetest.ClusterName(ns, fmt.Sprintf("drain%d.csi.test", i))
+		ds = append(ds, drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: slow}))
+		class := kubetest.MakeClass(t, c, kubetest.ClusterName(ns, fmt.Sprintf("drain%d", i)), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+		kubetest.MakeClaim(t, c, ns, fmt.Sprintf("claim%d", i), class.Name, "1Gi")
+		names = append(names, drv)
+	}
+	perDriver := func(c *Config) { c.LeaderElectionMode = LeaderElectionPerDriver }
+	a := startBridge(t, env, ns, drivers, bridgeOpts{identity: "replica-a", leader: true, configureCfg: perDriver})
+	// Both CreateVolume calls in flight: their intents are recorded first.
+	if err := testenv.WaitFor(ctx, 30*time.Second, "both intents recorded", func(ctx context.Context) (bool, string, error) {
+		ins, err := a.b.Intents().List(ctx)
+		return err == nil && len(ins) == 2, fmt.Sprint(len(ins)), nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	b := startBridge(t, env, ns, drivers, bridgeOpts{identity: "replica-b", leader: true, configureCfg: perDriver})
+	if err := testenv.WaitFor(ctx, 30*time.Second, "one driver each", func(context.Context) (bool, string, error) {
+		la, lb := a.b.shards.Led(), b.b.shards.Led()
+		return len(la) == 1 && len(lb) == 1 && la[0] != lb[0], fmt.Sprint(la, lb), nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		kubetest.WaitBound(t, c, ns, fmt.Sprintf("claim%d", i), 60*time.Second)
+	}
+	logs := a.logs.String()
+	if !strings.Contains(logs, "giving driver up") || !strings.Contains(logs, "calls_in_flight=1") {
+		t.Errorf("replica-a did not give a driver up with its call in flight; log:\n%s", tail(logs, 30))
+	}
+	if strings.Contains(logs, "cancelled") {
+		t.Errorf("the call in flight was cancelled, not drained; log:\n%s", tail(logs, 30))
+	}
+	for i, d := range ds {
+		if got := len(d.Volumes()); got != 1 {
+			t.Errorf("driver %s has %d volumes for one claim", names[i], got)
+		}
+	}
+}
+
+// TestShardedMemberRenewalFails: the API server refuses one replica's
+// member Lease renewals a while (a partition, say). That replica stops
+// leading its drivers within the renew deadline, before the other takes
+// them once the lease duration has passed; no driver is led by both at
+// any moment. When its renewals pass again it rejoins and takes its share
+// back.
+func TestShardedMemberRenewalFails(t *testing.T) {
+	env := kubetest.ControlPlane(t)
+	ns := env.NewNamespace(t)
+	c := env.Client()
+	ctx := context.Background()
+	drivers := &testDrivers{}
+	const n = 4
+	for i := range n {
+		drv := kubetest.ClusterName(ns, fmt.Sprintf("part%d.csi.test", i))
+		drivers.addDriver(t, sampledriver.Config{Name: drv})
+		kubetest.MakeClass(t, c, kubetest.ClusterName(ns, fmt.Sprintf("part%d", i)), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+	}
+	var failing atomic.Bool
+	member := "/leases/" + shard.MemberLease("csibroker-leader", "replica-a")
+	rc := rest.CopyConfig(env.RESTConfig())
+	rc.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(req *http.Request) (*http.Response, error) {
+			if failing.Load() && req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, member) {
+				return nil, errors.New("test: member lease renewal refused")
+			}
+			return rt.RoundTrip(req)
+		})
+	}
+	leases := kubernetes.NewForConfigOrDie(rc)
+	a := startBridge(t, env, ns, drivers, bridgeOpts{identity: "replica-a", leader: true, configureCfg: func(c *Config) {
+		c.LeaderElectionMode, c.LeaseClient = LeaderElectionPerDriver, leases
+	}})
+	b := startBridge(t, env, ns, drivers, bridgeOpts{identity: "replica-b", leader: true, configureCfg: func(c *Config) { c.LeaderElectionMode = LeaderElectionPerDriver }})
+	share := func(what string, wantA, wantB int) time.Duration {
+		t.Helper()
+		began := time.Now()
+		if err := testenv.WaitFor(ctx, 30*time.Second, what, func(context.Context) (bool, string, error) {
+			la, lb := a.b.shards.Led(), b.b.shards.Led()
+			return len(la) == wantA && len(lb) == wantB, fmt.Sprint(la, lb), nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return time.Since(began)
+	}
+	share("two drivers each", 2, 2)
+	watchCtx, stopWatch := context.WithCancel(ctx)
+	defer stopWatch()
+	both := make(chan string, 1)
+	go func() {
+		for watchCtx.Err() == nil {
+			for _, d := range a.b.shards.Led() {
+				if slices.Contains(b.b.shards.Led(), d) {
+					select {
+					case both <- d:
+					default:
+					}
+				}
+			}
+			kube.SleepCtx(watchCtx, 10*time.Millisecond)
+		}
+	}()
+	failing.Store(true)
+	stopped := share("replica-a stops leading", 0, 2)
+	taken := stopped + share("replica-b takes every driver", 0, n)
+	lease, renew, retry := a.b.Cfg.LeaderElectionLease, a.b.Cfg.LeaderElectionRenew, a.b.Cfg.LeaderElectionRetry
+	t.Logf("renewals refused: replica-a stopped leading after %v, replica-b led all after %v (renew deadline %v, lease %v, retry %v)",
+		stopped.Round(10*time.Millisecond), taken.Round(10*time.Millisecond), renew, lease, retry)
+	if stopped > renew+retry+500*time.Millisecond {
+		t.Errorf("replica-a kept leading %v after its renewals began to fail", stopped)
+	}
+	if taken > lease+retry+500*time.Millisecond {
+		t.Errorf("replica-b took replica-a's drivers %v after replica-a's renewals began to fail", taken)
+	}
+	failing.Store(false)
+	share("replica-a back, two each again", 2, 2)
+	stopWatch()
+	select {
+	case d := <-both:
+		t.Fatalf("driver %s led by both replicas at once", d)
+	default:
+	}
 }
