@@ -56,6 +56,7 @@ func TestShardedLeadership(t *testing.T) {
 	}
 	var mu sync.Mutex
 	var replicas []*bridgeRun
+	dead := map[*bridgeRun]bool{}
 	start := func(id string, crash bool) *bridgeRun {
 		o := sharded(crash)
 		o.identity = id
@@ -70,7 +71,7 @@ func TestShardedLeadership(t *testing.T) {
 		defer mu.Unlock()
 		var out []*bridgeRun
 		for _, r := range replicas {
-			if r.cancel != nil {
+			if !dead[r] {
 				out = append(out, r)
 			}
 		}
@@ -207,8 +208,13 @@ func TestShardedLeadership(t *testing.T) {
 	}
 	killed := time.Now()
 	a.stop()
+	mu.Lock()
+	dead[a] = true
+	mu.Unlock()
 	lease, retry := a.b.Cfg.LeaderElectionLease, a.b.Cfg.LeaderElectionRetry
-	handover := settled("replica-a crashed", 30*time.Second)
+	stopped := time.Since(killed)
+	handover := stopped + settled("replica-a crashed", 30*time.Second)
+	t.Logf("replica-a's Run returned %v after its stop began", stopped.Round(10*time.Millisecond))
 	t.Logf("replica-a led %d drivers; the others lead them all %v after the crash (lease duration %v, retry period %v)",
 		len(aDrivers), handover.Round(10*time.Millisecond), lease, retry)
 	// Settling is polled every 50ms on top; the API server and the
