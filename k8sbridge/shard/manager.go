@@ -123,6 +123,15 @@ func New(cfg Config) (*Manager, error) {
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = LabelElection + "=" + cfg.Name }))
 	inf := m.factory.Coordination().V1().Leases()
 	m.leases, m.synced = inf.Lister().Leases(cfg.Namespace), inf.Informer().HasSynced
+	// A member Lease's change is noted as it arrives, not at the next
+	// round: a dead member's drivers are then taken within the lease
+	// duration and one retry period of its last renewal.
+	if _, err := inf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { m.note(obj, time.Now()) },
+		UpdateFunc: func(_, obj any) { m.note(obj, time.Now()) },
+	}); err != nil {
+		return nil, fmt.Errorf("shard: lease informer: %w", err)
+	}
 	m.member = m.lock(MemberLease(cfg.Name, cfg.Identity), map[string]string{LabelKind: "member"})
 	m.gauge = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "csibroker_driver_leader",
 		Help: "1 for each driver this replica leads (per-driver leader election); replica is its identity"}, []string{"driver", "replica"})
@@ -303,7 +312,21 @@ func (m *Manager) live(identity string, now time.Time) bool {
 	return ok && o.rec.HolderIdentity == identity && now.Sub(o.at) < time.Duration(o.rec.LeaseDurationSeconds)*time.Second
 }
 
-// observe notes when each member Lease's record last changed.
+// note records when a member Lease was seen to change.
+func (m *Manager) note(obj any, now time.Time) {
+	l, ok := obj.(*coordinationv1.Lease)
+	if !ok || l.Labels[LabelKind] != "member" {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if o, ok := m.seen[l.Name]; !ok || o.rv != l.ResourceVersion {
+		m.seen[l.Name] = observed{rv: l.ResourceVersion, at: now, rec: *resourcelock.LeaseSpecToLeaderElectionRecord(&l.Spec)}
+	}
+}
+
+// observe notes when each member Lease's record last changed (note has
+// seen most of it already) and lists the live members.
 func (m *Manager) observe(now time.Time) []string {
 	leases, err := m.leases.List(labels.SelectorFromSet(labels.Set{LabelKind: "member"}))
 	if err != nil {

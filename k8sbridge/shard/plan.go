@@ -22,6 +22,9 @@ type State struct {
 type Plan struct {
 	Acquire []string
 	Release []string
+	// Alternates are the other free drivers, ranked: one of them is taken
+	// in place of a driver of Acquire another member took first.
+	Alternates []string
 }
 
 // Decide is the balancing rule, a pure function of State. With D drivers
@@ -95,7 +98,11 @@ func Decide(s State) Plan {
 		if extra := len(free) - deficit - room; extra > 0 {
 			room += min(extra, hi-max(len(mine), lo))
 		}
-		p.Acquire = free[:min(max(room, 0), len(free))]
+		k := min(max(room, 0), len(free))
+		p.Acquire, p.Alternates = free[:k], free[k:]
+		if k == 0 {
+			p.Alternates = nil
+		}
 	}
 	return p
 }

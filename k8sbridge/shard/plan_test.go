@@ -77,10 +77,18 @@ func TestDecide(t *testing.T) {
 			} else if len(p.Release) != tc.release {
 				t.Errorf("release %v (%d), want %d", p.Release, len(p.Release), tc.release)
 			}
-			for _, d := range p.Acquire {
+			for _, d := range append(slices.Clone(p.Acquire), p.Alternates...) {
 				if h := tc.s.Holders[d]; h != "" && slices.Contains(tc.s.Members, h) {
-					t.Errorf("acquires %s, held by live member %s", d, h)
+					t.Errorf("acquires %s (or has it as an alternate), held by live member %s", d, h)
 				}
+			}
+			for _, d := range p.Alternates {
+				if slices.Contains(p.Acquire, d) {
+					t.Errorf("%s both to acquire and an alternate", d)
+				}
+			}
+			if len(p.Acquire) == 0 && len(p.Alternates) > 0 {
+				t.Errorf("alternates %v with nothing to acquire", p.Alternates)
 			}
 			for _, d := range p.Release {
 				if tc.s.Holders[d] != tc.s.Me {
@@ -106,10 +114,17 @@ func simulate(t *testing.T, drivers, members []string, holders map[string]string
 				delete(holders, d)
 				changed = true
 			}
-			for _, d := range p.Acquire {
+			// As the manager does: an alternate stands in for a driver
+			// another member took first.
+			taken := 0
+			for _, d := range append(slices.Clone(p.Acquire), p.Alternates...) {
+				if taken == len(p.Acquire) {
+					break
+				}
 				if h := holders[d]; h == "" || !slices.Contains(members, h) {
 					holders[d] = me
 					changed = true
+					taken++
 				}
 			}
 		}

@@ -74,12 +74,20 @@ func (m *Manager) step(ctx context.Context, releasing *sync.WaitGroup) {
 		releasing.Add(1)
 		go func() { defer releasing.Done(); m.release(d) }()
 	}
+	// Takes wait no longer than a round: the member Lease's next renewal
+	// must not wait behind a slow API server; what is left is taken in
+	// the next round.
+	actx, cancel := context.WithTimeout(ctx, m.cfg.RetryPeriod)
+	defer cancel()
 	gone := map[string]bool{}
-	for _, d := range p.Acquire {
-		if ctx.Err() != nil {
+	taken := 0
+	for _, d := range append(p.Acquire, p.Alternates...) {
+		if taken == len(p.Acquire) || actx.Err() != nil {
 			return
 		}
-		m.acquire(ctx, d, gone)
+		if m.acquire(actx, d, gone) {
+			taken++
+		}
 	}
 }
 
@@ -121,7 +129,11 @@ func (m *Manager) renewMember(ctx context.Context) error {
 	return nil
 }
 
-func (m *Manager) leaseSeconds() int { return max(1, int(m.cfg.LeaseDuration/time.Second)) }
+// leaseSeconds is the lease duration as the Lease records it, rounded up:
+// others then never judge it expired before this replica stops leading.
+func (m *Manager) leaseSeconds() int {
+	return max(1, int((m.cfg.LeaseDuration+time.Second-1)/time.Second))
+}
 
 // checkHeld ends the term of each driver whose Lease another member took
 // (it judged this replica's member Lease expired).
@@ -152,7 +164,7 @@ func (m *Manager) checkHeld() {
 // gone holds the answers). The take is a write with the resource version
 // the cache has: of two members taking at once, one wins; a cache behind
 // loses, and the next round sees more.
-func (m *Manager) acquire(ctx context.Context, driver string, gone map[string]bool) {
+func (m *Manager) acquire(ctx context.Context, driver string, gone map[string]bool) bool {
 	ctx, cancel := context.WithTimeout(ctx, m.cfg.RenewDeadline)
 	defer cancel()
 	now := metav1.NewTime(time.Now())
@@ -176,7 +188,7 @@ func (m *Manager) acquire(ctx context.Context, driver string, gone map[string]bo
 				gone[from] = dead
 			}
 			if !dead {
-				return
+				return false
 			}
 		}
 		rec.LeaderTransitions = prev.LeaderTransitions
@@ -191,7 +203,7 @@ func (m *Manager) acquire(ctx context.Context, driver string, gone map[string]bo
 		if ctx.Err() == nil {
 			m.log.Debug("driver lease not taken", "driver", driver, "err", err)
 		}
-		return
+		return false
 	}
 	if m.cfg.Handover != nil {
 		m.cfg.Handover(driver, true)
@@ -206,6 +218,7 @@ func (m *Manager) acquire(ctx context.Context, driver string, gone map[string]bo
 	if m.cfg.Started != nil {
 		m.cfg.Started(driver)
 	}
+	return true
 }
 
 // expired checks on the API server that holder's member Lease is gone,
