@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"slices"
 	"strings"
@@ -125,6 +126,13 @@ func TestShardedLeadership(t *testing.T) {
 			}
 			if len(owner) != n {
 				return false, fmt.Sprintf("%d of %d drivers led (%s)", len(owner), n, strings.Join(counts, " ")), nil
+			}
+			// The status every replica gives (DriverLeaders, from the
+			// Leases) says the same.
+			for _, r := range rs {
+				if got := r.b.DriverLeaders(); !maps.Equal(got, owner) {
+					return false, fmt.Sprintf("%s says the leaders are %v", r.identity, got), nil
+				}
 			}
 			return true, "", nil
 		})

@@ -19,6 +19,7 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	coordinationlisters "k8s.io/client-go/listers/coordination/v1"
@@ -32,7 +33,8 @@ const (
 	LabelElection = "csibroker.io/leader-election"
 	// LabelKind is "member" or "driver".
 	LabelKind = "csibroker.io/lease"
-	// LabelDriver is a driver Lease's driver.
+	// LabelDriver is a driver Lease's driver, as a label (when the name
+	// is a valid label value, as CSI driver names are) and an annotation.
 	LabelDriver = "csibroker.io/driver"
 )
 
@@ -165,7 +167,7 @@ var notInName = regexp.MustCompile(`[^a-z0-9.-]+`)
 // names that differ only there stay apart) or the name is too long.
 func leaseName(prefix, s string) string {
 	n := strings.Trim(notInName.ReplaceAllString(strings.ToLower(s), "-"), "-.")
-	if n == s && len(prefix)+len(n) <= 253 {
+	if n == s && len(validation.IsDNS1123Subdomain(prefix+n)) == 0 {
 		return prefix + n
 	}
 	sum := sha256.Sum256([]byte(s))
@@ -173,10 +175,10 @@ func leaseName(prefix, s string) string {
 	if len(prefix)+len(n)+1+len(h) > 253 {
 		n = strings.Trim(n[:253-len(prefix)-1-len(h)], "-.")
 	}
-	if n == "" {
-		return prefix + h
+	if out := prefix + n + "-" + h; n != "" && len(validation.IsDNS1123Subdomain(out)) == 0 {
+		return out
 	}
-	return prefix + n + "-" + h
+	return prefix + h // what is left of s is no name (dots in a row, say)
 }
 
 // OnHandover sets Config.Handover and Config.Started (before Run).
@@ -275,7 +277,7 @@ func (m *Manager) Leaders() map[string]string {
 	}
 	now := time.Now()
 	for _, l := range leases {
-		d := l.Labels[LabelDriver]
+		d := l.Annotations[LabelDriver]
 		if h, _ := m.holder(d, now); h != "" {
 			out[d] = h
 		}

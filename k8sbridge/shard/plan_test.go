@@ -3,7 +3,10 @@ package shard
 import (
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
+
+	"k8s.io/apimachinery/pkg/util/validation"
 )
 
 func names(prefix string, n int) []string {
@@ -203,5 +206,28 @@ func TestDecideConverges(t *testing.T) {
 			after, _ := simulate(t, drivers, joined, grown)
 			check("after a member joined", joined, after)
 		})
+	}
+}
+
+// Lease names are valid object names, the same for the same input, and
+// different for inputs that differ only in what a name cannot hold.
+func TestLeaseNames(t *testing.T) {
+	seen := map[string]string{}
+	for _, s := range []string{"sample.csi.example.com", "Sample.CSI.example.com", "sample.csi.example.com_", "broker-0", "a..b", "a.-b", "-", "",
+		strings.Repeat("x", 300), strings.Repeat("x", 299) + "y", "ünïcode.example"} {
+		n := DriverLease("csibroker-leader", s)
+		if errs := validation.IsDNS1123Subdomain(n); len(errs) > 0 {
+			t.Errorf("%q: %q is no valid name: %v", s, n, errs)
+		}
+		if n != DriverLease("csibroker-leader", s) {
+			t.Errorf("%q: two names", s)
+		}
+		if o, ok := seen[n]; ok {
+			t.Errorf("%q and %q share the name %q", s, o, n)
+		}
+		seen[n] = s
+	}
+	if got := DriverLease("csibroker-leader", "sample.csi.example.com"); got != "csibroker-leader-driver-sample.csi.example.com" {
+		t.Errorf("a driver name that is a valid name is kept: %q", got)
 	}
 }

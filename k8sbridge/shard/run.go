@@ -9,6 +9,7 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 )
@@ -176,7 +177,11 @@ func (m *Manager) acquire(ctx context.Context, driver string, gone map[string]bo
 	var err error
 	if cur == nil {
 		l := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: DriverLease(m.cfg.Name, driver), Namespace: m.cfg.Namespace,
-			Labels: map[string]string{LabelElection: m.cfg.Name, LabelKind: "driver", LabelDriver: driver}}, Spec: resourcelock.LeaderElectionRecordToLeaseSpec(&rec)}
+			Labels:      map[string]string{LabelElection: m.cfg.Name, LabelKind: "driver"},
+			Annotations: map[string]string{LabelDriver: driver}}, Spec: resourcelock.LeaderElectionRecordToLeaseSpec(&rec)}
+		if len(validation.IsValidLabelValue(driver)) == 0 {
+			l.Labels[LabelDriver] = driver
+		}
 		taken, err = leases.Create(ctx, l, metav1.CreateOptions{})
 	} else {
 		prev := resourcelock.LeaseSpecToLeaderElectionRecord(&cur.Spec)
