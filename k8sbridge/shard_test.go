@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"maps"
 	"net/http"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -14,8 +16,10 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
@@ -405,5 +409,95 @@ func TestShardedMemberRenewalFails(t *testing.T) {
 	case d := <-both:
 		t.Fatalf("driver %s led by both replicas at once", d)
 	default:
+	}
+}
+
+// TestPerDriverWorksWithTheDeployedRBAC: two replicas with per-driver
+// leader election, every request made as a service account holding
+// exactly deploy/base/rbac.yaml's ClusterRole and Role and
+// deploy/per-driver/rbac.yaml's Role, share two drivers and bind a claim
+// of each; neither logs a forbidden request. test/deploy says what the
+// manifests grant; this says the sharded broker needs no more.
+func TestPerDriverWorksWithTheDeployedRBAC(t *testing.T) {
+	env := kubetest.ControlPlane(t)
+	ctx, c, ns := context.Background(), env.Client(), env.NewNamespace(t)
+	clusterRules, nsRules := deployedRBAC(t)
+	f, err := os.Open(filepath.Join("..", "deploy", "per-driver", "rbac.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var shardRules []rbacv1.PolicyRule
+	dec := utilyaml.NewYAMLOrJSONDecoder(f, 4096)
+	for {
+		var r rbacv1.Role
+		if err := dec.Decode(&r); err != nil {
+			break
+		}
+		if r.Kind == "Role" {
+			shardRules = r.Rules
+		}
+	}
+	if len(shardRules) == 0 {
+		t.Fatal("deploy/per-driver/rbac.yaml: no Role rules")
+	}
+	sa := rbacv1.Subject{Kind: rbacv1.ServiceAccountKind, Name: "csibroker", Namespace: ns}
+	roleName := kubetest.ClusterName(ns, "broker")
+	if _, err := c.RbacV1().ClusterRoles().Create(ctx, &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: roleName}, Rules: clusterRules}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.RbacV1().ClusterRoles().Delete(context.Background(), roleName, metav1.DeleteOptions{}) })
+	if _, err := c.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: roleName},
+		RoleRef: rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: roleName}, Subjects: []rbacv1.Subject{sa}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.RbacV1().ClusterRoleBindings().Delete(context.Background(), roleName, metav1.DeleteOptions{}) })
+	for name, rules := range map[string][]rbacv1.PolicyRule{"csibroker": nsRules, "csibroker-per-driver": shardRules} {
+		if _, err := c.RbacV1().Roles(ns).Create(ctx, &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: name}, Rules: rules}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.RbacV1().RoleBindings(ns).Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: name},
+			RoleRef: rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: name}, Subjects: []rbacv1.Subject{sa}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	asBroker := rest.CopyConfig(env.RESTConfig())
+	asBroker.Impersonate = rest.ImpersonationConfig{UserName: "system:serviceaccount:" + ns + ":csibroker",
+		Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + ns, "system:authenticated"}}
+	brokerClient := kubernetes.NewForConfigOrDie(asBroker)
+	if err := testenv.WaitFor(ctx, 30*time.Second, "the broker's RBAC in effect", func(ctx context.Context) (bool, string, error) {
+		_, err := brokerClient.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{Limit: 1})
+		return err == nil, fmt.Sprint(err), nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	drivers := &testDrivers{}
+	var classes []string
+	for i := range 2 {
+		drv := kubetest.ClusterName(ns, fmt.Sprintf("rbac%d.csi.test", i))
+		drivers.addDriver(t, sampledriver.Config{Name: drv})
+		classes = append(classes, kubetest.MakeClass(t, c, kubetest.ClusterName(ns, fmt.Sprintf("rbac%d", i)), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil).Name)
+	}
+	var rs []*bridgeRun
+	for _, id := range []string{"replica-a", "replica-b"} {
+		rs = append(rs, startBridge(t, env, ns, drivers, bridgeOpts{identity: id, leader: true, configureCfg: func(cfg *Config) {
+			cfg.Client, cfg.SnapshotClient, cfg.LeaderElectionMode = brokerClient, nil, LeaderElectionPerDriver
+		}}))
+	}
+	if err := testenv.WaitFor(ctx, 30*time.Second, "one driver each", func(context.Context) (bool, string, error) {
+		la, lb := rs[0].b.shards.Led(), rs[1].b.shards.Led()
+		return len(la) == 1 && len(lb) == 1, fmt.Sprint(la, lb), nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	for i, class := range classes {
+		kubetest.WaitBound(t, c, ns, kubetest.MakeClaim(t, c, ns, fmt.Sprintf("data%d", i), class, "1Gi").Name, 60*time.Second)
+	}
+	for _, r := range rs {
+		for _, line := range strings.Split(r.logs.String(), "\n") {
+			if strings.Contains(line, "forbidden") {
+				t.Errorf("%s: a request was forbidden: %s", r.identity, line)
+			}
+		}
 	}
 }
