@@ -451,7 +451,9 @@ func TestPerDriverWorksWithTheDeployedRBAC(t *testing.T) {
 		RoleRef: rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: roleName}, Subjects: []rbacv1.Subject{sa}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { c.RbacV1().ClusterRoleBindings().Delete(context.Background(), roleName, metav1.DeleteOptions{}) })
+	t.Cleanup(func() {
+		c.RbacV1().ClusterRoleBindings().Delete(context.Background(), roleName, metav1.DeleteOptions{})
+	})
 	for name, rules := range map[string][]rbacv1.PolicyRule{"csibroker": nsRules, "csibroker-per-driver": shardRules} {
 		if _, err := c.RbacV1().Roles(ns).Create(ctx, &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: name}, Rules: rules}, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
