@@ -329,11 +329,13 @@ func TestShardedHandoverDrainsCalls(t *testing.T) {
 }
 
 // TestShardedMemberRenewalFails: the API server refuses one replica's
-// member Lease renewals a while (a partition, say). That replica stops
-// leading its drivers within the renew deadline, before the other takes
+// member Lease renewals a while (a partition, say), while a CreateVolume
+// of every driver is in flight. That replica stops leading its drivers
+// within the renew deadline (its calls cancelled), before the other takes
 // them once the lease duration has passed; no driver is led by both at
-// any moment. When its renewals pass again it rejoins and takes its share
-// back.
+// any moment. Every claim binds, each driver holding one volume for it.
+// When its renewals pass again the first replica rejoins and takes its
+// share back.
 func TestShardedMemberRenewalFails(t *testing.T) {
 	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
@@ -341,10 +343,13 @@ func TestShardedMemberRenewalFails(t *testing.T) {
 	ctx := context.Background()
 	drivers := &testDrivers{}
 	const n = 4
+	slow := sampledriver.Faults{Methods: map[string]sampledriver.Fault{"CreateVolume": {Latency: 5 * time.Second}}}
+	var classes []string
+	var ds []*sampledriver.Driver
 	for i := range n {
 		drv := kubetest.ClusterName(ns, fmt.Sprintf("part%d.csi.test", i))
-		drivers.addDriver(t, sampledriver.Config{Name: drv})
-		kubetest.MakeClass(t, c, kubetest.ClusterName(ns, fmt.Sprintf("part%d", i)), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil)
+		ds = append(ds, drivers.addDriver(t, sampledriver.Config{Name: drv, Faults: slow}))
+		classes = append(classes, kubetest.MakeClass(t, c, kubetest.ClusterName(ns, fmt.Sprintf("part%d", i)), drv, storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete, nil).Name)
 	}
 	var failing atomic.Bool
 	member := "/leases/" + shard.MemberLease("csibroker-leader", "replica-a")
@@ -390,6 +395,16 @@ func TestShardedMemberRenewalFails(t *testing.T) {
 			kube.SleepCtx(watchCtx, 10*time.Millisecond)
 		}
 	}()
+	for i, class := range classes {
+		kubetest.MakeClaim(t, c, ns, fmt.Sprintf("data%d", i), class, "1Gi")
+	}
+	// Every CreateVolume in flight: their intents are recorded first.
+	if err := testenv.WaitFor(ctx, 30*time.Second, "every intent recorded", func(ctx context.Context) (bool, string, error) {
+		ins, err := a.b.Intents().List(ctx)
+		return err == nil && len(ins) == n, fmt.Sprint(len(ins)), nil
+	}); err != nil {
+		t.Fatal(err)
+	}
 	failing.Store(true)
 	stopped := share("replica-a stops leading", 0, 2)
 	taken := stopped + share("replica-b takes every driver", 0, n)
@@ -401,6 +416,19 @@ func TestShardedMemberRenewalFails(t *testing.T) {
 	}
 	if taken > lease+retry+500*time.Millisecond {
 		t.Errorf("replica-b took replica-a's drivers %v after replica-a's renewals began to fail", taken)
+	}
+	for i := range n {
+		kubetest.WaitBound(t, c, ns, fmt.Sprintf("data%d", i), 60*time.Second)
+	}
+	for i, d := range ds {
+		if got := len(d.Volumes()); got != 1 {
+			t.Errorf("driver %d has %d volumes for one claim", i, got)
+		}
+	}
+	// Its calls were cancelled as it stopped (not left running until
+	// the driver answered), and taken up by replica-b.
+	if logs := a.logs.String(); !strings.Contains(logs, "stopped leading driver") || !strings.Contains(logs, "code = Canceled") {
+		t.Errorf("replica-a did not stop leading with its calls cancelled; log:\n%s", tail(logs, 30))
 	}
 	failing.Store(false)
 	share("replica-a back, two each again", 2, 2)
