@@ -24,6 +24,7 @@ import (
 	"github.com/csibroker/csibroker/k8sbridge/modify"
 	"github.com/csibroker/csibroker/k8sbridge/provision"
 	"github.com/csibroker/csibroker/k8sbridge/resize"
+	"github.com/csibroker/csibroker/k8sbridge/shard"
 )
 
 // controller is one loop that runs while this replica leads.
@@ -73,6 +74,13 @@ type Bridge struct {
 	// keepLeaseOnStop (tests) makes a stop look like a crash: the Lease is
 	// not released, so a standby must wait for it to expire.
 	keepLeaseOnStop bool
+
+	// shards shares the drivers out among the replicas (per-driver
+	// leader election); nil: one Lease for everything.
+	shards *shard.Manager
+	// acquired is nudged when this replica starts leading a driver, so
+	// that its objects are looked at again at once.
+	acquired chan struct{}
 }
 
 // New builds the bridge, its informers and its controllers (nothing runs
@@ -81,11 +89,16 @@ func New(cfg Config) (*Bridge, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("k8sbridge config: %w", err)
 	}
+	shards, err := newShards(&cfg)
+	if err != nil {
+		return nil, err
+	}
 	env, synced, err := kube.NewEnv(cfg)
 	if err != nil {
 		return nil, err
 	}
-	b := &Bridge{Env: env, synced: synced}
+	b := &Bridge{Env: env, synced: synced, shards: shards, acquired: make(chan struct{}, 1)}
+	b.shareIntents()
 	b.prov = provision.NewProvisioner(env)
 	b.del = provision.NewDeleter(env, b.prov)
 	env.On(env.Factory.Core().V1().PersistentVolumeClaims().Informer(), b.prov.ClaimHandler())
@@ -191,6 +204,15 @@ func (b *Bridge) Run(ctx context.Context) error {
 		b.lead(ctx)
 		return nil
 	}
+	if b.shards != nil {
+		return b.runSharded(ctx)
+	}
+	return b.elect(ctx, b.lead)
+}
+
+// elect runs term while this replica holds the leader Lease, until ctx
+// ends; the Lease is released once the last term has returned.
+func (b *Bridge) elect(ctx context.Context, term func(context.Context)) error {
 	lock := &resourcelock.LeaseLock{
 		LeaseMeta:  metav1.ObjectMeta{Name: b.Cfg.LeaderElectionLockName, Namespace: b.Cfg.LeaderElectionNamespace},
 		Client:     b.Cfg.LeaseClient.CoordinationV1(),
@@ -250,7 +272,7 @@ func (b *Bridge) Run(ctx context.Context) error {
 					// Also here: OnStoppedLeading may have run between the
 					// check above and the line before.
 					defer b.setLeader(false, "")
-					b.lead(termCtx)
+					term(termCtx)
 				},
 				OnStoppedLeading: func() {
 					b.Log.Info("stopped leading", "identity", b.Cfg.Identity)
@@ -384,6 +406,7 @@ func (b *Bridge) watchRegistrations(ctx context.Context, known map[string]bool) 
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		case <-b.acquired:
 		}
 		added := false
 		now := map[string]bool{}

@@ -20,7 +20,7 @@ const module = "github.com/csibroker/csibroker/k8sbridge"
 var controllerPackages = []string{"attach", "capacity", "health", "modify", "provision", "resize"}
 
 // notController are the folders that hold no controller.
-var notController = []string{"csiparams", "discovery", "grants", "intent", "internal", "secrets", "topology"}
+var notController = []string{"csiparams", "discovery", "grants", "intent", "internal", "secrets", "shard", "topology"}
 
 // TestControllersImportNoController reads the imports of every Go file
 // (tests included) under each controller package and fails if one imports

@@ -48,6 +48,7 @@ type kubeFlags struct {
 	Namespace            string
 	Identity             string
 	LeaderElection       bool
+	LeaderElectionMode   string
 	LeaderNamespace      string
 	LeaseDuration        time.Duration
 	RenewDeadline        time.Duration
@@ -112,6 +113,7 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.Namespace, "namespace", envOr("POD_NAMESPACE", "csibroker"), "namespace of the broker's intent record (and default for leader election)")
 	fs.StringVar(&f.Identity, "identity", envOr("POD_NAME", hostname()), "identity of this replica for leader election and Events")
 	fs.BoolVar(&f.LeaderElection, "leader-election", false, "elect one leader among replicas (one Lease for all drivers and controllers)")
+	fs.StringVar(&f.LeaderElectionMode, "leader-election-mode", k8sbridge.LeaderElectionSingle, "with --leader-election: single (one Lease; the leader runs every controller for every driver) or per-driver (the drivers are shared out among the replicas, a Lease per driver, each driver led by one replica; see docs/operations.md)")
 	fs.StringVar(&f.LeaderNamespace, "leader-election-namespace", "", "namespace of the leader Lease (default --namespace)")
 	fs.DurationVar(&f.LeaseDuration, "leader-election-lease-duration", 3*time.Second, "how long a standby waits before taking over a leader that stopped renewing (the defaults, 3s/2.5s/0.5s, fail over within about 5 s for two Lease requests a second; the sidecars use 15s/10s/5s, deploy/ 8s/6s/1s)")
 	fs.DurationVar(&f.RenewDeadline, "leader-election-renew-deadline", 2500*time.Millisecond, "how long the leader tries to renew before it gives up leading")
@@ -239,6 +241,15 @@ func (f *kubeFlags) validate() error {
 		// client-go writes leaseDurationSeconds, truncated: a standby
 		// would take over before the leader's own term ends.
 		errs = append(errs, fmt.Errorf("--leader-election-lease-duration %v: must be whole seconds, at least 1s (the Lease records it in seconds)", f.LeaseDuration))
+	}
+	switch f.LeaderElectionMode {
+	case "", k8sbridge.LeaderElectionSingle:
+	case k8sbridge.LeaderElectionPerDriver:
+		if !f.LeaderElection {
+			errs = append(errs, errors.New("--leader-election-mode per-driver needs --leader-election"))
+		}
+	default:
+		errs = append(errs, fmt.Errorf("--leader-election-mode %q: want %s or %s", f.LeaderElectionMode, k8sbridge.LeaderElectionSingle, k8sbridge.LeaderElectionPerDriver))
 	}
 	if f.RenewDeadline >= f.LeaseDuration {
 		errs = append(errs, errors.New("--leader-election-renew-deadline must be shorter than --leader-election-lease-duration"))
@@ -418,7 +429,14 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 		return nil, nil, err
 	}
 	evCfg, _ := f.restConfig(f.EventsQPS, f.EventsBurst, "events")
-	leaseCfg, _ := f.restConfig(5, 10, "leader-election")
+	leaseQPS, leaseBurst := 5.0, 10
+	if f.LeaderElectionMode == k8sbridge.LeaderElectionPerDriver {
+		// Per driver, each replica renews its member Lease besides the
+		// leader Lease's election, and takes a share of the driver
+		// Leases at once when a replica dies.
+		leaseQPS, leaseBurst = 10, 30
+	}
+	leaseCfg, _ := f.restConfig(leaseQPS, leaseBurst, "leader-election")
 	// The informers' LISTs have a budget of their own, as leader election
 	// has: at --kube-api-qps 5 the nine LISTs of a start would otherwise
 	// take the burst that the first PV writes need. (WATCH requests are
@@ -464,8 +482,8 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 		IntentClient: intentClient, IntentBudget: f.budget, SnapshotClient: snapClient,
 		Drivers: drivers, Policy: authz, Namespace: ns, Identity: f.Identity,
 		LeaderElection: f.LeaderElection, LeaderElectionLease: f.LeaseDuration, LeaderElectionRenew: f.RenewDeadline, LeaderElectionRetry: f.RetryPeriod,
-		LeaderElectionNamespace: f.LeaderNamespace,
-		VolumeNamePrefix:        f.VolumeNamePrefix, VolumeNameUUIDLength: f.VolumeNameUUIDLength, ExtraCreateMetadata: f.ExtraCreateMetadata, ExtraModifyMetadata: f.ExtraModifyMetadata, DefaultFSType: f.DefaultFSType, ControllerPublishReadOnly: f.PublishReadOnly, CapacityForImmediateBinding: f.CapacityImmediate,
+		LeaderElectionNamespace: f.LeaderNamespace, LeaderElectionMode: f.LeaderElectionMode,
+		VolumeNamePrefix: f.VolumeNamePrefix, VolumeNameUUIDLength: f.VolumeNameUUIDLength, ExtraCreateMetadata: f.ExtraCreateMetadata, ExtraModifyMetadata: f.ExtraModifyMetadata, DefaultFSType: f.DefaultFSType, ControllerPublishReadOnly: f.PublishReadOnly, CapacityForImmediateBinding: f.CapacityImmediate,
 		StrictTopology: f.StrictTopology, ImmediateTopology: f.ImmediateTopology,
 		Timeout: timeout, MonitorInterval: monitorInterval(f.MonitorInterval),
 		WorkerThreads: f.WorkerThreads, PerDriverWorkers: f.PerDriverWorkers, RetryIntervalStart: f.RetryIntervalStart, RetryIntervalMax: f.RetryIntervalMax,

@@ -165,6 +165,8 @@ func TestBrokerFlagsRefusedTogether(t *testing.T) {
 		{"backoff start above its max", "--retry-interval-start", func(c *BrokerCommandConfig) { c.Kube.RetryIntervalStart = time.Hour }},
 		{"no backoff", "--retry-interval-start", func(c *BrokerCommandConfig) { c.Kube.RetryIntervalStart = 0 }},
 		{"renew deadline within client-go's jitter of the retry period", "--leader-election-retry-period", func(c *BrokerCommandConfig) { c.Kube.RetryPeriod = 2500 * time.Millisecond }},
+		{"per-driver leader election without leader election", "--leader-election-mode per-driver needs --leader-election", func(c *BrokerCommandConfig) { c.Kube.LeaderElectionMode = "per-driver" }},
+		{"unknown leader election mode", `--leader-election-mode "sharded": want single or per-driver`, func(c *BrokerCommandConfig) { c.Kube.LeaderElectionMode = "sharded" }},
 		{"no retry period", "--leader-election-retry-period", func(c *BrokerCommandConfig) { c.Kube.RetryPeriod = 0 }},
 		{"lease duration the Lease cannot record", "--leader-election-lease-duration 3.5s: must be whole seconds", func(c *BrokerCommandConfig) { c.Kube.LeaseDuration = 3500 * time.Millisecond }},
 		{"lease duration under a second", "--leader-election-lease-duration 800ms: must be whole seconds", func(c *BrokerCommandConfig) {

@@ -604,6 +604,13 @@ func (c *Controller) keepUnregistered(out map[capacityKey]capacityItem, register
 		if registered[d] {
 			continue
 		}
+		if c.b.Foreign(d) {
+			// Led by another replica now: its objects are that
+			// replica's to keep, refresh or remove.
+			delete(c.lastItems, d)
+			delete(c.goneSince, d)
+			continue
+		}
 		since, ok := c.goneSince[d]
 		if !ok {
 			since = now
@@ -646,7 +653,7 @@ func (c *Controller) adoptUnregistered(objs []any) {
 		}
 		key := capacityKeyOf(csc)
 		term, ok := capacityTermOf(csc)
-		if !ok || key.driver == "" || registered[key.driver] {
+		if !ok || key.driver == "" || registered[key.driver] || c.b.Foreign(key.driver) {
 			continue
 		}
 		if _, ok := c.lastItems[key.driver][key]; ok {
@@ -693,7 +700,7 @@ func (c *Controller) reconcile() {
 		}
 	}
 	for _, s := range c.indexer.ListIndexFuncValues(capacityIndex) {
-		if k, ok := parseCapacityKey(s); ok {
+		if k, ok := parseCapacityKey(s); ok && !c.b.Foreign(k.driver) {
 			if _, want := desired[k]; !want {
 				c.queue.Add(k)
 			}
@@ -764,6 +771,9 @@ func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateL
 // the driver is asked (ask), then the object written (write).
 func (c *Controller) sync(ctx context.Context, key capacityKey) error {
 	ctx = budget.WithDriver(ctx, key.driver) // its writes wait in turn with other drivers'
+	if c.b.Foreign(key.driver) {
+		return nil // another replica's (per-driver leader election)
+	}
 	c.mu.Lock()
 	item, want := c.desired[key]
 	c.mu.Unlock()

@@ -193,6 +193,9 @@ type Store struct {
 	oldestAdd, newestAdd time.Time
 	arrivals             float64
 	lastArrival          time.Time
+	// mine, when set (Share), says whether this replica may write the
+	// entries of a driver.
+	mine func(driver string) bool
 }
 
 type pendingAdd struct {
@@ -330,6 +333,10 @@ func (s *Store) Add(ctx context.Context, in Intent) error {
 	}
 	s.arrivals++
 	s.lastArrival = now
+	if s.mine != nil && !s.mine(in.Driver) {
+		s.mu.Unlock()
+		return fmt.Errorf("%w: driver %s is led by another replica", errTermEnded, in.Driver)
+	}
 	key := in.Key()
 	if old, ok := s.adds[key]; ok {
 		old.done <- errors.New("intent superseded by a newer Add of the same volume")
@@ -360,6 +367,13 @@ func (s *Store) Remove(key string) {
 	if s.ended {
 		return
 	}
+	if s.mine != nil {
+		if d, ok := s.driverOfLocked(key); ok && !s.mine(d) {
+			// Its driver's leader settles it: written from here, the
+			// Remove could drop an entry that leader wrote again.
+			return
+		}
+	}
 	if p, ok := s.adds[key]; ok {
 		delete(s.adds, key)
 		p.done <- errors.New("intent removed before it was written")
@@ -371,6 +385,59 @@ func (s *Store) Remove(key string) {
 		s.signal()
 	}
 	s.removes[key] = true
+}
+
+// Share makes the store one of several replicas' that lead different
+// drivers (per-driver leader election) over the one record: mine says
+// whether this replica leads a driver. An Add of another's driver fails;
+// a Remove of an entry of another's driver is dropped (its leader settles
+// it). Call it before Run.
+func (s *Store) Share(mine func(driver string) bool) { s.mine = mine }
+
+// Handover is told that this replica starts or stops leading driver
+// (Share): the Adds and Removes queued for it are dropped (the Adds fail),
+// and the record is read again before its next use, since another replica
+// may have written the driver's entries meanwhile.
+func (s *Store) Handover(driver string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for k, p := range s.adds {
+		if p.intent.Driver == driver {
+			p.done <- fmt.Errorf("%w: leadership of driver %s changed hands", errTermEnded, driver)
+			delete(s.adds, k)
+		}
+	}
+	for k := range s.removes {
+		if d, ok := s.driverOfLocked(k); ok && d == driver {
+			delete(s.removes, k)
+		}
+	}
+	s.loaded = false
+}
+
+// driverOfLocked is the driver of the entry of key as the store knows it
+// (queued, or in the record last read or written).
+func (s *Store) driverOfLocked(key string) (string, bool) {
+	if p, ok := s.adds[key]; ok {
+		return p.intent.Driver, true
+	}
+	v, ok := "", false
+	if s.cache != nil {
+		v, ok = s.cache.Data[key]
+	}
+	if !ok && s.lost != nil {
+		v, ok = s.lost[key]
+	}
+	if !ok {
+		return "", false
+	}
+	var in struct {
+		Driver string `json:"driver"`
+	}
+	if json.Unmarshal([]byte(v), &in) != nil {
+		return "", false
+	}
+	return in.Driver, true
 }
 
 func (s *Store) signal() {

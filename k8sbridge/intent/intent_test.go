@@ -975,3 +975,105 @@ func TestSupersededKey(t *testing.T) {
 		t.Errorf("an entry that is not superseded has key %q, want its volume name", k)
 	}
 }
+
+// TestIntentSharedByDriver: two replicas lead different drivers over one
+// record (per-driver leader election). Both write at once and neither
+// replaces the other's entries; neither adds or removes the other's; a
+// driver handed over is read again by its new leader, and a late Remove
+// by the old one does not delete the entry the new leader wrote again;
+// an Add queued for a driver handed over fails.
+func TestIntentSharedByDriver(t *testing.T) {
+	env := kubetest.ControlPlane(t)
+	ns := env.NewNamespace(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var mu sync.Mutex
+	leads := map[string]string{"d1": "a", "d2": "b"}
+	store := func(me string) *Store {
+		s := NewStore(env.Client(), ns, "csibroker-intents", nil)
+		s.Share(func(d string) bool { mu.Lock(); defer mu.Unlock(); return leads[d] == me })
+		go s.Run(ctx)
+		return s
+	}
+	a, b := store("a"), store("b")
+	entry := func(v, d, node string) Intent {
+		return Intent{VolumeName: v, Driver: d, ClaimNamespace: ns, ClaimName: v, Node: node}
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, 20)
+	for i := range 10 {
+		wg.Add(2)
+		go func() { defer wg.Done(); errs <- a.Add(ctx, entry(fmt.Sprintf("a%d", i), "d1", "")) }()
+		go func() { defer wg.Done(); errs <- b.Add(ctx, entry(fmt.Sprintf("b%d", i), "d2", "")) }()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := recordedVolumes(ctx, t, env, ns); len(got) != 20 {
+		t.Fatalf("record holds %v, want the 20 entries of both replicas", got)
+	}
+	if err := a.Add(ctx, entry("x", "d2", "")); !errors.Is(err, errTermEnded) {
+		t.Fatalf("an Add of another replica's driver: %v, want errTermEnded", err)
+	}
+	b.Remove("a0") // a's entry: dropped
+
+	// d1 moves from a to b; b writes a0 again, then a's late Remove.
+	mu.Lock()
+	leads["d1"] = "b"
+	mu.Unlock()
+	a.Handover("d1")
+	b.Handover("d1")
+	if in, ok, err := b.Lookup(ctx, "a1"); err != nil || !ok || in.Driver != "d1" {
+		t.Fatalf("new leader's Lookup(a1) = %+v, %v, %v; want a's entry, read again", in, ok, err)
+	}
+	if err := b.Add(ctx, entry("a0", "d1", "again")); err != nil {
+		t.Fatal(err)
+	}
+	a.Remove("a0")
+	b.Remove("a2")                                                 // its leader now: written
+	if err := b.Add(ctx, entry("b9", "d2", "flush")); err != nil { // a write that carries b's Remove
+		t.Fatal(err)
+	}
+	// a's Remove would ride on a's next write: give it one.
+	mu.Lock()
+	leads["d3"] = "a"
+	mu.Unlock()
+	if err := a.Add(ctx, entry("c0", "d3", "")); err != nil {
+		t.Fatal(err)
+	}
+	got := recordedVolumes(ctx, t, env, ns)
+	if !slices.Contains(got, "a0") || slices.Contains(got, "a2") || !slices.Contains(got, "c0") {
+		t.Fatalf("record %v: want a0 kept (a's late Remove dropped), a2 removed by its new leader, c0 added", got)
+	}
+	ins, err := NewStore(env.Client(), ns, "csibroker-intents", nil).List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, in := range ins {
+		if in.VolumeName == "a0" && in.Node != "again" {
+			t.Fatalf("a0 is %+v, want the new leader's entry", in)
+		}
+	}
+
+	// An Add queued (the store's Run is not running) when its driver
+	// changes hands fails.
+	idle := NewStore(env.Client(), ns, "csibroker-intents", nil)
+	idle.Share(func(string) bool { return true })
+	res := make(chan error, 1)
+	go func() { res <- idle.Add(ctx, entry("q", "d4", "")) }()
+	if err := testenvWait(ctx, func() bool { idle.mu.Lock(); defer idle.mu.Unlock(); return len(idle.adds) == 1 }); err != nil {
+		t.Fatal(err)
+	}
+	idle.Handover("d4")
+	if err := <-res; !errors.Is(err, errTermEnded) {
+		t.Fatalf("queued Add of a driver handed over: %v, want errTermEnded", err)
+	}
+}
+
+func testenvWait(ctx context.Context, cond func() bool) error {
+	return testenv.WaitFor(ctx, 10*time.Second, "condition", func(context.Context) (bool, string, error) { return cond(), "", nil })
+}

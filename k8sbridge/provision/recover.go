@@ -62,7 +62,7 @@ func (p *Provisioner) recoverOnce(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		if p.isInflight(in.VolumeName) {
+		if p.isInflight(in.VolumeName) || p.b.Foreign(in.Driver) {
 			continue
 		}
 		if in.Superseded {

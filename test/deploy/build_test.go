@@ -48,6 +48,12 @@ func TestKustomizeBuild(t *testing.T) {
 			{"SecretGrant", "sample-storage", "sample-provisioner"},
 			{"PersistentVolumeClaim", "sample-app", "data"},
 		},
+		"per-driver": {
+			{"Deployment", brokerNamespace, "csibroker"},
+			{"Role", brokerNamespace, "csibroker"},
+			{"Role", brokerNamespace, "csibroker-per-driver"},
+			{"RoleBinding", brokerNamespace, "csibroker-per-driver"},
+		},
 		"monitoring": {
 			{"ServiceMonitor", brokerNamespace, "csibroker"},
 			{"PodMonitor", brokerNamespace, "csibroker-proxies"},

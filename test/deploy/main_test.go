@@ -30,7 +30,7 @@ func TestMain(m *testing.M) {
 }
 
 // kustomizations are the directories under deploy/ that an admin builds.
-var kustomizations = []string{".", "base", "cert-manager", "examples", "monitoring"}
+var kustomizations = []string{".", "base", "cert-manager", "examples", "monitoring", "per-driver"}
 
 // Names shared by the manifests and the assertions.
 const (

@@ -33,7 +33,7 @@ var (
 		"timeout", "csi-retry-attempts", "csi-retry-interval-start", "csi-retry-interval-max",
 		"tls-cert", "tls-key", "tls-ca", "trust-domain", "tls-reload-interval", "v", "log-format",
 		"kubernetes", "kubeconfig", "kube-api-qps", "kube-api-burst", "kube-api-content-type", "events-qps", "events-burst",
-		"namespace", "identity", "leader-election", "leader-election-namespace",
+		"namespace", "identity", "leader-election", "leader-election-namespace", "leader-election-mode",
 		"leader-election-lease-duration", "leader-election-renew-deadline", "leader-election-retry-period",
 		"volume-name-prefix", "volume-name-uuid-length", "extra-create-metadata", "strict-topology",
 		"immediate-topology", "worker-threads", "per-driver-workers", "retry-interval-start",

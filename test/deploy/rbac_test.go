@@ -271,3 +271,32 @@ func TestRBACSubjectAccessReview(t *testing.T) {
 		}
 	}
 }
+
+// The per-driver install adds one Role, for the member and driver Leases
+// in the broker's namespace, bound to the broker, and runs three replicas
+// with --leader-election-mode=per-driver; the rest is the install's.
+func TestPerDriverInstall(t *testing.T) {
+	objs := build(t, "per-driver")
+	role := typed[rbacv1.Role](t, find(t, objs, "Role", brokerNamespace, "csibroker-per-driver"))
+	compareGrants(t, effectiveGrants(t, "per-driver Role", role.Rules), map[grantKey][]string{
+		{"coordination.k8s.io", "leases", ""}: sorted("get", "list", "update", "watch"),
+	})
+	rb := typed[rbacv1.RoleBinding](t, find(t, objs, "RoleBinding", brokerNamespace, "csibroker-per-driver"))
+	dep := typed[appsv1.Deployment](t, find(t, objs, "Deployment", brokerNamespace, "csibroker"))
+	want := []rbacv1.Subject{{Kind: "ServiceAccount", Name: dep.Spec.Template.Spec.ServiceAccountName, Namespace: brokerNamespace}}
+	if !slices.Equal(rb.Subjects, want) || rb.RoleRef != (rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "csibroker-per-driver"}) {
+		t.Errorf("RoleBinding: subjects %+v roleRef %+v", rb.Subjects, rb.RoleRef)
+	}
+	if dep.Spec.Replicas == nil || *dep.Spec.Replicas != 3 {
+		t.Errorf("replicas %v, want 3", dep.Spec.Replicas)
+	}
+	cmd := parseCommand(t, "per-driver broker", container(t, dep.Spec.Template.Spec, "broker"), brokerFlags)
+	if cmd.flags["leader-election"] != "true" || cmd.flags["leader-election-mode"] != "per-driver" {
+		t.Errorf("flags %v: want --leader-election and --leader-election-mode=per-driver", cmd.flags)
+	}
+	// The base Role, unchanged, still grants what the single Lease needs.
+	base := typed[rbacv1.Role](t, find(t, objs, "Role", brokerNamespace, "csibroker"))
+	if got := effectiveGrants(t, "Role", base.Rules)[grantKey{"coordination.k8s.io", "leases", ""}]; !slices.Equal(got, []string{"create"}) {
+		t.Errorf("base Role grants %v on leases, want create", got)
+	}
+}

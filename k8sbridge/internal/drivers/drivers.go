@@ -35,7 +35,32 @@ type Drivers interface {
 // per-method override (a CreateVolume of minutes) is not cut short here;
 // the broker's chain applies the driver's own.
 func CallContext(ctx context.Context, d Drivers, timeout time.Duration, driver, method string) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(ctx, max(timeout, d.CallTimeout(driver, method)))
+	ctx, cancel := context.WithTimeout(ctx, max(timeout, d.CallTimeout(driver, method)))
+	s, ok := d.(Sharded)
+	if !ok {
+		return ctx, cancel
+	}
+	ctx, done := s.Track(ctx, driver)
+	return ctx, func() { done(); cancel() }
+}
+
+// Sharded is what a Drivers view of one replica's share of the drivers
+// adds (per-driver leader election): its HasDriver and DriverNames name
+// only the drivers this replica leads.
+type Sharded interface {
+	// Foreign reports whether driver is another replica's to work on
+	// (registered but not led here, or led by another replica).
+	Foreign(driver string) bool
+	// Track counts one call to driver in flight until done; the context
+	// ends with this replica's leadership of driver.
+	Track(ctx context.Context, driver string) (context.Context, func())
+}
+
+// Foreign reports whether d is a sharded view in which driver is another
+// replica's; never for a whole registry.
+func Foreign(d Drivers, driver string) bool {
+	s, ok := d.(Sharded)
+	return ok && s.Foreign(driver)
 }
 
 // Unreachable marks the failure of a driver's capabilities lookup, so that

@@ -3,6 +3,7 @@ package kube
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"time"
 
@@ -65,6 +66,10 @@ type Config struct {
 	LeaderElectionRenew    time.Duration
 	LeaderElectionRetry    time.Duration
 	LeaderElectionLockName string
+	// LeaderElectionMode is "" (or "single"): one Lease, the leader runs
+	// every controller; or LeaderElectionPerDriver: the drivers are shared
+	// out among the replicas, a Lease per driver (k8sbridge/shard).
+	LeaderElectionMode string
 	// LeaderElectionNamespace holds the Lease (default Namespace).
 	LeaderElectionNamespace string
 
@@ -114,6 +119,12 @@ type Config struct {
 	Registerer     prometheus.Registerer
 }
 
+// Leader election modes (Config.LeaderElectionMode).
+const (
+	LeaderElectionSingle    = "single"
+	LeaderElectionPerDriver = "per-driver"
+)
+
 // Validate checks the configuration and fills defaults.
 func (c *Config) Validate() error {
 	var errs []error
@@ -155,6 +166,15 @@ func (c *Config) Validate() error {
 	}
 	if c.LeaderElectionRenew >= c.LeaderElectionLease {
 		errs = append(errs, errors.New("leader election renew deadline must be shorter than the lease duration"))
+	}
+	switch c.LeaderElectionMode {
+	case "", LeaderElectionSingle:
+	case LeaderElectionPerDriver:
+		if !c.LeaderElection {
+			errs = append(errs, errors.New("per-driver leader election needs leader election on"))
+		}
+	default:
+		errs = append(errs, fmt.Errorf("leader election mode %q: want %s or %s", c.LeaderElectionMode, LeaderElectionSingle, LeaderElectionPerDriver))
 	}
 	if c.LeaderElectionNamespace == "" {
 		c.LeaderElectionNamespace = c.Namespace

@@ -111,6 +111,12 @@ func (b *Env) ResetEvents() { b.sent.Reset() }
 // Registered says whether driver is one of the broker's drivers.
 func (b *Env) Registered(driver string) bool { return b.Cfg.Drivers.HasDriver(driver) }
 
+// Foreign says whether driver is another replica's to work on (per-driver
+// leader election: registered but led elsewhere); never without sharding.
+// What is left of a driver (intent entries, capacity objects) is settled by
+// its leader only.
+func (b *Env) Foreign(driver string) bool { return drivers.Foreign(b.Cfg.Drivers, driver) }
+
 // CallContext bounds one CSI call of method to driver (drivers.CallContext
 // with --timeout).
 func (b *Env) CallContext(ctx context.Context, driver, method string) (context.Context, context.CancelFunc) {
