@@ -111,7 +111,8 @@ func readCRD(path string) (*unstructured.Unstructured, error) {
 	return &unstructured.Unstructured{Object: obj}, nil
 }
 
-// waitCRD waits until CRD gr is established and each served version lists.
+// waitCRD waits until CRD gr is established and each served version that
+// is not deprecated lists.
 func waitCRD(ctx context.Context, dyn dynamic.Interface, gr schema.GroupResource) error {
 	name := gr.Resource + "." + gr.Group
 	return WaitFor(ctx, 30*time.Second, "CRD "+name+" established and served", func(ctx context.Context) (bool, string, error) {
@@ -147,7 +148,9 @@ func servedVersions(crd *unstructured.Unstructured) []string {
 	vs, _, _ := unstructured.NestedSlice(crd.Object, "spec", "versions")
 	var out []string
 	for _, v := range vs {
-		if m, ok := v.(map[string]any); ok && m["served"] == true {
+		// A deprecated version lists with a warning on stderr: the
+		// others are enough to know the CRD is served.
+		if m, ok := v.(map[string]any); ok && m["served"] == true && m["deprecated"] != true {
 			if name, ok := m["name"].(string); ok {
 				out = append(out, name)
 			}
