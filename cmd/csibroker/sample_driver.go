@@ -106,6 +106,8 @@ func sampleDriverConfig(args []string, stderr io.Writer) (sampledriver.Config, e
 	fs.BoolVar(&cfg.DisablePublish, "disable-publish", false, "do not advertise PUBLISH_UNPUBLISH_VOLUME (no attach step)")
 	fs.BoolVar(&cfg.Health.NoVolumeCondition, "no-volume-condition", false, "do not advertise the legacy VOLUME_CONDITION (CSI <= 1.12) nor send volume conditions in ListVolumes and ControllerGetVolume; a volume is abnormal while <state-dir>/health/<volume-id> exists (its content is the message)")
 	fs.BoolVar(&cfg.Health.NoVolumeHealth, "no-volume-health", false, "do not advertise GET_VOLUME_HEALTH and LIST_VOLUME_HEALTH (CSI v1.13)")
+	fs.DurationVar(&cfg.SnapshotReadyAfter, "snapshot-ready-after", 0, "report a new snapshot not ready to use until this long after it was cut (0: ready at once)")
+	fs.BoolVar(&cfg.DisableGroupSnapshots, "disable-group-snapshots", false, "do not serve the GroupController service (group snapshots)")
 	verbosity := fs.Int("v", 0, "log verbosity: 0 lifecycle and failed calls, 1 also requests, 2 also responses")
 	if err := parseFlags(fs, args); err != nil {
 		return cfg, err

@@ -120,6 +120,10 @@ func client(userAgent string) string {
 		return "csi-provisioner"
 	case strings.HasPrefix(userAgent, "csi-attacher/"):
 		return "csi-attacher"
+	case strings.HasPrefix(userAgent, "csi-snapshotter/"):
+		return "csi-snapshotter"
+	case strings.HasPrefix(userAgent, "snapshot-controller/"):
+		return "snapshot-controller"
 	case strings.HasPrefix(userAgent, "minprov/"):
 		return "minprov"
 	case strings.HasPrefix(userAgent, "csibroker/"):

@@ -12,7 +12,7 @@ import (
 )
 
 // Scenario names, in the order they run.
-var allScenarios = []string{"provision", "drivers", "memory", "failover"}
+var allScenarios = []string{"provision", "drivers", "memory", "failover", "snapshots"}
 
 // Config holds the harness's flags.
 type Config struct {
@@ -39,6 +39,10 @@ type Config struct {
 	// failover
 	FailoverClaims int
 	FailoverQPS    rate
+
+	// snapshots (at each of QPS)
+	SnapshotN     int
+	SnapshotSides []string // sideSidecar and/or sideBroker
 
 	WorkerThreads int
 	PolicyMode    string // csibroker --policy-mode
@@ -99,6 +103,8 @@ func DefaultConfig() Config {
 		MemLevels:       []int{0, 1000, 10000},
 		FailoverClaims:  100,
 		FailoverQPS:     rate{5, 10},
+		SnapshotN:       300,
+		SnapshotSides:   []string{sideSidecar, sideBroker},
 		WorkerThreads:   100,
 		PolicyMode:      "enforce",
 		Tracing:         true,
@@ -132,6 +138,17 @@ func (c Config) Validate() error {
 	if c.FailoverClaims < 10 {
 		errs = append(errs, errors.New("-failover-claims must be at least 10"))
 	}
+	if c.SnapshotN < 1 {
+		errs = append(errs, errors.New("-snapshot-n must be positive"))
+	}
+	for _, s := range c.SnapshotSides {
+		if s != sideSidecar && s != sideBroker {
+			errs = append(errs, fmt.Errorf("-snapshot-sides: unknown %q (want csi-snapshotter and/or csibroker)", s))
+		}
+	}
+	if len(c.SnapshotSides) == 0 {
+		errs = append(errs, errors.New("-snapshot-sides: name at least one side"))
+	}
 	if c.WorkerThreads < 1 {
 		errs = append(errs, errors.New("-worker-threads must be positive"))
 	}
@@ -139,6 +156,9 @@ func (c Config) Validate() error {
 }
 
 func (c Config) has(scenario string) bool { return slices.Contains(c.Scenarios, scenario) }
+
+// snapshotSide says whether the snapshots scenario runs side.
+func (c Config) snapshotSide(side string) bool { return slices.Contains(c.SnapshotSides, side) }
 
 // repsFor returns the repetitions of a provisioning setting.
 func (c Config) repsFor(q rate) int {
@@ -193,7 +213,22 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 		cfg.FailoverQPS = r
 		return err
 	})
-	fs.IntVar(&cfg.WorkerThreads, "worker-threads", cfg.WorkerThreads, "--worker-threads of both provisioners")
+	fs.IntVar(&cfg.SnapshotN, "snapshot-n", cfg.SnapshotN, "snapshots: VolumeSnapshots per run (at each -qps setting)")
+	fs.Func("snapshot-sides", "snapshots: the sides to run, comma-separated: csi-snapshotter,csibroker (default both)", func(s string) error {
+		cfg.SnapshotSides = nil
+		for _, p := range splitList(s) {
+			switch p {
+			case "csi-snapshotter":
+				cfg.SnapshotSides = append(cfg.SnapshotSides, sideSidecar)
+			case "csibroker":
+				cfg.SnapshotSides = append(cfg.SnapshotSides, sideBroker)
+			default:
+				return fmt.Errorf("unknown side %q (want csi-snapshotter, csibroker)", p)
+			}
+		}
+		return nil
+	})
+	fs.IntVar(&cfg.WorkerThreads, "worker-threads", cfg.WorkerThreads, "--worker-threads of both provisioners (and snapshotters)")
 	fs.StringVar(&cfg.PolicyMode, "policy-mode", cfg.PolicyMode, "csibroker --policy-mode (enforce also installs the SecretGrant CRD)")
 	fs.BoolVar(&cfg.Tracing, "tracing", cfg.Tracing, "csibroker exports its spans over OTLP/HTTP to a sink in the harness")
 	fs.StringVar(&cfg.Root, "root", "", "repository root (default: found from the working directory)")

@@ -14,6 +14,7 @@ import (
 	"syscall"
 	"time"
 
+	snapshotclient "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/csibroker/csibroker/internal/testenv"
@@ -38,12 +39,19 @@ type Harness struct {
 	rev    string // the csibroker commit built
 	args   []string
 
+	// snaps is the harness's snapshot client (the snapshots scenario).
+	snaps snapshotclient.Interface
+
 	// Results, for the smoke test.
 	provResults []*provResult
+	snapResults []*snapResult
 }
 
 type binaries struct {
 	csibroker, provisioner, attacher string
+	// snapshotter and snapshotController are external-snapshotter's
+	// csi-snapshotter and snapshot-controller (the snapshots scenario).
+	snapshotter, snapshotController string
 	// proxy is csibroker-proxy, the proxy built alone (what deploy/ runs
 	// beside each driver); empty: `csibroker proxy` (a prebuilt csibroker
 	// with no csibroker-proxy beside it).
@@ -136,7 +144,11 @@ func (h *Harness) build(ctx context.Context) error {
 			}
 		}
 	}
-	for name, dst := range map[string]*string{"csi-provisioner": &h.bins.provisioner, "csi-attacher": &h.bins.attacher} {
+	sidecars := map[string]*string{"csi-provisioner": &h.bins.provisioner, "csi-attacher": &h.bins.attacher}
+	if h.cfg.has("snapshots") {
+		sidecars["csi-snapshotter"], sidecars["snapshot-controller"] = &h.bins.snapshotter, &h.bins.snapshotController
+	}
+	for name, dst := range sidecars {
 		out, err := exec.CommandContext(ctx, filepath.Join(h.cfg.Root, "hack/sidecars.sh"), "dir", name).Output()
 		if err != nil {
 			return fmt.Errorf("hack/sidecars.sh dir %s: %w", name, err)
@@ -297,6 +309,7 @@ func (h *Harness) runScenarios(ctx context.Context) error {
 		{"drivers", h.scenarioDrivers},
 		{"memory", h.scenarioMemory},
 		{"failover", h.scenarioFailover},
+		{"snapshots", h.scenarioSnapshots},
 	} {
 		if !h.cfg.has(s.name) {
 			continue

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/csibroker/csibroker/internal/testenv"
 )
 
 // Side names as printed.
@@ -52,7 +54,7 @@ func (r *report) header(h *Harness) {
 	r.printf("- date: %s\n", time.Now().UTC().Format("2006-01-02 15:04 UTC"))
 	r.printf("- machine: %s\n", machine())
 	r.printf("- control plane: etcd v3.6.8, kube-apiserver and kube-controller-manager v1.36.3 (controller-manager client QPS 2000/4000), audit log at Metadata level\n")
-	r.printf("- sidecars: external-provisioner v6.3.0, external-attacher v4.13.0; csibroker: %s\n", h.rev)
+	r.printf("- sidecars: external-provisioner v6.3.0, external-attacher v4.13.0, csi-snapshotter and snapshot-controller %s; csibroker: %s\n", testenv.SnapshotterVersion, h.rev)
 	r.printf("- csibroker: --policy-mode %s, tracing %s, one proxy per driver over mTLS (%s); sidecars on the driver socket\n",
 		h.cfg.PolicyMode, map[bool]string{true: "exported over OTLP/HTTP to a sink", false: "spans made, not exported"}[h.cfg.Tracing],
 		map[bool]string{true: "csibroker-proxy, the proxy built alone", false: "`csibroker proxy`"}[h.bins.proxy != ""])

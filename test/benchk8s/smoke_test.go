@@ -85,7 +85,9 @@ func TestClientFromUserAgent(t *testing.T) {
 		"csibroker/bench (objects)":                               "csibroker(objects)",
 		"csibroker/v0.1.0-3-gabc (leader-election)":               "csibroker(leader-election)",
 		"minprov/bench": "minprov",
-		"kube-controller-manager/v1.36.3 (linux/amd64)": "",
+		"csi-snapshotter/v0.0.0 (linux/amd64) kubernetes/$Format":     "csi-snapshotter",
+		"snapshot-controller/v0.0.0 (linux/amd64) kubernetes/$Format": "snapshot-controller",
+		"kube-controller-manager/v1.36.3 (linux/amd64)":               "",
 		"benchk8s": "",
 	} {
 		if got := client(ua); got != want {
@@ -122,5 +124,59 @@ apiserver_request_total{code="200",verb="GET",resource="a\"b"} 7 1700000000
 `, "apiserver_longrunning_requests", "apiserver_request_total")
 	if len(ss) != 2 || ss[0].value != 3 || ss[0].labels["verb"] != "WATCH" || ss[1].labels["resource"] != `a"b` || ss[1].value != 7 {
 		t.Errorf("parseProm = %+v", ss)
+	}
+}
+
+// TestSnapshotsSmoke runs the snapshots scenario once, N=10 at QPS 200/400,
+// for csi-snapshotter (with the real snapshot-controller): the CRDs, the
+// contents made before the side starts, the watch on readiness, the
+// deletions with the driver's leak check, the request counts by user agent
+// and the field-by-field table. The csibroker side joins once the broker
+// handles VolumeSnapshotContents (-snapshot-sides csibroker runs it).
+func TestSnapshotsSmoke(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Scenarios = []string{"snapshots"}
+	cfg.Reps = 1
+	cfg.SnapshotN = 10
+	cfg.QPS = []rate{{200, 400}}
+	cfg.SnapshotSides = []string{sideSidecar}
+	cfg.FromHead = false
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	h, err := newHarness(cfg, &out, testWriter{t})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.close()
+	bctx, bcancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer bcancel()
+	if err := h.build(bctx); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	if err := h.runScenarios(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("report:\n%s", out.String())
+	if len(h.snapResults) != 1 {
+		t.Fatalf("got %d snapshot results, want 1", len(h.snapResults))
+	}
+	r := h.snapResults[0]
+	if r.ReadySeconds <= 0 || r.DelSeconds <= 0 || r.CPUReady <= 0 || r.PeakRSS <= 0 {
+		t.Errorf("times or readings missing: %+v", r)
+	}
+	if got := r.APIReady.ByVerbResource["patch volumesnapshotcontents/status"]; got < r.N {
+		t.Errorf("%d content status patches counted for csi-snapshotter, want at least %d (all: %v)", got, r.N, r.APIReady.ByVerbResource)
+	}
+	if len(r.contents) != r.N {
+		t.Errorf("%d final contents kept, want %d", len(r.contents), r.N)
+	}
+	for _, want := range []string{"### Snapshots: N=10", "### Final VolumeSnapshotContents of csi-snapshotter", "| status.readyToUse | `true` |"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("report has no %q:\n%s", want, out.String())
+		}
 	}
 }
