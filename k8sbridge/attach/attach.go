@@ -114,6 +114,12 @@ func (a *Controller) takeForce(name string) bool {
 func New(b *kube.Env) (*Controller, error) {
 	a := &Controller{b: b, queue: b.NewTermQueue("attach")}
 	a.slots = a.queue.WithSlots(b.Cfg.PerDriverWorkers)
+	a.queue.ReportOn(func(key string) (corev1.ObjectReference, bool) {
+		if name, ok := strings.CutPrefix(key, "va/"); ok {
+			return b.VAOfKey(name)
+		}
+		return b.PVOfKey(strings.TrimPrefix(key, "pv/"))
+	})
 	b.Metrics.QueueDepth("attach", a.queue.Len)
 	b.On(b.Factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) { a.enqueueVA(obj) },
@@ -346,6 +352,7 @@ func (a *Controller) syncVA(ctx context.Context, name string) (time.Duration, er
 		return kube.WaitForSlot, nil
 	}
 	defer a.slots.Release(driver)
+	a.b.TestHook("attach", driver, "va/"+name)
 	ctx = budget.WithDriver(ctx, driver) // its writes wait in turn with other drivers'
 	ctx, span := a.b.Tracer.Start(ctx, "attach "+name, trace.WithAttributes(attribute.String("csi.driver", driver),
 		attribute.String("k8s.node", va.Spec.NodeName), attribute.Bool("detach", va.DeletionTimestamp != nil)))
@@ -522,6 +529,24 @@ func (a *Controller) attach(ctx context.Context, va *storagev1.VolumeAttachment)
 		}
 		va = updated
 	}
+	return a.publish(ctx, va, src, publishCall{caps: caps, nodeID: nodeID, volCap: volCap, secrets: secrets, before: before})
+}
+
+// publishCall is what attach prepared for the ControllerPublishVolume
+// call: before is the attachment's version before attach wrote to it.
+type publishCall struct {
+	caps    drivers.Caps
+	nodeID  string
+	volCap  *csi.VolumeCapability
+	secrets map[string]string
+	before  string
+}
+
+// publish calls ControllerPublishVolume, checks the answer and marks the
+// attachment attached with its publish context.
+func (a *Controller) publish(ctx context.Context, va *storagev1.VolumeAttachment, src *attachSource, pc publishCall) error {
+	driver, node := va.Spec.Attacher, va.Spec.NodeName
+	caps, nodeID, volCap, secrets, before := pc.caps, pc.nodeID, pc.volCap, pc.secrets, pc.before
 	conn, err := a.conn(driver, node)
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
@@ -534,6 +559,12 @@ func (a *Controller) attach(ctx context.Context, va *storagev1.VolumeAttachment)
 	})
 	cancel()
 	if err != nil {
+		return a.attachFailed(ctx, va, false, fmt.Errorf("ControllerPublishVolume %s to node %s (ID %s): %w", src.csi.VolumeHandle, node, nodeID, err))
+	}
+	if err := csiparams.CheckPublished(resp.GetPublishContext()); err != nil {
+		// Not written: the API server would refuse the status on every
+		// retry. The retry publishes again (idempotent) and checks again;
+		// the attachment's deletion unpublishes what was published.
 		return a.attachFailed(ctx, va, false, fmt.Errorf("ControllerPublishVolume %s to node %s (ID %s): %w", src.csi.VolumeHandle, node, nodeID, err))
 	}
 	cp := va.DeepCopy()

@@ -78,6 +78,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 
 	"github.com/csibroker/csibroker/internal/budget"
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
@@ -301,7 +302,7 @@ func New(b *kube.Env) (*Controller, error) {
 		changed: make(chan struct{}, 1),
 		refreshes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "capacity_refreshes_total",
-			Help: "CSIStorageCapacity refreshes by driver and result (unchanged, created, updated, removed, unsupported, failed; kept: the driver or the segment's proxy is not registered, so the object stays as it was).",
+			Help: "CSIStorageCapacity refreshes by driver and result (unchanged, created, updated, removed, unsupported, failed, refused: the answer failed its check; kept: the driver or the segment's proxy is not registered, so the object stays as it was).",
 		}, []string{"driver", "result"}),
 		writes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "capacity_api_writes_total",
@@ -834,6 +835,12 @@ func (c *Controller) ask(ctx context.Context, key capacityKey, item capacityItem
 		c.refreshes.WithLabelValues(key.driver, "failed").Inc()
 		return nil, err
 	}
+	if err := csiparams.CheckCapacity(resp); err != nil {
+		// Not written: the object keeps its last value, as when the call
+		// fails, and the key is retried with backoff.
+		c.refreshes.WithLabelValues(key.driver, "refused").Inc()
+		return nil, c.refused(ctx, key, class, err)
+	}
 	c.mu.Lock()
 	_, want := c.desired[key]
 	c.mu.Unlock()
@@ -841,6 +848,20 @@ func (c *Controller) ask(ctx context.Context, key capacityKey, item capacityItem
 		return nil, c.remove(ctx, key) // went away while the driver answered
 	}
 	return resp, nil
+}
+
+// refused reports a GetCapacity answer the check refused as an Event on
+// the class (once per message: every segment of the class and every poll
+// asks again) and returns the error, which the caller logs.
+func (c *Controller) refused(ctx context.Context, key capacityKey, class *storagev1.StorageClass, err error) error {
+	where := "segment " + key.segment
+	if key.segment == "" {
+		where = "every node"
+	}
+	err = fmt.Errorf("driver %s, storage class %s, %s: %w; its CSIStorageCapacity keeps its last value", key.driver, key.class, where, err)
+	ref := corev1.ObjectReference{APIVersion: "storage.k8s.io/v1", Kind: "StorageClass", Name: class.Name, UID: class.UID}
+	c.b.EventOnce(ctx, ref, corev1.EventTypeWarning, "CapacityRefreshFailed", err.Error(), "%v", err)
+	return err
 }
 
 // write creates or updates the object of key with the driver's answer
