@@ -41,7 +41,7 @@ type neighbours struct {
 	a, b           string
 }
 
-func startNeighbours(t *testing.T, troubleA grpc.ServerOption, o bridgeOpts) *neighbours {
+func startNeighbours(t *testing.T, troubleA grpc.ServerOption, o bridgeOpts, both ...func(*sampledriver.Config)) *neighbours {
 	t.Helper()
 	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
@@ -52,8 +52,13 @@ func startNeighbours(t *testing.T, troubleA grpc.ServerOption, o bridgeOpts) *ne
 	if troubleA != nil {
 		optsA = append(optsA, troubleA)
 	}
-	drivers.addDriver(t, sampledriver.Config{Name: n.a, ServerOptions: optsA})
-	drivers.addDriver(t, sampledriver.Config{Name: n.b})
+	cfgA, cfgB := sampledriver.Config{Name: n.a, ServerOptions: optsA}, sampledriver.Config{Name: n.b}
+	for _, f := range both {
+		f(&cfgA)
+		f(&cfgB)
+	}
+	drivers.addDriver(t, cfgA)
+	drivers.addDriver(t, cfgB)
 	shareBroker(t, drivers, n.a, n.b)
 	imm, del := storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete
 	n.classA = kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "a"), n.a, imm, del, nil).Name
@@ -124,16 +129,12 @@ func waitCount(t *testing.T, v *atomic.Int64, want int64, what string, timeout t
 	}
 }
 
-// TestHungDriverHoldsOnlyItsOwn: driver A hangs every CreateVolume (the
-// calls reach the driver and are never answered) with 100 claims
-// pending; A's calls in flight are its per-driver slots, no more, and
-// driver B's claim binds within a bound derived from B alone, while every
-// one of A's calls is still hung.
-func TestHungDriverHoldsOnlyItsOwn(t *testing.T) {
-	var hung, answered atomic.Int64
-	release := make(chan struct{})
-	hang := grpc.ChainUnaryInterceptor(func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-		if !strings.HasSuffix(info.FullMethod, "/CreateVolume") {
+// hangMethod is a driver's server option that holds every call of method
+// (counted in hung) until release is closed or the caller gives up,
+// counting in answered each call that ended.
+func hangMethod(method string, hung, answered *atomic.Int64, release <-chan struct{}) grpc.ServerOption {
+	return grpc.ChainUnaryInterceptor(func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+		if !strings.HasSuffix(info.FullMethod, "/"+method) {
 			return h(ctx, req)
 		}
 		hung.Add(1)
@@ -145,7 +146,17 @@ func TestHungDriverHoldsOnlyItsOwn(t *testing.T) {
 		}
 		return h(ctx, req)
 	})
-	n := startNeighbours(t, hang, bridgeOpts{})
+}
+
+// TestHungDriverHoldsOnlyItsOwn: driver A hangs every CreateVolume (the
+// calls reach the driver and are never answered) with 100 claims
+// pending; A's calls in flight are its per-driver slots, no more, and
+// driver B's claim binds within a bound derived from B alone, while every
+// one of A's calls is still hung.
+func TestHungDriverHoldsOnlyItsOwn(t *testing.T) {
+	var hung, answered atomic.Int64
+	release := make(chan struct{})
+	n := startNeighbours(t, hangMethod("CreateVolume", &hung, &answered, release), bridgeOpts{})
 	t.Cleanup(func() { close(release) })
 	alone := n.baselineB(t)
 
@@ -288,4 +299,49 @@ func TestPanicInOneDriverFailsOnlyItsItems(t *testing.T) {
 	for i := range claimsA {
 		kubetest.WaitBound(t, c, n.ns, fmt.Sprintf("a-%03d", i), 2*time.Minute)
 	}
+}
+
+// TestHungCapacityHoldsOnlyItsOwn: driver A hangs every GetCapacity, with
+// twice as many of its classes as the capacity controller has workers;
+// driver B's new class gets its CSIStorageCapacity within a bound derived
+// from B alone, while every one of A's calls is still hung.
+func TestHungCapacityHoldsOnlyItsOwn(t *testing.T) {
+	fastCapacityPolls(t)
+	var hung, answered atomic.Int64
+	release := make(chan struct{})
+	seg := []map[string]string{{testenv.LabelZone: "z1"}}
+	n := startNeighbours(t, hangMethod("GetCapacity", &hung, &answered, release), bridgeOpts{}, func(c *sampledriver.Config) {
+		c.ControllerSegments, c.CapacityBytes = seg, 10*gib
+	})
+	t.Cleanup(func() { close(release) })
+	c := n.env.Client()
+	node := kubetest.ClusterName(n.ns, "node-z1")
+	addNode(t, n.env, testenv.NodeSpec{Name: node, Zone: "z1"}, n.a, []string{testenv.LabelZone})
+	if err := n.env.AddCSINode(context.Background(), node, n.b, node, []string{testenv.LabelZone}); err != nil {
+		t.Fatal(err)
+	}
+	wffc, del := storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
+	want := map[string]int64{}
+	classOfB := func(name string) time.Duration {
+		start := time.Now()
+		class := kubetest.MakeClass(t, c, kubetest.ClusterName(n.ns, name), n.b, wffc, del, nil)
+		want[segmentKey(class.Name, testenv.LabelZone, "z1")] = 10 * gib
+		waitCapacities(t, c, n.ns, n.b, want)
+		return time.Since(start)
+	}
+	alone := classOfB("b-alone")
+
+	const capacityWorkers = 4 // the capacity controller's
+	for i := range 2 * capacityWorkers {
+		kubetest.MakeClass(t, c, kubetest.ClusterName(n.ns, fmt.Sprintf("a-%d", i)), n.a, wffc, del, nil)
+	}
+	waitCount(t, &hung, capacityWorkers, "A's GetCapacity calls to hang on every worker", time.Minute)
+	took := classOfB("b-beside-hung-a")
+	if a := answered.Load(); a != 0 {
+		t.Fatalf("%d of A's hung calls ended before B's object was written (after %v): B waited for them", a, took)
+	}
+	if limit := neighbourBound(alone); took > limit {
+		t.Fatalf("B's capacity object took %v beside hung A (alone: %v), want at most %v", took, alone, limit)
+	}
+	t.Logf("B's object alone: %v; beside A's %d hung GetCapacity calls: %v", alone, hung.Load(), took)
 }

@@ -739,48 +739,61 @@ func (a *Controller) reconcile(ctx context.Context) {
 			byProxy[k] = append(byProxy[k], va)
 		}
 	}
+	// Each proxy is asked on its own: a driver whose ListVolumes hangs
+	// holds up only its own attachments' check.
+	var wg sync.WaitGroup
 	for k, list := range byProxy {
-		driver := k.driver
-		caps, err := a.b.Caps.Get(ctx, driver)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			a.b.Safely("attach-reconcile", k.driver+" "+k.node, func() { a.reconcileProxy(ctx, k.driver, k.node, list) })
+		}()
+	}
+	wg.Wait()
+}
+
+// reconcileProxy checks the attachments of one driver (one node's, for a
+// node-local driver) against its ListVolumes.
+func (a *Controller) reconcileProxy(ctx context.Context, driver, node string, list []*storagev1.VolumeAttachment) {
+	caps, err := a.b.Caps.Get(ctx, driver)
+	if err != nil {
+		a.b.Caps.Forget(driver)
+		a.b.Log.Warn("attach reconcile: driver not reachable; its attachments are checked next time", "driver", driver, "node", node, "err", err)
+		return
+	}
+	if !caps.ListPublishedNodes || !caps.PublishUnpublish {
+		return
+	}
+	published, err := a.listPublished(ctx, driver, node)
+	if err != nil {
+		a.b.Log.Warn("attach reconcile: ListVolumes failed", "driver", driver, "node", node, "err", err)
+		return
+	}
+	for _, va := range list {
+		src, err := a.source(va)
 		if err != nil {
-			a.b.Caps.Forget(driver)
-			a.b.Log.Warn("attach reconcile: driver not reachable; its attachments are checked next time", "driver", driver, "node", k.node, "err", err)
+			a.b.Log.Debug("attach reconcile: attachment skipped", "volumeattachment", va.Name, "err", err)
 			continue
 		}
-		if !caps.ListPublishedNodes || !caps.PublishUnpublish {
+		handle := src.csi.VolumeHandle
+		if src.migrated {
+			// A translated handle may lack what the driver's own IDs
+			// hold (GCE PD's project): completed from the node's ID,
+			// as external-attacher compares them.
+			if h, err := kube.Migration.RepairVolumeHandle(driver, handle, va.Annotations[kube.AnnVANodeID]); err == nil {
+				handle = h
+			}
+		}
+		if published[handle][va.Annotations[kube.AnnVANodeID]] {
 			continue
 		}
-		published, err := a.listPublished(ctx, driver, k.node)
-		if err != nil {
-			a.b.Log.Warn("attach reconcile: ListVolumes failed", "driver", driver, "node", k.node, "err", err)
-			continue
-		}
-		for _, va := range list {
-			src, err := a.source(va)
-			if err != nil {
-				a.b.Log.Debug("attach reconcile: attachment skipped", "volumeattachment", va.Name, "err", err)
-				continue
-			}
-			handle := src.csi.VolumeHandle
-			if src.migrated {
-				// A translated handle may lack what the driver's own IDs
-				// hold (GCE PD's project): completed from the node's ID,
-				// as external-attacher compares them.
-				if h, err := kube.Migration.RepairVolumeHandle(driver, handle, va.Annotations[kube.AnnVANodeID]); err == nil {
-					handle = h
-				}
-			}
-			if published[handle][va.Annotations[kube.AnnVANodeID]] {
-				continue
-			}
-			// Published again through the queue, as external-attacher does;
-			// the status stays attached (false would make the
-			// attach-detach controller count the volume as detached from a
-			// node that may be using it).
-			a.b.Log.Warn("attach reconcile: driver does not report the volume as published; publishing it again", "volumeattachment", va.Name, "volume", src.csi.VolumeHandle, "node", va.Spec.NodeName)
-			a.setForce(va.Name)
-			a.queue.Add("va/" + va.Name)
-		}
+		// Published again through the queue, as external-attacher does;
+		// the status stays attached (false would make the
+		// attach-detach controller count the volume as detached from a
+		// node that may be using it).
+		a.b.Log.Warn("attach reconcile: driver does not report the volume as published; publishing it again", "volumeattachment", va.Name, "volume", src.csi.VolumeHandle, "node", va.Spec.NodeName)
+		a.setForce(va.Name)
+		a.queue.Add("va/" + va.Name)
 	}
 }
 

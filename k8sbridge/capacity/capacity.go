@@ -448,10 +448,10 @@ func (c *Controller) Run(ctx context.Context) {
 	c.desired, c.written, c.deleting, c.owner = map[capacityKey]capacityItem{}, map[capacityKey]*storagev1.CSIStorageCapacity{}, map[types.UID]bool{}, nil
 	c.mu.Unlock()
 
-	var wg sync.WaitGroup
+	pool := kube.NewPool(capacityWorkers)
 	defer func() {
 		queue.ShutDown()
-		wg.Wait()
+		pool.Stop()
 		factory.Shutdown() // ctx is done: the informer stops
 		c.mu.Lock()
 		c.queue, c.indexer, c.desired, c.written, c.deleting, c.owner = nil, nil, nil, nil, nil, nil
@@ -467,14 +467,7 @@ func (c *Controller) Run(ctx context.Context) {
 	c.lastItems, c.goneSince = nil, nil
 	c.adoptUnregistered(inf.GetIndexer().List())
 	c.reconcile()
-	for range capacityWorkers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for c.processNext(ctx, queue) {
-			}
-		}()
-	}
+	c.startWorkers(ctx, queue, pool)
 	poll := time.NewTicker(PollInterval)
 	defer poll.Stop()
 	regCheck := time.NewTicker(RegistryInterval)
@@ -740,7 +733,24 @@ func (c *Controller) onObjectDeleted(obj any) {
 	}
 }
 
-func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateLimitingInterface[capacityKey]) bool {
+// startWorkers runs the term's workers. Each driver has capacityWorkers
+// slots of its own, and each slot taken a worker of its own (kube.Pool): a
+// driver whose GetCapacity hangs holds only its own, and the other
+// drivers' objects are refreshed meanwhile.
+func (c *Controller) startWorkers(ctx context.Context, queue workqueue.TypedRateLimitingInterface[capacityKey], pool *kube.Pool) {
+	slots := kube.NewDriverSlots(capacityWorkers, func(s string) {
+		if k, ok := parseCapacityKey(s); ok {
+			queue.Add(k) // its slot is free: handed to it
+		}
+	})
+	slots.Notify(pool.SlotTaken)
+	pool.Start(func() {
+		for !pool.Surplus() && c.processNext(ctx, queue, slots) {
+		}
+	})
+}
+
+func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateLimitingInterface[capacityKey], slots *kube.DriverSlots) bool {
 	key, quit := queue.Get()
 	if quit {
 		return false
@@ -749,7 +759,12 @@ func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateL
 	if ctx.Err() != nil {
 		return true // the term is over
 	}
-	if err := c.sync(ctx, key); err != nil {
+	if !slots.Acquire(key.driver, key.String()) {
+		return true // in the driver's line: queued again with a slot
+	}
+	err := c.safeSync(ctx, key)
+	slots.Release(key.driver)
+	if err != nil {
 		if ctx.Err() == nil {
 			c.log.Warn("capacity refresh failed; retrying with backoff", "driver", key.driver, "storage_class", key.class, "segment", key.segment,
 				"failures", queue.NumRequeues(key)+1, "err", err)
@@ -759,6 +774,21 @@ func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateL
 	}
 	queue.Forget(key)
 	return true
+}
+
+// safeSync is sync, a panic in which (a bug a driver's answer hits) fails
+// the key, retried with backoff, with a WorkItemPanicked Event on its
+// class, and never stops the process.
+func (c *Controller) safeSync(ctx context.Context, key capacityKey) (err error) {
+	if c.b.Safely("capacity", key.driver+" "+key.class+" "+key.segment, func() { err = c.sync(ctx, key) }) {
+		err = fmt.Errorf("capacity refresh of driver %s, class %s, segment %s: panic (logged with its stack)", key.driver, key.class, key.segment)
+		if class, cerr := c.b.Classes.Get(key.class); cerr == nil {
+			ref := corev1.ObjectReference{APIVersion: "storage.k8s.io/v1", Kind: "StorageClass", Name: class.Name, UID: class.UID}
+			c.b.EventOnce(ctx, ref, corev1.EventTypeWarning, kube.ReasonWorkItemPanicked, "panic",
+				"csibroker's capacity controller failed on a CSIStorageCapacity of this class with an internal error (a panic; the broker's log has its stack); it is retried with backoff")
+		}
+	}
+	return err
 }
 
 // sync brings the object of key in line with the driver (or removes it):

@@ -33,7 +33,7 @@ type TermQueue struct {
 
 	mu sync.Mutex
 	q  workqueue.TypedRateLimitingInterface[string]
-	w  *workers // the term's pool
+	w  *Pool // the term's workers
 }
 
 func NewTermQueue(name string, start, max time.Duration) *TermQueue {
@@ -76,16 +76,38 @@ func (t *TermQueue) run(ctx context.Context, key string, handle func(context.Con
 			return
 		}
 		err = fmt.Errorf("%s %s: panic: %v", t.name, key, v)
-		if t.log != nil {
-			t.log.Error("work item panicked; it fails and is retried with backoff", "controller", t.name, "key", key,
-				"panic", fmt.Sprint(v), "stack", string(debug.Stack()))
-		}
-		if t.panics != nil {
-			t.panics.WithLabelValues(t.name).Inc()
-		}
+		notePanic(t.log, t.panics, t.name, key, v)
 		t.reportPanic(ctx, key)
 	}()
 	return handle(ctx, key)
+}
+
+// notePanic logs a recovered panic with its stack (from the deferred
+// function that recovered it) and counts it.
+func notePanic(log *slog.Logger, panics *prometheus.CounterVec, controller, key string, v any) {
+	if log != nil {
+		log.Error("work item panicked; it fails and is retried with backoff", "controller", controller, "key", key,
+			"panic", fmt.Sprint(v), "stack", string(debug.Stack()))
+	}
+	if panics != nil {
+		panics.WithLabelValues(controller).Inc()
+	}
+}
+
+// Safely runs f as a term queue runs a work item, for the work that is not
+// a term queue's (the capacity controller's queue, the attach reconcile):
+// a panic ends f, is logged with its stack and counted for controller,
+// and never stops the process. It reports whether f panicked; what is to
+// be retried is the caller's to say.
+func (e *Env) Safely(controller, key string, f func()) (panicked bool) {
+	defer func() {
+		if v := recover(); v != nil {
+			panicked = true
+			notePanic(e.Log, e.Metrics.Panics, controller, key, v)
+		}
+	}()
+	f()
+	return false
 }
 
 // reportPanic records the Event of key's panic on its object, if the
@@ -105,11 +127,11 @@ func (t *TermQueue) reportPanic(ctx context.Context, key string) {
 }
 
 // begin makes the queue and the worker pool of a new term.
-func (t *TermQueue) begin(n int) (workqueue.TypedRateLimitingInterface[string], *workers) {
+func (t *TermQueue) begin(n int) (workqueue.TypedRateLimitingInterface[string], *Pool) {
 	q := workqueue.NewTypedRateLimitingQueueWithConfig(
 		workqueue.NewTypedItemExponentialFailureRateLimiter[string](t.start, t.max),
 		workqueue.TypedRateLimitingQueueConfig[string]{Name: t.name})
-	w := &workers{base: n}
+	w := NewPool(n)
 	t.mu.Lock()
 	t.q, t.w = q, w
 	t.mu.Unlock()
@@ -133,7 +155,7 @@ func (t *TermQueue) slotTaken(taken bool) {
 	w := t.w
 	t.mu.Unlock()
 	if w != nil {
-		w.slotTaken(taken)
+		w.SlotTaken(taken)
 	}
 }
 
@@ -179,12 +201,8 @@ func (t *TermQueue) Len() int {
 // kept); otherwise the key's backoff is forgotten.
 //
 // With per-driver slots (WithSlots), every slot a handler takes starts one
-// more worker, which stops once the slot is given back: the n workers stay
-// free for every driver's keys, so a driver whose calls hang holds the
-// workers of its own slots only, never the others' (without this, one
-// driver at its --per-driver-workers limit, which is --worker-threads by
-// default, would hold every worker). The workers are then at most n plus
-// every driver's slots, as many as one sidecar per driver would run.
+// more worker (Pool): the n stay free for every driver's keys, and a
+// driver whose calls hang holds the workers of its own slots only.
 func (t *TermQueue) Work(ctx context.Context, n int, fill func(), handle func(context.Context, string) (time.Duration, error), extra ...func(context.Context)) {
 	if t.slots != nil {
 		t.slots.reset()
@@ -192,25 +210,19 @@ func (t *TermQueue) Work(ctx context.Context, n int, fill func(), handle func(co
 	q, w := t.begin(n)
 	defer t.end()
 	fill()
-	w.start = func() { t.worker(ctx, q, w, handle) }
-	for range n {
-		w.add()
-	}
+	w.Start(func() { t.worker(ctx, q, w, handle) })
 	for _, f := range extra {
-		w.wg.Add(1)
-		go func() { defer w.wg.Done(); f(ctx) }()
+		w.Go(func() { f(ctx) })
 	}
 	<-ctx.Done()
 	q.ShutDown()
-	w.close()
-	w.wg.Wait()
+	w.Stop()
 }
 
 // worker handles keys until the queue shuts down, or until it is one
 // worker too many (a slot it started for was given back).
-func (t *TermQueue) worker(ctx context.Context, q workqueue.TypedRateLimitingInterface[string], w *workers, handle func(context.Context, string) (time.Duration, error)) {
-	defer w.wg.Done()
-	for !w.surplus() {
+func (t *TermQueue) worker(ctx context.Context, q workqueue.TypedRateLimitingInterface[string], w *Pool, handle func(context.Context, string) (time.Duration, error)) {
+	for !w.Surplus() {
 		key, quit := q.Get()
 		if quit {
 			return
@@ -246,62 +258,6 @@ func (t *TermQueue) handleOne(ctx context.Context, q workqueue.TypedRateLimiting
 	}
 }
 
-// workers is one term's pool: base workers free for any key, plus one for
-// every driver slot taken (held).
-type workers struct {
-	start func() // runs one worker; its caller did wg.Add
-
-	mu            sync.Mutex
-	base, running int
-	held          int
-	closed        bool // the term is ending: no more workers
-	wg            sync.WaitGroup
-}
-
-// add starts a worker if fewer run than base plus the slots held.
-func (w *workers) add() {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.closed || w.running >= w.base+w.held {
-		return
-	}
-	w.running++
-	w.wg.Add(1)
-	go w.start()
-}
-
-// slotTaken counts a driver slot taken (a worker more) or given back.
-func (w *workers) slotTaken(taken bool) {
-	w.mu.Lock()
-	if taken {
-		w.held++
-	} else if w.held > 0 {
-		w.held--
-	}
-	w.mu.Unlock()
-	if taken {
-		w.add()
-	}
-}
-
-// surplus reports whether the calling worker is one too many, and if so
-// counts it gone.
-func (w *workers) surplus() bool {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.running > w.base+w.held {
-		w.running--
-		return true
-	}
-	return false
-}
-
-func (w *workers) close() {
-	w.mu.Lock()
-	w.closed = true
-	w.mu.Unlock()
-}
-
 // WaitForSlot is what a handler returns when its key waits in its
 // driver's line (driverSlots.acquire said so): neither a failure nor a
 // timed requeue, since the slot's release queues the key again.
@@ -323,7 +279,7 @@ const WaitForSlot time.Duration = -1
 type DriverSlots struct {
 	limit int              // Validate makes it at least 1
 	wake  func(key string) // queues a key again
-	// taken, if set (WithSlots), hears of every slot taken (true) by
+	// taken, if set (Notify), hears of every slot taken (true) by
 	// Acquire and given back (false) by Release.
 	taken func(bool)
 
@@ -339,12 +295,16 @@ func NewDriverSlots(limit int, wake func(string)) *DriverSlots {
 		waiting: map[string]string{}, handed: map[string]string{}}
 }
 
+// Notify makes taken hear of every slot taken (true) and given back
+// (false); Pool.SlotTaken is one. Call it before the slots are used.
+func (s *DriverSlots) Notify(taken func(bool)) { s.taken = taken }
+
 // WithSlots gives the queue's keys per-driver slots: a key waiting in a
 // driver's line counts in Len, the slot's release queues it again, and
 // work settles each key's handed slot after its handler.
 func (t *TermQueue) WithSlots(limit int) *DriverSlots {
 	t.slots = NewDriverSlots(limit, t.Add)
-	t.slots.taken = t.slotTaken
+	t.slots.Notify(t.slotTaken)
 	return t.slots
 }
 

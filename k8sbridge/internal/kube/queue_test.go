@@ -350,3 +350,24 @@ func TestHungDriverHoldsOnlyItsSlotsWorkers(t *testing.T) {
 		t.Errorf("driver a had %d calls in flight, more than its %d slots", m, n)
 	}
 }
+
+// TestSafely: work that is not a term queue's fails alone on a panic, as
+// a work item does: logged with its stack, counted, reported to the
+// caller; work that does not panic runs as it is.
+func TestSafely(t *testing.T) {
+	var logs testutil.SyncBuffer
+	e := &Env{Log: slog.New(slog.NewTextHandler(&logs, nil)), Metrics: &Metrics{Panics: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "p"}, []string{"controller"})}}
+	ran := false
+	if e.Safely("capacity", "d c s", func() { ran = true }) || !ran {
+		t.Fatal("work that did not panic: reported as panicked, or not run")
+	}
+	if !e.Safely("capacity", "d c s", func() { panic("a bug") }) {
+		t.Fatal("a panic not reported")
+	}
+	if n := testutil.CounterValue(e.Metrics.Panics.WithLabelValues("capacity")); n != 1 {
+		t.Fatalf("panics counted %v, want 1", n)
+	}
+	if out := logs.String(); !strings.Contains(out, "controller=capacity") || !strings.Contains(out, "goroutine") {
+		t.Fatalf("log of the panic (want its controller and stack):\n%s", out)
+	}
+}
