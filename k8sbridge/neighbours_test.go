@@ -18,6 +18,7 @@ import (
 	"github.com/csibroker/csibroker/broker"
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kubetest"
 )
@@ -39,9 +40,19 @@ type neighbours struct {
 	run            *bridgeRun
 	classA, classB string
 	a, b           string
+	drivers        *testDrivers
+	dB             *sampledriver.Driver
 }
 
 func startNeighbours(t *testing.T, troubleA grpc.ServerOption, o bridgeOpts, both ...func(*sampledriver.Config)) *neighbours {
+	t.Helper()
+	n := newNeighbours(t, troubleA, both...)
+	n.start(t, o)
+	return n
+}
+
+// newNeighbours is startNeighbours without the bridge (start starts it).
+func newNeighbours(t *testing.T, troubleA grpc.ServerOption, both ...func(*sampledriver.Config)) *neighbours {
 	t.Helper()
 	env := kubetest.ControlPlane(t)
 	ns := env.NewNamespace(t)
@@ -58,11 +69,18 @@ func startNeighbours(t *testing.T, troubleA grpc.ServerOption, o bridgeOpts, bot
 		f(&cfgB)
 	}
 	drivers.addDriver(t, cfgA)
-	drivers.addDriver(t, cfgB)
+	n.dB = drivers.addDriver(t, cfgB)
 	shareBroker(t, drivers, n.a, n.b)
+	n.drivers = drivers
 	imm, del := storagev1.VolumeBindingImmediate, corev1.PersistentVolumeReclaimDelete
 	n.classA = kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "a"), n.a, imm, del, nil).Name
 	n.classB = kubetest.MakeClass(t, c, kubetest.ClusterName(ns, "b"), n.b, imm, del, nil).Name
+	return n
+}
+
+// start starts the bridge over the neighbours' drivers.
+func (n *neighbours) start(t *testing.T, o bridgeOpts) {
+	t.Helper()
 	inner := o.configureCfg
 	o.configureCfg = func(cfg *Config) {
 		cfg.WorkerThreads = neighbourWorkers
@@ -70,8 +88,7 @@ func startNeighbours(t *testing.T, troubleA grpc.ServerOption, o bridgeOpts, bot
 			inner(cfg)
 		}
 	}
-	n.run = startBridge(t, env, ns, drivers, o)
-	return n
+	n.run = startBridge(t, n.env, n.ns, n.drivers, o)
 }
 
 // shareBroker registers driver to's proxy with driver from's broker and
@@ -344,4 +361,37 @@ func TestHungCapacityHoldsOnlyItsOwn(t *testing.T) {
 		t.Fatalf("B's capacity object took %v beside hung A (alone: %v), want at most %v", took, alone, limit)
 	}
 	t.Logf("B's object alone: %v; beside A's %d hung GetCapacity calls: %v", alone, hung.Load(), took)
+}
+
+// TestHungDriverHoldsUpOnlyItsOwnRecovery: the intent record holds four
+// orphans of driver A, whose every CreateVolume (the recovery's reissue)
+// hangs, recorded before one orphan of driver B. B's orphan is deleted
+// while every one of A's calls is still hung: recovery does not clean up
+// one driver's volumes behind another's.
+func TestHungDriverHoldsUpOnlyItsOwnRecovery(t *testing.T) {
+	var hung, answered atomic.Int64
+	release := make(chan struct{})
+	n := newNeighbours(t, hangMethod("CreateVolume", &hung, &answered, release))
+	t.Cleanup(func() { close(release) })
+	c := n.env.Client()
+	for i := range 4 {
+		claim := goneClaim(t, c, n.ns, fmt.Sprintf("a-gone-%d", i))
+		recordIntent(t, c, n.ns, intentFor(t, n.a, csiparams.VolumeName("pvc", claim.UID, 0), claim))
+	}
+	claimB := goneClaim(t, c, n.ns, "b-gone")
+	volB := csiparams.VolumeName("pvc", claimB.UID, 0)
+	createDriverVolume(t, n.drivers, n.b, volB)
+	recordIntent(t, c, n.ns, intentFor(t, n.b, volB, claimB))
+	n.start(t, bridgeOpts{configureCfg: func(cfg *Config) { cfg.RecoveryInterval = 400 * time.Millisecond }})
+
+	waitCount(t, &hung, 1, "recovery's CreateVolume of A to hang", time.Minute)
+	err := testenv.WaitFor(context.Background(), time.Minute, "B's orphan deleted", func(context.Context) (bool, string, error) {
+		return !hasVolume(n.dB, volB), fmt.Sprintf("%d of A's calls hung, %d ended", hung.Load(), answered.Load()), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a := answered.Load(); a != 0 {
+		t.Fatalf("%d of A's hung calls ended before B's orphan was deleted: B's clean-up waited for them", a)
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -58,15 +59,29 @@ func (p *Provisioner) recoverOnce(ctx context.Context) {
 	now := time.Now()
 	p.forgetSettled(intents)
 	p.forgetSettledClaims()
+	// Each driver's entries in turn, the drivers side by side: a driver
+	// whose calls hang holds up its own clean-up only.
+	byDriver := map[string][]intent.Intent{}
 	for _, in := range intents {
-		if ctx.Err() != nil {
-			return
-		}
-		// A panic (a bug a driver's answer hits) ends this entry's turn
-		// only: logged with its stack and counted; the next pass tries it
-		// again.
-		p.b.Safely("recovery", in.Key(), func() { p.recoverIntent(ctx, in, now) })
+		byDriver[in.Driver] = append(byDriver[in.Driver], in)
 	}
+	var wg sync.WaitGroup
+	for _, list := range byDriver {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for _, in := range list {
+				if ctx.Err() != nil {
+					return
+				}
+				// A panic (a bug a driver's answer hits) ends this
+				// entry's turn only: logged with its stack and counted;
+				// the next pass tries it again.
+				p.b.Safely("recovery", in.Key(), func() { p.recoverIntent(ctx, in, now) })
+			}
+		}()
+	}
+	wg.Wait()
 }
 
 // recoverIntent settles one entry of the intent record, if it is due.
