@@ -395,3 +395,45 @@ func TestHungDriverHoldsUpOnlyItsOwnRecovery(t *testing.T) {
 		t.Fatalf("%d of A's hung calls ended before B's orphan was deleted: B's clean-up waited for them", a)
 	}
 }
+
+// TestPanicInOneDriversCapacityFailsOnlyItsOwn: the test hook makes every
+// capacity refresh of driver A panic. A's class gets a WorkItemPanicked
+// Event and no object; B's class gets its object; the bridge runs on.
+func TestPanicInOneDriversCapacityFailsOnlyItsOwn(t *testing.T) {
+	fastCapacityPolls(t)
+	var driverA atomic.Value
+	driverA.Store("")
+	hook := func(controller, driver, _ string) {
+		if controller == "capacity" && driver == driverA.Load().(string) {
+			panic("injected-capacity-panic")
+		}
+	}
+	seg := []map[string]string{{testenv.LabelZone: "z1"}}
+	n := newNeighbours(t, nil, func(c *sampledriver.Config) { c.ControllerSegments, c.CapacityBytes = seg, 10*gib })
+	driverA.Store(n.a)
+	c := n.env.Client()
+	node := kubetest.ClusterName(n.ns, "node-z1")
+	addNode(t, n.env, testenv.NodeSpec{Name: node, Zone: "z1"}, n.a, []string{testenv.LabelZone})
+	if err := n.env.AddCSINode(context.Background(), node, n.b, node, []string{testenv.LabelZone}); err != nil {
+		t.Fatal(err)
+	}
+	wffc, del := storagev1.VolumeBindingWaitForFirstConsumer, corev1.PersistentVolumeReclaimDelete
+	classA := kubetest.MakeClass(t, c, kubetest.ClusterName(n.ns, "cap-a"), n.a, wffc, del, nil)
+	classB := kubetest.MakeClass(t, c, kubetest.ClusterName(n.ns, "cap-b"), n.b, wffc, del, nil)
+	n.start(t, bridgeOpts{configureCfg: func(cfg *Config) { cfg.PanicHook = hook }})
+
+	ev := kubetest.WaitEvent(t, c, "default", classA.Name, kube.ReasonWorkItemPanicked, "capacity controller")
+	if strings.Contains(ev.Message, "injected") || strings.Contains(ev.Message, "goroutine") {
+		t.Fatalf("the Event quotes the panic: %q", ev.Message)
+	}
+	waitCapacities(t, c, n.ns, n.b, map[string]int64{segmentKey(classB.Name, testenv.LabelZone, "z1"): 10 * gib})
+	if objs, err := capacityObjects(context.Background(), c, n.ns, n.a); err != nil || len(objs) != 0 {
+		t.Fatalf("A's objects %s (%v): want none, every refresh of A panicked", describeCapacities(objs), err)
+	}
+	if p := n.run.metricValue(t, "csibroker_work_item_panics_total", map[string]string{"controller": "capacity"}); p < 1 {
+		t.Errorf("%v capacity panics counted", p)
+	}
+	if early, err := n.run.exitedEarly(); early {
+		t.Fatalf("the bridge stopped: %v", err)
+	}
+}

@@ -780,7 +780,10 @@ func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateL
 // the key, retried with backoff, with a WorkItemPanicked Event on its
 // class, and never stops the process.
 func (c *Controller) safeSync(ctx context.Context, key capacityKey) (err error) {
-	if c.b.Safely("capacity", key.driver+" "+key.class+" "+key.segment, func() { err = c.sync(ctx, key) }) {
+	if c.b.Safely("capacity", key.driver+" "+key.class+" "+key.segment, func() {
+		c.b.TestHook("capacity", key.driver, key.class)
+		err = c.sync(ctx, key)
+	}) {
 		err = fmt.Errorf("capacity refresh of driver %s, class %s, segment %s: panic (logged with its stack)", key.driver, key.class, key.segment)
 		if class, cerr := c.b.Classes.Get(key.class); cerr == nil {
 			ref := corev1.ObjectReference{APIVersion: "storage.k8s.io/v1", Kind: "StorageClass", Name: class.Name, UID: class.UID}
