@@ -71,7 +71,8 @@ FUZZ_TIME ?= 20000x
 FUZZ_TARGETS := ./broker/:FuzzParseRegistryConfig ./policy/:FuzzCompileGrant ./policy/:FuzzDecide \
 	./k8sbridge/secrets/:FuzzRef ./k8sbridge/csiparams/:FuzzCreateParameters ./k8sbridge/csiparams/:FuzzCheckCreatedVolume \
 	./k8sbridge/intent/:FuzzDecodeIntents \
-	./k8sbridge/csiparams/:FuzzCheckListVolumes
+	./k8sbridge/csiparams/:FuzzCheckListVolumes \
+	./k8sbridge/csiparams/:FuzzCheckPublished ./k8sbridge/csiparams/:FuzzCheckCapacity
 fuzz:
 	@set -e; for t in $(FUZZ_TARGETS); do \
 		pkg=$${t%%:*}; name=$${t##*:}; \

@@ -114,6 +114,12 @@ func (a *Controller) takeForce(name string) bool {
 func New(b *kube.Env) (*Controller, error) {
 	a := &Controller{b: b, queue: b.NewTermQueue("attach")}
 	a.slots = a.queue.WithSlots(b.Cfg.PerDriverWorkers)
+	a.queue.ReportOn(func(key string) (corev1.ObjectReference, bool) {
+		if name, ok := strings.CutPrefix(key, "va/"); ok {
+			return b.VAOfKey(name)
+		}
+		return b.PVOfKey(strings.TrimPrefix(key, "pv/"))
+	})
 	b.Metrics.QueueDepth("attach", a.queue.Len)
 	b.On(b.Factory.Storage().V1().VolumeAttachments().Informer(), cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) { a.enqueueVA(obj) },
@@ -346,6 +352,7 @@ func (a *Controller) syncVA(ctx context.Context, name string) (time.Duration, er
 		return kube.WaitForSlot, nil
 	}
 	defer a.slots.Release(driver)
+	a.b.TestHook("attach", driver, "va/"+name)
 	ctx = budget.WithDriver(ctx, driver) // its writes wait in turn with other drivers'
 	ctx, span := a.b.Tracer.Start(ctx, "attach "+name, trace.WithAttributes(attribute.String("csi.driver", driver),
 		attribute.String("k8s.node", va.Spec.NodeName), attribute.Bool("detach", va.DeletionTimestamp != nil)))
@@ -522,6 +529,24 @@ func (a *Controller) attach(ctx context.Context, va *storagev1.VolumeAttachment)
 		}
 		va = updated
 	}
+	return a.publish(ctx, va, src, publishCall{caps: caps, nodeID: nodeID, volCap: volCap, secrets: secrets, before: before})
+}
+
+// publishCall is what attach prepared for the ControllerPublishVolume
+// call: before is the attachment's version before attach wrote to it.
+type publishCall struct {
+	caps    drivers.Caps
+	nodeID  string
+	volCap  *csi.VolumeCapability
+	secrets map[string]string
+	before  string
+}
+
+// publish calls ControllerPublishVolume, checks the answer and marks the
+// attachment attached with its publish context.
+func (a *Controller) publish(ctx context.Context, va *storagev1.VolumeAttachment, src *attachSource, pc publishCall) error {
+	driver, node := va.Spec.Attacher, va.Spec.NodeName
+	caps, nodeID, volCap, secrets, before := pc.caps, pc.nodeID, pc.volCap, pc.secrets, pc.before
 	conn, err := a.conn(driver, node)
 	if err != nil {
 		return a.attachFailed(ctx, va, false, err)
@@ -534,6 +559,12 @@ func (a *Controller) attach(ctx context.Context, va *storagev1.VolumeAttachment)
 	})
 	cancel()
 	if err != nil {
+		return a.attachFailed(ctx, va, false, fmt.Errorf("ControllerPublishVolume %s to node %s (ID %s): %w", src.csi.VolumeHandle, node, nodeID, err))
+	}
+	if err := csiparams.CheckPublished(resp.GetPublishContext()); err != nil {
+		// Not written: the API server would refuse the status on every
+		// retry. The retry publishes again (idempotent) and checks again;
+		// the attachment's deletion unpublishes what was published.
 		return a.attachFailed(ctx, va, false, fmt.Errorf("ControllerPublishVolume %s to node %s (ID %s): %w", src.csi.VolumeHandle, node, nodeID, err))
 	}
 	cp := va.DeepCopy()
@@ -708,48 +739,61 @@ func (a *Controller) reconcile(ctx context.Context) {
 			byProxy[k] = append(byProxy[k], va)
 		}
 	}
+	// Each proxy is asked on its own: a driver whose ListVolumes hangs
+	// holds up only its own attachments' check.
+	var wg sync.WaitGroup
 	for k, list := range byProxy {
-		driver := k.driver
-		caps, err := a.b.Caps.Get(ctx, driver)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			a.b.Safely("attach-reconcile", k.driver+" "+k.node, func() { a.reconcileProxy(ctx, k.driver, k.node, list) })
+		}()
+	}
+	wg.Wait()
+}
+
+// reconcileProxy checks the attachments of one driver (one node's, for a
+// node-local driver) against its ListVolumes.
+func (a *Controller) reconcileProxy(ctx context.Context, driver, node string, list []*storagev1.VolumeAttachment) {
+	caps, err := a.b.Caps.Get(ctx, driver)
+	if err != nil {
+		a.b.Caps.Forget(driver)
+		a.b.Log.Warn("attach reconcile: driver not reachable; its attachments are checked next time", "driver", driver, "node", node, "err", err)
+		return
+	}
+	if !caps.ListPublishedNodes || !caps.PublishUnpublish {
+		return
+	}
+	published, err := a.listPublished(ctx, driver, node)
+	if err != nil {
+		a.b.Log.Warn("attach reconcile: ListVolumes failed", "driver", driver, "node", node, "err", err)
+		return
+	}
+	for _, va := range list {
+		src, err := a.source(va)
 		if err != nil {
-			a.b.Caps.Forget(driver)
-			a.b.Log.Warn("attach reconcile: driver not reachable; its attachments are checked next time", "driver", driver, "node", k.node, "err", err)
+			a.b.Log.Debug("attach reconcile: attachment skipped", "volumeattachment", va.Name, "err", err)
 			continue
 		}
-		if !caps.ListPublishedNodes || !caps.PublishUnpublish {
+		handle := src.csi.VolumeHandle
+		if src.migrated {
+			// A translated handle may lack what the driver's own IDs
+			// hold (GCE PD's project): completed from the node's ID,
+			// as external-attacher compares them.
+			if h, err := kube.Migration.RepairVolumeHandle(driver, handle, va.Annotations[kube.AnnVANodeID]); err == nil {
+				handle = h
+			}
+		}
+		if published[handle][va.Annotations[kube.AnnVANodeID]] {
 			continue
 		}
-		published, err := a.listPublished(ctx, driver, k.node)
-		if err != nil {
-			a.b.Log.Warn("attach reconcile: ListVolumes failed", "driver", driver, "node", k.node, "err", err)
-			continue
-		}
-		for _, va := range list {
-			src, err := a.source(va)
-			if err != nil {
-				a.b.Log.Debug("attach reconcile: attachment skipped", "volumeattachment", va.Name, "err", err)
-				continue
-			}
-			handle := src.csi.VolumeHandle
-			if src.migrated {
-				// A translated handle may lack what the driver's own IDs
-				// hold (GCE PD's project): completed from the node's ID,
-				// as external-attacher compares them.
-				if h, err := kube.Migration.RepairVolumeHandle(driver, handle, va.Annotations[kube.AnnVANodeID]); err == nil {
-					handle = h
-				}
-			}
-			if published[handle][va.Annotations[kube.AnnVANodeID]] {
-				continue
-			}
-			// Published again through the queue, as external-attacher does;
-			// the status stays attached (false would make the
-			// attach-detach controller count the volume as detached from a
-			// node that may be using it).
-			a.b.Log.Warn("attach reconcile: driver does not report the volume as published; publishing it again", "volumeattachment", va.Name, "volume", src.csi.VolumeHandle, "node", va.Spec.NodeName)
-			a.setForce(va.Name)
-			a.queue.Add("va/" + va.Name)
-		}
+		// Published again through the queue, as external-attacher does;
+		// the status stays attached (false would make the
+		// attach-detach controller count the volume as detached from a
+		// node that may be using it).
+		a.b.Log.Warn("attach reconcile: driver does not report the volume as published; publishing it again", "volumeattachment", va.Name, "volume", src.csi.VolumeHandle, "node", va.Spec.NodeName)
+		a.setForce(va.Name)
+		a.queue.Add("va/" + va.Name)
 	}
 }
 

@@ -78,6 +78,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 
 	"github.com/csibroker/csibroker/internal/budget"
+	"github.com/csibroker/csibroker/k8sbridge/csiparams"
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
@@ -301,7 +302,7 @@ func New(b *kube.Env) (*Controller, error) {
 		changed: make(chan struct{}, 1),
 		refreshes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "capacity_refreshes_total",
-			Help: "CSIStorageCapacity refreshes by driver and result (unchanged, created, updated, removed, unsupported, failed; kept: the driver or the segment's proxy is not registered, so the object stays as it was).",
+			Help: "CSIStorageCapacity refreshes by driver and result (unchanged, created, updated, removed, unsupported, failed, refused: the answer failed its check; kept: the driver or the segment's proxy is not registered, so the object stays as it was).",
 		}, []string{"driver", "result"}),
 		writes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "csibroker", Name: "capacity_api_writes_total",
@@ -447,10 +448,10 @@ func (c *Controller) Run(ctx context.Context) {
 	c.desired, c.written, c.deleting, c.owner = map[capacityKey]capacityItem{}, map[capacityKey]*storagev1.CSIStorageCapacity{}, map[types.UID]bool{}, nil
 	c.mu.Unlock()
 
-	var wg sync.WaitGroup
+	pool := kube.NewPool(capacityWorkers)
 	defer func() {
 		queue.ShutDown()
-		wg.Wait()
+		pool.Stop()
 		factory.Shutdown() // ctx is done: the informer stops
 		c.mu.Lock()
 		c.queue, c.indexer, c.desired, c.written, c.deleting, c.owner = nil, nil, nil, nil, nil, nil
@@ -466,14 +467,7 @@ func (c *Controller) Run(ctx context.Context) {
 	c.lastItems, c.goneSince = nil, nil
 	c.adoptUnregistered(inf.GetIndexer().List())
 	c.reconcile()
-	for range capacityWorkers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for c.processNext(ctx, queue) {
-			}
-		}()
-	}
+	c.startWorkers(ctx, queue, pool)
 	poll := time.NewTicker(PollInterval)
 	defer poll.Stop()
 	regCheck := time.NewTicker(RegistryInterval)
@@ -746,7 +740,24 @@ func (c *Controller) onObjectDeleted(obj any) {
 	}
 }
 
-func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateLimitingInterface[capacityKey]) bool {
+// startWorkers runs the term's workers. Each driver has capacityWorkers
+// slots of its own, and each slot taken a worker of its own (kube.Pool): a
+// driver whose GetCapacity hangs holds only its own, and the other
+// drivers' objects are refreshed meanwhile.
+func (c *Controller) startWorkers(ctx context.Context, queue workqueue.TypedRateLimitingInterface[capacityKey], pool *kube.Pool) {
+	slots := kube.NewDriverSlots(capacityWorkers, func(s string) {
+		if k, ok := parseCapacityKey(s); ok {
+			queue.Add(k) // its slot is free: handed to it
+		}
+	})
+	slots.Notify(pool.SlotTaken)
+	pool.Start(func() {
+		for !pool.Surplus() && c.processNext(ctx, queue, slots) {
+		}
+	})
+}
+
+func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateLimitingInterface[capacityKey], slots *kube.DriverSlots) bool {
 	key, quit := queue.Get()
 	if quit {
 		return false
@@ -755,7 +766,12 @@ func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateL
 	if ctx.Err() != nil {
 		return true // the term is over
 	}
-	if err := c.sync(ctx, key); err != nil {
+	if !slots.Acquire(key.driver, key.String()) {
+		return true // in the driver's line: queued again with a slot
+	}
+	err := c.safeSync(ctx, key)
+	slots.Release(key.driver)
+	if err != nil {
 		if ctx.Err() == nil {
 			c.log.Warn("capacity refresh failed; retrying with backoff", "driver", key.driver, "storage_class", key.class, "segment", key.segment,
 				"failures", queue.NumRequeues(key)+1, "err", err)
@@ -765,6 +781,24 @@ func (c *Controller) processNext(ctx context.Context, queue workqueue.TypedRateL
 	}
 	queue.Forget(key)
 	return true
+}
+
+// safeSync is sync, a panic in which (a bug a driver's answer hits) fails
+// the key, retried with backoff, with a WorkItemPanicked Event on its
+// class, and never stops the process.
+func (c *Controller) safeSync(ctx context.Context, key capacityKey) (err error) {
+	if c.b.Safely("capacity", key.driver+" "+key.class+" "+key.segment, func() {
+		c.b.TestHook("capacity", key.driver, key.class)
+		err = c.sync(ctx, key)
+	}) {
+		err = fmt.Errorf("capacity refresh of driver %s, class %s, segment %s: panic (logged with its stack)", key.driver, key.class, key.segment)
+		if class, cerr := c.b.Classes.Get(key.class); cerr == nil {
+			ref := corev1.ObjectReference{APIVersion: "storage.k8s.io/v1", Kind: "StorageClass", Name: class.Name, UID: class.UID}
+			c.b.EventOnce(ctx, ref, corev1.EventTypeWarning, kube.ReasonWorkItemPanicked, "panic",
+				"csibroker's capacity controller failed on a CSIStorageCapacity of this class with an internal error (a panic; the broker's log has its stack); it is retried with backoff")
+		}
+	}
+	return err
 }
 
 // sync brings the object of key in line with the driver (or removes it):
@@ -844,6 +878,12 @@ func (c *Controller) ask(ctx context.Context, key capacityKey, item capacityItem
 		c.refreshes.WithLabelValues(key.driver, "failed").Inc()
 		return nil, err
 	}
+	if err := csiparams.CheckCapacity(resp); err != nil {
+		// Not written: the object keeps its last value, as when the call
+		// fails, and the key is retried with backoff.
+		c.refreshes.WithLabelValues(key.driver, "refused").Inc()
+		return nil, c.refused(ctx, key, class, err)
+	}
 	c.mu.Lock()
 	_, want := c.desired[key]
 	c.mu.Unlock()
@@ -851,6 +891,20 @@ func (c *Controller) ask(ctx context.Context, key capacityKey, item capacityItem
 		return nil, c.remove(ctx, key) // went away while the driver answered
 	}
 	return resp, nil
+}
+
+// refused reports a GetCapacity answer the check refused as an Event on
+// the class (once per message: every segment of the class and every poll
+// asks again) and returns the error, which the caller logs.
+func (c *Controller) refused(ctx context.Context, key capacityKey, class *storagev1.StorageClass, err error) error {
+	where := "segment " + key.segment
+	if key.segment == "" {
+		where = "every node"
+	}
+	err = fmt.Errorf("driver %s, storage class %s, %s: %w; its CSIStorageCapacity keeps its last value", key.driver, key.class, where, err)
+	ref := corev1.ObjectReference{APIVersion: "storage.k8s.io/v1", Kind: "StorageClass", Name: class.Name, UID: class.UID}
+	c.b.EventOnce(ctx, ref, corev1.EventTypeWarning, "CapacityRefreshFailed", err.Error(), "%v", err)
+	return err
 }
 
 // write creates or updates the object of key with the driver's answer

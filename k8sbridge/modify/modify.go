@@ -75,6 +75,7 @@ type infeasibleTarget struct {
 func New(b *kube.Env) (*Controller, error) {
 	m := &Controller{b: b, queue: b.NewTermQueue("modify"), infeasible: map[types.UID]infeasibleTarget{}}
 	m.slots = m.queue.WithSlots(b.Cfg.PerDriverWorkers)
+	m.queue.ReportOn(b.ClaimOfKey)
 	ops, err := kube.OperationsCounter(b.Cfg.Registerer, "modify_operations_total",
 		"Volume modification attempts (ControllerModifyVolume) by driver and result (success, infeasible, failed, pending, not_called).")
 	if err != nil {

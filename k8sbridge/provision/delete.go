@@ -40,6 +40,7 @@ type Deleter struct {
 func NewDeleter(b *kube.Env, prov *Provisioner) *Deleter {
 	d := &Deleter{b: b, prov: prov, queue: b.NewTermQueue("delete"), done: map[types.UID]struct{}{}}
 	d.slots = d.queue.WithSlots(b.Cfg.PerDriverWorkers)
+	d.queue.ReportOn(b.PVOfKey)
 	b.Metrics.QueueDepth("delete", d.queue.Len)
 	return d
 }
@@ -195,6 +196,7 @@ func (d *Deleter) sync(ctx context.Context, name string) (time.Duration, error) 
 		return kube.WaitForSlot, nil
 	}
 	defer d.slots.Release(driver)
+	d.b.TestHook("delete", driver, name)
 	ctx = budget.WithDriver(ctx, driver) // its writes wait in turn with other drivers'
 	return d.reclaim(ctx, pv, driver, spec.CSI.VolumeHandle)
 }

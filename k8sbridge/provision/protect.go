@@ -89,6 +89,14 @@ func NewSourceProtector(b *kube.Env) (*SourceProtector, error) {
 	}
 	p := &SourceProtector{b: b, queue: b.NewTermQueue("source-protection"), claims: inf.GetIndexer()}
 	b.Metrics.QueueDepth("source-protection", p.queue.Len)
+	p.queue.ReportOn(func(key string) (corev1.ObjectReference, bool) {
+		// A snapshot's key names no object here (no snapshot lister):
+		// its panic is logged and counted only.
+		if k, ok := strings.CutPrefix(key, claimKeyPrefix); ok {
+			return b.ClaimOfKey(k)
+		}
+		return corev1.ObjectReference{}, false
+	})
 	b.On(inf, cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { p.claimChanged(nil, obj) },
 		UpdateFunc: func(old, obj any) { p.claimChanged(old, obj) },

@@ -84,6 +84,7 @@ func NewProvisioner(b *kube.Env) *Provisioner {
 		recover:  make(chan struct{}, 1),
 	}
 	p.slots = p.queue.WithSlots(b.Cfg.PerDriverWorkers)
+	p.queue.ReportOn(b.ClaimOfKey)
 	b.Metrics.QueueDepth("provision", p.queue.Len)
 	return p
 }
@@ -270,6 +271,7 @@ func (p *Provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 		return wait, nil
 	}
 	defer p.release(driver, pvName)
+	p.b.TestHook("provision", driver, key)
 	ctx = budget.WithDriver(ctx, driver) // its writes wait in turn with other drivers'
 	p.mu.Lock()
 	if _, ok := p.started[key]; !ok {

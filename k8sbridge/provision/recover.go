@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -58,64 +59,86 @@ func (p *Provisioner) recoverOnce(ctx context.Context) {
 	now := time.Now()
 	p.forgetSettled(intents)
 	p.forgetSettledClaims()
+	// Each driver's entries in turn, the drivers side by side: a driver
+	// whose calls hang holds up its own clean-up only.
+	byDriver := map[string][]intent.Intent{}
 	for _, in := range intents {
-		if ctx.Err() != nil {
+		byDriver[in.Driver] = append(byDriver[in.Driver], in)
+	}
+	var wg sync.WaitGroup
+	for _, list := range byDriver {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for _, in := range list {
+				if ctx.Err() != nil {
+					return
+				}
+				// A panic (a bug a driver's answer hits) ends this
+				// entry's turn only: logged with its stack and counted;
+				// the next pass tries it again.
+				p.b.Safely("recovery", in.Key(), func() { p.recoverIntent(ctx, in, now) })
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// recoverIntent settles one entry of the intent record, if it is due.
+func (p *Provisioner) recoverIntent(ctx context.Context, in intent.Intent, now time.Time) {
+	if p.isInflight(in.VolumeName) || p.b.Foreign(in.Driver) {
+		return
+	}
+	if in.Superseded {
+		p.recoverSuperseded(ctx, in, now)
+		return
+	}
+	if pv, err := p.b.Volumes.Get(in.VolumeName); err == nil {
+		if other := recordedNode(pv); !holdsNodeVolume(other, in.Node) {
+			// An attempt whose PV create found the PV saved with
+			// the volume of another node made a second volume
+			// (settleExistingPV), which it could not delete.
+			if p.recoveryDue(in.Key(), now) {
+				p.deleteOrphan(ctx, in, now, "its PersistentVolume holds the volume made on node "+other)
+			}
 			return
 		}
-		if p.isInflight(in.VolumeName) || p.b.Foreign(in.Driver) {
-			continue
-		}
-		if in.Superseded {
-			p.recoverSuperseded(ctx, in, now)
-			continue
-		}
-		if pv, err := p.b.Volumes.Get(in.VolumeName); err == nil {
-			if other := recordedNode(pv); !holdsNodeVolume(other, in.Node) {
-				// An attempt whose PV create found the PV saved with
-				// the volume of another node made a second volume
-				// (settleExistingPV), which it could not delete.
-				if p.recoveryDue(in.Key(), now) {
-					p.deleteOrphan(ctx, in, now, "its PersistentVolume holds the volume made on node "+other)
-				}
-				continue
-			}
-			p.b.Intents.Remove(in.Key())
-			continue
-		}
-		claim, err := p.b.Claims.PersistentVolumeClaims(in.ClaimNamespace).Get(in.ClaimName)
-		if err == nil && string(claim.UID) == in.ClaimUID && claim.DeletionTimestamp == nil {
-			// A claim's spec.volumeName never changes once set, so the
-			// cache is trusted for it; only the PV's absence is confirmed.
-			switch claim.Spec.VolumeName {
-			case "":
-				p.queue.Add(in.ClaimNamespace + "/" + in.ClaimName)
-			case in.VolumeName:
-				p.settleBoundToGonePV(ctx, in)
-			default:
-				// Bound to another PV (an admin pre-bound it to a static
-				// one): the broker will never make a PV of this name, so
-				// a volume made under it is an orphan.
-				// deleteOrphan makes sure the entry's PV does not hold
-				// the volume.
-				if p.recoveryDue(in.Key(), now) {
-					p.deleteOrphan(ctx, in, now, "claim is bound to PersistentVolume "+claim.Spec.VolumeName)
-				}
-			}
-			continue
-		}
-		if !p.recoveryDue(in.Key(), now) {
-			continue
-		}
-		// The cache says the claim is gone; make sure before deleting.
-		cur, gerr := p.b.Cfg.Client.CoreV1().PersistentVolumeClaims(in.ClaimNamespace).Get(ctx, in.ClaimName, metav1.GetOptions{})
-		if gerr == nil && string(cur.UID) == in.ClaimUID && cur.DeletionTimestamp == nil {
-			continue
-		}
-		if gerr != nil && !apierrors.IsNotFound(gerr) {
-			continue
-		}
-		p.deleteOrphan(ctx, in, now, "claim no longer exists")
+		p.b.Intents.Remove(in.Key())
+		return
 	}
+	claim, err := p.b.Claims.PersistentVolumeClaims(in.ClaimNamespace).Get(in.ClaimName)
+	if err == nil && string(claim.UID) == in.ClaimUID && claim.DeletionTimestamp == nil {
+		// A claim's spec.volumeName never changes once set, so the
+		// cache is trusted for it; only the PV's absence is confirmed.
+		switch claim.Spec.VolumeName {
+		case "":
+			p.queue.Add(in.ClaimNamespace + "/" + in.ClaimName)
+		case in.VolumeName:
+			p.settleBoundToGonePV(ctx, in)
+		default:
+			// Bound to another PV (an admin pre-bound it to a static
+			// one): the broker will never make a PV of this name, so
+			// a volume made under it is an orphan.
+			// deleteOrphan makes sure the entry's PV does not hold
+			// the volume.
+			if p.recoveryDue(in.Key(), now) {
+				p.deleteOrphan(ctx, in, now, "claim is bound to PersistentVolume "+claim.Spec.VolumeName)
+			}
+		}
+		return
+	}
+	if !p.recoveryDue(in.Key(), now) {
+		return
+	}
+	// The cache says the claim is gone; make sure before deleting.
+	cur, gerr := p.b.Cfg.Client.CoreV1().PersistentVolumeClaims(in.ClaimNamespace).Get(ctx, in.ClaimName, metav1.GetOptions{})
+	if gerr == nil && string(cur.UID) == in.ClaimUID && cur.DeletionTimestamp == nil {
+		return
+	}
+	if gerr != nil && !apierrors.IsNotFound(gerr) {
+		return
+	}
+	p.deleteOrphan(ctx, in, now, "claim no longer exists")
 }
 
 // settleBoundToGonePV drops the entry of a claim bound to the entry's own

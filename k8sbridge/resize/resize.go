@@ -120,6 +120,7 @@ func New(b *kube.Env) (*Controller, error) {
 	r := &Controller{b: b, queue: b.NewTermQueue("resize"),
 		finalErr: map[types.UID]bool{}, inUse: map[types.UID]inUseClaim{}, nodeCaps: map[string]resizeNodeCaps{}}
 	r.slots = r.queue.WithSlots(b.Cfg.PerDriverWorkers)
+	r.queue.ReportOn(b.ClaimOfKey)
 	ops, err := kube.OperationsCounter(b.Cfg.Registerer, "resize_operations_total",
 		"Volume expansion attempts by driver and result (success, node_pending, infeasible, failed, in_progress, in_use, not_called).")
 	if err != nil {

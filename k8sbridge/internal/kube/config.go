@@ -117,6 +117,14 @@ type Config struct {
 	Logger         *slog.Logger
 	TracerProvider trace.TracerProvider
 	Registerer     prometheus.Registerer
+
+	// PanicHook is for tests only: cmd/ never sets it, and outside a test
+	// binary it is never called (Env.TestHook). The provision, delete,
+	// attach and capacity controllers call it with their name, the driver
+	// and the key (capacity: the class) while the key holds its driver's
+	// slot, just before the work; a
+	// hook that panics there stands for a bug one driver's handling hits.
+	PanicHook func(controller, driver, key string)
 }
 
 // Leader election modes (Config.LeaderElectionMode).

@@ -3,6 +3,7 @@ package kube
 import (
 	"context"
 	"fmt"
+	"testing"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/status"
@@ -214,4 +215,42 @@ func ClaimStatusPatch(old, cur *corev1.PersistentVolumeClaim, checkRV bool) ([]b
 // VARef is the object reference of an attachment, for Events.
 func VARef(va *storagev1.VolumeAttachment) corev1.ObjectReference {
 	return corev1.ObjectReference{Kind: "VolumeAttachment", APIVersion: "storage.k8s.io/v1", Name: va.Name, UID: va.UID, ResourceVersion: va.ResourceVersion}
+}
+
+// ClaimOfKey is the object of a claim's queue key (namespace/name), for
+// TermQueue.ReportOn.
+func (b *Env) ClaimOfKey(key string) (corev1.ObjectReference, bool) {
+	c, err := b.CachedClaim(key)
+	if c == nil || err != nil {
+		return corev1.ObjectReference{}, false
+	}
+	return ClaimRef(c), true
+}
+
+// PVOfKey is the object of a PV's queue key (its name), for
+// TermQueue.ReportOn.
+func (b *Env) PVOfKey(name string) (corev1.ObjectReference, bool) {
+	pv, err := b.Volumes.Get(name)
+	if err != nil {
+		return corev1.ObjectReference{}, false
+	}
+	return PVRef(pv), true
+}
+
+// VAOfKey is the object of an attachment's name, for TermQueue.ReportOn.
+func (b *Env) VAOfKey(name string) (corev1.ObjectReference, bool) {
+	va, err := b.Attachments.Get(name)
+	if err != nil {
+		return corev1.ObjectReference{}, false
+	}
+	return VARef(va), true
+}
+
+// TestHook calls Cfg.PanicHook, which only tests set, and only in a test
+// binary (testing.Testing): a hook that panics there stands for a bug
+// that one driver's handling hits.
+func (b *Env) TestHook(controller, driver, key string) {
+	if b.Cfg.PanicHook != nil && testing.Testing() {
+		b.Cfg.PanicHook(controller, driver, key)
+	}
 }
