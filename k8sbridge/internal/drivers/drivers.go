@@ -51,7 +51,8 @@ func NewUnreachable(err error) Unreachable { return Unreachable{err} }
 type Caps struct {
 	CreateDelete          bool
 	Clone                 bool
-	Snapshot              bool // CREATE_DELETE_SNAPSHOT: it restores its snapshots
+	Snapshot              bool // CREATE_DELETE_SNAPSHOT: it makes, deletes and restores snapshots
+	ListSnapshots         bool // LIST_SNAPSHOTS: a snapshot's status can be asked by its ID
 	SingleNodeMultiWriter bool
 	PublishUnpublish      bool
 	PublishReadonly       bool // PUBLISH_READONLY: ControllerPublish may be asked for read-only
@@ -168,6 +169,8 @@ func (c *Cache) fetch(ctx context.Context, driver string, conn grpc.ClientConnIn
 				caps.Modify = true
 			case csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT:
 				caps.Snapshot = true
+			case csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS:
+				caps.ListSnapshots = true
 			}
 		}
 	}
