@@ -199,7 +199,8 @@ func (c *Controller) removeFinalizer(ctx context.Context, vsc *snapshotv1.Volume
 	if !slices.Contains(vsc.Finalizers, ContentFinalizer) {
 		return nil
 	}
-	_, err := c.patchMeta(ctx, vsc, func(m *snapshotv1.VolumeSnapshotContent) { m.Finalizers = kube.RemoveString(m.Finalizers, ContentFinalizer) })
+	_, err := c.patchMeta(ctx, vsc, func(m *snapshotv1.VolumeSnapshotContent) {
+		m.Finalizers = kube.RemoveString(m.Finalizers, ContentFinalizer)
+	})
 	return err
 }
-
