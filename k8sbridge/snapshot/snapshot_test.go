@@ -552,10 +552,23 @@ func TestChangeNeedsSync(t *testing.T) {
 			v.ResourceVersion = "2"
 			v.Status = &snapshotv1.VolumeSnapshotContentStatus{ReadyToUse: &yes}
 		}, true},
-		{"being-created mark", func(v *snapshotv1.VolumeSnapshotContent) { v.ResourceVersion = "2"; v.Annotations[AnnBeingCreated] = "yes" }, false},
-		{"finalizer", func(v *snapshotv1.VolumeSnapshotContent) { v.ResourceVersion = "2"; v.Finalizers = []string{ContentFinalizer} }, false},
-		{"being-deleted mark", func(v *snapshotv1.VolumeSnapshotContent) { v.ResourceVersion = "2"; v.Annotations[AnnBeingDeleted] = "yes" }, true},
-		{"deletion", func(v *snapshotv1.VolumeSnapshotContent) { v.ResourceVersion = "2"; now := metav1.Now(); v.DeletionTimestamp = &now }, true},
+		{"being-created mark", func(v *snapshotv1.VolumeSnapshotContent) {
+			v.ResourceVersion = "2"
+			v.Annotations[AnnBeingCreated] = "yes"
+		}, false},
+		{"finalizer", func(v *snapshotv1.VolumeSnapshotContent) {
+			v.ResourceVersion = "2"
+			v.Finalizers = []string{ContentFinalizer}
+		}, false},
+		{"being-deleted mark", func(v *snapshotv1.VolumeSnapshotContent) {
+			v.ResourceVersion = "2"
+			v.Annotations[AnnBeingDeleted] = "yes"
+		}, true},
+		{"deletion", func(v *snapshotv1.VolumeSnapshotContent) {
+			v.ResourceVersion = "2"
+			now := metav1.Now()
+			v.DeletionTimestamp = &now
+		}, true},
 	} {
 		cur := base.DeepCopy()
 		tc.mut(cur)
