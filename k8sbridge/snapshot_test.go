@@ -1,12 +1,8 @@
 package k8sbridge
 
 import (
-	"bytes"
 	"context"
 	"fmt"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -19,9 +15,6 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime/schema"
-	"sigs.k8s.io/yaml"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
@@ -29,30 +22,14 @@ import (
 	"github.com/csibroker/csibroker/k8sbridge/provision"
 )
 
-// snapshotModule ships the VolumeSnapshot CRDs this build's client is for.
-const snapshotModule = "github.com/kubernetes-csi/external-snapshotter/client/v8"
-
-// installSnapshotCRDs installs external-snapshotter's VolumeSnapshot and
-// VolumeSnapshotContent CRDs, read from the client module in the Go
-// module cache, on the shared control plane (once; they stay). No
-// snapshot-controller runs: the tests write the objects' status themselves.
+// installSnapshotCRDs installs external-snapshotter's six CRDs (from the
+// client module of the go.mod version, see testenv.InstallSnapshotCRDs) on
+// the shared control plane (once; they stay). No snapshot-controller
+// runs: the tests write the objects' status themselves.
 func installSnapshotCRDs(t *testing.T, env *testenv.Env) {
 	t.Helper()
-	out, err := exec.Command("go", "list", "-m", "-f", "{{.Dir}}", snapshotModule).Output()
-	if err != nil {
-		t.Fatalf("locate %s: %v", snapshotModule, err)
-	}
-	dir := filepath.Join(strings.TrimSpace(string(out)), "config", "crd")
-	for _, res := range []string{"volumesnapshots", "volumesnapshotcontents"} {
-		data, err := os.ReadFile(filepath.Join(dir, provision.SnapshotGroup+"_"+res+".yaml"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		var obj map[string]any
-		if err := yaml.Unmarshal(bytes.TrimPrefix(data, []byte("---\n")), &obj); err != nil {
-			t.Fatal(err)
-		}
-		kubetest.CreateCRD(t, env, &unstructured.Unstructured{Object: obj}, schema.GroupVersionResource{Group: provision.SnapshotGroup, Version: "v1", Resource: res})
+	if err := env.InstallSnapshotCRDs(t.Context()); err != nil {
+		t.Fatal(err)
 	}
 }
 

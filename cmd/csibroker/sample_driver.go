@@ -104,6 +104,8 @@ func sampleDriverConfig(args []string, stderr io.Writer) (sampledriver.Config, e
 	fs.Int64Var(&cfg.Faults.ExitAfter, "exit-after", 0, fmt.Sprintf("exit with status %d once N calls (of any method) have been handled, before the Nth reply (0: never)", sampledriver.FaultExitCode))
 	fs.Uint64Var(&cfg.Faults.Seed, "fault-seed", 0, "seed for fault rates (0: random)")
 	fs.BoolVar(&cfg.DisablePublish, "disable-publish", false, "do not advertise PUBLISH_UNPUBLISH_VOLUME (no attach step)")
+	fs.DurationVar(&cfg.SnapshotReadyAfter, "snapshot-ready-after", 0, "report a new snapshot not ready to use until this long after it was cut (0: ready at once)")
+	fs.BoolVar(&cfg.DisableGroupSnapshots, "disable-group-snapshots", false, "do not serve the GroupController service (group snapshots)")
 	verbosity := fs.Int("v", 0, "log verbosity: 0 lifecycle and failed calls, 1 also requests, 2 also responses")
 	if err := parseFlags(fs, args); err != nil {
 		return cfg, err

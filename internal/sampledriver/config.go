@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc"
 
@@ -69,6 +70,14 @@ type Config struct {
 	// read-only ControllerPublishVolume is then InvalidArgument, as a
 	// strict driver answers it.
 	NoPublishReadonly bool
+	// SnapshotReadyAfter is how long a new snapshot (or group snapshot)
+	// reports ready_to_use=false after it is cut, as a driver that uploads
+	// its snapshots does; CreateSnapshot asked again with the same name and
+	// source returns it with its readiness of the moment. 0: ready at once.
+	SnapshotReadyAfter time.Duration
+	// DisableGroupSnapshots leaves out the GroupController service (and
+	// the GROUP_CONTROLLER_SERVICE plugin capability).
+	DisableGroupSnapshots bool
 	// Logger receives lifecycle messages at Info and sanitized requests at
 	// Debug (responses at Debug-4). Nil discards.
 	Logger *slog.Logger
@@ -120,6 +129,9 @@ func (c Config) Validate() error {
 		if n == "" {
 			errs = append(errs, errors.New("nodes: empty node ID"))
 		}
+	}
+	if c.SnapshotReadyAfter < 0 {
+		errs = append(errs, fmt.Errorf("snapshot ready-after %s: must not be negative", c.SnapshotReadyAfter))
 	}
 	if err := c.Faults.Validate(); err != nil {
 		errs = append(errs, err)

@@ -18,8 +18,22 @@
 //     expansion required), modify (mutable parameters "iops" and "tier")
 //     and volume health; DisablePublish drops the publish step. Node:
 //     stage/unstage, publish/unpublish, stats, expansion, health,
-//     SINGLE_NODE_MULTI_WRITER. Not implemented: group snapshots.
-//   - State (volumes, attachments, snapshots, this node's stage and publish
+//     SINGLE_NODE_MULTI_WRITER.
+//   - Snapshots (snapshots.go): CreateSnapshot is idempotent by name and
+//     source; Config.SnapshotReadyAfter keeps a new snapshot
+//     ready_to_use=false for that long, the CO asking CreateSnapshot
+//     again until it is ready, as for a driver that uploads snapshots.
+//     ListSnapshots pages in ID order (a token is the ID to resume at;
+//     one not handed out is Aborted) and filters by snapshot and source
+//     volume.
+//   - The GroupController service (groups.go; Config.DisableGroupSnapshots
+//     leaves it out): CREATE_DELETE_GET_VOLUME_GROUP_SNAPSHOT, a group
+//     being one snapshot per source volume cut under the driver's lock,
+//     idempotent by name, source set and parameters. Members carry the
+//     group ID, list, get and restore like any snapshot, and are deleted
+//     only with their group (DeleteSnapshot of one is InvalidArgument, as
+//     the spec says).
+//   - State (volumes, attachments, snapshots, group snapshots, this node's stage and publish
 //     mounts) lives in <StateDir>/state.json and its journal: a call that
 //     changes an entry appends the entry's new value to the journal and
 //     fsyncs it before it returns, so a new Driver on the same StateDir sees

@@ -12,6 +12,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -191,6 +192,9 @@ func (d *Driver) Serve(ctx context.Context, lis net.Listener) error {
 	csi.RegisterIdentityServer(srv, s)
 	csi.RegisterControllerServer(srv, s)
 	csi.RegisterNodeServer(srv, s)
+	if !d.cfg.DisableGroupSnapshots {
+		csi.RegisterGroupControllerServer(srv, &groupServer{server: s})
+	}
 
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(lis) }()
@@ -360,11 +364,12 @@ func (d *Driver) Volumes() []VolumeInfo {
 // SnapshotInfo describes a snapshot.
 type SnapshotInfo struct {
 	ID             string
-	Name           string
+	Name           string // empty for a member of a group snapshot
 	SourceVolumeID string
 	SizeBytes      int64
 	Path           string
 	Created        time.Time
+	GroupID        string // the group snapshot it belongs to, if any
 }
 
 // Snapshots returns the driver's snapshots sorted by ID.
@@ -374,7 +379,27 @@ func (d *Driver) Snapshots() []SnapshotInfo {
 	out := make([]SnapshotInfo, 0, len(d.st.Snapshots))
 	for _, s := range d.st.Snapshots {
 		out = append(out, SnapshotInfo{ID: s.ID, Name: s.Name, SourceVolumeID: s.SourceVolumeID,
-			SizeBytes: s.SizeBytes, Path: d.snapshotDir(s.ID), Created: s.Created})
+			SizeBytes: s.SizeBytes, Path: d.snapshotDir(s.ID), Created: s.Created, GroupID: s.GroupID})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+// GroupSnapshotInfo describes a group snapshot.
+type GroupSnapshotInfo struct {
+	ID          string
+	Name        string
+	SnapshotIDs []string // its members, in source volume order
+	Created     time.Time
+}
+
+// GroupSnapshots returns the driver's group snapshots sorted by ID.
+func (d *Driver) GroupSnapshots() []GroupSnapshotInfo {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	out := make([]GroupSnapshotInfo, 0, len(d.st.Groups))
+	for _, g := range d.st.Groups {
+		out = append(out, GroupSnapshotInfo{ID: g.ID, Name: g.Name, SnapshotIDs: slices.Clone(g.SnapshotIDs), Created: g.Created})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
 	return out

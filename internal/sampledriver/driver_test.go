@@ -30,6 +30,7 @@ type clients struct {
 	csi.IdentityClient
 	csi.ControllerClient
 	csi.NodeClient
+	conn *grpc.ClientConn
 }
 
 func dial(t testing.TB, endpoint string) clients {
@@ -39,7 +40,7 @@ func dial(t testing.TB, endpoint string) clients {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return clients{csi.NewIdentityClient(conn), csi.NewControllerClient(conn), csi.NewNodeClient(conn)}
+	return clients{csi.NewIdentityClient(conn), csi.NewControllerClient(conn), csi.NewNodeClient(conn), conn}
 }
 
 func ctxT(t testing.TB) context.Context {
@@ -680,11 +681,7 @@ func TestSplitInstances(t *testing.T) {
 	if _, err := nc.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: vol.GetVolumeId(), VolumePath: target}); err != nil {
 		t.Fatal(err)
 	}
-	unmountAndDetach(t, struct {
-		csi.IdentityClient
-		csi.ControllerClient
-		csi.NodeClient
-	}{nc.IdentityClient, cc.ControllerClient, nc.NodeClient}, vol.GetVolumeId(), "worker-1", staging, target)
+	unmountAndDetach(t, clients{nc.IdentityClient, cc.ControllerClient, nc.NodeClient, nil}, vol.GetVolumeId(), "worker-1", staging, target)
 	if _, err := cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: vol.GetVolumeId()}); err != nil {
 		t.Fatal(err)
 	}

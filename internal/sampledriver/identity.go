@@ -22,6 +22,9 @@ func (s *server) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 			Type: csi.PluginCapability_VolumeExpansion_ONLINE,
 		}}},
 	}
+	if !s.cfg.DisableGroupSnapshots {
+		caps = append(caps, serviceCap(csi.PluginCapability_Service_GROUP_CONTROLLER_SERVICE))
+	}
 	if len(s.cfg.Topology) > 0 || len(s.cfg.ControllerSegments) > 0 {
 		caps = append(caps,
 			serviceCap(csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS),

@@ -35,6 +35,7 @@ const journalCompactMin = 64 << 10
 const (
 	kindVolume    = "volume"
 	kindSnapshot  = "snapshot"
+	kindGroup     = "group"
 	kindStaged    = "staged"
 	kindPublished = "published"
 )
@@ -44,6 +45,7 @@ type stateKey struct{ kind, id string }
 
 func volumeKey(id string) stateKey      { return stateKey{kindVolume, id} }
 func snapshotKey(id string) stateKey    { return stateKey{kindSnapshot, id} }
+func groupKey(id string) stateKey       { return stateKey{kindGroup, id} }
 func stagedKey(id string) stateKey      { return stateKey{kindStaged, id} }
 func publishedKey(path string) stateKey { return stateKey{kindPublished, path} }
 
@@ -65,6 +67,8 @@ func (st *state) changes(keys []stateKey) ([]byte, error) {
 			v, ok = st.Volumes[k.id]
 		case kindSnapshot:
 			v, ok = st.Snapshots[k.id]
+		case kindGroup:
+			v, ok = st.Groups[k.id]
 		case kindStaged:
 			v, ok = st.Staged[k.id]
 		case kindPublished:
@@ -105,6 +109,8 @@ func (st *state) apply(line []byte) error {
 			err = setOrRemove(st.Volumes, c)
 		case kindSnapshot:
 			err = setOrRemove(st.Snapshots, c)
+		case kindGroup:
+			err = setOrRemove(st.Groups, c)
 		case kindStaged:
 			err = setOrRemove(st.Staged, c)
 		case kindPublished:

@@ -19,6 +19,7 @@ type state struct {
 	Journal   int64                   `json:"journal,omitempty"` // the journal generation (see journal.go)
 	Volumes   map[string]*volume      `json:"volumes"`           // by volume ID
 	Snapshots map[string]*snapshot    `json:"snapshots"`         // by snapshot ID
+	Groups    map[string]*group       `json:"groups,omitempty"`  // group snapshots by group snapshot ID
 	Staged    map[string]*staging     `json:"staged"`            // by volume ID (this node)
 	Published map[string]*publication `json:"published"`         // by target path (this node)
 }
@@ -51,6 +52,20 @@ type snapshot struct {
 	Parameters     map[string]string `json:"parameters,omitempty"`
 	Topology       map[string]string `json:"topology,omitempty"`
 	Created        time.Time         `json:"created"`
+	// GroupID is the group snapshot this snapshot was cut for (empty: a
+	// snapshot of its own). Such a snapshot has no name and goes with
+	// its group.
+	GroupID string `json:"groupId,omitempty"`
+}
+
+// group is a group snapshot: one snapshot per source volume, cut
+// together.
+type group struct {
+	ID          string            `json:"id"`
+	Name        string            `json:"name"`
+	SnapshotIDs []string          `json:"snapshotIds"` // in source volume order
+	Parameters  map[string]string `json:"parameters,omitempty"`
+	Created     time.Time         `json:"created"`
 }
 
 // staging is a NodeStageVolume bind mount on this node.
@@ -78,6 +93,7 @@ func newState() *state {
 		Version:   stateVersion,
 		Volumes:   map[string]*volume{},
 		Snapshots: map[string]*snapshot{},
+		Groups:    map[string]*group{},
 		Staged:    map[string]*staging{},
 		Published: map[string]*publication{},
 	}
@@ -104,6 +120,9 @@ func loadState(path string) (*state, error) {
 	}
 	if st.Snapshots == nil {
 		st.Snapshots = map[string]*snapshot{}
+	}
+	if st.Groups == nil {
+		st.Groups = map[string]*group{}
 	}
 	if st.Staged == nil {
 		st.Staged = map[string]*staging{}

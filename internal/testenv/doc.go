@@ -35,8 +35,25 @@
 //		...
 //	}
 //
-// A missing binary is an error that says to run hack/control-plane.sh, never a
-// skip: a test that silently does not run is worse than a red one.
+// The snapshot side (snapshots.go, snapshotters.go), the reference that
+// csibroker's snapshot controller is compared against:
+// Env.InstallSnapshotCRDs installs the six CRDs of external-snapshotter's
+// client module at the go.mod version (config/crd in the module cache;
+// group snapshots served as v1, the version the v8.7.0 binaries use);
+// Env.StartSnapshotController and Env.StartSnapshotter (Run... outside a
+// test) start the real snapshot-controller and a csi-snapshotter sidecar
+// for one driver socket, built by hack/sidecars.sh at SnapshotterVersion,
+// with the Env's admin kubeconfig. Each gets a free --http-endpoint on
+// loopback and is ready once its /metrics answers (bounded by a timeout;
+// an exit before that is an error with its log's tail); its log is
+// <Env.Dir>/<name>.log; it is stopped by its process group at the test's
+// cleanup, and by Env.Stop before the control plane. The
+// CSIVolumeGroupSnapshot gate is set explicitly, on only when asked. Only
+// one snapshot-controller may run on a cluster at a time.
+//
+// A missing binary is an error that says to run hack/control-plane.sh (or
+// hack/sidecars.sh), never a skip: a test that silently does not run is
+// worse than a red one.
 //
 // It must not: bind anything but loopback, leave a process or a temporary
 // directory behind, or be imported by non-test code other than the demo.

@@ -17,6 +17,7 @@ import (
 // component is one child process of the control plane.
 type component struct {
 	name    string
+	kind    string // for processes started after the control plane: the program
 	logPath string
 	cmd     *exec.Cmd
 	done    chan struct{} // closed once the process has been reaped

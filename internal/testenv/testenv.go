@@ -16,6 +16,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -96,6 +97,12 @@ func (o Options) withDefaults() Options {
 // DefaultBinDir is where hack/control-plane.sh puts the binaries:
 // ${CSIBROKER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/csibroker}/control-plane/k8s-<v>-etcd-<v>/bin.
 func DefaultBinDir() string {
+	return filepath.Join(cacheRoot(), "control-plane", "k8s-"+KubernetesVersion+"-etcd-"+EtcdVersion, "bin")
+}
+
+// cacheRoot is where the hack/ scripts cache what they build:
+// ${CSIBROKER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/csibroker}.
+func cacheRoot() string {
 	root := os.Getenv("CSIBROKER_CACHE")
 	if root == "" {
 		cache := os.Getenv("XDG_CACHE_HOME")
@@ -110,7 +117,7 @@ func DefaultBinDir() string {
 		// runs it (a test runs in its package's directory).
 		root = filepath.Join(moduleRoot(), root)
 	}
-	return filepath.Join(root, "control-plane", "k8s-"+KubernetesVersion+"-etcd-"+EtcdVersion, "bin")
+	return root
 }
 
 // moduleRoot is the nearest directory up from the working directory that
@@ -145,6 +152,10 @@ type Env struct {
 	token      string
 	caData     []byte
 	components []*component // in start order
+
+	extraMu    sync.Mutex
+	extra      []*component // started later against the cluster (snapshot side), stopped first
+	extraCount map[string]int
 
 	clientOnce sync.Once
 	client     kubernetes.Interface
@@ -592,6 +603,7 @@ func (e *Env) Stop() {
 // unless KeepEnv is set; it reports whether the directory was kept.
 func (e *Env) stop() (kept bool) {
 	const grace = 5 * time.Second
+	e.stopExtra(grace)
 	if len(e.components) > 2 {
 		var wg sync.WaitGroup
 		for _, c := range e.components[2:] {
@@ -616,7 +628,10 @@ func (e *Env) LogTails(n int) string { return e.logTails(n) }
 
 func (e *Env) logTails(n int) string {
 	var b strings.Builder
-	for _, c := range e.components {
+	e.extraMu.Lock()
+	all := append(slices.Clone(e.components), e.extra...)
+	e.extraMu.Unlock()
+	for _, c := range all {
 		fmt.Fprintf(&b, "\n----- %s.log (last %d lines) -----\n%s", c.name, n, c.tail(n))
 	}
 	return b.String()
