@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
@@ -97,6 +98,19 @@ func (c *Controller) create(ctx context.Context, vsc *snapshotv1.VolumeSnapshotC
 	snap := resp.GetSnapshot()
 	ready := snap.GetReadyToUse()
 	updated, err := c.writeStatus(ctx, vsc, snap.GetSnapshotId(), ready, creationTime(snap), snap.GetSizeBytes(), "")
+	if apierrors.IsConflict(err) {
+		// Changed during the call (the snapshot-controller marked it
+		// being deleted, say): written again over what is there now,
+		// rather than asking the driver again.
+		var fresh *snapshotv1.VolumeSnapshotContent
+		if fresh, err = c.client.SnapshotV1().VolumeSnapshotContents().Get(ctx, vsc.Name, metav1.GetOptions{}); err == nil {
+			if string(fresh.UID) != string(vsc.UID) {
+				err = apierrors.NewNotFound(snapshotv1.Resource("volumesnapshotcontents"), vsc.Name)
+			} else {
+				updated, err = c.writeStatus(ctx, fresh, snap.GetSnapshotId(), ready, creationTime(snap), snap.GetSizeBytes(), "")
+			}
+		}
+	}
 	if apierrors.IsNotFound(err) && !recorded {
 		// The content went while its snapshot was made: the snapshot
 		// goes too, so none is left that nothing records.

@@ -120,6 +120,7 @@ func newFixture(t *testing.T, policyAllows bool, objs ...runtime.Object) *fixtur
 		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: "app"}, Data: map[string][]byte{"password": []byte("hunter2")}})
 	f.kube.Resources = []*metav1.APIResourceList{{GroupVersion: Group + "/v1", APIResources: []metav1.APIResource{
 		{Name: "volumesnapshotcontents"}, {Name: "volumesnapshotclasses"}, {Name: "volumesnapshots"}}}}
+	//lint:ignore SA1019 the snapshot client module generates no NewClientset (no apply configurations)
 	f.snaps = snapfake.NewSimpleClientset(objs...)
 	st := policy.NewStore(nil)
 	if !policyAllows {
