@@ -58,7 +58,11 @@ func (c *Controller) create(ctx context.Context, vsc *snapshotv1.VolumeSnapshotC
 		// first, and the content marked, so that neither a content gone
 		// meanwhile nor a broker killed after the call loses it.
 		if entry, err = c.recordEntry(ctx, p); err == nil {
-			err = c.intents.Add(ctx, entry)
+			if prev, ok := c.intents.Get(entry.Key()); ok && sameCall(prev, entry) {
+				entry = prev // recorded by an earlier attempt: no write
+			} else {
+				err = c.intents.Add(ctx, entry)
+			}
 		}
 		if err != nil {
 			return c.createFailed(ctx, vsc, "not_called", fmt.Errorf("record the snapshot's intent: %w", err))

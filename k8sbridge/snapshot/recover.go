@@ -1,6 +1,7 @@
 package snapshot
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"strings"
@@ -192,9 +193,17 @@ func (c *Controller) undo(ctx context.Context, e Entry, why string) {
 	log.Info("snapshot recovery: deleted a snapshot no content records", "snapshot_id", id, "why", why)
 }
 
+// sameCall reports whether two entries record the same call of one
+// content (a retry needs no new write; a changed request does, since
+// recovery asks again exactly what is recorded).
+func sameCall(a, b Entry) bool {
+	return a.ContentUID == b.ContentUID && a.Node == b.Node && bytes.Equal(a.Request, b.Request) &&
+		(a.Secret == nil) == (b.Secret == nil) && (a.Secret == nil || *a.Secret == *b.Secret)
+}
+
 // recordEntry is the entry of plan p's CreateSnapshot.
 func (c *Controller) recordEntry(ctx context.Context, p *plan) (Entry, error) {
-	raw, err := proto.Marshal(p.req)
+	raw, err := proto.MarshalOptions{Deterministic: true}.Marshal(p.req)
 	if err != nil {
 		return Entry{}, fmt.Errorf("encode the CreateSnapshot request: %w", err)
 	}
