@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -607,5 +608,58 @@ func TestIsFinal(t *testing.T) {
 	}
 	if isFinal(fmt.Errorf("not a status")) {
 		t.Error("a non-gRPC error is final; want not (the call may not have been sent)")
+	}
+}
+
+// TestRecoveryStep: an entry whose content is gone is undone (the
+// recorded CreateSnapshot asked again names the snapshot, which is
+// deleted, and the entry goes); an entry whose content records its
+// snapshot just goes; one whose content is still being made stays.
+func TestRecoveryStep(t *testing.T) {
+	f := newFixture(t, true, class("fast", drv, nil))
+	vol := f.volume("src")
+	entry := func(content, uid, name string) Entry {
+		req := &csi.CreateSnapshotRequest{Name: name, SourceVolumeId: vol}
+		raw, err := proto.Marshal(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		e := Entry{SnapshotName: name, Driver: drv, ContentName: content, ContentUID: uid, SnapshotNamespace: "app", SnapshotRefName: "daily", Request: raw}
+		if err := f.c.intents.Add(f.ctx, e); err != nil {
+			t.Fatal(err)
+		}
+		return e
+	}
+	conn, _ := f.drivers.ControllerConn(drv)
+	made, err := csi.NewControllerClient(conn).CreateSnapshot(f.ctx, &csi.CreateSnapshotRequest{Name: "snapshot-gone", SourceVolumeId: vol})
+	if err != nil {
+		t.Fatal(err)
+	}
+	entry("gone-content", "uid-gone", "snapshot-gone")
+	id := "ss-recorded"
+	rec := dynamicContent("recorded", "fast", vol, func(v *snapshotv1.VolumeSnapshotContent) {
+		v.Status = &snapshotv1.VolumeSnapshotContentStatus{SnapshotHandle: &id}
+	})
+	busy := dynamicContent("busy", "fast", vol)
+	for _, v := range []*snapshotv1.VolumeSnapshotContent{rec, busy} {
+		if _, err := f.snaps.SnapshotV1().VolumeSnapshotContents().Create(f.ctx, v, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		f.waitCache(v.Name)
+	}
+	entry("recorded", string(rec.UID), "snapshot-recorded")
+	entry("busy", string(busy.UID), "snapshot-busy")
+	f.c.recoverAll(f.ctx)
+	dels := f.drivers.requests("DeleteSnapshot")
+	if len(dels) != 1 || dels[0].(*csi.DeleteSnapshotRequest).GetSnapshotId() != made.GetSnapshot().GetSnapshotId() {
+		t.Fatalf("DeleteSnapshot calls %v; want one, of %s", dels, made.GetSnapshot().GetSnapshotId())
+	}
+	for name, want := range map[string]bool{"snapshot-gone": false, "snapshot-recorded": false, "snapshot-busy": true} {
+		if got := f.c.intents.Has(name); got != want {
+			t.Errorf("entry %s kept: %v, want %v", name, got, want)
+		}
+	}
+	if n := len(f.drivers.requests("CreateSnapshot")); n != 2 {
+		t.Errorf("%d CreateSnapshot calls; want the test's and recovery's for the gone content only", n)
 	}
 }
