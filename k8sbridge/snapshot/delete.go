@@ -46,7 +46,11 @@ func (c *Controller) deleteContent(ctx context.Context, vsc *snapshotv1.VolumeSn
 	}
 	if vsc.Spec.Source.VolumeHandle != nil && vsc.Spec.VolumeSnapshotRef.UID != "" {
 		name := snapshotName(c.b.Cfg, vsc)
-		if e, ok := c.intents.Get(name); ok && e.ContentUID == string(vsc.UID) && (vsc.Status == nil || vsc.Status.SnapshotHandle == nil) {
+		e, ok, err := c.intents.Lookup(ctx, name)
+		if err != nil {
+			return fmt.Errorf("content %s: read the snapshot intent record: %w", vsc.Name, err)
+		}
+		if ok && e.ContentUID == string(vsc.UID) && (vsc.Status == nil || vsc.Status.SnapshotHandle == nil) {
 			c.undo(ctx, e, "its VolumeSnapshotContent is deleted before its status recorded a snapshot")
 			if c.intents.Has(name) {
 				c.ops.WithLabelValues(driver, "delete_failed").Inc()
