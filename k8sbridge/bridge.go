@@ -25,6 +25,7 @@ import (
 	"github.com/csibroker/csibroker/k8sbridge/provision"
 	"github.com/csibroker/csibroker/k8sbridge/resize"
 	"github.com/csibroker/csibroker/k8sbridge/shard"
+	"github.com/csibroker/csibroker/k8sbridge/snapshot"
 )
 
 // controller is one loop that runs while this replica leads.
@@ -111,6 +112,7 @@ func New(cfg Config) (*Bridge, error) {
 		ctl(modify.New),
 		ctl(provision.NewSourceProtector),
 		ctl(resize.New),
+		ctl(snapshot.New),
 	} {
 		c, err := mk(env)
 		if err != nil {
@@ -120,6 +122,8 @@ func New(cfg Config) (*Bridge, error) {
 			b.extra = append(b.extra, c)
 		}
 	}
+	// Informers the controllers added (the snapshot API's, when served).
+	b.synced = append(b.synced, env.TakeSynced()...)
 	if err := env.StartHandlers(); err != nil {
 		return nil, err
 	}

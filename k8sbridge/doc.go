@@ -6,9 +6,11 @@
 // The house, from the top down:
 //
 //   - k8sbridge: leader election, readiness, the list of controllers.
-//   - provision, attach, resize, modify, capacity, health: one controller package
-//     each (provision holds provisioning, recovery of leaked volumes,
-//     protection of clone and snapshot sources, and deletion). A
+//   - provision, attach, resize, modify, capacity, health, snapshot: one
+//     controller package each (provision holds provisioning, recovery of
+//     leaked volumes, protection of clone and snapshot sources, and
+//     deletion; snapshot is csi-snapshotter's VolumeSnapshotContent side,
+//     run only when the cluster serves the snapshot API). A
 //     controller package imports the plumbing below it and never another
 //     controller (layout_test.go enforces it).
 //   - internal/kube: the Env every controller is given (configuration,
@@ -19,7 +21,8 @@
 //   - internal/drivers: the Drivers interface the broker satisfies, the
 //     capabilities cache, call timeouts.
 //   - topology, csiparams, secrets: pure functions with table tests;
-//     intent: the durable record of in-flight CreateVolume calls.
+//     intent: the durable records of in-flight CreateVolume (and, in a
+//     sibling record, CreateSnapshot) calls.
 //   - grants (SecretGrant objects into the policy) and discovery (proxy
 //     pods into the broker's registry) stand beside the bridge; cmd wires
 //     them.

@@ -15,6 +15,7 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/internal/testenv"
@@ -59,19 +60,41 @@ func readySnapshot(t *testing.T, sc snapshotclient.Interface, ns, name, driver, 
 	if snap, err = sc.SnapshotV1().VolumeSnapshots(ns).Create(ctx, snap, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	content.Spec.VolumeSnapshotRef.UID = snap.UID
-	if content, err = sc.SnapshotV1().VolumeSnapshotContents().Update(ctx, content, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
+	// The broker, the csi-snapshotter here, may write the content's
+	// status meanwhile (from ListSnapshots): each write is made over what
+	// is there, again on a conflict.
+	write := func(status bool, change func(*snapshotv1.VolumeSnapshotContent)) *snapshotv1.VolumeSnapshotContent {
+		var out *snapshotv1.VolumeSnapshotContent
+		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			cur, err := sc.SnapshotV1().VolumeSnapshotContents().Get(ctx, content.Name, metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			change(cur)
+			if status {
+				out, err = sc.SnapshotV1().VolumeSnapshotContents().UpdateStatus(ctx, cur, metav1.UpdateOptions{})
+			} else {
+				out, err = sc.SnapshotV1().VolumeSnapshotContents().Update(ctx, cur, metav1.UpdateOptions{})
+			}
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
 	}
+	content = write(false, func(c *snapshotv1.VolumeSnapshotContent) { c.Spec.VolumeSnapshotRef.UID = snap.UID })
 	ready, bytes := true, size.Value()
 	snap.Status = &snapshotv1.VolumeSnapshotStatus{BoundVolumeSnapshotContentName: &content.Name, ReadyToUse: &ready, RestoreSize: &size}
-	content.Status = &snapshotv1.VolumeSnapshotContentStatus{SnapshotHandle: &handle, ReadyToUse: &ready, RestoreSize: &bytes}
 	if mut != nil {
-		mut(snap, content)
+		mut(snap, &snapshotv1.VolumeSnapshotContent{})
 	}
-	if _, err := sc.SnapshotV1().VolumeSnapshotContents().UpdateStatus(ctx, content, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	write(true, func(c *snapshotv1.VolumeSnapshotContent) {
+		c.Status = &snapshotv1.VolumeSnapshotContentStatus{SnapshotHandle: &handle, ReadyToUse: &ready, RestoreSize: &bytes}
+		if mut != nil {
+			mut(&snapshotv1.VolumeSnapshot{Status: &snapshotv1.VolumeSnapshotStatus{}}, c)
+		}
+	})
 	if _, err := sc.SnapshotV1().VolumeSnapshots(ns).UpdateStatus(ctx, snap, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}

@@ -55,6 +55,8 @@ type kubeFlags struct {
 	RetryPeriod          time.Duration
 	VolumeNamePrefix     string
 	VolumeNameUUIDLength int
+	SnapshotNamePrefix   string
+	SnapshotUUIDLength   int
 	ExtraCreateMetadata  bool
 	ExtraModifyMetadata  bool
 	DefaultFSType        string
@@ -120,7 +122,9 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.RetryPeriod, "leader-election-retry-period", 500*time.Millisecond, "how often to try to acquire or renew the Lease")
 	fs.StringVar(&f.VolumeNamePrefix, "volume-name-prefix", "pvc", "prefix of volume (and PV) names: <prefix>-<claim UID>")
 	fs.IntVar(&f.VolumeNameUUIDLength, "volume-name-uuid-length", -1, "truncate the claim UID in volume names to this many characters (-1: whole)")
-	fs.BoolVar(&f.ExtraCreateMetadata, "extra-create-metadata", false, "pass csi.storage.k8s.io/pvc/name, /pvc/namespace and /pv/name to CreateVolume")
+	fs.StringVar(&f.SnapshotNamePrefix, "snapshot-name-prefix", "snapshot", "prefix of snapshot names: <prefix>-<VolumeSnapshot UID> (csi-snapshotter's flag)")
+	fs.IntVar(&f.SnapshotUUIDLength, "snapshot-name-uuid-length", -1, "truncate the VolumeSnapshot UID in snapshot names to this many characters (-1: whole)")
+	fs.BoolVar(&f.ExtraCreateMetadata, "extra-create-metadata", false, "pass csi.storage.k8s.io/pvc/name, /pvc/namespace and /pv/name to CreateVolume, and csi.storage.k8s.io/volumesnapshot/name, /volumesnapshot/namespace and /volumesnapshotcontent/name to CreateSnapshot")
 	fs.BoolVar(&f.ExtraModifyMetadata, "extra-modify-metadata", false, "pass csi.storage.k8s.io/pvc/name, /pvc/namespace and /pv/name in ControllerModifyVolume's mutable parameters")
 	fs.BoolVar(&f.PublishReadOnly, "controller-publish-readonly", false, "mark the PVs of claims whose only access mode is ReadOnlyMany read-only, so their volumes are attached read-only (drivers with PUBLISH_READONLY)")
 	fs.BoolVar(&f.CapacityImmediate, "capacity-for-immediate-binding", false, "publish CSIStorageCapacity objects for Immediate StorageClasses too (the scheduler reads them for WaitForFirstConsumer claims only)")
@@ -224,6 +228,12 @@ func (f *kubeFlags) validate() error {
 	}
 	if f.VolumeNameUUIDLength != -1 && f.VolumeNameUUIDLength < minUUIDLength {
 		errs = append(errs, fmt.Errorf("--volume-name-uuid-length %d: -1 (the whole UID) or at least %d, else claims may share a volume name", f.VolumeNameUUIDLength, minUUIDLength))
+	}
+	if f.SnapshotUUIDLength != -1 && f.SnapshotUUIDLength < minUUIDLength {
+		errs = append(errs, fmt.Errorf("--snapshot-name-uuid-length %d: -1 (the whole UID) or at least %d, else snapshots may share a name", f.SnapshotUUIDLength, minUUIDLength))
+	}
+	if f.SnapshotNamePrefix == "" {
+		errs = append(errs, errors.New("--snapshot-name-prefix must not be empty"))
 	}
 	if _, err := policy.ParseMode(f.PolicyMode); err != nil {
 		errs = append(errs, fmt.Errorf("--policy-mode: %w", err))
@@ -471,19 +481,24 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	if err != nil {
 		return nil, nil, err
 	}
-	// VolumeSnapshots (a CRD: JSON) on the objects' budget.
+	// VolumeSnapshots (a CRD: JSON) on the objects' budget; the snapshot
+	// controller's informers on the informers'.
 	snapClient, err := snapshotclient.NewForConfig(clientCfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	snapInformerClient, err := snapshotclient.NewForConfig(informerCfg)
 	if err != nil {
 		return nil, nil, err
 	}
 	ns := f.Namespace
 	b, err := k8sbridge.New(k8sbridge.Config{
 		Client: client, EventClient: evClient, LeaseClient: leaseClient, InformerClient: informerClient,
-		IntentClient: intentClient, IntentBudget: f.budget, SnapshotClient: snapClient,
+		IntentClient: intentClient, IntentBudget: f.budget, SnapshotClient: snapClient, SnapshotInformerClient: snapInformerClient,
 		Drivers: drivers, Policy: authz, Namespace: ns, Identity: f.Identity,
 		LeaderElection: f.LeaderElection, LeaderElectionLease: f.LeaseDuration, LeaderElectionRenew: f.RenewDeadline, LeaderElectionRetry: f.RetryPeriod,
 		LeaderElectionNamespace: f.LeaderNamespace, LeaderElectionMode: f.LeaderElectionMode,
-		VolumeNamePrefix: f.VolumeNamePrefix, VolumeNameUUIDLength: f.VolumeNameUUIDLength, ExtraCreateMetadata: f.ExtraCreateMetadata, ExtraModifyMetadata: f.ExtraModifyMetadata, DefaultFSType: f.DefaultFSType, ControllerPublishReadOnly: f.PublishReadOnly, CapacityForImmediateBinding: f.CapacityImmediate,
+		VolumeNamePrefix: f.VolumeNamePrefix, VolumeNameUUIDLength: f.VolumeNameUUIDLength, SnapshotNamePrefix: f.SnapshotNamePrefix, SnapshotNameUUIDLength: f.SnapshotUUIDLength, ExtraCreateMetadata: f.ExtraCreateMetadata, ExtraModifyMetadata: f.ExtraModifyMetadata, DefaultFSType: f.DefaultFSType, ControllerPublishReadOnly: f.PublishReadOnly, CapacityForImmediateBinding: f.CapacityImmediate,
 		StrictTopology: f.StrictTopology, ImmediateTopology: f.ImmediateTopology,
 		Timeout: timeout, MonitorInterval: monitorInterval(f.MonitorInterval),
 		WorkerThreads: f.WorkerThreads, PerDriverWorkers: f.PerDriverWorkers, RetryIntervalStart: f.RetryIntervalStart, RetryIntervalMax: f.RetryIntervalMax,

@@ -8,4 +8,9 @@
 // carry the record's resource version, so two leaders in overlap never
 // overwrite each other's entries. It knows nothing of claims' controllers:
 // it stores, lists and removes entries.
+//
+// Record is generic over its entries (Entry: JSON with a Key), so another
+// kind of in-flight call gets a sibling record of its own ConfigMap with
+// the same guarantees: the snapshot controller records its CreateSnapshot
+// calls in one, with an entry type it defines. Store is the volumes'.
 package intent

@@ -28,7 +28,7 @@ func FuzzDecodeIntents(f *testing.F) {
 	f.Fuzz(func(t *testing.T, a, b string) {
 		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "csibroker-intents", Namespace: "ns"},
 			Data: map[string]string{"a": a, "b": b}}
-		ins := decodeIntents(cm, slog.New(slog.DiscardHandler))
+		ins := decodeIntents[Intent](cm, slog.New(slog.DiscardHandler))
 		if len(ins) > 2 {
 			t.Fatalf("%d intents from 2 entries", len(ins))
 		}

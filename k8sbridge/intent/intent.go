@@ -98,6 +98,9 @@ func (in Intent) Requests() [][]byte {
 	return append([][]byte{in.Request}, in.EarlierRequests...)
 }
 
+// DriverName is the driver the volume is made by.
+func (in Intent) DriverName() string { return in.Driver }
+
 // Key is the entry's key in the record: VolumeName, or for a superseded
 // entry VolumeName_Node ('_' appears in neither name, and a ConfigMap key
 // may hold it).
@@ -139,7 +142,8 @@ const maxIntentKey = 253
 // record's budget: a write applies them before it adds anything. Has and
 // List leave out entries this store has been asked to remove, so recovery
 // in this process never acts on a settled entry still in the record.
-type Store struct {
+type Record[T Entry] struct {
+	purpose   string // the ConfigMap's csibroker.io/purpose annotation
 	client    kubernetes.Interface
 	namespace string
 	name      string
@@ -160,7 +164,7 @@ type Store struct {
 
 	mu       sync.Mutex
 	cond     chan struct{} // closed and replaced when work is queued
-	adds     map[string]*pendingAdd
+	adds     map[string]*pendingAdd[T]
 	removes  map[string]bool
 	removing map[string]bool   // removes of the write in flight
 	cache    *corev1.ConfigMap // last written or read copy
@@ -198,8 +202,8 @@ type Store struct {
 	mine func(driver string) bool
 }
 
-type pendingAdd struct {
-	intent Intent
+type pendingAdd[T Entry] struct {
+	intent T
 	done   chan error
 }
 
@@ -253,15 +257,39 @@ var ErrFull = errors.New("intent record is full: too many volumes being created 
 // ErrTooLarge means one intent is larger than the record can hold.
 var ErrTooLarge = errors.New("intent too large for the intent record")
 
+// Entry is one in-flight operation a Record holds: stored as JSON under
+// its Key, a valid ConfigMap key, with its driver's name under "driver"
+// (DriverName), which per-driver leadership (Share) goes by.
+type Entry interface {
+	Key() string
+	DriverName() string
+}
+
+// Store is the record of in-flight CreateVolume calls.
+type Store = Record[Intent]
+
+// volumesPurpose is the volume record's annotation.
+const volumesPurpose = "volumes being created; entries are removed when their PV exists or the volume is deleted"
+
 // NewStore uses ConfigMap namespace/name (created when missing).
 func NewStore(client kubernetes.Interface, namespace, name string, log *slog.Logger) *Store {
+	return NewRecord[Intent](client, namespace, name, volumesPurpose, log)
+}
+
+// NewRecord is a record of entries of type T in ConfigMap namespace/name
+// (created when missing, with purpose as its csibroker.io/purpose
+// annotation): a sibling of the volume record for another kind of
+// in-flight call (snapshots being created), with the same batching,
+// fencing and recovery of a replaced record.
+func NewRecord[T Entry](client kubernetes.Interface, namespace, name, purpose string, log *slog.Logger) *Record[T] {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Store{
-		client: client, namespace: namespace, name: name, log: log,
+	return &Record[T]{
+		purpose: purpose,
+		client:  client, namespace: namespace, name: name, log: log,
 		maxEntries: 1500, maxBytes: 900 << 10, batch: defaultBatch, removeDelay: 2 * time.Second,
-		cond: make(chan struct{}), adds: map[string]*pendingAdd{}, removes: map[string]bool{},
+		cond: make(chan struct{}), adds: map[string]*pendingAdd[T]{}, removes: map[string]bool{},
 	}
 }
 
@@ -272,7 +300,7 @@ func NewStore(client kubernetes.Interface, namespace, name string, log *slog.Log
 // the PV creations already waiting for tokens, and every Add that arrives
 // meanwhile goes in it instead of in the next write. The requests still
 // count against the same budget.
-func (s *Store) UseBudget(client kubernetes.Interface, wait func(context.Context) error) {
+func (s *Record[T]) UseBudget(client kubernetes.Interface, wait func(context.Context) error) {
 	s.client, s.wait = client, wait
 }
 
@@ -282,13 +310,13 @@ func (s *Store) UseBudget(client kubernetes.Interface, wait func(context.Context
 // record at every start and interval, and at a low --kube-api-qps each read
 // would delay a PV by a token. Creating a missing record stays a write of
 // the objects' budget.
-func (s *Store) UseReader(client kubernetes.Interface) {
+func (s *Record[T]) UseReader(client kubernetes.Interface) {
 	s.reader = client
 }
 
 // take waits for a token for one request of the record; a token taken in
 // advance (*prepaid) is used first.
-func (s *Store) take(ctx context.Context, prepaid *bool) error {
+func (s *Record[T]) take(ctx context.Context, prepaid *bool) error {
 	if s.wait == nil {
 		return nil
 	}
@@ -303,7 +331,7 @@ func (s *Store) take(ctx context.Context, prepaid *bool) error {
 }
 
 // Writes is how many API writes the store made.
-func (s *Store) Writes() int64 {
+func (s *Record[T]) Writes() int64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.writes
@@ -311,8 +339,8 @@ func (s *Store) Writes() int64 {
 
 // Add records intent and returns once it is durable on the API server: only
 // after an update of the record that holds it has succeeded.
-func (s *Store) Add(ctx context.Context, in Intent) error {
-	p := &pendingAdd{intent: in, done: make(chan error, 1)}
+func (s *Record[T]) Add(ctx context.Context, in T) error {
+	p := &pendingAdd[T]{intent: in, done: make(chan error, 1)}
 	now := time.Now()
 	s.mu.Lock()
 	if s.ended {
@@ -333,9 +361,9 @@ func (s *Store) Add(ctx context.Context, in Intent) error {
 	}
 	s.arrivals++
 	s.lastArrival = now
-	if s.mine != nil && !s.mine(in.Driver) {
+	if s.mine != nil && !s.mine(in.DriverName()) {
 		s.mu.Unlock()
-		return fmt.Errorf("%w: driver %s is led by another replica", errTermEnded, in.Driver)
+		return fmt.Errorf("%w: driver %s is led by another replica", errTermEnded, in.DriverName())
 	}
 	key := in.Key()
 	if old, ok := s.adds[key]; ok {
@@ -361,7 +389,7 @@ func (s *Store) Add(ctx context.Context, in Intent) error {
 // leads next finds it settled (its PV exists, or its volume is gone) and
 // drops it. Written in a later term instead, it could delete an entry
 // another leader recorded again in between, for a volume that may exist.
-func (s *Store) Remove(key string) {
+func (s *Record[T]) Remove(key string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.ended {
@@ -392,17 +420,17 @@ func (s *Store) Remove(key string) {
 // whether this replica leads a driver. An Add of another's driver fails;
 // a Remove of an entry of another's driver is dropped (its leader settles
 // it). Call it before Run.
-func (s *Store) Share(mine func(driver string) bool) { s.mine = mine }
+func (s *Record[T]) Share(mine func(driver string) bool) { s.mine = mine }
 
 // Handover is told that this replica starts or stops leading driver
 // (Share): the Adds and Removes queued for it are dropped (the Adds fail),
 // and the record is read again before its next use, since another replica
 // may have written the driver's entries meanwhile.
-func (s *Store) Handover(driver string) {
+func (s *Record[T]) Handover(driver string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for k, p := range s.adds {
-		if p.intent.Driver == driver {
+		if p.intent.DriverName() == driver {
 			p.done <- fmt.Errorf("%w: leadership of driver %s changed hands", errTermEnded, driver)
 			delete(s.adds, k)
 		}
@@ -417,9 +445,9 @@ func (s *Store) Handover(driver string) {
 
 // driverOfLocked is the driver of the entry of key as the store knows it
 // (queued, or in the record last read or written).
-func (s *Store) driverOfLocked(key string) (string, bool) {
+func (s *Record[T]) driverOfLocked(key string) (string, bool) {
 	if p, ok := s.adds[key]; ok {
-		return p.intent.Driver, true
+		return p.intent.DriverName(), true
 	}
 	v, ok := "", false
 	if s.cache != nil {
@@ -440,20 +468,20 @@ func (s *Store) driverOfLocked(key string) (string, bool) {
 	return in.Driver, true
 }
 
-func (s *Store) signal() {
+func (s *Record[T]) signal() {
 	close(s.cond)
 	s.cond = make(chan struct{})
 }
 
 // removedLocked reports whether volumeName was removed here and the record
 // may still show it (the caller holds s.mu).
-func (s *Store) removedLocked(volumeName string) bool {
+func (s *Record[T]) removedLocked(volumeName string) bool {
 	return s.removes[volumeName] || s.removing[volumeName]
 }
 
 // Has reports whether the last record written or read holds volumeName, or
 // an Add for it is queued (no API call); a Remove not yet written counts.
-func (s *Store) Has(volumeName string) bool {
+func (s *Record[T]) Has(volumeName string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if _, ok := s.adds[volumeName]; ok {
@@ -475,14 +503,15 @@ func (s *Store) Has(volumeName string) bool {
 }
 
 // Get returns the entry of volumeName as Has finds it (no API call).
-func (s *Store) Get(volumeName string) (Intent, bool) {
+func (s *Record[T]) Get(volumeName string) (T, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if p, ok := s.adds[volumeName]; ok {
 		return p.intent, true
 	}
 	if s.removedLocked(volumeName) {
-		return Intent{}, false
+		var zero T
+		return zero, false
 	}
 	var v string
 	var ok bool
@@ -493,11 +522,13 @@ func (s *Store) Get(volumeName string) (Intent, bool) {
 		v, ok = s.lost[volumeName]
 	}
 	if !ok {
-		return Intent{}, false
+		var zero T
+		return zero, false
 	}
-	var in Intent
+	var in T
 	if err := json.Unmarshal([]byte(v), &in); err != nil {
-		return Intent{}, false
+		var zero T
+		return zero, false
 	}
 	return in, true
 }
@@ -505,7 +536,7 @@ func (s *Store) Get(volumeName string) (Intent, bool) {
 // Lookup is Get after the record has been read from the API server in this
 // term (a List, or a write): at the start of a term the store knows nothing
 // of the entries an earlier leader wrote.
-func (s *Store) Lookup(ctx context.Context, volumeName string) (Intent, bool, error) {
+func (s *Record[T]) Lookup(ctx context.Context, volumeName string) (T, bool, error) {
 	known := func() bool {
 		s.mu.Lock()
 		defer s.mu.Unlock()
@@ -516,7 +547,8 @@ func (s *Store) Lookup(ctx context.Context, volumeName string) (Intent, bool, er
 		if !known() {
 			if _, err := s.List(ctx); err != nil {
 				s.loadMu.Unlock()
-				return Intent{}, false, err
+				var zero T
+				return zero, false, err
 			}
 		}
 		s.loadMu.Unlock()
@@ -528,7 +560,7 @@ func (s *Store) Lookup(ctx context.Context, volumeName string) (Intent, bool, er
 // List reads the record from the API server (the source of truth at
 // start-up and for recovery), without the entries this store has been asked
 // to remove and has not written yet.
-func (s *Store) List(ctx context.Context) ([]Intent, error) {
+func (s *Record[T]) List(ctx context.Context) ([]T, error) {
 	s.mu.Lock()
 	term, gen := s.term, s.cacheGen
 	s.mu.Unlock()
@@ -565,7 +597,7 @@ func (s *Store) List(ctx context.Context) ([]Intent, error) {
 			}
 		}
 	}
-	all := decodeIntents(rec, s.log)
+	all := decodeIntents[T](rec, s.log)
 	out := all[:0]
 	for _, in := range all {
 		if !s.removedLocked(in.Key()) {
@@ -576,7 +608,7 @@ func (s *Store) List(ctx context.Context) ([]Intent, error) {
 	return out, nil
 }
 
-func (s *Store) setCacheLocked(cm *corev1.ConfigMap) {
+func (s *Record[T]) setCacheLocked(cm *corev1.ConfigMap) {
 	s.cache = cm
 	s.cacheGen++
 }
@@ -586,7 +618,7 @@ func (s *Store) setCacheLocked(cm *corev1.ConfigMap) {
 // record was deleted and made again), the entries the old one held are
 // kept in s.lost, to be written back; it reports whether it was. The
 // caller holds s.mu.
-func (s *Store) noteReplacedLocked(rec *corev1.ConfigMap) bool {
+func (s *Record[T]) noteReplacedLocked(rec *corev1.ConfigMap) bool {
 	old := s.cache
 	if old == nil || rec == nil || old.UID == rec.UID {
 		return false
@@ -605,10 +637,10 @@ func (s *Store) noteReplacedLocked(rec *corev1.ConfigMap) bool {
 	return true
 }
 
-func decodeIntents(cm *corev1.ConfigMap, log *slog.Logger) []Intent {
-	var out []Intent
+func decodeIntents[T Entry](cm *corev1.ConfigMap, log *slog.Logger) []T {
+	var out []T
 	for k, v := range cm.Data {
-		var in Intent
+		var in T
 		if err := json.Unmarshal([]byte(v), &in); err != nil {
 			log.Error("intent record: unreadable entry, keeping it for an admin", "configmap", cm.Namespace+"/"+cm.Name, "key", k, "err", err)
 			continue
@@ -621,7 +653,7 @@ func decodeIntents(cm *corev1.ConfigMap, log *slog.Logger) []Intent {
 
 // read is the record as the API server has it, through the reader if one
 // is set (a missing record is created as get does).
-func (s *Store) read(ctx context.Context) (*corev1.ConfigMap, error) {
+func (s *Record[T]) read(ctx context.Context) (*corev1.ConfigMap, error) {
 	if s.reader == nil {
 		return s.get(ctx, nil)
 	}
@@ -635,7 +667,7 @@ func (s *Store) read(ctx context.Context) (*corev1.ConfigMap, error) {
 	return cm, nil
 }
 
-func (s *Store) get(ctx context.Context, prepaid *bool) (*corev1.ConfigMap, error) {
+func (s *Record[T]) get(ctx context.Context, prepaid *bool) (*corev1.ConfigMap, error) {
 	if err := s.take(ctx, prepaid); err != nil {
 		return nil, err
 	}
@@ -646,7 +678,7 @@ func (s *Store) get(ctx context.Context, prepaid *bool) (*corev1.ConfigMap, erro
 		}
 		cm, err = s.client.CoreV1().ConfigMaps(s.namespace).Create(ctx, &corev1.ConfigMap{
 			ObjectMeta: metav1.ObjectMeta{Name: s.name, Namespace: s.namespace, Labels: map[string]string{"app.kubernetes.io/managed-by": "csibroker"},
-				Annotations: map[string]string{"csibroker.io/purpose": "volumes being created; entries are removed when their PV exists or the volume is deleted"}},
+				Annotations: map[string]string{"csibroker.io/purpose": s.purpose}},
 		}, metav1.CreateOptions{})
 		if apierrors.IsAlreadyExists(err) {
 			if err := s.take(ctx, nil); err != nil {
@@ -666,14 +698,14 @@ var errTermEnded = errors.New("intent record: the leadership term has ended")
 
 // StartTerm begins a term: Add and Remove are taken again. The bridge
 // calls it before it starts the term's workers; Run calls it too.
-func (s *Store) StartTerm() {
+func (s *Record[T]) StartTerm() {
 	s.mu.Lock()
 	s.ended = false
 	s.mu.Unlock()
 }
 
 // Run writes batches until ctx is done, which ends the term.
-func (s *Store) Run(ctx context.Context) {
+func (s *Record[T]) Run(ctx context.Context) {
 	s.StartTerm()
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
@@ -717,7 +749,7 @@ func (s *Store) Run(ctx context.Context) {
 
 // nextWriteLocked is when the queued changes are to be written, if any are
 // queued (the caller holds s.mu).
-func (s *Store) nextWriteLocked() (time.Time, bool) {
+func (s *Record[T]) nextWriteLocked() (time.Time, bool) {
 	if len(s.adds) > 0 {
 		return s.batch.writeDue(len(s.adds), s.oldestAdd, s.newestAdd, s.arrivals/rateWindow.Seconds()), true
 	}
@@ -731,7 +763,7 @@ func (s *Store) nextWriteLocked() (time.Time, bool) {
 	return time.Time{}, false
 }
 
-func (s *Store) failAll(err error) {
+func (s *Record[T]) failAll(err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for k, p := range s.adds {
@@ -756,7 +788,7 @@ func (s *Store) failAll(err error) {
 }
 
 // flush writes every queued change in one update (re-reading on conflict).
-func (s *Store) flush(ctx context.Context) {
+func (s *Record[T]) flush(ctx context.Context) {
 	b, ok := s.cutBatch(ctx)
 	if !ok {
 		return // ctx is done: Run fails what is queued
@@ -775,15 +807,15 @@ func (s *Store) flush(ctx context.Context) {
 
 // batch is what one flush writes: the changes it took from the queue, and
 // the record as it was last read.
-type batch struct {
-	adds    map[string]*pendingAdd
+type batch[T Entry] struct {
+	adds    map[string]*pendingAdd[T]
 	removes map[string]bool
 	prepaid bool              // the first request's token is taken already
 	cached  *corev1.ConfigMap // nil: to be read before the write
 }
 
 // finish answers every Add of the batch still waiting.
-func (b *batch) finish(err error) {
+func (b *batch[T]) finish(err error) {
 	for _, p := range b.adds {
 		p.done <- err
 	}
@@ -792,8 +824,8 @@ func (b *batch) finish(err error) {
 // cutBatch takes what is queued. The first request's token is taken before
 // the batch is cut, so the batch holds what arrived while it waited; false:
 // ctx ended while waiting.
-func (s *Store) cutBatch(ctx context.Context) (*batch, bool) {
-	b := &batch{prepaid: s.wait != nil}
+func (s *Record[T]) cutBatch(ctx context.Context) (*batch[T], bool) {
+	b := &batch[T]{prepaid: s.wait != nil}
 	if b.prepaid {
 		if err := s.wait(ctx); err != nil {
 			return nil, false
@@ -802,7 +834,7 @@ func (s *Store) cutBatch(ctx context.Context) (*batch, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	b.adds, b.removes = s.adds, s.removes
-	s.adds, s.removes = map[string]*pendingAdd{}, map[string]bool{}
+	s.adds, s.removes = map[string]*pendingAdd[T]{}, map[string]bool{}
 	s.removing = b.removes
 	if s.loaded {
 		b.cached = s.cache
@@ -813,7 +845,7 @@ func (s *Store) cutBatch(ctx context.Context) (*batch, bool) {
 // tryWrite writes the batch over the record, read first if need be. It
 // returns nil once written (or once nothing is left to write), and again
 // when the write met a newer or another record, which is read again.
-func (s *Store) tryWrite(ctx context.Context, b *batch) (again bool, err error) {
+func (s *Record[T]) tryWrite(ctx context.Context, b *batch[T]) (again bool, err error) {
 	if b.cached == nil {
 		if b.cached, err = s.get(ctx, &b.prepaid); err != nil {
 			return false, err
@@ -868,7 +900,7 @@ func (s *Store) tryWrite(ctx context.Context, b *batch) (again bool, err error) 
 // a replaced record back, the batch's removes gone and its adds in. An Add
 // that does not fit fails now (and leaves the batch): only what does not
 // fit, since a ConfigMap holds at most 1 MiB.
-func (s *Store) merge(b *batch) *corev1.ConfigMap {
+func (s *Record[T]) merge(b *batch[T]) *corev1.ConfigMap {
 	cm := b.cached.DeepCopy()
 	if cm.Data == nil {
 		cm.Data = map[string]string{}
@@ -929,7 +961,7 @@ func (s *Store) merge(b *batch) *corev1.ConfigMap {
 // next batch, or alone removeDelay from now (not at once: the API server
 // may be struggling); Adds fail so their callers back off (nothing was
 // called yet).
-func (s *Store) batchFailed(b *batch, err error) {
+func (s *Record[T]) batchFailed(b *batch[T], err error) {
 	err = fmt.Errorf("write intent record %s/%s: %w", s.namespace, s.name, err)
 	s.log.Error("intent record write failed", "err", err)
 	s.mu.Lock()
@@ -949,10 +981,10 @@ func (s *Store) batchFailed(b *batch, err error) {
 
 // Record is the record's ConfigMap as the store last read or wrote it,
 // read now if it has not been (other objects name it as their owner).
-func (s *Store) Record(ctx context.Context) (*corev1.ConfigMap, error) {
+func (s *Record[T]) Record(ctx context.Context) (*corev1.ConfigMap, error) {
 	return s.get(ctx, nil)
 }
 
 // LimitEntries bounds how many entries the record holds (1500 by default);
 // an Add beyond it fails with ErrFull. Call it before Run.
-func (s *Store) LimitEntries(n int) { s.maxEntries = n }
+func (s *Record[T]) LimitEntries(n int) { s.maxEntries = n }

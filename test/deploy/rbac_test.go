@@ -85,23 +85,25 @@ func TestRBACLeastPrivilege(t *testing.T) {
 		}
 		got := effectiveGrants(t, "ClusterRole", cr.Rules)
 		want := map[grantKey][]string{
-			{"", "persistentvolumes", ""}:                             sorted("get", "list", "watch", "create", "patch", "delete"),
-			{"", "persistentvolumeclaims", ""}:                        sorted("get", "list", "watch", "patch"),
-			{"", "persistentvolumeclaims/status", ""}:                 sorted("patch"),
-			{"", "nodes", ""}:                                         read,
-			{"", "namespaces", ""}:                                    read,
-			{"", "pods", ""}:                                          sorted("list", "watch"),
-			{"storage.k8s.io", "storageclasses", ""}:                  sorted("list", "watch"),
-			{"storage.k8s.io", "csinodes", ""}:                        read,
-			{"storage.k8s.io", "volumeattributesclasses", ""}:         {"get"},
-			{"snapshot.storage.k8s.io", "volumesnapshots", ""}:        sorted("get", "list", "patch"),
-			{"snapshot.storage.k8s.io", "volumesnapshotcontents", ""}: {"get"},
-			{"storage.k8s.io", "volumeattachments", ""}:               sorted("list", "watch", "patch"),
-			{"storage.k8s.io", "volumeattachments/status", ""}:        sorted("patch"),
-			{"", "events", ""}:                                        sorted("create", "patch"),
-			{"policy.csibroker.io", "secretgrants", ""}:               sorted("list", "watch"),
-			{"policy.csibroker.io", "secretgrants/status", ""}:        sorted("patch"),
-			{"", "secrets", ""}:                                       {"get"},
+			{"", "persistentvolumes", ""}:                                    sorted("get", "list", "watch", "create", "patch", "delete"),
+			{"", "persistentvolumeclaims", ""}:                               sorted("get", "list", "watch", "patch"),
+			{"", "persistentvolumeclaims/status", ""}:                        sorted("patch"),
+			{"", "nodes", ""}:                                                read,
+			{"", "namespaces", ""}:                                           read,
+			{"", "pods", ""}:                                                 sorted("list", "watch"),
+			{"storage.k8s.io", "storageclasses", ""}:                         sorted("list", "watch"),
+			{"storage.k8s.io", "csinodes", ""}:                               read,
+			{"storage.k8s.io", "volumeattributesclasses", ""}:                {"get"},
+			{"snapshot.storage.k8s.io", "volumesnapshots", ""}:               sorted("get", "list", "patch"),
+			{"snapshot.storage.k8s.io", "volumesnapshotcontents", ""}:        sorted("get", "list", "watch", "patch"),
+			{"snapshot.storage.k8s.io", "volumesnapshotcontents/status", ""}: sorted("patch"),
+			{"snapshot.storage.k8s.io", "volumesnapshotclasses", ""}:         sorted("list", "watch"),
+			{"storage.k8s.io", "volumeattachments", ""}:                      sorted("list", "watch", "patch"),
+			{"storage.k8s.io", "volumeattachments/status", ""}:               sorted("patch"),
+			{"", "events", ""}:                                               sorted("create", "patch"),
+			{"policy.csibroker.io", "secretgrants", ""}:                      sorted("list", "watch"),
+			{"policy.csibroker.io", "secretgrants/status", ""}:               sorted("patch"),
+			{"", "secrets", ""}:                                              {"get"},
 		}
 		compareGrants(t, got, want)
 
@@ -121,6 +123,7 @@ func TestRBACLeastPrivilege(t *testing.T) {
 			{"coordination.k8s.io", "leases", "csibroker-leader"}: sorted("get", "update"),
 			{"", "configmaps", ""}:                                {"create"},
 			{"", "configmaps", "csibroker-intents"}:               sorted("get", "update"),
+			{"", "configmaps", "csibroker-snapshot-intents"}:      sorted("get", "update"),
 			{"storage.k8s.io", "csistoragecapacities", ""}:        sorted("list", "watch", "create", "update", "delete"),
 		}
 		compareGrants(t, got, want)
@@ -220,8 +223,16 @@ func TestRBACSubjectAccessReview(t *testing.T) {
 		{verb: "update", group: "coordination.k8s.io", resource: "leases", namespace: brokerNamespace, name: "csibroker-leader"},
 		{verb: "get", resource: "configmaps", namespace: brokerNamespace, name: "csibroker-intents"},
 		{verb: "update", resource: "configmaps", namespace: brokerNamespace, name: "csibroker-intents"},
+		{verb: "get", resource: "configmaps", namespace: brokerNamespace, name: "csibroker-snapshot-intents"},
+		{verb: "update", resource: "configmaps", namespace: brokerNamespace, name: "csibroker-snapshot-intents"},
+		{verb: "watch", group: "snapshot.storage.k8s.io", resource: "volumesnapshotcontents"},
+		{verb: "patch", group: "snapshot.storage.k8s.io", resource: "volumesnapshotcontents", subresource: "status", name: "snapcontent-1"},
+		{verb: "watch", group: "snapshot.storage.k8s.io", resource: "volumesnapshotclasses"},
 	}
 	denied := []access{
+		{verb: "delete", group: "snapshot.storage.k8s.io", resource: "volumesnapshotcontents", name: "snapcontent-1"},
+		{verb: "create", group: "snapshot.storage.k8s.io", resource: "volumesnapshotcontents"},
+		{verb: "update", group: "snapshot.storage.k8s.io", resource: "volumesnapshotclasses", name: "c"},
 		{verb: "list", resource: "secrets"},
 		{verb: "list", resource: "secrets", namespace: "sample-storage"},
 		{verb: "watch", resource: "secrets"},

@@ -76,7 +76,8 @@ func NewUnreachable(err error) Unreachable { return Unreachable{err} }
 type Caps struct {
 	CreateDelete          bool
 	Clone                 bool
-	Snapshot              bool // CREATE_DELETE_SNAPSHOT: it restores its snapshots
+	Snapshot              bool // CREATE_DELETE_SNAPSHOT: it makes, deletes and restores snapshots
+	ListSnapshots         bool // LIST_SNAPSHOTS: a snapshot's status can be asked by its ID
 	SingleNodeMultiWriter bool
 	PublishUnpublish      bool
 	PublishReadonly       bool // PUBLISH_READONLY: ControllerPublish may be asked for read-only
@@ -215,6 +216,8 @@ func (c *Cache) fetch(ctx context.Context, driver string, conn grpc.ClientConnIn
 				caps.GetVolumeHealth = true
 			case csi.ControllerServiceCapability_RPC_LIST_VOLUME_HEALTH:
 				caps.ListVolumeHealth = true
+			case csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS:
+				caps.ListSnapshots = true
 			}
 		}
 	}

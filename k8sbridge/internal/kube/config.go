@@ -52,6 +52,10 @@ type Config struct {
 	// restored from one (and marks a snapshot in use); nil refuses such
 	// claims with an Event.
 	SnapshotClient snapshotclient.Interface
+	// SnapshotInformerClient lists and watches VolumeSnapshotContents and
+	// VolumeSnapshotClasses for the snapshot controller, on the informers'
+	// budget (InformerClient's). Defaults to SnapshotClient.
+	SnapshotInformerClient snapshotclient.Interface
 
 	Drivers drivers.Drivers
 	Policy  SecretPolicy
@@ -75,7 +79,17 @@ type Config struct {
 
 	VolumeNamePrefix     string
 	VolumeNameUUIDLength int
-	ExtraCreateMetadata  bool
+	// ExtraCreateMetadata also adds csi.storage.k8s.io/volumesnapshot/name,
+	// /volumesnapshot/namespace and /volumesnapshotcontent/name to
+	// CreateSnapshot's parameters (csi-snapshotter's flag of that name).
+	ExtraCreateMetadata bool
+	// SnapshotNamePrefix and SnapshotNameUUIDLength name snapshots
+	// <prefix>-<VolumeSnapshot UID> (csi-snapshotter's
+	// --snapshot-name-prefix, default "snapshot", and
+	// --snapshot-name-uuid-length, default -1: the whole UID; 0 counts as
+	// -1 here).
+	SnapshotNamePrefix     string
+	SnapshotNameUUIDLength int
 	// ExtraModifyMetadata adds csi.storage.k8s.io/pvc/name, /pvc/namespace
 	// and /pv/name to ControllerModifyVolume's mutable parameters
 	// (external-resizer's --extra-modify-metadata).
@@ -150,6 +164,12 @@ func (c *Config) Validate() error {
 	}
 	if c.VolumeNamePrefix == "" {
 		c.VolumeNamePrefix = "pvc"
+	}
+	if c.SnapshotNamePrefix == "" {
+		c.SnapshotNamePrefix = "snapshot"
+	}
+	if c.SnapshotInformerClient == nil {
+		c.SnapshotInformerClient = c.SnapshotClient
 	}
 	if c.EventClient == nil {
 		c.EventClient = c.Client

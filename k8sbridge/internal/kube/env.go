@@ -53,6 +53,9 @@ type Env struct {
 	Intents *intent.Store
 
 	fans []*fanout // handlers being added (New), registered by StartHandlers
+	// moreSynced are the HasSynced of informers the constructors added
+	// (AddSynced), taken by the bridge (TakeSynced).
+	moreSynced []cache.InformerSynced
 	// VolumeChanged are told of each volume made or deleted (capacity
 	// refreshes what it took or freed); set up by the constructors,
 	// read-only after.
@@ -91,6 +94,17 @@ func NewEnv(cfg Config) (*Env, []cache.InformerSynced, error) {
 	}
 	e.Intents.UseReader(cfg.InformerClient)
 	return e, synced, nil
+}
+
+// AddSynced adds an informer a constructor made on Factory to those whose
+// caches the bridge waits for (and /readyz reports on).
+func (b *Env) AddSynced(f cache.InformerSynced) { b.moreSynced = append(b.moreSynced, f) }
+
+// TakeSynced returns what AddSynced collected, once.
+func (b *Env) TakeSynced() []cache.InformerSynced {
+	s := b.moreSynced
+	b.moreSynced = nil
+	return s
 }
 
 // StartHandlers registers the handlers On collected, one per informer.

@@ -1,0 +1,341 @@
+package snapshot
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
+	snapshotclient "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
+	snapinformers "github.com/kubernetes-csi/external-snapshotter/client/v8/informers/externalversions/volumesnapshot/v1"
+	snaplisters "github.com/kubernetes-csi/external-snapshotter/client/v8/listers/volumesnapshot/v1"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/csibroker/csibroker/internal/budget"
+	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+)
+
+// Names shared with external-snapshotter's snapshot-controller and
+// csi-snapshotter, so that contents move between the sidecar and the
+// broker without changes.
+const (
+	Group = "snapshot.storage.k8s.io"
+	// AnnBeingCreated is set before CreateSnapshot is sent and removed
+	// once the driver answered with a snapshot or a final error: while it
+	// is set the content is not deleted (the snapshot-controller waits).
+	AnnBeingCreated = "snapshot.storage.kubernetes.io/volumesnapshot-being-created"
+	// AnnBeingDeleted is the snapshot-controller's: the VolumeSnapshot is
+	// being deleted, so the content's deletion is to be carried out.
+	AnnBeingDeleted = "snapshot.storage.kubernetes.io/volumesnapshot-being-deleted"
+	// AnnDeletionSecretName/-Namespace remember the snapshotter secret on
+	// the content, for DeleteSnapshot after the class is gone.
+	AnnDeletionSecretName = "snapshot.storage.kubernetes.io/deletion-secret-name"
+	AnnDeletionSecretNS   = "snapshot.storage.kubernetes.io/deletion-secret-namespace"
+	// ContentFinalizer is the snapshot-controller's; it is removed here
+	// once the snapshot is deleted (or retained).
+	ContentFinalizer = "snapshot.storage.kubernetes.io/volumesnapshotcontent-bound-protection"
+	// annGroupMember marks a content made as a member of a group snapshot:
+	// its snapshot is made by the group's CreateVolumeGroupSnapshot.
+	annGroupMember = "groupsnapshot.storage.k8s.io/volumeGroupSnapshotHandle"
+	// AnnNode records, on the content of a node-local driver's snapshot,
+	// the node whose proxy made it (csibroker's, as on PVs).
+	AnnNode = kube.AnnVolumeNode
+
+	// Parameters --extra-create-metadata adds.
+	ParamSnapshotName      = "csi.storage.k8s.io/volumesnapshot/name"
+	ParamSnapshotNamespace = "csi.storage.k8s.io/volumesnapshot/namespace"
+	ParamContentName       = "csi.storage.k8s.io/volumesnapshotcontent/name"
+
+	// recordName is the ConfigMap of the snapshots being created.
+	recordName = "csibroker-snapshot-intents"
+)
+
+// errNotReady requeues a content whose snapshot is not ready yet with the
+// key's backoff, as csi-snapshotter does; it is no failure.
+var errNotReady = errors.New("snapshot not ready yet")
+
+// Controller makes, checks and deletes the snapshots of the
+// VolumeSnapshotContents of registered drivers.
+type Controller struct {
+	b        *kube.Env
+	client   snapshotclient.Interface
+	contents snaplisters.VolumeSnapshotContentLister
+	classes  snaplisters.VolumeSnapshotClassLister
+	queue    *kube.TermQueue
+	slots    *kube.DriverSlots
+	intents  *intent.Record[Entry]
+
+	ops, recovered *prometheus.CounterVec
+	// recoverNow wakes the recovery loop (a content went).
+	recoverNow chan struct{}
+	// inflight holds the names of the snapshots workers are making now:
+	// recovery leaves their entries to them.
+	inflight sync.Map
+}
+
+// Served reports whether the API server serves VolumeSnapshotContents and
+// VolumeSnapshotClasses (the CRDs are installed).
+func Served(d discovery.DiscoveryInterface) (bool, error) {
+	list, err := d.ServerResourcesForGroupVersion(Group + "/v1")
+	if apierrors.IsNotFound(err) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("discover the %s/v1 API: %w", Group, err)
+	}
+	have := map[string]bool{}
+	for _, r := range list.APIResources {
+		have[r.Name] = true
+	}
+	return have["volumesnapshotcontents"] && have["volumesnapshotclasses"], nil
+}
+
+// New is the snapshot controller, or nil when the broker has no snapshot
+// client or the cluster does not serve the snapshot API (no CRDs: there
+// is nothing to watch; install them and restart the broker).
+func New(b *kube.Env) (*Controller, error) {
+	if b.Cfg.SnapshotClient == nil {
+		b.Log.Info("no snapshot API client: VolumeSnapshotContents are not handled")
+		return nil, nil
+	}
+	served, err := Served(b.Cfg.Client.Discovery())
+	if err != nil {
+		return nil, err
+	}
+	if !served {
+		b.Log.Info("the cluster does not serve " + Group + "/v1 VolumeSnapshotContents and VolumeSnapshotClasses (no snapshot CRDs): snapshots are not made; install the CRDs and restart the broker")
+		return nil, nil
+	}
+	c := &Controller{b: b, client: b.Cfg.SnapshotClient, queue: b.NewTermQueue("snapshot"), recoverNow: make(chan struct{}, 1)}
+	c.slots = c.queue.WithSlots(b.Cfg.PerDriverWorkers)
+	if c.ops, err = kube.OperationsCounter(b.Cfg.Registerer, "snapshot_operations_total",
+		"VolumeSnapshotContent operations by driver and result (created, not_ready, imported, deleted, retained, failed, not_called, delete_failed)."); err != nil {
+		return nil, err
+	}
+	if c.recovered, err = kube.OperationsCounter(b.Cfg.Registerer, "recovered_snapshots_total",
+		"Snapshots made for contents that vanished (or by a broker that died) and deleted by recovery, by driver and result (deleted, not_made, failed)."); err != nil {
+		return nil, err
+	}
+	b.Metrics.QueueDepth("snapshot", c.queue.Len)
+	c.intents = intent.NewRecord[Entry](b.Cfg.Client, b.Cfg.Namespace, recordName,
+		"snapshots being created; entries are removed when their VolumeSnapshotContent records the snapshot or the snapshot is deleted", b.Log)
+	if b.Cfg.IntentClient != nil && b.Cfg.IntentBudget != nil {
+		c.intents.UseBudget(b.Cfg.IntentClient, b.Cfg.IntentBudget.Wait)
+	}
+	c.intents.UseReader(b.Cfg.InformerClient)
+	// Per-driver leadership: entries of drivers another replica leads
+	// are that replica's to write.
+	c.intents.Share(func(d string) bool { return !b.Foreign(d) })
+
+	// The informers are the broker's one factory's, over the snapshot
+	// client of the informers' budget.
+	si := b.Cfg.SnapshotInformerClient
+	contentInf := b.Factory.InformerFor(&snapshotv1.VolumeSnapshotContent{}, func(_ kubernetes.Interface, resync time.Duration) cache.SharedIndexInformer {
+		return snapinformers.NewVolumeSnapshotContentInformer(si, resync, cache.Indexers{})
+	})
+	classInf := b.Factory.InformerFor(&snapshotv1.VolumeSnapshotClass{}, func(_ kubernetes.Interface, resync time.Duration) cache.SharedIndexInformer {
+		return snapinformers.NewVolumeSnapshotClassInformer(si, resync, cache.Indexers{})
+	})
+	c.contents = snaplisters.NewVolumeSnapshotContentLister(contentInf.GetIndexer())
+	c.classes = snaplisters.NewVolumeSnapshotClassLister(classInf.GetIndexer())
+	b.AddSynced(contentInf.HasSynced)
+	b.AddSynced(classInf.HasSynced)
+	b.On(contentInf, cache.ResourceEventHandlerFuncs{
+		AddFunc: func(obj any) {
+			if vsc, ok := obj.(*snapshotv1.VolumeSnapshotContent); ok && c.ours(vsc) {
+				c.queue.Add(vsc.Name)
+			}
+		},
+		UpdateFunc: func(oldObj, newObj any) {
+			old, ok1 := oldObj.(*snapshotv1.VolumeSnapshotContent)
+			cur, ok2 := newObj.(*snapshotv1.VolumeSnapshotContent)
+			if ok1 && ok2 && c.ours(cur) && changeNeedsSync(old, cur) {
+				c.queue.Add(cur.Name)
+			}
+		},
+		DeleteFunc: func(obj any) {
+			vsc, ok := kube.Deleted[*snapshotv1.VolumeSnapshotContent](obj)
+			if !ok {
+				return
+			}
+			b.ForgetEvents(vsc.UID)
+			c.queue.Forget(vsc.Name)
+			// A snapshot recorded as being made for it may be left.
+			if c.intents.Has(snapshotName(c.b.Cfg, vsc)) {
+				c.wakeRecovery()
+			}
+		},
+	})
+	b.On(classInf, cache.ResourceEventHandlerFuncs{
+		// A class that arrives (or changes) after its contents: they are
+		// looked at again rather than waiting out their backoff.
+		AddFunc: func(obj any) {
+			if cl, ok := obj.(*snapshotv1.VolumeSnapshotClass); ok {
+				c.enqueueClass(cl.Name)
+			}
+		},
+		UpdateFunc: func(_, newObj any) {
+			if cl, ok := newObj.(*snapshotv1.VolumeSnapshotClass); ok {
+				c.enqueueClass(cl.Name)
+			}
+		},
+	})
+	return c, nil
+}
+
+// ours: a content of a registered driver with a source to work from.
+func (c *Controller) ours(vsc *snapshotv1.VolumeSnapshotContent) bool {
+	src := vsc.Spec.Source
+	return (src.VolumeHandle != nil || src.SnapshotHandle != nil) && c.b.Registered(vsc.Spec.Driver)
+}
+
+// enqueueClass queues the contents of class that are not ready (a class
+// change matters to nothing else).
+func (c *Controller) enqueueClass(class string) {
+	all, err := c.contents.List(labels.Everything())
+	if err != nil {
+		return
+	}
+	for _, vsc := range all {
+		if n := vsc.Spec.VolumeSnapshotClassName; n != nil && *n == class && !isReady(vsc) && c.ours(vsc) {
+			c.queue.Add(vsc.Name)
+		}
+	}
+}
+
+// changeNeedsSync is csi-snapshotter's filter of updates: a resync, a
+// content that became ready (a deletion asked for meanwhile is carried out
+// now), or a change of anything but the status, the finalizers, managed
+// fields and the being-created annotation (the controller's own writes,
+// which would otherwise bypass the key's backoff).
+func changeNeedsSync(old, cur *snapshotv1.VolumeSnapshotContent) bool {
+	if old.ResourceVersion == cur.ResourceVersion || (!isReady(old) && isReady(cur)) {
+		return true
+	}
+	s := cur.DeepCopy()
+	s.ResourceVersion, s.Status, s.ManagedFields, s.Finalizers = old.ResourceVersion, old.Status, old.ManagedFields, old.Finalizers
+	ann := map[string]string{}
+	for k, v := range s.Annotations {
+		ann[k] = v
+	}
+	delete(ann, AnnBeingCreated)
+	if v, ok := old.Annotations[AnnBeingCreated]; ok {
+		ann[AnnBeingCreated] = v
+	}
+	if len(ann) == 0 && old.Annotations == nil {
+		ann = nil
+	}
+	s.Annotations = ann
+	return !equality.Semantic.DeepEqual(old, s)
+}
+
+// EnqueueAll queues every content of a registered driver (start of a
+// term, a driver registered).
+func (c *Controller) EnqueueAll() {
+	all, err := c.contents.List(labels.Everything())
+	if err != nil {
+		return
+	}
+	for _, vsc := range all {
+		if c.ours(vsc) {
+			c.queue.Add(vsc.Name)
+		}
+	}
+}
+
+// Run works while this replica leads: the contents, the term's intent
+// record writer and the recovery of snapshots left by vanished contents.
+func (c *Controller) Run(ctx context.Context) {
+	c.intents.StartTerm()
+	c.queue.Work(ctx, c.b.Cfg.WorkerThreads, c.EnqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
+		requeue, err := c.sync(ctx, key)
+		switch {
+		case errors.Is(err, errNotReady):
+			c.b.Log.Debug("snapshot not ready yet; asked again with backoff", "content", key)
+		case err != nil:
+			c.b.Log.Debug("snapshot content will be retried", "content", key, "err", err)
+		}
+		return requeue, err
+	}, c.intents.Run, c.recoveryLoop)
+}
+
+// sync does the next step of one content.
+func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error) {
+	vsc, err := c.contents.Get(key)
+	if apierrors.IsNotFound(err) {
+		return 0, nil
+	}
+	if err != nil || !c.ours(vsc) {
+		return 0, err
+	}
+	driver := vsc.Spec.Driver
+	if !c.slots.Acquire(driver, key) {
+		return kube.WaitForSlot, nil
+	}
+	defer c.slots.Release(driver)
+	ctx = budget.WithDriver(ctx, driver)
+	ctx, span := c.b.Tracer.Start(ctx, "snapshot content "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
+		attribute.String("csi.driver", driver), attribute.String("k8s.volumesnapshotcontent.name", key),
+		attribute.String("k8s.volumesnapshot.namespace", vsc.Spec.VolumeSnapshotRef.Namespace),
+		attribute.String("k8s.volumesnapshot.name", vsc.Spec.VolumeSnapshotRef.Name)))
+	defer span.End()
+	_, member := vsc.Annotations[annGroupMember]
+	switch {
+	case shouldDelete(vsc):
+		return 0, c.deleteContent(ctx, vsc)
+	case vsc.Spec.Source.VolumeHandle != nil && vsc.Status == nil && !member:
+		return 0, c.create(ctx, vsc)
+	case isReady(vsc):
+		// Ready: nothing to ask the driver; an annotation left by a
+		// failed write goes.
+		return 0, c.settled(ctx, vsc)
+	case vsc.Spec.Source.SnapshotHandle != nil || (vsc.Status != nil && vsc.Status.VolumeGroupSnapshotHandle != nil && vsc.Status.SnapshotHandle != nil):
+		return 0, c.refresh(ctx, vsc)
+	case !member:
+		// Made but not ready: CreateSnapshot is asked again (it is
+		// idempotent by name) until the driver says ready.
+		return 0, c.create(ctx, vsc)
+	}
+	return 0, nil
+}
+
+// shouldDelete is csi-snapshotter's test: the content is being deleted,
+// and either it is a pre-provisioned content never bound, or its
+// snapshot is not being created and the snapshot-controller marked it
+// being deleted.
+func shouldDelete(vsc *snapshotv1.VolumeSnapshotContent) bool {
+	if vsc.DeletionTimestamp == nil {
+		return false
+	}
+	if vsc.Spec.Source.SnapshotHandle != nil && vsc.Spec.VolumeSnapshotRef.UID == "" {
+		return true
+	}
+	if _, ok := vsc.Annotations[AnnBeingCreated]; ok {
+		return false
+	}
+	_, ok := vsc.Annotations[AnnBeingDeleted]
+	return ok
+}
+
+func isReady(vsc *snapshotv1.VolumeSnapshotContent) bool {
+	return vsc.Status != nil && vsc.Status.ReadyToUse != nil && *vsc.Status.ReadyToUse
+}
+
+// wakeRecovery makes the recovery loop run now.
+func (c *Controller) wakeRecovery() {
+	select {
+	case c.recoverNow <- struct{}{}:
+	default:
+	}
+}
