@@ -25,7 +25,7 @@ H2SPEC_VERSION := v2.2.1+incompatible
 H2SPEC := $(CURDIR)/bin/tools/h2spec-$(H2SPEC_VERSION)
 export H2SPEC
 
-.PHONY: all build test test-unit fuzz fmt-check vet staticcheck lint bench bench-k8s rss-floor proto run demo control-plane sidecars jaeger h2spec clean docker
+.PHONY: all build test test-unit fuzz fmt-check vet staticcheck lint bench bench-k8s rss-floor proto run demo control-plane sidecars snapshot-controller jaeger h2spec clean docker
 
 all: build
 
@@ -106,6 +106,10 @@ rss-floor:
 sidecars:
 	hack/sidecars.sh build
 
+## The cluster's snapshot-controller alone (the demo's snapshot step).
+snapshot-controller:
+	hack/sidecars.sh build snapshot-controller
+
 ## Jaeger all-in-one (OTLP in, query API out), for test/tracing and the demo:
 ## about 6 minutes the first time on 2 cores, cached after.
 jaeger:
@@ -137,7 +141,7 @@ proto:
 
 ## The demo sends its traces to Jaeger when it is built (make jaeger), and
 ## prints them as a tree either way.
-run: control-plane build
+run: control-plane snapshot-controller build
 	$(BIN) demo
 
 demo: run

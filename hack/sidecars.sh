@@ -15,7 +15,8 @@
 # machine or CI cache.
 #
 # Usage:
-#   hack/sidecars.sh [build]   build whatever is missing (default)
+#   hack/sidecars.sh [build [NAME...]]
+#                              build whatever is missing (default: every sidecar)
 #   hack/sidecars.sh dir NAME  print the directory holding NAME's binary
 #                              (NAME: csi-provisioner, csi-attacher,
 #                              csi-snapshotter or snapshot-controller)
@@ -60,14 +61,6 @@ fields() {
 ok() {
 	local b="$1/$2"
 	[[ -x "$b" ]] && "$b" --version >/dev/null 2>&1
-}
-
-all_ok() {
-	local e name module version pkg dir
-	for e in "${SIDECARS[@]}"; do
-		fields "$e"
-		ok "$dir" "$name" || return 1
-	done
 }
 
 # module_replaces SRC MODULE VERSION LOG prints the replace directives of
@@ -128,9 +121,20 @@ EOF
 	log "${name} ${version}: compiled in $(fmt_secs $((SECONDS - t))), ready in ${dir} ($(fmt_secs $((SECONDS - start))) in all)"
 }
 
+# cmd_build [NAME...] builds the named sidecars (default: every one) that
+# are missing.
 cmd_build() {
-	if all_ok; then
-		log "all sidecars cached under ${SC_ROOT}"
+	local want=("$@") e name module version pkg dir
+	local entries=()
+	for e in "${SIDECARS[@]}"; do
+		fields "$e"
+		if ((${#want[@]} == 0)) || [[ " ${want[*]} " == *" ${name} "* ]]; then
+			entries+=("$e")
+		fi
+	done
+	((${#entries[@]} > 0)) || die "unknown sidecar in '${want[*]}'"
+	if entries_ok "${entries[@]}"; then
+		log "${want[*]:-all sidecars}: cached under ${SC_ROOT}"
 		return
 	fi
 	command -v go >/dev/null || die "go is not on PATH"
@@ -142,18 +146,27 @@ cmd_build() {
 		log "another build holds ${SC_ROOT}/.lock; waiting for it"
 		flock 9
 	fi
-	if all_ok; then
-		log "all sidecars under ${SC_ROOT}, built by the other invocation"
+	if entries_ok "${entries[@]}"; then
+		log "${want[*]:-all sidecars}: under ${SC_ROOT}, built by the other invocation"
 		return
 	fi
 	trap 'rm -f "${SC_ROOT}"/*/.*.tmp.$$' EXIT
 
-	local start=$SECONDS e
-	for e in "${SIDECARS[@]}"; do
+	local start=$SECONDS
+	for e in "${entries[@]}"; do
 		build_one "$e"
 	done
-	all_ok || die "some sidecars are still missing under ${SC_ROOT}"
-	log "all sidecars ready under ${SC_ROOT} ($(fmt_secs $((SECONDS - start))))"
+	entries_ok "${entries[@]}" || die "some sidecars are still missing under ${SC_ROOT}"
+	log "${want[*]:-all sidecars}: ready under ${SC_ROOT} ($(fmt_secs $((SECONDS - start))))"
+}
+
+# entries_ok ENTRY...: each entry's binary is built.
+entries_ok() {
+	local e name module version pkg dir
+	for e in "$@"; do
+		fields "$e"
+		ok "$dir" "$name" || return 1
+	done
 }
 
 cmd_dir() {
@@ -178,7 +191,7 @@ cmd_list() {
 }
 
 case "${1:-build}" in
-build) cmd_build ;;
+build) shift; cmd_build "$@" ;;
 dir) cmd_dir "${2:-}" ;;
 list) cmd_list ;;
 -h | --help | help) sed -n '2,26s/^# \{0,1\}//p' "$0" ;;

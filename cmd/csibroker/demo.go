@@ -169,6 +169,11 @@ func (d *demo) run(ctx context.Context) error {
 	if err := d.cluster(ctx, c, crdPath); err != nil {
 		return err
 	}
+	// Before the broker, which looks for the snapshot API as it starts.
+	snapshots, err := d.snapshotSide(ctx)
+	if err != nil {
+		return err
+	}
 	front, status, metricsURL, err := d.components(ctx)
 	if err != nil {
 		return err
@@ -182,6 +187,11 @@ func (d *demo) run(ctx context.Context) error {
 	ok, err := d.watch(ctx, c)
 	if err != nil {
 		return err
+	}
+	if ok && snapshots {
+		if err := d.snapshotAndRestore(ctx, c); err != nil {
+			return fmt.Errorf("snapshot and restore: %w", err)
+		}
 	}
 	d.csiCall(ctx, front)
 	if err := d.showStatus(ctx, status); err != nil {

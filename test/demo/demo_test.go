@@ -119,6 +119,16 @@ func TestDemoEndToEnd(t *testing.T) {
 			t.Errorf("demo output lacks %q", want)
 		}
 	}
+	// With the snapshot-controller built (make run and make test build
+	// it), a claim is snapshotted and restored, the broker in
+	// csi-snapshotter's place.
+	if _, err := os.Stat(filepath.Join(testenv.SidecarDir("snapshot-controller", testenv.SnapshotterVersion), "snapshot-controller")); err == nil {
+		for _, want := range []string{"started snapshot-controller (pid", "VolumeSnapshot alpha-1-snap ready in", "claim alpha-restored Bound to"} {
+			if !strings.Contains(out.String(), want) {
+				t.Errorf("snapshot-controller is built, but the demo output lacks %q", want)
+			}
+		}
+	}
 	// With Jaeger built (make test builds it), the trace comes from its
 	// query API, and the demo says where to point a UI.
 	if testenv.JaegerBuilt() {
