@@ -15,6 +15,9 @@ type StatusServer struct {
 	// Leader reports whether this replica leads and who does; nil means no
 	// leader election (always leader).
 	Leader func() (bool, string)
+	// DriverLeaders maps each driver to the replica leading it, with
+	// per-driver leader election (nil, or an empty map, without).
+	DriverLeaders func() map[string]string
 }
 
 // GetStatus snapshots drivers, proxies and leadership.
@@ -23,8 +26,12 @@ func (s *StatusServer) GetStatus(context.Context, *brokerstatusv1.GetStatusReque
 	if s.Leader != nil {
 		out.Leader, out.LeaderIdentity = s.Leader()
 	}
+	var leaders map[string]string
+	if s.DriverLeaders != nil {
+		leaders = s.DriverLeaders()
+	}
 	for _, d := range s.B.Status() {
-		ds := &brokerstatusv1.DriverStatus{Name: d.Name, InflightCalls: d.Inflight, TotalCalls: d.Total, FailedCalls: d.Failed, Socket: d.Socket}
+		ds := &brokerstatusv1.DriverStatus{Name: d.Name, InflightCalls: d.Inflight, TotalCalls: d.Total, FailedCalls: d.Failed, Socket: d.Socket, Leader: leaders[d.Name]}
 		for _, p := range d.Proxies {
 			ds.Proxies = append(ds.Proxies, &brokerstatusv1.ProxyStatus{Address: p.Address, Node: p.Node, State: p.State, ExpectedIdentity: p.ExpectedIdentity})
 		}

@@ -155,9 +155,10 @@ type brokerRun struct {
 	tp         *sdktrace.TracerProvider
 	promReg    *prometheus.Registry
 	b          *broker.Broker
-	// leader and ready are the bridge's, with Kubernetes on.
-	leader func() (bool, string)
-	ready  func() error
+	// leader, driverLeaders and ready are the bridge's, with Kubernetes on.
+	leader        func() (bool, string)
+	driverLeaders func() map[string]string
+	ready         func() error
 }
 
 // loadRegistry reads the driver registry and checks the front-end sockets
@@ -232,7 +233,7 @@ func (r *brokerRun) startKube(ctx context.Context, g *errgroup.Group) error {
 	if err != nil {
 		return err
 	}
-	r.leader, r.ready = bridge.Leader, bridge.Ready
+	r.leader, r.driverLeaders, r.ready = bridge.Leader, bridge.DriverLeaders, bridge.Ready
 	if cfg.Kube.PolicyCRDs {
 		gc, err := newGrantController(restCfg, store, bridge, log)
 		if err != nil {
@@ -293,7 +294,7 @@ func (r *brokerRun) serveFrontEnds(ctx context.Context, g *errgroup.Group) error
 	}
 	if r.statusPath != "" {
 		g.Go(func() error {
-			return serveStatus(ctx, r.statusPath, &broker.StatusServer{B: b, Version: version, Leader: r.leader})
+			return serveStatus(ctx, r.statusPath, &broker.StatusServer{B: b, Version: version, Leader: r.leader, DriverLeaders: r.driverLeaders})
 		})
 	}
 	if cfg.HTTPEndpoint != "" {

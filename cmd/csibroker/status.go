@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"slices"
 	"text/tabwriter"
 	"time"
 
@@ -52,20 +53,37 @@ func printStatus(w io.Writer, st *brokerstatusv1.GetStatusResponse) error {
 	if !st.GetLeader() {
 		leader = "no (leader: " + st.GetLeaderIdentity() + ")"
 	}
+	// With per-driver leader election, each driver's leader is a column
+	// (and "leader" above is the coordinator's lease).
+	perDriver := slices.ContainsFunc(st.GetDrivers(), func(d *brokerstatusv1.DriverStatus) bool { return d.GetLeader() != "" })
+	if perDriver {
+		leader += " (coordinator; drivers: per-driver leader election)"
+	}
 	fmt.Fprintf(w, "broker %s, leader: %s\n\n", st.GetVersion(), leader)
 	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "DRIVER\tPROXY\tNODE\tSTATE\tIN FLIGHT\tCALLS\tFAILED")
+	head := "DRIVER\tPROXY\tNODE\tSTATE\tIN FLIGHT\tCALLS\tFAILED"
+	if perDriver {
+		head += "\tLED BY"
+	}
+	fmt.Fprintln(tw, head)
 	for _, d := range st.GetDrivers() {
 		for i, p := range d.GetProxies() {
-			name, inflight, total, failed := d.GetName(), fmt.Sprint(d.GetInflightCalls()), fmt.Sprint(d.GetTotalCalls()), fmt.Sprint(d.GetFailedCalls())
+			name, inflight, total, failed, led := d.GetName(), fmt.Sprint(d.GetInflightCalls()), fmt.Sprint(d.GetTotalCalls()), fmt.Sprint(d.GetFailedCalls()), d.GetLeader()
+			if led == "" {
+				led = "(none)"
+			}
 			if i > 0 {
-				name, inflight, total, failed = "", "", "", ""
+				name, inflight, total, failed, led = "", "", "", "", ""
 			}
 			node := p.GetNode()
 			if node == "" {
 				node = "(controller)"
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", name, p.GetAddress(), node, p.GetState(), inflight, total, failed)
+			line := fmt.Sprintf("%s\t%s\t%s\t%s\t%s\t%s\t%s", name, p.GetAddress(), node, p.GetState(), inflight, total, failed)
+			if perDriver {
+				line += "\t" + led
+			}
+			fmt.Fprintln(tw, line)
 		}
 	}
 	return tw.Flush()

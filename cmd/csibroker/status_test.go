@@ -59,3 +59,63 @@ func TestStatusWithARelativeSocketPath(t *testing.T) {
 		t.Fatalf("status output does not show the broker's version:\n%s", out.String())
 	}
 }
+
+// TestStatusShowsEachDriversLeader: with per-driver leader election, the
+// status API names the replica leading each driver and `csibroker status`
+// prints it in a column (a driver no replica leads says so); without it,
+// there is no such column.
+func TestStatusShowsEachDriversLeader(t *testing.T) {
+	now := time.Now()
+	ca, err := mtls.NewCA("test CA", now.Add(-time.Hour), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := ca.IssueMaterial(mtls.Leaf{ID: mtls.BrokerID("td"), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := broker.New(broker.Options{TrustDomain: "td", TLS: mtls.StaticSource{M: m}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	for _, d := range []string{"a.csi.test", "b.csi.test"} {
+		if err := b.SetDriver(broker.DriverConfig{Name: d, Controller: &broker.ProxyConfig{Address: "127.0.0.1:1"}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tc := range []struct {
+		name    string
+		leaders map[string]string
+		want    []string
+		notWant []string
+	}{
+		{"per-driver", map[string]string{"a.csi.test": "replica-2"}, []string{"LED BY", "replica-2", "(none)", "coordinator"}, nil},
+		{"one lease", nil, nil, []string{"LED BY", "coordinator"}},
+	} {
+		srv := &broker.StatusServer{B: b, Version: "v", DriverLeaders: func() map[string]string { return tc.leaders }}
+		st, err := srv.GetStatus(context.Background(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range st.GetDrivers() {
+			if d.GetLeader() != tc.leaders[d.GetName()] {
+				t.Errorf("%s: driver %s led by %q, want %q", tc.name, d.GetName(), d.GetLeader(), tc.leaders[d.GetName()])
+			}
+		}
+		var out bytes.Buffer
+		if err := printStatus(&out, st); err != nil {
+			t.Fatal(err)
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(out.String(), w) {
+				t.Errorf("%s: status output lacks %q:\n%s", tc.name, w, out.String())
+			}
+		}
+		for _, w := range tc.notWant {
+			if strings.Contains(out.String(), w) {
+				t.Errorf("%s: status output has %q:\n%s", tc.name, w, out.String())
+			}
+		}
+	}
+}

@@ -138,7 +138,10 @@ type DriverStatus struct {
 	TotalCalls  int64 `protobuf:"varint,4,opt,name=total_calls,json=totalCalls,proto3" json:"total_calls,omitempty"`
 	FailedCalls int64 `protobuf:"varint,5,opt,name=failed_calls,json=failedCalls,proto3" json:"failed_calls,omitempty"`
 	// Front-end unix socket serving this driver, if any.
-	Socket        string `protobuf:"bytes,6,opt,name=socket,proto3" json:"socket,omitempty"`
+	Socket string `protobuf:"bytes,6,opt,name=socket,proto3" json:"socket,omitempty"`
+	// The replica leading this driver with per-driver leader election
+	// (empty without it, or while no replica leads it).
+	Leader        string `protobuf:"bytes,7,opt,name=leader,proto3" json:"leader,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -211,6 +214,13 @@ func (x *DriverStatus) GetFailedCalls() int64 {
 func (x *DriverStatus) GetSocket() string {
 	if x != nil {
 		return x.Socket
+	}
+	return ""
+}
+
+func (x *DriverStatus) GetLeader() string {
+	if x != nil {
+		return x.Leader
 	}
 	return ""
 }
@@ -296,7 +306,7 @@ const file_brokerstatus_v1_brokerstatus_proto_rawDesc = "" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x16\n" +
 	"\x06leader\x18\x02 \x01(\bR\x06leader\x12'\n" +
 	"\x0fleader_identity\x18\x03 \x01(\tR\x0eleaderIdentity\x12A\n" +
-	"\adrivers\x18\x04 \x03(\v2'.csibroker.brokerstatus.v1.DriverStatusR\adrivers\"\xe7\x01\n" +
+	"\adrivers\x18\x04 \x03(\v2'.csibroker.brokerstatus.v1.DriverStatusR\adrivers\"\xff\x01\n" +
 	"\fDriverStatus\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12@\n" +
 	"\aproxies\x18\x02 \x03(\v2&.csibroker.brokerstatus.v1.ProxyStatusR\aproxies\x12%\n" +
@@ -304,7 +314,8 @@ const file_brokerstatus_v1_brokerstatus_proto_rawDesc = "" +
 	"\vtotal_calls\x18\x04 \x01(\x03R\n" +
 	"totalCalls\x12!\n" +
 	"\ffailed_calls\x18\x05 \x01(\x03R\vfailedCalls\x12\x16\n" +
-	"\x06socket\x18\x06 \x01(\tR\x06socket\"~\n" +
+	"\x06socket\x18\x06 \x01(\tR\x06socket\x12\x16\n" +
+	"\x06leader\x18\a \x01(\tR\x06leader\"~\n" +
 	"\vProxyStatus\x12\x18\n" +
 	"\aaddress\x18\x01 \x01(\tR\aaddress\x12\x12\n" +
 	"\x04node\x18\x02 \x01(\tR\x04node\x12\x14\n" +
