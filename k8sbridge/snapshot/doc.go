@@ -67,7 +67,10 @@
 // does not set and remove the being-created mark around the call (the
 // handle is recorded: a deletion meanwhile finds it). Metadata and status
 // writes are merge patches carrying the resourceVersion read, not GETs
-// followed by writes.
+// followed by writes; only the status write after a successful
+// CreateSnapshot that meets a newer content reads it and writes again
+// (rather than asking the driver again). A retried CreateSnapshot whose
+// entry is recorded already, with the same request, writes no new entry.
 //
 // The controller exists only when the API server serves the snapshot API
 // (discovery at start; install the CRDs, then restart the broker). Its
