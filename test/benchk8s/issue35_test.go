@@ -1,0 +1,79 @@
+package main
+
+import (
+	"io"
+	"math"
+	"slices"
+	"strings"
+	"testing"
+)
+
+func TestPercentile(t *testing.T) {
+	v := make([]float64, 50)
+	for i := range v {
+		v[i] = float64(50 - i) // 50 … 1, unsorted
+	}
+	for _, c := range []struct {
+		p    float64
+		want float64
+	}{{50, 25}, {99, 50}, {100, 50}, {0, 1}, {2, 1}, {3, 2}} {
+		if got := percentile(v, c.p); got != c.want {
+			t.Errorf("percentile(1…50, %v) = %v, want %v", c.p, got, c.want)
+		}
+	}
+	if got := percentile([]float64{math.NaN(), 3}, 50); got != 3 {
+		t.Errorf("percentile skips NaN: got %v, want 3", got)
+	}
+	if got := percentile(nil, 50); !math.IsNaN(got) {
+		t.Errorf("percentile(nil) = %v, want NaN", got)
+	}
+	if v[0] != 50 {
+		t.Error("percentile sorted its argument")
+	}
+	if got := mean([]float64{1, 2, 6}); got != 3 {
+		t.Errorf("mean = %v, want 3", got)
+	}
+}
+
+func TestIssue35Flags(t *testing.T) {
+	cfg, err := parseFlags([]string{"-scenarios", "manydrivers,neighbour,latency", "-many-drivers", "2,3", "-many-claims", "4@50/100,2@20/30",
+		"-neighbour-claims", "30", "-neighbour-probes", "2", "-neighbour-modes", "hang,garbage", "-latency-claims", "7"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(cfg.ManyDrivers, []int{2, 3}) || len(cfg.ManySettings) != 2 || cfg.ManySettings[0] != (manySetting{4, rate{50, 100}}) ||
+		cfg.ManySettings[1].String() != "2@20/30" || cfg.NeighbourClaims != 30 || cfg.NeighbourProbes != 2 ||
+		!slices.Equal(cfg.NeighbourModes, []string{modeHang, modeGarbage}) || cfg.LatencyClaims != 7 {
+		t.Errorf("parsed %+v", cfg)
+	}
+	def := DefaultConfig()
+	if !slices.Equal(def.ManyDrivers, []int{5, 20}) || def.ManySettings[0].String() != "200@200/400" || def.ManySettings[1].String() != "20@20/30" ||
+		def.NeighbourClaims != 1000 || def.LatencyClaims != 50 || !slices.Equal(def.NeighbourModes, neighbourModes) {
+		t.Errorf("defaults %+v", def)
+	}
+	for _, bad := range [][]string{
+		{"-many-claims", "200"},
+		{"-many-claims", "0@200/400"},
+		{"-many-claims", "5@fast"},
+		{"-many-drivers", "0"},
+		{"-neighbour-modes", "flood"},
+		{"-neighbour-claims", "0"},
+		{"-latency-claims", "0"},
+	} {
+		if _, err := parseFlags(bad, io.Discard); err == nil {
+			t.Errorf("parseFlags(%q) accepted", strings.Join(bad, " "))
+		}
+	}
+}
+
+func TestADriverFlags(t *testing.T) {
+	if got := strings.Join(aDriverFlags(modeBusy), " "); got != "-v 1" {
+		t.Errorf("busy: %q", got)
+	}
+	if got := strings.Join(aDriverFlags(modeHang), " "); !strings.Contains(got, "--fault CreateVolume=latency:") {
+		t.Errorf("hang: %q", got)
+	}
+	if got := strings.Join(aDriverFlags(modeGarbage), " "); !strings.Contains(got, "--controller-segment "+neighbourZone+"=z1,bad!key=x") {
+		t.Errorf("garbage: %q", got)
+	}
+}
