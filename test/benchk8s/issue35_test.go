@@ -1,11 +1,15 @@
 package main
 
 import (
+	"bytes"
+	"context"
 	"io"
+	"maps"
 	"math"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestPercentile(t *testing.T) {
@@ -75,5 +79,78 @@ func TestADriverFlags(t *testing.T) {
 	}
 	if got := strings.Join(aDriverFlags(modeGarbage), " "); !strings.Contains(got, "--controller-segment "+neighbourZone+"=z1,bad!key=x") {
 		t.Errorf("garbage: %q", got)
+	}
+}
+
+// TestIssue35Smoke runs issue 35's scenarios once at small sizes (two
+// drivers × three claims; A with 40 claims in each neighbour mode, one
+// probe of B; three claims one at a time), both sides, and checks what each
+// run recorded and that every table is in the report.
+func TestIssue35Smoke(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Scenarios = []string{"manydrivers", "neighbour", "latency"}
+	cfg.Reps = 1
+	cfg.ManyDrivers = []int{2}
+	cfg.ManySettings = []manySetting{{3, rate{200, 400}}}
+	cfg.NeighbourClaims = 40 // busy: more than A provisions at 5/10 while B is measured
+	cfg.NeighbourProbes = 1
+	cfg.LatencyClaims = 3
+	cfg.FromHead = false
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	h, err := newHarness(cfg, &out, testWriter{t})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.close()
+	bctx, bcancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer bcancel()
+	if err := h.build(bctx); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	if err := h.runScenarios(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("report:\n%s", out.String())
+
+	count := map[string]int{}
+	for _, run := range h.report.runs {
+		count[run["scenario"].(string)]++
+		switch r := run["result"].(type) {
+		case *manyResult:
+			if r.BoundSeconds <= 0 || r.DelSeconds <= 0 || r.CPUProv <= 0 {
+				t.Errorf("manydrivers %s: %+v", r.Side, r)
+			}
+		case *neighbourResult:
+			if len(r.Alone) != 1 || len(r.Beside) != 1 || r.Alone[0] <= 0 || r.Beside[0] <= 0 || r.ACalls < 20 || r.APending < 1 {
+				t.Errorf("neighbour %s %s: %+v", r.Side, r.Mode, r)
+			}
+			if r.Mode != modeBusy && r.APending != 40 {
+				t.Errorf("neighbour %s %s: %d of A's claims pending, want all 40 (A never gives a usable volume)", r.Side, r.Mode, r.APending)
+			}
+		case *latencyResult:
+			if len(r.Seconds) != 3 || slices.Min(r.Seconds) <= 0 {
+				t.Errorf("latency %s: %+v", r.Side, r)
+			}
+			if r.Side == sideBroker && r.SpanExports == 0 {
+				t.Errorf("latency: csibroker exported no spans with -tracing")
+			}
+		default:
+			t.Errorf("unexpected result %T", r)
+		}
+	}
+	if want := map[string]int{"manydrivers": 2, "neighbour": 6, "latency": 2}; !maps.Equal(count, want) {
+		t.Errorf("runs by scenario %v, want %v", count, want)
+	}
+	for _, table := range []string{"### Many drivers (issue 35): 2 drivers × 3", "### Noisy neighbour (issue 35): driver A answers normally",
+		"### Noisy neighbour (issue 35): driver A hangs", "### Noisy neighbour (issue 35): driver A answers every CreateVolume with",
+		"### Noisy neighbour, A garbage: the two sides", "### One claim at a time (issue 35): 3"} {
+		if !strings.Contains(out.String(), table) {
+			t.Errorf("report has no %q table", table)
+		}
 	}
 }

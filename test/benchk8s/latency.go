@@ -14,7 +14,8 @@ type latencyResult struct {
 	Rep     int       `json:"rep"`
 	Seconds []float64 `json:"seconds"` // each claim, creation → Bound
 	// SpanExports counts the OTLP export requests the harness's sink got
-	// during the run (csibroker with tracing: its spans were sent).
+	// from the side's start until it stopped (csibroker with tracing: its
+	// spans were sent).
 	SpanExports int64 `json:"span_exports"`
 }
 
@@ -107,6 +108,8 @@ func (h *Harness) latencyRun(ctx context.Context, sc, side string, rep int) (*la
 		return nil, err
 	}
 	r := &latencyResult{Side: side, Rep: rep, Seconds: secs}
+	// Stopped first: csibroker sends the spans it still holds on SIGTERM.
+	d.stop()
 	if h.sink != nil {
 		r.SpanExports = h.sink.requests.Load() - exports0
 	}
