@@ -19,6 +19,7 @@ import (
 	"strings"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -191,4 +192,16 @@ func mean(v []float64) float64 {
 		sum += x
 	}
 	return sum / float64(len(v))
+}
+
+// forgetIntents deletes the broker's intent record once a broker has
+// stopped and the harness has removed the volumes behind its back, so that
+// the next run's broker does not start with recovering them (lookups on
+// its budget that would be counted against that run).
+func (h *Harness) forgetIntents(ctx context.Context) error {
+	err := h.client.CoreV1().ConfigMaps(brokerNamespace).Delete(ctx, "csibroker-intents", metav1.DeleteOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("delete the intent record: %w", err)
+	}
+	return nil
 }

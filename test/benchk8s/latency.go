@@ -98,6 +98,7 @@ func (h *Harness) latencyRun(ctx context.Context, sc, side string, rep int) (*la
 	defer func() {
 		d.stop()
 		_ = h.removeVolumes(context.WithoutCancel(ctx), ns)
+		_ = h.forgetIntents(context.WithoutCancel(ctx))
 	}()
 	// The first claim, not counted, waits for the side to start.
 	if _, err := h.boundInTurn(ctx, tr, ns, "warm", sc, 1, 0, 2*time.Minute, d.died); err != nil {

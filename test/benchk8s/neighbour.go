@@ -134,6 +134,7 @@ func (h *Harness) neighbourRun(ctx context.Context, side, mode string, rep int) 
 		d.stop()
 		_ = h.removeVolumes(context.WithoutCancel(ctx), nsA)
 		_ = h.removeVolumes(context.WithoutCancel(ctx), nsB)
+		_ = h.forgetIntents(context.WithoutCancel(ctx))
 	}()
 	classA, classB := neighbourClassA, neighbourClassB
 	// B's first claim, not counted, waits for the side to start.
