@@ -150,23 +150,29 @@ func createVolumeCalls(d *driverInst) (int, error) {
 
 // boundInTurn creates claims <prefix>-<i> of class sc in ns one after
 // another, each once the previous one is Bound, and returns each one's
-// time from just before its create request to the tracker seeing it
-// Bound. The tracker follows ns, where before claims are Bound already.
-func (h *Harness) boundInTurn(ctx context.Context, tr *tracker, ns, prefix, sc string, n, before int, timeout time.Duration, check func() error) ([]float64, error) {
-	out := make([]float64, 0, n)
+// seconds from just before its create request to the tracker seeing it
+// Bound, and to the tracker seeing its PV. The tracker follows ns, where
+// before claims are Bound already.
+func (h *Harness) boundInTurn(ctx context.Context, tr *tracker, ns, prefix, sc string, n, before int, timeout time.Duration, check func() error) (bound, pv []float64, err error) {
 	for i := range n {
+		name := fmt.Sprintf("%s-%05d", prefix, i)
 		t0 := time.Now()
-		if _, err := h.client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim(ns, fmt.Sprintf("%s-%05d", prefix, i), sc, ""), metav1.CreateOptions{}); err != nil {
-			return nil, fmt.Errorf("create claim: %w", err)
+		if _, err := h.client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim(ns, name, sc, ""), metav1.CreateOptions{}); err != nil {
+			return nil, nil, fmt.Errorf("create claim: %w", err)
 		}
 		want := before + i + 1
-		t1, err := tr.wait(ctx, timeout, fmt.Sprintf("claim %s-%05d Bound", prefix, i), func(s state) bool { return s.bound >= want }, check)
+		tPV, err := tr.wait(ctx, timeout, "the PV of claim "+name, func(s state) bool { return s.pvs >= want }, check)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
-		out = append(out, t1.Sub(t0).Seconds())
+		tBound, err := tr.wait(ctx, timeout, "claim "+name+" Bound", func(s state) bool { return s.bound >= want }, check)
+		if err != nil {
+			return nil, nil, err
+		}
+		bound = append(bound, tBound.Sub(t0).Seconds())
+		pv = append(pv, tPV.Sub(t0).Seconds())
 	}
-	return out, nil
+	return bound, pv, nil
 }
 
 // percentile is the nearest-rank p-th percentile (0 < p <= 100) of v: with

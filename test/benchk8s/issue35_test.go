@@ -133,8 +133,13 @@ func TestIssue35Smoke(t *testing.T) {
 				t.Errorf("neighbour %s %s: %d of A's claims pending, want all 40 (A never gives a usable volume)", r.Side, r.Mode, r.APending)
 			}
 		case *latencyResult:
-			if len(r.Seconds) != 3 || slices.Min(r.Seconds) <= 0 {
-				t.Errorf("latency %s: %+v", r.Side, r)
+			if len(r.Seconds) != 3 || len(r.PVSeconds) != 3 {
+				t.Fatalf("latency %s: %+v", r.Side, r)
+			}
+			for i := range r.Seconds {
+				if r.PVSeconds[i] <= 0 || r.PVSeconds[i] > r.Seconds[i] {
+					t.Errorf("latency %s, claim %d: PV after %.3fs, Bound after %.3fs", r.Side, i, r.PVSeconds[i], r.Seconds[i])
+				}
 			}
 			if r.Side == sideBroker && r.SpanExports == 0 {
 				t.Errorf("latency: csibroker exported no spans with -tracing")

@@ -139,12 +139,12 @@ func (h *Harness) neighbourRun(ctx context.Context, side, mode string, rep int) 
 	classA, classB := neighbourClassA, neighbourClassB
 	// B's first claim, not counted, waits for the side to start.
 	probeTimeout := 5 * time.Minute
-	if _, err := h.boundInTurn(ctx, trB, nsB, "warm", classB, 1, 0, probeTimeout, d.died); err != nil {
+	if _, _, err := h.boundInTurn(ctx, trB, nsB, "warm", classB, 1, 0, probeTimeout, d.died); err != nil {
 		return nil, err
 	}
 	r := &neighbourResult{Side: side, Mode: mode, Rep: rep}
 	probes := h.cfg.NeighbourProbes
-	if r.Alone, err = h.boundInTurn(ctx, trB, nsB, "alone", classB, probes, 1, probeTimeout, d.died); err != nil {
+	if r.Alone, _, err = h.boundInTurn(ctx, trB, nsB, "alone", classB, probes, 1, probeTimeout, d.died); err != nil {
 		return nil, err
 	}
 
@@ -164,7 +164,7 @@ func (h *Harness) neighbourRun(ctx context.Context, side, mode string, rep int) 
 	}); err != nil {
 		return nil, err
 	}
-	if r.Beside, err = h.boundInTurn(ctx, trB, nsB, "beside", classB, probes, 1+probes, probeTimeout, d.died); err != nil {
+	if r.Beside, _, err = h.boundInTurn(ctx, trB, nsB, "beside", classB, probes, 1+probes, probeTimeout, d.died); err != nil {
 		return nil, err
 	}
 	s := trA.snapshot()
