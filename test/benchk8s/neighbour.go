@@ -83,8 +83,8 @@ func (h *Harness) scenarioNeighbour(ctx context.Context) error {
 				if err != nil {
 					return fmt.Errorf("%s, A %s, rep %d: %w", side, mode, rep+1, err)
 				}
-				h.logf("  %-20s A %-7s rep %d: B to Bound, median %.2fs alone, %.2fs beside A (A: %d CreateVolume calls before, %d claims pending after)",
-					side, mode, rep+1, median(r.Alone), median(r.Beside), r.ACalls, r.APending)
+				h.logf("  %-20s A %-7s rep %d: B to Bound, median %.2fs alone, %.2fs beside A; slowest %.2fs alone, %.2fs beside A (A: %d CreateVolume calls before, %d claims pending after)",
+					side, mode, rep+1, median(r.Alone), median(r.Beside), percentile(r.Alone, 100), percentile(r.Beside, 100), r.ACalls, r.APending)
 				runs = append(runs, r)
 				h.report.addRun(map[string]any{"scenario": "neighbour", "result": r})
 			}
