@@ -12,7 +12,7 @@ import (
 )
 
 // Scenario names, in the order they run.
-var allScenarios = []string{"provision", "drivers", "memory", "failover", "snapshots"}
+var allScenarios = []string{"provision", "drivers", "memory", "failover", "snapshots", "manydrivers", "neighbour", "latency"}
 
 // Config holds the harness's flags.
 type Config struct {
@@ -43,6 +43,13 @@ type Config struct {
 	// snapshots (at each of QPS)
 	SnapshotN     int
 	SnapshotSides []string // sideSidecar and/or sideBroker
+	// manydrivers, neighbour and latency (issue 35): see issue35.go.
+	ManyDrivers     []int         // driver counts
+	ManySettings    []manySetting // claims per driver, each with kube-controller-manager's client rate
+	NeighbourClaims int           // driver A's pending claims
+	NeighbourProbes int           // driver B's claims, one after another, in each condition
+	NeighbourModes  []string      // what driver A does: busy, hang, garbage
+	LatencyClaims   int           // claims created one after another, each once the previous is Bound
 
 	WorkerThreads int
 	PolicyMode    string // csibroker --policy-mode
@@ -105,6 +112,12 @@ func DefaultConfig() Config {
 		FailoverQPS:     rate{5, 10},
 		SnapshotN:       300,
 		SnapshotSides:   []string{sideSidecar, sideBroker},
+		ManyDrivers:     []int{5, 20},
+		ManySettings:    []manySetting{{200, rate{200, 400}}, {20, rate{20, 30}}},
+		NeighbourClaims: 1000,
+		NeighbourProbes: 5,
+		NeighbourModes:  slices.Clone(neighbourModes),
+		LatencyClaims:   50,
 		WorkerThreads:   100,
 		PolicyMode:      "enforce",
 		Tracing:         true,
@@ -152,6 +165,7 @@ func (c Config) Validate() error {
 	if c.WorkerThreads < 1 {
 		errs = append(errs, errors.New("-worker-threads must be positive"))
 	}
+	errs = append(errs, c.validateIssue35()...)
 	return errors.Join(errs...)
 }
 
@@ -228,6 +242,7 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 		}
 		return nil
 	})
+	registerIssue35Flags(fs, &cfg)
 	fs.IntVar(&cfg.WorkerThreads, "worker-threads", cfg.WorkerThreads, "--worker-threads of both provisioners (and snapshotters)")
 	fs.StringVar(&cfg.PolicyMode, "policy-mode", cfg.PolicyMode, "csibroker --policy-mode (enforce also installs the SecretGrant CRD)")
 	fs.BoolVar(&cfg.Tracing, "tracing", cfg.Tracing, "csibroker exports its spans over OTLP/HTTP to a sink in the harness")

@@ -248,6 +248,13 @@ func (h *Harness) buildCSIBroker(ctx context.Context, strip bool) (string, error
 // the limit), and an apiserver audit log (Metadata level) from which API
 // requests are counted per client by user agent.
 func (h *Harness) startCluster(ctx context.Context, scenario string) error {
+	return h.startClusterKCM(ctx, scenario, rate{2000, 4000})
+}
+
+// startClusterKCM is startCluster with kube-controller-manager's client
+// QPS/burst (the manydrivers scenario sets it; its audit log is named after
+// scenario, so give each control plane of a run its own name).
+func (h *Harness) startClusterKCM(ctx context.Context, scenario string, kcm rate) error {
 	policy := filepath.Join(h.work, "audit-policy.yaml")
 	if err := os.WriteFile(policy, []byte(auditPolicy), 0o600); err != nil {
 		return err
@@ -260,8 +267,8 @@ func (h *Harness) startCluster(ctx context.Context, scenario string) error {
 	h.sink = sink
 	env, err := testenv.Start(ctx, testenv.Options{
 		ControllerManager: true,
-		KubeAPIQPS:        2000,
-		KubeAPIBurst:      4000,
+		KubeAPIQPS:        float32(kcm.QPS),
+		KubeAPIBurst:      kcm.Burst,
 		APIServerFlags: []string{
 			"--audit-policy-file=" + policy,
 			"--audit-log-path=" + auditPath,
@@ -283,7 +290,7 @@ func (h *Harness) startCluster(ctx context.Context, scenario string) error {
 		return err
 	}
 	h.audit = &auditLog{path: auditPath}
-	h.logf("control plane up for %q (kube-controller-manager QPS 2000/4000, audit log %s)", scenario, auditPath)
+	h.logf("control plane up for %q (kube-controller-manager QPS %s, audit log %s)", scenario, kcm, auditPath)
 	return h.setupCluster(ctx)
 }
 
@@ -310,6 +317,9 @@ func (h *Harness) runScenarios(ctx context.Context) error {
 		{"memory", h.scenarioMemory},
 		{"failover", h.scenarioFailover},
 		{"snapshots", h.scenarioSnapshots},
+		{"manydrivers", h.scenarioManyDrivers},
+		{"neighbour", h.scenarioNeighbour},
+		{"latency", h.scenarioLatency},
 	} {
 		if !h.cfg.has(s.name) {
 			continue

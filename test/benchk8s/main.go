@@ -11,7 +11,15 @@
 // volume at the sidecars' default client QPS and at a high one), drivers (five
 // drivers: one broker against five provisioners, plus five attachers with
 // -attach), memory (RSS with 0, 1,000 and 10,000 pre-bound PV/PVC pairs) and
-// failover (SIGKILL the leader while claims are pending).
+// failover (SIGKILL the leader while claims are pending). Issue 35's, all at
+// the sidecars' default client QPS 5/10: manydrivers (5 and 20 drivers, 200
+// claims each with kube-controller-manager at 200/400 and 20 at its default
+// 20/30: time to all Bound and to all PVs gone), neighbour (one driver's
+// claims while another has 1,000 pending, hangs or answers garbage) and
+// latency (50 claims one at a time: p50 and p99 creation → Bound).
+//
+//	go run ./test/benchk8s -scenarios manydrivers,neighbour,latency -reps 1 \
+//	    -many-drivers 2 -many-claims 5@200/400 -neighbour-claims 20 -neighbour-probes 1 -latency-claims 5
 //
 // It builds what is missing first (hack/control-plane.sh, hack/sidecars.sh,
 // go build of the csibroker binary). Every process it starts listens on
