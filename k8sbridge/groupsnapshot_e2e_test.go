@@ -198,6 +198,12 @@ func TestGroupSnapshotsWithTheRealSnapshotController(t *testing.T) {
 	makeGroupClass(t, sc, refClass, refDrv, snapshotv1.VolumeSnapshotContentDelete)
 
 	r := startBridge(t, env, ns, drivers, bridgeOpts{})
+	// Before the snapshot-controller, csi-snapshotter and the broker stop
+	// (cleanups run last first): the groups go, with their members. A
+	// member VolumeSnapshot left being deleted crashes the next test's
+	// snapshot-controller, which runs without group snapshots (v8.7.0
+	// dereferences its group lister, nil then).
+	t.Cleanup(func() { deleteGroups(t, sc, ns) })
 	grouped, refLabels := map[string]string{"app": "grouped"}, map[string]string{"app": "reference"}
 	for _, n := range []string{"a", "b", "c"} {
 		kubetest.MakeClaimWith(t, c, ns, "src-"+n, class.Name, func(p *corev1.PersistentVolumeClaim) { p.Labels = grouped })
@@ -319,6 +325,30 @@ func TestGroupSnapshotsWithTheRealSnapshotController(t *testing.T) {
 	}
 	if len(refD.GroupSnapshots()) != 1 {
 		t.Errorf("the reference driver holds %d groups; want its one", len(refD.GroupSnapshots()))
+	}
+}
+
+// deleteGroups deletes the VolumeGroupSnapshots of ns and waits until no
+// VolumeSnapshot and no group content of theirs is left.
+func deleteGroups(t *testing.T, sc snapshotclient.Interface, ns string) {
+	ctx := context.Background()
+	if err := sc.GroupsnapshotV1().VolumeGroupSnapshots(ns).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
+		t.Errorf("delete the group snapshots of %s: %v", ns, err)
+		return
+	}
+	err := testenv.WaitFor(ctx, 60*time.Second, "the group snapshots of "+ns+" and their members gone", func(ctx context.Context) (bool, string, error) {
+		vs, err := sc.SnapshotV1().VolumeSnapshots(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		vgs, err := sc.GroupsnapshotV1().VolumeGroupSnapshots(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return len(vs.Items) == 0 && len(vgs.Items) == 0, fmt.Sprintf("%d VolumeSnapshots, %d VolumeGroupSnapshots", len(vs.Items), len(vgs.Items)), nil
+	})
+	if err != nil {
+		t.Error(err)
 	}
 }
 
