@@ -18,6 +18,7 @@ import (
 
 	"github.com/csibroker/csibroker/k8sbridge/attach"
 	"github.com/csibroker/csibroker/k8sbridge/capacity"
+	"github.com/csibroker/csibroker/k8sbridge/groupsnapshot"
 	"github.com/csibroker/csibroker/k8sbridge/health"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
@@ -113,6 +114,7 @@ func New(cfg Config) (*Bridge, error) {
 		ctl(provision.NewSourceProtector),
 		ctl(resize.New),
 		ctl(snapshot.New),
+		ctl(groupsnapshot.New),
 	} {
 		c, err := mk(env)
 		if err != nil {

@@ -6,11 +6,13 @@
 // The house, from the top down:
 //
 //   - k8sbridge: leader election, readiness, the list of controllers.
-//   - provision, attach, resize, modify, capacity, health, snapshot: one
-//     controller package each (provision holds provisioning, recovery of
-//     leaked volumes, protection of clone and snapshot sources, and
-//     deletion; snapshot is csi-snapshotter's VolumeSnapshotContent side,
-//     run only when the cluster serves the snapshot API). A
+//   - provision, attach, resize, modify, capacity, health, snapshot,
+//     groupsnapshot: one controller package each (provision holds
+//     provisioning, recovery of leaked volumes, protection of clone and
+//     snapshot sources, and deletion; snapshot is csi-snapshotter's
+//     VolumeSnapshotContent side, groupsnapshot its
+//     VolumeGroupSnapshotContent side, each run only when the cluster
+//     serves its API). A
 //     controller package imports the plumbing below it and never another
 //     controller (layout_test.go enforces it).
 //   - internal/kube: the Env every controller is given (configuration,
@@ -19,10 +21,12 @@
 //     than one controller needs, the annotations shared with the sidecars,
 //     secret resolution through the policy).
 //   - internal/drivers: the Drivers interface the broker satisfies, the
-//     capabilities cache, call timeouts.
+//     capabilities cache, call timeouts; internal/snapshots: what the two
+//     snapshot controllers share (csi-snapshotter's final-error test and
+//     class-parameter rules).
 //   - topology, csiparams, secrets: pure functions with table tests;
-//     intent: the durable records of in-flight CreateVolume (and, in a
-//     sibling record, CreateSnapshot) calls.
+//     intent: the durable records of in-flight CreateVolume (and, in
+//     sibling records, CreateSnapshot and CreateVolumeGroupSnapshot) calls.
 //   - grants (SecretGrant objects into the policy) and discovery (proxy
 //     pods into the broker's registry) stand beside the bridge; cmd wires
 //     them.

@@ -17,7 +17,7 @@ const module = "github.com/csibroker/csibroker/k8sbridge"
 // Every other folder is shared plumbing (internal/...) or a pure package
 // (topology, csiparams, secrets, intent) or stands apart (grants,
 // discovery); a new folder must be named here or in notController.
-var controllerPackages = []string{"attach", "capacity", "health", "modify", "provision", "resize", "snapshot"}
+var controllerPackages = []string{"attach", "capacity", "groupsnapshot", "health", "modify", "provision", "resize", "snapshot"}
 
 // notController are the folders that hold no controller.
 var notController = []string{"csiparams", "discovery", "grants", "intent", "internal", "secrets", "shard", "topology"}

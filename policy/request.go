@@ -117,6 +117,10 @@ const (
 	KindVolumeAttachment      = "VolumeAttachment"
 	KindVolumeSnapshot        = "VolumeSnapshot"
 	KindVolumeSnapshotContent = "VolumeSnapshotContent"
+	// A group snapshot's requester: its VolumeGroupSnapshot, or for a
+	// pre-provisioned content not bound yet the content.
+	KindVolumeGroupSnapshot        = "VolumeGroupSnapshot"
+	KindVolumeGroupSnapshotContent = "VolumeGroupSnapshotContent"
 )
 
 // Requester is the object on whose behalf the operation runs.

@@ -57,6 +57,8 @@ type kubeFlags struct {
 	VolumeNameUUIDLength int
 	SnapshotNamePrefix   string
 	SnapshotUUIDLength   int
+	GroupSnapshotPrefix  string
+	GroupSnapshotUUIDLen int
 	ExtraCreateMetadata  bool
 	ExtraModifyMetadata  bool
 	DefaultFSType        string
@@ -124,6 +126,8 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&f.VolumeNameUUIDLength, "volume-name-uuid-length", -1, "truncate the claim UID in volume names to this many characters (-1: whole)")
 	fs.StringVar(&f.SnapshotNamePrefix, "snapshot-name-prefix", "snapshot", "prefix of snapshot names: <prefix>-<VolumeSnapshot UID> (csi-snapshotter's flag)")
 	fs.IntVar(&f.SnapshotUUIDLength, "snapshot-name-uuid-length", -1, "truncate the VolumeSnapshot UID in snapshot names to this many characters (-1: whole)")
+	fs.StringVar(&f.GroupSnapshotPrefix, "groupsnapshot-name-prefix", "groupsnapshot", "prefix of group snapshot names: <prefix>-<VolumeGroupSnapshot UID> (csi-snapshotter's flag)")
+	fs.IntVar(&f.GroupSnapshotUUIDLen, "groupsnapshot-name-uuid-length", -1, "truncate the VolumeGroupSnapshot UID in group snapshot names to this many characters (-1: whole)")
 	fs.BoolVar(&f.ExtraCreateMetadata, "extra-create-metadata", false, "pass csi.storage.k8s.io/pvc/name, /pvc/namespace and /pv/name to CreateVolume, and csi.storage.k8s.io/volumesnapshot/name, /volumesnapshot/namespace and /volumesnapshotcontent/name to CreateSnapshot")
 	fs.BoolVar(&f.ExtraModifyMetadata, "extra-modify-metadata", false, "pass csi.storage.k8s.io/pvc/name, /pvc/namespace and /pv/name in ControllerModifyVolume's mutable parameters")
 	fs.BoolVar(&f.PublishReadOnly, "controller-publish-readonly", false, "mark the PVs of claims whose only access mode is ReadOnlyMany read-only, so their volumes are attached read-only (drivers with PUBLISH_READONLY)")
@@ -234,6 +238,12 @@ func (f *kubeFlags) validate() error {
 	}
 	if f.SnapshotNamePrefix == "" {
 		errs = append(errs, errors.New("--snapshot-name-prefix must not be empty"))
+	}
+	if f.GroupSnapshotUUIDLen != -1 && f.GroupSnapshotUUIDLen < minUUIDLength {
+		errs = append(errs, fmt.Errorf("--groupsnapshot-name-uuid-length %d: -1 (the whole UID) or at least %d, else group snapshots may share a name", f.GroupSnapshotUUIDLen, minUUIDLength))
+	}
+	if f.GroupSnapshotPrefix == "" {
+		errs = append(errs, errors.New("--groupsnapshot-name-prefix must not be empty"))
 	}
 	if _, err := policy.ParseMode(f.PolicyMode); err != nil {
 		errs = append(errs, fmt.Errorf("--policy-mode: %w", err))
@@ -498,7 +508,7 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 		Drivers: drivers, Policy: authz, Namespace: ns, Identity: f.Identity,
 		LeaderElection: f.LeaderElection, LeaderElectionLease: f.LeaseDuration, LeaderElectionRenew: f.RenewDeadline, LeaderElectionRetry: f.RetryPeriod,
 		LeaderElectionNamespace: f.LeaderNamespace, LeaderElectionMode: f.LeaderElectionMode,
-		VolumeNamePrefix: f.VolumeNamePrefix, VolumeNameUUIDLength: f.VolumeNameUUIDLength, SnapshotNamePrefix: f.SnapshotNamePrefix, SnapshotNameUUIDLength: f.SnapshotUUIDLength, ExtraCreateMetadata: f.ExtraCreateMetadata, ExtraModifyMetadata: f.ExtraModifyMetadata, DefaultFSType: f.DefaultFSType, ControllerPublishReadOnly: f.PublishReadOnly, CapacityForImmediateBinding: f.CapacityImmediate,
+		VolumeNamePrefix: f.VolumeNamePrefix, VolumeNameUUIDLength: f.VolumeNameUUIDLength, SnapshotNamePrefix: f.SnapshotNamePrefix, SnapshotNameUUIDLength: f.SnapshotUUIDLength, GroupSnapshotNamePrefix: f.GroupSnapshotPrefix, GroupSnapshotNameUUIDLength: f.GroupSnapshotUUIDLen, ExtraCreateMetadata: f.ExtraCreateMetadata, ExtraModifyMetadata: f.ExtraModifyMetadata, DefaultFSType: f.DefaultFSType, ControllerPublishReadOnly: f.PublishReadOnly, CapacityForImmediateBinding: f.CapacityImmediate,
 		StrictTopology: f.StrictTopology, ImmediateTopology: f.ImmediateTopology,
 		Timeout: timeout, MonitorInterval: monitorInterval(f.MonitorInterval),
 		WorkerThreads: f.WorkerThreads, PerDriverWorkers: f.PerDriverWorkers, RetryIntervalStart: f.RetryIntervalStart, RetryIntervalMax: f.RetryIntervalMax,

@@ -76,7 +76,7 @@ func TestBuiltinClientEncoding(t *testing.T) {
 
 	f := &kubeFlags{Mode: "off", PolicyMode: "enforce", QPS: 5, Burst: 10, Budget: budgetPerDriver, EventsQPS: 20, EventsBurst: 50,
 		LeaseDuration: 3e9, RenewDeadline: 2e9, RetryPeriod: 5e8, WorkerThreads: 1, RetryIntervalStart: 1e9, RetryIntervalMax: 1e9,
-		ContentType: "application/yaml", VolumeNameUUIDLength: -1, SnapshotNamePrefix: "snapshot", SnapshotUUIDLength: -1}
+		ContentType: "application/yaml", VolumeNameUUIDLength: -1, SnapshotNamePrefix: "snapshot", SnapshotUUIDLength: -1, GroupSnapshotPrefix: "groupsnapshot", GroupSnapshotUUIDLen: -1}
 	err := f.validate()
 	if err == nil || !strings.Contains(err.Error(), "--kube-api-content-type") {
 		t.Errorf("validate of an unknown encoding: %v, want an error naming --kube-api-content-type", err)
@@ -159,6 +159,8 @@ func TestBrokerFlagsRefusedTogether(t *testing.T) {
 		{"short volume name UID", "--volume-name-uuid-length", func(c *BrokerCommandConfig) { c.Kube.VolumeNameUUIDLength = 4 }},
 		{"short snapshot name UID", "--snapshot-name-uuid-length", func(c *BrokerCommandConfig) { c.Kube.SnapshotUUIDLength = 4 }},
 		{"no snapshot name prefix", "--snapshot-name-prefix", func(c *BrokerCommandConfig) { c.Kube.SnapshotNamePrefix = "" }},
+		{"short group snapshot name UID", "--groupsnapshot-name-uuid-length", func(c *BrokerCommandConfig) { c.Kube.GroupSnapshotUUIDLen = 4 }},
+		{"no group snapshot name prefix", "--groupsnapshot-name-prefix", func(c *BrokerCommandConfig) { c.Kube.GroupSnapshotPrefix = "" }},
 		{"metrics path without slash", "--metrics-path", func(c *BrokerCommandConfig) { c.MetricsPath = "metrics" }},
 		{"metrics path on the health endpoint", "--metrics-path", func(c *BrokerCommandConfig) { c.MetricsPath = "/readyz" }},
 		{"metrics path that ServeMux panics on", "--metrics-path", func(c *BrokerCommandConfig) { c.MetricsPath = "/metrics{" }},

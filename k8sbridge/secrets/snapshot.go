@@ -40,7 +40,34 @@ const (
 	// SnapshotterList is passed to ListSnapshots for a pre-provisioned
 	// content's status.
 	SnapshotterList SnapshotKind = "snapshotter-list"
+	// GroupSnapshotter is a VolumeGroupSnapshotClass's secret for
+	// CreateVolumeGroupSnapshot and, remembered on the group content,
+	// DeleteVolumeGroupSnapshot. Its templates name the group objects:
+	// ${volumegroupsnapshotcontent.name}, ${volumegroupsnapshot.namespace}
+	// and ${volumegroupsnapshot.name}, with the same rules.
+	GroupSnapshotter SnapshotKind = "group-snapshotter"
+	// GroupSnapshotterGet is passed to GetVolumeGroupSnapshot.
+	GroupSnapshotterGet SnapshotKind = "group-snapshotter-get"
 )
+
+// snapshotTokens are the template tokens of one kind of snapshot object.
+type snapshotTokens struct{ object, content, name, namespace string }
+
+var (
+	singleTokens = snapshotTokens{"VolumeSnapshot", tokenContentName, tokenSnapshotName, tokenSnapshotNS}
+	groupTokens  = snapshotTokens{"VolumeGroupSnapshot", "volumegroupsnapshotcontent.name", "volumegroupsnapshot.name", "volumegroupsnapshot.namespace"}
+)
+
+// tokensOf is the template tokens of kind's secret (nil: no such kind).
+func tokensOf(kind SnapshotKind) *snapshotTokens {
+	switch kind {
+	case Snapshotter, SnapshotterList:
+		return &singleTokens
+	case GroupSnapshotter, GroupSnapshotterGet:
+		return &groupTokens
+	}
+	return nil
+}
 
 // SnapshotParamKeys returns the name and namespace parameter keys of kind.
 func SnapshotParamKeys(kind SnapshotKind) (nameKey, namespaceKey string) {
@@ -56,7 +83,8 @@ type SnapshotObject struct{ Namespace, Name string }
 // nil and no error when the class names none. Errors name the parameter,
 // the template and the reason, and wrap ErrParameter.
 func SnapshotRef(kind SnapshotKind, params map[string]string, contentName string, snap *SnapshotObject) (*corev1.SecretReference, error) {
-	if kind != Snapshotter && kind != SnapshotterList {
+	tokens := tokensOf(kind)
+	if tokens == nil {
 		return nil, fmt.Errorf("unknown snapshot secret kind %q: %w", kind, ErrParameter)
 	}
 	nameKey, nsKey := SnapshotParamKeys(kind)
@@ -64,7 +92,7 @@ func SnapshotRef(kind SnapshotKind, params map[string]string, contentName string
 	if err != nil || src == nil {
 		return nil, err
 	}
-	ns, err := expandSnapshotTemplate(src.nsTemplate, false, contentName, snap)
+	ns, err := expandSnapshotTemplate(tokens, src.nsTemplate, false, contentName, snap)
 	if err != nil {
 		return nil, fmt.Errorf("parameter %s: template %q: %w", src.nsKey, src.nsTemplate, err)
 	}
@@ -72,7 +100,7 @@ func SnapshotRef(kind SnapshotKind, params map[string]string, contentName string
 		return nil, fmt.Errorf("parameter %s: %s, which is not a valid namespace name: %s: %w",
 			src.nsKey, describeResolved(src.nsTemplate, ns), strings.Join(errs, "; "), ErrParameter)
 	}
-	name, err := expandSnapshotTemplate(src.nameTemplate, true, contentName, snap)
+	name, err := expandSnapshotTemplate(tokens, src.nameTemplate, true, contentName, snap)
 	if err != nil {
 		return nil, fmt.Errorf("parameter %s: template %q: %w", src.nameKey, src.nameTemplate, err)
 	}
@@ -85,13 +113,12 @@ func SnapshotRef(kind SnapshotKind, params map[string]string, contentName string
 
 // Snapshot template tokens.
 const (
-	tokenContentName      = "volumesnapshotcontent.name"
-	tokenSnapshotName     = "volumesnapshot.name"
-	tokenSnapshotNS       = "volumesnapshot.namespace"
-	snapshotNamespaceRule = "a secret namespace may use only ${volumesnapshotcontent.name} and ${volumesnapshot.namespace}: the snapshot's name is set by its creator, who must not choose where secrets are read from"
+	tokenContentName  = "volumesnapshotcontent.name"
+	tokenSnapshotName = "volumesnapshot.name"
+	tokenSnapshotNS   = "volumesnapshot.namespace"
 )
 
-func expandSnapshotTemplate(tpl string, forName bool, contentName string, snap *SnapshotObject) (string, error) {
+func expandSnapshotTemplate(tk *snapshotTokens, tpl string, forName bool, contentName string, snap *SnapshotObject) (string, error) {
 	var b strings.Builder
 	rest := tpl
 	for {
@@ -111,7 +138,7 @@ func expandSnapshotTemplate(tpl string, forName bool, contentName string, snap *
 		}
 		token := rest[2:end]
 		rest = rest[end+1:]
-		v, err := resolveSnapshotToken(token, forName, contentName, snap)
+		v, err := resolveSnapshotToken(tk, token, forName, contentName, snap)
 		if err != nil {
 			return "", err
 		}
@@ -119,30 +146,31 @@ func expandSnapshotTemplate(tpl string, forName bool, contentName string, snap *
 	}
 }
 
-func resolveSnapshotToken(token string, forName bool, contentName string, snap *SnapshotObject) (string, error) {
+func resolveSnapshotToken(tk *snapshotTokens, token string, forName bool, contentName string, snap *SnapshotObject) (string, error) {
 	noSnapshot := func() error {
-		return fmt.Errorf("${%s} needs the VolumeSnapshot, and there is none here (only ${%s} resolves): %w", token, tokenContentName, ErrParameter)
+		return fmt.Errorf("${%s} needs the %s, and there is none here (only ${%s} resolves): %w", token, tk.object, tk.content, ErrParameter)
 	}
 	switch token {
-	case tokenContentName:
+	case tk.content:
 		return contentName, nil
-	case tokenSnapshotNS:
+	case tk.namespace:
 		if snap == nil {
 			return "", noSnapshot()
 		}
 		return snap.Namespace, nil
-	case tokenSnapshotName:
+	case tk.name:
 		if !forName {
-			return "", fmt.Errorf("${%s} is not allowed here: %s: %w", token, snapshotNamespaceRule, ErrParameter)
+			return "", fmt.Errorf("${%s} is not allowed here: a secret namespace may use only ${%s} and ${%s}: the snapshot's name is set by its creator, who must not choose where secrets are read from: %w",
+				token, tk.content, tk.namespace, ErrParameter)
 		}
 		if snap == nil {
 			return "", noSnapshot()
 		}
 		return snap.Name, nil
 	}
-	allowed := "${volumesnapshotcontent.name}, ${volumesnapshot.namespace}"
+	allowed := "${" + tk.content + "}, ${" + tk.namespace + "}"
 	if forName {
-		allowed += ", ${volumesnapshot.name}"
+		allowed += ", ${" + tk.name + "}"
 	}
 	return "", fmt.Errorf("unknown token ${%s} (known here: %s): %w", token, allowed, ErrParameter)
 }

@@ -36,6 +36,10 @@ func TestSnapshotRef(t *testing.T) {
 		{name: "invalid namespace", kind: Snapshotter, params: map[string]string{nameKey: "x", nsKey: "Not_A_Namespace"}, snap: snap, wantErr: "not a valid namespace name"},
 		{name: "invalid name", kind: Snapshotter, params: map[string]string{nameKey: "${volumesnapshot.name}_", nsKey: "x"}, snap: snap, wantErr: "not a valid secret name"},
 		{name: "the provisioner's keys are not the snapshotter's", kind: Snapshotter, params: map[string]string{"csi.storage.k8s.io/secret-name": "x", "csi.storage.k8s.io/secret-namespace": "y"}, snap: snap, wantNilRef: true},
+		{name: "group templates", kind: GroupSnapshotter, params: map[string]string{"csi.storage.k8s.io/group-snapshotter-secret-name": "${volumegroupsnapshot.name}-${volumegroupsnapshotcontent.name}", "csi.storage.k8s.io/group-snapshotter-secret-namespace": "${volumegroupsnapshot.namespace}"}, snap: snap, wantNS: "team-a", wantName: "daily-snapcontent-1"},
+		{name: "group name may not pick the namespace", kind: GroupSnapshotter, params: map[string]string{"csi.storage.k8s.io/group-snapshotter-secret-name": "x", "csi.storage.k8s.io/group-snapshotter-secret-namespace": "${volumegroupsnapshot.name}"}, snap: snap, wantErr: "is not allowed here"},
+		{name: "a group secret takes no single-snapshot token", kind: GroupSnapshotter, params: map[string]string{"csi.storage.k8s.io/group-snapshotter-secret-name": "${volumesnapshot.name}", "csi.storage.k8s.io/group-snapshotter-secret-namespace": "x"}, snap: snap, wantErr: "unknown token ${volumesnapshot.name}"},
+		{name: "group get secret without the group", kind: GroupSnapshotterGet, params: map[string]string{"csi.storage.k8s.io/group-snapshotter-get-secret-name": "${volumegroupsnapshot.name}", "csi.storage.k8s.io/group-snapshotter-get-secret-namespace": "x"}, wantErr: "needs the VolumeGroupSnapshot"},
 		{name: "unknown kind", kind: "group", params: map[string]string{}, snap: snap, wantErr: "unknown snapshot secret kind"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -307,7 +307,10 @@ func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error
 		// idempotent by name) until the driver says ready.
 		return 0, c.create(ctx, vsc)
 	}
-	return 0, nil
+	// A group member whose status the snapshot-controller has not written
+	// yet: looked at again with backoff, as csi-snapshotter requeues it
+	// (that status write is an update the filter lets by).
+	return 0, errNotReady
 }
 
 // shouldDelete is csi-snapshotter's test: the content is being deleted,

@@ -10,8 +10,6 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -19,6 +17,7 @@ import (
 
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/snapshots"
 	"github.com/csibroker/csibroker/k8sbridge/secrets"
 	"github.com/csibroker/csibroker/policy"
 )
@@ -186,7 +185,7 @@ func (c *Controller) prepare(ctx context.Context, vsc *snapshotv1.VolumeSnapshot
 	if !caps.Snapshot {
 		return nil, fmt.Errorf("driver %s does not make snapshots (no CREATE_DELETE_SNAPSHOT controller capability)", driver)
 	}
-	params, err := driverParameters(class.Parameters)
+	params, err := snapshots.DriverParameters(class.Parameters)
 	if err != nil {
 		return nil, fmt.Errorf("VolumeSnapshotClass %s: %w", className, err)
 	}
@@ -210,29 +209,6 @@ func (c *Controller) prepare(ctx context.Context, vsc *snapshotv1.VolumeSnapshot
 		return nil, drivers.NewUnreachable(err)
 	}
 	return p, nil
-}
-
-// driverParameters is the class's parameters for the driver: the
-// csi.storage.k8s.io/ keys of the snapshotter's secrets stripped, any other
-// key of that prefix refused (as csi-snapshotter refuses it: a mistyped
-// secret key would otherwise pass on silently).
-func driverParameters(in map[string]string) (map[string]string, error) {
-	known := map[string]bool{}
-	for _, k := range []secrets.SnapshotKind{secrets.Snapshotter, secrets.SnapshotterList, "group-snapshotter", "group-snapshotter-get"} {
-		n, ns := secrets.SnapshotParamKeys(k)
-		known[n], known[ns] = true, true
-	}
-	out := map[string]string{}
-	for k, v := range in {
-		if !strings.HasPrefix(k, secrets.ParameterPrefix) {
-			out[k] = v
-			continue
-		}
-		if !known[k] {
-			return nil, fmt.Errorf("unknown parameter %q with the reserved prefix %s", k, secrets.ParameterPrefix)
-		}
-	}
-	return out, nil
 }
 
 // secretOf sets the plan's snapshotter secret: the one remembered on the
@@ -302,21 +278,9 @@ func (c *Controller) nodeOf(vsc *snapshotv1.VolumeSnapshotContent) string {
 	return ""
 }
 
-// isFinal is csi-snapshotter's test of a CreateSnapshot error: the driver
-// answered, and is not still making the snapshot. Anything that is not a
-// gRPC status (the call may not have been sent) and the codes that may mean
-// "in progress" are not final.
-func isFinal(err error) bool {
-	st, ok := status.FromError(err)
-	if !ok {
-		return false
-	}
-	switch st.Code() {
-	case codes.Canceled, codes.DeadlineExceeded, codes.Unavailable, codes.ResourceExhausted, codes.Aborted:
-		return false
-	}
-	return true
-}
+// isFinal is csi-snapshotter's test of a CreateSnapshot error (shared
+// with the group controller in k8sbridge/internal/snapshots).
+func isFinal(err error) bool { return snapshots.IsFinal(err) }
 
 // createFailed reports a failed create: the content's status error, a
 // SnapshotCreationFailed Event (once per failure) and a log line; the

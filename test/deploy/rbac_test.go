@@ -85,25 +85,28 @@ func TestRBACLeastPrivilege(t *testing.T) {
 		}
 		got := effectiveGrants(t, "ClusterRole", cr.Rules)
 		want := map[grantKey][]string{
-			{"", "persistentvolumes", ""}:                                    sorted("get", "list", "watch", "create", "patch", "delete"),
-			{"", "persistentvolumeclaims", ""}:                               sorted("get", "list", "watch", "patch"),
-			{"", "persistentvolumeclaims/status", ""}:                        sorted("patch"),
-			{"", "nodes", ""}:                                                read,
-			{"", "namespaces", ""}:                                           read,
-			{"", "pods", ""}:                                                 sorted("list", "watch"),
-			{"storage.k8s.io", "storageclasses", ""}:                         sorted("list", "watch"),
-			{"storage.k8s.io", "csinodes", ""}:                               read,
-			{"storage.k8s.io", "volumeattributesclasses", ""}:                {"get"},
-			{"snapshot.storage.k8s.io", "volumesnapshots", ""}:               sorted("get", "list", "patch"),
-			{"snapshot.storage.k8s.io", "volumesnapshotcontents", ""}:        sorted("get", "list", "watch", "patch"),
-			{"snapshot.storage.k8s.io", "volumesnapshotcontents/status", ""}: sorted("patch"),
-			{"snapshot.storage.k8s.io", "volumesnapshotclasses", ""}:         sorted("list", "watch"),
-			{"storage.k8s.io", "volumeattachments", ""}:                      sorted("list", "watch", "patch"),
-			{"storage.k8s.io", "volumeattachments/status", ""}:               sorted("patch"),
-			{"", "events", ""}:                                               sorted("create", "patch"),
-			{"policy.csibroker.io", "secretgrants", ""}:                      sorted("list", "watch"),
-			{"policy.csibroker.io", "secretgrants/status", ""}:               sorted("patch"),
-			{"", "secrets", ""}:                                              {"get"},
+			{"", "persistentvolumes", ""}:                                              sorted("get", "list", "watch", "create", "patch", "delete"),
+			{"", "persistentvolumeclaims", ""}:                                         sorted("get", "list", "watch", "patch"),
+			{"", "persistentvolumeclaims/status", ""}:                                  sorted("patch"),
+			{"", "nodes", ""}:                                                          read,
+			{"", "namespaces", ""}:                                                     read,
+			{"", "pods", ""}:                                                           sorted("list", "watch"),
+			{"storage.k8s.io", "storageclasses", ""}:                                   sorted("list", "watch"),
+			{"storage.k8s.io", "csinodes", ""}:                                         read,
+			{"storage.k8s.io", "volumeattributesclasses", ""}:                          {"get"},
+			{"snapshot.storage.k8s.io", "volumesnapshots", ""}:                         sorted("get", "list", "patch"),
+			{"snapshot.storage.k8s.io", "volumesnapshotcontents", ""}:                  sorted("get", "list", "watch", "patch"),
+			{"snapshot.storage.k8s.io", "volumesnapshotcontents/status", ""}:           sorted("patch"),
+			{"snapshot.storage.k8s.io", "volumesnapshotclasses", ""}:                   sorted("list", "watch"),
+			{"groupsnapshot.storage.k8s.io", "volumegroupsnapshotcontents", ""}:        sorted("get", "list", "watch", "patch"),
+			{"groupsnapshot.storage.k8s.io", "volumegroupsnapshotcontents/status", ""}: sorted("patch"),
+			{"groupsnapshot.storage.k8s.io", "volumegroupsnapshotclasses", ""}:         sorted("list", "watch"),
+			{"storage.k8s.io", "volumeattachments", ""}:                                sorted("list", "watch", "patch"),
+			{"storage.k8s.io", "volumeattachments/status", ""}:                         sorted("patch"),
+			{"", "events", ""}:                                                         sorted("create", "patch"),
+			{"policy.csibroker.io", "secretgrants", ""}:                                sorted("list", "watch"),
+			{"policy.csibroker.io", "secretgrants/status", ""}:                         sorted("patch"),
+			{"", "secrets", ""}:                                                        {"get"},
 		}
 		compareGrants(t, got, want)
 
@@ -119,12 +122,13 @@ func TestRBACLeastPrivilege(t *testing.T) {
 		role := typed[rbacv1.Role](t, find(t, objs, "Role", brokerNamespace, "csibroker"))
 		got := effectiveGrants(t, "Role", role.Rules)
 		want := map[grantKey][]string{
-			{"coordination.k8s.io", "leases", ""}:                 {"create"},
-			{"coordination.k8s.io", "leases", "csibroker-leader"}: sorted("get", "update"),
-			{"", "configmaps", ""}:                                {"create"},
-			{"", "configmaps", "csibroker-intents"}:               sorted("get", "update"),
-			{"", "configmaps", "csibroker-snapshot-intents"}:      sorted("get", "update"),
-			{"storage.k8s.io", "csistoragecapacities", ""}:        sorted("list", "watch", "create", "update", "delete"),
+			{"coordination.k8s.io", "leases", ""}:                  {"create"},
+			{"coordination.k8s.io", "leases", "csibroker-leader"}:  sorted("get", "update"),
+			{"", "configmaps", ""}:                                 {"create"},
+			{"", "configmaps", "csibroker-intents"}:                sorted("get", "update"),
+			{"", "configmaps", "csibroker-snapshot-intents"}:       sorted("get", "update"),
+			{"", "configmaps", "csibroker-group-snapshot-intents"}: sorted("get", "update"),
+			{"storage.k8s.io", "csistoragecapacities", ""}:         sorted("list", "watch", "create", "update", "delete"),
 		}
 		compareGrants(t, got, want)
 	})
@@ -228,10 +232,16 @@ func TestRBACSubjectAccessReview(t *testing.T) {
 		{verb: "watch", group: "snapshot.storage.k8s.io", resource: "volumesnapshotcontents"},
 		{verb: "patch", group: "snapshot.storage.k8s.io", resource: "volumesnapshotcontents", subresource: "status", name: "snapcontent-1"},
 		{verb: "watch", group: "snapshot.storage.k8s.io", resource: "volumesnapshotclasses"},
+		{verb: "update", resource: "configmaps", namespace: brokerNamespace, name: "csibroker-group-snapshot-intents"},
+		{verb: "watch", group: "groupsnapshot.storage.k8s.io", resource: "volumegroupsnapshotcontents"},
+		{verb: "patch", group: "groupsnapshot.storage.k8s.io", resource: "volumegroupsnapshotcontents", subresource: "status", name: "groupsnapcontent-1"},
+		{verb: "watch", group: "groupsnapshot.storage.k8s.io", resource: "volumegroupsnapshotclasses"},
 	}
 	denied := []access{
 		{verb: "delete", group: "snapshot.storage.k8s.io", resource: "volumesnapshotcontents", name: "snapcontent-1"},
 		{verb: "create", group: "snapshot.storage.k8s.io", resource: "volumesnapshotcontents"},
+		{verb: "delete", group: "groupsnapshot.storage.k8s.io", resource: "volumegroupsnapshotcontents", name: "groupsnapcontent-1"},
+		{verb: "create", group: "groupsnapshot.storage.k8s.io", resource: "volumegroupsnapshots", namespace: "sample-app"},
 		{verb: "update", group: "snapshot.storage.k8s.io", resource: "volumesnapshotclasses", name: "c"},
 		{verb: "list", resource: "secrets"},
 		{verb: "list", resource: "secrets", namespace: "sample-storage"},

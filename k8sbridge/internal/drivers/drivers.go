@@ -74,10 +74,13 @@ func NewUnreachable(err error) Unreachable { return Unreachable{err} }
 
 // Caps are the capabilities provisioning needs, learned from the driver.
 type Caps struct {
-	CreateDelete          bool
-	Clone                 bool
-	Snapshot              bool // CREATE_DELETE_SNAPSHOT: it makes, deletes and restores snapshots
-	ListSnapshots         bool // LIST_SNAPSHOTS: a snapshot's status can be asked by its ID
+	CreateDelete  bool
+	Clone         bool
+	Snapshot      bool // CREATE_DELETE_SNAPSHOT: it makes, deletes and restores snapshots
+	ListSnapshots bool // LIST_SNAPSHOTS: a snapshot's status can be asked by its ID
+	// GroupSnapshot: the GROUP_CONTROLLER_SERVICE plugin capability and
+	// the group controller's CREATE_DELETE_GET_VOLUME_GROUP_SNAPSHOT.
+	GroupSnapshot         bool
 	SingleNodeMultiWriter bool
 	PublishUnpublish      bool
 	PublishReadonly       bool // PUBLISH_READONLY: ControllerPublish may be asked for read-only
@@ -170,13 +173,26 @@ func (c *Cache) fetch(ctx context.Context, driver string, conn grpc.ClientConnIn
 		return Caps{}, fmt.Errorf("driver %s: GetPluginCapabilities: %w", driver, err)
 	}
 	caps := Caps{fetched: time.Now()}
-	hasController := false
+	hasController, hasGroups := false, false
 	for _, cp := range pc.GetCapabilities() {
 		switch cp.GetService().GetType() {
 		case csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS:
 			caps.Accessibility = true
 		case csi.PluginCapability_Service_CONTROLLER_SERVICE:
 			hasController = true
+		case csi.PluginCapability_Service_GROUP_CONTROLLER_SERVICE:
+			hasGroups = true
+		}
+	}
+	if hasGroups {
+		gc, err := csi.NewGroupControllerClient(conn).GroupControllerGetCapabilities(ctx, &csi.GroupControllerGetCapabilitiesRequest{})
+		if err != nil {
+			return Caps{}, fmt.Errorf("driver %s: GroupControllerGetCapabilities: %w", driver, err)
+		}
+		for _, cp := range gc.GetCapabilities() {
+			if cp.GetRpc().GetType() == csi.GroupControllerServiceCapability_RPC_CREATE_DELETE_GET_VOLUME_GROUP_SNAPSHOT {
+				caps.GroupSnapshot = true
+			}
 		}
 	}
 	if hasController {

@@ -90,6 +90,12 @@ type Config struct {
 	// -1 here).
 	SnapshotNamePrefix     string
 	SnapshotNameUUIDLength int
+	// GroupSnapshotNamePrefix and GroupSnapshotNameUUIDLength name group
+	// snapshots <prefix>-<VolumeGroupSnapshot UID> (csi-snapshotter's
+	// --groupsnapshot-name-prefix, default "groupsnapshot", and
+	// --groupsnapshot-name-uuid-length, default -1; 0 counts as -1 here).
+	GroupSnapshotNamePrefix     string
+	GroupSnapshotNameUUIDLength int
 	// ExtraModifyMetadata adds csi.storage.k8s.io/pvc/name, /pvc/namespace
 	// and /pv/name to ControllerModifyVolume's mutable parameters
 	// (external-resizer's --extra-modify-metadata).
@@ -167,6 +173,9 @@ func (c *Config) Validate() error {
 	}
 	if c.SnapshotNamePrefix == "" {
 		c.SnapshotNamePrefix = "snapshot"
+	}
+	if c.GroupSnapshotNamePrefix == "" {
+		c.GroupSnapshotNamePrefix = "groupsnapshot"
 	}
 	if c.SnapshotInformerClient == nil {
 		c.SnapshotInformerClient = c.SnapshotClient
