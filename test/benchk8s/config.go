@@ -12,7 +12,7 @@ import (
 )
 
 // Scenario names, in the order they run.
-var allScenarios = []string{"provision", "drivers", "memory", "failover", "snapshots", "manydrivers", "neighbour", "latency"}
+var allScenarios = []string{"provision", "drivers", "memory", "failover", "snapshots", "manydrivers", "neighbour", "latency", "replicas"}
 
 // Config holds the harness's flags.
 type Config struct {
@@ -50,6 +50,8 @@ type Config struct {
 	NeighbourProbes int           // driver B's claims, one after another, in each condition
 	NeighbourModes  []string      // what driver A does: busy, hang, garbage
 	LatencyClaims   int           // claims created one after another, each once the previous is Bound
+	// ReplicasCfg sizes the replicas scenario (issue 35): see replicas.go.
+	ReplicasCfg ReplicasConfig
 
 	WorkerThreads int
 	PolicyMode    string // csibroker --policy-mode
@@ -118,6 +120,7 @@ func DefaultConfig() Config {
 		NeighbourProbes: 5,
 		NeighbourModes:  slices.Clone(neighbourModes),
 		LatencyClaims:   50,
+		ReplicasCfg:     defaultReplicasConfig(),
 		WorkerThreads:   100,
 		PolicyMode:      "enforce",
 		Tracing:         true,
@@ -166,6 +169,9 @@ func (c Config) Validate() error {
 		errs = append(errs, errors.New("-worker-threads must be positive"))
 	}
 	errs = append(errs, c.validateIssue35()...)
+	if c.has("replicas") {
+		errs = append(errs, c.ReplicasCfg.validate()...)
+	}
 	return errors.Join(errs...)
 }
 
@@ -243,6 +249,7 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 		return nil
 	})
 	registerIssue35Flags(fs, &cfg)
+	registerReplicasFlags(fs, &cfg.ReplicasCfg)
 	fs.IntVar(&cfg.WorkerThreads, "worker-threads", cfg.WorkerThreads, "--worker-threads of both provisioners (and snapshotters)")
 	fs.StringVar(&cfg.PolicyMode, "policy-mode", cfg.PolicyMode, "csibroker --policy-mode (enforce also installs the SecretGrant CRD)")
 	fs.BoolVar(&cfg.Tracing, "tracing", cfg.Tracing, "csibroker exports its spans over OTLP/HTTP to a sink in the harness")

@@ -320,6 +320,7 @@ func (h *Harness) runScenarios(ctx context.Context) error {
 		{"manydrivers", h.scenarioManyDrivers},
 		{"neighbour", h.scenarioNeighbour},
 		{"latency", h.scenarioLatency},
+		{"replicas", h.scenarioReplicas},
 	} {
 		if !h.cfg.has(s.name) {
 			continue
