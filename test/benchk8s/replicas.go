@@ -502,6 +502,18 @@ func (h *Harness) killRun(ctx context.Context, names []string, rep int) (*killRe
 	for c := range claims {
 		list = append(list, c)
 	}
+	// The tracker and the bound watch are two informers: let the watch
+	// catch up with the tracker.
+	if err := pollUntil(ctx, 30*time.Second, "the bound watch to see every claim Bound", func() (bool, error) {
+		for _, c := range list {
+			if _, ok := bw.at(c.name); !ok {
+				return false, nil
+			}
+		}
+		return true, nil
+	}); err != nil {
+		return nil, err
+	}
 	if err := k.waits(list, bw); err != nil {
 		return nil, err
 	}
