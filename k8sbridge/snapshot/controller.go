@@ -220,7 +220,11 @@ func (c *Controller) enqueueClass(class string) {
 // fields and the being-created annotation (the controller's own writes,
 // which would otherwise bypass the key's backoff).
 func changeNeedsSync(old, cur *snapshotv1.VolumeSnapshotContent) bool {
-	if old.ResourceVersion == cur.ResourceVersion || (!isReady(old) && isReady(cur)) {
+	// Readiness that changes either way: ready, or made not ready by
+	// another writer (the snapshot-controller fills a group member's
+	// status from the group's first answer, which may follow the
+	// broker's own check).
+	if old.ResourceVersion == cur.ResourceVersion || isReady(old) != isReady(cur) {
 		return true
 	}
 	s := cur.DeepCopy()

@@ -578,6 +578,16 @@ func TestChangeNeedsSync(t *testing.T) {
 			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
 		}
 	}
+	// A ready content whose status another writer sets back to not ready
+	// (a group member's, from the group's first answer) is looked at again.
+	ready := base.DeepCopy()
+	ready.Status = &snapshotv1.VolumeSnapshotContentStatus{ReadyToUse: &yes}
+	unready := ready.DeepCopy()
+	no := false
+	unready.ResourceVersion, unready.Status.ReadyToUse = "3", &no
+	if !changeNeedsSync(ready, unready) {
+		t.Error("ready, then set not ready: not synced, want synced")
+	}
 }
 
 // TestSnapshotName is csi-snapshotter's naming.
