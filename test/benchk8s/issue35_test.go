@@ -1,8 +1,6 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"io"
 	"maps"
 	"math"
@@ -96,26 +94,7 @@ func TestIssue35Smoke(t *testing.T) {
 	cfg.NeighbourProbes = 1
 	cfg.LatencyClaims = 3
 	cfg.FromHead = false
-	if err := cfg.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	var out bytes.Buffer
-	h, err := newHarness(cfg, &out, testWriter{t})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.close()
-	bctx, bcancel := context.WithTimeout(context.Background(), 30*time.Minute)
-	defer bcancel()
-	if err := h.build(bctx); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
-	defer cancel()
-	if err := h.runScenarios(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("report:\n%s", out.String())
+	h, report := runSmoke(t, cfg, 15*time.Minute)
 
 	count := map[string]int{}
 	for _, run := range h.report.runs {
@@ -154,7 +133,7 @@ func TestIssue35Smoke(t *testing.T) {
 	for _, table := range []string{"### Many drivers (issue 35): 2 drivers × 3", "### Noisy neighbour (issue 35): driver A answers normally",
 		"### Noisy neighbour (issue 35): driver A hangs", "### Noisy neighbour (issue 35): driver A answers every CreateVolume with",
 		"### Noisy neighbour, A garbage: the two sides", "### One claim at a time (issue 35): 3"} {
-		if !strings.Contains(out.String(), table) {
+		if !strings.Contains(report, table) {
 			t.Errorf("report has no %q table", table)
 		}
 	}

@@ -1,8 +1,6 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"io"
 	"strings"
 	"testing"
@@ -82,26 +80,7 @@ func TestReplicasSmoke(t *testing.T) {
 	cfg.ReplicasCfg.KillRate = 3
 	cfg.ReplicasCfg.KillFor = 9 * time.Second
 	cfg.FromHead = false
-	if err := cfg.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	var out bytes.Buffer
-	h, err := newHarness(cfg, &out, testWriter{t})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.close()
-	bctx, bcancel := context.WithTimeout(context.Background(), 30*time.Minute)
-	defer bcancel()
-	if err := h.build(bctx); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
-	defer cancel()
-	if err := h.runScenarios(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("report:\n%s", out.String())
+	h, report := runSmoke(t, cfg, 15*time.Minute)
 
 	var throughput, kills int
 	for _, run := range h.report.runs {
@@ -138,7 +117,7 @@ func TestReplicasSmoke(t *testing.T) {
 		t.Errorf("%d throughput runs and %d kill tests, want 2 and 1", throughput, kills)
 	}
 	for _, table := range []string{"### Replicas (issue 35): 4 drivers × 3", "### Replicas, kill test (issue 35): 3 replicas"} {
-		if !strings.Contains(out.String(), table) {
+		if !strings.Contains(report, table) {
 			t.Errorf("report has no %q table", table)
 		}
 	}

@@ -22,28 +22,7 @@ func TestHarnessSmoke(t *testing.T) {
 	cfg.QPS = []rate{{200, 400}}
 	cfg.FromHead = false // test the code under test
 	cfg.Floor = true
-	if err := cfg.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	var out bytes.Buffer
-	h, err := newHarness(cfg, &out, testWriter{t})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.close()
-	// Building (the sidecars are built by make test before, so this is
-	// usually a cache check; cold, it takes minutes) has its own limit.
-	bctx, bcancel := context.WithTimeout(context.Background(), 30*time.Minute)
-	defer bcancel()
-	if err := h.build(bctx); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
-	defer cancel()
-	if err := h.runScenarios(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("report:\n%s", out.String())
+	h, report := runSmoke(t, cfg, 15*time.Minute)
 
 	if len(h.provResults) != 3 {
 		t.Fatalf("got %d provisioning results, want one per side", len(h.provResults))
@@ -64,8 +43,8 @@ func TestHarnessSmoke(t *testing.T) {
 		}
 	}
 	for _, table := range []string{"### Provisioning: N=10", "### Floor against external-provisioner: N=10", "### Floor against csibroker: N=10"} {
-		if !strings.Contains(out.String(), table) {
-			t.Errorf("report has no %q table:\n%s", table, out.String())
+		if !strings.Contains(report, table) {
+			t.Errorf("report has no %q table:\n%s", table, report)
 		}
 	}
 }
@@ -141,26 +120,7 @@ func TestSnapshotsSmoke(t *testing.T) {
 	cfg.QPS = []rate{{200, 400}}
 	cfg.SnapshotSides = []string{sideSidecar}
 	cfg.FromHead = false
-	if err := cfg.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	var out bytes.Buffer
-	h, err := newHarness(cfg, &out, testWriter{t})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.close()
-	bctx, bcancel := context.WithTimeout(context.Background(), 30*time.Minute)
-	defer bcancel()
-	if err := h.build(bctx); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
-	if err := h.runScenarios(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("report:\n%s", out.String())
+	h, report := runSmoke(t, cfg, 10*time.Minute)
 	if len(h.snapResults) != 1 {
 		t.Fatalf("got %d snapshot results, want 1", len(h.snapResults))
 	}
@@ -175,8 +135,37 @@ func TestSnapshotsSmoke(t *testing.T) {
 		t.Errorf("%d final contents kept, want %d", len(r.contents), r.N)
 	}
 	for _, want := range []string{"### Snapshots: N=10", "### Final VolumeSnapshotContents of csi-snapshotter", "| status.readyToUse | `true` |"} {
-		if !strings.Contains(out.String(), want) {
-			t.Errorf("report has no %q:\n%s", want, out.String())
+		if !strings.Contains(report, want) {
+			t.Errorf("report has no %q:\n%s", want, report)
 		}
 	}
+}
+
+// runSmoke validates cfg, builds what the harness needs (the sidecars are
+// built by make test before, so this is usually a cache check; cold, it
+// takes minutes, under its own limit), runs the scenarios within runFor
+// and returns the harness (closed when the test ends) and its report.
+func runSmoke(t *testing.T, cfg Config, runFor time.Duration) (*Harness, string) {
+	t.Helper()
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	h, err := newHarness(cfg, &out, testWriter{t})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(h.close)
+	bctx, bcancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer bcancel()
+	if err := h.build(bctx); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), runFor)
+	defer cancel()
+	if err := h.runScenarios(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("report:\n%s", out.String())
+	return h, out.String()
 }
