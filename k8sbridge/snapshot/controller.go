@@ -24,6 +24,7 @@ import (
 	"github.com/csibroker/csibroker/internal/budget"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
+	"github.com/csibroker/csibroker/k8sbridge/internal/snapshots"
 )
 
 // Names shared with external-snapshotter's snapshot-controller and
@@ -229,18 +230,7 @@ func changeNeedsSync(old, cur *snapshotv1.VolumeSnapshotContent) bool {
 	}
 	s := cur.DeepCopy()
 	s.ResourceVersion, s.Status, s.ManagedFields, s.Finalizers = old.ResourceVersion, old.Status, old.ManagedFields, old.Finalizers
-	ann := map[string]string{}
-	for k, v := range s.Annotations {
-		ann[k] = v
-	}
-	delete(ann, AnnBeingCreated)
-	if v, ok := old.Annotations[AnnBeingCreated]; ok {
-		ann[AnnBeingCreated] = v
-	}
-	if len(ann) == 0 && old.Annotations == nil {
-		ann = nil
-	}
-	s.Annotations = ann
+	s.Annotations = snapshots.AnnotationsOutside(old.Annotations, s.Annotations, AnnBeingCreated)
 	return !equality.Semantic.DeepEqual(old, s)
 }
 

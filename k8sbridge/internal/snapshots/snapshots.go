@@ -53,3 +53,22 @@ func DriverParameters(in map[string]string) (map[string]string, error) {
 	}
 	return out, nil
 }
+
+// AnnotationsOutside returns cur's annotations with mark as it stands in
+// old: the annotations a content update filter compares, the controller's
+// own mark (being-created) left out of the comparison. nil when nothing
+// is left and old had none, so that a semantic comparison with old holds.
+func AnnotationsOutside(old, cur map[string]string, mark string) map[string]string {
+	ann := map[string]string{}
+	for k, v := range cur {
+		ann[k] = v
+	}
+	delete(ann, mark)
+	if v, ok := old[mark]; ok {
+		ann[mark] = v
+	}
+	if len(ann) == 0 && old == nil {
+		return nil
+	}
+	return ann
+}
