@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"strings"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	groupv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
@@ -68,43 +67,17 @@ func groupSnapshotName(cfg kube.Config, g *groupv1.VolumeGroupSnapshotContent) s
 	return cfg.GroupSnapshotNamePrefix + "-" + uid
 }
 
-// recoveryLoop settles the record's entries at the start of the term,
-// every RecoveryInterval and when a content with an entry goes.
-func (c *Controller) recoveryLoop(ctx context.Context) {
-	t := time.NewTicker(c.b.Cfg.RecoveryInterval)
-	defer t.Stop()
-	for {
-		c.recoverAll(ctx)
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		case <-c.recoverNow:
-		}
-	}
+// recovery settles the record's entries at the start of the term, every
+// RecoveryInterval and when a content with an entry goes.
+func (c *Controller) recovery() *snapshots.Recovery[Entry] {
+	return &snapshots.Recovery[Entry]{What: "group snapshot", Record: c.intents, Inflight: &c.inflight, Foreign: c.b.Foreign, Settle: c.settleEntry, Log: c.b.Log}
 }
 
-func (c *Controller) recoverAll(ctx context.Context) {
-	entries, err := c.intents.List(ctx)
-	if err != nil {
-		if ctx.Err() == nil {
-			c.b.Log.Warn("group snapshot recovery: cannot read the intent record; will retry", "err", err)
-		}
-		return
-	}
-	for _, e := range entries {
-		if ctx.Err() != nil {
-			return
-		}
-		if _, busy := c.inflight.Load(e.Name); busy {
-			continue // a worker is making it now, and settles it itself
-		}
-		if c.b.Foreign(e.Driver) {
-			continue // per-driver leadership: its driver's leader settles it
-		}
-		c.settleEntry(ctx, e)
-	}
+func (c *Controller) recoveryLoop(ctx context.Context) {
+	c.recovery().Loop(ctx, c.b.Cfg.RecoveryInterval, c.recoverNow)
 }
+
+func (c *Controller) recoverAll(ctx context.Context) { c.recovery().All(ctx) }
 
 // settleEntry drops an entry whose content records its group snapshot,
 // leaves one whose content is still being worked on, and undoes one whose

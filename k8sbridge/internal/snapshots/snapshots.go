@@ -1,7 +1,8 @@
 // Package snapshots holds what the snapshot controllers share (the single
 // VolumeSnapshotContent controller and the group one): csi-snapshotter's
-// test of a final CSI error and its class-parameter rules. Pure functions;
-// no Kubernetes client, no driver calls.
+// test of a final CSI error, its class-parameter rules, the annotations an
+// update filter compares, and the pass that settles a snapshot intent
+// record's entries (Recovery; the controllers settle each entry).
 package snapshots
 
 import (
