@@ -126,12 +126,15 @@ const maxIntentKey = 253
 // that is one API write for many claims instead of one per claim.
 //
 // When to write is decided by writeDue from the Adds queued and their
-// arrival rate (batchPolicy): an Add that arrives alone (fewer than one more
-// expected within maxLinger) is written after linger, 5 ms; while Adds keep
-// arriving, a write waits for target (20) of them, at most maxLinger
-// (200 ms) after the oldest, and no longer than a few mean arrival gaps
-// after the newest (so a burst that has ended, e.g. when every worker is
-// already waiting, is not held). A write in flight is never joined: Adds
+// arrival rate (batchPolicy), per driver: an Add that arrives alone (fewer
+// than one more of its driver expected within maxLinger) is written after
+// linger, 5 ms; while a driver's Adds keep arriving, they wait for target
+// (20) of them, at most maxLinger (200 ms) after the oldest, and no longer
+// than a few mean arrival gaps after the newest (so a burst that has
+// ended, e.g. when every worker is already waiting, is not held). A write
+// is due when the first driver's Adds are: a quiet driver's lone claim
+// does not wait for a busy driver's batch to fill (it takes the busy
+// driver's queued Adds along). A write in flight is never joined: Adds
 // queue behind it and, once target of them wait, go in the next write at
 // once.
 //
@@ -192,11 +195,10 @@ type Record[T Entry] struct {
 	// provisioning workers ask for it at once (Lookup).
 	loadMu   sync.Mutex
 	firstRem time.Time // when the oldest queued Remove arrived
-	// Arrivals of Adds: the oldest and newest queued, and an exponentially
-	// decayed count over rateWindow for the arrival rate.
-	oldestAdd, newestAdd time.Time
-	arrivals             float64
-	lastArrival          time.Time
+	// arrivals: each driver's queued Adds and their arrival rate;
+	// lastArrival: the newest Add of any driver.
+	arrivals    map[string]*arrivals
+	lastArrival time.Time
 	// mine, when set (Share), says whether this replica may write the
 	// entries of a driver.
 	mine func(driver string) bool
@@ -206,6 +208,38 @@ type pendingAdd[T Entry] struct {
 	intent T
 	done   chan error
 }
+
+// arrivals is one driver's Adds: how many are queued, the oldest and
+// newest of them, and an exponentially decayed count over rateWindow for
+// their arrival rate.
+type arrivals struct {
+	pending        int
+	oldest, newest time.Time
+	count          float64
+	last           time.Time
+}
+
+// arrive counts an Add at now; maxLinger: a silence longer than any batch
+// waits restarts the count (what came before says nothing about this
+// Add's company).
+func (a *arrivals) arrive(now time.Time, maxLinger time.Duration) {
+	if a.pending == 0 {
+		a.oldest = now
+	}
+	a.pending++
+	a.newest = now
+	switch since := now.Sub(a.last); {
+	case since > maxLinger:
+		a.count = 0
+	case since > 0:
+		a.count *= math.Exp(-since.Seconds() / rateWindow.Seconds())
+	}
+	a.count++
+	a.last = now
+}
+
+// rate is the Adds' arrival rate, per second.
+func (a *arrivals) rate() float64 { return a.count / rateWindow.Seconds() }
 
 // batchPolicy says how long queued Adds wait for company before a write.
 type batchPolicy struct {
@@ -289,7 +323,7 @@ func NewRecord[T Entry](client kubernetes.Interface, namespace, name, purpose st
 		purpose: purpose,
 		client:  client, namespace: namespace, name: name, log: log,
 		maxEntries: 1500, maxBytes: 900 << 10, batch: defaultBatch, removeDelay: 2 * time.Second,
-		cond: make(chan struct{}), adds: map[string]*pendingAdd[T]{}, removes: map[string]bool{},
+		cond: make(chan struct{}), adds: map[string]*pendingAdd[T]{}, removes: map[string]bool{}, arrivals: map[string]*arrivals{},
 	}
 }
 
@@ -347,20 +381,6 @@ func (s *Record[T]) Add(ctx context.Context, in T) error {
 		s.mu.Unlock()
 		return errTermEnded
 	}
-	if len(s.adds) == 0 {
-		s.oldestAdd = now
-	}
-	s.newestAdd = now
-	switch since := now.Sub(s.lastArrival); {
-	case since > s.batch.maxLinger:
-		// A silence longer than any batch waits: what came before says
-		// nothing about this Add's company.
-		s.arrivals = 0
-	case since > 0:
-		s.arrivals *= math.Exp(-since.Seconds() / rateWindow.Seconds())
-	}
-	s.arrivals++
-	s.lastArrival = now
 	if s.mine != nil && !s.mine(in.DriverName()) {
 		s.mu.Unlock()
 		return fmt.Errorf("%w: driver %s is led by another replica", errTermEnded, in.DriverName())
@@ -368,7 +388,10 @@ func (s *Record[T]) Add(ctx context.Context, in T) error {
 	key := in.Key()
 	if old, ok := s.adds[key]; ok {
 		old.done <- errors.New("intent superseded by a newer Add of the same volume")
+		s.dropAddLocked(key)
 	}
+	s.arrivalsOf(in.DriverName()).arrive(now, s.batch.maxLinger)
+	s.lastArrival = now
 	s.adds[key] = p
 	delete(s.removes, key)
 	s.signal()
@@ -403,7 +426,7 @@ func (s *Record[T]) Remove(key string) {
 		}
 	}
 	if p, ok := s.adds[key]; ok {
-		delete(s.adds, key)
+		s.dropAddLocked(key)
 		p.done <- errors.New("intent removed before it was written")
 	}
 	if len(s.removes) == 0 {
@@ -432,7 +455,7 @@ func (s *Record[T]) Handover(driver string) {
 	for k, p := range s.adds {
 		if p.intent.DriverName() == driver {
 			p.done <- fmt.Errorf("%w: leadership of driver %s changed hands", errTermEnded, driver)
-			delete(s.adds, k)
+			s.dropAddLocked(k)
 		}
 	}
 	for k := range s.removes {
@@ -466,6 +489,27 @@ func (s *Record[T]) driverOfLocked(key string) (string, bool) {
 		return "", false
 	}
 	return in.Driver, true
+}
+
+// arrivalsOf is driver's arrivals (the caller holds s.mu).
+func (s *Record[T]) arrivalsOf(driver string) *arrivals {
+	a, ok := s.arrivals[driver]
+	if !ok {
+		a = &arrivals{}
+		s.arrivals[driver] = a
+	}
+	return a
+}
+
+// dropAddLocked takes the queued Add of key out of the queue and its
+// driver's count (the caller holds s.mu).
+func (s *Record[T]) dropAddLocked(key string) {
+	if p, ok := s.adds[key]; ok {
+		delete(s.adds, key)
+		if a := s.arrivals[p.intent.DriverName()]; a != nil && a.pending > 0 {
+			a.pending--
+		}
+	}
 }
 
 func (s *Record[T]) signal() {
@@ -751,7 +795,16 @@ func (s *Record[T]) Run(ctx context.Context) {
 // queued (the caller holds s.mu).
 func (s *Record[T]) nextWriteLocked() (time.Time, bool) {
 	if len(s.adds) > 0 {
-		return s.batch.writeDue(len(s.adds), s.oldestAdd, s.newestAdd, s.arrivals/rateWindow.Seconds()), true
+		var due time.Time
+		for _, a := range s.arrivals {
+			if a.pending == 0 {
+				continue
+			}
+			if d := s.batch.writeDue(a.pending, a.oldest, a.newest, a.rate()); due.IsZero() || d.Before(due) {
+				due = d
+			}
+		}
+		return due, true
 	}
 	if len(s.removes) > 0 || s.lost != nil {
 		since := s.firstRem
@@ -768,7 +821,7 @@ func (s *Record[T]) failAll(err error) {
 	defer s.mu.Unlock()
 	for k, p := range s.adds {
 		p.done <- err
-		delete(s.adds, k)
+		s.dropAddLocked(k)
 	}
 	// The term is over: what it meant to remove, and its copy of the
 	// record, may be stale by the next term (another leader writes
@@ -835,6 +888,12 @@ func (s *Record[T]) cutBatch(ctx context.Context) (*batch[T], bool) {
 	defer s.mu.Unlock()
 	b.adds, b.removes = s.adds, s.removes
 	s.adds, s.removes = map[string]*pendingAdd[T]{}, map[string]bool{}
+	now := time.Now()
+	for d, a := range s.arrivals {
+		if a.pending = 0; now.Sub(a.last) > s.batch.maxLinger {
+			delete(s.arrivals, d) // idle: its next Add starts the count anew
+		}
+	}
 	s.removing = b.removes
 	if s.loaded {
 		b.cached = s.cache

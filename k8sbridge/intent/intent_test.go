@@ -157,6 +157,50 @@ func TestBatchPolicyWriteDue(t *testing.T) {
 	}
 }
 
+// TestBatchDueForTheQuietestDriver: a write is due when the first driver's
+// Adds are. Driver A's claims arrive ten a second and wait for company
+// (maxLinger); driver B's lone claim is written after linger, with A's
+// queued Adds along, and the next batch of A starts its count anew.
+func TestBatchDueForTheQuietestDriver(t *testing.T) {
+	s := NewStore(nil, "ns", "intents", nil)
+	t0 := time.Now()
+	ms := func(n int) time.Time { return t0.Add(time.Duration(n) * time.Millisecond) }
+	add := func(driver, volume string, at time.Time) {
+		s.adds[volume] = &pendingAdd[Intent]{intent: Intent{VolumeName: volume, Driver: driver}, done: make(chan error, 1)}
+		s.arrivalsOf(driver).arrive(at, s.batch.maxLinger)
+	}
+	due := func() time.Time {
+		d, ok := s.nextWriteLocked()
+		if !ok {
+			t.Fatal("no write due with Adds queued")
+		}
+		return d
+	}
+	for i := 0; i <= 10; i++ {
+		add("a", fmt.Sprintf("a-%d", i), ms(10*i))
+	}
+	if got := due(); !got.Equal(ms(200)) {
+		t.Fatalf("driver A alone, ten a second: write due at +%v, want +200ms (maxLinger after its oldest)", got.Sub(t0))
+	}
+	add("b", "b-0", ms(100))
+	if got := due(); !got.Equal(ms(105)) {
+		t.Fatalf("with driver B's lone Add at +100ms: write due at +%v, want +105ms (B's linger, not A's batch)", got.Sub(t0))
+	}
+	s.dropAddLocked("b-0")
+	if got := due(); !got.Equal(ms(200)) {
+		t.Fatalf("B's Add removed: write due at +%v, want +200ms again", got.Sub(t0))
+	}
+	if _, ok := s.cutBatch(context.Background()); !ok {
+		t.Fatal("cutBatch failed")
+	}
+	if _, ok := s.nextWriteLocked(); ok {
+		t.Fatal("a write due right after the batch was cut")
+	}
+	if a := s.arrivals["a"]; a == nil || a.pending != 0 || a.rate() < 5 {
+		t.Fatalf("driver A after the cut: %+v, want no Adds pending and its arrival rate kept", a)
+	}
+}
+
 // faultyWrites wraps a client's transport: PUTs of the intent record fail or
 // block while told to; every other request goes to the real API server.
 type faultyWrites struct {
