@@ -574,7 +574,7 @@ func TestChangeNeedsSync(t *testing.T) {
 	} {
 		cur := base.DeepCopy()
 		tc.mut(cur)
-		if got := changeNeedsSync(base, cur); got != tc.want {
+		if got := kind().NeedsSync(base, cur); got != tc.want {
 			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
 		}
 	}
@@ -585,7 +585,7 @@ func TestChangeNeedsSync(t *testing.T) {
 	unready := ready.DeepCopy()
 	no := false
 	unready.ResourceVersion, unready.Status.ReadyToUse = "3", &no
-	if !changeNeedsSync(ready, unready) {
+	if !kind().NeedsSync(ready, unready) {
 		t.Error("ready, then set not ready: not synced, want synced")
 	}
 }

@@ -6,6 +6,8 @@ import (
 	"sync"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+
 	"github.com/csibroker/csibroker/k8sbridge/intent"
 )
 
@@ -58,4 +60,48 @@ func (r *Recovery[T]) All(ctx context.Context) {
 		}
 		r.Settle(ctx, e)
 	}
+}
+
+// Entry is a snapshot intent entry: the content its call was made for.
+type Entry interface {
+	intent.Entry
+	// Bound is the content's name and UID and the UID of the (group)
+	// snapshot it was bound to.
+	Bound() (content, contentUID, refUID string)
+}
+
+// Settler is a Recovery's Settle over contents s: it drops an entry whose
+// content records its snapshot, leaves one whose content is still being
+// worked on, and undoes one whose content is gone.
+func Settler[T Entry, C Content[C]](s *Contents[C], r *intent.Record[T], undo func(ctx context.Context, e T, why string)) func(context.Context, T) {
+	return func(ctx context.Context, e T) {
+		name, uid, refUID := e.Bound()
+		c, found, err := s.current(ctx, name, uid)
+		if err != nil {
+			s.Env.Log.Warn(s.What+" recovery: cannot read the content; will retry", "content", name, "err", err)
+			return
+		}
+		if found && (string(c.GetUID()) == uid || string(s.Ref(c).UID) == refUID) {
+			if s.Recorded(c) {
+				r.Remove(e.Key()) // recorded on the content
+			}
+			return // its own sync goes on (a content made again for the same snapshot takes it over)
+		}
+		undo(ctx, e, "its "+s.Kind+" "+name+" is gone")
+	}
+}
+
+// current is content name from the cache when it holds the one of uid,
+// else from the API server (the cache may lag behind); found is false
+// when there is none.
+func (s *Contents[C]) current(ctx context.Context, name, uid string) (c C, found bool, err error) {
+	c, err = s.Lister.Get(name)
+	if err == nil && string(c.GetUID()) == uid {
+		return c, true, nil
+	}
+	c, err = s.Fetch(ctx, name)
+	if apierrors.IsNotFound(err) {
+		return c, false, nil
+	}
+	return c, err == nil, err
 }
