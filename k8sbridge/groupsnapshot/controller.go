@@ -122,13 +122,8 @@ func New(b *kube.Env) (*Controller, error) {
 		return nil, err
 	}
 	b.Metrics.QueueDepth("groupsnapshot", c.queue.Len)
-	c.intents = intent.NewRecord[Entry](b.Cfg.Client, b.Cfg.Namespace, recordName,
-		"group snapshots being created; entries are removed when their VolumeGroupSnapshotContent records the group snapshot or it is deleted", b.Log)
-	if b.Cfg.IntentClient != nil && b.Cfg.IntentBudget != nil {
-		c.intents.UseBudget(b.Cfg.IntentClient, b.Cfg.IntentBudget.Wait)
-	}
-	c.intents.UseReader(b.Cfg.InformerClient)
-	c.intents.Share(func(d string) bool { return !b.Foreign(d) })
+	c.intents = snapshots.NewRecord[Entry](b, recordName,
+		"group snapshots being created; entries are removed when their VolumeGroupSnapshotContent records the group snapshot or it is deleted")
 
 	si := b.Cfg.SnapshotInformerClient
 	contentInf := b.Factory.InformerFor(&groupv1.VolumeGroupSnapshotContent{}, func(_ kubernetes.Interface, resync time.Duration) cache.SharedIndexInformer {

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	groupv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
@@ -62,14 +61,7 @@ func (e Entry) Bound() (content, contentUID, refUID string) {
 // g: <prefix>-<VolumeGroupSnapshot UID>, the UID without dashes and cut to
 // GroupSnapshotNameUUIDLength when that is positive.
 func groupSnapshotName(cfg kube.Config, g *groupv1.VolumeGroupSnapshotContent) string {
-	uid := string(g.Spec.VolumeGroupSnapshotRef.UID)
-	if n := cfg.GroupSnapshotNameUUIDLength; n > 0 {
-		uid = strings.ReplaceAll(uid, "-", "")
-		if n < len(uid) {
-			uid = uid[:n]
-		}
-	}
-	return cfg.GroupSnapshotNamePrefix + "-" + uid
+	return snapshots.Name(cfg.GroupSnapshotNamePrefix, string(g.Spec.VolumeGroupSnapshotRef.UID), cfg.GroupSnapshotNameUUIDLength)
 }
 
 // recovery settles the record's entries at the start of the term, every

@@ -128,15 +128,8 @@ func New(b *kube.Env) (*Controller, error) {
 		return nil, err
 	}
 	b.Metrics.QueueDepth("snapshot", c.queue.Len)
-	c.intents = intent.NewRecord[Entry](b.Cfg.Client, b.Cfg.Namespace, recordName,
-		"snapshots being created; entries are removed when their VolumeSnapshotContent records the snapshot or the snapshot is deleted", b.Log)
-	if b.Cfg.IntentClient != nil && b.Cfg.IntentBudget != nil {
-		c.intents.UseBudget(b.Cfg.IntentClient, b.Cfg.IntentBudget.Wait)
-	}
-	c.intents.UseReader(b.Cfg.InformerClient)
-	// Per-driver leadership: entries of drivers another replica leads
-	// are that replica's to write.
-	c.intents.Share(func(d string) bool { return !b.Foreign(d) })
+	c.intents = snapshots.NewRecord[Entry](b, recordName,
+		"snapshots being created; entries are removed when their VolumeSnapshotContent records the snapshot or the snapshot is deleted")
 
 	// The informers are the broker's one factory's, over the snapshot
 	// client of the informers' budget.

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
@@ -64,14 +63,7 @@ func (e Entry) Bound() (content, contentUID, refUID string) {
 // <prefix>-<VolumeSnapshot UID>, the UID without dashes and cut to
 // SnapshotNameUUIDLength when that is positive.
 func snapshotName(cfg kube.Config, vsc *snapshotv1.VolumeSnapshotContent) string {
-	uid := string(vsc.Spec.VolumeSnapshotRef.UID)
-	if n := cfg.SnapshotNameUUIDLength; n > 0 {
-		uid = strings.ReplaceAll(uid, "-", "")
-		if n < len(uid) {
-			uid = uid[:n]
-		}
-	}
-	return cfg.SnapshotNamePrefix + "-" + uid
+	return snapshots.Name(cfg.SnapshotNamePrefix, string(vsc.Spec.VolumeSnapshotRef.UID), cfg.SnapshotNameUUIDLength)
 }
 
 // recovery settles the record's entries at the start of the term, every

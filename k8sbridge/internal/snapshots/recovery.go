@@ -3,12 +3,14 @@ package snapshots
 import (
 	"context"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
 	"github.com/csibroker/csibroker/k8sbridge/intent"
+	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 )
 
 // Recovery settles the entries of a snapshot intent record that no worker
@@ -104,4 +106,31 @@ func (s *Contents[C]) current(ctx context.Context, name, uid string) (c C, found
 		return c, false, nil
 	}
 	return c, err == nil, err
+}
+
+// NewRecord is a snapshot intent record, ConfigMap name in the broker's
+// namespace: written on the intents' budget when there is one, read on
+// the informers', shared by per-driver leadership (entries of drivers
+// another replica leads are that replica's to write).
+func NewRecord[T intent.Entry](b *kube.Env, name, purpose string) *intent.Record[T] {
+	r := intent.NewRecord[T](b.Cfg.Client, b.Cfg.Namespace, name, purpose, b.Log)
+	if b.Cfg.IntentClient != nil && b.Cfg.IntentBudget != nil {
+		r.UseBudget(b.Cfg.IntentClient, b.Cfg.IntentBudget.Wait)
+	}
+	r.UseReader(b.Cfg.InformerClient)
+	r.Share(func(d string) bool { return !b.Foreign(d) })
+	return r
+}
+
+// Name is csi-snapshotter's name for the snapshot of the (group) snapshot
+// of uid: <prefix>-<uid>, the UID without dashes and cut to n when n is
+// positive.
+func Name(prefix, uid string, n int) string {
+	if n > 0 {
+		uid = strings.ReplaceAll(uid, "-", "")
+		if n < len(uid) {
+			uid = uid[:n]
+		}
+	}
+	return prefix + "-" + uid
 }
