@@ -3,7 +3,6 @@ package groupsnapshot
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync"
 	"time"
 
@@ -13,7 +12,6 @@ import (
 	grouplisters "github.com/kubernetes-csi/external-snapshotter/client/v8/listers/volumegroupsnapshot/v1"
 	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/kubernetes"
@@ -82,18 +80,7 @@ type Controller struct {
 // Served reports whether the API server serves VolumeGroupSnapshotContents
 // and VolumeGroupSnapshotClasses at groupsnapshot.storage.k8s.io/v1.
 func Served(d discovery.DiscoveryInterface) (bool, error) {
-	list, err := d.ServerResourcesForGroupVersion(Group + "/" + Version)
-	if apierrors.IsNotFound(err) {
-		return false, nil
-	}
-	if err != nil {
-		return false, fmt.Errorf("discover the %s/%s API: %w", Group, Version, err)
-	}
-	have := map[string]bool{}
-	for _, r := range list.APIResources {
-		have[r.Name] = true
-	}
-	return have["volumegroupsnapshotcontents"] && have["volumegroupsnapshotclasses"], nil
+	return snapshots.Served(d, Group+"/"+Version, "volumegroupsnapshotcontents", "volumegroupsnapshotclasses")
 }
 
 // New is the group snapshot controller, or nil when the broker has no

@@ -3,7 +3,6 @@ package snapshot
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync"
 	"time"
 
@@ -13,7 +12,6 @@ import (
 	snaplisters "github.com/kubernetes-csi/external-snapshotter/client/v8/listers/volumesnapshot/v1"
 	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/kubernetes"
@@ -87,18 +85,7 @@ type Controller struct {
 // Served reports whether the API server serves VolumeSnapshotContents and
 // VolumeSnapshotClasses (the CRDs are installed).
 func Served(d discovery.DiscoveryInterface) (bool, error) {
-	list, err := d.ServerResourcesForGroupVersion(Group + "/v1")
-	if apierrors.IsNotFound(err) {
-		return false, nil
-	}
-	if err != nil {
-		return false, fmt.Errorf("discover the %s/v1 API: %w", Group, err)
-	}
-	have := map[string]bool{}
-	for _, r := range list.APIResources {
-		have[r.Name] = true
-	}
-	return have["volumesnapshotcontents"] && have["volumesnapshotclasses"], nil
+	return snapshots.Served(d, Group+"/v1", "volumesnapshotcontents", "volumesnapshotclasses")
 }
 
 // New is the snapshot controller, or nil when the broker has no snapshot

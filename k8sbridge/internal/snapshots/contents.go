@@ -3,6 +3,7 @@ package snapshots
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"strings"
 	"time"
@@ -14,6 +15,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/csibroker/csibroker/internal/budget"
@@ -213,4 +215,21 @@ func Annotate[C metav1.Object](ann map[string]string) func(C) {
 		maps.Copy(a, ann)
 		c.SetAnnotations(a)
 	}
+}
+
+// Served reports whether the API server serves groupVersion with its
+// content and class resources (the CRDs are installed).
+func Served(d discovery.DiscoveryInterface, groupVersion, contents, classes string) (bool, error) {
+	list, err := d.ServerResourcesForGroupVersion(groupVersion)
+	if apierrors.IsNotFound(err) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("discover the %s API: %w", groupVersion, err)
+	}
+	have := map[string]bool{}
+	for _, r := range list.APIResources {
+		have[r.Name] = true
+	}
+	return have[contents] && have[classes], nil
 }
