@@ -3,7 +3,6 @@ package groupsnapshot
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync"
 	"time"
 
@@ -12,16 +11,12 @@ import (
 	groupinformers "github.com/kubernetes-csi/external-snapshotter/client/v8/informers/externalversions/volumegroupsnapshot/v1"
 	grouplisters "github.com/kubernetes-csi/external-snapshotter/client/v8/listers/volumegroupsnapshot/v1"
 	"github.com/prometheus/client_golang/prometheus"
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/trace"
-	"k8s.io/apimachinery/pkg/api/equality"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/labels"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
-	"github.com/csibroker/csibroker/internal/budget"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/internal/snapshots"
@@ -72,6 +67,8 @@ type Controller struct {
 	queue    *kube.TermQueue
 	slots    *kube.DriverSlots
 	intents  *intent.Record[Entry]
+	// frame is the content steps shared with the snapshot controller.
+	frame *snapshots.Contents[*groupv1.VolumeGroupSnapshotContent]
 
 	ops, recovered *prometheus.CounterVec
 	recoverNow     chan struct{}
@@ -83,18 +80,7 @@ type Controller struct {
 // Served reports whether the API server serves VolumeGroupSnapshotContents
 // and VolumeGroupSnapshotClasses at groupsnapshot.storage.k8s.io/v1.
 func Served(d discovery.DiscoveryInterface) (bool, error) {
-	list, err := d.ServerResourcesForGroupVersion(Group + "/" + Version)
-	if apierrors.IsNotFound(err) {
-		return false, nil
-	}
-	if err != nil {
-		return false, fmt.Errorf("discover the %s/%s API: %w", Group, Version, err)
-	}
-	have := map[string]bool{}
-	for _, r := range list.APIResources {
-		have[r.Name] = true
-	}
-	return have["volumegroupsnapshotcontents"] && have["volumegroupsnapshotclasses"], nil
+	return snapshots.Served(d, Group+"/"+Version, "volumegroupsnapshotcontents", "volumegroupsnapshotclasses")
 }
 
 // New is the group snapshot controller, or nil when the broker has no
@@ -123,13 +109,8 @@ func New(b *kube.Env) (*Controller, error) {
 		return nil, err
 	}
 	b.Metrics.QueueDepth("groupsnapshot", c.queue.Len)
-	c.intents = intent.NewRecord[Entry](b.Cfg.Client, b.Cfg.Namespace, recordName,
-		"group snapshots being created; entries are removed when their VolumeGroupSnapshotContent records the group snapshot or it is deleted", b.Log)
-	if b.Cfg.IntentClient != nil && b.Cfg.IntentBudget != nil {
-		c.intents.UseBudget(b.Cfg.IntentClient, b.Cfg.IntentBudget.Wait)
-	}
-	c.intents.UseReader(b.Cfg.InformerClient)
-	c.intents.Share(func(d string) bool { return !b.Foreign(d) })
+	c.intents = snapshots.NewRecord[Entry](b, recordName,
+		"group snapshots being created; entries are removed when their VolumeGroupSnapshotContent records the group snapshot or it is deleted")
 
 	si := b.Cfg.SnapshotInformerClient
 	contentInf := b.Factory.InformerFor(&groupv1.VolumeGroupSnapshotContent{}, func(_ kubernetes.Interface, resync time.Duration) cache.SharedIndexInformer {
@@ -142,48 +123,15 @@ func New(b *kube.Env) (*Controller, error) {
 	c.classes = grouplisters.NewVolumeGroupSnapshotClassLister(classInf.GetIndexer())
 	b.AddSynced(contentInf.HasSynced)
 	b.AddSynced(classInf.HasSynced)
-	b.On(contentInf, c.contentHandler())
-	b.On(classInf, cache.ResourceEventHandlerFuncs{
-		AddFunc: func(obj any) {
-			if cl, ok := obj.(*groupv1.VolumeGroupSnapshotClass); ok {
-				c.enqueueClass(cl.Name)
-			}
-		},
-		UpdateFunc: func(_, newObj any) {
-			if cl, ok := newObj.(*groupv1.VolumeGroupSnapshotClass); ok {
-				c.enqueueClass(cl.Name)
-			}
-		},
-	})
+	c.frame = kind()
+	c.frame.Env, c.frame.Queue, c.frame.Slots, c.frame.Lister, c.frame.Fetch, c.frame.Ours = b, c.queue, c.slots, c.contents, c.fetch, c.ours
+	b.On(contentInf, c.frame.Handler(func(g *groupv1.VolumeGroupSnapshotContent) {
+		if g.Spec.VolumeGroupSnapshotRef.UID != "" && c.intents.Has(groupSnapshotName(c.b.Cfg, g)) {
+			c.wakeRecovery()
+		}
+	}))
+	b.On(classInf, snapshots.ClassHandler[*groupv1.VolumeGroupSnapshotClass](c.frame))
 	return c, nil
-}
-
-func (c *Controller) contentHandler() cache.ResourceEventHandler {
-	return cache.ResourceEventHandlerFuncs{
-		AddFunc: func(obj any) {
-			if g, ok := obj.(*groupv1.VolumeGroupSnapshotContent); ok && c.ours(g) {
-				c.queue.Add(g.Name)
-			}
-		},
-		UpdateFunc: func(oldObj, newObj any) {
-			old, ok1 := oldObj.(*groupv1.VolumeGroupSnapshotContent)
-			cur, ok2 := newObj.(*groupv1.VolumeGroupSnapshotContent)
-			if ok1 && ok2 && c.ours(cur) && changeNeedsSync(old, cur) {
-				c.queue.Add(cur.Name)
-			}
-		},
-		DeleteFunc: func(obj any) {
-			g, ok := kube.Deleted[*groupv1.VolumeGroupSnapshotContent](obj)
-			if !ok {
-				return
-			}
-			c.b.ForgetEvents(g.UID)
-			c.queue.Forget(g.Name)
-			if g.Spec.VolumeGroupSnapshotRef.UID != "" && c.intents.Has(groupSnapshotName(c.b.Cfg, g)) {
-				c.wakeRecovery()
-			}
-		},
-	}
 }
 
 // ours: a group content of a registered driver with a source to work from.
@@ -192,94 +140,55 @@ func (c *Controller) ours(g *groupv1.VolumeGroupSnapshotContent) bool {
 	return (len(src.VolumeHandles) > 0 || src.GroupSnapshotHandles != nil) && c.b.Registered(g.Spec.Driver)
 }
 
-// enqueueClass queues the contents of class that are not ready.
-func (c *Controller) enqueueClass(class string) {
-	all, err := c.contents.List(labels.Everything())
-	if err != nil {
-		return
-	}
-	for _, g := range all {
-		if n := g.Spec.VolumeGroupSnapshotClassName; n != nil && *n == class && !isReady(g) && c.ours(g) {
-			c.queue.Add(g.Name)
-		}
-	}
+// kind is what the shared content steps know of
+// VolumeGroupSnapshotContents; the controller adds its own (Env, Queue,
+// Slots, Lister, Fetch, Ours).
+func kind() *snapshots.Contents[*groupv1.VolumeGroupSnapshotContent] {
+	return &snapshots.Contents[*groupv1.VolumeGroupSnapshotContent]{What: "group snapshot", Kind: "VolumeGroupSnapshotContent",
+		Driver: func(g *groupv1.VolumeGroupSnapshotContent) string { return g.Spec.Driver },
+		Ref: func(g *groupv1.VolumeGroupSnapshotContent) corev1.ObjectReference {
+			return g.Spec.VolumeGroupSnapshotRef
+		},
+		Class:      func(g *groupv1.VolumeGroupSnapshotContent) *string { return g.Spec.VolumeGroupSnapshotClassName },
+		Ready:      isReady,
+		Recorded:   func(g *groupv1.VolumeGroupSnapshotContent) bool { return groupHandle(g) != "" },
+		KeepStatus: func(cur, old *groupv1.VolumeGroupSnapshotContent) { cur.Status = old.Status },
+		NotReady:   errNotReady, Mark: AnnBeingCreated}
 }
 
-// changeNeedsSync is csi-snapshotter's filter of group content updates: a
-// resync, a content that became ready, or a change of anything but the
-// status, the finalizers, managed fields and the being-created annotation
-// (the controller's own writes, which would bypass the key's backoff).
-func changeNeedsSync(old, cur *groupv1.VolumeGroupSnapshotContent) bool {
-	if old.ResourceVersion == cur.ResourceVersion || (!isReady(old) && isReady(cur)) {
-		return true
-	}
-	s := cur.DeepCopy()
-	s.ResourceVersion, s.Status, s.ManagedFields, s.Finalizers = old.ResourceVersion, old.Status, old.ManagedFields, old.Finalizers
-	s.Annotations = snapshots.AnnotationsOutside(old.Annotations, s.Annotations, AnnBeingCreated)
-	return !equality.Semantic.DeepEqual(old, s)
+func (c *Controller) fetch(ctx context.Context, name string) (*groupv1.VolumeGroupSnapshotContent, error) {
+	return c.client.GroupsnapshotV1().VolumeGroupSnapshotContents().Get(ctx, name, metav1.GetOptions{})
 }
 
 // EnqueueAll queues every group content of a registered driver.
-func (c *Controller) EnqueueAll() {
-	all, err := c.contents.List(labels.Everything())
-	if err != nil {
-		return
-	}
-	for _, g := range all {
-		if c.ours(g) {
-			c.queue.Add(g.Name)
-		}
-	}
-}
+func (c *Controller) EnqueueAll() { c.frame.EnqueueAll() }
 
 // Run works while this replica leads: the contents, the term's intent
 // record writer and the recovery of group snapshots left behind.
 func (c *Controller) Run(ctx context.Context) {
 	c.intents.StartTerm()
-	c.queue.Work(ctx, c.b.Cfg.WorkerThreads, c.EnqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
-		requeue, err := c.sync(ctx, key)
-		switch {
-		case errors.Is(err, errNotReady):
-			c.b.Log.Debug("group snapshot not ready yet; asked again with backoff", "content", key)
-		case err != nil:
-			c.b.Log.Debug("group snapshot content will be retried", "content", key, "err", err)
-		}
-		return requeue, err
-	}, c.intents.Run, c.recoveryLoop)
+	c.frame.Work(ctx, c.sync, c.intents.Run, c.recoveryLoop)
 }
 
-// sync does the next step of one group content, in csi-snapshotter's
-// order: a deletion to carry out, a dynamic content to snapshot, a ready
-// one to settle, else its status to refresh.
+// sync does the next step of one group content.
 func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error) {
-	g, err := c.contents.Get(key)
-	if apierrors.IsNotFound(err) {
-		return 0, nil
-	}
-	if err != nil || !c.ours(g) {
-		return 0, err
-	}
-	driver := g.Spec.Driver
-	if !c.slots.Acquire(driver, key) {
-		return kube.WaitForSlot, nil
-	}
-	defer c.slots.Release(driver)
-	ctx = budget.WithDriver(ctx, driver)
-	ctx, span := c.b.Tracer.Start(ctx, "group snapshot content "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
-		attribute.String("csi.driver", driver), attribute.String("k8s.volumegroupsnapshotcontent.name", key),
-		attribute.String("k8s.volumegroupsnapshot.namespace", g.Spec.VolumeGroupSnapshotRef.Namespace),
-		attribute.String("k8s.volumegroupsnapshot.name", g.Spec.VolumeGroupSnapshotRef.Name)))
-	defer span.End()
+	return c.frame.Sync(ctx, key, c.step)
+}
+
+// step is the next step of group content g, in csi-snapshotter's order:
+// a deletion to carry out, a ready content to settle, a dynamic one to
+// snapshot, else its status to refresh.
+func (c *Controller) step(ctx context.Context, g *groupv1.VolumeGroupSnapshotContent) error {
 	dynamic := len(g.Spec.Source.VolumeHandles) > 0
 	switch {
 	case shouldDelete(g):
-		return 0, c.deleteContent(ctx, g)
+		return c.deleteContent(ctx, g)
 	case isReady(g):
-		return 0, c.settled(ctx, g)
+		return c.settled(ctx, g)
 	case dynamic && groupHandle(g) == "":
-		return 0, c.create(ctx, g)
+		return c.create(ctx, g)
 	}
-	return 0, c.refresh(ctx, g)
+	return c.refresh(ctx, g)
 }
 
 // shouldDelete is csi-snapshotter's test: the content is being deleted,

@@ -3,7 +3,6 @@ package groupsnapshot
 import (
 	"context"
 	"fmt"
-	"maps"
 	"strings"
 	"time"
 
@@ -53,23 +52,14 @@ func (c *Controller) create(ctx context.Context, g *groupv1.VolumeGroupSnapshotC
 	// meanwhile nor a broker killed after the call loses it.
 	entry, err := c.recordEntry(ctx, p)
 	if err == nil {
-		if prev, ok := c.intents.Get(entry.Key()); ok && sameCall(prev, entry) {
-			entry = prev // recorded by an earlier attempt: no write
-		} else {
-			err = c.intents.Add(ctx, entry)
-		}
+		entry, err = snapshots.Intend(ctx, c.intents, entry, sameCall)
 	}
 	if err != nil {
 		return c.createFailed(ctx, g, "not_called", fmt.Errorf("record the group snapshot's intent: %w", err))
 	}
 	c.inflight.Store(entry.Name, true)
 	defer c.inflight.Delete(entry.Name)
-	if g, err = c.patchMeta(ctx, g, func(m *groupv1.VolumeGroupSnapshotContent) {
-		if m.Annotations == nil {
-			m.Annotations = map[string]string{}
-		}
-		maps.Copy(m.Annotations, p.annotations)
-	}); err != nil {
+	if g, err = c.patchMeta(ctx, g, snapshots.Annotate[*groupv1.VolumeGroupSnapshotContent](p.annotations)); err != nil {
 		return c.createFailed(ctx, p.g, "not_called", fmt.Errorf("mark content %s being created: %w", p.g.Name, err))
 	}
 	req := &csi.CreateVolumeGroupSnapshotRequest{Name: p.req.GetName(), SourceVolumeIds: p.req.GetSourceVolumeIds(), Parameters: p.req.GetParameters(), Secrets: creds}
@@ -171,7 +161,7 @@ func (c *Controller) prepare(ctx context.Context, g *groupv1.VolumeGroupSnapshot
 	}
 	p := &plan{g: g, driver: driver, annotations: map[string]string{AnnBeingCreated: "yes"},
 		req: &csi.CreateVolumeGroupSnapshotRequest{Name: groupSnapshotName(c.b.Cfg, g), SourceVolumeIds: g.Spec.Source.VolumeHandles, Parameters: params}}
-	if err := c.secretOf(p, class); err != nil {
+	if p.secret, p.secretSource, err = secretKeys.Of(g, ref, class.Name, class.Parameters, p.annotations); err != nil {
 		return nil, err
 	}
 	if p.conn, err = c.conn(driver); err != nil {
@@ -228,44 +218,13 @@ func (c *Controller) conn(driver string) (grpc.ClientConnInterface, error) {
 	return conn, nil
 }
 
-// secretOf sets the plan's group snapshotter secret: the one remembered
-// on the content (the snapshot-controller's deletion-secret annotations),
-// else the class's csi.storage.k8s.io/group-snapshotter-secret-* with
-// their templates, which is then remembered with the being-created mark.
-func (c *Controller) secretOf(p *plan, class *groupv1.VolumeGroupSnapshotClass) error {
-	ref, err := rememberedSecret(p.g)
-	if err != nil || ref != nil {
-		p.secret, p.secretSource = ref, annotationSource
-		return err
-	}
-	r := p.g.Spec.VolumeGroupSnapshotRef
-	ref, err = secrets.SnapshotRef(secrets.GroupSnapshotter, class.Parameters, p.g.Name, &secrets.SnapshotObject{Namespace: r.Namespace, Name: r.Name})
-	if err != nil {
-		return fmt.Errorf("VolumeGroupSnapshotClass %s: %w", class.Name, err)
-	}
-	if ref != nil {
-		p.secret, p.secretSource = ref, secrets.SnapshotPolicySource(secrets.GroupSnapshotter, class.Parameters)
-		p.annotations[AnnDeletionSecretName], p.annotations[AnnDeletionSecretNS] = ref.Name, ref.Namespace
-	}
-	return nil
-}
-
-// annotationSource is where a remembered secret's reference came from.
-var annotationSource = policy.Source{Kind: policy.SourcePVField, Key: "metadata.annotations[" + AnnDeletionSecretName + "]"}
-
-// rememberedSecret is the secret the content's deletion-secret
-// annotations name; nil when it carries neither.
-func rememberedSecret(g *groupv1.VolumeGroupSnapshotContent) (*corev1.SecretReference, error) {
-	name, hasName := g.Annotations[AnnDeletionSecretName]
-	ns, hasNS := g.Annotations[AnnDeletionSecretNS]
-	if !hasName && !hasNS {
-		return nil, nil
-	}
-	if name == "" || ns == "" {
-		return nil, fmt.Errorf("content %s: annotations %s and %s must both name the group snapshotter secret", g.Name, AnnDeletionSecretName, AnnDeletionSecretNS)
-	}
-	return &corev1.SecretReference{Name: name, Namespace: ns}, nil
-}
+// secretKeys are the group snapshotter secret's: the class's
+// csi.storage.k8s.io/group-snapshotter-secret-* with their templates,
+// remembered on the content in the snapshot-controller's deletion-secret
+// annotations (with the being-created mark), and taken from there when
+// they are set.
+var secretKeys = snapshots.SecretKeys{Kind: secrets.GroupSnapshotter, AnnName: AnnDeletionSecretName, AnnNS: AnnDeletionSecretNS,
+	What: "group snapshotter", ClassKind: "VolumeGroupSnapshotClass"}
 
 // secretUse is the policy question for op with secret ref: the
 // VolumeGroupSnapshot is the requester, or the content while it is bound

@@ -72,7 +72,7 @@ func (c *Controller) deleteGroup(ctx context.Context, g *groupv1.VolumeGroupSnap
 	if len(ids) == 0 {
 		return fmt.Errorf("cannot delete group snapshot %s of content %s: no snapshots found in the group snapshot", handle, g.Name)
 	}
-	ref, err := rememberedSecret(g)
+	ref, src, err := secretKeys.Remembered(g)
 	if err != nil {
 		return err
 	}
@@ -80,7 +80,7 @@ func (c *Controller) deleteGroup(ctx context.Context, g *groupv1.VolumeGroupSnap
 	if err != nil {
 		return err
 	}
-	creds, err := c.b.FetchSecret(ctx, c.secretUse(g, ref, annotationSource, policy.OpDeleteVolumeGroupSnapshot))
+	creds, err := c.b.FetchSecret(ctx, c.secretUse(g, ref, src, policy.OpDeleteVolumeGroupSnapshot))
 	if err != nil {
 		return err
 	}

@@ -62,5 +62,6 @@
 // The controller exists only when the API server serves the v1 group
 // snapshot API at the broker's start. Its informers are on the broker's
 // one factory. It imports no other controller; what it shares with the
-// snapshot controller is in k8sbridge/internal/snapshots.
+// snapshot controller (the content steps, recovery, the secret rules) is
+// in k8sbridge/internal/snapshots.
 package groupsnapshot

@@ -2,102 +2,25 @@ package groupsnapshot
 
 import (
 	"context"
-	"fmt"
-	"log/slog"
 	"maps"
 	"slices"
-	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	groupv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	snapfake "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned/fake"
-	"google.golang.org/grpc"
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
-	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
 
-	"github.com/csibroker/csibroker/internal/chaintest"
 	"github.com/csibroker/csibroker/internal/sampledriver"
-	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
-	"github.com/csibroker/csibroker/policy"
+	"github.com/csibroker/csibroker/k8sbridge/internal/snapshots/snapshottest"
 )
-
-// chainDrivers reaches sample drivers through their real chains (broker
-// client chain, proxy over mTLS, driver socket); hook sees each call
-// before it is sent and may answer it instead.
-type chainDrivers struct {
-	chains map[string]*chaintest.Chain
-	mu     sync.Mutex
-	calls  map[string][]any // method → requests, in order
-	hook   func(method string, args any) error
-}
-
-var _ drivers.Drivers = (*chainDrivers)(nil)
-
-func (d *chainDrivers) add(t *testing.T, cfg sampledriver.Config) *sampledriver.Driver {
-	t.Helper()
-	cfg.Logger = slog.New(slog.DiscardHandler)
-	ep, drv := sampledriver.StartTest(t, cfg)
-	if d.chains == nil {
-		d.chains, d.calls = map[string]*chaintest.Chain{}, map[string][]any{}
-	}
-	d.chains[cfg.Name] = chaintest.Start(t, chaintest.Options{Driver: cfg.Name, DriverEndpoint: ep, LogLevel: slog.LevelWarn, Timeout: 30 * time.Second})
-	return drv
-}
-
-func (d *chainDrivers) ControllerConn(drv string) (grpc.ClientConnInterface, error) {
-	c, ok := d.chains[drv]
-	if !ok {
-		return nil, fmt.Errorf("unknown driver %q", drv)
-	}
-	conn, err := c.Broker.ControllerConn(drv)
-	return recordingConn{conn, d}, err
-}
-func (d *chainDrivers) NodeConn(drv, node string) (grpc.ClientConnInterface, error) {
-	return nil, fmt.Errorf("driver %q has no node proxies here", drv)
-}
-func (d *chainDrivers) NodeLocal(string) bool       { return false }
-func (d *chainDrivers) DriverNodes(string) []string { return nil }
-func (d *chainDrivers) HasDriver(drv string) bool   { _, ok := d.chains[drv]; return ok }
-func (d *chainDrivers) DriverNames() []string       { return slices.Sorted(maps.Keys(d.chains)) }
-func (d *chainDrivers) CallTimeout(string, string) time.Duration {
-	return 0
-}
-
-func (d *chainDrivers) requests(method string) []any {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return slices.Clone(d.calls[method])
-}
-
-type recordingConn struct {
-	grpc.ClientConnInterface
-	d *chainDrivers
-}
-
-func (c recordingConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
-	short := method[strings.LastIndex(method, "/")+1:]
-	c.d.mu.Lock()
-	c.d.calls[short] = append(c.d.calls[short], args)
-	hook := c.d.hook
-	c.d.mu.Unlock()
-	if hook != nil {
-		if err := hook(short, args); err != nil {
-			return err
-		}
-	}
-	return c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...)
-}
 
 // fixture is one controller over fake clientsets and real sample drivers:
 // drv with group snapshots, plainDrv without.
@@ -106,7 +29,7 @@ type fixture struct {
 	c       *Controller
 	kube    *fake.Clientset
 	snaps   *snapfake.Clientset
-	drivers *chainDrivers
+	drivers *snapshottest.Drivers
 	d       *sampledriver.Driver
 	events  *record.FakeRecorder
 	ctx     context.Context
@@ -126,65 +49,24 @@ func newFixture(t *testing.T, policyAllows bool, objs ...runtime.Object) *fixtur
 // newFixtureWith is newFixture with drv's configuration (its name is set).
 func newFixtureWith(t *testing.T, cfg sampledriver.Config, policyAllows bool, objs ...runtime.Object) *fixture {
 	t.Helper()
-	f := &fixture{t: t, drivers: &chainDrivers{}}
+	f := &fixture{t: t, drivers: &snapshottest.Drivers{}}
 	cfg.Name = drv
-	f.d = f.drivers.add(t, cfg)
-	f.drivers.add(t, sampledriver.Config{Name: plainDrv, DisableGroupSnapshots: true})
-	f.kube = fake.NewClientset(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "app"}},
-		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: "app"}, Data: map[string][]byte{"password": []byte("hunter2")}})
-	f.kube.Resources = []*metav1.APIResourceList{{GroupVersion: Group + "/" + Version, APIResources: []metav1.APIResource{
-		{Name: "volumegroupsnapshotcontents"}, {Name: "volumegroupsnapshotclasses"}, {Name: "volumegroupsnapshots"}}}}
-	//lint:ignore SA1019 the snapshot client module generates no NewClientset (no apply configurations)
-	f.snaps = snapfake.NewSimpleClientset(objs...)
-	st := policy.NewStore(nil)
-	if policyAllows {
-		st.SetMode(policy.ModeOff)
-	} else {
-		st.SetMode(policy.ModeEnforce)
-	}
-	kcfg := kube.Config{Client: f.kube, SnapshotClient: f.snaps, Drivers: f.drivers, Policy: &policy.Authorizer{Rules: st}, Namespace: "csibroker",
-		RetryIntervalStart: 10 * time.Millisecond, RetryIntervalMax: time.Second, ExtraCreateMetadata: true}
-	if err := kcfg.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	env, synced, err := kube.NewEnv(kcfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	f.events = record.NewFakeRecorder(100)
-	env.Recorder = f.events
+	f.d = f.drivers.Add(t, cfg)
+	f.drivers.Add(t, sampledriver.Config{Name: plainDrv, DisableGroupSnapshots: true})
+	f.kube, f.snaps = snapshottest.Clients(Group+"/"+Version, []string{"volumegroupsnapshotcontents", "volumegroupsnapshotclasses", "volumegroupsnapshots"}, objs...)
+	env, synced, events := snapshottest.Env(t, kube.Config{Client: f.kube, SnapshotClient: f.snaps, Drivers: f.drivers}, policyAllows)
+	f.events = events
+	var err error
 	if f.c, err = New(env); err != nil || f.c == nil {
 		t.Fatalf("New: %v, %v", f.c, err)
 	}
-	if err := env.StartHandlers(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	f.ctx = ctx
-	env.Factory.Start(ctx.Done())
-	t.Cleanup(env.Factory.Shutdown)
-	if !cache.WaitForCacheSync(ctx.Done(), append(synced, env.TakeSynced()...)...) {
-		t.Fatal("caches did not sync")
-	}
-	f.c.intents.StartTerm()
-	done := make(chan struct{})
-	go func() { defer close(done); f.c.intents.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	f.ctx = snapshottest.Start(t, env, synced, f.c.intents)
 	return f
 }
 
 // volume makes a volume at driver and returns its ID.
 func (f *fixture) volume(driver, name string) string {
-	f.t.Helper()
-	conn, _ := f.drivers.ControllerConn(driver)
-	resp, err := csi.NewControllerClient(conn).CreateVolume(f.ctx, &csi.CreateVolumeRequest{Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 20},
-		VolumeCapabilities: []*csi.VolumeCapability{{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
-			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}}})
-	if err != nil {
-		f.t.Fatal(err)
-	}
-	return resp.GetVolume().GetVolumeId()
+	return f.drivers.Volume(f.t, f.ctx, driver, name)
 }
 
 // step syncs content name once the cache has caught up with the API
@@ -202,33 +84,14 @@ func (f *fixture) step(name string) (*groupv1.VolumeGroupSnapshotContent, error)
 
 func (f *fixture) waitCache(name string) {
 	f.t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
-		want, err := f.snaps.GroupsnapshotV1().VolumeGroupSnapshotContents().Get(f.ctx, name, metav1.GetOptions{})
-		got, lerr := f.c.contents.Get(name)
-		if err != nil && lerr != nil {
-			return
-		}
-		if err == nil && lerr == nil && equality.Semantic.DeepEqual(want.ObjectMeta, got.ObjectMeta) && equality.Semantic.DeepEqual(want.Status, got.Status) {
-			return
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	f.t.Fatalf("content %s: the cache did not catch up", name)
+	snapshottest.WaitCache(f.t, name, func(name string) (*groupv1.VolumeGroupSnapshotContent, error) {
+		return f.snaps.GroupsnapshotV1().VolumeGroupSnapshotContents().Get(f.ctx, name, metav1.GetOptions{})
+	}, f.c.contents.Get, func(g *groupv1.VolumeGroupSnapshotContent) any { return g.Status })
 }
 
 func (f *fixture) event(reason, want string) {
 	f.t.Helper()
-	for {
-		select {
-		case e := <-f.events.Events:
-			if strings.Contains(e, reason) && strings.Contains(e, want) {
-				return
-			}
-		case <-time.After(5 * time.Second):
-			f.t.Fatalf("no %s Event saying %q", reason, want)
-		}
-	}
+	snapshottest.Event(f.t, f.events, reason, want)
 }
 
 func (f *fixture) create(g *groupv1.VolumeGroupSnapshotContent) {
@@ -270,7 +133,7 @@ func TestCreateStep(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	reqs := f.drivers.requests("CreateVolumeGroupSnapshot")
+	reqs := f.drivers.Requests("CreateVolumeGroupSnapshot")
 	if len(reqs) != 1 {
 		t.Fatalf("%d CreateVolumeGroupSnapshot calls, want 1", len(reqs))
 	}
@@ -308,7 +171,7 @@ func TestCreateStep(t *testing.T) {
 	if _, err := f.step("g1"); err != nil {
 		t.Fatal(err)
 	}
-	if n := len(f.drivers.requests("CreateVolumeGroupSnapshot")) + len(f.drivers.requests("GetVolumeGroupSnapshot")); n != 1 {
+	if n := len(f.drivers.Requests("CreateVolumeGroupSnapshot")) + len(f.drivers.Requests("GetVolumeGroupSnapshot")); n != 1 {
 		t.Errorf("%d group calls after a ready content's sync; want only the first", n)
 	}
 }

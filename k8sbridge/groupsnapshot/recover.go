@@ -4,13 +4,11 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	groupv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumegroupsnapshot/v1"
 	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/csibroker/csibroker/internal/budget"
@@ -53,24 +51,24 @@ func (e Entry) Key() string { return e.Name }
 // DriverName is the driver the group snapshot is made by.
 func (e Entry) DriverName() string { return e.Driver }
 
+// Bound is the content the call was made for, and its
+// VolumeGroupSnapshot's UID.
+func (e Entry) Bound() (content, contentUID, refUID string) {
+	return e.ContentName, e.ContentUID, e.GroupUID
+}
+
 // groupSnapshotName is csi-snapshotter's name for the group snapshot of
 // g: <prefix>-<VolumeGroupSnapshot UID>, the UID without dashes and cut to
 // GroupSnapshotNameUUIDLength when that is positive.
 func groupSnapshotName(cfg kube.Config, g *groupv1.VolumeGroupSnapshotContent) string {
-	uid := string(g.Spec.VolumeGroupSnapshotRef.UID)
-	if n := cfg.GroupSnapshotNameUUIDLength; n > 0 {
-		uid = strings.ReplaceAll(uid, "-", "")
-		if n < len(uid) {
-			uid = uid[:n]
-		}
-	}
-	return cfg.GroupSnapshotNamePrefix + "-" + uid
+	return snapshots.Name(cfg.GroupSnapshotNamePrefix, string(g.Spec.VolumeGroupSnapshotRef.UID), cfg.GroupSnapshotNameUUIDLength)
 }
 
 // recovery settles the record's entries at the start of the term, every
 // RecoveryInterval and when a content with an entry goes.
 func (c *Controller) recovery() *snapshots.Recovery[Entry] {
-	return &snapshots.Recovery[Entry]{What: "group snapshot", Record: c.intents, Inflight: &c.inflight, Foreign: c.b.Foreign, Settle: c.settleEntry, Log: c.b.Log}
+	return &snapshots.Recovery[Entry]{What: "group snapshot", Record: c.intents, Inflight: &c.inflight, Foreign: c.b.Foreign,
+		Settle: snapshots.Settler(c.frame, c.intents, c.undo), Log: c.b.Log}
 }
 
 func (c *Controller) recoveryLoop(ctx context.Context) {
@@ -78,30 +76,6 @@ func (c *Controller) recoveryLoop(ctx context.Context) {
 }
 
 func (c *Controller) recoverAll(ctx context.Context) { c.recovery().All(ctx) }
-
-// settleEntry drops an entry whose content records its group snapshot,
-// leaves one whose content is still being worked on, and undoes one whose
-// content is gone.
-func (c *Controller) settleEntry(ctx context.Context, e Entry) {
-	g, err := c.contents.Get(e.ContentName)
-	if err != nil || string(g.UID) != e.ContentUID {
-		g, err = c.client.GroupsnapshotV1().VolumeGroupSnapshotContents().Get(ctx, e.ContentName, metav1.GetOptions{})
-		if err != nil && !apierrors.IsNotFound(err) {
-			c.b.Log.Warn("group snapshot recovery: cannot read the content; will retry", "content", e.ContentName, "err", err)
-			return
-		}
-		if err != nil {
-			g = nil
-		}
-	}
-	if g != nil && (string(g.UID) == e.ContentUID || string(g.Spec.VolumeGroupSnapshotRef.UID) == e.GroupUID) {
-		if groupHandle(g) != "" {
-			c.intents.Remove(e.Key()) // recorded on the content
-		}
-		return // its own sync goes on
-	}
-	c.undo(ctx, e, "its VolumeGroupSnapshotContent "+e.ContentName+" is gone")
-}
 
 // undo deletes the group snapshot an entry's call may have made: asked
 // again, the driver names it (or says it made none), and it is deleted.

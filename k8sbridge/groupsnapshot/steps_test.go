@@ -63,7 +63,7 @@ func TestCreateBadInput(t *testing.T) {
 				t.Fatal("the status error holds the secret's value")
 			}
 			f.event("GroupSnapshotCreationFailed", tc.want)
-			if n := len(f.drivers.requests("CreateVolumeGroupSnapshot")); (n > 0) != tc.called {
+			if n := len(f.drivers.Requests("CreateVolumeGroupSnapshot")); (n > 0) != tc.called {
 				t.Errorf("%d CreateVolumeGroupSnapshot calls; want them made: %t", n, tc.called)
 			}
 			if _, ok := g.Annotations[AnnBeingCreated]; ok {
@@ -102,10 +102,10 @@ func TestNotReadyAskedUntilReady(t *testing.T) {
 	if err != nil || !isReady(g) {
 		t.Fatalf("sync: %v, status %+v; want ready", err, g.Status)
 	}
-	if n := len(f.drivers.requests("CreateVolumeGroupSnapshot")); n != 1 {
+	if n := len(f.drivers.Requests("CreateVolumeGroupSnapshot")); n != 1 {
 		t.Errorf("%d CreateVolumeGroupSnapshot calls; want 1", n)
 	}
-	gets := f.drivers.requests("GetVolumeGroupSnapshot")
+	gets := f.drivers.Requests("GetVolumeGroupSnapshot")
 	if len(gets) == 0 {
 		t.Fatal("no GetVolumeGroupSnapshot while the group was not ready")
 	}
@@ -183,8 +183,8 @@ func TestDeletion(t *testing.T) {
 	// Being created: left alone.
 	markDeleted(made, snapshotv1.VolumeSnapshotContentDelete, AnnBeingDeleted, AnnBeingCreated)
 	g, err := f.step("g")
-	if err != nil || len(f.drivers.requests("DeleteVolumeGroupSnapshot")) != 0 || len(g.Finalizers) != 1 {
-		t.Fatalf("a content being created: sync %v, %d deletions, finalizers %v; want it untouched", err, len(f.drivers.requests("DeleteVolumeGroupSnapshot")), g.Finalizers)
+	if err != nil || len(f.drivers.Requests("DeleteVolumeGroupSnapshot")) != 0 || len(g.Finalizers) != 1 {
+		t.Fatalf("a content being created: sync %v, %d deletions, finalizers %v; want it untouched", err, len(f.drivers.Requests("DeleteVolumeGroupSnapshot")), g.Finalizers)
 	}
 	// Marked being deleted, Delete.
 	delete(g.Annotations, AnnBeingCreated)
@@ -192,7 +192,7 @@ func TestDeletion(t *testing.T) {
 	if g, err = f.step("g"); err != nil {
 		t.Fatal(err)
 	}
-	dels := f.drivers.requests("DeleteVolumeGroupSnapshot")
+	dels := f.drivers.Requests("DeleteVolumeGroupSnapshot")
 	if len(dels) != 1 {
 		t.Fatalf("%d DeleteVolumeGroupSnapshot calls, want 1", len(dels))
 	}
@@ -220,8 +220,8 @@ func TestDeletion(t *testing.T) {
 	if kept, err = f.step("kept"); err != nil {
 		t.Fatal(err)
 	}
-	if len(kept.Finalizers) != 0 || len(f.d.GroupSnapshots()) != 1 || len(f.drivers.requests("DeleteVolumeGroupSnapshot")) != 1 {
-		t.Errorf("Retain: finalizers %v, %d groups at the driver, %d deletions; want the finalizer gone and the group kept", kept.Finalizers, len(f.d.GroupSnapshots()), len(f.drivers.requests("DeleteVolumeGroupSnapshot")))
+	if len(kept.Finalizers) != 0 || len(f.d.GroupSnapshots()) != 1 || len(f.drivers.Requests("DeleteVolumeGroupSnapshot")) != 1 {
+		t.Errorf("Retain: finalizers %v, %d groups at the driver, %d deletions; want the finalizer gone and the group kept", kept.Finalizers, len(f.d.GroupSnapshots()), len(f.drivers.Requests("DeleteVolumeGroupSnapshot")))
 	}
 }
 
@@ -233,8 +233,8 @@ func TestContentGoneDuringCreate(t *testing.T) {
 	vols := []string{f.volume(drv, "a"), f.volume(drv, "b")}
 	f.create(dynamicContent("g", drv, "c", vols))
 	f.waitCache("g")
-	f.drivers.hook = func(method string, _ any) error {
-		if method == "CreateVolumeGroupSnapshot" && len(f.drivers.requests(method)) == 1 {
+	f.drivers.Hook = func(method string, _ any) error {
+		if method == "CreateVolumeGroupSnapshot" && len(f.drivers.Requests(method)) == 1 {
 			if err := f.snaps.GroupsnapshotV1().VolumeGroupSnapshotContents().Delete(f.ctx, "g", metav1.DeleteOptions{}); err != nil {
 				t.Error(err)
 			}
@@ -244,10 +244,10 @@ func TestContentGoneDuringCreate(t *testing.T) {
 	if _, err := f.c.sync(f.ctx, "g"); err != nil {
 		t.Fatal(err)
 	}
-	if n := len(f.drivers.requests("CreateVolumeGroupSnapshot")); n != 2 {
+	if n := len(f.drivers.Requests("CreateVolumeGroupSnapshot")); n != 2 {
 		t.Errorf("%d CreateVolumeGroupSnapshot calls; want the call and recovery's ask again", n)
 	}
-	if n := len(f.drivers.requests("DeleteVolumeGroupSnapshot")); n != 1 {
+	if n := len(f.drivers.Requests("DeleteVolumeGroupSnapshot")); n != 1 {
 		t.Errorf("%d DeleteVolumeGroupSnapshot calls; want the group deleted", n)
 	}
 	if n := len(f.d.GroupSnapshots()); n != 0 || len(f.d.Snapshots()) != 0 {

@@ -3,7 +3,6 @@ package snapshot
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync"
 	"time"
 
@@ -12,16 +11,12 @@ import (
 	snapinformers "github.com/kubernetes-csi/external-snapshotter/client/v8/informers/externalversions/volumesnapshot/v1"
 	snaplisters "github.com/kubernetes-csi/external-snapshotter/client/v8/listers/volumesnapshot/v1"
 	"github.com/prometheus/client_golang/prometheus"
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/trace"
-	"k8s.io/apimachinery/pkg/api/equality"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/labels"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
-	"github.com/csibroker/csibroker/internal/budget"
 	"github.com/csibroker/csibroker/k8sbridge/intent"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
 	"github.com/csibroker/csibroker/k8sbridge/internal/snapshots"
@@ -76,6 +71,8 @@ type Controller struct {
 	queue    *kube.TermQueue
 	slots    *kube.DriverSlots
 	intents  *intent.Record[Entry]
+	// frame is the content steps shared with the group controller.
+	frame *snapshots.Contents[*snapshotv1.VolumeSnapshotContent]
 
 	ops, recovered *prometheus.CounterVec
 	// recoverNow wakes the recovery loop (a content went).
@@ -88,18 +85,7 @@ type Controller struct {
 // Served reports whether the API server serves VolumeSnapshotContents and
 // VolumeSnapshotClasses (the CRDs are installed).
 func Served(d discovery.DiscoveryInterface) (bool, error) {
-	list, err := d.ServerResourcesForGroupVersion(Group + "/v1")
-	if apierrors.IsNotFound(err) {
-		return false, nil
-	}
-	if err != nil {
-		return false, fmt.Errorf("discover the %s/v1 API: %w", Group, err)
-	}
-	have := map[string]bool{}
-	for _, r := range list.APIResources {
-		have[r.Name] = true
-	}
-	return have["volumesnapshotcontents"] && have["volumesnapshotclasses"], nil
+	return snapshots.Served(d, Group+"/v1", "volumesnapshotcontents", "volumesnapshotclasses")
 }
 
 // New is the snapshot controller, or nil when the broker has no snapshot
@@ -129,15 +115,8 @@ func New(b *kube.Env) (*Controller, error) {
 		return nil, err
 	}
 	b.Metrics.QueueDepth("snapshot", c.queue.Len)
-	c.intents = intent.NewRecord[Entry](b.Cfg.Client, b.Cfg.Namespace, recordName,
-		"snapshots being created; entries are removed when their VolumeSnapshotContent records the snapshot or the snapshot is deleted", b.Log)
-	if b.Cfg.IntentClient != nil && b.Cfg.IntentBudget != nil {
-		c.intents.UseBudget(b.Cfg.IntentClient, b.Cfg.IntentBudget.Wait)
-	}
-	c.intents.UseReader(b.Cfg.InformerClient)
-	// Per-driver leadership: entries of drivers another replica leads
-	// are that replica's to write.
-	c.intents.Share(func(d string) bool { return !b.Foreign(d) })
+	c.intents = snapshots.NewRecord[Entry](b, recordName,
+		"snapshots being created; entries are removed when their VolumeSnapshotContent records the snapshot or the snapshot is deleted")
 
 	// The informers are the broker's one factory's, over the snapshot
 	// client of the informers' budget.
@@ -152,46 +131,15 @@ func New(b *kube.Env) (*Controller, error) {
 	c.classes = snaplisters.NewVolumeSnapshotClassLister(classInf.GetIndexer())
 	b.AddSynced(contentInf.HasSynced)
 	b.AddSynced(classInf.HasSynced)
-	b.On(contentInf, cache.ResourceEventHandlerFuncs{
-		AddFunc: func(obj any) {
-			if vsc, ok := obj.(*snapshotv1.VolumeSnapshotContent); ok && c.ours(vsc) {
-				c.queue.Add(vsc.Name)
-			}
-		},
-		UpdateFunc: func(oldObj, newObj any) {
-			old, ok1 := oldObj.(*snapshotv1.VolumeSnapshotContent)
-			cur, ok2 := newObj.(*snapshotv1.VolumeSnapshotContent)
-			if ok1 && ok2 && c.ours(cur) && changeNeedsSync(old, cur) {
-				c.queue.Add(cur.Name)
-			}
-		},
-		DeleteFunc: func(obj any) {
-			vsc, ok := kube.Deleted[*snapshotv1.VolumeSnapshotContent](obj)
-			if !ok {
-				return
-			}
-			b.ForgetEvents(vsc.UID)
-			c.queue.Forget(vsc.Name)
-			// A snapshot recorded as being made for it may be left.
-			if c.intents.Has(snapshotName(c.b.Cfg, vsc)) {
-				c.wakeRecovery()
-			}
-		},
-	})
-	b.On(classInf, cache.ResourceEventHandlerFuncs{
-		// A class that arrives (or changes) after its contents: they are
-		// looked at again rather than waiting out their backoff.
-		AddFunc: func(obj any) {
-			if cl, ok := obj.(*snapshotv1.VolumeSnapshotClass); ok {
-				c.enqueueClass(cl.Name)
-			}
-		},
-		UpdateFunc: func(_, newObj any) {
-			if cl, ok := newObj.(*snapshotv1.VolumeSnapshotClass); ok {
-				c.enqueueClass(cl.Name)
-			}
-		},
-	})
+	c.frame = kind()
+	c.frame.Env, c.frame.Queue, c.frame.Slots, c.frame.Lister, c.frame.Fetch, c.frame.Ours = b, c.queue, c.slots, c.contents, c.fetch, c.ours
+	b.On(contentInf, c.frame.Handler(func(vsc *snapshotv1.VolumeSnapshotContent) {
+		// A snapshot recorded as being made for it may be left.
+		if c.intents.Has(snapshotName(c.b.Cfg, vsc)) {
+			c.wakeRecovery()
+		}
+	}))
+	b.On(classInf, snapshots.ClassHandler[*snapshotv1.VolumeSnapshotClass](c.frame))
 	return c, nil
 }
 
@@ -201,110 +149,66 @@ func (c *Controller) ours(vsc *snapshotv1.VolumeSnapshotContent) bool {
 	return (src.VolumeHandle != nil || src.SnapshotHandle != nil) && c.b.Registered(vsc.Spec.Driver)
 }
 
-// enqueueClass queues the contents of class that are not ready (a class
-// change matters to nothing else).
-func (c *Controller) enqueueClass(class string) {
-	all, err := c.contents.List(labels.Everything())
-	if err != nil {
-		return
-	}
-	for _, vsc := range all {
-		if n := vsc.Spec.VolumeSnapshotClassName; n != nil && *n == class && !isReady(vsc) && c.ours(vsc) {
-			c.queue.Add(vsc.Name)
-		}
-	}
+// kind is what the shared content steps know of VolumeSnapshotContents;
+// the controller adds its own (Env, Queue, Slots, Lister, Fetch, Ours).
+func kind() *snapshots.Contents[*snapshotv1.VolumeSnapshotContent] {
+	return &snapshots.Contents[*snapshotv1.VolumeSnapshotContent]{What: "snapshot", Kind: "VolumeSnapshotContent",
+		Driver:     func(vsc *snapshotv1.VolumeSnapshotContent) string { return vsc.Spec.Driver },
+		Ref:        func(vsc *snapshotv1.VolumeSnapshotContent) corev1.ObjectReference { return vsc.Spec.VolumeSnapshotRef },
+		Class:      func(vsc *snapshotv1.VolumeSnapshotContent) *string { return vsc.Spec.VolumeSnapshotClassName },
+		Ready:      isReady,
+		Recorded:   hasHandle,
+		KeepStatus: func(cur, old *snapshotv1.VolumeSnapshotContent) { cur.Status = old.Status },
+		// Readiness that changes either way: ready, or made not ready by
+		// another writer (the snapshot-controller fills a group member's
+		// status from the group's first answer, which may follow the
+		// broker's own check).
+		AnyReadyChange: true, NotReady: errNotReady, Mark: AnnBeingCreated}
 }
 
-// changeNeedsSync is csi-snapshotter's filter of updates: a resync, a
-// content that became ready (a deletion asked for meanwhile is carried out
-// now), or a change of anything but the status, the finalizers, managed
-// fields and the being-created annotation (the controller's own writes,
-// which would otherwise bypass the key's backoff).
-func changeNeedsSync(old, cur *snapshotv1.VolumeSnapshotContent) bool {
-	// Readiness that changes either way: ready, or made not ready by
-	// another writer (the snapshot-controller fills a group member's
-	// status from the group's first answer, which may follow the
-	// broker's own check).
-	if old.ResourceVersion == cur.ResourceVersion || isReady(old) != isReady(cur) {
-		return true
-	}
-	s := cur.DeepCopy()
-	s.ResourceVersion, s.Status, s.ManagedFields, s.Finalizers = old.ResourceVersion, old.Status, old.ManagedFields, old.Finalizers
-	s.Annotations = snapshots.AnnotationsOutside(old.Annotations, s.Annotations, AnnBeingCreated)
-	return !equality.Semantic.DeepEqual(old, s)
+func (c *Controller) fetch(ctx context.Context, name string) (*snapshotv1.VolumeSnapshotContent, error) {
+	return c.client.SnapshotV1().VolumeSnapshotContents().Get(ctx, name, metav1.GetOptions{})
 }
 
 // EnqueueAll queues every content of a registered driver (start of a
 // term, a driver registered).
-func (c *Controller) EnqueueAll() {
-	all, err := c.contents.List(labels.Everything())
-	if err != nil {
-		return
-	}
-	for _, vsc := range all {
-		if c.ours(vsc) {
-			c.queue.Add(vsc.Name)
-		}
-	}
-}
+func (c *Controller) EnqueueAll() { c.frame.EnqueueAll() }
 
 // Run works while this replica leads: the contents, the term's intent
 // record writer and the recovery of snapshots left by vanished contents.
 func (c *Controller) Run(ctx context.Context) {
 	c.intents.StartTerm()
-	c.queue.Work(ctx, c.b.Cfg.WorkerThreads, c.EnqueueAll, func(ctx context.Context, key string) (time.Duration, error) {
-		requeue, err := c.sync(ctx, key)
-		switch {
-		case errors.Is(err, errNotReady):
-			c.b.Log.Debug("snapshot not ready yet; asked again with backoff", "content", key)
-		case err != nil:
-			c.b.Log.Debug("snapshot content will be retried", "content", key, "err", err)
-		}
-		return requeue, err
-	}, c.intents.Run, c.recoveryLoop)
+	c.frame.Work(ctx, c.sync, c.intents.Run, c.recoveryLoop)
 }
 
 // sync does the next step of one content.
 func (c *Controller) sync(ctx context.Context, key string) (time.Duration, error) {
-	vsc, err := c.contents.Get(key)
-	if apierrors.IsNotFound(err) {
-		return 0, nil
-	}
-	if err != nil || !c.ours(vsc) {
-		return 0, err
-	}
-	driver := vsc.Spec.Driver
-	if !c.slots.Acquire(driver, key) {
-		return kube.WaitForSlot, nil
-	}
-	defer c.slots.Release(driver)
-	ctx = budget.WithDriver(ctx, driver)
-	ctx, span := c.b.Tracer.Start(ctx, "snapshot content "+key, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
-		attribute.String("csi.driver", driver), attribute.String("k8s.volumesnapshotcontent.name", key),
-		attribute.String("k8s.volumesnapshot.namespace", vsc.Spec.VolumeSnapshotRef.Namespace),
-		attribute.String("k8s.volumesnapshot.name", vsc.Spec.VolumeSnapshotRef.Name)))
-	defer span.End()
+	return c.frame.Sync(ctx, key, c.step)
+}
+
+// step is the next step of content vsc.
+func (c *Controller) step(ctx context.Context, vsc *snapshotv1.VolumeSnapshotContent) error {
 	_, member := vsc.Annotations[annGroupMember]
 	switch {
 	case shouldDelete(vsc):
-		return 0, c.deleteContent(ctx, vsc)
+		return c.deleteContent(ctx, vsc)
 	case vsc.Spec.Source.VolumeHandle != nil && vsc.Status == nil && !member:
-		return 0, c.create(ctx, vsc)
+		return c.create(ctx, vsc)
 	case isReady(vsc):
 		// Ready: nothing to ask the driver; an annotation left by a
 		// failed write goes.
-		return 0, c.settled(ctx, vsc)
+		return c.settled(ctx, vsc)
 	case vsc.Spec.Source.SnapshotHandle != nil || (vsc.Status != nil && vsc.Status.VolumeGroupSnapshotHandle != nil && vsc.Status.SnapshotHandle != nil):
-		return 0, c.refresh(ctx, vsc)
+		return c.refresh(ctx, vsc)
 	case !member:
 		// Made but not ready: CreateSnapshot is asked again (it is
 		// idempotent by name) until the driver says ready.
-		return 0, c.create(ctx, vsc)
+		return c.create(ctx, vsc)
 	}
 	// A group member whose status the snapshot-controller has not written
 	// yet: looked at again with backoff, as csi-snapshotter requeues it
 	// (that status write is an update the filter lets by).
-	return 0, errNotReady
+	return errNotReady
 }
 
 // shouldDelete is csi-snapshotter's test: the content is being deleted,
@@ -327,6 +231,11 @@ func shouldDelete(vsc *snapshotv1.VolumeSnapshotContent) bool {
 
 func isReady(vsc *snapshotv1.VolumeSnapshotContent) bool {
 	return vsc.Status != nil && vsc.Status.ReadyToUse != nil && *vsc.Status.ReadyToUse
+}
+
+// hasHandle: the status records the snapshot.
+func hasHandle(vsc *snapshotv1.VolumeSnapshotContent) bool {
+	return vsc.Status != nil && vsc.Status.SnapshotHandle != nil && *vsc.Status.SnapshotHandle != ""
 }
 
 // wakeRecovery makes the recovery loop run now.

@@ -3,7 +3,6 @@ package snapshot
 import (
 	"context"
 	"fmt"
-	"maps"
 	"strings"
 	"time"
 
@@ -50,30 +49,21 @@ func (c *Controller) create(ctx context.Context, vsc *snapshotv1.VolumeSnapshotC
 	if err != nil {
 		return c.createFailed(ctx, vsc, "not_called", err)
 	}
-	recorded := vsc.Status != nil && vsc.Status.SnapshotHandle != nil && *vsc.Status.SnapshotHandle != ""
+	recorded := hasHandle(vsc)
 	var entry Entry
 	if !recorded {
 		// The snapshot may be made by this call: its intent is durable
 		// first, and the content marked, so that neither a content gone
 		// meanwhile nor a broker killed after the call loses it.
 		if entry, err = c.recordEntry(ctx, p); err == nil {
-			if prev, ok := c.intents.Get(entry.Key()); ok && sameCall(prev, entry) {
-				entry = prev // recorded by an earlier attempt: no write
-			} else {
-				err = c.intents.Add(ctx, entry)
-			}
+			entry, err = snapshots.Intend(ctx, c.intents, entry, sameCall)
 		}
 		if err != nil {
 			return c.createFailed(ctx, vsc, "not_called", fmt.Errorf("record the snapshot's intent: %w", err))
 		}
 		c.inflight.Store(entry.SnapshotName, true)
 		defer c.inflight.Delete(entry.SnapshotName)
-		if vsc, err = c.patchMeta(ctx, vsc, func(m *snapshotv1.VolumeSnapshotContent) {
-			if m.Annotations == nil {
-				m.Annotations = map[string]string{}
-			}
-			maps.Copy(m.Annotations, p.annotations)
-		}); err != nil {
+		if vsc, err = c.patchMeta(ctx, vsc, snapshots.Annotate[*snapshotv1.VolumeSnapshotContent](p.annotations)); err != nil {
 			return c.createFailed(ctx, p.vsc, "not_called", fmt.Errorf("mark content %s being created: %w", p.vsc.Name, err))
 		}
 	}
@@ -194,7 +184,7 @@ func (c *Controller) prepare(ctx context.Context, vsc *snapshotv1.VolumeSnapshot
 	}
 	p := &plan{vsc: vsc, driver: driver, annotations: map[string]string{AnnBeingCreated: "yes"},
 		req: &csi.CreateSnapshotRequest{SourceVolumeId: *vsc.Spec.Source.VolumeHandle, Name: snapshotName(c.b.Cfg, vsc), Parameters: params}}
-	if err := c.secretOf(p, class); err != nil {
+	if p.secret, p.secretSource, err = secretKeys.Of(vsc, ref, className, class.Parameters, p.annotations); err != nil {
 		return nil, err
 	}
 	if c.b.Cfg.Drivers.NodeLocal(driver) {
@@ -211,44 +201,12 @@ func (c *Controller) prepare(ctx context.Context, vsc *snapshotv1.VolumeSnapshot
 	return p, nil
 }
 
-// secretOf sets the plan's snapshotter secret: the one remembered on the
-// content (the snapshot-controller's deletion-secret annotations), else the
-// class's csi.storage.k8s.io/snapshotter-secret-* with their templates,
-// which is then remembered on the content with the being-created mark.
-func (c *Controller) secretOf(p *plan, class *snapshotv1.VolumeSnapshotClass) error {
-	ref, err := rememberedSecret(p.vsc)
-	if err != nil || ref != nil {
-		p.secret, p.secretSource = ref, annotationSource
-		return err
-	}
-	snapRef := p.vsc.Spec.VolumeSnapshotRef
-	ref, err = secrets.SnapshotRef(secrets.Snapshotter, class.Parameters, p.vsc.Name, &secrets.SnapshotObject{Namespace: snapRef.Namespace, Name: snapRef.Name})
-	if err != nil {
-		return fmt.Errorf("VolumeSnapshotClass %s: %w", class.Name, err)
-	}
-	if ref != nil {
-		p.secret, p.secretSource = ref, secrets.SnapshotPolicySource(secrets.Snapshotter, class.Parameters)
-		p.annotations[AnnDeletionSecretName], p.annotations[AnnDeletionSecretNS] = ref.Name, ref.Namespace
-	}
-	return nil
-}
-
-// annotationSource is where a remembered secret's reference came from.
-var annotationSource = policy.Source{Kind: policy.SourcePVField, Key: "metadata.annotations[" + AnnDeletionSecretName + "]"}
-
-// rememberedSecret is the secret the content's deletion-secret
-// annotations name; nil when it carries neither.
-func rememberedSecret(vsc *snapshotv1.VolumeSnapshotContent) (*corev1.SecretReference, error) {
-	name, hasName := vsc.Annotations[AnnDeletionSecretName]
-	ns, hasNS := vsc.Annotations[AnnDeletionSecretNS]
-	if !hasName && !hasNS {
-		return nil, nil
-	}
-	if name == "" || ns == "" {
-		return nil, fmt.Errorf("content %s: annotations %s and %s must both name the snapshotter secret", vsc.Name, AnnDeletionSecretName, AnnDeletionSecretNS)
-	}
-	return &corev1.SecretReference{Name: name, Namespace: ns}, nil
-}
+// secretKeys are the snapshotter secret's: the class's
+// csi.storage.k8s.io/snapshotter-secret-* with their templates, remembered
+// on the content in the snapshot-controller's deletion-secret annotations
+// (with the being-created mark), and taken from there when they are set.
+var secretKeys = snapshots.SecretKeys{Kind: secrets.Snapshotter, AnnName: AnnDeletionSecretName, AnnNS: AnnDeletionSecretNS,
+	What: "snapshotter", ClassKind: "VolumeSnapshotClass"}
 
 // secretUse is the policy question for op with the plan's secret.
 func (c *Controller) secretUse(p *plan, op policy.Operation) kube.SecretUse {

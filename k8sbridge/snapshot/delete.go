@@ -69,11 +69,11 @@ func (c *Controller) deleteContent(ctx context.Context, vsc *snapshotv1.VolumeSn
 // deleteSnapshot calls DeleteSnapshot for the content's snapshot.
 func (c *Controller) deleteSnapshot(ctx context.Context, vsc *snapshotv1.VolumeSnapshotContent) error {
 	driver := vsc.Spec.Driver
-	ref, err := rememberedSecret(vsc)
+	ref, src, err := secretKeys.Remembered(vsc)
 	if err != nil {
 		return err
 	}
-	p := &plan{vsc: vsc, driver: driver, secret: ref, secretSource: annotationSource}
+	p := &plan{vsc: vsc, driver: driver, secret: ref, secretSource: src}
 	if c.b.Cfg.Drivers.NodeLocal(driver) {
 		if p.node = c.nodeOf(vsc); p.node == "" {
 			return fmt.Errorf("snapshot %s of node-local driver %s: content %s names no node (annotation %s), so no node's proxy can delete it", *vsc.Status.SnapshotHandle, driver, vsc.Name, AnnNode)

@@ -76,5 +76,7 @@
 // (discovery at start; install the CRDs, then restart the broker). Its
 // informers are on the broker's one factory. It reaches Kubernetes and the
 // drivers through k8sbridge/internal/kube and internal/drivers, and
-// imports no other controller. Group snapshots are not handled here.
+// imports no other controller; the content steps, recovery and secret
+// rules it shares with the group controller are in
+// k8sbridge/internal/snapshots. Group snapshots are not handled here.
 package snapshot

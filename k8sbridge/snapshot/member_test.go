@@ -32,7 +32,7 @@ func TestGroupMemberWaitsForItsStatus(t *testing.T) {
 	if _, err := f.step("m"); !errors.Is(err, errNotReady) {
 		t.Fatalf("sync of a member without status: %v; want it looked at again (not ready)", err)
 	}
-	if n := len(f.drivers.requests("CreateSnapshot")); n != 0 {
+	if n := len(f.drivers.Requests("CreateSnapshot")); n != 0 {
 		t.Fatalf("%d CreateSnapshot calls for a group member", n)
 	}
 	no := false

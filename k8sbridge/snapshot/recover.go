@@ -4,13 +4,11 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/csibroker/csibroker/internal/budget"
@@ -56,24 +54,23 @@ func (e Entry) Key() string { return e.SnapshotName }
 // DriverName is the driver the snapshot is made by.
 func (e Entry) DriverName() string { return e.Driver }
 
+// Bound is the content the call was made for, and its VolumeSnapshot's UID.
+func (e Entry) Bound() (content, contentUID, refUID string) {
+	return e.ContentName, e.ContentUID, e.SnapshotUID
+}
+
 // snapshotName is csi-snapshotter's name for the snapshot of vsc:
 // <prefix>-<VolumeSnapshot UID>, the UID without dashes and cut to
 // SnapshotNameUUIDLength when that is positive.
 func snapshotName(cfg kube.Config, vsc *snapshotv1.VolumeSnapshotContent) string {
-	uid := string(vsc.Spec.VolumeSnapshotRef.UID)
-	if n := cfg.SnapshotNameUUIDLength; n > 0 {
-		uid = strings.ReplaceAll(uid, "-", "")
-		if n < len(uid) {
-			uid = uid[:n]
-		}
-	}
-	return cfg.SnapshotNamePrefix + "-" + uid
+	return snapshots.Name(cfg.SnapshotNamePrefix, string(vsc.Spec.VolumeSnapshotRef.UID), cfg.SnapshotNameUUIDLength)
 }
 
 // recovery settles the record's entries at the start of the term, every
 // RecoveryInterval and when a content with an entry goes.
 func (c *Controller) recovery() *snapshots.Recovery[Entry] {
-	return &snapshots.Recovery[Entry]{What: "snapshot", Record: c.intents, Inflight: &c.inflight, Foreign: c.b.Foreign, Settle: c.settleEntry, Log: c.b.Log}
+	return &snapshots.Recovery[Entry]{What: "snapshot", Record: c.intents, Inflight: &c.inflight, Foreign: c.b.Foreign,
+		Settle: snapshots.Settler(c.frame, c.intents, c.undo), Log: c.b.Log}
 }
 
 func (c *Controller) recoveryLoop(ctx context.Context) {
@@ -81,32 +78,6 @@ func (c *Controller) recoveryLoop(ctx context.Context) {
 }
 
 func (c *Controller) recoverAll(ctx context.Context) { c.recovery().All(ctx) }
-
-// settleEntry drops an entry whose content records its snapshot, leaves
-// one whose content is still being worked on, and undoes one whose
-// content is gone.
-func (c *Controller) settleEntry(ctx context.Context, e Entry) {
-	vsc, err := c.contents.Get(e.ContentName)
-	if err != nil || string(vsc.UID) != e.ContentUID {
-		// Not in the cache as recorded: the API server says (the cache
-		// may lag behind).
-		vsc, err = c.client.SnapshotV1().VolumeSnapshotContents().Get(ctx, e.ContentName, metav1.GetOptions{})
-		if err != nil && !apierrors.IsNotFound(err) {
-			c.b.Log.Warn("snapshot recovery: cannot read the content; will retry", "content", e.ContentName, "err", err)
-			return
-		}
-		if err != nil {
-			vsc = nil
-		}
-	}
-	if vsc != nil && (string(vsc.UID) == e.ContentUID || string(vsc.Spec.VolumeSnapshotRef.UID) == e.SnapshotUID) {
-		if vsc.Status != nil && vsc.Status.SnapshotHandle != nil && *vsc.Status.SnapshotHandle != "" {
-			c.intents.Remove(e.Key()) // recorded on the content
-		}
-		return // its own sync goes on (a content made again for the same VolumeSnapshot takes the snapshot over)
-	}
-	c.undo(ctx, e, "its VolumeSnapshotContent "+e.ContentName+" is gone")
-}
 
 // undo deletes the snapshot an entry's CreateSnapshot may have made:
 // asked again, the driver names it (or says it made none), and it is

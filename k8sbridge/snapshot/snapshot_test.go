@@ -3,13 +3,11 @@ package snapshot
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"maps"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
@@ -19,94 +17,26 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
-	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
 
-	"github.com/csibroker/csibroker/internal/chaintest"
 	"github.com/csibroker/csibroker/internal/sampledriver"
 	"github.com/csibroker/csibroker/k8sbridge/internal/drivers"
 	"github.com/csibroker/csibroker/k8sbridge/internal/kube"
-	"github.com/csibroker/csibroker/policy"
+	"github.com/csibroker/csibroker/k8sbridge/internal/snapshots/snapshottest"
 )
 
-// chainDrivers reaches sample drivers through their real chains (broker
-// client chain, proxy over mTLS, driver socket); hook sees each
-// controller call before it is sent and may answer it instead.
-type chainDrivers struct {
-	chains map[string]*chaintest.Chain
-	mu     sync.Mutex
-	calls  map[string][]any // method → requests, in order
-	hook   func(method string, args any) error
-}
-
-var _ drivers.Drivers = (*chainDrivers)(nil)
-
-func (d *chainDrivers) add(t *testing.T, name string) *sampledriver.Driver {
-	t.Helper()
-	ep, drv := sampledriver.StartTest(t, sampledriver.Config{Name: name, Logger: slog.New(slog.DiscardHandler)})
-	if d.chains == nil {
-		d.chains, d.calls = map[string]*chaintest.Chain{}, map[string][]any{}
-	}
-	d.chains[name] = chaintest.Start(t, chaintest.Options{Driver: name, DriverEndpoint: ep, LogLevel: slog.LevelWarn, Timeout: 30 * time.Second})
-	return drv
-}
-
-func (d *chainDrivers) ControllerConn(drv string) (grpc.ClientConnInterface, error) {
-	c, ok := d.chains[drv]
-	if !ok {
-		return nil, fmt.Errorf("unknown driver %q", drv)
-	}
-	conn, err := c.Broker.ControllerConn(drv)
-	return recordingConn{conn, d}, err
-}
-func (d *chainDrivers) NodeConn(drv, node string) (grpc.ClientConnInterface, error) {
-	return nil, fmt.Errorf("driver %q has no node proxies here", drv)
-}
-func (d *chainDrivers) NodeLocal(string) bool       { return false }
-func (d *chainDrivers) DriverNodes(string) []string { return nil }
-func (d *chainDrivers) HasDriver(drv string) bool   { _, ok := d.chains[drv]; return ok }
-func (d *chainDrivers) DriverNames() []string       { return slices.Sorted(maps.Keys(d.chains)) }
-func (d *chainDrivers) CallTimeout(string, string) time.Duration {
-	return 0
-}
-
-func (d *chainDrivers) requests(method string) []any {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return slices.Clone(d.calls[method])
-}
-
-type recordingConn struct {
-	grpc.ClientConnInterface
-	d *chainDrivers
-}
-
-func (c recordingConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
-	short := method[strings.LastIndex(method, "/")+1:]
-	c.d.mu.Lock()
-	c.d.calls[short] = append(c.d.calls[short], args)
-	hook := c.d.hook
-	c.d.mu.Unlock()
-	if hook != nil {
-		if err := hook(short, args); err != nil {
-			return err
-		}
-	}
-	return c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...)
-}
-
-// fixture is one controller over fake clientsets and real sample drivers.
+// fixture is one controller over fake clientsets and a real sample
+// driver.
 type fixture struct {
 	t       *testing.T
 	c       *Controller
 	kube    *fake.Clientset
 	snaps   *snapfake.Clientset
-	drivers *chainDrivers
+	drivers *snapshottest.Drivers
 	events  *record.FakeRecorder
 	ctx     context.Context
 }
@@ -115,64 +45,21 @@ const drv = "snap.csi.test"
 
 func newFixture(t *testing.T, policyAllows bool, objs ...runtime.Object) *fixture {
 	t.Helper()
-	f := &fixture{t: t, drivers: &chainDrivers{}}
-	f.drivers.add(t, drv)
-	f.kube = fake.NewClientset(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "app"}},
-		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "creds", Namespace: "app"}, Data: map[string][]byte{"password": []byte("hunter2")}})
-	f.kube.Resources = []*metav1.APIResourceList{{GroupVersion: Group + "/v1", APIResources: []metav1.APIResource{
-		{Name: "volumesnapshotcontents"}, {Name: "volumesnapshotclasses"}, {Name: "volumesnapshots"}}}}
-	//lint:ignore SA1019 the snapshot client module generates no NewClientset (no apply configurations)
-	f.snaps = snapfake.NewSimpleClientset(objs...)
-	st := policy.NewStore(nil)
-	if !policyAllows {
-		st.SetMode(policy.ModeEnforce)
-	} else {
-		st.SetMode(policy.ModeOff)
-	}
-	cfg := kube.Config{Client: f.kube, SnapshotClient: f.snaps, Drivers: f.drivers, Policy: &policy.Authorizer{Rules: st}, Namespace: "csibroker",
-		RetryIntervalStart: 10 * time.Millisecond, RetryIntervalMax: time.Second, ExtraCreateMetadata: true}
-	if err := cfg.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	env, synced, err := kube.NewEnv(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	f.events = record.NewFakeRecorder(100)
-	env.Recorder = f.events
+	f := &fixture{t: t, drivers: &snapshottest.Drivers{}}
+	f.drivers.Add(t, sampledriver.Config{Name: drv})
+	f.kube, f.snaps = snapshottest.Clients(Group+"/v1", []string{"volumesnapshotcontents", "volumesnapshotclasses", "volumesnapshots"}, objs...)
+	env, synced, events := snapshottest.Env(t, kube.Config{Client: f.kube, SnapshotClient: f.snaps, Drivers: f.drivers}, policyAllows)
+	f.events = events
+	var err error
 	if f.c, err = New(env); err != nil || f.c == nil {
 		t.Fatalf("New: %v, %v", f.c, err)
 	}
-	if err := env.StartHandlers(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	f.ctx = ctx
-	env.Factory.Start(ctx.Done())
-	t.Cleanup(env.Factory.Shutdown)
-	if !cache.WaitForCacheSync(ctx.Done(), append(synced, env.TakeSynced()...)...) {
-		t.Fatal("caches did not sync")
-	}
-	f.c.intents.StartTerm()
-	done := make(chan struct{})
-	go func() { defer close(done); f.c.intents.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	f.ctx = snapshottest.Start(t, env, synced, f.c.intents)
 	return f
 }
 
 // volume makes a volume at the driver and returns its ID.
-func (f *fixture) volume(name string) string {
-	f.t.Helper()
-	conn, _ := f.drivers.ControllerConn(drv)
-	resp, err := csi.NewControllerClient(conn).CreateVolume(f.ctx, &csi.CreateVolumeRequest{Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 20},
-		VolumeCapabilities: []*csi.VolumeCapability{{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
-			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}}})
-	if err != nil {
-		f.t.Fatal(err)
-	}
-	return resp.GetVolume().GetVolumeId()
-}
+func (f *fixture) volume(name string) string { return f.drivers.Volume(f.t, f.ctx, drv, name) }
 
 // step syncs content name once the cache has rv-newer state, and returns
 // the stored content and sync's error.
@@ -190,37 +77,14 @@ func (f *fixture) step(name string) (*snapshotv1.VolumeSnapshotContent, error) {
 // waitCache waits until the lister holds what the API (fake) holds.
 func (f *fixture) waitCache(name string) {
 	f.t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
-		want, err := f.snaps.SnapshotV1().VolumeSnapshotContents().Get(f.ctx, name, metav1.GetOptions{})
-		got, lerr := f.c.contents.Get(name)
-		if err != nil && lerr != nil {
-			return
-		}
-		if err == nil && lerr == nil && equalContent(want, got) {
-			return
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	f.t.Fatalf("content %s: the cache did not catch up", name)
-}
-
-func equalContent(a, b *snapshotv1.VolumeSnapshotContent) bool {
-	return equality.Semantic.DeepEqual(a.ObjectMeta, b.ObjectMeta) && equality.Semantic.DeepEqual(a.Status, b.Status)
+	snapshottest.WaitCache(f.t, name, func(name string) (*snapshotv1.VolumeSnapshotContent, error) {
+		return f.snaps.SnapshotV1().VolumeSnapshotContents().Get(f.ctx, name, metav1.GetOptions{})
+	}, f.c.contents.Get, func(vsc *snapshotv1.VolumeSnapshotContent) any { return vsc.Status })
 }
 
 func (f *fixture) event(reason, want string) {
 	f.t.Helper()
-	for {
-		select {
-		case e := <-f.events.Events:
-			if strings.Contains(e, reason) && strings.Contains(e, want) {
-				return
-			}
-		case <-time.After(5 * time.Second):
-			f.t.Fatalf("no %s Event saying %q", reason, want)
-		}
-	}
+	snapshottest.Event(f.t, f.events, reason, want)
 }
 
 func class(name, driver string, params map[string]string) *snapshotv1.VolumeSnapshotClass {
@@ -256,7 +120,7 @@ func TestCreateStep(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	reqs := f.drivers.requests("CreateSnapshot")
+	reqs := f.drivers.Requests("CreateSnapshot")
 	if len(reqs) != 1 {
 		t.Fatalf("%d CreateSnapshot calls", len(reqs))
 	}
@@ -285,7 +149,7 @@ func TestCreateStep(t *testing.T) {
 	if _, err := f.step("c1"); err != nil {
 		t.Fatal(err)
 	}
-	if n := len(f.drivers.requests("CreateSnapshot")); n != 1 {
+	if n := len(f.drivers.Requests("CreateSnapshot")); n != 1 {
 		t.Errorf("%d CreateSnapshot calls after a ready content's sync; want 1", n)
 	}
 }
@@ -340,7 +204,7 @@ func TestCreateBadInput(t *testing.T) {
 				t.Errorf("status %+v; want readyToUse false and an error saying %q", vsc.Status, tc.want)
 			}
 			f.event("SnapshotCreationFailed", tc.want)
-			if n := len(f.drivers.requests("CreateSnapshot")); (n > 0) != tc.called {
+			if n := len(f.drivers.Requests("CreateSnapshot")); (n > 0) != tc.called {
 				t.Errorf("%d CreateSnapshot calls; want called %v", n, tc.called)
 			}
 			if _, ok := vsc.Annotations[AnnBeingCreated]; ok {
@@ -358,10 +222,10 @@ func TestCreateBadInput(t *testing.T) {
 
 // noSnapshotCaps answers ControllerGetCapabilities without the snapshot
 // capabilities.
-type noSnapshotCaps struct{ *chainDrivers }
+type noSnapshotCaps struct{ *snapshottest.Drivers }
 
 func (n noSnapshotCaps) ControllerConn(d string) (grpc.ClientConnInterface, error) {
-	c, err := n.chainDrivers.ControllerConn(d)
+	c, err := n.Drivers.ControllerConn(d)
 	return stripConn{c}, err
 }
 
@@ -389,7 +253,7 @@ func TestContentGoneDuringCreate(t *testing.T) {
 		t.Fatal(err)
 	}
 	var once sync.Once
-	d.hook = func(method string, _ any) error {
+	d.Hook = func(method string, _ any) error {
 		if method == "CreateSnapshot" {
 			once.Do(func() {
 				if err := f.snaps.SnapshotV1().VolumeSnapshotContents().Delete(f.ctx, "c1", metav1.DeleteOptions{}); err != nil {
@@ -402,7 +266,7 @@ func TestContentGoneDuringCreate(t *testing.T) {
 	if _, err := f.step("c1"); err != nil {
 		t.Fatalf("sync: %v", err)
 	}
-	if n := len(d.requests("DeleteSnapshot")); n != 1 {
+	if n := len(d.Requests("DeleteSnapshot")); n != 1 {
 		t.Fatalf("%d DeleteSnapshot calls; want the made snapshot deleted", n)
 	}
 	conn, _ := d.ControllerConn(drv)
@@ -452,12 +316,12 @@ func TestDeleteStep(t *testing.T) {
 			if _, err := f.snaps.SnapshotV1().VolumeSnapshotContents().Create(f.ctx, vsc, metav1.CreateOptions{}); err != nil {
 				t.Fatal(err)
 			}
-			f.drivers.calls = map[string][]any{}
+			f.drivers.Reset()
 			got, err := f.step("c1")
 			if err != nil && !tc.beingMade {
 				t.Fatal(err)
 			}
-			dels := f.drivers.requests("DeleteSnapshot")
+			dels := f.drivers.Requests("DeleteSnapshot")
 			if (len(dels) == 1) != tc.wantDeleted {
 				t.Fatalf("%d DeleteSnapshot calls; want deleted %v", len(dels), tc.wantDeleted)
 			}
@@ -507,7 +371,7 @@ func TestImportStep(t *testing.T) {
 		t.Errorf("unknown snapshot: err %v, status %+v", err, got.Status)
 	}
 	f.event("SnapshotContentCheckandUpdateFailed", "ss-nosuch")
-	if n := len(f.drivers.requests("CreateSnapshot")); n != 1 {
+	if n := len(f.drivers.Requests("CreateSnapshot")); n != 1 {
 		t.Errorf("%d CreateSnapshot calls; want only the test's own", n)
 	}
 }
@@ -574,7 +438,7 @@ func TestChangeNeedsSync(t *testing.T) {
 	} {
 		cur := base.DeepCopy()
 		tc.mut(cur)
-		if got := changeNeedsSync(base, cur); got != tc.want {
+		if got := kind().NeedsSync(base, cur); got != tc.want {
 			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
 		}
 	}
@@ -585,7 +449,7 @@ func TestChangeNeedsSync(t *testing.T) {
 	unready := ready.DeepCopy()
 	no := false
 	unready.ResourceVersion, unready.Status.ReadyToUse = "3", &no
-	if !changeNeedsSync(ready, unready) {
+	if !kind().NeedsSync(ready, unready) {
 		t.Error("ready, then set not ready: not synced, want synced")
 	}
 }
@@ -660,7 +524,7 @@ func TestRecoveryStep(t *testing.T) {
 	entry("recorded", string(rec.UID), "snapshot-recorded")
 	entry("busy", string(busy.UID), "snapshot-busy")
 	f.c.recoverAll(f.ctx)
-	dels := f.drivers.requests("DeleteSnapshot")
+	dels := f.drivers.Requests("DeleteSnapshot")
 	if len(dels) != 1 || dels[0].(*csi.DeleteSnapshotRequest).GetSnapshotId() != made.GetSnapshot().GetSnapshotId() {
 		t.Fatalf("DeleteSnapshot calls %v; want one, of %s", dels, made.GetSnapshot().GetSnapshotId())
 	}
@@ -669,7 +533,7 @@ func TestRecoveryStep(t *testing.T) {
 			t.Errorf("entry %s kept: %v, want %v", name, got, want)
 		}
 	}
-	if n := len(f.drivers.requests("CreateSnapshot")); n != 2 {
+	if n := len(f.drivers.Requests("CreateSnapshot")); n != 2 {
 		t.Errorf("%d CreateSnapshot calls; want the test's and recovery's for the gone content only", n)
 	}
 }

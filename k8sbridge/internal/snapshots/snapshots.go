@@ -1,8 +1,14 @@
 // Package snapshots holds what the snapshot controllers share (the single
 // VolumeSnapshotContent controller and the group one): csi-snapshotter's
-// test of a final CSI error, its class-parameter rules, the annotations an
-// update filter compares, and the pass that settles a snapshot intent
-// record's entries (Recovery; the controllers settle each entry).
+// test of a final CSI error and its class-parameter rules; the content
+// steps over either content type (Contents: the sync frame with its
+// driver slot, budget and span, the workers, the informer handlers, the
+// update filter, the queueing of a class's or every content); the
+// snapshotter secret's lookup and memory on the content (SecretKeys);
+// the intent write before a call (Intend); and the pass that settles a
+// snapshot intent record's entries (Recovery, Settler; each controller
+// undoes an entry itself). Each controller fills Contents with its
+// type's accessors; nothing here imports a controller.
 package snapshots
 
 import (
