@@ -126,17 +126,17 @@ const maxIntentKey = 253
 // that is one API write for many claims instead of one per claim.
 //
 // When to write is decided by writeDue from the Adds queued and their
-// arrival rate (batchPolicy), per driver: an Add that arrives alone (fewer
-// than one more of its driver expected within maxLinger) is written after
-// linger, 5 ms; while a driver's Adds keep arriving, they wait for target
-// (20) of them, at most maxLinger (200 ms) after the oldest, and no longer
-// than a few mean arrival gaps after the newest (so a burst that has
-// ended, e.g. when every worker is already waiting, is not held). A write
-// is due when the first driver's Adds are: a quiet driver's lone claim
-// does not wait for a busy driver's batch to fill (it takes the busy
-// driver's queued Adds along). A write in flight is never joined: Adds
-// queue behind it and, once target of them wait, go in the next write at
-// once.
+// arrival rate (batchPolicy): an Add that arrives alone (fewer than one
+// more expected within maxLinger) is written after linger, 5 ms; while
+// Adds keep arriving, a write waits for target (20) of them, at most
+// maxLinger (200 ms) after the oldest, and no longer than a few mean
+// arrival gaps after the newest (so a burst that has ended, e.g. when
+// every worker is already waiting, is not held). The same rule is also
+// applied to each driver's Adds alone, and the write is due at the
+// earliest of these times: a quiet driver's lone claim does not wait for a
+// busy driver's batch to fill (it takes the busy driver's queued Adds
+// along). A write in flight is never joined: Adds queue behind it and,
+// once target of them wait, go in the next write at once.
 //
 // Removes are never urgent: nothing waits for them, and an entry left in the
 // record only makes recovery find the PV (or the deleted volume) and drop
@@ -195,8 +195,9 @@ type Record[T Entry] struct {
 	// provisioning workers ask for it at once (Lookup).
 	loadMu   sync.Mutex
 	firstRem time.Time // when the oldest queued Remove arrived
-	// arrivals: each driver's queued Adds and their arrival rate;
-	// lastArrival: the newest Add of any driver.
+	// all: every queued Add and their arrival rate; arrivals: each
+	// driver's; lastArrival: the newest Add of any driver.
+	all         arrivals
 	arrivals    map[string]*arrivals
 	lastArrival time.Time
 	// mine, when set (Share), says whether this replica may write the
@@ -390,6 +391,7 @@ func (s *Record[T]) Add(ctx context.Context, in T) error {
 		old.done <- errors.New("intent superseded by a newer Add of the same volume")
 		s.dropAddLocked(key)
 	}
+	s.all.arrive(now, s.batch.maxLinger)
 	s.arrivalsOf(in.DriverName()).arrive(now, s.batch.maxLinger)
 	s.lastArrival = now
 	s.adds[key] = p
@@ -506,6 +508,7 @@ func (s *Record[T]) arrivalsOf(driver string) *arrivals {
 func (s *Record[T]) dropAddLocked(key string) {
 	if p, ok := s.adds[key]; ok {
 		delete(s.adds, key)
+		s.all.pending = len(s.adds)
 		if a := s.arrivals[p.intent.DriverName()]; a != nil && a.pending > 0 {
 			a.pending--
 		}
@@ -795,12 +798,12 @@ func (s *Record[T]) Run(ctx context.Context) {
 // queued (the caller holds s.mu).
 func (s *Record[T]) nextWriteLocked() (time.Time, bool) {
 	if len(s.adds) > 0 {
-		var due time.Time
+		due := s.batch.writeDue(len(s.adds), s.all.oldest, s.all.newest, s.all.rate())
 		for _, a := range s.arrivals {
 			if a.pending == 0 {
 				continue
 			}
-			if d := s.batch.writeDue(a.pending, a.oldest, a.newest, a.rate()); due.IsZero() || d.Before(due) {
+			if d := s.batch.writeDue(a.pending, a.oldest, a.newest, a.rate()); d.Before(due) {
 				due = d
 			}
 		}
@@ -888,6 +891,7 @@ func (s *Record[T]) cutBatch(ctx context.Context) (*batch[T], bool) {
 	defer s.mu.Unlock()
 	b.adds, b.removes = s.adds, s.removes
 	s.adds, s.removes = map[string]*pendingAdd[T]{}, map[string]bool{}
+	s.all.pending = 0
 	now := time.Now()
 	for d, a := range s.arrivals {
 		if a.pending = 0; now.Sub(a.last) > s.batch.maxLinger {

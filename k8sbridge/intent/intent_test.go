@@ -157,16 +157,19 @@ func TestBatchPolicyWriteDue(t *testing.T) {
 	}
 }
 
-// TestBatchDueForTheQuietestDriver: a write is due when the first driver's
-// Adds are. Driver A's claims arrive ten a second and wait for company
-// (maxLinger); driver B's lone claim is written after linger, with A's
-// queued Adds along, and the next batch of A starts its count anew.
+// TestBatchDueForTheQuietestDriver: a write is due at the earliest of the
+// rule over every Add and the rule over each driver's. Driver A's claims
+// arrive ten a second and wait for company (maxLinger); driver B's lone
+// claim is written after linger, with A's queued Adds along, and the next
+// batch of A starts its count anew; target Adds of several drivers are
+// written at once.
 func TestBatchDueForTheQuietestDriver(t *testing.T) {
 	s := NewStore(nil, "ns", "intents", nil)
 	t0 := time.Now()
 	ms := func(n int) time.Time { return t0.Add(time.Duration(n) * time.Millisecond) }
 	add := func(driver, volume string, at time.Time) {
 		s.adds[volume] = &pendingAdd[Intent]{intent: Intent{VolumeName: volume, Driver: driver}, done: make(chan error, 1)}
+		s.all.arrive(at, s.batch.maxLinger)
 		s.arrivalsOf(driver).arrive(at, s.batch.maxLinger)
 	}
 	due := func() time.Time {
@@ -198,6 +201,16 @@ func TestBatchDueForTheQuietestDriver(t *testing.T) {
 	}
 	if a := s.arrivals["a"]; a == nil || a.pending != 0 || a.rate() < 5 {
 		t.Fatalf("driver A after the cut: %+v, want no Adds pending and its arrival rate kept", a)
+	}
+	// Five busy drivers, none with target Adds of its own, twenty-five in
+	// all: written after linger, as one driver's twenty-five would be.
+	s.arrivals = map[string]*arrivals{}
+	t1 := ms(1000)
+	for i := range 25 {
+		add(fmt.Sprint("d", i%5), fmt.Sprint("v-", i), t1.Add(time.Duration(i)*time.Millisecond))
+	}
+	if got := due(); !got.Equal(t1.Add(5 * time.Millisecond)) {
+		t.Fatalf("25 Adds of five drivers: write due at +%v after the oldest, want +5ms (target reached in all)", got.Sub(t1))
 	}
 }
 
