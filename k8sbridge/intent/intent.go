@@ -329,22 +329,19 @@ func NewRecord[T Entry](client kubernetes.Interface, namespace, name, purpose st
 }
 
 // UseBudget makes the record's requests take their tokens from wait (the
-// objects' rate limiter) before they are built, and go out through client,
+// record's rate limiter) before they are built, and go out through client,
 // which must not wait again. A write is then cut when its token is granted,
-// not when it starts waiting: at a low --kube-api-qps a write queues behind
-// the PV creations already waiting for tokens, and every Add that arrives
-// meanwhile goes in it instead of in the next write. The requests still
-// count against the same budget.
+// not when it starts waiting: a write that waits for its token carries
+// every Add that arrives meanwhile instead of leaving it to the next.
 func (s *Record[T]) UseBudget(client kubernetes.Interface, wait func(context.Context) error) {
 	s.client, s.wait = client, wait
 }
 
 // UseReader makes List read the record through client, on that client's
-// own budget (the informers' reads), not the objects' budget that the PV
-// writes and the record's own writes share: the recovery loop reads the
-// record at every start and interval, and at a low --kube-api-qps each read
-// would delay a PV by a token. Creating a missing record stays a write of
-// the objects' budget.
+// own budget (the informers' reads), not the budget of the record's
+// writes: the recovery loop reads the record at every start and interval,
+// and each read would otherwise delay a write by a token. Creating a
+// missing record stays a write of the record's budget.
 func (s *Record[T]) UseReader(client kubernetes.Interface) {
 	s.reader = client
 }

@@ -41,11 +41,11 @@ type Config struct {
 	InformerClient kubernetes.Interface
 	// IntentClient and IntentBudget, set together: IntentClient reaches the
 	// API server like Client but without a rate limiter, and IntentBudget
-	// is Client's rate limiter. The intent record then takes each
-	// request's token from Client's budget before it cuts its batch, so a
-	// write that waited behind PV writes carries every claim that arrived
-	// meanwhile (intent.Store.UseBudget). Unset: the record writes through
-	// Client.
+	// is the intent records' rate limiter (the broker's own, or Client's).
+	// The record then takes each request's token before it cuts its
+	// batch, so a write that waited for its token carries every claim
+	// that arrived meanwhile (intent.Store.UseBudget). Unset: the record
+	// writes through Client.
 	IntentClient kubernetes.Interface
 	IntentBudget interface{ Wait(context.Context) error }
 	// SnapshotClient reads VolumeSnapshots and their contents for claims
