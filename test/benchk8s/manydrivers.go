@@ -115,7 +115,7 @@ func (h *Harness) manyDriversRun(ctx context.Context, side string, names []strin
 	cpuC, cpuH := d.cpu()
 
 	tDel := time.Now()
-	if err := h.deleteClaims(ctx, ns); err != nil {
+	if err := h.deleteClaimsEach(ctx, ns); err != nil {
 		return nil, err
 	}
 	tGone, err := tr.wait(ctx, paced(3), "every PV deleted", func(s state) bool { return s.pvs == 0 && s.claims == 0 }, d.died)

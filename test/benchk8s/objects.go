@@ -151,18 +151,41 @@ func (h *Harness) createClaims(ctx context.Context, ns, prefix, sc string, n int
 }
 
 // deleteClaims deletes every claim in ns with one request. A request the
-// API server times out (thousands of claims) goes on on the server: the
-// callers wait for the PVs to go anyway.
+// API server times out or resets (thousands of claims: its handler's
+// timeout ends the stream) may have deleted only some: the claims not
+// being deleted yet are then deleted one by one, 32 at a time. The
+// callers wait for the PVs to go.
 func (h *Harness) deleteClaims(ctx context.Context, ns string) error {
 	err := h.client.CoreV1().PersistentVolumeClaims(ns).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{})
-	if apierrors.IsTimeout(err) || apierrors.IsServerTimeout(err) {
-		h.logf("  deleting the claims in %s: %v; the server goes on, waiting for the PVs", ns, err)
-		return nil
+	if err == nil || ctx.Err() != nil {
+		return err
 	}
+	h.logf("  deleting the claims in %s in one request: %v; deleting the rest one by one", ns, err)
+	return h.deleteClaimsEach(ctx, ns)
+}
+
+// deleteClaimsEach deletes the claims in ns not being deleted yet one by
+// one, 32 at a time: thousands of claims go in seconds, where one
+// DeleteCollection request deletes them in sequence on the server and
+// outlasts its handler's timeout.
+func (h *Harness) deleteClaimsEach(ctx context.Context, ns string) error {
+	list, err := h.client.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{})
 	if err != nil {
-		return fmt.Errorf("delete claims in %s: %w", ns, err)
+		return fmt.Errorf("list the claims in %s to delete them: %w", ns, err)
 	}
-	return nil
+	var left []string
+	for _, c := range list.Items {
+		if c.DeletionTimestamp == nil {
+			left = append(left, c.Name)
+		}
+	}
+	return parallel(ctx, 0, len(left), 32, func(ctx context.Context, i int) error {
+		err := h.client.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, left[i], metav1.DeleteOptions{})
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		return err
+	})
 }
 
 // createPrebound creates PV/PVC pairs [from, to) bound to each other, as a
