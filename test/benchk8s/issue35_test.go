@@ -81,7 +81,7 @@ func TestADriverFlags(t *testing.T) {
 }
 
 // TestIssue35Smoke runs issue 35's scenarios once at small sizes (two
-// drivers × three claims; A with 40 claims in each neighbour mode, one
+// drivers × three claims; A with 500 claims in each neighbour mode, one
 // probe of B; three claims one at a time), both sides, and checks what each
 // run recorded and that every table is in the report.
 func TestIssue35Smoke(t *testing.T) {
@@ -90,7 +90,7 @@ func TestIssue35Smoke(t *testing.T) {
 	cfg.Reps = 1
 	cfg.ManyDrivers = []int{2}
 	cfg.ManySettings = []manySetting{{3, rate{200, 400}}}
-	cfg.NeighbourClaims = 40 // busy: more than A provisions at 5/10 while B is measured
+	cfg.NeighbourClaims = 500 // busy: more than A provisions while B is measured (the broker gives A the whole 10/20 of two drivers)
 	cfg.NeighbourProbes = 1
 	cfg.LatencyClaims = 3
 	cfg.FromHead = false
@@ -108,8 +108,8 @@ func TestIssue35Smoke(t *testing.T) {
 			if len(r.Alone) != 1 || len(r.Beside) != 1 || r.Alone[0] <= 0 || r.Beside[0] <= 0 || r.ACalls < 20 || r.APending < 1 {
 				t.Errorf("neighbour %s %s: %+v", r.Side, r.Mode, r)
 			}
-			if r.Mode != modeBusy && r.APending != 40 {
-				t.Errorf("neighbour %s %s: %d of A's claims pending, want all 40 (A never gives a usable volume)", r.Side, r.Mode, r.APending)
+			if r.Mode != modeBusy && r.APending != cfg.NeighbourClaims {
+				t.Errorf("neighbour %s %s: %d of A's claims pending, want all %d (A never gives a usable volume)", r.Side, r.Mode, r.APending, cfg.NeighbourClaims)
 			}
 		case *latencyResult:
 			if len(r.Seconds) != 3 || len(r.PVSeconds) != 3 {
