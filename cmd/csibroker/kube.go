@@ -466,8 +466,8 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	// registered drivers (followDrivers). The intent records (the broker's
 	// own bookkeeping, which no sidecar writes) have a budget of their
 	// own, as the Events and leader election have: sharing the objects'
-	// cost N drivers about 5% of their PV writes (5 x 200 claims) and put
-	// a quiet driver's record write behind a busy driver's tokens. Their
+	// took tokens from the PV writes and put a quiet driver's record
+	// write behind a busy driver's tokens (BENCHMARKS.md). Their
 	// client takes its tokens before it cuts a batch
 	// (k8sbridge.Config.IntentBudget), so a short budget makes larger
 	// batches, not more writes.
