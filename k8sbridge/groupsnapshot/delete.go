@@ -21,7 +21,7 @@ import (
 // recorded but never reached the status is deleted first.
 func (c *Controller) deleteContent(ctx context.Context, g *groupv1.VolumeGroupSnapshotContent) error {
 	driver := g.Spec.Driver
-	result, recorded := "retained", groupHandle(g) != ""
+	recorded := groupHandle(g) != ""
 	if g.Spec.DeletionPolicy == snapshotv1.VolumeSnapshotContentDelete && recorded {
 		if err := c.deleteGroup(ctx, g); err != nil {
 			c.ops.WithLabelValues(driver, "delete_failed").Inc()
@@ -41,7 +41,10 @@ func (c *Controller) deleteContent(ctx context.Context, g *groupv1.VolumeGroupSn
 			}
 			return fmt.Errorf("group snapshot of content %s deleted; clear its status: %w", g.Name, err)
 		}
-		g, result = cleared, "deleted"
+		g = cleared
+		// Counted now: a retry after a failed finalizer removal finds the
+		// status cleared and must not count it again, nor as retained.
+		c.ops.WithLabelValues(driver, "deleted").Inc()
 		c.b.Log.Info("group snapshot deleted", "content", g.Name, "driver", driver)
 	}
 	if len(g.Spec.Source.VolumeHandles) > 0 && g.Spec.VolumeGroupSnapshotRef.UID != "" && !recorded {
@@ -61,7 +64,9 @@ func (c *Controller) deleteContent(ctx context.Context, g *groupv1.VolumeGroupSn
 	if err := c.removeFinalizer(ctx, g); err != nil {
 		return fmt.Errorf("remove finalizer %s from content %s: %w", ContentFinalizer, g.Name, err)
 	}
-	c.ops.WithLabelValues(driver, result).Inc()
+	if g.Spec.DeletionPolicy == snapshotv1.VolumeSnapshotContentRetain {
+		c.ops.WithLabelValues(driver, "retained").Inc()
+	}
 	c.b.ForgetEvents(g.UID)
 	return nil
 }

@@ -21,7 +21,6 @@ import (
 // never reached the status is deleted first (nothing else could find it).
 func (c *Controller) deleteContent(ctx context.Context, vsc *snapshotv1.VolumeSnapshotContent) error {
 	driver := vsc.Spec.Driver
-	result := "retained"
 	if vsc.Spec.DeletionPolicy == snapshotv1.VolumeSnapshotContentDelete && vsc.Status != nil && vsc.Status.SnapshotHandle != nil && vsc.Status.VolumeGroupSnapshotHandle == nil {
 		if err := c.deleteSnapshot(ctx, vsc); err != nil {
 			c.ops.WithLabelValues(driver, "delete_failed").Inc()
@@ -41,7 +40,10 @@ func (c *Controller) deleteContent(ctx context.Context, vsc *snapshotv1.VolumeSn
 			}
 			return fmt.Errorf("snapshot of content %s deleted; clear its status: %w", vsc.Name, err)
 		}
-		vsc, result = cleared, "deleted"
+		vsc = cleared
+		// Counted now: a retry after a failed finalizer removal finds the
+		// status cleared and must not count it again, nor as retained.
+		c.ops.WithLabelValues(driver, "deleted").Inc()
 		c.b.Log.Info("snapshot deleted", "content", vsc.Name, "driver", driver)
 	}
 	if vsc.Spec.Source.VolumeHandle != nil && vsc.Spec.VolumeSnapshotRef.UID != "" {
@@ -61,7 +63,9 @@ func (c *Controller) deleteContent(ctx context.Context, vsc *snapshotv1.VolumeSn
 	if err := c.removeFinalizer(ctx, vsc); err != nil {
 		return fmt.Errorf("remove finalizer %s from content %s: %w", ContentFinalizer, vsc.Name, err)
 	}
-	c.ops.WithLabelValues(driver, result).Inc()
+	if vsc.Spec.DeletionPolicy == snapshotv1.VolumeSnapshotContentRetain {
+		c.ops.WithLabelValues(driver, "retained").Inc()
+	}
 	c.b.ForgetEvents(vsc.UID)
 	return nil
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	snapfake "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned/fake"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -21,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/record"
 
 	"github.com/csibroker/csibroker/internal/sampledriver"
@@ -535,5 +537,57 @@ func TestRecoveryStep(t *testing.T) {
 	}
 	if n := len(f.drivers.Requests("CreateSnapshot")); n != 2 {
 		t.Errorf("%d CreateSnapshot calls; want the test's and recovery's for the gone content only", n)
+	}
+}
+
+// TestDeletionCountedOnce: the deletion is counted when the driver's
+// snapshot is gone, before the finalizer goes (so whoever sees the content
+// gone sees the count), and a retry after a failed finalizer removal
+// counts it neither again nor as retained.
+func TestDeletionCountedOnce(t *testing.T) {
+	f := newFixture(t, true, class("fast", drv, nil))
+	vol := f.volume("src")
+	conn, _ := f.drivers.ControllerConn(drv)
+	made, err := csi.NewControllerClient(conn).CreateSnapshot(f.ctx, &csi.CreateSnapshotRequest{Name: "s", SourceVolumeId: vol})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, now := made.GetSnapshot().GetSnapshotId(), metav1.Now()
+	vsc := dynamicContent("c1", "fast", vol, func(v *snapshotv1.VolumeSnapshotContent) {
+		v.DeletionTimestamp = &now
+		v.Annotations = map[string]string{AnnBeingDeleted: "yes", AnnDeletionSecretName: "creds", AnnDeletionSecretNS: "app"}
+		v.Status = &snapshotv1.VolumeSnapshotContentStatus{SnapshotHandle: &id}
+	})
+	if _, err := f.snaps.SnapshotV1().VolumeSnapshotContents().Create(f.ctx, vsc, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	refused := false
+	f.snaps.PrependReactor("patch", "volumesnapshotcontents", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		p := a.(k8stesting.PatchAction)
+		if refused || p.GetSubresource() != "" || !strings.Contains(string(p.GetPatch()), "finalizers") {
+			return false, nil, nil
+		}
+		refused = true
+		return true, nil, fmt.Errorf("test: finalizer patch refused")
+	})
+	if _, err := f.step("c1"); err == nil || !strings.Contains(err.Error(), "remove finalizer") {
+		t.Fatalf("first step: %v; want the finalizer removal's error", err)
+	}
+	deleted, retained := f.c.ops.WithLabelValues(drv, "deleted"), f.c.ops.WithLabelValues(drv, "retained")
+	if d := testutil.ToFloat64(deleted); d != 1 {
+		t.Errorf("deleted counted %v times before the finalizer went; want 1", d)
+	}
+	got, err := f.step("c1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if slices.Contains(got.Finalizers, ContentFinalizer) {
+		t.Errorf("finalizers %v after the retry", got.Finalizers)
+	}
+	if d, r := testutil.ToFloat64(deleted), testutil.ToFloat64(retained); d != 1 || r != 0 {
+		t.Errorf("after the retry: deleted %v, retained %v; want 1, 0", d, r)
+	}
+	if n := len(f.drivers.Requests("DeleteSnapshot")); n != 1 {
+		t.Errorf("%d DeleteSnapshot calls; want 1", n)
 	}
 }
