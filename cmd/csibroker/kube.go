@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -110,7 +111,7 @@ func (f *kubeFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.Kubeconfig, "kubeconfig", "", "kubeconfig file (empty: in-cluster configuration)")
 	fs.Float64Var(&f.QPS, "kube-api-qps", 5, "QPS of the client for Kubernetes objects, per registered driver (see --kube-api-budget)")
 	fs.IntVar(&f.Burst, "kube-api-burst", 10, "burst of the client for Kubernetes objects, per registered driver (see --kube-api-budget)")
-	fs.StringVar(&f.Budget, "kube-api-budget", budgetPerDriver, "the objects' client budget: per-driver (--kube-api-qps/-burst times the registered drivers, as many sidecars as drivers would have, shared in turn among the drivers' writes) or fixed (--kube-api-qps/-burst in all)")
+	fs.StringVar(&f.Budget, "kube-api-budget", budgetPerDriver, "the objects' client budget: per-driver (--kube-api-qps/-burst times the registered drivers, as many sidecars as drivers would have) or fixed (--kube-api-qps/-burst in all); either way each driver has an equal share and borrows what the others leave")
 	fs.Float64Var(&f.EventsQPS, "events-qps", 20, "QPS of the separate client for Events, so they are never starved by object writes")
 	fs.IntVar(&f.EventsBurst, "events-burst", 50, "burst of the Events client")
 	fs.StringVar(&f.ContentType, "kube-api-content-type", runtime.ContentTypeProtobuf, "encoding of built-in objects on the wire: "+runtime.ContentTypeProtobuf+" (cheaper to decode, as kube-controller-manager and the CSI sidecars use) or "+runtime.ContentTypeJSON+"; custom resources are always JSON")
@@ -462,8 +463,8 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	// take the burst that the first PV writes need. (WATCH requests are
 	// not rate limited by client-go.)
 	informerCfg, _ := f.restConfig(20, 50, "informers")
-	// The objects' budget is one limiter; per driver, it grows with the
-	// registered drivers (followDrivers). The intent records (the broker's
+	// The objects' budget is one limiter of per-driver shares that lend
+	// to each other; it grows with the registered drivers (followDrivers). The intent records (the broker's
 	// own bookkeeping, which no sidecar writes) have a budget of their
 	// own, as the Events and leader election have: sharing the objects'
 	// took tokens from the PV writes and put a quiet driver's record
@@ -471,7 +472,8 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	// client takes its tokens before it cuts a batch
 	// (k8sbridge.Config.IntentBudget), so a short budget makes larger
 	// batches, not more writes.
-	f.budget = budget.New(f.budgetSize(len(drivers.DriverNames())))
+	names := drivers.DriverNames()
+	f.budget = budget.New(f.budgetSize(len(names)), names)
 	intentBudget := flowcontrol.NewTokenBucketRateLimiter(intentQPS, intentBurst)
 	clientCfg := rest.CopyConfig(objCfg)
 	clientCfg.RateLimiter = f.budget
@@ -558,14 +560,15 @@ func (f *kubeFlags) budgetSize(n int) budget.Size {
 	return s.Times(n)
 }
 
-// followDrivers resizes a per-driver budget as drivers are registered and
-// removed (discovery), checking every second, until ctx is done.
+// followDrivers resizes the budget (per-driver: its total; either way its
+// shares) as drivers are registered and removed (discovery), checking
+// every second, until ctx is done.
 func (f *kubeFlags) followDrivers(ctx context.Context, drivers interface{ DriverNames() []string }, log *slog.Logger) {
-	if f.budget == nil || f.Budget == budgetFixed {
+	if f.budget == nil {
 		return
 	}
 	defer f.budget.Stop()
-	n := len(drivers.DriverNames())
+	names := drivers.DriverNames()
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	for {
@@ -574,11 +577,11 @@ func (f *kubeFlags) followDrivers(ctx context.Context, drivers interface{ Driver
 			return
 		case <-t.C:
 		}
-		if m := len(drivers.DriverNames()); m != n {
-			n = m
-			s := f.budgetSize(n)
-			f.budget.Resize(s)
-			log.Info("object writes budget resized", "drivers", n, "qps", s.QPS, "burst", s.Burst)
+		if now := drivers.DriverNames(); !slices.Equal(now, names) {
+			names = now
+			s := f.budgetSize(len(names))
+			f.budget.Resize(s, names)
+			log.Info("object writes budget resized", "drivers", len(names), "qps", s.QPS, "burst", s.Burst)
 		}
 	}
 }

@@ -3,7 +3,6 @@ package budget
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -46,12 +45,15 @@ func (g *grants) add(s string) {
 // another driver's write behind it: the other's is served at the next turn;
 // a driver's own writes are served in the order they asked.
 func TestTurnsAmongDrivers(t *testing.T) {
-	// One token now (the burst), then none for a long time: every write
-	// below queues before any is served; the bucket then grows.
-	l := New(Size{QPS: 0.001, Burst: 1})
+	// One token now in each bucket (the burst), then none for a long
+	// time: every write below queues before any is served; the buckets
+	// then grow.
+	l := New(Size{QPS: 0.002, Burst: 2}, []string{"a", "b"})
 	defer l.Stop()
-	if err := l.Wait(context.Background()); err != nil { // takes the burst
-		t.Fatal(err)
+	for _, d := range []string{"a", "b"} {
+		if err := l.Wait(WithDriver(context.Background(), d)); err != nil { // takes its burst
+			t.Fatal(err)
+		}
 	}
 	var g grants
 	l.onGrant = g.add
@@ -71,7 +73,7 @@ func TestTurnsAmongDrivers(t *testing.T) {
 	}
 	start("b")
 	waitQueued(t, l, 11)
-	l.Resize(Size{QPS: 1000, Burst: 1})
+	l.Resize(Size{QPS: 2000, Burst: 2}, []string{"a", "b"})
 	wg.Wait()
 	g.mu.Lock()
 	order := append([]string(nil), g.order...)
@@ -90,9 +92,9 @@ func TestTurnsAmongDrivers(t *testing.T) {
 // TestLeavingWaiterPassesItsTurn: a write whose context ends stops waiting
 // with the context's error, and the token goes to the next write.
 func TestLeavingWaiterPassesItsTurn(t *testing.T) {
-	l := New(Size{QPS: 0.001, Burst: 1})
+	l := New(Size{QPS: 0.001, Burst: 1}, []string{"a"})
 	defer l.Stop()
-	l.Accept()
+	l.Wait(WithDriver(context.Background(), "a"))
 	ctx, cancel := context.WithCancel(context.Background())
 	gone := make(chan error, 1)
 	go func() { gone <- l.Wait(WithDriver(ctx, "a")) }()
@@ -104,7 +106,7 @@ func TestLeavingWaiterPassesItsTurn(t *testing.T) {
 	if err := <-gone; !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled waiter: %v", err)
 	}
-	l.Resize(Size{QPS: 1000, Burst: 1})
+	l.Resize(Size{QPS: 1000, Burst: 1}, []string{"a"})
 	select {
 	case err := <-done:
 		if err != nil {
@@ -118,16 +120,16 @@ func TestLeavingWaiterPassesItsTurn(t *testing.T) {
 // TestResizeServesWaitingWrites: a bucket made larger serves the writes
 // already waiting at the new rate.
 func TestResizeServesWaitingWrites(t *testing.T) {
-	l := New(Size{QPS: 0.01, Burst: 1}) // one token per 100 s
+	l := New(Size{QPS: 0.01, Burst: 1}, []string{"0"}) // one token per 100 s
 	defer l.Stop()
-	l.Accept()
+	l.Wait(WithDriver(context.Background(), "0"))
 	var wg sync.WaitGroup
-	for i := range 5 {
+	for range 5 {
 		wg.Add(1)
-		go func() { defer wg.Done(); l.Wait(WithDriver(context.Background(), fmt.Sprint(i))) }()
+		go func() { defer wg.Done(); l.Wait(WithDriver(context.Background(), "0")) }()
 	}
 	waitQueued(t, l, 5)
-	l.Resize(Size{QPS: 1000, Burst: 10})
+	l.Resize(Size{QPS: 1000, Burst: 10}, []string{"0", "1"})
 	done := make(chan struct{})
 	go func() { wg.Wait(); close(done) }()
 	select {
@@ -143,14 +145,14 @@ func TestResizeServesWaitingWrites(t *testing.T) {
 // TestTryAcceptLeavesTokensToWaiters: TryAccept takes no token while a
 // write waits.
 func TestTryAcceptLeavesTokensToWaiters(t *testing.T) {
-	l := New(Size{QPS: 1, Burst: 1})
+	l := New(Size{QPS: 1, Burst: 1}, nil)
 	defer l.Stop()
 	if !l.TryAccept() {
 		t.Fatal("a full bucket refused TryAccept")
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go l.Wait(ctx)
+	go l.Wait(ctx) // the same share as TryAccept's, empty now
 	waitQueued(t, l, 1)
 	if l.TryAccept() {
 		t.Fatal("TryAccept took a token while a write waited")
@@ -167,5 +169,118 @@ func TestSizeTimes(t *testing.T) {
 		if got := (Size{5, 10}).Times(c.n); got != c.want {
 			t.Errorf("Times(%d) = %v, want %v", c.n, got, c.want)
 		}
+	}
+}
+
+// now is a write that does not wait: a context already done gets a token
+// only if one is free at once.
+func now(l *Limiter, driver string) bool {
+	ctx, cancel := context.WithCancel(WithDriver(context.Background(), driver))
+	cancel()
+	return l.Wait(ctx) == nil
+}
+
+// TestQuietDriverKeepsHalfItsBurst: a busy driver takes its own burst and
+// what the quiet drivers' shares lend, down to half their bursts; the
+// quiet driver's next writes then find their tokens at once, as beside a
+// sidecar of its own.
+func TestQuietDriverKeepsHalfItsBurst(t *testing.T) {
+	// Three shares of burst 10, refilling once per 1,000 s.
+	l := New(Size{QPS: 0.003, Burst: 30}, []string{"a", "b", "c"})
+	defer l.Stop()
+	took := 0
+	for now(l, "a") {
+		took++
+		if took > 30 {
+			t.Fatal("driver a took more than the whole budget")
+		}
+	}
+	if took != 20 {
+		t.Errorf("busy driver a took %d tokens at once; want 20 (its 10, and 5 lent by each of b and c)", took)
+	}
+	for _, d := range []string{"b", "c"} {
+		for i := range 5 {
+			if !now(l, d) {
+				t.Fatalf("quiet driver %s found no token for its write %d beside busy a", d, i+1)
+			}
+		}
+		if now(l, d) {
+			t.Errorf("driver %s took a sixth token: more than the half of its burst it kept", d)
+		}
+	}
+}
+
+// TestQuietDriverServedWhileBusyWaits: while a busy driver's backlog
+// waits, a quiet driver's write is served at once from what its bucket
+// kept, ahead of that backlog.
+func TestQuietDriverServedWhileBusyWaits(t *testing.T) {
+	l := New(Size{QPS: 0.004, Burst: 4}, []string{"a", "b"}) // shares of burst 2: b lends one
+	defer l.Stop()
+	for now(l, "a") {
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	for range 3 {
+		go l.Wait(WithDriver(ctx, "a"))
+	}
+	waitQueued(t, l, 3)
+	if !now(l, "b") {
+		t.Fatal("quiet driver b found no token while busy a waited")
+	}
+}
+
+// TestFixedTotalSharedAmongDrivers: a fixed total is split among the
+// registered drivers, and a lone busy driver still gets nearly all of it.
+func TestFixedTotalSharedAmongDrivers(t *testing.T) {
+	l := New(Size{QPS: 0.004, Burst: 8}, []string{"a", "b", "c", "d"}) // shares of burst 2
+	defer l.Stop()
+	took := 0
+	for now(l, "a") && took < 100 {
+		took++
+	}
+	if took != 5 {
+		t.Errorf("driver a took %d tokens of a fixed total of 8 at once; want 5 (its 2, one lent by each other)", took)
+	}
+	if q := l.QPS(); q != float32(0.004) {
+		t.Errorf("QPS %v; want the total's", q)
+	}
+}
+
+// TestDriverGoneLosesItsShare: a driver no longer registered lends no
+// more, and a new one starts with a full bucket.
+func TestDriverGoneLosesItsShare(t *testing.T) {
+	l := New(Size{QPS: 0.002, Burst: 4}, []string{"a", "b"}) // shares of burst 2
+	defer l.Stop()
+	l.Resize(Size{QPS: 0.002, Burst: 4}, []string{"a", "c"})
+	took := 0
+	for now(l, "a") && took < 100 {
+		took++
+	}
+	if took != 3 {
+		t.Errorf("driver a took %d tokens; want 3 (its 2, one lent by new c, none by gone b)", took)
+	}
+}
+
+// TestBacklogServedByLoans: a busy driver's waiting backlog is served by
+// its own refills and by the quiet drivers' loans until it is empty.
+func TestBacklogServedByLoans(t *testing.T) {
+	l := New(Size{QPS: 400, Burst: 4}, []string{"a", "b"})
+	defer l.Stop()
+	var wg sync.WaitGroup
+	for range 100 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := l.Wait(WithDriver(context.Background(), "a")); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatalf("%d of driver a's writes still waiting", l.queued())
 	}
 }
