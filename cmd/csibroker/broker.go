@@ -247,7 +247,7 @@ func (r *brokerRun) startKube(ctx context.Context, g *errgroup.Group) error {
 		g.Go(func() error { return gc.Run(ctx) })
 	}
 	g.Go(func() error { return bridge.Run(ctx) })
-	g.Go(func() error { cfg.Kube.followDrivers(ctx, r.b, log); return nil })
+	g.Go(func() error { cfg.Kube.followDrivers(ctx, bridge.LedDrivers, log); return nil })
 	if cfg.Kube.DiscoverProxies != "" {
 		var static []string
 		for _, d := range r.reg.Drivers {

@@ -464,14 +464,14 @@ func (f *kubeFlags) bridge(drivers k8sbridge.Drivers, authz *policy.Authorizer, 
 	// not rate limited by client-go.)
 	informerCfg, _ := f.restConfig(20, 50, "informers")
 	// The objects' budget is one limiter of per-driver shares that lend
-	// to each other; it grows with the registered drivers (followDrivers). The intent records (the broker's
-	// own bookkeeping, which no sidecar writes) have a budget of their
-	// own, as the Events and leader election have: sharing the objects'
-	// took tokens from the PV writes and put a quiet driver's record
-	// write behind a busy driver's tokens (BENCHMARKS.md). Their
-	// client takes its tokens before it cuts a batch
-	// (k8sbridge.Config.IntentBudget), so a short budget makes larger
-	// batches, not more writes.
+	// to each other; it follows the drivers this replica leads
+	// (followDrivers). The intent records (the broker's own bookkeeping,
+	// which no sidecar writes) have a budget of their own, as the Events
+	// and leader election have: sharing the objects' took tokens from
+	// the PV writes and put a quiet driver's record write behind a busy
+	// driver's tokens (BENCHMARKS.md). Their client takes its tokens
+	// before it cuts a batch (k8sbridge.Config.IntentBudget), so a short
+	// budget makes larger batches, not more writes.
 	names := drivers.DriverNames()
 	f.budget = budget.New(f.budgetSize(len(names)), names)
 	intentBudget := flowcontrol.NewTokenBucketRateLimiter(intentQPS, intentBurst)
@@ -561,14 +561,16 @@ func (f *kubeFlags) budgetSize(n int) budget.Size {
 }
 
 // followDrivers resizes the budget (per-driver: its total; either way its
-// shares) as drivers are registered and removed (discovery), checking
-// every second, until ctx is done.
-func (f *kubeFlags) followDrivers(ctx context.Context, drivers interface{ DriverNames() []string }, log *slog.Logger) {
+// shares) as the drivers this replica leads change: registered or removed
+// (discovery), or, with per-driver leader election, taken over or handed
+// on. It checks every second, until ctx is done.
+func (f *kubeFlags) followDrivers(ctx context.Context, led func() []string, log *slog.Logger) {
 	if f.budget == nil {
 		return
 	}
 	defer f.budget.Stop()
-	names := drivers.DriverNames()
+	var names []string
+	first := true // the budget was made for every registered driver
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	for {
@@ -577,8 +579,8 @@ func (f *kubeFlags) followDrivers(ctx context.Context, drivers interface{ Driver
 			return
 		case <-t.C:
 		}
-		if now := drivers.DriverNames(); !slices.Equal(now, names) {
-			names = now
+		if now := led(); first || !slices.Equal(now, names) {
+			names, first = now, false
 			s := f.budgetSize(len(names))
 			f.budget.Resize(s, names)
 			log.Info("object writes budget resized", "drivers", len(names), "qps", s.QPS, "burst", s.Burst)

@@ -413,3 +413,36 @@ func TestBudgetFollowsTheDrivers(t *testing.T) {
 		}
 	}
 }
+
+// TestBudgetFollowsTheLedDrivers: the objects' budget is resized to the
+// drivers this replica leads as they change (a driver taken over, one
+// handed on).
+func TestBudgetFollowsTheLedDrivers(t *testing.T) {
+	f := &kubeFlags{QPS: 5, Burst: 10, Budget: budgetPerDriver}
+	f.budget = budget.New(f.budgetSize(3), []string{"a", "b", "c"})
+	var mu sync.Mutex
+	led := []string{"a"}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		f.followDrivers(ctx, func() []string { mu.Lock(); defer mu.Unlock(); return append([]string(nil), led...) }, slog.New(slog.DiscardHandler))
+	}()
+	defer func() { cancel(); <-done }()
+	wait := func(want float32) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); f.budget.QPS() != want; time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("budget QPS %v, want %v", f.budget.QPS(), want)
+			}
+		}
+	}
+	mu.Lock()
+	led = []string{"a", "b"}
+	mu.Unlock()
+	wait(10)
+	mu.Lock()
+	led = []string{"b"}
+	mu.Unlock()
+	wait(5)
+}
