@@ -28,7 +28,9 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 )
 
@@ -138,6 +140,14 @@ func (k *Kubelet) register(ctx context.Context, sock string) {
 	defer conn.Close()
 	client := registerapi.NewRegistrationClient(conn)
 	info, err := client.GetInfo(ctx, &registerapi.InfoRequest{})
+	if status.Code(err) == codes.Unavailable && ctx.Err() == nil {
+		// Not listening yet (a socket is bound before it listens): the
+		// kubelet's reconciler tries again, and so does the next scan.
+		k.mu.Lock()
+		delete(k.seen, sock)
+		k.mu.Unlock()
+		return
+	}
 	if err != nil {
 		k.add(Event{Kind: "refused", Socket: sock, Err: fmt.Sprintf("GetInfo: %v", err)})
 		return
