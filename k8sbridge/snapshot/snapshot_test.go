@@ -63,6 +63,18 @@ func newFixture(t *testing.T, policyAllows bool, objs ...runtime.Object) *fixtur
 // volume makes a volume at the driver and returns its ID.
 func (f *fixture) volume(name string) string { return f.drivers.Volume(f.t, f.ctx, drv, name) }
 
+// snapshotAtDriver makes a volume and a snapshot of it at the driver.
+func (f *fixture) snapshotAtDriver() (string, *csi.CreateSnapshotResponse) {
+	f.t.Helper()
+	vol := f.volume("src")
+	conn, _ := f.drivers.ControllerConn(drv)
+	made, err := csi.NewControllerClient(conn).CreateSnapshot(f.ctx, &csi.CreateSnapshotRequest{Name: "s", SourceVolumeId: vol})
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return vol, made
+}
+
 // step syncs content name once the cache has rv-newer state, and returns
 // the stored content and sync's error.
 func (f *fixture) step(name string) (*snapshotv1.VolumeSnapshotContent, error) {
@@ -299,12 +311,7 @@ func TestDeleteStep(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFixture(t, true, class("fast", drv, nil))
-			vol := f.volume("src")
-			conn, _ := f.drivers.ControllerConn(drv)
-			made, err := csi.NewControllerClient(conn).CreateSnapshot(f.ctx, &csi.CreateSnapshotRequest{Name: "s", SourceVolumeId: vol})
-			if err != nil {
-				t.Fatal(err)
-			}
+			vol, made := f.snapshotAtDriver()
 			id, yes, now := made.GetSnapshot().GetSnapshotId(), true, metav1.Now()
 			vsc := dynamicContent("c1", "fast", vol, func(v *snapshotv1.VolumeSnapshotContent) {
 				v.Spec.DeletionPolicy = tc.policy
@@ -347,12 +354,7 @@ func TestDeleteStep(t *testing.T) {
 // error and an Event.
 func TestImportStep(t *testing.T) {
 	f := newFixture(t, true)
-	vol := f.volume("src")
-	conn, _ := f.drivers.ControllerConn(drv)
-	made, err := csi.NewControllerClient(conn).CreateSnapshot(f.ctx, &csi.CreateSnapshotRequest{Name: "s", SourceVolumeId: vol})
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, made := f.snapshotAtDriver()
 	for name, handle := range map[string]string{"known": made.GetSnapshot().GetSnapshotId(), "unknown": "ss-nosuch"} {
 		vsc := &snapshotv1.VolumeSnapshotContent{ObjectMeta: metav1.ObjectMeta{Name: name, ResourceVersion: "1"},
 			Spec: snapshotv1.VolumeSnapshotContentSpec{Driver: drv, DeletionPolicy: snapshotv1.VolumeSnapshotContentRetain,
@@ -546,12 +548,7 @@ func TestRecoveryStep(t *testing.T) {
 // counts it neither again nor as retained.
 func TestDeletionCountedOnce(t *testing.T) {
 	f := newFixture(t, true, class("fast", drv, nil))
-	vol := f.volume("src")
-	conn, _ := f.drivers.ControllerConn(drv)
-	made, err := csi.NewControllerClient(conn).CreateSnapshot(f.ctx, &csi.CreateSnapshotRequest{Name: "s", SourceVolumeId: vol})
-	if err != nil {
-		t.Fatal(err)
-	}
+	vol, made := f.snapshotAtDriver()
 	id, now := made.GetSnapshot().GetSnapshotId(), metav1.Now()
 	vsc := dynamicContent("c1", "fast", vol, func(v *snapshotv1.VolumeSnapshotContent) {
 		v.DeletionTimestamp = &now

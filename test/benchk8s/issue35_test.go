@@ -90,7 +90,7 @@ func TestIssue35Smoke(t *testing.T) {
 	cfg.Reps = 1
 	cfg.ManyDrivers = []int{2}
 	cfg.ManySettings = []manySetting{{3, rate{200, 400}}}
-	cfg.NeighbourClaims = 500 // busy: more than A provisions while B is measured (the broker gives A the whole 10/20 of two drivers)
+	cfg.NeighbourClaims = 500 // busy: more than A provisions while B is measured (A borrows most of quiet B's share)
 	cfg.NeighbourProbes = 1
 	cfg.LatencyClaims = 3
 	cfg.FromHead = false
