@@ -153,26 +153,39 @@ func createVolumeCalls(d *driverInst) (int, error) {
 // seconds from just before its create request to the tracker seeing it
 // Bound, and to the tracker seeing its PV. The tracker follows ns, where
 // before claims are Bound already.
-func (h *Harness) boundInTurn(ctx context.Context, tr *tracker, ns, prefix, sc string, n, before int, timeout time.Duration, check func() error) (bound, pv []float64, err error) {
+// turns is what boundInTurn measured, per claim, in seconds: from creation
+// to Bound and to its PV, and the provisioner's part (from
+// kube-controller-manager's annotation to the PV).
+type turns struct {
+	bound, pv, prov []float64
+}
+
+func (h *Harness) boundInTurn(ctx context.Context, tr *tracker, ns, prefix, sc string, n, before int, timeout time.Duration, check func() error) (turns, error) {
+	var r turns
 	for i := range n {
 		name := fmt.Sprintf("%s-%05d", prefix, i)
 		t0 := time.Now()
 		if _, err := h.client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim(ns, name, sc, ""), metav1.CreateOptions{}); err != nil {
-			return nil, nil, fmt.Errorf("create claim: %w", err)
+			return r, fmt.Errorf("create claim: %w", err)
 		}
 		want := before + i + 1
 		tPV, err := tr.wait(ctx, timeout, "the PV of claim "+name, func(s state) bool { return s.pvs >= want }, check)
 		if err != nil {
-			return nil, nil, err
+			return r, err
 		}
 		tBound, err := tr.wait(ctx, timeout, "claim "+name+" Bound", func(s state) bool { return s.bound >= want }, check)
 		if err != nil {
-			return nil, nil, err
+			return r, err
 		}
-		bound = append(bound, tBound.Sub(t0).Seconds())
-		pv = append(pv, tPV.Sub(t0).Seconds())
+		prov, ok := tr.provisionerPart(name)
+		if !ok {
+			return r, fmt.Errorf("claim %s: Bound, but the tracker saw no %s annotation or no PV of it", name, annStorageProvisioner)
+		}
+		r.bound = append(r.bound, tBound.Sub(t0).Seconds())
+		r.pv = append(r.pv, tPV.Sub(t0).Seconds())
+		r.prov = append(r.prov, prov.Seconds())
 	}
-	return bound, pv, nil
+	return r, nil
 }
 
 // percentile is the nearest-rank p-th percentile (0 < p <= 100) of v: with

@@ -108,6 +108,9 @@ func TestIssue35Smoke(t *testing.T) {
 			if len(r.Alone) != 1 || len(r.Beside) != 1 || r.Alone[0] <= 0 || r.Beside[0] <= 0 || r.ACalls < 20 || r.APending < 1 {
 				t.Errorf("neighbour %s %s: %+v", r.Side, r.Mode, r)
 			}
+			if len(r.AloneProv) != 1 || len(r.BesideProv) != 1 || r.AloneProv[0] > r.Alone[0] || r.BesideProv[0] > r.Beside[0] { // two watches: no order between them to check a lower bound on
+				t.Errorf("neighbour %s %s: provisioner's part %v / %v of %v / %v", r.Side, r.Mode, r.AloneProv, r.BesideProv, r.Alone, r.Beside)
+			}
 			if r.Mode != modeBusy && r.APending != cfg.NeighbourClaims {
 				t.Errorf("neighbour %s %s: %d of A's claims pending, want all %d (A never gives a usable volume)", r.Side, r.Mode, r.APending, cfg.NeighbourClaims)
 			}

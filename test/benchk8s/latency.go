@@ -104,13 +104,14 @@ func (h *Harness) latencyRun(ctx context.Context, sc, side string, rep int) (*la
 		_ = h.forgetIntents(context.WithoutCancel(ctx))
 	}()
 	// The first claim, not counted, waits for the side to start.
-	if _, _, err := h.boundInTurn(ctx, tr, ns, "warm", sc, 1, 0, 2*time.Minute, d.died); err != nil {
+	if _, err := h.boundInTurn(ctx, tr, ns, "warm", sc, 1, 0, 2*time.Minute, d.died); err != nil {
 		return nil, err
 	}
-	secs, pvSecs, err := h.boundInTurn(ctx, tr, ns, "c", sc, h.cfg.LatencyClaims, 1, time.Minute, d.died)
+	m, err := h.boundInTurn(ctx, tr, ns, "c", sc, h.cfg.LatencyClaims, 1, time.Minute, d.died)
 	if err != nil {
 		return nil, err
 	}
+	secs, pvSecs := m.bound, m.pv
 	r := &latencyResult{Side: side, Rep: rep, Seconds: secs, PVSeconds: pvSecs}
 	// Stopped first: csibroker sends the spans it still holds on SIGTERM.
 	d.stop()

@@ -30,6 +30,10 @@ type neighbourResult struct {
 	// Seconds from creating each of B's claims to its being Bound.
 	Alone  []float64 `json:"b_alone_seconds"`
 	Beside []float64 `json:"b_beside_a_seconds"`
+	// The provisioner's part of each: from kube-controller-manager's
+	// annotation of the claim to its PV.
+	AloneProv  []float64 `json:"b_alone_provisioner_seconds"`
+	BesideProv []float64 `json:"b_beside_a_provisioner_seconds"`
 	// ACalls is how many CreateVolume calls A's driver had received when
 	// B's claims beside A began; APending how many of A's claims were not
 	// Bound when the last of them was.
@@ -139,14 +143,16 @@ func (h *Harness) neighbourRun(ctx context.Context, side, mode string, rep int) 
 	classA, classB := neighbourClassA, neighbourClassB
 	// B's first claim, not counted, waits for the side to start.
 	probeTimeout := 5 * time.Minute
-	if _, _, err := h.boundInTurn(ctx, trB, nsB, "warm", classB, 1, 0, probeTimeout, d.died); err != nil {
+	if _, err := h.boundInTurn(ctx, trB, nsB, "warm", classB, 1, 0, probeTimeout, d.died); err != nil {
 		return nil, err
 	}
 	r := &neighbourResult{Side: side, Mode: mode, Rep: rep}
 	probes := h.cfg.NeighbourProbes
-	if r.Alone, _, err = h.boundInTurn(ctx, trB, nsB, "alone", classB, probes, 1, probeTimeout, d.died); err != nil {
+	alone, err := h.boundInTurn(ctx, trB, nsB, "alone", classB, probes, 1, probeTimeout, d.died)
+	if err != nil {
 		return nil, err
 	}
+	r.Alone, r.AloneProv = alone.bound, alone.prov
 
 	// A's backlog, and A at work on it.
 	n := h.cfg.NeighbourClaims
@@ -164,9 +170,11 @@ func (h *Harness) neighbourRun(ctx context.Context, side, mode string, rep int) 
 	}); err != nil {
 		return nil, err
 	}
-	if r.Beside, _, err = h.boundInTurn(ctx, trB, nsB, "beside", classB, probes, 1+probes, probeTimeout, d.died); err != nil {
+	beside, err := h.boundInTurn(ctx, trB, nsB, "beside", classB, probes, 1+probes, probeTimeout, d.died)
+	if err != nil {
 		return nil, err
 	}
+	r.Beside, r.BesideProv = beside.bound, beside.prov
 	s := trA.snapshot()
 	r.APending = n - s.bound
 	if r.APending == 0 {
@@ -199,6 +207,15 @@ func (h *Harness) neighbourTable(mode string, runs []*neighbourResult) {
 			if r.Side == side {
 				rw.sidecar = append(rw.sidecar, percentile(r.Alone, 100))
 				rw.broker = append(rw.broker, percentile(r.Beside, 100))
+			}
+		}
+		within = append(within, rw)
+		// kube-controller-manager's part is shared; this one is the side's.
+		rw = &row{label: side + ": B's median seconds, claim annotated by kube-controller-manager → PV", prec: 3}
+		for _, r := range runs {
+			if r.Side == side {
+				rw.sidecar = append(rw.sidecar, median(r.AloneProv))
+				rw.broker = append(rw.broker, median(r.BesideProv))
 			}
 		}
 		within = append(within, rw)

@@ -23,8 +23,10 @@ type tracker struct {
 	mu           sync.Mutex
 	changed      chan struct{} // closed and replaced on every change
 	claims       map[string]bool
+	annotatedAt  map[string]time.Time // claim → first seen with the provisioner annotation
 	pvs          map[string]time.Time
-	pvAdds       []time.Time // every PV of ns seen, in order
+	pvOfClaim    map[string]time.Time // claim → its PV first seen
+	pvAdds       []time.Time          // every PV of ns seen, in order
 	leaseHolders map[string]string
 	leaseChanges []leaseChange
 
@@ -38,7 +40,8 @@ type leaseChange struct {
 }
 
 func (h *Harness) newTracker(ctx context.Context, ns, leaseNS string) (*tracker, error) {
-	t := &tracker{ns: ns, changed: make(chan struct{}), claims: map[string]bool{}, pvs: map[string]time.Time{}, leaseHolders: map[string]string{}}
+	t := &tracker{ns: ns, changed: make(chan struct{}), claims: map[string]bool{}, annotatedAt: map[string]time.Time{},
+		pvs: map[string]time.Time{}, pvOfClaim: map[string]time.Time{}, leaseHolders: map[string]string{}}
 	ctx, cancel := context.WithCancel(ctx)
 	t.cancel = cancel
 
@@ -97,8 +100,12 @@ func (t *tracker) claim(o any, deleted bool) {
 	defer t.mu.Unlock()
 	if deleted {
 		delete(t.claims, c.Name)
+		delete(t.annotatedAt, c.Name)
 	} else {
 		t.claims[c.Name] = c.Status.Phase == corev1.ClaimBound
+		if _, seen := t.annotatedAt[c.Name]; !seen && c.Annotations[annStorageProvisioner] != "" {
+			t.annotatedAt[c.Name] = time.Now()
+		}
 	}
 	t.notify()
 }
@@ -115,9 +122,11 @@ func (t *tracker) pv(o any, deleted bool) {
 	defer t.mu.Unlock()
 	if deleted {
 		delete(t.pvs, pv.Name)
+		delete(t.pvOfClaim, pv.Spec.ClaimRef.Name)
 	} else if _, seen := t.pvs[pv.Name]; !seen {
 		now := time.Now()
 		t.pvs[pv.Name] = now
+		t.pvOfClaim[pv.Spec.ClaimRef.Name] = now
 		t.pvAdds = append(t.pvAdds, now)
 	}
 	t.notify()
@@ -147,6 +156,20 @@ type state struct {
 	pvAdds             []time.Time
 	leaseChanges       []leaseChange
 	leaseHolders       map[string]string
+}
+
+// annStorageProvisioner is kube-controller-manager's mark on a claim for
+// an external provisioner: neither side provisions a claim before it.
+const annStorageProvisioner = "volume.kubernetes.io/storage-provisioner"
+
+// provisionerPart is how long claim waited from kube-controller-manager's
+// annotation to its PV, as the tracker saw them (false if it saw neither).
+func (t *tracker) provisionerPart(claim string) (time.Duration, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	a, okA := t.annotatedAt[claim]
+	p, okP := t.pvOfClaim[claim]
+	return p.Sub(a), okA && okP
 }
 
 func (t *tracker) snapshot() state {
