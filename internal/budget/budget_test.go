@@ -29,6 +29,18 @@ func waitQueued(t *testing.T, l *Limiter, n int) {
 	}
 }
 
+// waitServed waits until every write of wg is served, or fails after d.
+func waitServed(t *testing.T, l *Limiter, wg *sync.WaitGroup, d time.Duration, what string) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(d):
+		t.Fatalf("%d writes still waiting (%s)", l.queued(), what)
+	}
+}
+
 // grants records the order in which writes got their tokens.
 type grants struct {
 	mu    sync.Mutex
@@ -130,13 +142,7 @@ func TestResizeServesWaitingWrites(t *testing.T) {
 	}
 	waitQueued(t, l, 5)
 	l.Resize(Size{QPS: 1000, Burst: 10}, []string{"0", "1"})
-	done := make(chan struct{})
-	go func() { wg.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		t.Fatalf("%d writes still waiting after the bucket grew", l.queued())
-	}
+	waitServed(t, l, &wg, 10*time.Second, "after the bucket grew")
 	if q := l.QPS(); q != 1000 {
 		t.Fatalf("QPS %v after the resize", q)
 	}
@@ -276,11 +282,5 @@ func TestBacklogServedByLoans(t *testing.T) {
 			}
 		}()
 	}
-	done := make(chan struct{})
-	go func() { wg.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(20 * time.Second):
-		t.Fatalf("%d of driver a's writes still waiting", l.queued())
-	}
+	waitServed(t, l, &wg, 20*time.Second, "of driver a's")
 }

@@ -148,18 +148,17 @@ func createVolumeCalls(d *driverInst) (int, error) {
 	return n, nil
 }
 
-// boundInTurn creates claims <prefix>-<i> of class sc in ns one after
-// another, each once the previous one is Bound, and returns each one's
-// seconds from just before its create request to the tracker seeing it
-// Bound, and to the tracker seeing its PV. The tracker follows ns, where
-// before claims are Bound already.
-// turns is what boundInTurn measured, per claim, in seconds: from creation
-// to Bound and to its PV, and the provisioner's part (from
-// kube-controller-manager's annotation to the PV).
+// turns is what boundInTurn measured, per claim, in seconds: from just
+// before its create request to the tracker seeing it Bound and seeing its
+// PV, and the provisioner's part (from kube-controller-manager's
+// annotation to the PV).
 type turns struct {
 	bound, pv, prov []float64
 }
 
+// boundInTurn creates claims <prefix>-<i> of class sc in ns one after
+// another, each once the previous one is Bound, and measures each. The
+// tracker follows ns, where before claims are Bound already.
 func (h *Harness) boundInTurn(ctx context.Context, tr *tracker, ns, prefix, sc string, n, before int, timeout time.Duration, check func() error) (turns, error) {
 	var r turns
 	for i := range n {

@@ -183,6 +183,19 @@ func (h *Harness) neighbourRun(ctx context.Context, side, mode string, rep int) 
 	return r, nil
 }
 
+// sideRow is one figure of side's runs, alone against beside A.
+func sideRow(runs []*neighbourResult, side, label string, prec int, fig func(r *neighbourResult) (alone, beside float64)) *row {
+	rw := &row{label: side + ": " + label, prec: prec}
+	for _, r := range runs {
+		if r.Side == side {
+			alone, beside := fig(r)
+			rw.sidecar = append(rw.sidecar, alone)
+			rw.broker = append(rw.broker, beside)
+		}
+	}
+	return rw
+}
+
 func (h *Harness) neighbourTable(mode string, runs []*neighbourResult) {
 	what := map[string]string{
 		modeBusy:    "answers normally (its claims wait for its client budget)",
@@ -191,34 +204,21 @@ func (h *Harness) neighbourTable(mode string, runs []*neighbourResult) {
 	}[mode]
 	title := fmt.Sprintf("Noisy neighbour (issue 35): driver A %s with %d claims pending; driver B's claims one after another, %d alone then %d beside A; "+
 		"client QPS/burst %s per driver (csibroker: its defaults)", what, h.cfg.NeighbourClaims, h.cfg.NeighbourProbes, h.cfg.NeighbourProbes, sidecarDefaults)
-	// Per side: B beside A against B alone (want within 2×).
+	// Per side: B beside A against B alone (want within 2×); the
+	// provisioner's part is the side's own (kube-controller-manager's is
+	// shared).
 	var within []*row
 	for _, side := range []string{sideSidecar, sideBroker} {
-		rw := &row{label: side + ": B's median seconds to Bound", prec: 2}
-		for _, r := range runs {
-			if r.Side == side {
-				rw.sidecar = append(rw.sidecar, median(r.Alone))
-				rw.broker = append(rw.broker, median(r.Beside))
-			}
-		}
-		within = append(within, rw)
-		rw = &row{label: side + ": B's slowest seconds to Bound", prec: 2}
-		for _, r := range runs {
-			if r.Side == side {
-				rw.sidecar = append(rw.sidecar, percentile(r.Alone, 100))
-				rw.broker = append(rw.broker, percentile(r.Beside, 100))
-			}
-		}
-		within = append(within, rw)
-		// kube-controller-manager's part is shared; this one is the side's.
-		rw = &row{label: side + ": B's median seconds, claim annotated by kube-controller-manager → PV", prec: 3}
-		for _, r := range runs {
-			if r.Side == side {
-				rw.sidecar = append(rw.sidecar, median(r.AloneProv))
-				rw.broker = append(rw.broker, median(r.BesideProv))
-			}
-		}
-		within = append(within, rw)
+		within = append(within,
+			sideRow(runs, side, "B's median seconds to Bound", 2, func(r *neighbourResult) (float64, float64) {
+				return median(r.Alone), median(r.Beside)
+			}),
+			sideRow(runs, side, "B's slowest seconds to Bound", 2, func(r *neighbourResult) (float64, float64) {
+				return percentile(r.Alone, 100), percentile(r.Beside, 100)
+			}),
+			sideRow(runs, side, "B's median seconds, claim annotated by kube-controller-manager → PV", 3, func(r *neighbourResult) (float64, float64) {
+				return median(r.AloneProv), median(r.BesideProv)
+			}))
 	}
 	h.report.tableOf(title, within, "B alone", "B beside A", "beside/alone")
 	// Across sides.
